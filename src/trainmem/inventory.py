@@ -1,0 +1,138 @@
+"""The one inventory schema shared by estimate, trace and measure.
+
+Every result in trainmem is a list of :class:`MemoryItem`. Names follow module
+paths (``layers.3.attn.q``) so that an estimate and a trace join on the name.
+Totals are sums of items; a peak is computed from lifetimes, never summed here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
+
+__all__ = ["Category", "MemoryItem", "Inventory", "DTYPE_BYTES", "LEDGERS", "dtype_bytes"]
+
+
+class Category(str, enum.Enum):
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    MASTER_WEIGHT = "master_weight"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATION = "activation"
+    TRANSIENT = "transient"
+    INPUT = "input"
+    KV_CACHE = "kv_cache"
+    UNATTRIBUTED = "unattributed"
+
+    def __str__(self) -> str:  # render as the plain value
+        return self.value
+
+
+#: The ledgers reported in ``totals_bytes``, in order.
+LEDGERS: tuple[Category, ...] = (
+    Category.PARAMETER,
+    Category.GRADIENT,
+    Category.MASTER_WEIGHT,
+    Category.OPTIMIZER_STATE,
+    Category.ACTIVATION,
+)
+
+DTYPE_BYTES: Mapping[str, float] = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "float8": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+    "nf4": 0.5, "int4": 0.5,
+}
+
+
+def dtype_bytes(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise KeyError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryItem:
+    """One tensor (or a group of identical tensors) and what it costs.
+
+    ``bytes`` is logical: elements x item size, an ``int``. ``formula`` says
+    where the number came from: a symbolic formula for estimates, the creating
+    op for traces.
+    """
+
+    name: str
+    category: Category
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    formula: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "category": self.category.value,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "formula": self.formula,
+            **({"note": self.note} if self.note else {}),
+        }
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """An ordered, immutable collection of memory items."""
+
+    items: tuple[MemoryItem, ...] = field(default_factory=tuple)
+
+    def __iter__(self) -> Iterator[MemoryItem]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __add__(self, other: "Inventory") -> "Inventory":
+        return Inventory(self.items + tuple(other.items))
+
+    @classmethod
+    def of(cls, items: Iterable[MemoryItem]) -> "Inventory":
+        return cls(tuple(items))
+
+    def total(self, category: Category | None = None) -> int:
+        return sum(i.bytes for i in self.items if category is None or i.category is category)
+
+    def totals(self) -> dict[str, int]:
+        """Bytes per ledger, every ledger present (zero when empty)."""
+        out = {c.value: 0 for c in LEDGERS}
+        for item in self.items:
+            out[item.category.value] = out.get(item.category.value, 0) + item.bytes
+        return out
+
+    def select(self, category: Category | None = None, prefix: str = "") -> "Inventory":
+        return Inventory(tuple(
+            i for i in self.items
+            if (category is None or i.category is category) and i.name.startswith(prefix)
+        ))
+
+    def by_name(self) -> dict[str, int]:
+        """Bytes per name; items sharing a name are added."""
+        out: dict[str, int] = {}
+        for item in self.items:
+            out[item.name] = out.get(item.name, 0) + item.bytes
+        return out
+
+    def group(self, depth: int) -> dict[str, int]:
+        """Bytes per name prefix of ``depth`` dotted parts (``layers.3`` for depth 2)."""
+        out: dict[str, int] = {}
+        for item in self.items:
+            key = ".".join(item.name.split(".")[:depth])
+            out[key] = out.get(key, 0) + item.bytes
+        return out
+
+    def join(self, other: "Inventory") -> list[tuple[str, int | None, int | None]]:
+        """Full outer join by name: ``(name, self_bytes, other_bytes)``; None where absent."""
+        a, b = self.by_name(), other.by_name()
+        names = list(a) + [n for n in b if n not in a]
+        return [(n, a.get(n), b.get(n)) for n in names]

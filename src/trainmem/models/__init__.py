@@ -1,0 +1,1 @@
+"""Runnable models: the reference Transformer and Hugging Face models built from config."""

@@ -1,0 +1,66 @@
+"""ImplSpec: which code's saved set is modelled, and which kernels and recompute it uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from trainmem.errors import SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES"]
+
+PROFILES = ("hf", "reference", "megatron")
+ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
+RECOMPUTES = ("none", "selective", "full", "every-k")
+DEVICES = ("cuda", "cpu")
+ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImplSpec:
+    """How the model is implemented and run."""
+
+    profile: str = "hf"
+    """Whose saved set is modelled: ``hf`` (Hugging Face transformers modules), ``reference``
+    (trainmem's own reference model) or ``megatron`` (the accounting behind sbh(34 + 5as/h))."""
+    attention: str = "sdpa"
+    """eager (materialized softmax), sdpa (PyTorch's dispatcher: flash on CUDA for 16-bit,
+    efficient for fp32, the CPU flash kernel or math on CPU), flash, sdpa-math, mem-efficient."""
+    recompute: str = "none"
+    """none, selective (attention core), full (every block), every-k (every k-th block)."""
+    recompute_every: int = 1
+    """k for ``every-k``: blocks 0, k, 2k, ... are checkpointed."""
+    fused_norm: bool = False
+    """Norm kernel saves only its input and statistics (reference profile)."""
+    fused_bias_act: bool = False
+    """Bias + activation fused: the pre-activation is recomputed (reference profile)."""
+    fused_dropout: bool = False
+    """Dropout masks as bits packed into bytes (reference profile)."""
+    inplace_act: bool = False
+    """Activation applied in place (ReLU-style; its input is not saved) (reference profile)."""
+    device: str = "cuda"
+    """The device whose kernels are modelled: cuda (default) or cpu (dropout keeps a mask in
+    the activation dtype; SDPA runs the CPU flash kernel, or math with dropout)."""
+
+    def __post_init__(self) -> None:
+        v.one_of("profile", self.profile, PROFILES)
+        object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
+        v.one_of("attention", self.attention, ATTENTIONS)
+        v.one_of("recompute", self.recompute, RECOMPUTES)
+        v.positive("recompute_every", self.recompute_every, maximum=10**6)
+        if self.recompute != "every-k" and self.recompute_every != 1:
+            raise SpecError("recompute_every", self.recompute_every, f"needs recompute='every-k', not {self.recompute!r}")
+        for name in ("fused_norm", "fused_bias_act", "fused_dropout", "inplace_act"):
+            v.boolean(name, getattr(self, name))
+        v.one_of("device", self.device, DEVICES)
+
+    def checkpointed(self, layer: int) -> bool:
+        """Whether block ``layer`` runs under full activation checkpointing."""
+        if self.recompute == "full":
+            return True
+        if self.recompute == "every-k":
+            return layer % self.recompute_every == 0
+        return False
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

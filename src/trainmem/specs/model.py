@@ -1,0 +1,150 @@
+"""ModelSpec: the shape of a Transformer, enough to count every parameter and saved tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from trainmem.errors import SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["ModelSpec", "FAMILIES", "ACTIVATIONS", "NORMS"]
+
+#: Code families whose module structure (and so saved set) the ``hf`` profile knows.
+FAMILIES = (
+    "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3",
+    "gemma", "gemma2", "phi3", "bert", "generic",
+)
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only or encoder-only Transformer."""
+
+    name: str = "custom"
+    """Display name (preset name or config path)."""
+    family: str = "generic"
+    """Code family (``llama``, ``gpt2``, ...): decides module names and the ``hf`` saved set."""
+    arch: Literal["decoder", "encoder"] = "decoder"
+    """``decoder`` (causal LM head) or ``encoder`` (BERT-style masked-LM head)."""
+    hidden_size: int
+    """Model width H."""
+    num_layers: int
+    """Number of Transformer blocks L."""
+    num_heads: int
+    """Query heads A."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA/MQA); defaults to ``num_heads``."""
+    head_dim: int | None = None
+    """Per-head width; defaults to ``hidden_size // num_heads``."""
+    ffn_size: int
+    """FFN intermediate width F (per branch for gated activations)."""
+    activation: str = "swiglu"
+    """``gelu``, ``gelu_tanh``, ``relu`` (two-matrix MLP) or ``swiglu``, ``geglu`` (gated, three matrices)."""
+    norm: str = "rmsnorm"
+    """``layernorm`` or ``rmsnorm``."""
+    qkv_bias: bool = False
+    """Bias on the Q, K, V projections."""
+    out_bias: bool = False
+    """Bias on the attention output projection."""
+    mlp_bias: bool = False
+    """Bias on the MLP projections."""
+    norm_bias: bool = False
+    """LayerNorm has a bias (ignored for RMSNorm)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on Q and K (Qwen3)."""
+    tied_embeddings: bool = False
+    """LM head shares the token embedding matrix."""
+    vocab_size: int
+    """Vocabulary size V."""
+    max_positions: int = 0
+    """Rows of a learned position embedding; 0 for rotary (no position parameters)."""
+    type_vocab_size: int = 0
+    """Token-type embedding rows (BERT)."""
+    attn_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on each residual branch output."""
+    embd_dropout: float = 0.0
+    """Dropout on the embedding output."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same input and add into the residual together (GPT-J/NeoX)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense MLP."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_ffn_size: int = 0
+    """Intermediate width of one expert; defaults to ``ffn_size``."""
+    num_shared_experts: int = 0
+    """Always-on experts next to the routed ones."""
+
+    def __post_init__(self) -> None:
+        v.one_of("family", self.family, FAMILIES)
+        v.one_of("arch", self.arch, ("decoder", "encoder"))
+        for name in ("hidden_size", "num_layers", "num_heads", "ffn_size", "vocab_size"):
+            v.positive(name, getattr(self, name))
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        v.positive("num_kv_heads", self.num_kv_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise SpecError(
+                    "num_heads", self.num_heads,
+                    f"does not divide hidden_size={self.hidden_size} (set head_dim explicitly)",
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        v.positive("head_dim", self.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(
+                "num_kv_heads", self.num_kv_heads,
+                f"must divide num_heads={self.num_heads}",
+            )
+        v.one_of("activation", self.activation, ACTIVATIONS)
+        v.one_of("norm", self.norm, NORMS)
+        for name in ("qkv_bias", "out_bias", "mlp_bias", "norm_bias", "qk_norm",
+                     "tied_embeddings", "parallel_residual"):
+            v.boolean(name, getattr(self, name))
+        for name in ("max_positions", "type_vocab_size", "num_experts", "top_k",
+                     "expert_ffn_size", "num_shared_experts"):
+            v.non_negative(name, getattr(self, name))
+        for name in ("attn_dropout", "hidden_dropout", "embd_dropout"):
+            v.probability(name, getattr(self, name))
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise SpecError(
+                    "top_k", self.top_k,
+                    f"must be between 1 and num_experts={self.num_experts}",
+                )
+            if not self.expert_ffn_size:
+                object.__setattr__(self, "expert_ffn_size", self.ffn_size)
+        elif self.top_k or self.num_shared_experts:
+            raise SpecError("num_experts", 0, f"is required when top_k={self.top_k} "
+                            f"or num_shared_experts={self.num_shared_experts} is set")
+        if self.arch == "encoder" and self.family not in ("bert", "generic"):
+            raise SpecError("arch", self.arch, f"encoder models are modelled for family bert, not {self.family}")
+
+    # derived sizes ---------------------------------------------------------
+    @property
+    def gated(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

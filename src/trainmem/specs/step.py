@@ -1,0 +1,83 @@
+"""StepSpec: what one training step does (batch, sequence, precision, optimizer, loss)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from trainmem.errors import SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["StepSpec", "PRECISIONS", "OPTIMIZERS", "LOSSES", "Precision"]
+
+PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
+LOSSES = ("ce", "chunked-ce", "fused-ce")
+MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes of each ledger under one precision recipe."""
+
+    param: str
+    grad: str
+    master: str | None
+    state: str
+    activation: str
+    autocast: bool
+
+
+_PRECISION = {
+    "fp32": Precision("float32", "float32", None, "float32", "float32", False),
+    "bf16": Precision("bfloat16", "bfloat16", None, "bfloat16", "bfloat16", False),
+    "fp16": Precision("float16", "float16", None, "float16", "float16", False),
+    "amp-bf16": Precision("float32", "float32", None, "float32", "bfloat16", True),
+    "amp-fp16": Precision("float32", "float32", None, "float32", "float16", True),
+    "mixed-bf16": Precision("bfloat16", "bfloat16", "float32", "float32", "bfloat16", False),
+    "mixed-fp16": Precision("float16", "float16", "float32", "float32", "float16", False),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """One optimizer step of training (or one forward pass for inference)."""
+
+    batch: int = 1
+    """Micro-batch size B (sequences per forward/backward)."""
+    seq: int = 2048
+    """Sequence length S in tokens."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (does not raise the activation peak)."""
+    precision: str = "amp-bf16"
+    """fp32; pure bf16/fp16 (no master copy); amp-bf16/amp-fp16 (torch.autocast, fp32 states);
+    mixed-bf16/mixed-fp16 (16-bit params and grads, fp32 master weights and optimizer states)."""
+    optimizer: str = "adamw"
+    """adamw, adam, sgd, sgd-momentum, adafactor, adam8bit."""
+    loss: str = "ce"
+    """ce (full fp32 logits), chunked-ce (logits per chunk, recomputed in backward), fused-ce
+    (fused linear + cross-entropy, gradient computed in forward)."""
+    mode: Literal["train", "inference"] = "train"
+    """train (forward, backward, optimizer) or inference (prefill + KV cache)."""
+
+    def __post_init__(self) -> None:
+        v.positive("batch", self.batch, maximum=MAX_TOKENS)
+        v.positive("seq", self.seq, maximum=MAX_TOKENS)
+        v.positive("grad_accum", self.grad_accum, maximum=10**7)
+        if self.batch * self.seq > MAX_TOKENS:
+            raise SpecError("seq", self.seq, f"with batch={self.batch} exceeds {MAX_TOKENS} tokens per micro-batch")
+        v.one_of("precision", self.precision, PRECISIONS)
+        v.one_of("optimizer", self.optimizer, OPTIMIZERS)
+        v.one_of("loss", self.loss, LOSSES)
+        v.one_of("mode", self.mode, ("train", "inference"))
+
+    @property
+    def dtypes(self) -> Precision:
+        return _PRECISION[self.precision]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
