@@ -1,0 +1,95 @@
+"""Attention cores: what each kernel keeps for backward.
+
+Inputs are the per-head tensors as they reach the kernel (after RoPE), in
+(B, heads, S, head_dim) order; the returned tensor is the attention output in
+(B, S, A·hd) layout, which is what the output projection receives.
+"""
+
+from __future__ import annotations
+
+from trainmem.estimate.ctx import Ctx, promote
+from trainmem.estimate.graph import Sym
+
+__all__ = ["resolve_kernel", "attention_core"]
+
+
+def resolve_kernel(ctx: Ctx) -> str:
+    """Which kernel ``impl.attention`` runs on ``impl.device`` for this model and precision.
+
+    Follows PyTorch's SDPA dispatcher: on CUDA, flash for 16-bit inputs and memory-efficient
+    for fp32; on CPU, the CPU flash kernel, except with dropout, where only math supports it.
+    """
+    kind, impl, m = ctx.impl.attention, ctx.impl, ctx.model
+    if kind == "eager":
+        return "eager"
+    if kind == "sdpa-math":
+        return "math"
+    if kind == "mem-efficient":
+        return "efficient"
+    if kind == "flash":
+        return "flash"
+    # sdpa: PyTorch picks
+    if impl.device == "cpu":
+        return "math" if m.attn_dropout > 0 else "flash"
+    compute = ctx.low or ctx.param
+    if compute == "float32" or m.head_dim > 256:
+        return "efficient"
+    return "flash"
+
+
+def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
+                   softmax_fp32: bool = True) -> Sym:
+    """Run one attention core inside the current module scope.
+
+    ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
+    fused QKV layouts); otherwise they are repeated to ``num_heads`` first (HF ``repeat_kv``).
+    ``softmax_fp32``: the eager softmax is asked for fp32 output (Llama family) rather than
+    running in the scores' dtype (GPT-2; CUDA autocast still promotes it to fp32).
+    """
+    g, m = ctx.g, ctx.model
+    B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
+    heads_shape, heads_dims = (B, A, S, hd), "B·A·S·hd"
+    scores_shape, scores_dims = (B, A, S, S), "B·A·S·S"
+    low = ctx.low
+    if kernel in ("flash", "efficient"):
+        if low:  # SDPA is on autocast's lower-precision list
+            q, k, v = (ctx.cast(t, low, f"{n}_cast") for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        if not gqa_native and m.num_kv_heads != A:
+            k = g.new("k_repeat", heads_shape, heads_dims, k.dtype)
+            v = g.new("v_repeat", heads_shape, heads_dims, v.dtype)
+        out = g.new("sdpa_out", (B, S, A * hd), "B·S·A·hd", q.dtype)
+        if kernel == "flash":
+            lse = g.new("lse", (B, A, S), "B·A·S", "float32")
+        else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
+            s32 = -(-S // 32) * 32
+            lse = g.new("lse", (B, A, s32), "B·A·⌈S/32⌉·32", "float32")
+        g.save(q, k, v, out, lse)
+        if m.attn_dropout > 0 and ctx.impl.device == "cuda":
+            g.save(g.new("rng_state", (2,), "2", "int64"))
+        return out
+    # eager / math: materialized scores
+    out_dtype = low or v.dtype
+    if kernel == "math" and ctx.impl.device == "cpu" and (low or q.dtype) != "float32":
+        # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32
+        q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32") for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        low = None
+    qm = ctx.cast(q, low, "q_cast") if low else q
+    k_in = ctx.cast(k, low, "k_cast") if low else k
+    # the K operand reaches bmm as a fresh (B·A, hd, S) copy: repeat_kv, or the transpose's reshape
+    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype)
+    g.save(qm, kt)
+    # eager adds the causal mask (in the embedding dtype) before softmax: type promotion applies
+    scores_dtype = promote(qm.dtype, ctx.param) if kernel == "eager" else qm.dtype
+    sm_dtype = "float32" if softmax_fp32 or (low and ctx.impl.device == "cuda") else scores_dtype
+    probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype)
+    g.save(probs32)
+    probs = ctx.cast(probs32, q.dtype if softmax_fp32 else v.dtype, "probs")
+    probs = ctx.dropout(probs, m.attn_dropout, "attn_dropout")
+    if low:
+        probs = ctx.cast(probs, low, "probs_cast")
+        v = ctx.cast(v, low, "v_cast")
+    # V likewise reaches bmm as a fresh heads-wide copy (repeat_kv, the KV-cache cat, or a reshape)
+    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype)
+    g.save(probs, vv)
+    out_dtype = out_dtype if kernel == "math" else probs.dtype
+    return g.new("attn_out", (B, S, A * hd), "B·S·A·hd", out_dtype)

@@ -1,0 +1,88 @@
+"""Dtype policy and the kernel-level save rules shared by every block rule.
+
+Each function here models what one PyTorch kernel (or a short composite) keeps
+for backward. The docstring names the kernel whose saved set it follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmem.estimate.graph import Graph, Sym
+from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+
+__all__ = ["Ctx", "promote"]
+
+_RANK = {"bool": 0, "int64": 0, "float16": 1, "bfloat16": 1, "float32": 2}
+
+
+def promote(a: str, b: str) -> str:
+    """Result dtype of a binary op between two float tensors (type promotion)."""
+    if a == b:
+        return a
+    return a if _RANK[a] > _RANK[b] else b
+
+
+@dataclass
+class Ctx:
+    """Everything a block rule needs: the graph, sizes, and the dtype policy."""
+
+    g: Graph
+    model: ModelSpec
+    step: StepSpec
+    impl: ImplSpec
+
+    def __post_init__(self) -> None:
+        d = self.step.dtypes
+        self.param = d.param                      # dtype of weights as stored
+        self.low = d.activation if d.autocast else None  # autocast's compute dtype
+        self.B, self.S = self.step.batch, self.step.seq
+
+    # shapes ------------------------------------------------------------------
+    def bsd(self, width: int, sym: str) -> tuple[tuple[int, ...], str]:
+        return (self.B, self.S, width), f"B·S·{sym}"
+
+    # kernels ---------------------------------------------------------------
+    def cast(self, x: Sym, dtype: str, label: str) -> Sym:
+        """``x.to(dtype)``: a new storage unless the dtype already matches (ToCopy saves nothing)."""
+        if x.dtype == dtype:
+            return x
+        return self.g.new(label, x.shape, x.dims, dtype)
+
+    def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
+               label: str = "out", weight_sym: str = "") -> Sym:
+        """``F.linear`` / ``addmm``: saves the input (and the weight, a parameter).
+
+        Under autocast the input and the weight are cast first; the casts are what
+        mm's backward keeps, so the weight copy counts as an activation.
+        """
+        g = self.g
+        if self.low:
+            xin = self.cast(x, self.low, "input_cast")
+            g.save(xin, g.new("weight_cast", weight, weight_sym or f"{weight[0]}·{weight[1]}", self.low))
+            out_dtype = self.low
+        else:
+            xin, out_dtype = x, x.dtype
+        g.save(xin)
+        shape = x.shape[:-1] + (out_features,)
+        dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
+        return g.new(label, shape, dims, out_dtype)
+
+    def dropout(self, x: Sym, p: float, label: str = "dropout") -> Sym:
+        """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;
+        the CPU path multiplies by a noise tensor in the input dtype (aten ``_dropout_impl``)."""
+        if p <= 0.0:
+            return x
+        g = self.g
+        mask_dtype = "bool" if self.impl.device == "cuda" else x.dtype
+        g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype))
+        return g.new(label, x.shape, x.dims, x.dtype)
+
+    def mul(self, a: Sym, b: Sym, label: str, *, shape=None, dims=None) -> Sym:
+        """Elementwise product of two tensors that both need grad: both are kept."""
+        self.g.save(a, b)
+        return self.g.new(label, shape or a.shape, dims or a.dims, promote(a.dtype, b.dtype))
+
+    def add(self, a: Sym, b: Sym, label: str) -> Sym:
+        """Elementwise sum: keeps nothing."""
+        return self.g.new(label, a.shape, a.dims, promote(a.dtype, b.dtype))

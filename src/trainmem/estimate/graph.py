@@ -1,0 +1,98 @@
+"""A tiny symbolic autograd: just enough to know which tensors backward keeps.
+
+Block rules (``rules_*.py``) describe a module's forward as ops on :class:`Sym`
+tensors. Each op records what the matching PyTorch kernel saves for backward
+(``Graph.save``), de-duplicated by tensor identity exactly as autograd
+de-duplicates by storage. Shapes are concrete ints; each tensor also carries a
+symbolic formula (``B·S·H``) so every number in a report can show where it came from.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+
+__all__ = ["Sym", "Graph"]
+
+
+@dataclass(eq=False)
+class Sym:
+    """A symbolic tensor: one storage. Views share the Sym they view."""
+
+    name: str
+    shape: tuple[int, ...]
+    dims: str  # symbolic shape, e.g. "B·S·H"
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.numel * dtype_bytes(self.dtype))
+
+    def formula(self) -> str:
+        return f"{self.dims}·{_fmt_bytes(self.dtype)}"
+
+
+def _fmt_bytes(dtype: str) -> str:
+    b = dtype_bytes(dtype)
+    return str(int(b)) if b == int(b) else str(b)
+
+
+@dataclass
+class Graph:
+    """Collects the tensors a forward pass saves for backward."""
+
+    scope: list[str] = field(default_factory=list)
+    saved: dict[int, Sym] = field(default_factory=dict)
+    _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
+
+    # naming ------------------------------------------------------------------
+    @contextmanager
+    def module(self, name: str) -> Iterator[None]:
+        self.scope.append(name)
+        try:
+            yield
+        finally:
+            self.scope.pop()
+
+    def path(self, label: str) -> str:
+        return ".".join([*self.scope, label]) if self.scope else label
+
+    def new(self, label: str, shape: tuple[int, ...], dims: str, dtype: str) -> Sym:
+        return Sym(self.path(label), tuple(int(s) for s in shape), dims, dtype)
+
+    # saving --------------------------------------------------------------------
+    def save(self, *tensors: Sym | None) -> None:
+        """Autograd keeps these for backward (no-op for tensors already kept)."""
+        target = self._checkpoint[-1] if self._checkpoint else self.saved
+        for t in tensors:
+            if t is not None:
+                target.setdefault(id(t), t)
+
+    @contextmanager
+    def checkpoint(self, *inputs: Sym) -> Iterator[None]:
+        """A region under non-reentrant activation checkpointing.
+
+        Inside, nothing is kept; the region's inputs are kept instead (the
+        recompute closure holds them) -- torch.utils.checkpoint semantics.
+        """
+        self._checkpoint.append({})
+        try:
+            yield
+        finally:
+            self._checkpoint.pop()
+            self.save(*inputs)
+
+    def items(self) -> list[MemoryItem]:
+        return [
+            MemoryItem(name=t.name, category=Category.ACTIVATION, shape=t.shape, dtype=t.dtype,
+                       bytes=t.nbytes, formula=t.formula())
+            for t in self.saved.values()
+        ]

@@ -1,0 +1,406 @@
+"""The ``hf`` profile: what Hugging Face transformers' modules keep for backward.
+
+Modelled on transformers 5.x source (``modeling_llama.py``, ``modeling_gpt2.py``,
+``modeling_mixtral.py``, ``integrations/sdpa_attention.py``, ``loss/loss_utils.py``) and
+checked against saved-tensor hooks on real models in ``tests/estimate/test_groundtruth.py``.
+Names are the real module paths, so estimates join with traces.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from trainmem.estimate.attention import attention_core, resolve_kernel
+from trainmem.estimate.ctx import Ctx, promote
+from trainmem.estimate.graph import Sym
+
+__all__ = ["hf_forward"]
+
+LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "generic")
+
+
+def hf_forward(ctx: Ctx) -> None:
+    m = ctx.model
+    if m.arch == "encoder":
+        _bert(ctx)
+    elif m.family in ("gpt2", "gpt_neox"):
+        _gpt(ctx)
+    else:
+        _llama(ctx)
+
+
+# --- shared pieces -------------------------------------------------------------------------
+
+def _embedding(ctx: Ctx, name: str, rows_sym: str = "B·S") -> Sym:
+    """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype."""
+    g = ctx.g
+    with g.module(name):
+        shape = (ctx.B, ctx.S) if rows_sym == "B·S" else (1, ctx.S)
+        g.save(g.new("indices", shape, rows_sym, "int64"))
+        return g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param)
+
+
+def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
+    """HF ``LlamaRMSNorm``: ``w * (x.float() * rsqrt(mean(x²)+eps)).to(dtype)``.
+
+    Keeps the fp32 input (pow and mul), rsqrt (mul), and the normalized tensor (mul by w).
+    Gemma's variant multiplies by ``1 + w`` in fp32 and casts last.
+    """
+    g = ctx.g
+    with g.module(name):
+        x32 = ctx.cast(x, "float32", "x_fp32")
+        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0], "float32")
+        normed = g.new("normed", x.shape, x.dims, "float32")
+        g.save(x32, rs)
+        if gemma:
+            g.save(normed)
+            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32"), x.dtype, "out")
+        nc = ctx.cast(normed, x.dtype, "normed_cast")
+        g.save(nc)
+        return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype))
+
+
+def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
+    """``native_layer_norm``: keeps input, mean and rstd (fp32). CUDA autocast runs it in fp32."""
+    g = ctx.g
+    with g.module(name):
+        if ctx.low and ctx.impl.device == "cuda":
+            x = ctx.cast(x, "float32", "x_fp32")
+        stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0]
+        # CUDA keeps fp32 statistics; the CPU kernel does so only for mixed input/weight dtypes
+        mixed = x.dtype != ctx.param
+        stat = "float32" if ctx.impl.device == "cuda" or mixed else x.dtype
+        g.save(x, g.new("mean", stat_shape, stat_dims, stat), g.new("rstd", stat_shape, stat_dims, stat))
+        return g.new("out", x.shape, x.dims, x.dtype)
+
+
+def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
+    """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not)."""
+    ctx.g.save(cos, sin)
+    return ctx.g.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype))
+
+
+def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
+    """One activation kernel. ``gelu_new`` is HF's python tanh-GELU: five saved tensors."""
+    g = ctx.g
+    if kind == "gelu_new":
+        hi = x
+        if ctx.low and ctx.impl.device == "cuda":  # pow is on CUDA autocast's fp32 list
+            hi = ctx.cast(x, "float32", "x_fp32")
+        t = g.new("tanh", x.shape, x.dims, hi.dtype)
+        one_plus = g.new("one_plus_tanh", x.shape, x.dims, hi.dtype)
+        half_x = g.new("half_x", x.shape, x.dims, x.dtype)
+        g.save(x, hi, t, one_plus, half_x)
+        return g.new("out", x.shape, x.dims, promote(half_x.dtype, one_plus.dtype))
+    g.save(x)  # silu, gelu, gelu(tanh), relu keep their input (relu its output: same size)
+    return g.new("out", x.shape, x.dims, x.dtype)
+
+
+def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
+    """HF ``ForCausalLMLoss``: ``logits.float()``, log_softmax keeps its output, nll_loss keeps
+    the shifted targets and the total weight."""
+    g = ctx.g
+    B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
+    with g.module("loss"):
+        if ctx.step.loss == "ce":
+            dtype = "float32" if upcast else logits.dtype
+            g.save(g.new("log_softmax", (B * S, V), "B·S·V", dtype))
+        elif ctx.step.loss == "fused-ce":
+            # fused linear+CE computes d(hidden) in forward and keeps it for backward
+            g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), "B·S·H", logits.dtype))
+        g.save(g.new("target", (B * S,), "B·S", "int64"), g.new("total_weight", (), "1", "float32"))
+
+
+def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
+    m = ctx.model
+    if ctx.step.loss != "ce":
+        ctx.g.save(h)  # chunked/fused CE recompute logits from the hidden state
+        return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype)
+    with ctx.g.module(name):
+        return ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size), weight_sym="V·H")
+
+
+def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None) -> list[Sym]:
+    """Block inputs besides the hidden state that a checkpointed block holds: the position
+    ids and, for eager attention, the materialized causal mask (B, 1, S, S)."""
+    if ctx.impl.recompute not in ("full", "every-k"):
+        return []
+    g = ctx.g
+    held = [positions or g.new("model.position_ids", (1, ctx.S), "S", "int64")]
+    if kernel == "eager":
+        held.append(g.new("model.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype))
+    return held
+
+
+# --- Llama family --------------------------------------------------------------------------
+
+def _llama(ctx: Ctx) -> None:
+    g, m = ctx.g, ctx.model
+    gemma = m.family in ("gemma", "gemma2")
+    x = _embedding(ctx, "model.embed_tokens")
+    if gemma:  # hidden * sqrt(H) normalizer: a new tensor, keeps only the scalar
+        x = g.new("model.embed_scaled", x.shape, x.dims, x.dtype)
+    with g.module("model.rotary_emb"):
+        rot = (1, ctx.S, m.head_dim)
+        cos = g.new("cos", rot, "S·hd", x.dtype)
+        sin = g.new("sin", rot, "S·hd", x.dtype)
+    kernel = resolve_kernel(ctx)
+    held = _checkpoint_extras(ctx, kernel, x.dtype)
+    for i in range(m.num_layers):
+        with g.module(f"model.layers.{i}"):
+            if ctx.impl.checkpointed(i):
+                with g.checkpoint(x, cos, sin, *held):
+                    x = _llama_layer(ctx, x, cos, sin, kernel)
+            else:
+                x = _llama_layer(ctx, x, cos, sin, kernel)
+    h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
+    logits = _head(ctx, h, "lm_head")
+    _loss(ctx, logits)
+
+
+def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
+    g, m = ctx.g, ctx.model
+    gemma = m.family in ("gemma", "gemma2")
+    H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
+    h = _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
+    with g.module("self_attn"):
+        if m.family == "phi3":
+            with g.module("qkv_proj"):
+                qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H))
+            q = g.new("q", (ctx.B, ctx.S, qs), "B·S·A·hd", qkv.dtype)
+            k = g.new("k", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", qkv.dtype)
+            v = qkv  # a view of the fused output
+        else:
+            with g.module("q_proj"):
+                q = ctx.linear(h, qs, "A·hd", weight=(qs, H))
+            with g.module("k_proj"):
+                k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H))
+            with g.module("v_proj"):
+                v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H))
+        if m.qk_norm:
+            q = _rmsnorm(ctx, _heads(q, m.num_heads, m.head_dim), "q_norm")
+            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, m.head_dim), "k_norm")
+        q = _rope(ctx, q, cos, sin, "q_rope")
+        k = _rope(ctx, k, cos, sin, "k_rope")
+        # the KV cache's torch.cat hands attention fresh copies of K and V
+        k = g.new("k_cache", k.shape, k.dims, k.dtype)
+        v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype)
+        gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
+        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256)
+        with g.module("o_proj"):
+            a = ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd")
+    if gemma and m.family == "gemma2":
+        a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=True)
+    x = ctx.add(x, a, "residual_attn")
+    norm2 = "pre_feedforward_layernorm" if m.family == "gemma2" else "post_attention_layernorm"
+    h = _rmsnorm(ctx, x, norm2, gemma=gemma)
+    with g.module("mlp"):
+        y = _moe(ctx, h) if m.is_moe else _gated_mlp(ctx, h)
+    if m.family == "gemma2":
+        y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=True)
+    return ctx.add(x, y, "residual_mlp")
+
+
+def _heads(x: Sym, heads: int, hd: int) -> Sym:
+    """A (B, S, heads, hd) view: per-head norms see this shape (their statistics are per head)."""
+    return Sym(x.name, x.shape[:-1] + (heads, hd), x.dims.rsplit("·", 1)[0] + "·heads·hd", x.dtype)
+
+
+def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
+    """gate/up projections, act(gate) * up, down projection: 4·B·S·F kept (+ input)."""
+    g, m = ctx.g, ctx.model
+    H, F = m.hidden_size, m.ffn_size
+    if not m.gated:
+        with g.module("up_proj"):
+            u = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+        with g.module("act_fn"):
+            a = _activation(ctx, u, "act")
+        with g.module("down_proj"):
+            return ctx.linear(a, H, "H", weight=(H, F), weight_sym="H·F")
+    if m.family == "phi3":
+        with g.module("gate_up_proj"):
+            gu = ctx.linear(h, 2 * F, "2F", weight=(2 * F, H), weight_sym="2F·H")
+        gate = up = gu
+        shape, dims = gu.shape[:-1] + (F,), "B·S·F"
+    else:
+        with g.module("gate_proj"):
+            gate = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+        with g.module("up_proj"):
+            up = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+        shape, dims = gate.shape, gate.dims
+    with g.module("act_fn"):
+        g.save(gate)
+        act = g.new("out", shape, dims, gate.dtype)
+    prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
+    with g.module("down_proj"):
+        return ctx.linear(prod, H, "H", weight=(H, F), weight_sym="H·F")
+
+
+def _moe(ctx: Ctx, h: Sym) -> Sym:
+    """Mixtral sparse MoE, transformers 5 ``grouped_mm`` experts.
+
+    Every routed tensor has T·k rows (T = B·S tokens), so the total is independent of how
+    tokens spread over experts.
+    """
+    g, m = ctx.g, ctx.model
+    H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
+    T = ctx.B * ctx.S
+    # grouped_mm is on CUDA autocast's lower-precision list, not on CPU's
+    low = ctx.low if ctx.impl.device == "cuda" else None
+    act = low or (ctx.param if ctx.low else h.dtype)
+    with g.module("gate"):
+        logits = ctx.linear(h, E, "E", weight=(E, H), weight_sym="E·H")
+        g.save(g.new("probs", (T, E), "B·S·E", "float32"),
+               g.new("top_idx", (T, k), "B·S·k", "int64"),
+               g.new("top_sum", (T, 1), "B·S", "float32"),
+               g.new("top_val", (T, k), "B·S·k", "float32"))
+        del logits
+    Tk = (T * k,)
+    with g.module("experts"):
+        g.save(g.new("sort_idx", Tk, "B·S·k", "int64"), g.new("token_idx", Tk, "B·S·k", "int64"),
+               g.new("counts", (E,), "E", "int32"), g.new("routed_idx", Tk, "B·S·k", "int64"))
+        x_in = g.new("gathered", (T * k, H), "B·S·k·H", act)
+        gu = g.new("gate_up", (T * k, 2 * F), "B·S·k·2Fe", act)
+        a = g.new("act", (T * k, F), "B·S·k·Fe", act)
+        p = g.new("act_mul_up", (T * k, F), "B·S·k·Fe", act)
+        w = g.new("weights", (T * k, 1), "B·S·k", "float32")
+        d = g.new("down", (T * k, H), "B·S·k·H", act)
+        g.save(x_in, gu, a, p, w, d)
+        if low:
+            g.save(g.new("gate_up_weight_cast", (E, 2 * F, H), "E·2Fe·H", ctx.low),
+                   g.new("down_weight_cast", (E, H, F), "E·H·Fe", ctx.low))
+    return g.new("moe_out", h.shape, h.dims, promote(act, "float32") if low else act)
+
+
+# --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------
+
+def _gpt(ctx: Ctx) -> None:
+    g, m = ctx.g, ctx.model
+    neox = m.family == "gpt_neox"
+    root = "gpt_neox" if neox else "transformer"
+    x = _embedding(ctx, f"{root}.embed_in" if neox else f"{root}.wte")
+    positions = None
+    if m.max_positions:
+        pos = _embedding(ctx, f"{root}.wpe", rows_sym="S")
+        positions = next(t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices")
+        x = ctx.add(x, pos, f"{root}.embed_sum")
+    x = ctx.dropout(x, m.embd_dropout, f"{root}.drop")
+    kernel = resolve_kernel(ctx)
+    cos = sin = None
+    if neox:
+        with g.module(f"{root}.rotary_emb"):
+            cos = g.new("cos", (1, ctx.S, m.head_dim), "S·hd", x.dtype)
+            sin = g.new("sin", (1, ctx.S, m.head_dim), "S·hd", x.dtype)
+    layers = "layers" if neox else "h"
+    held = _checkpoint_extras(ctx, kernel, x.dtype, positions)
+    for i in range(m.num_layers):
+        with g.module(f"{root}.{layers}.{i}"):
+            inputs = [t for t in (x, cos, sin, *held) if t is not None]
+            if ctx.impl.checkpointed(i):
+                with g.checkpoint(*inputs):
+                    x = _gpt_layer(ctx, x, kernel, cos, sin)
+            else:
+                x = _gpt_layer(ctx, x, kernel, cos, sin)
+    h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
+    logits = _head(ctx, h, "embed_out" if neox else "lm_head")
+    _loss(ctx, logits)
+
+
+def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
+    g, m = ctx.g, ctx.model
+    H, F = m.hidden_size, m.ffn_size
+    neox = m.family == "gpt_neox"
+    B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
+    h = _layernorm(ctx, x, "input_layernorm" if neox else "ln_1")
+    with g.module("attention" if neox else "attn"):
+        with g.module("query_key_value" if neox else "c_attn"):
+            qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H), weight_sym="3H·H")
+        heads = ((B, A, S, hd), "B·A·S·hd")
+        if neox:
+            q = _rope(ctx, g.new("q", *heads, qkv.dtype), cos, sin, "q_rope")
+            k = _rope(ctx, g.new("k", *heads, qkv.dtype), cos, sin, "k_rope")
+        elif kernel in ("eager", "math"):
+            q = g.new("q", *heads, qkv.dtype)  # bmm reshapes the strided view into a copy
+            k = qkv
+        else:
+            q = k = qkv  # SDPA keeps the strided query view, i.e. the whole c_attn output
+        k = g.new("k_cache", *heads, k.dtype)
+        v = g.new("v_cache", *heads, qkv.dtype)
+        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox)
+        if kernel in ("flash", "efficient") and not neox:
+            pass
+        with g.module("dense" if neox else "c_proj"):
+            a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
+        a = ctx.dropout(a, m.hidden_dropout, "resid_dropout")
+    if neox and m.parallel_residual:
+        h2 = _layernorm(ctx, x, "post_attention_layernorm")
+    else:
+        x = ctx.add(x, a, "residual_attn")
+        h2 = _layernorm(ctx, x, "post_attention_layernorm" if neox else "ln_2")
+    with g.module("mlp"):
+        with g.module("dense_h_to_4h" if neox else "c_fc"):
+            u = ctx.linear(h2, F, "F", weight=(F, H), weight_sym="F·H")
+        with g.module("act"):
+            act = _activation(ctx, u, "gelu_new" if m.activation == "gelu_tanh" and not neox else "act")
+        with g.module("dense_4h_to_h" if neox else "c_proj"):
+            y = ctx.linear(act, H, "H", weight=(H, F), weight_sym="H·F")
+        y = ctx.dropout(y, m.hidden_dropout, "dropout")
+    if neox and m.parallel_residual:
+        return ctx.add(ctx.add(x, a, "residual_attn"), y, "residual_mlp")
+    return ctx.add(x, y, "residual_mlp")
+
+
+# --- BERT ----------------------------------------------------------------------------------
+
+def _bert(ctx: Ctx) -> None:
+    g, m = ctx.g, ctx.model
+    H = m.hidden_size
+    x = _embedding(ctx, "bert.embeddings.word_embeddings")
+    x = ctx.add(x, _embedding(ctx, "bert.embeddings.position_embeddings", rows_sym="S"), "bert.embeddings.sum")
+    if m.type_vocab_size:
+        x = ctx.add(x, _embedding(ctx, "bert.embeddings.token_type_embeddings"), "bert.embeddings.sum_tt")
+    x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
+    x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout")
+    kernel = resolve_kernel(ctx)
+    for i in range(m.num_layers):
+        with g.module(f"bert.encoder.layer.{i}"):
+            with g.checkpoint(x) if ctx.impl.checkpointed(i) else nullcontext():
+                x = _bert_layer(ctx, x, kernel)
+    with g.module("cls.predictions.transform"):
+        with g.module("dense"):
+            t = ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H")
+        with g.module("transform_act_fn"):
+            t = _activation(ctx, t, "gelu")
+        t = _layernorm(ctx, t, "LayerNorm")
+    with g.module("cls.predictions.decoder"):
+        logits = ctx.linear(t, m.vocab_size, "V", weight=(m.vocab_size, H), weight_sym="V·H")
+    _loss(ctx, logits, upcast=False)
+
+
+def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
+    g, m = ctx.g, ctx.model
+    H, F = m.hidden_size, m.ffn_size
+    B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
+    with g.module("attention"):
+        with g.module("self"):
+            qkv = []
+            for n in ("query", "key", "value"):
+                with g.module(n):
+                    qkv.append(ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H"))
+            q = g.new("q", (B, A, S, hd), "B·A·S·hd", qkv[0].dtype)
+            o = attention_core(ctx, q, qkv[1], qkv[2], kernel=kernel, gqa_native=True, softmax_fp32=False)
+        with g.module("output"):
+            with g.module("dense"):
+                a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
+            a = ctx.dropout(a, m.hidden_dropout, "dropout")
+            x = _layernorm(ctx, ctx.add(a, x, "residual"), "LayerNorm")
+    with g.module("intermediate"):
+        with g.module("dense"):
+            u = ctx.linear(x, F, "F", weight=(F, H), weight_sym="F·H")
+        with g.module("intermediate_act_fn"):
+            u = _activation(ctx, u, "gelu")
+    with g.module("output"):
+        with g.module("dense"):
+            y = ctx.linear(u, H, "H", weight=(H, F), weight_sym="H·F")
+        y = ctx.dropout(y, m.hidden_dropout, "dropout")
+        return _layernorm(ctx, ctx.add(y, x, "residual"), "LayerNorm")
