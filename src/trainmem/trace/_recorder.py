@@ -1,0 +1,314 @@
+"""The private dispatch mode that records every storage allocation and free.
+
+Storages are keyed by ``untyped_storage()._cdata`` (fake tensors have ``data_ptr() == 0``)
+and held only through weak references, so recording never changes a lifetime. Module
+attribution uses torch's ``ModTracker`` hooks (forward pre/post, multi-grad hooks for
+backward) with our own push order, so the innermost active module wins.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__: list[str] = []
+
+CUDA_MIN_BLOCK_BYTES = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
+
+
+def round_up(nbytes: int, multiple: int = CUDA_MIN_BLOCK_BYTES) -> int:
+    return -(-nbytes // multiple) * multiple
+
+
+# Where a storage came from, decided while recording; the final category is decided later
+# from these plus its lifetime (see result.py).
+ORIGIN_PARAMETER = "parameter"
+ORIGIN_BUFFER = "buffer"
+ORIGIN_GRADIENT = "gradient"
+ORIGIN_MASTER = "master_weight"
+ORIGIN_STATE = "optimizer_state"
+ORIGIN_INPUT = "input"
+ORIGIN_OP = "op"
+ORIGIN_RECOMPUTE = "recompute"
+
+
+@dataclass(slots=True)
+class Block:
+    """One storage: its size, creator and lifetime in event indices."""
+
+    id: int
+    nbytes: int
+    size: int  # nbytes rounded up to 512, what the CUDA allocator hands out
+    op: str
+    module: str
+    phase: str
+    origin: str
+    shape: tuple[int, ...]
+    dtype: str
+    alloc_at: int
+    free_at: int | None = None
+    saved: bool = False  # seen by the saved-tensor pack hook
+
+
+@dataclass
+class Recording:
+    """The raw trace: blocks and the event list (``id`` allocates, ``~id`` frees)."""
+
+    blocks: list[Block] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (event index, phase) when a phase starts
+    module_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (module, phase) -> bytes
+    module_order: list[str] = field(default_factory=list)
+    baseline: int = 0  # number of blocks alive at entry (registered, not allocated in the window)
+
+
+def _short_op(func) -> str:
+    try:
+        return func._overloadpacket.__name__
+    except AttributeError:
+        return getattr(func, "__name__", str(func))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records allocations of every op output; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizers=(), progress=None) -> None:
+        super().__init__()
+        self.rec = Recording()
+        self._live: dict[int, int] = {}  # storage _cdata -> block id
+        self._refs: dict[int, weakref.ref] = {}
+        self._names: dict[int, str] = {}
+        if model is not None:
+            self._names = {id(m): n for n, m in model.named_modules()}
+        self._model = model
+        self._optimizers = list(optimizers)
+        self._stack: list[str] = []
+        self._recompute = 0
+        self._in_opt = 0
+        self._phase = "forward"
+        self._total = 0
+        self._open = False
+        self._progress = progress
+        self._mod_tracker = ModTracker()
+        self._handles: list = []
+        self._param_keys: set[int] = set()
+
+    # -- storages ---------------------------------------------------------------
+    def _register(self, t: torch.Tensor, origin: str, name: str, op: str = "") -> Block | None:
+        st = t.untyped_storage()
+        key = st._cdata
+        bid = self._live.get(key)
+        if bid is not None:
+            return self.rec.blocks[bid]
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return None
+        bid = len(self.rec.blocks)
+        blk = Block(bid, nbytes, round_up(nbytes), op, name, self._phase, origin,
+                    tuple(t.shape), str(t.dtype).removeprefix("torch."), len(self.rec.events))
+        self.rec.blocks.append(blk)
+        self.rec.events.append(bid)
+        self._live[key] = bid
+        self._refs[key] = weakref.ref(st, self._freer(key, bid))
+        self._total += blk.size
+        for mod in self._stack:
+            k = (mod, self._phase)
+            if self._total > self.rec.module_peaks.get(k, 0):
+                self.rec.module_peaks[k] = self._total
+        return blk
+
+    def _freer(self, key: int, bid: int):
+        def free(_ref) -> None:
+            if not self._open or self._live.get(key) != bid:
+                return
+            del self._live[key]
+            del self._refs[key]
+            blk = self.rec.blocks[bid]
+            blk.free_at = len(self.rec.events)
+            self.rec.events.append(~bid)
+            self._total -= blk.size
+        return free
+
+    def _current(self) -> str:
+        if self._in_opt:
+            return "optimizer"
+        return self._stack[-1] if self._stack else ""
+
+    def _set_phase(self, phase: str) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            self.rec.marks.append((len(self.rec.events), phase))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._in_opt:
+            phase = "optimizer"
+        elif torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        else:
+            phase = "forward" if self._stack or self._phase == "forward" else "other"
+        if phase != self._phase:
+            self._set_phase(phase)
+        origin = ORIGIN_RECOMPUTE if self._recompute and phase == "backward" else ORIGIN_OP
+        if isinstance(out, torch.Tensor):
+            self._see(out, func, origin)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see(o, func, origin)
+                elif isinstance(o, (tuple, list)):
+                    for p in o:
+                        if isinstance(p, torch.Tensor):
+                            self._see(p, func, origin)
+        return out
+
+    def _see(self, t: torch.Tensor, func, origin: str) -> None:
+        if t.untyped_storage()._cdata in self._live:
+            return
+        self._register(t, origin, self._current(), _short_op(func))
+        if self._progress is not None:
+            self._progress(len(self.rec.events))
+
+    # -- model states -------------------------------------------------------------
+    def _register_states(self) -> None:
+        params: set[int] = set()
+        if self._model is not None:
+            for name, p in self._model.named_parameters(remove_duplicate=True):
+                self._register(p, ORIGIN_PARAMETER, name)
+                params.add(id(p))
+                if p.grad is not None:
+                    self._register(p.grad, ORIGIN_GRADIENT, name + ".grad")
+            for name, b in self._model.named_buffers():
+                self._register(b, ORIGIN_BUFFER, name)
+        for i, opt in enumerate(self._optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) in params:
+                        continue
+                    label = f"optimizer.{i}.master.{g}.{j}"
+                    self._register(p, ORIGIN_MASTER, label)
+                    if p.grad is not None:
+                        self._register(p.grad, ORIGIN_GRADIENT, label + ".grad")
+            self._register_opt_state(opt, i)
+        self._params = params
+
+    def _register_opt_state(self, opt, i: int) -> None:
+        names = {}
+        if self._model is not None:
+            names = {id(p): n for n, p in self._model.named_parameters()}
+        for j, (p, state) in enumerate(opt.state.items()):
+            base = names.get(id(p), f"optimizer.{i}.param.{j}")
+            for k, v in state.items():
+                # Adam's 0-dim ``step`` lives on the host on CUDA unless capturable/fused
+                if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0):
+                    blk = self._register(v, ORIGIN_STATE, f"{base}.{k}")
+                    if blk is not None and blk.origin == ORIGIN_OP:
+                        blk.origin = ORIGIN_STATE
+                        blk.module, blk.op = f"{base}.{k}", blk.op or k
+
+    def mark_input(self, t: torch.Tensor, name: str = "input") -> None:
+        blk = self._register(t, ORIGIN_INPUT, name)
+        if blk is not None:
+            blk.origin = ORIGIN_INPUT
+
+    # -- hooks ----------------------------------------------------------------------
+    def _name(self, mod) -> str:
+        name = self._names.get(id(mod)) if mod is not None else None
+        if name is None:
+            name = self._mod_tracker.get_known_fqn(mod) if mod is not None else None
+            name = name or "<unknown>"
+        if name not in self._seen_modules:
+            self._seen_modules.add(name)
+            self.rec.module_order.append(name)
+        return name
+
+    def _pre_fw(self, mod, _inputs) -> None:
+        self._stack.append(self._name(mod))
+        if torch._C._current_graph_task_id() != -1:
+            self._recompute += 1
+
+    def _post_fw(self, mod, _inputs, _outputs) -> None:
+        name = self._name(mod)
+        self._pop(name)
+        if torch._C._current_graph_task_id() != -1 and self._recompute:
+            self._recompute -= 1
+
+    def _pre_bw(self, mod, _grads) -> None:
+        self._stack.append(self._name(mod))
+
+    def _post_bw(self, mod, _grads) -> None:
+        self._pop(self._name(mod))
+
+    def _pop(self, name: str) -> None:
+        for i in range(len(self._stack) - 1, -1, -1):
+            if self._stack[i] == name:
+                del self._stack[i]
+                return
+
+    def _pack(self, t: torch.Tensor):
+        bid = self._live.get(t.untyped_storage()._cdata)
+        if bid is not None:
+            self.rec.blocks[bid].saved = True
+        return t
+
+    def _opt_pre(self, opt, args, kwargs) -> None:
+        self._in_opt += 1
+        self._set_phase("optimizer")
+
+    def _opt_post(self, opt, args, kwargs) -> None:
+        self._in_opt -= 1
+        for i, o in enumerate(self._optimizers):
+            if o is opt:
+                self._register_opt_state(o, i)
+
+    def _grad_hook(self, name: str):
+        def hook(p) -> None:
+            if p.grad is not None:
+                blk = self._register(p.grad, ORIGIN_GRADIENT, name + ".grad")
+                if blk is not None:
+                    blk.origin = ORIGIN_GRADIENT
+                    blk.module = name + ".grad"
+        return hook
+
+    def __enter__(self):
+        self._seen_modules: set[str] = set()
+        self._open = True
+        self._register_states()
+        self.rec.baseline = len(self.rec.blocks)
+        self.rec.marks.append((len(self.rec.events), self._phase))
+        if self._model is not None:
+            for name, p in self._model.named_parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        for i, opt in enumerate(self._optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) not in self._params and p.requires_grad:
+                        hook = self._grad_hook(f"optimizer.{i}.master.{g}.{j}")
+                        self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._mod_tracker.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self._mod_tracker.__enter__()
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._saved_hooks.__exit__(*exc)
+            self._mod_tracker.__exit__(*exc)
+            self._mod_tracker.clear_user_hooks()
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._open = False
+            self._refs.clear()
+            self._live.clear()

@@ -1,0 +1,234 @@
+"""TraceResult: what a recording says, in the shared inventory schema.
+
+Categories are decided from where a storage came from and how long it lived:
+a storage an op made in forward that is still alive when the next backward starts is an
+activation (saved for backward, or held by a checkpoint); one freed before is transient;
+storages made in backward are transient (activation gradients, workspaces) except gradients
+of parameters and tensors recomputed under activation checkpointing (activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.trace import _recorder as R
+from trainmem.trace.allocator import replay
+
+__all__ = ["TraceResult", "ModulePeak", "LiveTensor", "SCHEMA"]
+
+SCHEMA = "trainmem.trace/1"
+TOP_AT_PEAK = 20
+TIMELINE_POINTS = 2000  # the JSON timeline keeps each bucket's maximum
+
+_ORIGIN_CATEGORY = {
+    R.ORIGIN_PARAMETER: Category.PARAMETER,
+    R.ORIGIN_BUFFER: Category.PARAMETER,
+    R.ORIGIN_GRADIENT: Category.GRADIENT,
+    R.ORIGIN_MASTER: Category.MASTER_WEIGHT,
+    R.ORIGIN_STATE: Category.OPTIMIZER_STATE,
+    R.ORIGIN_INPUT: Category.INPUT,
+    R.ORIGIN_RECOMPUTE: Category.ACTIVATION,
+}
+
+
+@dataclass(frozen=True)
+class ModulePeak:
+    """Highest allocated bytes (whole process) while the module ran forward / backward."""
+
+    name: str
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "forward_peak_bytes": self.forward_peak_bytes,
+                "backward_peak_bytes": self.backward_peak_bytes}
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One storage alive at the peak."""
+
+    name: str
+    category: Category
+    bytes: int  # 512-byte rounded
+    op: str
+    phase: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "category": self.category.value, "bytes": self.bytes, "op": self.op,
+                "phase": self.phase, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Everything one traced training step says about memory. Bytes are 512-byte rounded
+    (what the CUDA allocator hands out for each request) unless the name says ``logical``."""
+
+    peak_bytes: int
+    peak_logical_bytes: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    reserved_peak_bytes: int
+    reserved_peak_expandable_bytes: int
+    fragmentation: float
+    totals_at_peak_bytes: dict[str, int]
+    modules: tuple[ModulePeak, ...]
+    top_at_peak: tuple[LiveTensor, ...]
+    alive_at_peak: tuple[LiveTensor, ...]
+    items: Inventory
+    timeline_allocated_bytes: tuple[int, ...]
+    timeline_reserved_bytes: tuple[int, ...]
+    phases: tuple[tuple[int, str], ...]  # (timeline index, phase) where each phase starts
+    num_allocations: int
+    meta: dict = field(default_factory=dict)
+    recording: R.Recording | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self, *, timeline: bool = True) -> dict:
+        out = {
+            "schema": SCHEMA,
+            **({"meta": self.meta} if self.meta else {}),
+            "peak_bytes": self.peak_bytes,
+            "peak_logical_bytes": self.peak_logical_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_op": self.peak_op,
+            "peak_module": self.peak_module,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "reserved_peak_expandable_bytes": self.reserved_peak_expandable_bytes,
+            "fragmentation": round(self.fragmentation, 6),
+            "num_allocations": self.num_allocations,
+            "totals_at_peak_bytes": dict(self.totals_at_peak_bytes),
+            "modules": [m.to_dict() for m in self.modules],
+            "top_at_peak": [t.to_dict() for t in self.top_at_peak],
+            "items": [i.to_dict() for i in self.items],
+        }
+        if timeline:
+            idx = _downsample(self.timeline_allocated_bytes, TIMELINE_POINTS)
+            out["timeline"] = {
+                "index": idx,
+                "allocated_bytes": [self.timeline_allocated_bytes[i] for i in idx],
+                "reserved_bytes": [self.timeline_reserved_bytes[i] for i in idx],
+                "phases": [[i, p] for i, p in self.phases],
+            }
+        return out
+
+
+def _downsample(values, points: int) -> list[int]:
+    """Indices keeping the first, last and each bucket's maximum."""
+    n = len(values)
+    if n <= points:
+        return list(range(n))
+    step = -(-n // points)
+    idx = []
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        idx.append(max(range(start, end), key=values.__getitem__))
+    if idx[-1] != n - 1:
+        idx.append(n - 1)
+    return idx
+
+
+def _item_name(module: str, op: str) -> str:
+    if not op:
+        return module
+    return f"{module}.{op}" if module else op
+
+
+def categorize(rec: R.Recording) -> list[Category]:
+    """Final category of every block (see the module docstring)."""
+    bw_starts = [i for i, phase in rec.marks if phase == "backward"]
+    cats = []
+    for b in rec.blocks:
+        cat = _ORIGIN_CATEGORY.get(b.origin)
+        if cat is None:
+            if b.phase == "forward":
+                nxt = next((i for i in bw_starts if i > b.alloc_at), None)
+                alive = nxt is not None and (b.free_at is None or b.free_at > nxt)
+                cat = Category.ACTIVATION if alive else Category.TRANSIENT
+            else:
+                cat = Category.TRANSIENT
+        cats.append(cat)
+    return cats
+
+
+def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
+    """Turn a recording into a :class:`TraceResult`; the timeline starts after the baseline."""
+    blocks, events = rec.blocks, rec.events
+    cats = categorize(rec)
+    total = logical = 0
+    peak = peak_logical = 0
+    peak_at = -1
+    allocated: list[int] = []
+    for i, e in enumerate(events):
+        if e >= 0:
+            b = blocks[e]
+            total += b.size
+            logical += b.nbytes
+            if total > peak:
+                peak, peak_at = total, i
+            peak_logical = max(peak_logical, logical)
+        else:
+            b = blocks[~e]
+            total -= b.size
+            logical -= b.nbytes
+        allocated.append(total)
+
+    alive = [b for b in blocks[: blocks[events[peak_at]].id + 1]
+             if b.alloc_at <= peak_at and (b.free_at is None or b.free_at > peak_at)] if peak_at >= 0 else []
+    totals = {c.value: 0 for c in Category}
+    live = []
+    for b in alive:
+        cat = cats[b.id]
+        totals[cat.value] += b.size
+        live.append(LiveTensor(_item_name(b.module, b.op) if b.origin in (R.ORIGIN_OP, R.ORIGIN_RECOMPUTE) else b.module,
+                               cat, b.size, b.op, b.phase, b.shape, b.dtype))
+    top = sorted(live, key=lambda t: -t.bytes)[:TOP_AT_PEAK]
+    peak_block = blocks[events[peak_at]] if peak_at >= 0 else None
+
+    ev = [("alloc", e, blocks[e].nbytes) if e >= 0 else ("free", ~e) for e in events]
+    rep = replay(ev)
+    rep_x = replay(ev, expandable_segments=True)
+
+    modules = tuple(ModulePeak(m, rec.module_peaks.get((m, "forward"), 0), rec.module_peaks.get((m, "backward"), 0))
+                    for m in rec.module_order)
+    base = rec.baseline
+    return TraceResult(
+        peak_bytes=peak,
+        peak_logical_bytes=peak_logical,
+        peak_phase=peak_block.phase if peak_block else "",
+        peak_op=peak_block.op if peak_block else "",
+        peak_module=peak_block.module if peak_block else "",
+        reserved_peak_bytes=rep.reserved_peak_bytes,
+        reserved_peak_expandable_bytes=rep_x.reserved_peak_bytes,
+        fragmentation=rep.fragmentation,
+        totals_at_peak_bytes=totals,
+        modules=modules,
+        top_at_peak=tuple(top),
+        alive_at_peak=tuple(live),
+        items=_items(rec, cats),
+        timeline_allocated_bytes=tuple(allocated[base:]) or (0,),
+        timeline_reserved_bytes=tuple(rep.reserved_bytes[base:]) or (0,),
+        phases=tuple((max(i - base, 0), p) for i, p in rec.marks),
+        num_allocations=len(blocks) - base,
+        meta=dict(meta or {}),
+        recording=rec,
+    )
+
+
+def _items(rec: R.Recording, cats: list[Category]) -> Inventory:
+    """Activations saved for backward (as alive when backward starts) and model states."""
+    out = []
+    for b, cat in zip(rec.blocks, cats):
+        if cat is Category.TRANSIENT or (cat is Category.ACTIVATION and b.origin == R.ORIGIN_RECOMPUTE):
+            continue
+        if cat is Category.ACTIVATION:
+            name = _item_name(b.module, b.op)
+            note = "saved for backward" if b.saved else "alive at backward start (not seen by saved-tensor hooks)"
+        else:
+            name, note = b.module, ("buffer" if b.origin == R.ORIGIN_BUFFER else "")
+        out.append(MemoryItem(name=name, category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
+                              formula=f"aten.{b.op}" if b.op else "", note=note))
+    return Inventory.of(out)

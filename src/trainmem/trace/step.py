@@ -1,0 +1,234 @@
+"""``trace_step``: build a model, run two training steps, trace the second.
+
+The step is ``loss = model(ids, labels=ids).loss; loss.backward(); optimizer.step();
+optimizer.zero_grad(set_to_none=True)``, with the optimizer in its CUDA default implementation
+(``foreach=True``) so the trace shows what a CUDA device would hold. The first step creates the
+optimizer state; the second is recorded with everything alive at its start as the baseline.
+
+Precision recipes (``StepSpec.precision``):
+  - ``fp32``: fp32 model.
+  - ``bf16``/``fp16``: the model is cast (``model.to``); gradients and optimizer state in 16 bits.
+  - ``amp-bf16``/``amp-fp16``: fp32 model, forward and loss under ``torch.autocast('cpu')``.
+    No GradScaler for fp16 (its few scalars do not change the peak).
+  - ``mixed-bf16``/``mixed-fp16``: 16-bit model and gradients; the optimizer owns fp32 master
+    copies. After backward each 16-bit gradient is cast into its master's ``.grad`` and freed,
+    the optimizer steps the masters, and the masters are copied back into the model.
+
+Recompute (``ImplSpec.recompute``): ``full`` and ``every-k`` use Hugging Face gradient
+checkpointing (non-reentrant ``torch.utils.checkpoint``) on every / every k-th decoder layer;
+``selective`` checkpoints the attention core (the ``attention_interface`` call: scores, softmax,
+dropout and the weighted sum), not the projections.
+
+Known limitations:
+  - MoE models route with data-dependent ops; on fake tensors they raise UnsupportedError
+    (use ``real=True`` with a small config).
+  - ``mem-efficient`` attention and ``adam8bit`` have no CPU implementation; the chunked and
+    fused losses are not Hugging Face options: all raise UnsupportedError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Mapping
+
+from trainmem.errors import UnsupportedError
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.trace.result import TraceResult
+
+__all__ = ["trace_step"]
+
+
+def _dtype(name: str):
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _make_optimizer(name: str, params):
+    import torch
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+    if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+    raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
+
+
+def _check(step: StepSpec, impl: ImplSpec) -> None:
+    if step.mode != "train":
+        raise UnsupportedError(f"mode={step.mode!r}: the tracer runs training steps only")
+    if step.loss != "ce":
+        raise UnsupportedError(f"loss={step.loss!r}: Hugging Face models compute the full cross-entropy; use loss='ce'")
+    if impl.attention == "mem-efficient":
+        raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
+    if step.optimizer == "adam8bit":
+        raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
+
+
+@contextlib.contextmanager
+def _selective_recompute(model, attention: str):
+    """Checkpoint each attention core call (see the module docstring)."""
+    import torch.utils.checkpoint as ckpt
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def wrap(fn):
+        def core(*args, **kwargs):
+            return ckpt.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return core
+
+    patched: list[tuple[Any, str, Any]] = []
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    for mod in modules:
+        if hasattr(mod, "eager_attention_forward"):
+            patched.append((mod, "eager_attention_forward", mod.eager_attention_forward))
+    key = "sdpa" if attention != "eager" else None
+    old_sdpa = ALL_ATTENTION_FUNCTIONS[key] if key else None
+    try:
+        for mod, name, fn in patched:
+            setattr(mod, name, wrap(fn))
+        if key:
+            ALL_ATTENTION_FUNCTIONS[key] = wrap(old_sdpa)
+        yield
+    finally:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        if key:
+            ALL_ATTENTION_FUNCTIONS[key] = old_sdpa
+
+
+def _enable_recompute(model, impl: ImplSpec) -> None:
+    if impl.recompute in ("full", "every-k"):
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise UnsupportedError(f"{type(model).__name__} does not support gradient checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if impl.recompute == "every-k":
+            from transformers.modeling_layers import GradientCheckpointingLayer
+            layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+            for i, layer in enumerate(layers):
+                layer.gradient_checkpointing = impl.checkpointed(i)
+
+
+def _attention_context(impl: ImplSpec):
+    if impl.attention == "sdpa-math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.MATH])
+    if impl.attention == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _is_moe(config: Mapping[str, Any]) -> bool:
+    return any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
+               real: bool = False, progress: Callable[[float, str], None] | None = None) -> TraceResult:
+    """Trace one training step of a Hugging Face causal LM.
+
+    ``model_or_config`` is a ``config.json`` dict (built with random weights, on fake tensors
+    unless ``real``) or an already built ``nn.Module`` with ``config.vocab_size``. ``progress``
+    is called with (fraction done, phase) as modules run.
+    """
+    step = step or StepSpec()
+    impl = impl or ImplSpec()
+    _check(step, impl)
+    try:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:  # pragma: no cover
+        raise UnsupportedError("tracing needs torch: pip install 'trainmem[torch]'") from None
+    from torch._subclasses import fake_tensor as ft
+
+    dt = step.dtypes
+    fake = not real
+    if isinstance(model_or_config, Mapping) and fake and _is_moe(model_or_config):
+        raise UnsupportedError(
+            f"model_type={model_or_config.get('model_type')!r} routes tokens to experts with data-dependent "
+            "ops (nonzero), which fake tensors cannot run; trace it with real=True (--real) on a small config")
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    try:
+        with mode, _attention_context(impl):
+            return _run(model_or_config, step, impl, dt, progress)
+    except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
+        raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
+                               "trace with real=True (--real) on a small config") from None
+    except ft.UnsupportedOperatorException as exc:
+        raise UnsupportedError(f"op {exc.func} has no fake-tensor implementation; trace with real=True (--real)") from None
+    except NotImplementedError as exc:
+        raise UnsupportedError(f"an op is not implemented here: {str(exc).splitlines()[0]}") from None
+
+
+def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> TraceResult:
+    import torch
+    from trainmem.trace.api import Tracer
+
+    if isinstance(model_or_config, Mapping):
+        from trainmem.models.hf import build_hf_model
+        with _default_dtype(_dtype(dt.param)):  # model.to() cannot swap fake parameters
+            model = build_hf_model(model_or_config, attention=impl.attention)
+        attn_dropout = float(model_or_config.get("attention_dropout", 0.0) or 0.0)
+    else:
+        model = model_or_config
+        attn_dropout = 0.0
+    model.train()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not vocab:
+        raise UnsupportedError(f"{type(model).__name__} has no config.vocab_size; use trace() for custom models")
+    _enable_recompute(model, impl)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = None
+    if dt.master is not None:
+        masters = [p.detach().to(_dtype(dt.master)).requires_grad_(True) for p in params]
+        optimizer = _make_optimizer(step.optimizer, masters)
+    else:
+        optimizer = _make_optimizer(step.optimizer, params)
+    autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
+                else contextlib.nullcontext())
+    selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective"
+                 else contextlib.nullcontext())
+    ids = torch.randint(0, vocab, (step.batch, step.seq))
+
+    def one_step() -> None:
+        for _ in range(step.grad_accum):
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
+            del loss
+        if masters is not None:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.to(m.dtype)
+                p.grad = None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if masters is not None:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+
+    from torch._subclasses.fake_tensor import is_fake
+    meta = {"step": step.to_dict(), "impl": impl.to_dict(), "fake": bool(is_fake(ids)), "model": type(model).__name__,
+            "attention_dropout": attn_dropout, "torch": torch.__version__}
+    with selective:
+        one_step()
+        tracer = Tracer(model, optimizer, inputs=[ids], meta=meta, progress=progress)
+        with tracer:
+            one_step()
+    return tracer.result

@@ -1,0 +1,99 @@
+"""trace_step on tiny Hugging Face models, against PyTorch's MemTracker and real tensors."""
+
+import pytest
+
+from conftest import GPT2, LLAMA, MIXTRAL, QWEN2, memtracker_peak
+from trainmem.errors import UnsupportedError
+from trainmem.inventory import Category
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.trace import SCHEMA, trace_step
+
+FP32 = StepSpec(batch=2, seq=64, precision="fp32")
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2, QWEN2], ids=["llama", "gpt2", "qwen2-gqa"])
+def test_peak_matches_memtracker(config):
+    r = trace_step(config, FP32, ImplSpec(attention="sdpa"))
+    ref = memtracker_peak(config, batch=2, seq=64)
+    assert abs(r.peak_logical_bytes - ref) <= 0.01 * ref
+    assert abs(r.peak_bytes - ref) <= 0.01 * ref  # 512-byte rounding stays inside 1% here
+
+
+def test_eager_bf16_peak_matches_memtracker():
+    import torch
+    r = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision="bf16"), ImplSpec(attention="eager"))
+    ref = memtracker_peak(LLAMA, batch=2, seq=64, attention="eager", dtype=torch.bfloat16)
+    assert abs(r.peak_logical_bytes - ref) <= 0.01 * ref
+
+
+def test_fake_and_real_agree():
+    fake = trace_step(LLAMA, FP32, ImplSpec())
+    real = trace_step(LLAMA, FP32, ImplSpec(), real=True)
+    assert fake.meta["fake"] and not real.meta["fake"]
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.totals_at_peak_bytes == real.totals_at_peak_bytes
+    assert fake.reserved_peak_bytes == real.reserved_peak_bytes
+
+
+def test_mixtral_moe_real_and_clear_error_when_fake():
+    r = trace_step(MIXTRAL, FP32, ImplSpec(), real=True)
+    assert r.peak_bytes > 0
+    assert any(m.name.startswith("model.layers.0.mlp.experts") for m in r.modules)
+    with pytest.raises(UnsupportedError, match="real"):
+        trace_step(MIXTRAL, FP32, ImplSpec())
+
+
+def test_full_checkpointing_keeps_only_layer_inputs():
+    plain = trace_step(LLAMA, FP32, ImplSpec())
+    ckpt = trace_step(LLAMA, FP32, ImplSpec(recompute="full"))
+    assert ckpt.peak_bytes < plain.peak_bytes
+    held = [i for i in ckpt.items.select(Category.ACTIVATION, prefix="model.layers.")]
+    # each layer's output is the next checkpoint's (or the final norm's) input: 2 * 64 * 64 * 4 = 32768
+    assert sorted(i.bytes for i in held) == [32768, 32768]
+    assert ckpt.peak_bytes == pytest.approx(memtracker_peak(LLAMA, batch=2, seq=64, checkpoint=True), rel=0.01)
+
+
+def test_selective_and_every_k_recompute_sit_between():
+    eager = ImplSpec(attention="eager")
+    plain = trace_step(LLAMA, FP32, eager).totals_at_peak_bytes["activation"]
+    sel = trace_step(LLAMA, FP32, ImplSpec(attention="eager", recompute="selective")).totals_at_peak_bytes["activation"]
+    full = trace_step(LLAMA, FP32, ImplSpec(attention="eager", recompute="full")).totals_at_peak_bytes["activation"]
+    k2 = trace_step(LLAMA, FP32, ImplSpec(attention="eager", recompute="every-k", recompute_every=2))
+    assert full < sel < plain
+    assert full < k2.totals_at_peak_bytes["activation"] < plain
+
+
+def test_precisions_put_states_in_their_ledgers():
+    mixed = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision="mixed-bf16"), ImplSpec())
+    amp = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision="amp-bf16"), ImplSpec())
+    params = sum(i.bytes for i in mixed.items.select(Category.PARAMETER) if i.note != "buffer")
+    assert mixed.items.total(Category.MASTER_WEIGHT) == 2 * params  # fp32 masters of bf16 weights
+    assert mixed.items.total(Category.OPTIMIZER_STATE) == 4 * params  # two fp32 Adam moments
+    amp_params = sum(i.bytes for i in amp.items.select(Category.PARAMETER) if i.note != "buffer")
+    assert amp.items.total(Category.OPTIMIZER_STATE) == 2 * amp_params
+    acts = {i.dtype for i in amp.items.select(Category.ACTIVATION, prefix="model.layers.0.mlp.")}
+    assert "bfloat16" in acts
+
+
+def test_result_contract():
+    r = trace_step(LLAMA, FP32, ImplSpec())
+    d = r.to_dict()
+    assert d["schema"] == SCHEMA == "trainmem.trace/1"
+    for key in ("peak_bytes", "peak_phase", "reserved_peak_bytes", "totals_at_peak_bytes", "modules", "top_at_peak"):
+        assert key in d
+    assert d["peak_bytes"] % 512 == 0
+    assert d["reserved_peak_bytes"] >= d["peak_bytes"]
+    assert sum(d["totals_at_peak_bytes"].values()) == d["peak_bytes"]
+    assert {"name", "forward_peak_bytes", "backward_peak_bytes"} <= set(d["modules"][0])
+    assert {"name", "category", "bytes", "op"} <= set(d["top_at_peak"][0])
+    names = {m["name"] for m in d["modules"]}
+    assert "model.layers.0.self_attn.q_proj" in names
+    assert any(i.name == "model.layers.0.mlp.gate_proj.mm" for i in r.items)  # saved by silu
+    assert r.peak_phase in ("forward", "backward", "optimizer")
+
+
+def test_unsupported_choices_are_clear_errors():
+    with pytest.raises(UnsupportedError, match="mem-efficient"):
+        trace_step(LLAMA, FP32, ImplSpec(attention="mem-efficient"))
+    with pytest.raises(UnsupportedError, match="adam8bit"):
+        trace_step(LLAMA, StepSpec(batch=1, seq=8, optimizer="adam8bit"), ImplSpec())
