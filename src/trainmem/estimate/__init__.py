@@ -1,0 +1,93 @@
+"""The analytic estimator: four ledgers, a per-tensor activation inventory, and the peak.
+
+>>> from trainmem.estimate import estimate
+>>> from trainmem.specs import StepSpec, ImplSpec
+>>> from trainmem.specs.loaders import load_model
+>>> e = estimate(load_model("llama-2-7b"), StepSpec(batch=1, seq=4096, precision="bf16"), ImplSpec())
+>>> e.peak_phase in {p.name for p in e.phases}
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trainmem.estimate.activations import activation_items
+from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
+from trainmem.estimate.peak import Phase, layer_of, phases
+from trainmem.inventory import Inventory, dtype_bytes
+from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+
+__all__ = ["estimate", "Estimate"]
+
+SCHEMA = "trainmem.estimate/1"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The result of :func:`estimate`. Bytes are logical (elements × item size)."""
+
+    model: ModelSpec
+    step: StepSpec
+    impl: ImplSpec
+    inventory: Inventory
+    phases: tuple[Phase, ...]
+
+    @property
+    def totals_bytes(self) -> dict[str, int]:
+        return self.inventory.totals()
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes
+
+    @property
+    def peak_phase(self) -> str:
+        return self.peak.name
+
+    def to_dict(self, *, items: bool = True) -> dict:
+        out = {
+            "schema": SCHEMA,
+            "inputs": {"model": self.model.to_dict(), "step": self.step.to_dict(), "impl": self.impl.to_dict()},
+            "profile": self.impl.profile,
+            "totals_bytes": self.totals_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "phases": [p.to_dict() for p in self.phases],
+        }
+        if items:
+            out["items"] = [i.to_dict() for i in self.inventory]
+        return out
+
+
+def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | None = None) -> Estimate:
+    """Estimate one training step of ``model``: every parameter, gradient, master weight,
+    optimizer state and saved activation, and the phase-by-phase peak."""
+    step = step or StepSpec()
+    impl = impl or ImplSpec()
+    acts = activation_items(model, step, impl)
+    states = model_state_items(model, step)
+    inv = Inventory(tuple(states) + tuple(acts))
+    # (bytes, largest tensor) a checkpointed block re-materializes during its backward
+    recompute: dict[int, tuple[int, int]] = {}
+    if impl.recompute != "none":
+        plain = activation_items(model, step, replace(impl, recompute="none", recompute_every=1))
+        for it in plain:
+            li = layer_of(it.name)
+            if li is not None and (impl.checkpointed(li) or impl.recompute == "selective"):
+                total, big = recompute.get(li, (0, 0))
+                recompute[li] = (total + it.bytes, max(big, it.bytes))
+    d = step.dtypes
+    resid_dtype = d.param
+    ph = phases(
+        list(inv), B=step.batch, S=step.seq, vocab=model.vocab_size,
+        logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
+        grad_accum=step.grad_accum, recompute_bytes=recompute,
+        optimizer_transient=optimizer_step_transient_bytes(model, step),
+        residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
+    )
+    return Estimate(model, step, impl, inv, tuple(ph))

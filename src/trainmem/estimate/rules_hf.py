@@ -302,7 +302,7 @@ def _gpt(ctx: Ctx) -> None:
             else:
                 x = _gpt_layer(ctx, x, kernel, cos, sin)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
-    logits = _head(ctx, h, "embed_out" if neox else "lm_head")
+    logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
 
 

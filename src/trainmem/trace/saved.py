@@ -93,3 +93,60 @@ def retained_bytes(model, fn: Callable[[], Any]) -> tuple[int, Any]:
     with _Track():
         out = fn()
     return sum(live.values()), out
+
+
+def step_peak_bytes(model, optimizer, step: Callable[[], Any]) -> int:
+    """Peak live bytes during ``step()`` (forward, backward, ``optimizer.step()``, zero_grad).
+
+    Everything alive before the step -- parameters, buffers, gradients and optimizer state --
+    is the baseline; storages created by ops during the step are tracked through weak
+    references (CPU tensors report no allocator statistics, so this is the live-set peak).
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    base: dict[int, int] = {}
+
+    def add_base(t) -> None:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            base[st._cdata] = st.nbytes()
+
+    for p in model.parameters():
+        add_base(p)
+        add_base(p.grad)
+    for b in model.buffers():
+        add_base(b)
+    for state in optimizer.state.values():
+        for v in state.values():
+            add_base(v)
+    live: dict[int, int] = {}
+    cur = [sum(base.values())]
+    peak = [cur[0]]
+
+    def free(key: int) -> None:
+        cur[0] -= live.pop(key, 0)
+
+    def track(t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in base or key in live:
+            return
+        live[key] = st.nbytes()
+        cur[0] += live[key]
+        peak[0] = max(peak[0], cur[0])
+        weakref.finalize(st, free, key)
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                track(t)
+            return out
+
+    with _Track():
+        step()
+    return peak[0]

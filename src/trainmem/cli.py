@@ -1,0 +1,89 @@
+"""Command line: argument parsing and dispatch only. Every command calls the public API and a
+renderer. Errors the user can fix print one line ``Type: message`` and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from trainmem.errors import TrainmemError
+
+__all__ = ["main", "build_parser"]
+
+#: Commands implemented in their own modules: ``add_parser(subparsers)`` and ``run(args) -> int``.
+PLUGGED = ("trainmem.trace.cli",)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from trainmem.cliargs import add_model_step_args
+
+    p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    est = sub.add_parser("estimate", help="analytic estimate: ledgers, per-tensor activations, peak")
+    add_model_step_args(est)
+    est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/1)")
+    est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
+    est.set_defaults(func=_estimate)
+    pre = sub.add_parser("presets", help="list bundled model presets")
+    pre.set_defaults(func=_presets)
+    for name in PLUGGED:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        mod.add_parser(sub)
+    return p
+
+
+def _estimate(args) -> int:
+    from trainmem.cliargs import specs_from_args
+    from trainmem.estimate import estimate
+
+    model, step, impl = specs_from_args(args)
+    result = estimate(model, step, impl)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from trainmem.report.text import render_estimate
+        print(render_estimate(result, detail=args.detail))
+    return 0
+
+
+def _presets(args) -> int:
+    from trainmem.specs.loaders import list_presets
+
+    print("\n".join(list_presets()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["estimate", *argv]
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except TrainmemError as exc:
+        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

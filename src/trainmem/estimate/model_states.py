@@ -1,0 +1,99 @@
+"""Model states: parameters, gradients, master weights and optimizer states, per parameter.
+
+Optimizer state layouts follow the PyTorch (and bitsandbytes / transformers) implementations:
+AdamW/Adam keep ``exp_avg`` and ``exp_avg_sq`` like the parameter (the ``step`` counter is a CPU
+scalar unless ``capturable``/``fused``, so it takes no device memory); SGD with momentum keeps a
+``momentum_buffer``; Adafactor (transformers) keeps factored row/column second moments for
+matrices and no first moment; bitsandbytes' 8-bit Adam keeps two uint8 states plus one fp32
+absmax per 256-element block, and 32-bit states for tensors under 4096 elements.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainmem.estimate.params import parameter_shapes
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.specs import ModelSpec, StepSpec
+
+__all__ = ["model_state_items", "optimizer_step_transient_bytes"]
+
+_BNB_BLOCK = 256
+_BNB_MIN_8BIT = 4096
+
+
+def _item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
+    n = math.prod(shape) if numel is None else numel
+    return MemoryItem(name=name, category=category, shape=tuple(shape), dtype=dtype,
+                      bytes=int(n * dtype_bytes(dtype)), formula=formula)
+
+
+def _states(name: str, shape: tuple[int, ...], step: StepSpec) -> list[MemoryItem]:
+    opt, dt = step.optimizer, step.dtypes.state
+    b = dtype_bytes(dt)
+    n = math.prod(shape)
+    S = Category.OPTIMIZER_STATE
+    if opt in ("adamw", "adam"):
+        return [_item(f"{name}.exp_avg", S, shape, dt, f"numel·{b:g}"),
+                _item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
+    if opt == "sgd-momentum":
+        return [_item(f"{name}.momentum_buffer", S, shape, dt, f"numel·{b:g}")]
+    if opt == "sgd":
+        return []
+    if opt == "adafactor":
+        if len(shape) >= 2:
+            row, col = shape[:-1], shape[:-2] + shape[-1:]
+            return [_item(f"{name}.exp_avg_sq_row", S, row, dt, f"rows·{b:g}"),
+                    _item(f"{name}.exp_avg_sq_col", S, col, dt, f"cols·{b:g}")]
+        return [_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
+    # adam8bit
+    if n < _BNB_MIN_8BIT:
+        return [_item(f"{name}.state1", S, shape, "float32", "numel·4"),
+                _item(f"{name}.state2", S, shape, "float32", "numel·4")]
+    blocks = -(-n // _BNB_BLOCK)
+    return [_item(f"{name}.state1", S, shape, "uint8", "numel·1"),
+            _item(f"{name}.state2", S, shape, "uint8", "numel·1"),
+            _item(f"{name}.absmax1", S, (blocks,), "float32", "⌈numel/256⌉·4"),
+            _item(f"{name}.absmax2", S, (blocks,), "float32", "⌈numel/256⌉·4")]
+
+
+def model_state_items(model: ModelSpec, step: StepSpec) -> list[MemoryItem]:
+    """One item per parameter and ledger, named ``<parameter name>[.<state>]``."""
+    d = step.dtypes
+    pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
+    out: list[MemoryItem] = []
+    train = step.mode == "train"
+    for name, shape in parameter_shapes(model):
+        out.append(_item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}"))
+        if not train:
+            continue
+        out.append(_item(f"{name}.grad", Category.GRADIENT, shape, d.grad, f"numel·{gb:g}"))
+        if d.master:
+            out.append(_item(f"{name}.master", Category.MASTER_WEIGHT, shape, d.master, "numel·4"))
+        out.extend(_states(name, shape, step))
+    return out
+
+
+def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec) -> tuple[int, str]:
+    """Temporaries alive during ``optimizer.step()`` and the rule they come from.
+
+    foreach AdamW/Adam (CUDA's default) materializes ``sqrt(exp_avg_sq)`` for every parameter at
+    once: one state-sized copy of all parameters. Mixed precision first makes fp32 copies of the
+    16-bit gradients for the fp32 optimizer. SGD's foreach update is in place. Adafactor's
+    per-parameter loop holds about two temporaries of the largest parameter.
+    """
+    shapes = [math.prod(s) for _, s in parameter_shapes(model)]
+    total, largest = sum(shapes), max(shapes)
+    d = step.dtypes
+    sb = dtype_bytes(d.state)
+    extra, why = 0, []
+    if d.master:
+        extra += total * 4
+        why.append("fp32 gradient copies (numel·4)")
+    if step.optimizer in ("adamw", "adam"):
+        extra += int(total * sb)
+        why.append(f"foreach sqrt(exp_avg_sq) (numel·{sb:g})")
+    elif step.optimizer == "adafactor":
+        extra += int(2 * largest * sb)
+        why.append(f"2 × largest parameter (max_numel·{2 * sb:g})")
+    return extra, " + ".join(why) or "in-place update"

@@ -1,0 +1,109 @@
+"""The peak is not a sum: model the step in phases and take the largest live set.
+
+Phases of a steady-state step (optimizer state exists; gradients were zeroed with
+``set_to_none``; only ``loss`` is kept from the outputs):
+
+* ``forward``        -- end of forward, inside the loss: all saved activations, plus the logits
+                        and their fp32 copy that the output object still holds.
+* ``backward_start`` -- the loss backward: all activations, plus the gradient of the
+                        log-softmax output and of the fp32 logits (two B·S·V·4 tensors).
+* ``backward``       -- backward of the last block: head gradients exist, the last block's
+                        recomputed activations (if checkpointed) and its gradient working set.
+* ``backward_end``   -- every gradient exists, activations are gone.
+* ``optimizer``      -- every gradient plus the optimizer's temporaries.
+
+With gradient accumulation, gradients exist from the second micro-batch on, so they are
+counted in every phase (the peak does not grow with the number of micro-batches).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+
+__all__ = ["Phase", "phases"]
+
+_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "bytes": self.bytes, "parts": dict(self.parts), "note": self.note}
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.search("." + name)
+    return int(m.group(1)) if m else None
+
+
+def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str,
+           loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
+           optimizer_transient: tuple[int, str], residual_bytes: int) -> list[Phase]:
+    by_cat: dict[Category, int] = {}
+    act_layer: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    grad_layer: dict[int, int] = {}
+    head_act = 0
+    for it in items:
+        by_cat[it.category] = by_cat.get(it.category, 0) + it.bytes
+        li = layer_of(it.name)
+        if it.category is Category.ACTIVATION:
+            if li is not None:
+                act_layer[li] = act_layer.get(li, 0) + it.bytes
+                largest[li] = max(largest.get(li, 0), it.bytes)
+            elif it.name.startswith(("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")):
+                head_act += it.bytes
+        elif it.category is Category.GRADIENT and li is not None:
+            grad_layer[li] = grad_layer.get(li, 0) + it.bytes
+    P = by_cat.get(Category.PARAMETER, 0)
+    G = by_cat.get(Category.GRADIENT, 0)
+    M = by_cat.get(Category.MASTER_WEIGHT, 0)
+    O = by_cat.get(Category.OPTIMIZER_STATE, 0)
+    A = by_cat.get(Category.ACTIVATION, 0)
+    static = {"parameters": P, "master_weights": M, "optimizer_states": O}
+    g_acc = G if grad_accum > 1 else 0
+    grads_head = G - sum(grad_layer.values()) if grad_layer else G
+    # the non-layer gradients produced before the blocks' backward are the head's; the
+    # embedding's arrive last. Approximate "head" as everything outside blocks except the
+    # embedding, which a tied head produces early anyway.
+    BSV = B * S * vocab
+    out: list[Phase] = []
+
+    def add(name: str, parts: dict[str, int], note: str) -> None:
+        full = {**static, **{k: v for k, v in parts.items() if v}}
+        out.append(Phase(name, sum(full.values()), full, note))
+
+    if loss == "ce":
+        logits = int(BSV * dtype_bytes(logits_dtype))
+        logits32 = BSV * 4 if logits_dtype != "float32" else 0
+        add("forward", {"gradients": g_acc, "activations": A, "logits": logits + logits32},
+            "end of forward: saved activations + logits (and their fp32 copy) held by the output")
+        add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": 2 * BSV * 4},
+            "loss backward: activations + grad of log-softmax output and of fp32 logits (2·B·S·V·4)")
+    else:
+        add("forward", {"gradients": g_acc, "activations": A}, "end of forward (chunked loss)")
+    last = max(act_layer) if act_layer else None
+    if last is not None:
+        # the gradient of the block output, plus the gradient of the largest saved tensor
+        # while that tensor is still held (e.g. dP next to P in eager attention)
+        rec, rec_big = recompute_bytes.get(last, (0, 0))
+        big = max(largest[last], rec_big)
+        work = rec + residual_bytes + big
+        g_now = G if grad_accum > 1 else grads_head
+        add("backward", {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work},
+            "backward of the last block: head gradients, remaining activations, recomputed "
+            "block activations, the output gradient and the gradient of its largest tensor")
+    add("backward_end", {"gradients": G, "activations": A - head_act - sum(act_layer.values()),
+                         "work": residual_bytes},
+        "all gradients exist, block activations freed")
+    tb, rule = optimizer_transient
+    add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
+    return out

@@ -1,0 +1,1 @@
+"""Renderers: turn result objects into text and JSON. Compute never prints."""

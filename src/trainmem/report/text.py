@@ -1,0 +1,75 @@
+"""Plain-text report of an estimate: ledgers, the per-layer activation breakdown with
+formulas, and the phases with the peak."""
+
+from __future__ import annotations
+
+import re
+
+from trainmem.estimate import Estimate
+from trainmem.estimate.peak import layer_of
+from trainmem.inventory import LEDGERS, Category
+from trainmem.report.units import fmt_bytes
+
+__all__ = ["render_estimate"]
+
+_IDX = re.compile(r"\.(\d+)\.")
+
+
+def render_estimate(e: Estimate, *, detail: bool = False) -> str:
+    m, s, im = e.model, e.step, e.impl
+    lines = [
+        f"trainmem estimate — {m.name} ({m.family}, {m.num_layers} layers, H={m.hidden_size}, "
+        f"A={m.num_heads}/{m.num_kv_heads} kv, F={m.ffn_size}, V={m.vocab_size})",
+        f"step: B={s.batch} S={s.seq} grad_accum={s.grad_accum} precision={s.precision} "
+        f"optimizer={s.optimizer} loss={s.loss}",
+        f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device}",
+        "",
+        "Ledgers (logical bytes)",
+    ]
+    totals = e.totals_bytes
+    for c in LEDGERS:
+        lines.append(f"  {c.value:<17} {fmt_bytes(totals.get(c.value, 0)):>12}")
+    lines.append(f"  {'sum of ledgers':<17} {fmt_bytes(sum(totals.values())):>12}   (not the peak)")
+    lines.append("")
+    lines += _layer_breakdown(e, detail)
+    lines.append("")
+    lines.append("Phases (live bytes)")
+    peak = e.peak
+    for p in e.phases:
+        mark = "  <- peak" if p is peak else ""
+        lines.append(f"  {p.name:<15} {fmt_bytes(p.bytes):>12}{mark}")
+        if detail or p is peak:
+            for k, v in p.parts.items():
+                lines.append(f"      {k:<22} {fmt_bytes(v):>12}")
+    lines.append("")
+    lines.append(f"Peak: {fmt_bytes(e.peak_bytes)} in phase '{e.peak_phase}' — {peak.note}")
+    return "\n".join(lines)
+
+
+def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:
+    acts = [i for i in e.inventory if i.category is Category.ACTIVATION]
+    layer0 = [i for i in acts if layer_of(i.name) == 0]
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for i in acts:
+        li = layer_of(i.name)
+        if li is None:
+            outside += i.bytes
+        else:
+            per_layer[li] = per_layer.get(li, 0) + i.bytes
+    out = [f"Activations saved for backward: {fmt_bytes(sum(per_layer.values()) + outside)} "
+           f"({len(per_layer)} blocks + {fmt_bytes(outside)} outside blocks)"]
+    if layer0:
+        out.append(f"  block 0 ({fmt_bytes(per_layer.get(0, 0))}), per tensor:")
+        for i in sorted(layer0, key=lambda i: -i.bytes):
+            name = _IDX.sub(".0.", i.name, count=1)
+            out.append(f"    {name:<52} {str(list(i.shape)):<22} {i.dtype:<9} {fmt_bytes(i.bytes):>11}  {i.formula}")
+        distinct = sorted(set(per_layer.values()))
+        if len(distinct) > 1:
+            out.append(f"  blocks differ: {', '.join(fmt_bytes(d) for d in distinct)}")
+    others = [i for i in acts if layer_of(i.name) is None]
+    if others:
+        out.append("  outside blocks:")
+        for i in sorted(others, key=lambda i: -i.bytes)[: None if detail else 8]:
+            out.append(f"    {i.name:<52} {str(list(i.shape)):<22} {i.dtype:<9} {fmt_bytes(i.bytes):>11}  {i.formula}")
+    return out
