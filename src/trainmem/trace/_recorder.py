@@ -53,6 +53,7 @@ class Block:
     alloc_at: int
     free_at: int | None = None
     saved: bool = False  # seen by the saved-tensor pack hook
+    name: str = ""  # item name for model states and inputs; ops are named ``<module>.<op>``
 
 
 @dataclass
@@ -99,7 +100,7 @@ class _Recorder(TorchDispatchMode):
         self._param_keys: set[int] = set()
 
     # -- storages ---------------------------------------------------------------
-    def _register(self, t: torch.Tensor, origin: str, name: str, op: str = "") -> Block | None:
+    def _register(self, t: torch.Tensor, origin: str, module: str, op: str = "", name: str = "") -> Block | None:
         st = t.untyped_storage()
         key = st._cdata
         bid = self._live.get(key)
@@ -109,8 +110,8 @@ class _Recorder(TorchDispatchMode):
         if nbytes == 0:
             return None
         bid = len(self.rec.blocks)
-        blk = Block(bid, nbytes, round_up(nbytes), op, name, self._phase, origin,
-                    tuple(t.shape), str(t.dtype).removeprefix("torch."), len(self.rec.events))
+        blk = Block(bid, nbytes, round_up(nbytes), op, module, self._phase, origin,
+                    tuple(t.shape), str(t.dtype).removeprefix("torch."), len(self.rec.events), name=name)
         self.rec.blocks.append(blk)
         self.rec.events.append(bid)
         self._live[key] = bid
@@ -171,29 +172,28 @@ class _Recorder(TorchDispatchMode):
         if t.untyped_storage()._cdata in self._live:
             return
         self._register(t, origin, self._current(), _short_op(func))
-        if self._progress is not None:
-            self._progress(len(self.rec.events))
 
     # -- model states -------------------------------------------------------------
     def _register_states(self) -> None:
         params: set[int] = set()
         if self._model is not None:
             for name, p in self._model.named_parameters(remove_duplicate=True):
-                self._register(p, ORIGIN_PARAMETER, name)
+                owner = name.rpartition(".")[0]
+                self._register(p, ORIGIN_PARAMETER, owner, name=name)
                 params.add(id(p))
                 if p.grad is not None:
-                    self._register(p.grad, ORIGIN_GRADIENT, name + ".grad")
+                    self._register(p.grad, ORIGIN_GRADIENT, owner, name=name + ".grad")
             for name, b in self._model.named_buffers():
-                self._register(b, ORIGIN_BUFFER, name)
+                self._register(b, ORIGIN_BUFFER, name.rpartition(".")[0], name=name)
         for i, opt in enumerate(self._optimizers):
             for g, group in enumerate(opt.param_groups):
                 for j, p in enumerate(group["params"]):
                     if id(p) in params:
                         continue
                     label = f"optimizer.{i}.master.{g}.{j}"
-                    self._register(p, ORIGIN_MASTER, label)
+                    self._register(p, ORIGIN_MASTER, "optimizer", name=label)
                     if p.grad is not None:
-                        self._register(p.grad, ORIGIN_GRADIENT, label + ".grad")
+                        self._register(p.grad, ORIGIN_GRADIENT, "optimizer", name=label + ".grad")
             self._register_opt_state(opt, i)
         self._params = params
 
@@ -206,15 +206,14 @@ class _Recorder(TorchDispatchMode):
             for k, v in state.items():
                 # Adam's 0-dim ``step`` lives on the host on CUDA unless capturable/fused
                 if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0):
-                    blk = self._register(v, ORIGIN_STATE, f"{base}.{k}")
+                    blk = self._register(v, ORIGIN_STATE, "optimizer", name=f"{base}.{k}")
                     if blk is not None and blk.origin == ORIGIN_OP:
-                        blk.origin = ORIGIN_STATE
-                        blk.module, blk.op = f"{base}.{k}", blk.op or k
+                        blk.origin, blk.name = ORIGIN_STATE, f"{base}.{k}"
 
     def mark_input(self, t: torch.Tensor, name: str = "input") -> None:
-        blk = self._register(t, ORIGIN_INPUT, name)
+        blk = self._register(t, ORIGIN_INPUT, "", name=name)
         if blk is not None:
-            blk.origin = ORIGIN_INPUT
+            blk.origin, blk.name = ORIGIN_INPUT, name
 
     # -- hooks ----------------------------------------------------------------------
     def _name(self, mod) -> str:
@@ -227,10 +226,22 @@ class _Recorder(TorchDispatchMode):
             self.rec.module_order.append(name)
         return name
 
+    def _tick(self, phase: str) -> None:
+        """Progress: one unit per module forward and per module backward."""
+        if self._progress is None:
+            return
+        self._units += 1
+        done = min(self._units / self._total_units, 0.99)
+        if done - self._shown >= 0.01:
+            self._shown = done
+            self._progress(done, phase)
+
     def _pre_fw(self, mod, _inputs) -> None:
         self._stack.append(self._name(mod))
         if torch._C._current_graph_task_id() != -1:
             self._recompute += 1
+        else:
+            self._tick("forward")
 
     def _post_fw(self, mod, _inputs, _outputs) -> None:
         name = self._name(mod)
@@ -240,6 +251,7 @@ class _Recorder(TorchDispatchMode):
 
     def _pre_bw(self, mod, _grads) -> None:
         self._stack.append(self._name(mod))
+        self._tick("backward")
 
     def _post_bw(self, mod, _grads) -> None:
         self._pop(self._name(mod))
@@ -269,14 +281,15 @@ class _Recorder(TorchDispatchMode):
     def _grad_hook(self, name: str):
         def hook(p) -> None:
             if p.grad is not None:
-                blk = self._register(p.grad, ORIGIN_GRADIENT, name + ".grad")
+                blk = self._register(p.grad, ORIGIN_GRADIENT, self._current(), name=name + ".grad")
                 if blk is not None:
-                    blk.origin = ORIGIN_GRADIENT
-                    blk.module = name + ".grad"
+                    blk.origin, blk.name = ORIGIN_GRADIENT, name + ".grad"
         return hook
 
     def __enter__(self):
         self._seen_modules: set[str] = set()
+        self._units, self._shown = 0, 0.0
+        self._total_units = 2 * max(len(self._names), 1)
         self._open = True
         self._register_states()
         self.rec.baseline = len(self.rec.blocks)
@@ -310,5 +323,7 @@ class _Recorder(TorchDispatchMode):
                 h.remove()
             self._handles.clear()
             self._open = False
+            if self._progress is not None:
+                self._progress(1.0, "done")
             self._refs.clear()
             self._live.clear()

@@ -131,10 +131,11 @@ def _downsample(values, points: int) -> list[int]:
     return idx
 
 
-def _item_name(module: str, op: str) -> str:
-    if not op:
-        return module
-    return f"{module}.{op}" if module else op
+def item_name(b: R.Block) -> str:
+    """``<module path>.<op>`` for op outputs, the given name for model states and inputs."""
+    if b.name:
+        return b.name
+    return f"{b.module}.{b.op}" if b.module else b.op
 
 
 def categorize(rec: R.Recording) -> list[Category]:
@@ -183,8 +184,7 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
     for b in alive:
         cat = cats[b.id]
         totals[cat.value] += b.size
-        live.append(LiveTensor(_item_name(b.module, b.op) if b.origin in (R.ORIGIN_OP, R.ORIGIN_RECOMPUTE) else b.module,
-                               cat, b.size, b.op, b.phase, b.shape, b.dtype))
+        live.append(LiveTensor(item_name(b), cat, b.size, b.op, b.phase, b.shape, b.dtype))
     top = sorted(live, key=lambda t: -t.bytes)[:TOP_AT_PEAK]
     peak_block = blocks[events[peak_at]] if peak_at >= 0 else None
 
@@ -225,10 +225,9 @@ def _items(rec: R.Recording, cats: list[Category]) -> Inventory:
         if cat is Category.TRANSIENT or (cat is Category.ACTIVATION and b.origin == R.ORIGIN_RECOMPUTE):
             continue
         if cat is Category.ACTIVATION:
-            name = _item_name(b.module, b.op)
             note = "saved for backward" if b.saved else "alive at backward start (not seen by saved-tensor hooks)"
         else:
-            name, note = b.module, ("buffer" if b.origin == R.ORIGIN_BUFFER else "")
-        out.append(MemoryItem(name=name, category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
+            note = "buffer" if b.origin == R.ORIGIN_BUFFER else ""
+        out.append(MemoryItem(name=item_name(b), category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
                               formula=f"aten.{b.op}" if b.op else "", note=note))
     return Inventory.of(out)

@@ -17,14 +17,14 @@ import pickle
 from pathlib import Path
 
 from trainmem.trace.allocator import CachingAllocator
-from trainmem.trace.result import TraceResult, categorize
+from trainmem.trace.result import TraceResult, categorize, item_name
 
 __all__ = ["to_memory_snapshot", "write_snapshot"]
 
 
 def _frames(block, category: str) -> list[dict]:
     return [
-        {"filename": block.module or "<root>", "line": 0, "name": block.op or block.origin},
+        {"filename": item_name(block), "line": 0, "name": block.op or block.origin},
         {"filename": f"phase={block.phase}", "line": 0, "name": f"category={category}"},
     ]
 

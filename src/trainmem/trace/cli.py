@@ -1,0 +1,67 @@
+"""``trainmem trace``: argument parsing and rendering around :func:`trainmem.trace.trace_step`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from trainmem.cliargs import add_model_step_args
+
+    p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
+    add_model_step_args(p)
+    p.add_argument("--real", action="store_true", help="real CPU tensors instead of fake ones (small models only)")
+    p.add_argument("--snapshot", metavar="FILE", help="write a CUDA memory snapshot pickle (pytorch.org/memory_viz)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="lay out the snapshot as the allocator does with expandable_segments:True")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML timeline")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.trace/1)")
+    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _bar(done: float, phase: str) -> None:
+    width = 30
+    filled = int(done * width)
+    sys.stderr.write(f"\rtracing [{'#' * filled}{'.' * (width - filled)}] {done:4.0%} {phase:<10}")
+    if done >= 1.0:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainmem.errors import SpecError
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.specs.loaders import load_config_dict
+    from trainmem.trace import trace_step
+
+    config = load_config_dict(args.model)
+    step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
+                    optimizer=args.optimizer, loss=args.loss)
+    every = args.recompute_every
+    if every is not None and args.recompute != "every-k":
+        raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
+    impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
+                    recompute_every=every or 1, device=args.device)
+    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None)
+    if args.snapshot:
+        from trainmem.trace.snapshot import write_snapshot
+        write_snapshot(result, args.snapshot, expandable_segments=args.expandable_segments)
+    if args.html:
+        from trainmem.trace.html import write_html
+        write_html(result, args.html, title=f"trainmem trace: {args.model}")
+    if args.json:
+        out = result.to_dict()
+        out["meta"]["model_name"] = args.model
+        print(json.dumps(out))
+    else:
+        from trainmem.trace.text import render_trace
+        print(render_trace(result))
+    return 0
