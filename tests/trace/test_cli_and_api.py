@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import LLAMA
+from tiny_models import LLAMA
 from trainmem.inventory import Category
 from trainmem.trace import trace
 

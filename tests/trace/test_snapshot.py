@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from conftest import LLAMA
+from tiny_models import LLAMA
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.trace import trace_step
 from trainmem.trace.snapshot import to_memory_snapshot, write_snapshot

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import GPT2, LLAMA, MIXTRAL, QWEN2, memtracker_peak
+from tiny_models import GPT2, LLAMA, MIXTRAL, QWEN2, memtracker_peak
 from trainmem.errors import UnsupportedError
 from trainmem.inventory import Category
 from trainmem.specs import ImplSpec, StepSpec
