@@ -13,7 +13,11 @@ from trainmem.errors import TrainmemError
 __all__ = ["main", "build_parser"]
 
 #: Commands implemented in their own modules: ``add_parser(subparsers)`` and ``run(args) -> int``.
-PLUGGED = ("trainmem.trace.cli",)
+PLUGGED = (
+    "trainmem.trace.cli",      # trace, compare
+    "trainmem.measure.cli",    # profile, sweep
+    "trainmem.plan.cli",       # plan, advise, explain
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in PLUGGED:
         try:
             mod = importlib.import_module(name)
-        except ImportError:
+        except ModuleNotFoundError as exc:
+            if not (name == exc.name or name.startswith(f"{exc.name}.")):  # a real missing dependency
+                raise
             continue
         mod.add_parser(sub)
     return p

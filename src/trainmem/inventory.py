@@ -69,6 +69,15 @@ class MemoryItem:
     formula: str = ""
     note: str = ""
 
+    @classmethod
+    def make(cls, name: str, category: Category, shape: tuple[int, ...], dtype: str, nbytes: int,
+             formula: str = "") -> "MemoryItem":
+        """Fast constructor for trusted callers (estimators build thousands of items)."""
+        item = object.__new__(cls)
+        item.__dict__.update(name=name, category=category, shape=shape, dtype=dtype, bytes=nbytes,
+                             formula=formula, note="")
+        return item
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,

@@ -16,7 +16,7 @@ from trainmem.estimate.activations import activation_items
 from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
 from trainmem.estimate.peak import Phase, layer_of, phases
 from trainmem.inventory import Inventory, dtype_bytes
-from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["estimate", "Estimate"]
 
@@ -32,6 +32,7 @@ class Estimate:
     impl: ImplSpec
     inventory: Inventory
     phases: tuple[Phase, ...]
+    parallel: ParallelSpec = ParallelSpec()
 
     @property
     def totals_bytes(self) -> dict[str, int]:
@@ -52,7 +53,8 @@ class Estimate:
     def to_dict(self, *, items: bool = True) -> dict:
         out = {
             "schema": SCHEMA,
-            "inputs": {"model": self.model.to_dict(), "step": self.step.to_dict(), "impl": self.impl.to_dict()},
+            "inputs": {"model": self.model.to_dict(), "step": self.step.to_dict(), "impl": self.impl.to_dict(),
+                       "parallel": self.parallel.to_dict()},
             "profile": self.impl.profile,
             "totals_bytes": self.totals_bytes,
             "peak_bytes": self.peak_bytes,

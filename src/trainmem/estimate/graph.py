@@ -91,8 +91,6 @@ class Graph:
             self.save(*inputs)
 
     def items(self) -> list[MemoryItem]:
-        return [
-            MemoryItem(name=t.name, category=Category.ACTIVATION, shape=t.shape, dtype=t.dtype,
-                       bytes=t.nbytes, formula=t.formula())
-            for t in self.saved.values()
-        ]
+        act = Category.ACTIVATION
+        return [MemoryItem.make(t.name, act, t.shape, t.dtype, t.nbytes, t.formula())
+                for t in self.saved.values()]

@@ -24,8 +24,7 @@ _BNB_MIN_8BIT = 4096
 
 def _item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
     n = math.prod(shape) if numel is None else numel
-    return MemoryItem(name=name, category=category, shape=tuple(shape), dtype=dtype,
-                      bytes=int(n * dtype_bytes(dtype)), formula=formula)
+    return MemoryItem.make(name, category, tuple(shape), dtype, int(n * dtype_bytes(dtype)), formula)
 
 
 def _states(name: str, shape: tuple[int, ...], step: StepSpec) -> list[MemoryItem]:

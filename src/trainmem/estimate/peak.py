@@ -19,6 +19,7 @@ counted in every phase (the peak does not grow with the number of micro-batches)
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from dataclasses import dataclass, field
 
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
@@ -39,9 +40,15 @@ class Phase:
         return {"name": self.name, "bytes": self.bytes, "parts": dict(self.parts), "note": self.note}
 
 
-def layer_of(name: str) -> int | None:
-    m = _LAYER.search("." + name)
+@lru_cache(maxsize=1 << 16)
+def _layer_of_prefix(prefix: str) -> int | None:
+    m = _LAYER.search("." + prefix + ".")
     return int(m.group(1)) if m else None
+
+
+def layer_of(name: str) -> int | None:
+    """Block index in an item name (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
+    return _layer_of_prefix(name.rpartition(".")[0])
 
 
 def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str,

@@ -1,0 +1,57 @@
+"""Estimator latency per preset: median of repeated estimates (compute only, no rendering).
+
+Target (issue #2): a single estimate of the largest preset under 5 ms.
+Writes bench/results/estimate_latency.md with the machine's description.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from trainmem.estimate import estimate
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import list_presets, load_model
+
+
+def median_ms(fn, repeat: int = 21) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    step, impl = StepSpec(batch=1, seq=4096, precision="bf16"), ImplSpec()
+    rows = []
+    for name in list_presets():
+        model = load_model(name)
+        rows.append((name, model.num_layers, median_ms(lambda: estimate(model, step, impl))))
+    rows.sort(key=lambda r: -r[2])
+    lines = [
+        "# Estimator latency (median of 21, compute only)",
+        "",
+        f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}",
+        "step: B=1 S=4096 bf16 AdamW, profile hf, sdpa",
+        "",
+        "| preset | layers | median ms |",
+        "|---|---:|---:|",
+        *[f"| {n} | {layers} | {ms:.2f} |" for n, layers, ms in rows],
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(__file__).parent / "results" / "estimate_latency.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""ParallelSpec: how a step is spread over ranks (data, tensor, sequence, context, expert,
+pipeline parallelism; ZeRO/FSDP; offload)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from trainmem.errors import SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["ParallelSpec", "SCHEDULES", "OFFLOADS"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+OFFLOADS = ("optimizer", "params", "activations")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """Parallel degrees and sharding. The world size is dp × tp × cp × pp (ep divides dp·cp... see docs)."""
+
+    dp: int = 1
+    """Data-parallel replicas (also the ZeRO/FSDP sharding group unless ``fsdp='hybrid'``)."""
+    tp: int = 1
+    """Tensor-parallel degree (splits heads and the FFN width)."""
+    sp: bool = False
+    """Sequence parallelism on top of TP: norms, dropout and residuals split over tokens."""
+    cp: int = 1
+    """Context-parallel degree (splits the sequence for attention)."""
+    cp_style: str = "ring"
+    """``ring`` (K/V blocks passed around) or ``allgather`` (K/V gathered once)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE experts split over ranks)."""
+    pp: int = 1
+    """Pipeline stages."""
+    schedule: str = "1f1b"
+    """gpipe, 1f1b, interleaved (with ``virtual_stages``), zero-bubble."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank for the interleaved schedule."""
+    microbatches: int = 1
+    """Micro-batches per pipeline flush (the step's gradient accumulation under PP)."""
+    zero: int = 0
+    """ZeRO stage 0-3 (1: optimizer states, 2: + gradients, 3: + parameters sharded over dp)."""
+    fsdp: str | None = None
+    """FSDP sharding: ``full`` (= ZeRO-3) or ``hybrid`` (shard within a node, replicate across)."""
+    fsdp_group: int = 8
+    """Ranks per shard group for hybrid sharding."""
+    reshard_after_forward: bool = True
+    """FSDP frees gathered parameters after forward (False keeps them until backward)."""
+    offload: tuple[str, ...] = ()
+    """What lives in host memory: optimizer, params, activations."""
+    layer_split: tuple[int, ...] = ()
+    """Layers per pipeline stage when uneven (must sum to the model's layers)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group"):
+            v.positive(name, getattr(self, name), maximum=1 << 20)
+        v.boolean("sp", self.sp)
+        v.boolean("reshard_after_forward", self.reshard_after_forward)
+        v.one_of("schedule", self.schedule, SCHEDULES)
+        v.one_of("cp_style", self.cp_style, ("ring", "allgather"))
+        if self.zero not in (0, 1, 2, 3):
+            raise SpecError("zero", self.zero, "must be 0, 1, 2 or 3")
+        if self.fsdp is not None:
+            v.one_of("fsdp", self.fsdp, ("full", "hybrid"))
+        object.__setattr__(self, "offload", tuple(self.offload))
+        for o in self.offload:
+            v.one_of("offload", o, OFFLOADS)
+        if self.sp and self.tp == 1:
+            raise SpecError("sp", self.sp, "sequence parallelism needs tp > 1")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise SpecError("virtual_stages", self.virtual_stages, f"needs schedule='interleaved', not {self.schedule!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1 and not self.offload and self.zero == 0 and self.fsdp is None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
