@@ -97,3 +97,21 @@ def test_unsupported_choices_are_clear_errors():
         trace_step(LLAMA, FP32, ImplSpec(attention="mem-efficient"))
     with pytest.raises(UnsupportedError, match="adam8bit"):
         trace_step(LLAMA, StepSpec(batch=1, seq=8, optimizer="adam8bit"), ImplSpec())
+
+
+def test_reference_model_from_a_model_spec():
+    from trainmem.specs import ModelSpec
+    spec = ModelSpec(hidden_size=64, num_layers=2, num_heads=4, ffn_size=176, vocab_size=1000)
+    plain = trace_step(spec, FP32, ImplSpec(profile="reference"))
+    full = trace_step(spec, FP32, ImplSpec(profile="reference", recompute="full"))
+    fake_real = trace_step(spec, FP32, ImplSpec(profile="reference"), real=True)
+    assert full.totals_at_peak_bytes["activation"] < plain.totals_at_peak_bytes["activation"]
+    assert fake_real.peak_bytes == plain.peak_bytes
+    assert any(m.name == "layers.0.mlp.up" for m in plain.modules)
+
+
+def test_public_api_is_frozen():
+    import trainmem.trace as t
+    assert t.__all__ == ["trace", "trace_step", "Tracer", "TraceResult", "ModulePeak", "LiveTensor", "SCHEMA"]
+    for name in t.__all__:
+        assert getattr(t, name) is not None

@@ -41,7 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.specs.loaders import load_config_dict
     from trainmem.trace import trace_step
 
-    config = load_config_dict(args.model)
+    if args.profile == "reference":
+        from trainmem.specs.loaders import load_model
+        config = load_model(args.model)  # a ModelSpec: trace trainmem's reference model
+    else:
+        config = load_config_dict(args.model)
     step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss)
     every = args.recompute_every

@@ -142,9 +142,11 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
                real: bool = False, progress: Callable[[float, str], None] | None = None) -> TraceResult:
     """Trace one training step of a Hugging Face causal LM.
 
-    ``model_or_config`` is a ``config.json`` dict (built with random weights, on fake tensors
-    unless ``real``) or an already built ``nn.Module`` with ``config.vocab_size``. ``progress``
-    is called with (fraction done, phase) as modules run.
+    ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights), a
+    :class:`~trainmem.specs.ModelSpec` (trainmem's reference model, whose recompute and kernels
+    follow ``impl``), or an already built ``nn.Module`` with ``config.vocab_size`` called as
+    ``model(ids, labels=ids).loss``. Models are built on fake tensors unless ``real``.
+    ``progress`` is called with (fraction done, phase) as modules run.
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
@@ -179,19 +181,27 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
     import torch
     from trainmem.trace.api import Tracer
 
-    if isinstance(model_or_config, Mapping):
-        from trainmem.models.hf import build_hf_model
+    from trainmem.specs import ModelSpec
+
+    reference = isinstance(model_or_config, ModelSpec)
+    if reference:
+        from trainmem.models.reference import build_reference_model
         with _default_dtype(_dtype(dt.param)):  # model.to() cannot swap fake parameters
+            model = build_reference_model(model_or_config, impl)
+        vocab = model_or_config.vocab_size
+    elif isinstance(model_or_config, Mapping):
+        from trainmem.models.hf import build_hf_model
+        with _default_dtype(_dtype(dt.param)):
             model = build_hf_model(model_or_config, attention=impl.attention)
-        attn_dropout = float(model_or_config.get("attention_dropout", 0.0) or 0.0)
+        vocab = model.config.vocab_size
     else:
         model = model_or_config
-        attn_dropout = 0.0
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not vocab:
+            raise UnsupportedError(f"{type(model).__name__} has no config.vocab_size; use trace() for custom models")
     model.train()
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if not vocab:
-        raise UnsupportedError(f"{type(model).__name__} has no config.vocab_size; use trace() for custom models")
-    _enable_recompute(model, impl)
+    if not reference:  # the reference model checkpoints by itself, from impl
+        _enable_recompute(model, impl)
 
     params = [p for p in model.parameters() if p.requires_grad]
     masters = None
@@ -202,14 +212,14 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
         optimizer = _make_optimizer(step.optimizer, params)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
                 else contextlib.nullcontext())
-    selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective"
+    selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
                  else contextlib.nullcontext())
     ids = torch.randint(0, vocab, (step.batch, step.seq))
 
     def one_step() -> None:
         for _ in range(step.grad_accum):
             with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(ids, labels=ids).loss
             (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
             del loss
         if masters is not None:
@@ -225,7 +235,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
 
     from torch._subclasses.fake_tensor import is_fake
     meta = {"step": step.to_dict(), "impl": impl.to_dict(), "fake": bool(is_fake(ids)), "model": type(model).__name__,
-            "attention_dropout": attn_dropout, "torch": torch.__version__}
+            "torch": torch.__version__}
     with selective:
         one_step()
         tracer = Tracer(model, optimizer, inputs=[ids], meta=meta, progress=progress)
