@@ -48,6 +48,7 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     """
     g, m = ctx.g, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
+    rg = q.rg or k.rg or v.rg
     heads_shape, heads_dims = (B, A, S, hd), "B·A·S·hd"
     scores_shape, scores_dims = (B, A, S, S), "B·A·S·S"
     low = ctx.low
@@ -55,41 +56,43 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         if low:  # SDPA is on autocast's lower-precision list
             q, k, v = (ctx.cast(t, low, f"{n}_cast") for t, n in ((q, "q"), (k, "k"), (v, "v")))
         if not gqa_native and m.num_kv_heads != A:
-            k = g.new("k_repeat", heads_shape, heads_dims, k.dtype)
-            v = g.new("v_repeat", heads_shape, heads_dims, v.dtype)
-        out = g.new("sdpa_out", (B, S, A * hd), "B·S·A·hd", q.dtype)
+            k = g.new("k_repeat", heads_shape, heads_dims, k.dtype, k.rg)
+            v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
+        out = g.new("sdpa_out", (B, S, A * hd), "B·S·A·hd", q.dtype, rg)
         if kernel == "flash":
             lse = g.new("lse", (B, A, S), "B·A·S", "float32")
         else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
             s32 = -(-S // 32) * 32
             lse = g.new("lse", (B, A, s32), "B·A·⌈S/32⌉·32", "float32")
-        g.save(q, k, v, out, lse)
+        g.save(q, k, v, out, lse, when=rg)
         if m.attn_dropout > 0 and ctx.impl.device == "cuda":
-            g.save(g.new("rng_state", (2,), "2", "int64"))
+            g.save(g.new("rng_state", (2,), "2", "int64", False), when=rg)
         return out
     # eager / math: materialized scores
     out_dtype = low or v.dtype
     if kernel == "math" and ctx.impl.device == "cpu" and (low or q.dtype) != "float32":
         # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32
-        q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32") for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.rg) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         low = None
     qm = ctx.cast(q, low, "q_cast") if low else q
     k_in = ctx.cast(k, low, "k_cast") if low else k
     # the K operand reaches bmm as a fresh (B·A, hd, S) copy: repeat_kv, or the transpose's reshape
-    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype)
-    g.save(qm, kt)
+    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.rg)
+    g.save(qm, when=kt.rg)  # bmm keeps each operand for the other's gradient
+    g.save(kt, when=qm.rg)
     # eager adds the causal mask (in the embedding dtype) before softmax: type promotion applies
     scores_dtype = promote(qm.dtype, ctx.param) if kernel == "eager" else qm.dtype
     sm_dtype = "float32" if softmax_fp32 or (low and ctx.impl.device == "cuda") else scores_dtype
-    probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype)
-    g.save(probs32)
+    probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype, qm.rg or kt.rg)
+    g.save(probs32, when=probs32.rg)
     probs = ctx.cast(probs32, q.dtype if softmax_fp32 else v.dtype, "probs")
     probs = ctx.dropout(probs, m.attn_dropout, "attn_dropout")
     if low:
         probs = ctx.cast(probs, low, "probs_cast")
         v = ctx.cast(v, low, "v_cast")
     # V likewise reaches bmm as a fresh heads-wide copy (repeat_kv, the KV-cache cat, or a reshape)
-    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype)
-    g.save(probs, vv)
+    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
+    g.save(probs, when=vv.rg)
+    g.save(vv, when=probs.rg)
     out_dtype = out_dtype if kernel == "math" else probs.dtype
-    return g.new("attn_out", (B, S, A * hd), "B·S·A·hd", out_dtype)
+    return g.new("attn_out", (B, S, A * hd), "B·S·A·hd", out_dtype, rg)

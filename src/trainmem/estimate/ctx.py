@@ -7,6 +7,7 @@ for backward. The docstring names the kernel whose saved set it follows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from trainmem.estimate.graph import Graph, Sym
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
@@ -31,6 +32,8 @@ class Ctx:
     model: ModelSpec
     step: StepSpec
     impl: ImplSpec
+    trainable: Callable[[str], bool] = staticmethod(lambda name: True)
+    """Whether the parameter with this (HF) name receives a gradient (fine-tuning freezes some)."""
 
     def __post_init__(self) -> None:
         d = self.step.dtypes
@@ -47,7 +50,10 @@ class Ctx:
         """``x.to(dtype)``: a new storage unless the dtype already matches (ToCopy saves nothing)."""
         if x.dtype == dtype:
             return x
-        return self.g.new(label, x.shape, x.dims, dtype)
+        return self.g.new(label, x.shape, x.dims, dtype, x.rg)
+
+    def weight_trainable(self, label: str = "weight") -> bool:
+        return self.trainable(self.g.path(label))
 
     def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                label: str = "out", weight_sym: str = "") -> Sym:
@@ -57,16 +63,18 @@ class Ctx:
         mm's backward keeps, so the weight copy counts as an activation.
         """
         g = self.g
+        wt = self.weight_trainable()
         if self.low:
             xin = self.cast(x, self.low, "input_cast")
-            g.save(xin, g.new("weight_cast", weight, weight_sym or f"{weight[0]}·{weight[1]}", self.low))
+            g.save(g.new("weight_cast", weight, weight_sym or f"{weight[0]}·{weight[1]}", self.low, wt),
+                   when=x.rg)
             out_dtype = self.low
         else:
             xin, out_dtype = x, x.dtype
-        g.save(xin)
+        g.save(xin, when=wt)  # mm keeps its input only for the weight's gradient
         shape = x.shape[:-1] + (out_features,)
         dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
-        return g.new(label, shape, dims, out_dtype)
+        return g.new(label, shape, dims, out_dtype, x.rg or wt)
 
     def dropout(self, x: Sym, p: float, label: str = "dropout") -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;
@@ -75,14 +83,15 @@ class Ctx:
             return x
         g = self.g
         mask_dtype = "bool" if self.impl.device == "cuda" else x.dtype
-        g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype))
-        return g.new(label, x.shape, x.dims, x.dtype)
+        g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype, False), when=x.rg)
+        return g.new(label, x.shape, x.dims, x.dtype, x.rg)
 
     def mul(self, a: Sym, b: Sym, label: str, *, shape=None, dims=None) -> Sym:
-        """Elementwise product of two tensors that both need grad: both are kept."""
-        self.g.save(a, b)
-        return self.g.new(label, shape or a.shape, dims or a.dims, promote(a.dtype, b.dtype))
+        """Elementwise product: each operand is kept for the other's gradient."""
+        self.g.save(a, when=b.rg)
+        self.g.save(b, when=a.rg)
+        return self.g.new(label, shape or a.shape, dims or a.dims, promote(a.dtype, b.dtype), a.rg or b.rg)
 
     def add(self, a: Sym, b: Sym, label: str) -> Sym:
         """Elementwise sum: keeps nothing."""
-        return self.g.new(label, a.shape, a.dims, promote(a.dtype, b.dtype))
+        return self.g.new(label, a.shape, a.dims, promote(a.dtype, b.dtype), a.rg or b.rg)

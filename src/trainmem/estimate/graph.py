@@ -27,6 +27,7 @@ class Sym:
     shape: tuple[int, ...]
     dims: str  # symbolic shape, e.g. "B·S·H"
     dtype: str
+    rg: bool = True  # requires grad: whether autograd must carry a gradient to it
 
     @property
     def numel(self) -> int:
@@ -65,12 +66,19 @@ class Graph:
     def path(self, label: str) -> str:
         return ".".join([*self.scope, label]) if self.scope else label
 
-    def new(self, label: str, shape: tuple[int, ...], dims: str, dtype: str) -> Sym:
-        return Sym(self.path(label), tuple(int(s) for s in shape), dims, dtype)
+    def new(self, label: str, shape: tuple[int, ...], dims: str, dtype: str, rg: bool = True) -> Sym:
+        return Sym(self.path(label), tuple(int(s) for s in shape), dims, dtype, rg)
 
     # saving --------------------------------------------------------------------
-    def save(self, *tensors: Sym | None) -> None:
-        """Autograd keeps these for backward (no-op for tensors already kept)."""
+    def save(self, *tensors: Sym | None, when: bool = True) -> None:
+        """Autograd keeps these for backward (no-op for tensors already kept).
+
+        ``when`` is the kernel's condition for keeping them: PyTorch saves an operand only if
+        the gradient that needs it is required (derivatives.yaml), e.g. a frozen linear layer
+        keeps its weight for the input gradient but not its input.
+        """
+        if not when:
+            return
         target = self._checkpoint[-1] if self._checkpoint else self.saved
         for t in tensors:
             if t is not None:

@@ -36,8 +36,9 @@ def _embedding(ctx: Ctx, name: str, rows_sym: str = "B·S") -> Sym:
     g = ctx.g
     with g.module(name):
         shape = (ctx.B, ctx.S) if rows_sym == "B·S" else (1, ctx.S)
-        g.save(g.new("indices", shape, rows_sym, "int64"))
-        return g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param)
+        wt = ctx.weight_trainable()
+        g.save(g.new("indices", shape, rows_sym, "int64", False), when=wt)  # only the weight's gradient needs them
+        return g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param, wt)
 
 
 def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
@@ -48,16 +49,17 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
     """
     g = ctx.g
     with g.module(name):
+        wt = ctx.weight_trainable()
         x32 = ctx.cast(x, "float32", "x_fp32")
-        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0], "float32")
-        normed = g.new("normed", x.shape, x.dims, "float32")
-        g.save(x32, rs)
+        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0], "float32", x.rg)
+        normed = g.new("normed", x.shape, x.dims, "float32", x.rg)
+        g.save(x32, rs, when=x.rg)
         if gemma:
-            g.save(normed)
-            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32"), x.dtype, "out")
+            g.save(normed, when=wt)
+            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.rg or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
-        g.save(nc)
-        return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype))
+        g.save(nc, when=wt)
+        return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype), x.rg or wt)
 
 
 def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
@@ -70,14 +72,16 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
         # CUDA keeps fp32 statistics; the CPU kernel does so only for mixed input/weight dtypes
         mixed = x.dtype != ctx.param
         stat = "float32" if ctx.impl.device == "cuda" or mixed else x.dtype
-        g.save(x, g.new("mean", stat_shape, stat_dims, stat), g.new("rstd", stat_shape, stat_dims, stat))
-        return g.new("out", x.shape, x.dims, x.dtype)
+        rg = x.rg or ctx.weight_trainable()
+        g.save(x, g.new("mean", stat_shape, stat_dims, stat, False), g.new("rstd", stat_shape, stat_dims, stat, False),
+               when=rg)
+        return g.new("out", x.shape, x.dims, x.dtype, rg)
 
 
 def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
     """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not)."""
-    ctx.g.save(cos, sin)
-    return ctx.g.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype))
+    ctx.g.save(cos, sin, when=x.rg)
+    return ctx.g.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype), x.rg)
 
 
 def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
@@ -90,10 +94,10 @@ def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
         t = g.new("tanh", x.shape, x.dims, hi.dtype)
         one_plus = g.new("one_plus_tanh", x.shape, x.dims, hi.dtype)
         half_x = g.new("half_x", x.shape, x.dims, x.dtype)
-        g.save(x, hi, t, one_plus, half_x)
-        return g.new("out", x.shape, x.dims, promote(half_x.dtype, one_plus.dtype))
-    g.save(x)  # silu, gelu, gelu(tanh), relu keep their input (relu its output: same size)
-    return g.new("out", x.shape, x.dims, x.dtype)
+        g.save(x, hi, t, one_plus, half_x, when=x.rg)
+        return g.new("out", x.shape, x.dims, promote(half_x.dtype, one_plus.dtype), x.rg)
+    g.save(x, when=x.rg)  # silu, gelu, gelu(tanh), relu keep their input (relu its output: same size)
+    return g.new("out", x.shape, x.dims, x.dtype, x.rg)
 
 
 def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
@@ -104,18 +108,19 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     with g.module("loss"):
         if ctx.step.loss == "ce":
             dtype = "float32" if upcast else logits.dtype
-            g.save(g.new("log_softmax", (B * S, V), "B·S·V", dtype))
+            g.save(g.new("log_softmax", (B * S, V), "B·S·V", dtype), when=logits.rg)
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), "B·S·H", logits.dtype))
-        g.save(g.new("target", (B * S,), "B·S", "int64"), g.new("total_weight", (), "1", "float32"))
+        g.save(g.new("target", (B * S,), "B·S", "int64", False), g.new("total_weight", (), "1", "float32", False),
+               when=logits.rg)
 
 
 def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     m = ctx.model
     if ctx.step.loss != "ce":
         ctx.g.save(h)  # chunked/fused CE recompute logits from the hidden state
-        return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype)
+        return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype, h.rg or ctx.trainable(f"{name}.weight"))
     with ctx.g.module(name):
         return ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size), weight_sym="V·H")
 
@@ -126,9 +131,9 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
     if ctx.impl.recompute not in ("full", "every-k"):
         return []
     g = ctx.g
-    held = [positions or g.new("model.position_ids", (1, ctx.S), "S", "int64")]
+    held = [positions or g.new("model.position_ids", (1, ctx.S), "S", "int64", False)]
     if kernel == "eager":
-        held.append(g.new("model.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype))
+        held.append(g.new("model.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype, False))
     return held
 
 
@@ -139,11 +144,11 @@ def _llama(ctx: Ctx) -> None:
     gemma = m.family in ("gemma", "gemma2")
     x = _embedding(ctx, "model.embed_tokens")
     if gemma:  # hidden * sqrt(H) normalizer: a new tensor, keeps only the scalar
-        x = g.new("model.embed_scaled", x.shape, x.dims, x.dtype)
+        x = g.new("model.embed_scaled", x.shape, x.dims, x.dtype, x.rg)
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
-        cos = g.new("cos", rot, "S·hd", x.dtype)
-        sin = g.new("sin", rot, "S·hd", x.dtype)
+        cos = g.new("cos", rot, "S·hd", x.dtype, False)
+        sin = g.new("sin", rot, "S·hd", x.dtype, False)
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
     for i in range(m.num_layers):
@@ -167,8 +172,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         if m.family == "phi3":
             with g.module("qkv_proj"):
                 qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H))
-            q = g.new("q", (ctx.B, ctx.S, qs), "B·S·A·hd", qkv.dtype)
-            k = g.new("k", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", qkv.dtype)
+            q = g.new("q", (ctx.B, ctx.S, qs), "B·S·A·hd", qkv.dtype, qkv.rg)
+            k = g.new("k", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", qkv.dtype, qkv.rg)
             v = qkv  # a view of the fused output
         else:
             with g.module("q_proj"):
@@ -183,8 +188,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         q = _rope(ctx, q, cos, sin, "q_rope")
         k = _rope(ctx, k, cos, sin, "k_rope")
         # the KV cache's torch.cat hands attention fresh copies of K and V
-        k = g.new("k_cache", k.shape, k.dims, k.dtype)
-        v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype)
+        k = g.new("k_cache", k.shape, k.dims, k.dtype, k.rg)
+        v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype, v.rg)
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
         o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256)
         with g.module("o_proj"):
@@ -229,8 +234,8 @@ def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
             up = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
         shape, dims = gate.shape, gate.dims
     with g.module("act_fn"):
-        g.save(gate)
-        act = g.new("out", shape, dims, gate.dtype)
+        g.save(gate, when=gate.rg)
+        act = g.new("out", shape, dims, gate.dtype, gate.rg)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
     with g.module("down_proj"):
         return ctx.linear(prod, H, "H", weight=(H, F), weight_sym="H·F")
@@ -289,8 +294,8 @@ def _gpt(ctx: Ctx) -> None:
     cos = sin = None
     if neox:
         with g.module(f"{root}.rotary_emb"):
-            cos = g.new("cos", (1, ctx.S, m.head_dim), "S·hd", x.dtype)
-            sin = g.new("sin", (1, ctx.S, m.head_dim), "S·hd", x.dtype)
+            cos = g.new("cos", (1, ctx.S, m.head_dim), "S·hd", x.dtype, False)
+            sin = g.new("sin", (1, ctx.S, m.head_dim), "S·hd", x.dtype, False)
     layers = "layers" if neox else "h"
     held = _checkpoint_extras(ctx, kernel, x.dtype, positions)
     for i in range(m.num_layers):
@@ -317,15 +322,15 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
             qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H), weight_sym="3H·H")
         heads = ((B, A, S, hd), "B·A·S·hd")
         if neox:
-            q = _rope(ctx, g.new("q", *heads, qkv.dtype), cos, sin, "q_rope")
-            k = _rope(ctx, g.new("k", *heads, qkv.dtype), cos, sin, "k_rope")
+            q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.rg), cos, sin, "q_rope")
+            k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.rg), cos, sin, "k_rope")
         elif kernel in ("eager", "math"):
-            q = g.new("q", *heads, qkv.dtype)  # bmm reshapes the strided view into a copy
+            q = g.new("q", *heads, qkv.dtype, qkv.rg)  # bmm reshapes the strided view into a copy
             k = qkv
         else:
             q = k = qkv  # SDPA keeps the strided query view, i.e. the whole c_attn output
-        k = g.new("k_cache", *heads, k.dtype)
-        v = g.new("v_cache", *heads, qkv.dtype)
+        k = g.new("k_cache", *heads, k.dtype, k.rg)
+        v = g.new("v_cache", *heads, qkv.dtype, qkv.rg)
         o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox)
         if kernel in ("flash", "efficient") and not neox:
             pass
@@ -387,7 +392,7 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
             for n in ("query", "key", "value"):
                 with g.module(n):
                     qkv.append(ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H"))
-            q = g.new("q", (B, A, S, hd), "B·A·S·hd", qkv[0].dtype)
+            q = g.new("q", (B, A, S, hd), "B·A·S·hd", qkv[0].dtype, qkv[0].rg)
             o = attention_core(ctx, q, qkv[1], qkv[2], kernel=kernel, gqa_native=True, softmax_fp32=False)
         with g.module("output"):
             with g.module("dense"):
