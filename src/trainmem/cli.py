@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/1)")
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
     est.set_defaults(func=_estimate)
+    cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
+    add_model_step_args(cmp)
+    cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (needed for MoE)")
+    cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/1)")
+    cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
+    cmp.set_defaults(func=_compare)
     pre = sub.add_parser("presets", help="list bundled model presets")
     pre.set_defaults(func=_presets)
     for name in PLUGGED:
@@ -60,6 +66,27 @@ def _estimate(args) -> int:
     else:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
+    return 0
+
+
+def _compare(args) -> int:
+    from dataclasses import replace
+
+    from trainmem.cliargs import specs_from_args
+    from trainmem.compare import compare
+    from trainmem.estimate import estimate
+    from trainmem.specs.loaders import load_config_dict
+    from trainmem.trace import trace_step
+
+    model, step, impl = specs_from_args(args)
+    impl = replace(impl, device="cpu")  # the trace runs CPU kernels: compare like with like
+    target = model if impl.profile == "reference" else load_config_dict(args.model)
+    result = compare(estimate(model, step, impl), trace_step(target, step, impl, real=args.real))
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from trainmem.report.text import render_comparison
+        print(render_comparison(result, detail=args.detail))
     return 0
 
 

@@ -12,7 +12,7 @@ from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
 from trainmem.specs.step import OPTIMIZERS, PRECISIONS, LOSSES
 
-__all__ = ["add_model_step_args", "specs_from_args", "DEFAULT_MODEL"]
+__all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "llama-3-8b"
 
@@ -54,7 +54,11 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.specs.loaders import load_model
 
-    model = load_model(args.model)
+    return (load_model(args.model), *step_impl_from_args(args))
+
+
+def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
+    """The step and implementation specs alone (for commands that build the model themselves)."""
     step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss)
     every = args.recompute_every
@@ -62,4 +66,4 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, Impl
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device)
-    return model, step, impl
+    return step, impl

@@ -85,9 +85,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                 recompute[li] = (total + it.bytes, max(big, it.bytes))
     d = step.dtypes
     resid_dtype = d.param
+    lsm = next((i for i in acts if i.name == "loss.log_softmax"), None)
     ph = phases(
         list(inv), B=step.batch, S=step.seq, vocab=model.vocab_size,
         logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
+        loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
         optimizer_transient=optimizer_step_transient_bytes(model, step),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),

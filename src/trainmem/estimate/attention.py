@@ -38,13 +38,15 @@ def resolve_kernel(ctx: Ctx) -> str:
 
 
 def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
-                   softmax_fp32: bool = True) -> Sym:
+                   softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False) -> Sym:
     """Run one attention core inside the current module scope.
 
     ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
     fused QKV layouts); otherwise they are repeated to ``num_heads`` first (HF ``repeat_kv``).
     ``softmax_fp32``: the eager softmax is asked for fp32 output (Llama family) rather than
     running in the scores' dtype (GPT-2; CUDA autocast still promotes it to fp32).
+    ``out_copy``: the fused kernels' output comes back in (B, A, S, hd) layout because q was
+    made contiguous (RoPE by ``torch.cat``), so ``transpose(1, 2).contiguous()`` copies it.
     """
     g, m = ctx.g, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
@@ -67,6 +69,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         g.save(q, k, v, out, lse, when=rg)
         if m.attn_dropout > 0 and ctx.impl.device == "cuda":
             g.save(g.new("rng_state", (2,), "2", "int64", False), when=rg)
+        if out_copy:
+            return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
     # eager / math: materialized scores
     out_dtype = low or v.dtype
@@ -81,7 +85,10 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     g.save(qm, when=kt.rg)  # bmm keeps each operand for the other's gradient
     g.save(kt, when=qm.rg)
     # eager adds the causal mask (in the embedding dtype) before softmax: type promotion applies
-    scores_dtype = promote(qm.dtype, ctx.param) if kernel == "eager" else qm.dtype
+    if softcap:  # Gemma-2: cap * tanh(scores / cap) before the mask; tanh keeps its output
+        g.save(g.new("softcap_tanh", scores_shape, scores_dims, qm.dtype, True), when=qm.rg or kt.rg)
+    masked = kernel == "eager" and m.arch == "decoder"  # encoders without padding pass no mask
+    scores_dtype = promote(qm.dtype, ctx.param) if masked else qm.dtype
     sm_dtype = "float32" if softmax_fp32 or (low and ctx.impl.device == "cuda") else scores_dtype
     probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype, qm.rg or kt.rg)
     g.save(probs32, when=probs32.rg)

@@ -34,6 +34,9 @@ class Ctx:
     impl: ImplSpec
     trainable: Callable[[str], bool] = staticmethod(lambda name: True)
     """Whether the parameter with this (HF) name receives a gradient (fine-tuning freezes some)."""
+    finetune_linear: Callable[..., Sym] | None = None
+    """Fine-tuning's linear rule (frozen or 4-bit base, LoRA adapter; ``estimate/finetune.py``),
+    called as ``finetune_linear(ctx, x, ...)`` in place of :meth:`plain_linear`."""
 
     def __post_init__(self) -> None:
         d = self.step.dtypes
@@ -57,6 +60,13 @@ class Ctx:
 
     def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                label: str = "out", weight_sym: str = "") -> Sym:
+        if self.finetune_linear is not None:
+            return self.finetune_linear(self, x, out_features, out_sym, weight=weight, label=label,
+                                        weight_sym=weight_sym)
+        return self.plain_linear(x, out_features, out_sym, weight=weight, label=label, weight_sym=weight_sym)
+
+    def plain_linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
+                     label: str = "out", weight_sym: str = "") -> Sym:
         """``F.linear`` / ``addmm``: saves the input (and the weight, a parameter).
 
         Under autocast the input and the weight are cast first; the casts are what
@@ -76,13 +86,18 @@ class Ctx:
         dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
         return g.new(label, shape, dims, out_dtype, x.rg or wt)
 
-    def dropout(self, x: Sym, p: float, label: str = "dropout") -> Sym:
+    def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;
-        the CPU path multiplies by a noise tensor in the input dtype (aten ``_dropout_impl``)."""
+        the CPU path multiplies by a noise tensor in the input dtype (aten ``_dropout_impl``).
+        ``module``: the dropout is an ``nn.Dropout`` submodule named ``label`` (names follow it)."""
         if p <= 0.0:
             return x
         g = self.g
         mask_dtype = "bool" if self.impl.device == "cuda" else x.dtype
+        if module:
+            with g.module(label):
+                g.save(g.new("mask", x.shape, x.dims, mask_dtype, False), when=x.rg)
+                return g.new("out", x.shape, x.dims, x.dtype, x.rg)
         g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype, False), when=x.rg)
         return g.new(label, x.shape, x.dims, x.dtype, x.rg)
 

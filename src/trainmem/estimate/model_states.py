@@ -27,8 +27,8 @@ def _item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
     return MemoryItem.make(name, category, tuple(shape), dtype, int(n * dtype_bytes(dtype)), formula)
 
 
-def _states(name: str, shape: tuple[int, ...], step: StepSpec) -> list[MemoryItem]:
-    opt, dt = step.optimizer, step.dtypes.state
+def _states(name: str, shape: tuple[int, ...], step: StepSpec, dt: str | None = None) -> list[MemoryItem]:
+    opt, dt = step.optimizer, dt or step.dtypes.state  # dt: LoRA adapters keep states like their weights
     b = dtype_bytes(dt)
     n = math.prod(shape)
     S = Category.OPTIMIZER_STATE
@@ -56,8 +56,14 @@ def _states(name: str, shape: tuple[int, ...], step: StepSpec) -> list[MemoryIte
             _item(f"{name}.absmax2", S, (blocks,), "float32", "⌈numel/256⌉·4")]
 
 
-def model_state_items(model: ModelSpec, step: StepSpec) -> list[MemoryItem]:
-    """One item per parameter and ledger, named ``<parameter name>[.<state>]``."""
+def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[MemoryItem]:
+    """One item per parameter and ledger, named ``<parameter name>[.<state>]``.
+
+    ``finetune`` (a FinetuneSpec): frozen parameters carry no gradient, master or optimizer
+    items; LoRA adapters and QLoRA's 4-bit storage are added (``estimate/finetune.py``)."""
+    if finetune is not None:
+        from trainmem.estimate.finetune import finetune_state_items
+        return finetune_state_items(model, step, finetune)
     d = step.dtypes
     pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
     out: list[MemoryItem] = []

@@ -51,7 +51,7 @@ def layer_of(name: str) -> int | None:
     return _layer_of_prefix(name.rpartition(".")[0])
 
 
-def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str,
+def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str, loss_dtype: str,
            loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
            optimizer_transient: tuple[int, str], residual_bytes: int) -> list[Phase]:
     by_cat: dict[Category, int] = {}
@@ -89,12 +89,13 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
         out.append(Phase(name, sum(full.values()), full, note))
 
     if loss == "ce":
+        lb = dtype_bytes(loss_dtype)
         logits = int(BSV * dtype_bytes(logits_dtype))
-        logits32 = BSV * 4 if logits_dtype != "float32" else 0
-        add("forward", {"gradients": g_acc, "activations": A, "logits": logits + logits32},
-            "end of forward: saved activations + logits (and their fp32 copy) held by the output")
-        add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": 2 * BSV * 4},
-            "loss backward: activations + grad of log-softmax output and of fp32 logits (2·B·S·V·4)")
+        upcast = int(BSV * lb) if loss_dtype != logits_dtype else 0
+        add("forward", {"gradients": g_acc, "activations": A, "logits": logits + upcast},
+            "end of forward: saved activations + logits (and their upcast copy) held by the output")
+        add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
+            f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     else:
         add("forward", {"gradients": g_acc, "activations": A}, "end of forward (chunked loss)")
     last = max(act_layer) if act_layer else None

@@ -54,8 +54,9 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
         rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0], "float32", x.rg)
         normed = g.new("normed", x.shape, x.dims, "float32", x.rg)
         g.save(x32, rs, when=x.rg)
-        if gemma:
+        if gemma:  # normed * (1 + w.float()): keeps normed for w's grad and (1 + w) for x's
             g.save(normed, when=wt)
+            g.save(g.new("one_plus_w", x.shape[-1:], "H", "float32", wt), when=x.rg)
             return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.rg or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
         g.save(nc, when=wt)
@@ -69,9 +70,8 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
         if ctx.low and ctx.impl.device == "cuda":
             x = ctx.cast(x, "float32", "x_fp32")
         stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0]
-        # CUDA keeps fp32 statistics; the CPU kernel does so only for mixed input/weight dtypes
-        mixed = x.dtype != ctx.param
-        stat = "float32" if ctx.impl.device == "cuda" or mixed else x.dtype
+        # CUDA keeps fp32 statistics; the CPU kernel keeps them in the input's dtype
+        stat = "float32" if ctx.impl.device == "cuda" else x.dtype
         rg = x.rg or ctx.weight_trainable()
         g.save(x, g.new("mean", stat_shape, stat_dims, stat, False), g.new("rstd", stat_shape, stat_dims, stat, False),
                when=rg)
@@ -107,7 +107,8 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
         if ctx.step.loss == "ce":
-            dtype = "float32" if upcast else logits.dtype
+            # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
+            dtype = "float32" if upcast or ctx.low else logits.dtype
             g.save(g.new("log_softmax", (B * S, V), "B·S·V", dtype), when=logits.rg)
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
@@ -122,7 +123,13 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
         ctx.g.save(h)  # chunked/fused CE recompute logits from the hidden state
         return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype, h.rg or ctx.trainable(f"{name}.weight"))
     with ctx.g.module(name):
-        return ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size), weight_sym="V·H")
+        logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size), weight_sym="V·H")
+    if m.logit_softcap:  # Gemma-2: cap * tanh(logits / cap); tanh keeps its output
+        with ctx.g.module("loss"):
+            t = ctx.g.new("logit_softcap_tanh", logits.shape, logits.dims, logits.dtype, logits.rg)
+            ctx.g.save(t, when=t.rg)
+            logits = ctx.g.new("logits_capped", logits.shape, logits.dims, logits.dtype, logits.rg)
+    return logits
 
 
 def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None) -> list[Sym]:
@@ -143,8 +150,8 @@ def _llama(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
     gemma = m.family in ("gemma", "gemma2")
     x = _embedding(ctx, "model.embed_tokens")
-    if gemma:  # hidden * sqrt(H) normalizer: a new tensor, keeps only the scalar
-        x = g.new("model.embed_scaled", x.shape, x.dims, x.dtype, x.rg)
+    if gemma:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
+        x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.rg)
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
         cos = g.new("cos", rot, "S·hd", x.dtype, False)
@@ -191,7 +198,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         k = g.new("k_cache", k.shape, k.dims, k.dtype, k.rg)
         v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype, v.rg)
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
-        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256)
+        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
+                           softcap=m.attn_softcap, out_copy=m.family == "phi3")
         with g.module("o_proj"):
             a = ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd")
     if gemma and m.family == "gemma2":
@@ -233,7 +241,7 @@ def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
         with g.module("up_proj"):
             up = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
         shape, dims = gate.shape, gate.dims
-    with g.module("act_fn"):
+    with g.module("activation_fn" if m.family == "phi3" else "act_fn"):
         g.save(gate, when=gate.rg)
         act = g.new("out", shape, dims, gate.dtype, gate.rg)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
@@ -266,7 +274,8 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
                g.new("counts", (E,), "E", "int32"), g.new("routed_idx", Tk, "B·S·k", "int64"))
         x_in = g.new("gathered", (T * k, H), "B·S·k·H", act)
         gu = g.new("gate_up", (T * k, 2 * F), "B·S·k·2Fe", act)
-        a = g.new("act", (T * k, F), "B·S·k·Fe", act)
+        with g.module("act_fn"):
+            a = g.new("out", (T * k, F), "B·S·k·Fe", act)
         p = g.new("act_mul_up", (T * k, F), "B·S·k·Fe", act)
         w = g.new("weights", (T * k, 1), "B·S·k", "float32")
         d = g.new("down", (T * k, H), "B·S·k·H", act)
@@ -289,13 +298,14 @@ def _gpt(ctx: Ctx) -> None:
         pos = _embedding(ctx, f"{root}.wpe", rows_sym="S")
         positions = next(t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices")
         x = ctx.add(x, pos, f"{root}.embed_sum")
-    x = ctx.dropout(x, m.embd_dropout, f"{root}.drop")
+    x = ctx.dropout(x, m.embd_dropout, f"{root}.drop", module=True)
     kernel = resolve_kernel(ctx)
     cos = sin = None
     if neox:
+        rot = m.rotary_dim or m.head_dim
         with g.module(f"{root}.rotary_emb"):
-            cos = g.new("cos", (1, ctx.S, m.head_dim), "S·hd", x.dtype, False)
-            sin = g.new("sin", (1, ctx.S, m.head_dim), "S·hd", x.dtype, False)
+            cos = g.new("cos", (1, ctx.S, rot), "S·rot", x.dtype, False)
+            sin = g.new("sin", (1, ctx.S, rot), "S·rot", x.dtype, False)
     layers = "layers" if neox else "h"
     held = _checkpoint_extras(ctx, kernel, x.dtype, positions)
     for i in range(m.num_layers):
@@ -331,12 +341,12 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
             q = k = qkv  # SDPA keeps the strided query view, i.e. the whole c_attn output
         k = g.new("k_cache", *heads, k.dtype, k.rg)
         v = g.new("v_cache", *heads, qkv.dtype, qkv.rg)
-        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox)
+        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox)
         if kernel in ("flash", "efficient") and not neox:
             pass
         with g.module("dense" if neox else "c_proj"):
             a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
-        a = ctx.dropout(a, m.hidden_dropout, "resid_dropout")
+        a = ctx.dropout(a, m.hidden_dropout, "resid_dropout", module=True)
     if neox and m.parallel_residual:
         h2 = _layernorm(ctx, x, "post_attention_layernorm")
     else:
@@ -349,7 +359,7 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
             act = _activation(ctx, u, "gelu_new" if m.activation == "gelu_tanh" and not neox else "act")
         with g.module("dense_4h_to_h" if neox else "c_proj"):
             y = ctx.linear(act, H, "H", weight=(H, F), weight_sym="H·F")
-        y = ctx.dropout(y, m.hidden_dropout, "dropout")
+        y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
     if neox and m.parallel_residual:
         return ctx.add(ctx.add(x, a, "residual_attn"), y, "residual_mlp")
     return ctx.add(x, y, "residual_mlp")
@@ -361,11 +371,18 @@ def _bert(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
     H = m.hidden_size
     x = _embedding(ctx, "bert.embeddings.word_embeddings")
-    x = ctx.add(x, _embedding(ctx, "bert.embeddings.position_embeddings", rows_sym="S"), "bert.embeddings.sum")
+    # position ids are a slice of a registered buffer (no allocation); token-type ids are
+    # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
+    pos = _embedding(ctx, "bert.embeddings.position_embeddings", rows_sym="S")
+    g.saved.pop(next(k for k, t in g.saved.items() if t.name == "bert.embeddings.position_embeddings.indices"), None)
+    x = ctx.add(x, pos, "bert.embeddings.sum")
     if m.type_vocab_size:
-        x = ctx.add(x, _embedding(ctx, "bert.embeddings.token_type_embeddings"), "bert.embeddings.sum_tt")
+        with g.module("bert.embeddings"):
+            g.save(g.new("token_type_ids", (1, ctx.S), "S", "int64", False))
+        tt = g.new("bert.embeddings.token_type_embeddings.out", x.shape, x.dims, ctx.param)
+        x = ctx.add(x, tt, "bert.embeddings.sum_tt")
     x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
-    x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout")
+    x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout", module=True)
     kernel = resolve_kernel(ctx)
     for i in range(m.num_layers):
         with g.module(f"bert.encoder.layer.{i}"):
@@ -397,7 +414,7 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
         with g.module("output"):
             with g.module("dense"):
                 a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
-            a = ctx.dropout(a, m.hidden_dropout, "dropout")
+            a = ctx.dropout(a, m.hidden_dropout, "dropout", module=True)
             x = _layernorm(ctx, ctx.add(a, x, "residual"), "LayerNorm")
     with g.module("intermediate"):
         with g.module("dense"):
@@ -407,5 +424,5 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
     with g.module("output"):
         with g.module("dense"):
             y = ctx.linear(u, H, "H", weight=(H, F), weight_sym="H·F")
-        y = ctx.dropout(y, m.hidden_dropout, "dropout")
+        y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
         return _layernorm(ctx, ctx.add(y, x, "residual"), "LayerNorm")

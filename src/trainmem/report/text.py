@@ -10,7 +10,7 @@ from trainmem.estimate.peak import layer_of
 from trainmem.inventory import LEDGERS, Category
 from trainmem.report.units import fmt_bytes
 
-__all__ = ["render_estimate"]
+__all__ = ["render_estimate", "render_comparison"]
 
 _IDX = re.compile(r"\.(\d+)\.")
 
@@ -73,3 +73,24 @@ def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:
         for i in sorted(others, key=lambda i: -i.bytes)[: None if detail else 8]:
             out.append(f"    {i.name:<52} {str(list(i.shape)):<22} {i.dtype:<9} {fmt_bytes(i.bytes):>11}  {i.formula}")
     return out
+
+
+def render_comparison(c, *, detail: bool = False) -> str:
+    """Activations per module, estimate vs trace, and the peak (a ``trainmem.compare.Comparison``)."""
+    lines = ["Activations saved for backward, per module (estimate vs trace, CPU kernels)",
+             f"  {'module':<48} {'estimate':>12} {'trace':>12} {'ratio':>7}"]
+    exact = [r for r in c.rows if r.estimate_bytes == r.trace_bytes]
+    for r in c.rows:
+        if r in exact and not detail:
+            continue
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else f"only {'estimate' if r.lacks == 'trace' else 'trace'}"
+        lines.append(f"  {r.name:<48} {fmt_bytes(r.estimate_bytes):>12} {fmt_bytes(r.trace_bytes):>12} {ratio:>7}")
+    if exact and not detail:
+        lines.append(f"  ({len(exact)} modules agree to the byte; --detail lists them)")
+    ea, ta = c.activation_estimate_bytes, c.activation_trace_bytes
+    lines.append(f"  {'total':<48} {fmt_bytes(ea):>12} {fmt_bytes(ta):>12} {ea / ta if ta else float('nan'):>7.3f}")
+    lines.append("")
+    ep, tp = c.estimate_peak_bytes, c.trace_peak_bytes
+    lines.append(f"Peak: estimate {fmt_bytes(ep)} ({c.estimate_peak_phase}) vs trace {fmt_bytes(tp)} "
+                 f"({c.trace_peak_phase}), ratio {ep / tp:.3f}")
+    return "\n".join(lines)

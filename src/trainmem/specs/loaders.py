@@ -43,7 +43,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
         "intermediate_size": 24576, "hidden_act": "gelu", "attention_dropout": 0.0, "hidden_dropout": 0.0,
         "max_position_embeddings": 2048, "tie_word_embeddings": False, "use_parallel_residual": True,
-        "attention_bias": True,
+        "attention_bias": True, "rotary_pct": 0.25,
     },
     "llama": {  # LlamaConfig
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -70,7 +70,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
-        "attention_dropout": 0.0,
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     },
     "phi3": {  # Phi3Config (``embd_pdrop`` exists but Phi3Model applies no embedding dropout)
         "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
@@ -197,7 +197,17 @@ def _gpt_neox(c: _Cfg) -> dict:
         "attn_dropout": c("attention_dropout"), "hidden_dropout": c("hidden_dropout"),
         "embd_dropout": c("hidden_dropout"),
         "parallel_residual": c("use_parallel_residual"),
+        "rotary_dim": int(c("hidden_size") // c("num_attention_heads") * _rotary_fraction(c)),
     }
+
+
+def _rotary_fraction(c: _Cfg) -> float:
+    """GPT-NeoX's rotated share of each head: ``rotary_pct`` (4.x) or
+    ``rope_parameters.partial_rotary_factor`` (5.x)."""
+    rope = c.cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" in rope:
+        return float(rope["partial_rotary_factor"])
+    return float(c("rotary_pct"))
 
 
 def _llama(c: _Cfg) -> dict:
@@ -229,7 +239,9 @@ def _gemma(c: _Cfg) -> dict:
 
 
 def _gemma2(c: _Cfg) -> dict:
-    return _llama_like(c, act_key="hidden_activation")
+    return {**_llama_like(c, act_key="hidden_activation"),
+            "attn_softcap": float(c("attn_logit_softcapping") or 0.0),
+            "logit_softcap": float(c("final_logit_softcapping") or 0.0)}
 
 
 def _phi3(c: _Cfg) -> dict:

@@ -69,6 +69,12 @@ class ModelSpec:
     """Dropout on each residual branch output."""
     embd_dropout: float = 0.0
     """Dropout on the embedding output."""
+    rotary_dim: int = 0
+    """Per-head dims that RoPE rotates (GPT-NeoX ``rotary_pct``); 0 means the whole head."""
+    attn_softcap: float = 0.0
+    """tanh soft-capping of attention scores (Gemma-2); 0 for none."""
+    logit_softcap: float = 0.0
+    """tanh soft-capping of the final logits (Gemma-2); 0 for none."""
     parallel_residual: bool = False
     """Attention and MLP read the same input and add into the residual together (GPT-J/NeoX)."""
     num_experts: int = 0
@@ -111,6 +117,13 @@ class ModelSpec:
             v.non_negative(name, getattr(self, name))
         for name in ("attn_dropout", "hidden_dropout", "embd_dropout"):
             v.probability(name, getattr(self, name))
+        for name in ("attn_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise SpecError(name, value, "must be a non-negative number (0 disables)")
+        v.non_negative("rotary_dim", self.rotary_dim)
+        if self.rotary_dim > self.head_dim:
+            raise SpecError("rotary_dim", self.rotary_dim, f"exceeds head_dim={self.head_dim}")
         if self.num_experts:
             if not 1 <= self.top_k <= self.num_experts:
                 raise SpecError(

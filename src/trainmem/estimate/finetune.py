@@ -1,0 +1,365 @@
+"""Fine-tuning: which parameters train, what frozen and 4-bit layers keep, and LoRA adapters.
+
+Three pieces plug into the estimator:
+
+* :func:`trainable_predicate` -- ``Ctx.trainable``: every kernel rule already keeps an operand
+  only when the gradient that needs it is required, so freezing is a predicate over HF names.
+* :class:`FinetuneLinear` -- ``Ctx.finetune_linear``: the base linear (plain, or bitsandbytes'
+  4-bit ``Linear4bit``) followed, at targeted modules, by peft's ``lora.Linear.forward``
+  (peft 0.1x ``tuners/lora/layer.py``)::
+
+      result = base_layer(x)
+      x = x.to(lora_A.weight.dtype)                       # _cast_input_dtype
+      result = result + lora_B(lora_A(dropout(x))) * scaling
+      result = result.to(torch_result_dtype)
+
+  ``lora_A`` keeps its input (the dropout output, or ``x`` itself when p = 0), ``lora_B`` keeps
+  the rank-r intermediate, dropout keeps its mask only when ``x`` needs a gradient, the scaling
+  (a Python float) and the add keep nothing. Under autocast each adapter matmul keeps its own
+  low-precision input copy and weight copy. bitsandbytes' ``MatMul4Bit`` keeps only the packed
+  weight (a parameter): neither the input nor a dequantized weight is saved.
+  Frozen linears leave a zero-byte marker item (``<module>.input``, "not saved: frozen weight")
+  so reports show what was *not* kept.
+* :func:`finetune_state_items` -- model states: frozen parameters have no gradient, master
+  weight or optimizer state; adapters ``<module>.lora_A.default.weight`` (r, in) and
+  ``lora_B`` (out, r) have all three, in ``adapter_dtype``; a QLoRA base weight is stored as
+  packed 4-bit codes plus its quantization constants (bitsandbytes ``quantize_4bit``).
+
+Known limitations:
+  - QLoRA's storage follows the format (bitsandbytes 0.4x ``functional.quantize_4bit``), not a
+    measurement: 4-bit matmuls need a CUDA build of bitsandbytes. Non-quantized parameters
+    (embeddings, norms, head) follow the step's precision; ``prepare_model_for_kbit_training``'s
+    fp32 upcast of them is closest to ``precision=amp-bf16``.
+  - Frozen MoE experts (fused ``grouped_mm``) still keep their routed inputs; LoRA on experts
+    is not modelled.
+  - peft's LoRA variants (DoRA, rsLoRA scaling aside) and ``modules_to_save`` are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+from typing import Callable
+
+from trainmem.errors import UnsupportedError
+from trainmem.estimate.ctx import Ctx
+from trainmem.estimate.graph import Sym
+from trainmem.estimate.params import parameter_shapes
+from trainmem.estimate.peak import Phase
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.specs import ModelSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec, parse_layer_range
+
+__all__ = [
+    "trainable_predicate", "FinetuneLinear", "finetune_state_items", "finetune_optimizer_transient",
+    "adapter_parameters", "dequant_transient", "with_dequant_transient", "load_preset", "list_presets",
+]
+
+_EMBEDDING = re.compile(r"(?:^|\.)(?:embed[^.]*|wte|wpe|[A-Za-z_]*embeddings)\.weight$")
+_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
+_HEADS = ("lm_head", "cls.predictions.decoder")  # output layers: never adapted, never quantized
+_ADAPTER = (".lora_A.", ".lora_B.")
+FROZEN_NOTE = "frozen: no gradient, master weight or optimizer state"
+
+
+# which parameters train -------------------------------------------------------------------------
+
+def _module(param: str) -> str:
+    return param.rpartition(".")[0]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A freeze pattern: ``embeddings``, a layer range, or a module name / dotted prefix."""
+    if pattern == "embeddings":
+        return bool(_EMBEDDING.search(name))
+    layers = parse_layer_range(pattern)
+    if layers is not None:
+        m = _LAYER.search(name)
+        return bool(m) and int(m.group(1)) in layers
+    return name == pattern or name.startswith(pattern + ".") or f".{pattern}." in f".{name}"
+
+
+def _tied_embedding(model: ModelSpec) -> str | None:
+    if not model.tied_embeddings:
+        return None
+    return next((n for n, _ in parameter_shapes(model) if _EMBEDDING.search(n)), None)
+
+
+def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str], bool]:
+    """``name -> bool`` over HF parameter names (adapters: ``<module>.lora_A.default.weight``)."""
+    tied = _tied_embedding(model)
+
+    def trainable(name: str) -> bool:
+        if any(a in name for a in _ADAPTER):
+            return spec.adapters
+        if spec.adapters:
+            return False  # peft freezes the whole base (bias="none")
+        if tied and _module(name) in _HEADS:
+            name = tied  # one tensor: frozen together
+        return not any(_matches(name, p) for p in spec.freeze)
+
+    return trainable
+
+
+def is_linear_weight(model: ModelSpec, name: str, shape: tuple[int, ...]) -> bool:
+    """A 2-D weight of a linear layer other than the output head (what peft's ``all-linear``
+    adapts and bitsandbytes quantizes)."""
+    return (name.endswith(".weight") and len(shape) == 2 and not _EMBEDDING.search(name)
+            and _module(name) not in _HEADS)
+
+
+def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
+    """peft ``check_target_module_exists``: the module name, or a ``.name`` suffix of it."""
+    if not spec.adapters or any(a.strip(".") in module.split(".") for a in _ADAPTER):
+        return False
+    if "all-linear" in spec.lora_targets:
+        return module not in _HEADS
+    return any(module == t or module.endswith("." + t) for t in spec.lora_targets)
+
+
+def _linear_in_out(model: ModelSpec, shape: tuple[int, int]) -> tuple[int, int]:
+    """(in, out) of a linear weight; GPT-2's ``Conv1D`` stores ``[in, out]``."""
+    return (shape[0], shape[1]) if model.family == "gpt2" else (shape[1], shape[0])
+
+
+def adapter_parameters(model: ModelSpec, spec: FinetuneSpec) -> list[tuple[str, tuple[int, int], str]]:
+    """``(name, shape, after)``: each adapter weight and the base parameter it follows."""
+    out = []
+    for name, shape in parameter_shapes(model):
+        module = _module(name)
+        if is_linear_weight(model, name, shape) and lora_targeted(module, spec):
+            fan_in, fan_out = _linear_in_out(model, shape)
+            r = spec.lora_rank
+            out.append((f"{module}.lora_A.default.weight", (r, fan_in), name))
+            out.append((f"{module}.lora_B.default.weight", (fan_out, r), name))
+    if spec.adapters and not out:
+        raise UnsupportedError(
+            f"lora_targets={list(spec.lora_targets)} match no linear layer of {model.name} ({model.family})")
+    return out
+
+
+def _adapter_dtype(spec: FinetuneSpec, step: StepSpec) -> str:
+    return step.dtypes.param if spec.adapter_dtype == "param" else spec.adapter_dtype
+
+
+# activations: the linear rule ---------------------------------------------------------------------
+
+class FinetuneLinear:
+    """``Ctx.finetune_linear``: a frozen or 4-bit base, then peft's adapter at targeted modules.
+
+    Collects zero-byte marker items (``notes``) for inputs a frozen layer does not keep.
+    """
+
+    def __init__(self, model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -> None:
+        self.spec = spec
+        self.adapter_dtype = _adapter_dtype(spec, step)
+        self.notes: list[MemoryItem] = []
+
+    def __call__(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
+                 label: str = "out", weight_sym: str = "") -> Sym:
+        g, spec = ctx.g, self.spec
+        module = ".".join(g.scope)
+        trainable = ctx.weight_trainable()
+        if spec.mode == "qlora" and module not in _HEADS:
+            out = self._linear4bit(ctx, x, out_features, out_sym, weight=weight, label=label)
+        else:
+            out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label, weight_sym=weight_sym)
+            if not trainable:
+                self._note(ctx, x, "not saved: frozen weight (mm keeps its input only for the weight's gradient)")
+        if lora_targeted(module, spec):
+            out = self._lora(ctx, x, out, weight)
+        return out
+
+    def _note(self, ctx: Ctx, x: Sym, why: str) -> None:
+        item = MemoryItem(name=ctx.g.path("input"), category=Category.ACTIVATION, shape=x.shape, dtype=x.dtype,
+                          bytes=0, formula=f"0 ({x.formula()} not saved)", note=why)
+        self.notes.append(item)
+
+    def _linear4bit(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight, label: str) -> Sym:
+        """bitsandbytes ``Linear4bit.forward``: ``x.to(compute_dtype)``, ``MatMul4Bit`` (keeps only the
+        packed weight; dequantizes one weight at a time as a temporary), result cast back to x's dtype."""
+        ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved
+        self._note(ctx, x, f"not saved: 4-bit {self.spec.quant_type} weight (MatMul4Bit keeps only the packed weight)")
+        shape = x.shape[:-1] + (out_features,)
+        dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
+        return ctx.g.new(label, shape, dims, x.dtype, x.rg)
+
+    def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:
+        g, spec, r = ctx.g, self.spec, self.spec.lora_rank
+        out_f, in_f = weight
+        in_sym = x.dims.rsplit("·", 1)[-1]
+        out_sym = result.dims.rsplit("·", 1)[-1]
+        xa = ctx.cast(x, self.adapter_dtype, "lora_input_cast")  # peft _cast_input_dtype
+        with g.module("lora_dropout.default"):
+            d = ctx.dropout(xa, spec.lora_dropout, "out")
+        with g.module("lora_A.default"):
+            a = ctx.plain_linear(d, r, "r", weight=(r, in_f), weight_sym=f"r·{in_sym}")
+        with g.module("lora_B.default"):
+            b = ctx.plain_linear(a, out_f, out_sym, weight=(out_f, r), weight_sym=f"{out_sym}·r")
+        scaled = g.new("lora_scaled", b.shape, b.dims, b.dtype, b.rg)  # * scaling (a float): keeps nothing
+        total = ctx.add(result, scaled, "lora_sum")
+        return ctx.cast(total, result.dtype, "lora_out")  # result.to(torch_result_dtype)
+
+    def embedding_notes(self, ctx: Ctx, model: ModelSpec) -> None:
+        """Markers for frozen embedding tables: their indices are not kept."""
+        for name, _ in parameter_shapes(model):
+            if _EMBEDDING.search(name) and not ctx.trainable(name):
+                self.notes.append(MemoryItem(
+                    name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=(), dtype="int64",
+                    bytes=0, formula="0 (B·S·8 not saved)",
+                    note="not saved: frozen embedding (the indices serve only the weight's gradient)"))
+
+
+# model states ---------------------------------------------------------------------------------------
+
+def _make(name: str, category: Category, shape: tuple[int, ...], dtype: str, nbytes: int, formula: str,
+          note: str = "") -> MemoryItem:
+    return MemoryItem(name=name, category=category, shape=tuple(shape), dtype=dtype, bytes=int(nbytes),
+                      formula=formula, note=note)
+
+
+def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> list[MemoryItem]:
+    """A bitsandbytes 4-bit weight: packed codes (two per uint8), one absmax per ``quant_block``
+    weights (fp32; with double quantization uint8, plus one fp32 constant per
+    ``double_quant_block`` absmax and an fp32 offset), and the 16-entry fp32 code book."""
+    P = Category.PARAMETER
+    n = math.prod(shape)
+    blocks = -(-n // spec.quant_block)
+    note = f"{spec.quant_type} 4-bit base, frozen"
+    out = [_make(name, P, shape, spec.quant_type, -(-n // 2), "⌈numel/2⌉·1 (packed uint8)", note)]
+    qb = spec.quant_block
+    if spec.double_quant:
+        blocks2 = -(-blocks // spec.double_quant_block)
+        out += [_make(f"{name}.absmax", P, (blocks,), "uint8", blocks, f"⌈numel/{qb}⌉·1 (8-bit absmax)"),
+                _make(f"{name}.absmax2", P, (blocks2,), "float32", blocks2 * 4,
+                      f"⌈numel/{qb}/{spec.double_quant_block}⌉·4"),
+                _make(f"{name}.absmax_offset", P, (), "float32", 4, "1·4")]
+    else:
+        out.append(_make(f"{name}.absmax", P, (blocks,), "float32", blocks * 4, f"⌈numel/{qb}⌉·4"))
+    out.append(_make(f"{name}.quant_code", P, (16,), "float32", 64, "16·4 (4-bit code book)"))
+    return out
+
+
+def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -> list[MemoryItem]:
+    """Model states under fine-tuning, one item per parameter and ledger (see module docstring)."""
+    from trainmem.estimate.model_states import _item, _states
+
+    d = step.dtypes
+    pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
+    trainable = trainable_predicate(model, spec)
+    adapters: dict[str, list[tuple[str, tuple[int, int]]]] = {}
+    for name, shape, after in adapter_parameters(model, spec) if spec.adapters else ():
+        adapters.setdefault(after, []).append((name, shape))
+    train = step.mode == "train"
+    out: list[MemoryItem] = []
+    for name, shape in parameter_shapes(model):
+        if spec.mode == "qlora" and is_linear_weight(model, name, shape):
+            out += quantized_items(name, shape, spec)
+        elif train and trainable(name):
+            out.append(_item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}"))
+            out.append(_item(f"{name}.grad", Category.GRADIENT, shape, d.grad, f"numel·{gb:g}"))
+            if d.master:
+                out.append(_item(f"{name}.master", Category.MASTER_WEIGHT, shape, d.master, "numel·4"))
+            out.extend(_states(name, shape, step))
+        else:
+            item = _item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}")
+            out.append(replace(item, note=FROZEN_NOTE) if train else item)
+        for aname, ashape in adapters.get(name, ()):
+            out += _adapter_items(aname, ashape, step, spec, train)
+    return out
+
+
+def _adapter_items(name: str, shape: tuple[int, int], step: StepSpec, spec: FinetuneSpec,
+                   train: bool) -> list[MemoryItem]:
+    """An adapter weight: grads like the weight; fp32 master and fp32 optimizer states only for a
+    16-bit adapter under a master-weight recipe; otherwise states follow the weight (torch's AdamW
+    keeps ``zeros_like(param)``)."""
+    from trainmem.estimate.model_states import _item, _states
+
+    d = step.dtypes
+    dt = _adapter_dtype(spec, step)
+    b = dtype_bytes(dt)
+    out = [_item(name, Category.PARAMETER, shape, dt, f"numel·{b:g}")]
+    if not train:
+        return out
+    out.append(_item(f"{name}.grad", Category.GRADIENT, shape, dt, f"numel·{b:g}"))
+    master = bool(d.master) and dt != "float32"
+    if master:
+        out.append(_item(f"{name}.master", Category.MASTER_WEIGHT, shape, "float32", "numel·4"))
+    out.extend(_states(name, shape, step, d.state if master else dt))
+    return out
+
+
+def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec) -> tuple[int, str]:
+    """``optimizer_step_transient_bytes`` over the parameters that train: fp32 gradient copies for
+    each master weight, foreach ``sqrt(exp_avg_sq)`` like every ``exp_avg_sq``, Adafactor's two
+    temporaries of the largest trainable parameter."""
+    extra, why = 0, []
+    masters = sum(i.bytes for i in items if i.category is Category.MASTER_WEIGHT)
+    if masters:
+        extra += masters
+        why.append("fp32 gradient copies of trainable parameters (numel·4)")
+    if step.optimizer in ("adamw", "adam"):
+        extra += sum(i.bytes for i in items if i.name.endswith(".exp_avg_sq"))
+        why.append("foreach sqrt(exp_avg_sq) of trainable parameters")
+    elif step.optimizer == "adafactor":
+        grads = [i.bytes for i in items if i.category is Category.GRADIENT]
+        sb = dtype_bytes(step.dtypes.state) / dtype_bytes(step.dtypes.grad)
+        extra += int(2 * max(grads, default=0) * sb)
+        why.append("2 × largest trainable parameter")
+    return extra, " + ".join(why) or "in-place update"
+
+
+# QLoRA's dequantization temporaries -------------------------------------------------------------------
+
+def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int, str]:
+    """One dequantized base weight at a time (forward, and again for the input gradient in backward):
+    the largest quantized weight in the compute dtype. Zero unless qlora."""
+    if spec is None or spec.mode != "qlora":
+        return 0, ""
+    sizes = [(math.prod(s), n) for n, s in parameter_shapes(model) if is_linear_weight(model, n, s)]
+    numel, name = max(sizes)
+    b = dtype_bytes(spec.compute_dtype)
+    return int(numel * b), f"dequantized {name} (largest 4-bit weight, numel·{b:g})"
+
+
+def with_dequant_transient(phases: list[Phase], nbytes: int, why: str) -> list[Phase]:
+    """Add the dequantization temporary to every phase that runs 4-bit matmuls (forward, backward)."""
+    if not nbytes:
+        return phases
+    out = []
+    for p in phases:
+        if p.name.startswith(("forward", "backward")) and p.name != "backward_end":
+            parts = {**p.parts, "dequant_temporary": nbytes}
+            p = Phase(p.name, p.bytes + nbytes, parts, f"{p.note}; + {why}")
+        out.append(p)
+    return out
+
+
+# presets ---------------------------------------------------------------------------------------------------
+
+def _preset_dir():
+    from importlib.resources import files
+
+    return files("trainmem") / "data" / "finetune"
+
+
+def list_presets() -> list[str]:
+    """Bundled fine-tuning recipes (``data/finetune/*.json``)."""
+    return sorted(p.name.removesuffix(".json") for p in _preset_dir().iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str, **overrides) -> FinetuneSpec:
+    """A bundled recipe as a :class:`FinetuneSpec`; ``overrides`` replace its fields."""
+    import json
+
+    from trainmem.errors import ConfigError
+
+    path = _preset_dir() / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"unknown fine-tuning preset {name!r}; bundled: {', '.join(list_presets())}")
+    data = json.loads(path.read_text())
+    data.pop("description", None)
+    data.update(overrides)
+    return FinetuneSpec.from_dict(data)
