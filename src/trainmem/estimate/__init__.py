@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainmem.estimate.activations import activation_items
+from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
 from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
 from trainmem.estimate.peak import Phase, layer_of, phases
 from trainmem.inventory import Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
 
 __all__ = ["estimate", "Estimate"]
 
@@ -33,6 +35,7 @@ class Estimate:
     inventory: Inventory
     phases: tuple[Phase, ...]
     parallel: ParallelSpec = ParallelSpec()
+    finetune: FinetuneSpec | None = None  # None: every parameter trains
 
     @property
     def totals_bytes(self) -> dict[str, int]:
@@ -54,7 +57,8 @@ class Estimate:
         out = {
             "schema": SCHEMA,
             "inputs": {"model": self.model.to_dict(), "step": self.step.to_dict(), "impl": self.impl.to_dict(),
-                       "parallel": self.parallel.to_dict()},
+                       "parallel": self.parallel.to_dict(),
+                       "finetune": self.finetune.to_dict() if self.finetune else None},
             "profile": self.impl.profile,
             "totals_bytes": self.totals_bytes,
             "peak_bytes": self.peak_bytes,
@@ -66,18 +70,21 @@ class Estimate:
         return out
 
 
-def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | None = None) -> Estimate:
+def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
+             finetune: FinetuneSpec | None = None) -> Estimate:
     """Estimate one training step of ``model``: every parameter, gradient, master weight,
-    optimizer state and saved activation, and the phase-by-phase peak."""
+    optimizer state and saved activation, and the phase-by-phase peak.
+
+    ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
     step = step or StepSpec()
     impl = impl or ImplSpec()
-    acts = activation_items(model, step, impl)
-    states = model_state_items(model, step)
+    acts = activation_items(model, step, impl, finetune)
+    states = model_state_items(model, step, finetune)
     inv = Inventory(tuple(states) + tuple(acts))
     # (bytes, largest tensor) a checkpointed block re-materializes during its backward
     recompute: dict[int, tuple[int, int]] = {}
     if impl.recompute != "none":
-        plain = activation_items(model, step, replace(impl, recompute="none", recompute_every=1))
+        plain = activation_items(model, step, replace(impl, recompute="none", recompute_every=1), finetune)
         for it in plain:
             li = layer_of(it.name)
             if li is not None and (impl.checkpointed(li) or impl.recompute == "selective"):
@@ -91,7 +98,10 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
-        optimizer_transient=optimizer_step_transient_bytes(model, step),
+        optimizer_transient=(finetune_optimizer_transient(states, step) if finetune
+                             else optimizer_step_transient_bytes(model, step)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
     )
-    return Estimate(model, step, impl, inv, tuple(ph))
+    if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
+        ph = with_dequant_transient(ph, *dequant_transient(model, finetune))
+    return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune)

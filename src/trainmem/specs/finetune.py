@@ -1,0 +1,128 @@
+"""FinetuneSpec: which parameters train, and how (full fine-tuning, LoRA, QLoRA).
+
+Defaults follow the libraries people run: peft's ``LoraConfig`` (r=8, alpha=8, no dropout,
+adapters upcast to fp32 by ``get_peft_model(autocast_adapter_dtype=True)``) and the QLoRA
+recipe of Dettmers et al. 2023 as configured through transformers' ``BitsAndBytesConfig``
+(NF4, blocks of 64, double quantization, bf16 compute).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from trainmem.errors import SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["FinetuneSpec", "MODES", "ADAPTER_DTYPES", "parse_layer_range"]
+
+MODES = ("full", "lora", "qlora")
+ADAPTER_DTYPES = ("float32", "param", "bfloat16", "float16")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+QUANT_TYPES = ("nf4", "fp4")
+
+_RANGE = re.compile(r"^(?:layers|h|layer)\.(\d+)(?:-(\d+))?$")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
+
+
+def parse_layer_range(pattern: str) -> range | None:
+    """``layers.0-11`` -> range(0, 12); ``layers.5`` -> range(5, 6); anything else -> None."""
+    m = _RANGE.match(pattern)
+    if not m:
+        return None
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if hi < lo:
+        raise SpecError("freeze", pattern, f"layer range runs backwards ({lo} > {hi})")
+    return range(lo, hi + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneSpec:
+    """Fine-tuning: frozen parts, LoRA adapters, a 4-bit base."""
+
+    mode: Literal["full", "lora", "qlora"] = "full"
+    """full (every parameter not frozen trains), lora (base frozen, low-rank adapters train),
+    qlora (LoRA on a 4-bit quantized base)."""
+    freeze: tuple[str, ...] = ()
+    """Frozen parameters: ``embeddings`` (token/position tables), a block range ``layers.0-11``,
+    or a module name / prefix (``lm_head``, ``model.norm``, ``self_attn``). Under lora/qlora the
+    whole base is frozen already."""
+    lora_rank: int = 8
+    """Adapter rank r (peft ``r``)."""
+    lora_alpha: float = 8
+    """peft ``lora_alpha``; the adapter output is scaled by alpha / r (a Python float: keeps nothing)."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Module names that get adapters, matched like peft's ``target_modules`` (exact name or
+    ``.name`` suffix); ``all-linear`` means every linear layer except the output head."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter input (peft ``lora_dropout``); > 0 keeps a mask and a copy of the input."""
+    adapter_dtype: str = "float32"
+    """Adapter weights' dtype: float32 (peft's default upcast of 16-bit adapters), or ``param``
+    (same as the base parameters, ``autocast_adapter_dtype=False``), bfloat16, float16."""
+    quant_type: str = "nf4"
+    """4-bit data type of the QLoRA base (``bnb_4bit_quant_type``): nf4 or fp4 (same storage)."""
+    quant_block: int = 64
+    """Weights per quantization block; one absmax constant each (bitsandbytes blocksize)."""
+    double_quant: bool = True
+    """Quantize the absmax constants to 8 bits in blocks of ``double_quant_block``
+    (``bnb_4bit_use_double_quant``)."""
+    double_quant_block: int = 256
+    """absmax constants per block of the second quantization (one fp32 constant each)."""
+    compute_dtype: str = "bfloat16"
+    """dtype a 4-bit weight is dequantized to for each matmul (``bnb_4bit_compute_dtype``)."""
+
+    def __post_init__(self) -> None:
+        v.one_of("mode", self.mode, MODES)
+        for name in ("freeze", "lora_targets"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise SpecError(name, value, "must be a list of names, not one string")
+            object.__setattr__(self, name, tuple(value))
+            for item in getattr(self, name):
+                if not isinstance(item, str) or not _NAME.match(item):
+                    raise SpecError(name, item, "must be a module name, prefix or layer range such as layers.0-11")
+        for pattern in self.freeze:
+            parse_layer_range(pattern)
+        v.positive("lora_rank", self.lora_rank, maximum=1 << 16)
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise SpecError("lora_alpha", self.lora_alpha, "must be a positive number")
+        if not self.lora_targets:
+            raise SpecError("lora_targets", self.lora_targets, "must name at least one module (or all-linear)")
+        v.probability("lora_dropout", self.lora_dropout)
+        v.one_of("adapter_dtype", self.adapter_dtype, ADAPTER_DTYPES)
+        v.one_of("quant_type", self.quant_type, QUANT_TYPES)
+        v.positive("quant_block", self.quant_block, maximum=1 << 16)
+        v.boolean("double_quant", self.double_quant)
+        v.positive("double_quant_block", self.double_quant_block, maximum=1 << 16)
+        v.one_of("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+
+    @property
+    def adapters(self) -> bool:
+        return self.mode in ("lora", "qlora")
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def to_dict(self) -> dict:
+        """Every field that matters for the mode (LoRA fields only with adapters, 4-bit fields only for qlora)."""
+        lora = {f.name for f in fields(self) if f.name.startswith(("lora_", "adapter_"))}
+        quant = {"quant_type", "quant_block", "double_quant", "double_quant_block", "compute_dtype"}
+        out = {}
+        for f in fields(self):
+            if (f.name in lora and not self.adapters) or (f.name in quant and self.mode != "qlora"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FinetuneSpec":
+        """A spec from a preset or JSON ``inputs["finetune"]``; unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SpecError(key, data[key], f"unknown fine-tuning field; known: {', '.join(sorted(known))}")
+        return cls(**{k: tuple(val) if isinstance(val, list) else val for k, val in data.items()})
