@@ -1,0 +1,168 @@
+"""``trainmem profile`` and ``trainmem sweep``: parse, call :mod:`trainmem.measure`, render.
+
+Outputs named with ``--out``/``--snapshot`` are written whole or not at all (temporary file,
+then rename), so Ctrl-C or an out-of-memory error leaves no half-written file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+from trainmem.cliargs import _int as _positive  # positive integers, one-line errors
+
+__all__ = ["add_parser", "run_profile", "run_sweep"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from trainmem.cliargs import add_model_step_args
+
+    add_model_step_args(p)
+    p.add_argument("--layers", type=_positive("layers"), default=None,
+                   help="override the model's number of layers (measure a few layers of a large model)")
+    p.add_argument("--run-on", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="device the steps run on (auto: CUDA when available); --device stays the kernels modelled")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and token ids (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (whole or not at all)")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="run real training steps and measure memory, speed and numerics")
+    _common(p)
+    p.add_argument("--steps", type=_positive("steps"), default=3, help="timed steps after the warm-up (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps, not measured (default 1)")
+    p.add_argument("--snapshot", metavar="FILE", help="CUDA: dump the recorded memory history (pytorch.org/memory_viz)")
+    p.add_argument("--categories", action="store_true",
+                   help="one more step under the torch profiler: bytes per category at the peak")
+    p.add_argument("--no-modules", action="store_true", help="skip per-module peaks")
+    p.add_argument("--top-modules", type=int, default=10, help="modules shown in the text report (default 10)")
+    p.add_argument("--compare", action="store_true", help="estimate and trace of the same run, errors in percent")
+    p.add_argument("--variants", metavar="SPEC",
+                   help='settings side by side, e.g. "attention=eager,sdpa;recompute=none,full;batch=4x1,2x2"')
+    p.set_defaults(func=run_profile)
+
+    s = subparsers.add_parser("sweep", help="largest sequence length or micro-batch within a memory budget")
+    _common(s)
+    s.add_argument("--over", choices=("seq", "batch"), required=True, help="what to vary")
+    s.add_argument("--budget", required=True, metavar="SIZE", help="memory budget, e.g. 80GiB, 512MiB")
+    s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate")
+    s.add_argument("--start", type=_positive("start"), default=None, help="first value (seq 128, batch 1)")
+    s.add_argument("--max", type=_positive("max"), default=None, dest="stop", help="largest value searched")
+    s.add_argument("--multiple", type=_positive("multiple"), default=None,
+                   help="values are multiples of this (seq 64, batch 1)")
+    s.set_defaults(func=run_sweep)
+
+
+# --------------------------------------------------------------------------------------------
+def _source(args):
+    """(source, step, impl): a ModelSpec for --profile reference, else a config.json dict."""
+    from trainmem.cliargs import specs_from_args
+    from trainmem.specs.loaders import load_config_dict
+
+    spec, step, impl = specs_from_args(args)
+    if args.profile == "reference":
+        if args.layers:
+            spec = replace(spec, num_layers=args.layers)
+        return spec, step, impl
+    cfg = load_config_dict(args.model)
+    if args.layers:
+        key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg), "num_hidden_layers")
+        cfg = {**cfg, key: args.layers}
+    return cfg, step, impl
+
+
+def _emit(args, payload: dict, text: str | None) -> None:
+    if getattr(args, "out", None):
+        from trainmem.measure._io import write_text_atomic
+        write_text_atomic(args.out, json.dumps(payload, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(payload))
+    elif text is not None:
+        print(text)
+
+
+def _distributed(device: str):
+    """Initialise the process group under torchrun (WORLD_SIZE > 1); returns a closer."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return lambda: None
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return lambda: None
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return dist.destroy_process_group
+
+
+def _is_rank0() -> bool:
+    try:
+        import torch.distributed as dist
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from trainmem.measure.workload import resolve_device
+
+    source, step, impl = _source(args)
+    if args.warmup < 0:
+        from trainmem.errors import SpecError
+        raise SpecError("warmup", args.warmup, "must be 0 or more")
+    close = _distributed(args.run_on)
+    try:
+        device = resolve_device(None if args.run_on == "auto" else args.run_on)
+        impl = replace(impl, device=device.type)
+        if args.variants:
+            from trainmem.measure.render import render_variants
+            from trainmem.measure.variants import parse_variants, run_variants
+            variants = parse_variants(args.variants, step, impl)
+            result = run_variants(source, variants, device=device, seed=args.seed, steps=args.steps,
+                                  warmup=max(args.warmup, 1))
+            if _is_rank0():
+                _emit(args, result.to_dict(), render_variants(result))
+            return 0
+        from trainmem.measure.profiling import profile_model
+        from trainmem.measure.render import render_profile
+        kwargs = dict(steps=args.steps, warmup=args.warmup, snapshot=args.snapshot, modules=not args.no_modules,
+                      categories=args.categories)
+        result = profile_model(source, step, impl, device=device, seed=args.seed, **kwargs)
+        payload = result.to_dict()
+        payload.setdefault("meta", {})["model_name"] = args.model
+        text = render_profile(result, top_modules=args.top_modules)
+        if args.compare:
+            from trainmem.measure.compare import compare_run
+            from trainmem.measure.render import render_compare
+            table, _ = compare_run(source, step, impl, measured=result)
+            payload["compare"] = table.to_dict()
+            text += "\n\nestimate vs trace vs measurement:\n" + render_compare(table)
+        if _is_rank0():
+            _emit(args, payload, text)
+        return 0
+    finally:
+        close()
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from trainmem.measure.render import render_sweep
+    from trainmem.measure.sweep import sweep
+    from trainmem.measure.units import parse_size
+
+    budget = parse_size(args.budget)
+    source, step, impl = _source(args)
+    device = None
+    if args.backend == "device":
+        from trainmem.measure.workload import resolve_device
+        device = resolve_device(None if args.run_on == "auto" else args.run_on)
+        impl = replace(impl, device=device.type)
+    result = sweep(source, step, impl, over=args.over, budget_bytes=budget, backend=args.backend, start=args.start,
+                   stop=args.stop, multiple=args.multiple, device=device, seed=args.seed)
+    payload = result.to_dict()
+    payload["meta"]["model_name"] = args.model
+    _emit(args, payload, render_sweep(result))
+    return 0

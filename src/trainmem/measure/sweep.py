@@ -1,0 +1,312 @@
+"""Find the largest sequence length or micro-batch that fits a memory budget, and fit how
+memory grows on the way.
+
+Search: values are multiples of ``multiple``; starting at ``start`` the value doubles while it
+fits, then the gap between the last value that fits and the first that does not is bisected.
+Peak memory must not decrease as the value grows (true of all three back-ends).
+
+Back-ends and what "fits" means:
+  - ``estimate``: :func:`trainmem.estimate.estimate`'s peak <= budget. Terms from its items.
+  - ``trace``: :func:`trainmem.trace.trace_step` on fake tensors; the 512-byte rounded allocated
+    peak <= budget. Terms from the traced items' shapes.
+  - ``device``: real steps (:func:`trainmem.measure.profiling.profile_model`). On CUDA the
+    allocator is capped at the budget (``set_per_process_memory_fraction``), so a step fits when
+    it does not run out of memory and its reserved peak is within the budget; on CPU when the
+    live-set peak is within the budget. An out-of-memory error is caught, memory is released
+    and the search goes on.
+
+Terms: ``attention_scores`` (naive attention's scores, probabilities and dropout masks: the
+estimator's ``S·S`` items, or traced activations of shape (B, A, S, S)) and ``other_activations``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal
+
+from trainmem.errors import SpecError, UnsupportedError
+from trainmem.inventory import LEDGERS, Category
+from trainmem.measure import fit as F
+from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+
+__all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max"]
+
+SCHEMA = "trainmem.sweep/1"
+BACKENDS = ("estimate", "trace", "device")
+TERMS = ("attention_scores", "other_activations")
+MIN_FIT_POINTS = 4
+MIN_FIT_VALUE = {"seq": 8, "batch": 1}
+DEFAULT_MAX = {"seq": 1 << 20, "batch": 1 << 16}
+DEFAULT_START = {"seq": 128, "batch": 1}
+DEFAULT_MULTIPLE = {"seq": 64, "batch": 1}
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    value: int
+    fits: bool
+    peak_bytes: int | None  # None: the device ran out of memory
+    totals_bytes: dict[str, int] = field(default_factory=dict)
+    terms_bytes: dict[str, int] = field(default_factory=dict)
+    reserved_bytes: int | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "fits": self.fits, "peak_bytes": self.peak_bytes,
+                "reserved_bytes": self.reserved_bytes, "totals_bytes": dict(self.totals_bytes),
+                "terms_bytes": dict(self.terms_bytes), **({"note": self.note} if self.note else {})}
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    over: str
+    backend: str
+    budget_bytes: int
+    max_fit: int | None
+    capped: bool  # the largest value searched still fits
+    points: tuple[SweepPoint, ...]
+    fit: dict
+    verdict: str
+    crossover_seq: float | None
+    crossover_source: str
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, **({"meta": self.meta} if self.meta else {}), "over": self.over,
+                "backend": self.backend, "budget_bytes": self.budget_bytes, "max_fit": self.max_fit,
+                "capped": self.capped, "points": [p.to_dict() for p in self.points], "fit": self.fit,
+                "verdict": self.verdict,
+                "crossover_seq": None if self.crossover_seq is None else round(self.crossover_seq, 1),
+                "crossover_source": self.crossover_source}
+
+
+def bisect_max(fits: Callable[[int], bool], *, start: int, stop: int, multiple: int) -> tuple[int | None, bool]:
+    """Largest multiple of ``multiple`` up to ``stop`` for which ``fits`` holds (monotone):
+    from ``start`` the value doubles while it fits, then the gap is bisected; when ``start``
+    does not fit, the search goes down to ``multiple`` itself. Returns (value or None,
+    whether ``stop`` itself fits)."""
+    lo_k = -(-start // multiple)
+    hi_k = stop // multiple
+    if hi_k < 1:
+        raise SpecError("max", stop, f"is below the smallest value searched ({multiple})")
+    lo_k = min(lo_k, hi_k)
+    good, bad = None, None
+    k = lo_k
+    while True:
+        if fits(k * multiple):
+            good = k
+            if k == hi_k:
+                return k * multiple, True
+            k = min(2 * k, hi_k)
+        else:
+            bad = k
+            break
+    if good is None:
+        if lo_k == 1 or not fits(multiple):
+            return None, False
+        good = 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid * multiple):
+            good = mid
+        else:
+            bad = mid
+    return good * multiple, False
+
+
+# --------------------------------------------------------------------------------------------
+def _is_scores(item, seq: int) -> bool:
+    """Estimator items say ``S·S`` in their formula; traced items (whose formula is the op)
+    are recognised by a 4-D (B, A, S, S) shape, so a (B, S, H) tensor with H = S is not taken."""
+    if item.formula.startswith("aten.") or not item.formula:
+        return len(item.shape) == 4 and item.shape[-1] == seq and item.shape[-2] == seq
+    return "S·S" in item.formula
+
+
+def _split_terms(items, seq: int) -> dict[str, int]:
+    q = o = 0
+    for it in items:
+        if it.category is not Category.ACTIVATION:
+            continue
+        if _is_scores(it, seq):
+            q += it.bytes
+        else:
+            o += it.bytes
+    return {"attention_scores": q, "other_activations": o}
+
+
+def estimate_crossover_seq(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> float | None:
+    """From the estimator's items: the S where the S·S activations equal the others.
+    Items are a·S² (scores) and b·S (the rest) at fixed batch, so S* = S·other/scores."""
+    from trainmem.estimate import estimate
+
+    e = estimate(model, step, impl)
+    t = _split_terms(e.inventory, step.seq)
+    if t["attention_scores"] == 0:
+        return None
+    return step.seq * t["other_activations"] / t["attention_scores"]
+
+
+def _with(step: StepSpec, over: str, value: int) -> StepSpec:
+    return replace(step, seq=value) if over == "seq" else replace(step, batch=value)
+
+
+def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str):
+    from trainmem.estimate import estimate
+
+    def run(value: int) -> SweepPoint:
+        s = _with(step, over, value)
+        e = estimate(model, s, impl)
+        return SweepPoint(value, True, e.peak_bytes, e.totals_bytes, _split_terms(e.inventory, s.seq))
+    return run
+
+
+def _trace_backend(source, step: StepSpec, impl: ImplSpec, over: str):
+    from trainmem.trace import trace_step
+
+    def run(value: int) -> SweepPoint:
+        s = _with(step, over, value)
+        r = trace_step(source, s, impl)
+        return SweepPoint(value, True, r.peak_bytes, r.items.totals(), _split_terms(r.items, s.seq),
+                          reserved_bytes=r.reserved_peak_bytes)
+    return run
+
+
+class _DeviceBackend:
+    def __init__(self, source, step, impl, over, budget, device, seed):
+        from trainmem.measure.workload import resolve_device
+        self.source, self.step, self.impl, self.over, self.budget, self.seed = source, step, impl, over, budget, seed
+        self.device = resolve_device(device)
+
+    def __enter__(self):
+        import torch
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), self.device)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        if self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def __call__(self, value: int) -> SweepPoint:
+        from trainmem.measure.profiling import OutOfMemory, profile_model
+
+        s = _with(self.step, self.over, value)
+        try:
+            r = profile_model(self.source, s, self.impl, device=self.device, seed=self.seed, steps=1, warmup=1,
+                              modules=False)
+        except OutOfMemory as exc:
+            return SweepPoint(value, False, None, note=str(exc))
+        rank = r.ranks[0]
+        peak = rank.peak_allocated_bytes
+        held = rank.peak_reserved_bytes if rank.peak_reserved_bytes is not None else peak
+        return SweepPoint(value, held <= self.budget, peak, dict(rank.totals_bytes), {},
+                          reserved_bytes=rank.peak_reserved_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+def _fits_of(points: list[SweepPoint]) -> dict:
+    usable = [p for p in points if p.peak_bytes is not None]
+    xs = [p.value for p in usable]
+    out: dict = {"ledgers": {}, "terms": {}}
+    for cat in LEDGERS:
+        ys = [p.totals_bytes.get(cat.value, 0) for p in usable]
+        out["ledgers"][cat.value] = F.fit_growth(xs, ys).to_dict()
+    if usable and all(p.terms_bytes for p in usable):
+        for term in TERMS:
+            out["terms"][term] = F.fit_growth(xs, [p.terms_bytes.get(term, 0) for p in usable]).to_dict()
+    out["peak"] = F.fit_growth(xs, [p.peak_bytes for p in usable]).to_dict()
+    return out
+
+
+def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
+          over: Literal["seq", "batch"] = "seq", budget_bytes: int, backend: str = "estimate",
+          start: int | None = None, stop: int | None = None, multiple: int | None = None,
+          device=None, seed: int = 0) -> SweepResult:
+    """Largest ``over`` value whose peak fits ``budget_bytes``, with growth-law fits.
+
+    ``source``: a :class:`ModelSpec` for the estimator (and the reference model on the other
+    back-ends) or a ``config.json`` dict (a Hugging Face model; the estimator maps it to a spec).
+    """
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    if over not in ("seq", "batch"):
+        raise SpecError("over", over, "must be 'seq' or 'batch'")
+    if backend not in BACKENDS:
+        raise SpecError("backend", backend, f"must be one of {', '.join(BACKENDS)}")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise SpecError("budget_bytes", budget_bytes, "must be a positive number of bytes")
+    step = step or StepSpec()
+    impl = impl or ImplSpec()
+    spec = source if isinstance(source, ModelSpec) else spec_from_hf_config(source)
+    start = start or DEFAULT_START[over]
+    multiple = multiple or (min(DEFAULT_MULTIPLE[over], start) if over == "seq" else 1)
+    if stop is None:
+        stop = DEFAULT_MAX[over]
+        if over == "seq" and spec.max_positions and spec.family in ("gpt2", "bert") and backend != "estimate":
+            stop = spec.max_positions  # learned position embeddings end there
+    for name, v in (("start", start), ("stop", stop), ("multiple", multiple)):
+        if not isinstance(v, int) or v <= 0:
+            raise SpecError(name, v, "must be a positive integer")
+
+    seen: dict[int, SweepPoint] = {}
+    if backend == "estimate":
+        run, ctx = _estimate_backend(spec, step, impl, over), None
+    elif backend == "trace":
+        if impl.profile == "reference" and not isinstance(source, ModelSpec):
+            source = spec
+        run, ctx = _trace_backend(source, step, impl, over), None
+    else:
+        if impl.profile == "reference" and not isinstance(source, ModelSpec):
+            source = spec
+        ctx = _DeviceBackend(source, step, impl, over, budget_bytes, device, seed)
+        run = ctx
+
+    def evaluate(value: int) -> SweepPoint:
+        if value not in seen:
+            p = run(value)
+            if p.peak_bytes is not None and backend != "device":
+                p = replace(p, fits=p.peak_bytes <= budget_bytes)
+            seen[value] = p
+        return seen[value]
+
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        max_fit, capped = bisect_max(lambda v: evaluate(v).fits, start=start, stop=stop, multiple=multiple)
+        # enough points for the fits: halve down from the smallest value seen
+        v = min(seen)
+        while sum(1 for p in seen.values() if p.peak_bytes is not None) < MIN_FIT_POINTS:
+            v //= 2
+            if v < MIN_FIT_VALUE[over]:
+                break
+            evaluate(v)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    points = sorted(seen.values(), key=lambda p: p.value)
+    fits = _fits_of(points)
+    verdict = F.verdict(F.GrowthFit(**{k: v for k, v in fits["ledgers"]["activation"].items()}))
+    x_max = max((p.value for p in points if p.peak_bytes is not None), default=0)
+    crossover, source_name = None, "none"
+    if over == "seq" and fits["terms"]:
+        crossover = F.crossover(fits["terms"]["attention_scores"]["quadratic_coef"],
+                                fits["terms"]["other_activations"]["linear_coef"], x_max)
+        source_name = "fit:terms"
+    elif over == "seq":
+        act = fits["ledgers"]["activation"]
+        crossover = F.crossover(act["quadratic_coef"], act["linear_coef"], x_max)
+        source_name = "fit:activation"
+    else:
+        try:
+            crossover = estimate_crossover_seq(spec, step, impl)
+            source_name = "estimate"
+        except UnsupportedError:
+            pass
+    meta = {"model": spec.name, "step": step.to_dict(), "impl": impl.to_dict(), "start": start, "stop": stop,
+            "multiple": multiple}
+    return SweepResult(over, backend, budget_bytes, max_fit, capped, tuple(points), fits, verdict, crossover,
+                       source_name, meta)
