@@ -1,0 +1,175 @@
+"""``trainmem plan``, ``advise`` and ``explain``: argument parsing and rendering only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
+
+
+def _positive_int(flag: str):
+    from trainmem.cliargs import _int  # the shared "--flag=value: must be ..." integer parser
+
+    return _int(flag.lstrip("-"))
+
+
+def _positive_float(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{flag}={value}: must be positive")
+        return value
+    return parse
+
+
+def _add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    from trainmem.plan.hardware import Reserve, list_gpus
+
+    p.add_argument("--gpu", required=required, metavar="NAME",
+                   help=f"accelerator preset ({', '.join(list_gpus())}) or custom")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="override or set (custom) device memory, e.g. 80GiB")
+    p.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), metavar="T",
+                   help="override or set (custom) dense bf16 TFLOP/s")
+    p.add_argument("--gpu-intra-bw", metavar="SIZE", help="per-GPU intra-node bandwidth per second, e.g. 450GB")
+    p.add_argument("--gpu-inter-bw", metavar="SIZE", help="per-GPU inter-node bandwidth per second, e.g. 50GB")
+    p.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), metavar="N")
+    r = Reserve()
+    p.add_argument("--reserve", default=f"{r.fixed_bytes >> 30}GiB", metavar="SIZE",
+                   help="memory per rank kept for the CUDA context and workspaces (default 1GiB)")
+    p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
+                   help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
+
+
+def _gpu(args):
+    from trainmem.plan.hardware import load_gpu, parse_size
+
+    def size(flag, value):
+        return None if value is None else parse_size(value, field=flag)
+
+    return load_gpu(
+        args.gpu,
+        memory_bytes=size("gpu_memory", args.gpu_memory),
+        bf16_flops=None if args.gpu_tflops is None else args.gpu_tflops * 1e12,
+        intra_node_bytes_per_s=size("gpu_intra_bw", args.gpu_intra_bw),
+        inter_node_bytes_per_s=size("gpu_inter_bw", args.gpu_inter_bw),
+        gpus_per_node=args.gpus_per_node,
+    )
+
+
+def _reserve(args):
+    from trainmem.plan.hardware import Reserve, parse_size
+
+    fixed = 0 if args.reserve.strip() in ("0", "0B") else parse_size(args.reserve, field="reserve")
+    return Reserve(fixed_bytes=fixed, fraction=args.reserve_fraction)
+
+
+def _check_gpus(gpu, gpus: int) -> None:
+    from trainmem.errors import SpecError
+
+    if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
+        raise SpecError("gpus", gpus, f"must be a multiple of {gpu.gpus_per_node} (GPUs per {gpu.name} node) "
+                                      "beyond one node")
+
+
+def add_parser(subparsers) -> None:
+    from trainmem.cliargs import DEFAULT_MODEL, add_model_step_args
+    from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
+    from trainmem.specs.step import LOSSES, OPTIMIZERS, PRECISIONS
+
+    p = subparsers.add_parser("plan", help="search parallel layouts, kernels and recompute for the fastest that fit")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or config.json path (default {DEFAULT_MODEL})")
+    p.add_argument("--seq", type=_positive_int("--seq"), default=4096, help="sequence length (default 4096)")
+    p.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True,
+                   help="sequences per optimizer step, over all ranks")
+    p.add_argument("--gpus", type=_positive_int("--gpus"), required=True, help="number of GPUs")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--loss", choices=LOSSES, default="ce")
+    p.add_argument("--profile", choices=PROFILES, default="hf")
+    p.add_argument("--attention", choices=ATTENTIONS, action="append",
+                   help="only these attention kernels (repeatable; default flash, mem-efficient, eager)")
+    p.add_argument("--recompute", choices=RECOMPUTES[:3], action="append",
+                   help="only these recompute modes (repeatable; default none, selective, full)")
+    p.add_argument("--mfu", type=float, default=None, help="share of the bf16 peak large GEMMs reach (default 0.45)")
+    p.add_argument("--top", type=_positive_int("--top"), default=5, help="configurations to show (default 5)")
+    p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
+    p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/1)")
+    _add_gpu_args(p, required=True)
+    p.set_defaults(func=run_plan)
+
+    a = subparsers.add_parser("advise", help="the brief's ladder of fixes, each with memory saved and throughput cost")
+    add_model_step_args(a)
+    _add_gpu_args(a, required=True)
+    a.add_argument("--gpus", type=_positive_int("--gpus"), default=1, help="GPUs available (default 1)")
+    a.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.advise/1)")
+    a.set_defaults(func=run_advise)
+
+    e = subparsers.add_parser("explain", help="the brief's follow-up questions, answered with your numbers")
+    add_model_step_args(e)
+    e.add_argument("--gpu", metavar="NAME", help="compare against this accelerator's memory")
+    e.add_argument("--zero-ranks", type=_positive_int("--zero-ranks"), default=8,
+                   help="data-parallel ranks for the ZeRO answer (default 8)")
+    e.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.explain/1)")
+    e.set_defaults(func=run_explain)
+
+
+def run_plan(args) -> int:
+    from dataclasses import replace
+
+    from trainmem.plan.cost import CostModel
+    from trainmem.plan.search import SearchSpace, plan
+    from trainmem.specs.loaders import load_model
+
+    gpu = _gpu(args)
+    _check_gpus(gpu, args.gpus)
+    space = SearchSpace()
+    if args.attention:
+        space = replace(space, attention=tuple(dict.fromkeys(args.attention)))
+    if args.recompute:
+        space = replace(space, recompute=tuple(dict.fromkeys(args.recompute)))
+    cost = CostModel() if args.mfu is None else CostModel(mfu=args.mfu)
+    result = plan(load_model(args.model), seq=args.seq, global_batch=args.global_batch, gpu=gpu, gpus=args.gpus,
+                  precision=args.precision, optimizer=args.optimizer, loss=args.loss, profile=args.profile,
+                  reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected)
+    if args.json:
+        print(json.dumps(result.to_dict(rejected=args.rejected)))
+    else:
+        from trainmem.plan.render import render_plan
+        print(render_plan(result, rejected=args.rejected))
+    return 0
+
+
+def run_advise(args) -> int:
+    from trainmem.cliargs import specs_from_args
+    from trainmem.plan.advise import advise
+
+    model, step, impl = specs_from_args(args)
+    gpu = _gpu(args)
+    _check_gpus(gpu, args.gpus)
+    result = advise(model, step, impl, gpu, gpus=args.gpus, reserve=_reserve(args))
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from trainmem.plan.render import render_advice
+        print(render_advice(result))
+    return 0
+
+
+def run_explain(args) -> int:
+    from trainmem.cliargs import specs_from_args
+    from trainmem.plan.explain import explain
+    from trainmem.plan.hardware import load_gpu
+
+    model, step, impl = specs_from_args(args)
+    gpu = load_gpu(args.gpu) if args.gpu else None
+    result = explain(model, step, impl, gpu=gpu, zero_ranks=args.zero_ranks)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from trainmem.plan.render import render_explanation
+        print(render_explanation(result))
+    return 0

@@ -1,0 +1,185 @@
+"""Estimated step time of a parallel configuration: compute, communication, pipeline bubble, offload.
+
+A first-order model for *ranking* configurations, not a performance prediction:
+
+* compute: 6·N FLOPs per token for the matmuls (N = parameters that take part in a matmul, so not
+  the input embedding unless it is tied to the head) plus 6·L·S·(A·hd) per token for causal
+  attention scores and values (the 12·L·S·H of PaLM, Chowdhery et al. 2022, App. B, halved for
+  the causal mask); full recompute adds one forward (2·N + 2·L·S·A·hd), selective recompute the
+  attention core's forward (2·L·S·A·hd). Time = FLOPs / (world × peak × MFU), with GEMMs under
+  ``min_gemm_rows`` local rows slowed proportionally and eager (materialized) attention's
+  score FLOPs slowed by ``eager_attention_slowdown``;
+* tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces of B·S·H per block in forward
+  and 2 in backward (with SP the same volume as all-gather + reduce-scatter), 2 more forward ones
+  under full recompute; ring all-reduce moves 2(t−1)/t of the buffer;
+* context parallelism (ring attention): each block passes K and V around the ring in forward
+  and K, V and their gradients in backward;
+* pipeline: one B·S·H activation forward and one gradient backward per micro-batch and stage
+  boundary; the 1F1B bubble multiplies the pipelined time by 1 + (pp−1)/m;
+* data parallelism: the gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, same volume)
+  once per step; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also all-gathers parameters
+  in forward and again in backward every micro-batch (1.5× the all-reduce volume per micro-batch).
+  This traffic overlaps with backward compute; only what exceeds the compute time counts;
+* optimizer offload: gradients to host and parameters back over PCIe each step, plus a CPU Adam
+  at ``cpu_adam_params_per_s``.
+
+A group whose ranks fit in one node uses the intra-node bandwidth, else the inter-node one.
+Ranks are laid out tp (innermost), cp, dp, pp (outermost), as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmem.errors import SpecError
+from trainmem.estimate.params import parameter_shapes
+from trainmem.inventory import dtype_bytes
+from trainmem.plan.hardware import GPU
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+from trainmem.specs import _validate as v
+
+__all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters"]
+
+_EMBED_INPUTS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
+                 "token_type_embeddings", "embed_in")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Assumptions of the step-time model (each a documented constant, overridable)."""
+
+    mfu: float = 0.45
+    """Share of the dense bf16 peak that large GEMMs reach."""
+    min_gemm_rows: int = 1024
+    """Local GEMM rows (micro-batch × local sequence) below which throughput falls proportionally."""
+    eager_attention_slowdown: float = 4.0
+    """Materialized-softmax attention runs its score FLOPs this many times slower than fused kernels."""
+    cpu_adam_params_per_s: float = 2e9
+    """Parameters per second a CPU Adam step updates (DeepSpeed CPUAdam order of magnitude)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise SpecError("mfu", self.mfu, "must be in (0, 1]")
+        v.positive("min_gemm_rows", self.min_gemm_rows)
+        for name in ("eager_attention_slowdown", "cpu_adam_params_per_s"):
+            if not getattr(self, name) > 0:
+                raise SpecError(name, getattr(self, name), "must be positive")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part."""
+
+    compute_s: float
+    tp_s: float
+    cp_s: float
+    pp_s: float
+    bubble_s: float
+    dp_exposed_s: float
+    offload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.tp_s + self.cp_s + self.pp_s + self.bubble_s
+                + self.dp_exposed_s + self.offload_s)
+
+    def to_dict(self) -> dict:
+        return {"compute_s": self.compute_s, "tp_s": self.tp_s, "cp_s": self.cp_s, "pp_s": self.pp_s,
+                "bubble_s": self.bubble_s, "dp_exposed_s": self.dp_exposed_s, "offload_s": self.offload_s,
+                "total_s": self.total_s}
+
+
+def matmul_parameters(model: ModelSpec) -> tuple[int, int]:
+    """(parameters in matmuls, all parameters). MoE experts count top_k/num_experts of theirs."""
+    total = active = 0
+    for name, shape in parameter_shapes(model):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+        if any(t in name for t in _EMBED_INPUTS) and not model.tied_embeddings:
+            continue
+        if model.is_moe and "experts" in name and "shared" not in name:
+            n = n * model.top_k // model.num_experts
+        active += n
+    return active, total
+
+
+def _bw(gpu: GPU, group: int, inner: int) -> float:
+    """Bandwidth of a group of ``group`` ranks spaced ``inner`` apart."""
+    return gpu.intra_node_bytes_per_s if group * inner <= gpu.gpus_per_node else gpu.inter_node_bytes_per_s
+
+
+def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: ParallelSpec, gpu: GPU,
+              *, global_batch: int, cost: CostModel = CostModel(), n_params: tuple[int, int] | None = None) -> StepTime:
+    """Estimated time of one optimizer step: ``global_batch`` sequences of ``step.seq`` tokens,
+    micro-batch ``step.batch``, spread over ``parallel``."""
+    p = parallel
+    world = p.world_size
+    N, N_all = n_params or matmul_parameters(model)
+    L, S, B = model.num_layers, step.seq, step.batch
+    qd = model.q_size
+    tokens = global_batch * S
+    causal = 0.5 if model.arch == "decoder" else 1.0
+    attn_fwd_tok = 4 * L * S * qd * causal  # QK^T and PV, per token
+    mm_flops = 6 * N * tokens
+    attn_flops = 3 * attn_fwd_tok * tokens
+    if impl.recompute == "full":
+        mm_flops += 2 * N * tokens
+        attn_flops += attn_fwd_tok * tokens
+    elif impl.recompute == "selective":
+        attn_flops += attn_fwd_tok * tokens
+    elif impl.recompute == "every-k":
+        share = len(range(0, L, impl.recompute_every)) / L
+        mm_flops += 2 * N * tokens * share
+        attn_flops += attn_fwd_tok * tokens * share
+    rate = gpu.bf16_flops * cost.mfu
+    rows = B * S / p.cp
+    eff = min(1.0, rows / cost.min_gemm_rows)
+    attn_slow = cost.eager_attention_slowdown if impl.attention in ("eager", "sdpa-math") else 1.0
+    compute = (mm_flops / eff + attn_flops * attn_slow) / (world * rate)
+
+    act_b = dtype_bytes(step.dtypes.activation)
+    micro = global_batch // (B * p.dp)  # micro-batches per rank per step
+    layers = -(-L // p.pp)
+    local = B * (S / p.cp) * model.hidden_size * act_b  # one B·S·H activation on a rank
+    tp = 0.0
+    if p.tp > 1:
+        per_block = 4 + (2 if impl.recompute == "full" else 0)
+        vol = micro * layers * per_block * 2 * (p.tp - 1) / p.tp * local
+        tp = vol / _bw(gpu, p.tp, 1)
+    cp = 0.0
+    if p.cp > 1:
+        kv = B * (S / p.cp) * model.kv_size * act_b / p.tp  # K or V chunk
+        vol = micro * layers * (p.cp - 1) * (2 * kv + 4 * kv)
+        cp = vol / _bw(gpu, p.cp, p.tp)
+    pp = bubble = 0.0
+    if p.pp > 1:
+        pp = 2 * micro * local / p.tp / _bw(gpu, p.pp, p.tp * p.cp * p.dp)
+        bubble = (compute + tp + cp + pp) * (p.pp - 1) / micro
+
+    # model states one rank holds a replica slice of: N_all / (tp · pp) parameters
+    shard_params = N_all / (p.tp * p.pp)
+    gb = dtype_bytes(step.dtypes.grad)
+    pb = dtype_bytes(step.dtypes.param)
+    d = p.dp * p.cp
+    zero = 3 if p.fsdp is not None else p.zero
+    dp = 0.0
+    if d > 1:
+        ring = (d - 1) / d
+        if zero <= 1:
+            vol = 2 * ring * shard_params * gb
+        elif zero == 2:
+            vol = micro * ring * shard_params * gb + ring * shard_params * pb
+        else:
+            vol = micro * ring * shard_params * (gb + 2 * pb)
+        dp = vol / _bw(gpu, d, p.tp)
+    dp_exposed = max(0.0, dp - compute)
+    offload = 0.0
+    if "optimizer" in p.offload:
+        shard = shard_params / (d if zero >= 1 else 1)
+        offload = shard * (gb + pb) / gpu.host_bytes_per_s + shard / cost.cpu_adam_params_per_s
+    if "params" in p.offload:
+        shard = shard_params / (d if zero >= 3 else 1)
+        offload += 2 * micro * shard * pb / gpu.host_bytes_per_s
+    return StepTime(compute, tp, cp, pp, bubble, dp_exposed, offload)

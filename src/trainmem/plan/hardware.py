@@ -1,0 +1,136 @@
+"""Accelerators as data: memory, dense bf16 rate, link bandwidths, GPUs per node; and sizes in units.
+
+A preset is ``trainmem/data/gpus/<name>.json``; each file names its sources. Bandwidths are per GPU
+and per direction (what one rank can push into a ring): NVLink/Infinity Fabric inside a node, the
+NIC across nodes, PCIe to host memory.
+
+Known limitations:
+  - Memory is the capacity the driver reports where known, else the datasheet figure.
+  - Rates are datasheet peaks; the planner scales them by an MFU assumption, not by measurement.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from importlib.resources import files
+
+from trainmem.errors import ConfigError, SpecError
+from trainmem.specs import _validate as v
+
+__all__ = ["GPU", "Reserve", "list_gpus", "load_gpu", "parse_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int, *, field: str = "size") -> int:
+    """``"80GiB"`` -> 85899345920. Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units;
+    a bare number is bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise SpecError(field, text, "must be a size like 80GiB, 40GB, 512MiB or a byte count")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    nbytes = int(round(value * _UNITS[unit]))
+    if nbytes <= 0:
+        raise SpecError(field, text, "must be positive")
+    return nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """One accelerator type and the node it sits in."""
+
+    name: str
+    """Display name (``H100-80GB``)."""
+    memory_bytes: int
+    """Device memory capacity."""
+    bf16_flops: float
+    """Dense BF16 tensor-core rate, FLOP/s (datasheet peak, no sparsity)."""
+    intra_node_bytes_per_s: float
+    """Per-GPU, per-direction bandwidth to peers in the node (NVLink, Infinity Fabric, PCIe)."""
+    inter_node_bytes_per_s: float
+    """Per-GPU, per-direction bandwidth to other nodes (the GPU's share of the NICs)."""
+    host_bytes_per_s: float = 25e9
+    """Per-GPU bandwidth to host memory (PCIe), for offload."""
+    gpus_per_node: int = 8
+    """GPUs sharing the fast intra-node links."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        v.positive("memory_bytes", self.memory_bytes, maximum=1 << 50)
+        v.positive("gpus_per_node", self.gpus_per_node, maximum=1024)
+        for name in ("bf16_flops", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise SpecError(name, value, "must be a positive number")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reserve:
+    """Memory a rank cannot give to tensors: CUDA context, library workspaces (cuBLAS, NCCL) and
+    allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity."""
+
+    fixed_bytes: int = 1 << 30
+    """CUDA context + cuBLAS/NCCL workspaces (default 1 GiB)."""
+    fraction: float = 0.05
+    """Share of capacity lost to the caching allocator's rounding and fragmentation (default 5%)."""
+
+    def __post_init__(self) -> None:
+        v.non_negative("reserve_bytes", self.fixed_bytes, maximum=1 << 50)
+        v.probability("reserve_fraction", self.fraction)
+
+    def usable_bytes(self, gpu: GPU) -> int:
+        return gpu.memory_bytes - self.fixed_bytes - int(self.fraction * gpu.memory_bytes)
+
+    def to_dict(self) -> dict:
+        return {"fixed_bytes": self.fixed_bytes, "fraction": self.fraction}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def list_gpus() -> list[str]:
+    """Preset names, sorted."""
+    return sorted(p.name[:-5] for p in files("trainmem.data").joinpath("gpus").iterdir() if p.name.endswith(".json"))
+
+
+def load_gpu(name: str, **overrides) -> GPU:
+    """A preset by name (case-insensitive: ``H100-80GB``, ``h100-80gb``), with fields overridden.
+    ``custom`` starts from nothing: ``memory_bytes`` and ``bf16_flops`` are then required, and the
+    bandwidths default to an H100 node's."""
+    overrides = {k: val for k, val in overrides.items() if val is not None}
+    key = _key(name)
+    if key == "custom":
+        flags = {"memory_bytes": "--gpu-memory", "bf16_flops": "--gpu-tflops"}
+        missing = [flag for f, flag in flags.items() if f not in overrides]
+        if missing:
+            raise SpecError("gpu", name, f"custom needs {' and '.join(missing)}")
+        base = {"intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9, "host_bytes_per_s": 50e9}
+        return GPU(name="custom", **{**base, **overrides, "source": "command line"})
+    names = list_gpus()
+    if key not in names:
+        close = [n for n in names if n.startswith(key)] or difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise SpecError("gpu", name, f"unknown GPU (known: {', '.join(names)}, custom){hint}")
+    path = files("trainmem.data").joinpath("gpus").joinpath(f"{key}.json")
+    try:
+        data = json.loads(path.read_text())
+        gpu = GPU(**data)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"GPU preset {key}: {exc}") from None
+    return replace(gpu, **overrides) if overrides else gpu

@@ -1,0 +1,99 @@
+"""Plain-text renderers for plans, advice and explanations. Compute lives elsewhere."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from trainmem.report.units import fmt_bytes
+
+__all__ = ["render_plan", "render_advice", "render_explanation"]
+
+
+def _cfg(c: dict) -> str:
+    par = f"tp{c['tp']}{'+sp' if c['sp'] else ''} cp{c['cp']} pp{c['pp']} dp{c['dp']}"
+    off = f" offload={','.join(c['offload'])}" if c["offload"] else ""
+    return (f"mb={c['micro_batch']}×{c['grad_accum']} {c['attention']:<13} recompute={c['recompute']:<9} "
+            f"{par:<26} zero{c['zero']}{off}")
+
+
+def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_pareto: int = 12) -> str:
+    g = plan.gpu
+    lines = [
+        f"trainmem plan — {plan.model.name}, seq {plan.step.seq}, global batch {plan.global_batch} "
+        f"({plan.global_batch * plan.step.seq:,} tokens/step), {plan.step.precision} {plan.step.optimizer}",
+        f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
+        f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} after reserving "
+        f"{fmt_bytes(plan.reserve.fixed_bytes)} + {plan.reserve.fraction:.0%}",
+        f"searched {plan.stats['evaluated']:,} configurations ({plan.stats['fitting']:,} fit) in "
+        f"{plan.stats['seconds']:.2f} s from {plan.stats['estimator_calls']} estimator calls",
+        "",
+    ]
+    fits = any(c.fits for c in plan.candidates)
+    lines.append("Fastest configurations that fit" if fits else "Nothing fits; the configurations closest to fitting")
+    lines.append(f"  {'configuration':<92} {'peak/rank':>11} {'step s':>8} {'tokens/s':>11}")
+    for c in plan.candidates:
+        lines.append(f"  {_cfg(c.config):<92} {fmt_bytes(c.peak_bytes):>11} {c.step_time_s:>8.2f} {c.tokens_per_s:>11,.0f}")
+    if plan.candidates:
+        t = plan.candidates[0].time_parts
+        parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items() if v and k != "total_s")
+        lines.append(f"  best step time by part (s): {parts}")
+        lines.append(f"  peak in the {plan.candidates[0].peak_stage} stage, phase '{plan.candidates[0].peak_phase}' "
+                     f"(per-rank peaks: {plan.candidates[0].peak_source})")
+    if plan.pareto:
+        lines += ["", "Memory vs. throughput (Pareto front: nothing is both smaller and faster)"]
+        front = list(plan.pareto)
+        if len(front) > max_pareto:  # evenly spaced, both ends kept
+            front = [front[round(i * (len(front) - 1) / (max_pareto - 1))] for i in range(max_pareto)]
+            lines.append(f"  ({max_pareto} of {len(plan.pareto)} shown; --json lists every one)")
+        for c in front:
+            lines.append(f"  {fmt_bytes(c.peak_bytes):>11} {c.tokens_per_s:>11,.0f} tok/s  {_cfg(c.config)}")
+    if rejected:
+        lines += ["", f"Rejected: {len(plan.rejected):,}"]
+        kinds = Counter(r.split(" ", 1)[0] + " …" if r.startswith("peak") else r for _, r in plan.rejected)
+        for reason, n in kinds.most_common(12):
+            lines.append(f"  {n:>7,} × {reason}")
+        for cfg, reason in plan.rejected[:max_rejected]:
+            lines.append(f"  {_cfg_or_partial(cfg):<92} {reason}")
+        if len(plan.rejected) > max_rejected:
+            lines.append(f"  ... {len(plan.rejected) - max_rejected:,} more (--json lists every one)")
+    return "\n".join(lines)
+
+
+def _cfg_or_partial(c: dict) -> str:
+    if c.get("micro_batch") is None:
+        return f"tp{c['tp']} cp{c['cp']} pp{c['pp']} dp{c['dp']}" + (f" {c['attention']}" if c.get("attention") else "")
+    return _cfg(c)
+
+
+def render_advice(advice) -> str:
+    lines = [
+        f"trainmem advise — {advice.model.name}: peak {fmt_bytes(advice.start_peak_bytes)} vs usable "
+        f"{fmt_bytes(advice.usable_bytes)} on {advice.gpu.name}"
+        + (f" × {advice.gpus}" if advice.gpus > 1 else ""),
+        "",
+    ]
+    if not advice.steps:
+        lines.append("It already fits: nothing to change." if advice.fits else "No step of the ladder applies.")
+    for i, s in enumerate(advice.steps, 1):
+        lines.append(f"{i}. {s.action}")
+        lines.append(f"   saves {fmt_bytes(s.saved_bytes)} → peak {fmt_bytes(s.peak_bytes_after)}"
+                     f"{'  (fits)' if s.peak_bytes_after <= advice.usable_bytes else ''}; "
+                     f"throughput cost {s.throughput_cost:+.0%}")
+        if s.note:
+            lines.append(f"   {s.note}")
+    if advice.skipped:
+        lines += ["", "Not recommended (does not apply):"]
+        for rung, why in advice.skipped:
+            lines.append(f"  - {rung}: {why}")
+    lines += ["", "Fits." if advice.fits else "Still does not fit after the whole ladder; see `trainmem plan`."]
+    return "\n".join(lines)
+
+
+def render_explanation(ex) -> str:
+    lines = [f"trainmem explain — {ex.model.name}, B={ex.step.batch} S={ex.step.seq} {ex.step.precision} "
+             f"{ex.step.optimizer}, attention={ex.impl.attention} recompute={ex.impl.recompute}", ""]
+    for a in ex.answers:
+        lines.append(f"Q: {a.question}")
+        lines.append(f"A: {a.answer}")
+        lines.append("")
+    return "\n".join(lines).rstrip()

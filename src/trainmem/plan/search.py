@@ -1,0 +1,292 @@
+"""``trainmem plan``: search micro-batch × accumulation, attention, recompute, TP/SP/CP/PP/DP,
+ZeRO/FSDP and offload for the fastest configurations that fit.
+
+How it stays fast: the estimator is called twice per distinct (attention, recompute) pair, at
+micro-batch 1 and 2 (attention kernels whose saved sets coincide are merged). Every activation term
+is affine in the micro-batch, so those two :class:`~trainmem.plan.shard.Breakdown` s give any
+micro-batch exactly, and :func:`~trainmem.plan.shard.rank_peak` spreads it over the parallel degrees
+in closed form. Micro-batches are tried smallest first and a branch stops at the first that does not
+fit (the peak grows with the micro-batch). The shortlist shown is re-checked with
+:func:`~trainmem.plan.ranks.per_rank_peak`, which uses the estimator's own parallel accounting when
+it has one.
+
+Known limitations:
+  - Schedules other than 1F1B, interleaving, hybrid FSDP, expert parallelism and activation
+    offload are not searched; TP stays inside a node.
+  - Step times are a first-order model (:mod:`trainmem.plan.cost`) for ranking, not prediction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from trainmem.errors import SpecError
+from trainmem.estimate import estimate
+from trainmem.plan.cost import CostModel, matmul_parameters, step_time
+from trainmem.plan.hardware import GPU, Reserve
+from trainmem.plan.shard import Breakdown, breakdown, rank_peak
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+
+__all__ = ["SearchSpace", "Candidate", "Plan", "plan", "SCHEMA"]
+
+SCHEMA = "trainmem.plan/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the planner may choose. Degrees not dividing the GPU count are skipped."""
+
+    attention: tuple[str, ...] = ("flash", "mem-efficient", "eager")
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    tp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    cp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    pp: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    offload: tuple[tuple[str, ...], ...] = ((), ("optimizer",))
+    sp: tuple[bool, ...] = (False, True)
+    max_micro_batch: int = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration, its per-rank peak and estimated step time."""
+
+    config: dict
+    peak_bytes: int
+    step_time_s: float
+    tokens_per_s: float
+    fits: bool
+    peak_stage: str = ""
+    peak_phase: str = ""
+    time_parts: dict = field(default_factory=dict)
+    peak_source: str = "first-order"
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s,
+                "tokens_per_s": self.tokens_per_s, "fits": self.fits, "peak_stage": self.peak_stage,
+                "peak_phase": self.peak_phase, "time_parts": self.time_parts, "peak_source": self.peak_source}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    step: StepSpec
+    gpu: GPU
+    gpus: int
+    global_batch: int
+    reserve: Reserve
+    usable_bytes: int
+    candidates: tuple[Candidate, ...]
+    pareto: tuple[Candidate, ...]
+    rejected: tuple[tuple[dict, str], ...]
+    stats: dict
+
+    def to_dict(self, *, rejected: bool = False) -> dict:
+        out = {
+            "schema": SCHEMA,
+            "inputs": {"model": self.model.name, "seq": self.step.seq, "global_batch": self.global_batch,
+                       "precision": self.step.precision, "optimizer": self.step.optimizer,
+                       "loss": self.step.loss, "gpu": self.gpu.to_dict(), "gpus": self.gpus},
+            "reserve": {**self.reserve.to_dict(), "usable_bytes": self.usable_bytes},
+            "candidates": [c.to_dict() for c in self.candidates],
+            "pareto": [c.to_dict() for c in self.pareto],
+            "search": self.stats,
+        }
+        if rejected:
+            out["rejected"] = [{"config": c, "reason": r} for c, r in self.rejected]
+        return out
+
+
+class _P:
+    """A ParallelSpec-shaped record without validation, for the inner loop."""
+
+    __slots__ = ("dp", "tp", "sp", "cp", "pp", "microbatches", "zero", "fsdp", "fsdp_group", "offload")
+
+    def __init__(self, dp, tp, sp, cp, pp, microbatches, zero, offload):
+        self.dp, self.tp, self.sp, self.cp, self.pp = dp, tp, sp, cp, pp
+        self.microbatches, self.zero, self.offload = microbatches, zero, offload
+        self.fsdp, self.fsdp_group = None, 8
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(dp=self.dp, tp=self.tp, sp=self.sp, cp=self.cp, pp=self.pp,
+                            microbatches=self.microbatches, zero=self.zero, offload=self.offload)
+
+
+def _config(mb, accum, attn, rc, p: _P) -> dict:
+    return {"micro_batch": mb, "grad_accum": accum, "attention": attn, "recompute": rc, "dp": p.dp,
+            "tp": p.tp, "sp": p.sp, "cp": p.cp, "pp": p.pp, "schedule": "1f1b", "zero": p.zero,
+            "offload": list(p.offload)}
+
+
+def _structural(model: ModelSpec, seq: int, gpu: GPU, tp: int, cp: int, pp: int) -> str | None:
+    if tp > gpu.gpus_per_node:
+        return f"tp={tp} spans nodes ({gpu.gpus_per_node} GPUs per node): TP all-reduces every block"
+    if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
+        return f"tp={tp} does not divide {model.num_heads} heads / {model.num_kv_heads} KV heads"
+    if model.ffn_size % tp:
+        return f"tp={tp} does not divide ffn_size={model.ffn_size}"
+    if seq % (2 * cp) and cp > 1:
+        return f"cp={cp}: seq={seq} is not a multiple of 2·cp (load-balanced causal ring)"
+    if pp > model.num_layers:
+        return f"pp={pp} exceeds {model.num_layers} layers"
+    return None
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _pareto(rows: list[tuple]) -> list[tuple]:
+    """Rows (step time, StagePeak, ...) no other row beats on both peak and step time."""
+    front: list[tuple] = []
+    best_time = float("inf")
+    for r in sorted(rows, key=lambda r: (r[1].peak_bytes, r[0])):
+        if r[0] < best_time:
+            front.append(r)
+            best_time = r[0]
+    return front
+
+
+def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
+         precision: str = "bf16", optimizer: str = "adamw", loss: str = "ce", profile: str = "hf",
+         reserve: Reserve = Reserve(), cost: CostModel = CostModel(), space: SearchSpace = SearchSpace(),
+         top: int = 5, keep_rejected: bool = False) -> Plan:
+    """Every configuration of ``gpus`` × ``gpu`` for ``global_batch`` sequences of ``seq`` tokens,
+    the ``top`` fastest that fit, and the memory-vs-time Pareto front of those that fit."""
+    t0 = time.perf_counter()
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq), ("top", top)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise SpecError(name, value, "must be a positive integer")
+    usable = reserve.usable_bytes(gpu)
+    if usable <= 0:
+        raise SpecError("reserve", reserve.to_dict(), f"leaves nothing of {gpu.name}'s {gpu.memory_bytes} bytes")
+    base = StepSpec(batch=1, seq=seq, precision=precision, optimizer=optimizer, loss=loss)
+    n_params = matmul_parameters(model)
+
+    # two estimator calls per distinct (attention, recompute) saved set
+    calls = 0
+    kernels: dict[tuple[str, str], tuple[Breakdown, Breakdown]] = {}
+    seen: dict[tuple, str] = {}
+    for rc in space.recompute:
+        for attn in space.attention:
+            impl = ImplSpec(profile=profile, attention=attn, recompute=rc)
+            b1 = breakdown(estimate(model, base, impl))
+            calls += 1
+            sig = (rc, b1)
+            if sig in seen:  # same saved set as a kernel already listed
+                continue
+            seen[sig] = attn
+            b2 = breakdown(estimate(model, replace(base, batch=2), impl))
+            calls += 1
+            kernels[(attn, rc)] = (b1, b2)
+
+    rejected: list[tuple[dict, str]] = []
+    fitting: list[tuple] = []  # (step time, StagePeak, mb, accum, attention, recompute, _P, StepTime)
+    closest: list[tuple] = []
+    evaluated = 0
+    steps: dict[int, StepSpec] = {}
+    scaled: dict[tuple, Breakdown] = {}
+    impls = {k: ImplSpec(profile=profile, attention=k[0], recompute=k[1]) for k in kernels}
+
+    def reject(cfg_fn, why: str) -> None:
+        if keep_rejected:
+            rejected.append((cfg_fn(), why))
+
+    for pp in space.pp:
+        for cp in space.cp:
+            for tp in space.tp:
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                why = _structural(model, seq, gpu, tp, cp, pp)
+                probe = _P(dp, tp, False, cp, pp, 1, 0, ())
+                if why:
+                    reject(lambda: _config(None, None, None, None, probe), why)
+                    continue
+                if global_batch % dp:
+                    reject(lambda: _config(None, None, None, None, probe),
+                           f"global batch {global_batch} is not divisible by dp={dp}")
+                    continue
+                per_rank = global_batch // dp
+                mbs = [m for m in _divisors(per_rank, space.max_micro_batch)]
+                for sp in space.sp:
+                    if sp and tp == 1:
+                        continue
+                    for zero in space.zero:
+                        if zero and dp * cp == 1:
+                            continue  # nothing to shard over
+                        for off in space.offload:
+                            if off and zero == 0:
+                                continue  # offload is a ZeRO feature (DeepSpeed ZeRO-Offload)
+                            for (attn, rc), (b1, b2) in kernels.items():
+                                if cp > 1 and attn == "eager":
+                                    reject(lambda: _config(None, None, attn, rc, probe),
+                                           f"cp={cp} needs a fused attention kernel (ring attention), not eager")
+                                    continue
+                                for i, mb in enumerate(mbs):
+                                    accum = per_rank // mb
+                                    p = _P(dp, tp, sp, cp, pp, accum, zero, off)
+                                    b = scaled.get((attn, rc, mb))
+                                    if b is None:
+                                        b = scaled[(attn, rc, mb)] = b1.scaled(b2, mb)
+                                    evaluated += 1
+                                    stages = rank_peak(b, p, accumulate=accum > 1)
+                                    worst = max(stages, key=lambda s: s.peak_bytes)
+                                    step = steps.get(mb)
+                                    if step is None:
+                                        step = steps[mb] = replace(base, batch=mb, grad_accum=accum)
+                                    t = step_time(model, step, impls[(attn, rc)], p, gpu,
+                                                  global_batch=global_batch, cost=cost, n_params=n_params)
+                                    total = t.total_s
+                                    row = (total, worst, mb, accum, attn, rc, p, t)
+                                    if worst.peak_bytes <= usable:
+                                        fitting.append(row)
+                                        continue
+                                    closest.append(row)
+                                    reject(lambda: _config(mb, accum, attn, rc, p),
+                                           f"peak {worst.peak_bytes} B ({worst.stage} stage, {worst.phase}) "
+                                           f"> usable {usable} B")
+                                    for mb2 in mbs[i + 1:]:  # peaks only grow with the micro-batch
+                                        reject(lambda: _config(mb2, per_rank // mb2, attn, rc, p),
+                                               f"micro-batch {mb2} > {mb}, which already does not fit")
+                                    break
+    tokens = global_batch * seq
+
+    def candidate(row) -> Candidate:
+        total, worst, mb, accum, attn, rc, p, t = row
+        return Candidate(_config(mb, accum, attn, rc, p), worst.peak_bytes, total, tokens / total,
+                         worst.peak_bytes <= usable, worst.stage, worst.phase, t.to_dict())
+
+    fitting.sort(key=lambda r: (r[0], r[1].peak_bytes))
+    if fitting:
+        shown = [candidate(r) for r in fitting[:top]]
+    else:
+        shown = [candidate(r) for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
+    shown = [_recheck(model, base, profile, c, usable) for c in shown]
+    stats = {"evaluated": evaluated, "fitting": len(fitting), "estimator_calls": calls,
+             "kernel_sets": [list(k) for k in kernels], "seconds": time.perf_counter() - t0,
+             "method": "closed form from two estimator calls (micro-batch 1 and 2) per distinct "
+                       "(attention, recompute) saved set, scaled by the parallel degrees"}
+    return Plan(model, base, gpu, gpus, global_batch, reserve, usable, tuple(shown), tuple(candidate(r) for r in _pareto(fitting)),
+                tuple(rejected), stats)
+
+
+def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usable: int) -> Candidate:
+    """The shortlisted configuration through :func:`per_rank_peak` (the estimator's own parallel
+    accounting when it has one)."""
+    from trainmem.plan.ranks import per_rank_peak, parallel_source
+
+    if parallel_source() == "first-order":
+        return c
+    cfg = c.config
+    step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
+    impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
+    par = ParallelSpec(dp=cfg["dp"], tp=cfg["tp"], sp=cfg["sp"], cp=cfg["cp"], pp=cfg["pp"],
+                       microbatches=cfg["grad_accum"], zero=cfg["zero"], offload=tuple(cfg["offload"]))
+    peak = per_rank_peak(model, step, impl, par)
+    return replace(c, peak_bytes=peak, fits=peak <= usable, peak_source="estimator")

@@ -1,0 +1,238 @@
+"""Per-rank peak under parallelism: a closed form derived from one single-device estimate.
+
+:func:`breakdown` reads one :class:`~trainmem.estimate.Estimate` (one micro-batch on one device)
+into the few sums the peak depends on; :func:`rank_peak` spreads them over a
+:class:`~trainmem.specs.ParallelSpec` with first-order sharding rules and rebuilds the estimator's
+phases (forward, backward_start, backward, backward_end, optimizer) per pipeline stage:
+
+* model states: block states split by TP and over PP stages (embedding on the first stage, final
+  norm and head on the last); ZeRO-1 shards optimizer states and master weights over dp·cp,
+  ZeRO-2 adds gradients, ZeRO-3/FSDP parameters (plus two gathered blocks: the current and the
+  prefetched one); ``offload=("optimizer",)`` moves optimizer states, master weights and the
+  optimizer's temporaries to host, ``("params",)`` the sharded parameters;
+* activations: a block tensor whose formula has a head or FFN dimension (A, Akv, F, Fe) is split
+  by TP; the rest (norm inputs, residuals: the ``10sbh`` of Korthikanti et al. 2022, §4.2.2) only
+  with sequence parallelism; CP divides every activation (the sequence is split); the head's
+  activations and logits are vocab-parallel (÷tp) and split by CP;
+* pipeline: the first 1F1B stage holds ``min(pp, microbatches)`` micro-batches of its
+  ``⌈L/pp⌉`` blocks (Narayanan et al. 2021, §2.2), the last stage one micro-batch plus the head.
+
+With every degree 1 this reproduces the estimator's phases exactly (a test checks it).
+
+Known limitations:
+  - Rules are first order: no TP all-gather buffers, NCCL buckets, uneven vocab shards, or
+    expert parallelism; ZeRO-3 gathers are two whole blocks.
+  - Only the 1F1B schedule's in-flight count is modelled (gpipe holds all micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from trainmem.estimate import Estimate
+from trainmem.estimate.peak import layer_of
+from trainmem.inventory import Category
+from trainmem.specs import ParallelSpec
+
+__all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak"]
+
+_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")
+_EMBED = ("embed", "wte", "wpe", "word_embeddings", "position_embeddings", "token_type_embeddings")
+_TP_DIMS = frozenset({"A", "Akv", "F", "Fe", "2F", "2Fe"})
+_LEDGERS = ("parameter", "gradient", "master_weight", "optimizer_state")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """The sums a per-rank peak depends on, for one micro-batch on one device (bytes)."""
+
+    num_layers: int
+    block_states: tuple[int, int, int, int]
+    """(parameter, gradient, master_weight, optimizer_state) of all blocks together."""
+    embed_states: tuple[int, int, int, int]
+    """The same for the input embeddings (first pipeline stage)."""
+    head_states: tuple[int, int, int, int]
+    """The same for everything else outside blocks: final norm, LM head (last stage)."""
+    largest_block_params: int
+    act_split: int
+    """Block activations with a head/FFN dimension (split by TP), all blocks."""
+    act_replicated: int
+    """Block activations TP leaves whole (split only with sequence parallelism), all blocks."""
+    act_first: int
+    """Activations outside blocks before them (embedding indices, rotary tables)."""
+    act_head: int
+    """Activations of the final norm, head and loss."""
+    logits: int
+    """Phase ``forward``'s logits (and fp32 copy); 0 for a chunked loss."""
+    logits_grad: int
+    """Phase ``backward_start``'s logit gradients; 0 for a chunked loss."""
+    head_grads: int
+    """Phase ``backward``'s gradients without accumulation (the head's)."""
+    work: int
+    """Phase ``backward``'s recomputed block and gradient working set."""
+    work_end: int
+    """Phase ``backward_end``'s working set."""
+    optimizer_temporaries: int
+    has_backward: bool
+    ce_phases: bool
+
+    def scaled(self, other: "Breakdown", batch: int) -> "Breakdown":
+        """Affine extrapolation in the micro-batch: ``self`` at B=1, ``other`` at B=2 -> B=batch.
+        Every activation term is B × (per-sequence bytes) + (B-independent bytes)."""
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, int) and not isinstance(a, bool):
+                out[f.name] = a + (b - a) * (batch - 1)
+            else:
+                out[f.name] = a
+        return Breakdown(**out)
+
+
+def _tp_split(formula: str) -> bool:
+    dims = set(formula.split("·"))
+    return bool(dims & _TP_DIMS) and "H" not in dims
+
+
+def breakdown(e: Estimate) -> Breakdown:
+    """Read an estimate into a :class:`Breakdown`."""
+    block = [0, 0, 0, 0]
+    embed = [0, 0, 0, 0]
+    head = [0, 0, 0, 0]
+    layer_params: dict[int, int] = {}
+    act_split = act_rep = act_first = act_head = 0
+    index = {c.value: i for i, c in enumerate((Category.PARAMETER, Category.GRADIENT,
+                                                 Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE))}
+    for it in e.inventory:
+        li = layer_of(it.name)
+        if it.category is Category.ACTIVATION:
+            if li is not None:
+                if _tp_split(it.formula):
+                    act_split += it.bytes
+                else:
+                    act_rep += it.bytes
+            elif it.name.startswith(_HEAD):
+                act_head += it.bytes
+            else:
+                act_first += it.bytes
+            continue
+        k = index.get(it.category.value)
+        if k is None:
+            continue
+        if li is not None:
+            block[k] += it.bytes
+            if k == 0:
+                layer_params[li] = layer_params.get(li, 0) + it.bytes
+        elif any(t in it.name for t in _EMBED):
+            embed[k] += it.bytes
+        else:
+            head[k] += it.bytes
+    ph = {p.name: p for p in e.phases}
+    return Breakdown(
+        num_layers=e.model.num_layers,
+        block_states=tuple(block), embed_states=tuple(embed), head_states=tuple(head),
+        largest_block_params=max(layer_params.values(), default=0),
+        act_split=act_split, act_replicated=act_rep, act_first=act_first, act_head=act_head,
+        logits=ph["forward"].parts.get("logits", 0),
+        logits_grad=ph["backward_start"].parts.get("logits_grad", 0) if "backward_start" in ph else 0,
+        head_grads=ph["backward"].parts.get("gradients", 0) if "backward" in ph else 0,
+        work=ph["backward"].parts.get("recompute_and_work", 0) if "backward" in ph else 0,
+        work_end=ph["backward_end"].parts.get("work", 0),
+        optimizer_temporaries=ph["optimizer"].parts.get("optimizer_temporaries", 0),
+        has_backward="backward" in ph, ce_phases="backward_start" in ph,
+    )
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The peak of one rank class (a pipeline stage)."""
+
+    stage: str
+    peak_bytes: int
+    phase: str
+    parts: dict[str, int]
+    host_bytes: int
+
+
+def _shard_group(p: ParallelSpec) -> int:
+    """Ranks that share one copy of the model states (ZeRO/FSDP): dp·cp, or the hybrid group."""
+    group = p.dp * p.cp
+    if p.fsdp == "hybrid":
+        group = min(group, p.fsdp_group)
+    return group
+
+
+def _zero(p: ParallelSpec) -> int:
+    return 3 if p.fsdp is not None else p.zero
+
+
+def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool) -> list[StagePeak]:
+    """Per-stage peaks (first stage, and the last when pp > 1) for the micro-batch ``b`` describes.
+    ``accumulate``: gradients persist across micro-batches (grad_accum or pipeline micro-batches > 1)."""
+    L = b.num_layers
+    per_stage = math.ceil(L / p.pp)
+    zero = _zero(p)
+    shard = _shard_group(p)
+    off_opt = "optimizer" in p.offload
+    off_par = "params" in p.offload
+    rep = p.tp if p.sp else 1
+    block_act = (b.act_split / p.tp + b.act_replicated / rep) / L / p.cp  # one block, one micro-batch
+    stages = [("first", True, p.pp == 1, min(p.pp, max(p.microbatches, 1)))]
+    if p.pp > 1:
+        stages.append(("last", False, True, 1))
+    out = []
+    for name, first, last, in_flight in stages:
+        frac = per_stage / L
+        st = [frac * blk / p.tp for blk in b.block_states]
+        for k in range(4):
+            if first:
+                st[k] += b.embed_states[k] / p.tp
+            if last:
+                st[k] += b.head_states[k] / p.tp
+        P, G, M, O = st
+        host = 0.0
+        if zero >= 1:
+            M, O = M / shard, O / shard
+        if zero >= 2:
+            G = G / shard
+        if zero >= 3:
+            P = P / shard
+        temps = frac * b.optimizer_temporaries / p.tp / (shard if zero >= 1 else 1)
+        if off_opt:
+            host += M + O + temps
+            M = O = temps = 0.0
+        if off_par and zero >= 3:
+            host += P
+            P = 0.0
+        gathered = 2 * b.largest_block_params / p.tp if zero >= 3 else 0.0
+        A_blocks = in_flight * per_stage * block_act
+        A_first = b.act_first / p.cp if first else 0.0
+        A_head = b.act_head / (p.tp * p.cp) if last else 0.0
+        A = A_blocks + A_first + A_head
+        g_acc = G if accumulate else 0.0
+        static = {"parameters": P, "master_weights": M, "optimizer_states": O}
+        lg = 1 / (p.tp * p.cp)
+        phases: list[tuple[str, dict[str, float]]] = []
+        fwd = {"activations": A, "gradients": g_acc, "gathered_params": gathered}
+        if b.ce_phases and last:
+            fwd["logits"] = b.logits * lg
+        phases.append(("forward", fwd))
+        if b.ce_phases:
+            phases.append(("backward_start", {"activations": A, "gradients": g_acc, "gathered_params": gathered,
+                                              "logits_grad": b.logits_grad * lg if last else 0.0}))
+        if b.has_backward:
+            head_g = b.head_grads / p.tp / (shard if zero >= 2 else 1) if last else 0.0
+            phases.append(("backward", {"activations": A - A_head, "gradients": G if accumulate else head_g,
+                                        "gathered_params": gathered, "recompute_and_work": b.work * lg}))
+        phases.append(("backward_end", {"activations": A_first, "gradients": G, "gathered_params": gathered,
+                                        "work": b.work_end / (rep * p.cp)}))
+        phases.append(("optimizer", {"gradients": G, "optimizer_temporaries": temps}))
+        base = P + M + O
+        totals = [base + sum(parts.values()) for _, parts in phases]
+        i = max(range(len(totals)), key=totals.__getitem__)
+        ph, parts = phases[i]
+        full = {**static, **parts}
+        out.append(StagePeak(name, int(round(totals[i])), ph,
+                             {k: int(round(v)) for k, v in full.items() if v}, int(round(host))))
+    return out
