@@ -31,6 +31,9 @@ def hf_forward(ctx: Ctx) -> None:
 
 # --- shared pieces -------------------------------------------------------------------------
 
+_TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")  # get_input_embeddings()
+
+
 def _embedding(ctx: Ctx, name: str, rows_sym: str = "B·S") -> Sym:
     """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype."""
     g = ctx.g
@@ -38,7 +41,13 @@ def _embedding(ctx: Ctx, name: str, rows_sym: str = "B·S") -> Sym:
         shape = (ctx.B, ctx.S) if rows_sym == "B·S" else (1, ctx.S)
         wt = ctx.weight_trainable()
         g.save(g.new("indices", shape, rows_sym, "int64", False), when=wt)  # only the weight's gradient needs them
-        return g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param, wt)
+        out = g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param, wt)
+        if not wt and ctx.impl.recompute in ("full", "every-k") and name.endswith(_TOKEN_EMBEDDINGS):
+            # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
+            # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
+            out.rg = True
+            g.save(out)
+        return out
 
 
 def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
@@ -296,7 +305,8 @@ def _gpt(ctx: Ctx) -> None:
     positions = None
     if m.max_positions:
         pos = _embedding(ctx, f"{root}.wpe", rows_sym="S")
-        positions = next(t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices")
+        # a frozen wpe keeps no indices: checkpointed blocks then hold their own position ids
+        positions = next((t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices"), None)
         x = ctx.add(x, pos, f"{root}.embed_sum")
     x = ctx.dropout(x, m.embd_dropout, f"{root}.drop", module=True)
     kernel = resolve_kernel(ctx)
