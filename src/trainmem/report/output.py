@@ -1,0 +1,42 @@
+"""``--html`` and ``--plot`` for every command: write the files whole or not at all.
+
+Each file is written to a temporary name in the same folder and renamed over the target, so an
+interrupted run (Ctrl-C, a crash) leaves the old file or none, never half of a new one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trainmem.measure._io import atomic_path, write_text_atomic
+
+__all__ = ["write_outputs", "atomic_path", "write_text_atomic", "readable"]
+
+
+def readable(path: str | os.PathLike) -> Path:
+    """Give a written file the usual permissions (the temporary file it came from was private)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+    return Path(path)
+
+
+def write_outputs(result: Any, args: Any, *, title: str | None = None) -> list[Path]:
+    """Write ``args.html`` (a self-contained page) and ``args.plot`` (``.png`` or ``.svg``) for
+    ``result`` (a trainmem result or its ``to_dict()``); missing attributes mean "not asked".
+    Returns the paths written."""
+    written: list[Path] = []
+    html_path = getattr(args, "html", None)
+    plot_path = getattr(args, "plot", None)
+    if plot_path:  # check the extension before any work
+        from trainmem.report.plots import check_plot_path
+        check_plot_path(plot_path)
+    if html_path:
+        from trainmem.report.html import write_html
+        written.append(write_html(result, html_path, title=title))
+    if plot_path:
+        from trainmem.report.plots import save_plot
+        written.append(save_plot(result, plot_path))
+    return written
