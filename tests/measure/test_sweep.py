@@ -1,0 +1,97 @@
+"""The sweep finds the limit the back-end implies, and the growth laws of naive attention."""
+
+import pytest
+
+from trainmem.estimate import estimate
+from trainmem.measure.sweep import estimate_crossover_seq, sweep
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import load_model
+
+from measure_tiny import LLAMA, reference_spec
+
+
+def _scan_limit(model, step, impl, over, budget, multiple, stop):
+    """The largest multiple whose estimated peak fits, by scanning every value."""
+    best = None
+    for v in range(multiple, stop + 1, multiple):
+        s = StepSpec(**{**step.to_dict(), over: v})
+        if estimate(model, s, impl).peak_bytes <= budget:
+            best = v
+    return best
+
+
+@pytest.mark.parametrize("over,limit", [("seq", 3008), ("seq", 704), ("batch", 13)])
+def test_estimate_backend_finds_the_scanned_limit(over, limit):
+    model = load_model("llama-2-7b")
+    step = StepSpec(batch=1, seq=2048, precision="bf16", optimizer="sgd")
+    impl = ImplSpec(attention="eager")
+    multiple, stop = (64, 8192) if over == "seq" else (1, 64)
+    peak = lambda v: estimate(model, StepSpec(**{**step.to_dict(), over: v}), impl).peak_bytes
+    budget = (peak(limit) + peak(limit + multiple)) // 2  # a synthetic budget between two values
+    r = sweep(model, step, impl, over=over, budget_bytes=budget, backend="estimate", multiple=multiple, stop=stop)
+    expected = _scan_limit(model, step, impl, over, budget, multiple, stop)
+    assert r.max_fit == expected == limit
+    by_value = {p.value: p for p in r.points}
+    assert by_value[r.max_fit].fits and by_value[r.max_fit].peak_bytes <= budget
+    assert not by_value[r.max_fit + multiple].fits
+    assert r.to_dict()["schema"] == "trainmem.sweep/1"
+
+
+def test_eager_exponents_score_term_two_rest_one():
+    model = load_model("llama-3-8b")
+    r = sweep(model, StepSpec(batch=1, precision="bf16"), ImplSpec(attention="eager"), over="seq",
+              budget_bytes=80 * 2**30)
+    terms = r.fit["terms"]
+    assert terms["attention_scores"]["exponent"] == pytest.approx(2.0, abs=0.01)
+    assert terms["other_activations"]["exponent"] == pytest.approx(1.0, abs=0.02)
+    assert r.fit["ledgers"]["parameter"]["exponent"] == pytest.approx(0.0, abs=1e-9)
+    # scores 1·32·S·S·(2 + 2 + 2 bytes...) against ~7.4 MB/token of the rest: they take over near S ≈ 1.2k,
+    # past most of the swept range only when the limit is far beyond it
+    expected = estimate_crossover_seq(model, StepSpec(batch=1, seq=4096, precision="bf16"), ImplSpec(attention="eager"))
+    assert r.crossover_seq == pytest.approx(expected, rel=1e-6)
+    assert r.verdict == "linear"  # max_fit < 2 x crossover: the linear terms hold most of the range
+
+
+def test_verdict_quadratic_only_when_scores_dominate():
+    # many heads, narrow hidden: scores B·A·S²·4 against ~B·S·H·(a few tens) take over early
+    wide_heads = reference_spec(hidden_size=64, num_heads=16, num_kv_heads=16, head_dim=4)
+    impl = ImplSpec(profile="reference", attention="eager", device="cpu")
+    step = StepSpec(batch=1, precision="fp32")
+    r = sweep(wide_heads, step, impl, over="seq", budget_bytes=2 * 2**30, backend="estimate", start=1024)
+    assert r.crossover_seq is not None and r.crossover_seq < 1024
+    assert r.verdict == "quadratic"
+    flash = sweep(wide_heads, step, ImplSpec(profile="reference", attention="sdpa", device="cpu"), over="seq",
+                  budget_bytes=2 * 2**30, backend="estimate", start=1024)
+    assert flash.verdict == "linear" and flash.crossover_seq is None
+    assert flash.max_fit > r.max_fit
+    by_batch = sweep(wide_heads, StepSpec(seq=2048, precision="fp32"), impl, over="batch", budget_bytes=2 * 2**30)
+    assert by_batch.verdict == "linear"  # activations are linear in B whatever the kernel
+    assert by_batch.crossover_seq == pytest.approx(r.crossover_seq, rel=1e-6)  # from the estimator's items
+
+
+def test_trace_backend_tiny_model():
+    step = StepSpec(batch=1, precision="fp32")
+    impl = ImplSpec(attention="eager", device="cpu")
+    r = sweep(LLAMA, step, impl, over="seq", budget_bytes=7 * 2**20, backend="trace", start=64, stop=256, multiple=32)
+    assert r.max_fit is not None and 64 <= r.max_fit < 256
+    ok = {p.value: p for p in r.points}
+    assert ok[r.max_fit].peak_bytes <= 7 * 2**20
+    assert ok[r.max_fit + 32].peak_bytes > 7 * 2**20  # bisection tried the next multiple
+    assert r.fit["terms"]["attention_scores"]["exponent"] == pytest.approx(2.0, abs=0.01)
+    assert r.fit["terms"]["other_activations"]["exponent"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_device_backend_on_cpu_tiny_model():
+    pytest.importorskip("torch")
+    step = StepSpec(batch=1, precision="fp32")
+    impl = ImplSpec(attention="eager", device="cpu")
+    budget = 6 * 2**20
+    r = sweep(LLAMA, step, impl, over="seq", budget_bytes=budget, backend="device", start=64, stop=128,
+              multiple=32, device="cpu")
+    ok = {p.value: p for p in r.points}
+    assert r.max_fit == 96 or r.max_fit == 64
+    assert ok[r.max_fit].peak_bytes <= budget
+    assert all(not p.fits for v, p in ok.items() if v > r.max_fit)
+    est = estimate(reference_spec(), StepSpec(batch=1, seq=r.max_fit, precision="fp32"),
+                   ImplSpec(attention="eager", device="cpu"))
+    assert ok[r.max_fit].totals_bytes["activation"] == pytest.approx(est.totals_bytes["activation"], rel=0.05)
