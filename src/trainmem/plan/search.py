@@ -6,7 +6,8 @@ micro-batch 1 and 2 (attention kernels whose saved sets coincide are merged). Ev
 is affine in the micro-batch, so those two :class:`~trainmem.plan.shard.Breakdown` s give any
 micro-batch exactly, and :func:`~trainmem.plan.shard.rank_peak` spreads it over the parallel degrees
 in closed form. Micro-batches are tried smallest first and a branch stops at the first that does not
-fit (the peak grows with the micro-batch). The shortlist shown is re-checked with
+fit (the peak grows with the micro-batch). Two choices the cost model can never prefer are skipped
+with their reason: TP without sequence parallelism, and data parallelism without ZeRO-1. The shortlist shown is re-checked with
 :func:`~trainmem.plan.ranks.per_rank_peak`, which uses the estimator's own parallel accounting when
 it has one.
 
@@ -31,6 +32,11 @@ from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 __all__ = ["SearchSpace", "Candidate", "Plan", "plan", "SCHEMA"]
 
 SCHEMA = "trainmem.plan/1"
+# Dominated choices, skipped when the choice that dominates them is in the search space:
+_NO_SP = ("dominated by sp=True: the same bytes move (all-gather + reduce-scatter = all-reduce) "
+          "and norms, dropout and residuals are split over the TP group")
+_NO_ZERO = ("dominated by zero=1: the distributed optimizer moves the same bytes (reduce-scatter + "
+            "all-gather = all-reduce) and holds 1/dp of the optimizer states")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,9 +223,15 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 for sp in space.sp:
                     if sp and tp == 1:
                         continue
+                    if not sp and tp > 1 and True in space.sp:
+                        reject(lambda: _config(None, None, None, None, _P(dp, tp, sp, cp, pp, 1, 0, ())), _NO_SP)
+                        continue
                     for zero in space.zero:
                         if zero and dp * cp == 1:
                             continue  # nothing to shard over
+                        if zero == 0 and dp * cp > 1 and 1 in space.zero:
+                            reject(lambda: _config(None, None, None, None, _P(dp, tp, sp, cp, pp, 1, 0, ())), _NO_ZERO)
+                            continue
                         for off in space.offload:
                             if off and zero == 0:
                                 continue  # offload is a ZeRO feature (DeepSpeed ZeRO-Offload)
@@ -235,7 +247,7 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                                     if b is None:
                                         b = scaled[(attn, rc, mb)] = b1.scaled(b2, mb)
                                     evaluated += 1
-                                    stages = rank_peak(b, p, accumulate=accum > 1)
+                                    stages = rank_peak(b, p, accumulate=accum > 1, detail=False)
                                     worst = max(stages, key=lambda s: s.peak_bytes)
                                     step = steps.get(mb)
                                     if step is None:

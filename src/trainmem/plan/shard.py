@@ -144,6 +144,16 @@ def breakdown(e: Estimate) -> Breakdown:
     )
 
 
+#: Each phase of :func:`rank_peak` and its parts besides parameters, master weights and optimizer states.
+_PARTS = (
+    ("forward", ("activations", "gradients", "gathered_params", "logits")),
+    ("backward_start", ("activations", "gradients", "gathered_params", "logits_grad")),
+    ("backward", ("activations", "gradients", "gathered_params", "recompute_and_work")),
+    ("backward_end", ("activations", "gradients", "gathered_params", "work")),
+    ("optimizer", ("gradients", "optimizer_temporaries")),
+)
+
+
 @dataclass(frozen=True)
 class StagePeak:
     """The peak of one rank class (a pipeline stage)."""
@@ -167,9 +177,10 @@ def _zero(p: ParallelSpec) -> int:
     return 3 if p.fsdp is not None else p.zero
 
 
-def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool) -> list[StagePeak]:
+def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool = True) -> list[StagePeak]:
     """Per-stage peaks (first stage, and the last when pp > 1) for the micro-batch ``b`` describes.
-    ``accumulate``: gradients persist across micro-batches (grad_accum or pipeline micro-batches > 1)."""
+    ``accumulate``: gradients persist across micro-batches (grad_accum or pipeline micro-batches > 1).
+    ``detail=False`` leaves ``parts`` empty (the planner's inner loop)."""
     L = b.num_layers
     per_stage = math.ceil(L / p.pp)
     zero = _zero(p)
@@ -211,28 +222,26 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool) -> list[StageP
         A_head = b.act_head / (p.tp * p.cp) if last else 0.0
         A = A_blocks + A_first + A_head
         g_acc = G if accumulate else 0.0
-        static = {"parameters": P, "master_weights": M, "optimizer_states": O}
         lg = 1 / (p.tp * p.cp)
-        phases: list[tuple[str, dict[str, float]]] = []
-        fwd = {"activations": A, "gradients": g_acc, "gathered_params": gathered}
-        if b.ce_phases and last:
-            fwd["logits"] = b.logits * lg
-        phases.append(("forward", fwd))
-        if b.ce_phases:
-            phases.append(("backward_start", {"activations": A, "gradients": g_acc, "gathered_params": gathered,
-                                              "logits_grad": b.logits_grad * lg if last else 0.0}))
-        if b.has_backward:
-            head_g = b.head_grads / p.tp / (shard if zero >= 2 else 1) if last else 0.0
-            phases.append(("backward", {"activations": A - A_head, "gradients": G if accumulate else head_g,
-                                        "gathered_params": gathered, "recompute_and_work": b.work * lg}))
-        phases.append(("backward_end", {"activations": A_first, "gradients": G, "gathered_params": gathered,
-                                        "work": b.work_end / (rep * p.cp)}))
-        phases.append(("optimizer", {"gradients": G, "optimizer_temporaries": temps}))
+        head_g = b.head_grads / p.tp / (shard if zero >= 2 else 1) if last else 0.0
+        values = (  # in the order of _PARTS
+            (A, g_acc, gathered, b.logits * lg if b.ce_phases and last else 0.0),
+            (A, g_acc, gathered, b.logits_grad * lg if last else 0.0) if b.ce_phases else None,
+            (A - A_head, G if accumulate else head_g, gathered, b.work * lg) if b.has_backward else None,
+            (A_first, G, gathered, b.work_end / (rep * p.cp)),
+            (G, temps),
+        )
         base = P + M + O
-        totals = [base + sum(parts.values()) for _, parts in phases]
-        i = max(range(len(totals)), key=totals.__getitem__)
-        ph, parts = phases[i]
-        full = {**static, **parts}
-        out.append(StagePeak(name, int(round(totals[i])), ph,
-                             {k: int(round(v)) for k, v in full.items() if v}, int(round(host))))
+        best, best_total = 0, -1.0
+        for i, vals in enumerate(values):
+            if vals is not None:
+                total = base + sum(vals)
+                if total > best_total:
+                    best, best_total = i, total
+        ph, names = _PARTS[best]
+        parts = {}
+        if detail:
+            full = {"parameters": P, "master_weights": M, "optimizer_states": O, **dict(zip(names, values[best]))}
+            parts = {k: int(round(v)) for k, v in full.items() if v}
+        out.append(StagePeak(name, int(round(best_total)), ph, parts, int(round(host))))
     return out
