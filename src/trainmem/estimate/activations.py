@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from trainmem.estimate.ctx import Ctx
+from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.graph import Graph
 from trainmem.inventory import MemoryItem
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["activation_items"]
+__all__ = ["activation_items", "activation_items_with_savers"]
 
 
-def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None) -> list[MemoryItem]:
+def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
+                     shard: Shard | None = None) -> list[MemoryItem]:
     """Every tensor kept for backward during one micro-batch's forward and loss.
 
     ``finetune`` (a FinetuneSpec): frozen weights and LoRA adapters change the saved set; the
-    inputs frozen layers do not keep are listed as zero-byte items with a note."""
-    ctx = Ctx(Graph(), model, step, impl)
+    inputs frozen layers do not keep are listed as zero-byte items with a note.
+    ``shard``: one rank's cut under tensor/sequence/context parallelism (``model`` and ``step``
+    are then the rank-local ones; see ``estimate/parallel.py``)."""
+    return activation_items_with_savers(model, step, impl, finetune, shard)[0]
+
+
+def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
+                                 shard: Shard | None = None) -> tuple[list[MemoryItem], list[str]]:
+    """:func:`activation_items` plus, for each item, the module scope that keeps it (a pipeline
+    stage owns what its layers keep, whoever created it)."""
+    ctx = Ctx(Graph(), model, step, impl, shard=shard or Shard())
     hook = None
     if finetune is not None:
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
@@ -30,6 +40,6 @@ def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=
     ctx.g.save(ctx.g.new("input_ids", (step.batch, step.seq), "B·S", "int64")) if impl.profile != "hf" else None
     forward(ctx)
     if hook is None:
-        return ctx.g.items()
+        return ctx.g.items(), ctx.g.savers()
     hook.embedding_notes(ctx, model)
-    return ctx.g.items() + hook.notes
+    return ctx.g.items() + hook.notes, ctx.g.savers() + [""] * len(hook.notes)

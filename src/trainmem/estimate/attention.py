@@ -7,6 +7,7 @@ Inputs are the per-head tensors as they reach the kernel (after RoPE), in
 
 from __future__ import annotations
 
+from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
 
@@ -60,6 +61,10 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         if not gqa_native and m.num_kv_heads != A:
             k = g.new("k_repeat", heads_shape, heads_dims, k.dtype, k.rg)
             v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
+        cp = ctx.shard.cp
+        if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
+            k, v = (g.new(f"{n}_gathered", (B, S * cp, t.shape[-1]), "B·S·Akv·hd", t.dtype, t.rg)
+                    for t, n in ((k, "k"), (v, "v")))
         out = g.new("sdpa_out", (B, S, A * hd), "B·S·A·hd", q.dtype, rg)
         if kernel == "flash":
             lse = g.new("lse", (B, A, S), "B·A·S", "float32")
@@ -73,6 +78,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
             return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
     # eager / math: materialized scores
+    if ctx.shard.cp > 1:
+        raise UnsupportedError(f"context parallelism needs a fused attention kernel (flash or mem-efficient), not {kernel}")
     out_dtype = low or v.dtype
     if kernel == "math" and ctx.impl.device == "cpu" and (low or q.dtype) != "float32":
         # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32

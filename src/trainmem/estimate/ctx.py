@@ -24,6 +24,16 @@ def promote(a: str, b: str) -> str:
     return a if _RANK[a] > _RANK[b] else b
 
 
+@dataclass(frozen=True)
+class Shard:
+    """How one rank's block is cut: tensor (+ sequence) and context parallelism."""
+
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_style: str = "ring"
+
+
 @dataclass
 class Ctx:
     """Everything a block rule needs: the graph, sizes, and the dtype policy."""
@@ -37,6 +47,9 @@ class Ctx:
     finetune_linear: Callable[..., Sym] | None = None
     """Fine-tuning's linear rule (frozen or 4-bit base, LoRA adapter; ``estimate/finetune.py``),
     called as ``finetune_linear(ctx, x, ...)`` in place of :meth:`plain_linear`."""
+    shard: Shard = Shard()
+    """This rank's cut of the block (``model`` is already the rank-local model: heads, FFN width
+    and vocabulary divided by ``tp``; ``step.seq`` is the rank's ``S / cp``)."""
 
     def __post_init__(self) -> None:
         d = self.step.dtypes
@@ -47,6 +60,25 @@ class Ctx:
     # shapes ------------------------------------------------------------------
     def bsd(self, width: int, sym: str) -> tuple[tuple[int, ...], str]:
         return (self.B, self.S, width), f"B·S·{sym}"
+
+    # sequence parallelism -------------------------------------------------------
+    def sp_scatter(self, x: Sym, label: str) -> Sym:
+        """Enter a sequence-parallel region: this rank keeps S/tp of the tokens (a new tensor:
+        reduce-scatter after a row-parallel linear, or a slice copy after the embedding)."""
+        tp = self.shard.tp
+        if not self.shard.sp or tp == 1:
+            return x
+        shape = x.shape[:1] + (x.shape[1] // tp,) + x.shape[2:]
+        return self.g.new(label, shape, x.dims.replace("S", "(S/tp)", 1), x.dtype, x.rg)
+
+    def sp_gather(self, x: Sym, label: str) -> Sym:
+        """Leave a sequence-parallel region: all-gather the tokens (DTensor keeps the gathered
+        tensor for the column-parallel linears that read it)."""
+        tp = self.shard.tp
+        if not self.shard.sp or tp == 1:
+            return x
+        shape = x.shape[:1] + (x.shape[1] * tp,) + x.shape[2:]
+        return self.g.new(label, shape, x.dims.replace("(S/tp)", "S", 1), x.dtype, x.rg)
 
     # kernels ---------------------------------------------------------------
     def cast(self, x: Sym, dtype: str, label: str) -> Sym:

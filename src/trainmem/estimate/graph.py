@@ -53,6 +53,7 @@ class Graph:
     scope: list[str] = field(default_factory=list)
     saved: dict[int, Sym] = field(default_factory=dict)
     _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
+    saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -80,9 +81,11 @@ class Graph:
         if not when:
             return
         target = self._checkpoint[-1] if self._checkpoint else self.saved
+        scope = ".".join(self.scope)
         for t in tensors:
             if t is not None:
                 target.setdefault(id(t), t)
+                self.saver.setdefault(id(t), scope)
 
     @contextmanager
     def checkpoint(self, *inputs: Sym) -> Iterator[None]:
@@ -97,6 +100,10 @@ class Graph:
         finally:
             self._checkpoint.pop()
             self.save(*inputs)
+
+    def savers(self) -> list[str]:
+        """The module scope that kept each item of :meth:`items`, in the same order."""
+        return [self.saver.get(k, "") for k in self.saved]
 
     def items(self) -> list[MemoryItem]:
         act = Category.ACTIVATION

@@ -161,6 +161,8 @@ def _llama(ctx: Ctx) -> None:
     x = _embedding(ctx, "model.embed_tokens")
     if gemma:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
         x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.rg)
+    with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
+        x = ctx.sp_scatter(x, "out_sp")
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
         cos = g.new("cos", rot, "S·hd", x.dtype, False)
@@ -175,6 +177,8 @@ def _llama(ctx: Ctx) -> None:
             else:
                 x = _llama_layer(ctx, x, cos, sin, kernel)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
+    with g.module("lm_head"):
+        h = ctx.sp_gather(h, "input_gathered")
     logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
 
@@ -185,6 +189,7 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
     h = _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
     with g.module("self_attn"):
+        h = ctx.sp_gather(h, "input_gathered")
         if m.family == "phi3":
             with g.module("qkv_proj"):
                 qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H))
@@ -210,14 +215,16 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
                            softcap=m.attn_softcap, out_copy=m.family == "phi3")
         with g.module("o_proj"):
-            a = ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd")
+            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd"), "out_sp")
     if gemma and m.family == "gemma2":
         a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=True)
     x = ctx.add(x, a, "residual_attn")
     norm2 = "pre_feedforward_layernorm" if m.family == "gemma2" else "post_attention_layernorm"
     h = _rmsnorm(ctx, x, norm2, gemma=gemma)
     with g.module("mlp"):
+        h = ctx.sp_gather(h, "input_gathered")
         y = _moe(ctx, h) if m.is_moe else _gated_mlp(ctx, h)
+        y = ctx.sp_scatter(y, "out_sp")
     if m.family == "gemma2":
         y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=True)
     return ctx.add(x, y, "residual_mlp")

@@ -18,8 +18,11 @@ fp32 logits 4sbv of the cross-entropy.
 
 Known limitations: the paper's model, not the ``ModelSpec``'s: the MLP is 4h GELU whatever
 ``ffn_size`` and ``activation`` say, activations are 16-bit even for ``fp32`` steps, and the
-dropout masks are counted even at zero dropout. Tensor/sequence parallelism exists only in
-:func:`megatron_layer_bytes` until ``ImplSpec`` carries the degrees.
+dropout masks are counted even at zero dropout. Under tensor parallelism (``ctx.shard.tp`` = t,
+``ctx.model`` being the rank-local model with a/t heads) the layernorm, dropout and
+linear-input tensors are replicated (10sbh) and the rest split (24sbh/t); with sequence
+parallelism everything is split (34sbh/t), Megatron keeping the sharded linear inputs and
+all-gathering them again in backward.
 """
 
 from __future__ import annotations
@@ -63,38 +66,48 @@ def megatron_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: boo
     return linear if recompute == "selective" else linear + quadratic
 
 
+def _seq(ctx: Ctx) -> tuple[tuple[int, int, int], str]:
+    """Shape of the tensors sequence parallelism splits (replicated without it)."""
+    t = ctx.shard.tp
+    if ctx.shard.sp and t > 1:
+        return (ctx.S // t, ctx.B, ctx.model.hidden_size), "(S/t)·B·H"
+    return (ctx.S, ctx.B, ctx.model.hidden_size), "S·B·H"
+
+
 def megatron_forward(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
     B, S, H, V = ctx.B, ctx.S, m.hidden_size, m.vocab_size
     act = ctx.step.dtypes.activation if ctx.step.dtypes.activation != "float32" else "bfloat16"
-    g.save(g.new("embedding.dropout_mask", (S, B, H), "S·B·H", _MASK))
+    seq = _seq(ctx)
+    g.save(g.new("embedding.dropout_mask", *seq, _MASK))
     for i in range(m.num_layers):
         with g.module(f"layers.{i}"):
             # the residual stream entering layer i: named for the layer that keeps it
-            x = g.new("input", (S, B, H), "S·B·H", act)
+            x = g.new("input", *seq, act)
             if ctx.impl.checkpointed(i):
                 with g.checkpoint(x):
                     _layer(ctx, x)
             else:
                 _layer(ctx, x)
     with g.module("final_layernorm"):
-        g.save(g.new("input", (S, B, H), "S·B·H", act))
+        g.save(g.new("input", *seq, act))
     with g.module("output_layer"):
-        g.save(g.new("input", (S, B, H), "S·B·H", act))
+        g.save(g.new("input", *seq, act))
     with g.module("loss"):
         g.save(g.new("logits_fp32", (S, B, V), "S·B·V", "float32"))
 
 
 def _layer(ctx: Ctx, x: Sym) -> None:
     g, m = ctx.g, ctx.model
-    B, S, H = ctx.B, ctx.S, m.hidden_size
-    sbh, dt = ((S, B, H), "S·B·H"), x.dtype
+    B, S, H, t = ctx.B, ctx.S, m.hidden_size, ctx.shard.tp
+    seq, dt = _seq(ctx), x.dtype
+    split = ((S, B, H // t), "S·B·H/t" if t > 1 else "S·B·H")  # heads split over TP ranks
     with g.module("input_layernorm"):
         g.save(x)  # 2sbh
-        h = g.new("out", *sbh, dt)
+        h = g.new("out", *seq, dt)
     with g.module("self_attention"):
         g.save(h)  # QKV input 2sbh
-        q, k, v = (g.new(n, *sbh, dt) for n in ("q", "k", "v"))
+        q, k, v = (g.new(n, *split, dt) for n in ("q", "k", "v"))
         if ctx.impl.recompute == "selective":
             with g.checkpoint(q, k, v):
                 core = _core(ctx, q, k, v)
@@ -102,13 +115,13 @@ def _layer(ctx: Ctx, x: Sym) -> None:
             core = _core(ctx, q, k, v)
         with g.module("dense"):
             g.save(core)  # 2sbh
-        g.save(g.new("dropout_mask", *sbh, _MASK))  # sbh
-    x = g.new("residual_attn", *sbh, dt)
+        g.save(g.new("dropout_mask", *seq, _MASK))  # sbh
+    x = g.new("residual_attn", *seq, dt)
     with g.module("post_attention_layernorm"):
         g.save(x)  # 2sbh
-        h = g.new("out", *sbh, dt)
+        h = g.new("out", *seq, dt)
     with g.module("mlp"):
-        wide = ((S, B, 4 * H), "S·B·4H")
+        wide = ((S, B, 4 * H // t), "S·B·4H/t" if t > 1 else "S·B·4H")
         with g.module("fc1"):
             g.save(h)  # 2sbh
             u = g.new("out", *wide, dt)
@@ -117,7 +130,7 @@ def _layer(ctx: Ctx, x: Sym) -> None:
             y = g.new("out", *wide, dt)
         with g.module("fc2"):
             g.save(y)  # 8sbh
-        g.save(g.new("dropout_mask", *sbh, _MASK))  # sbh
+        g.save(g.new("dropout_mask", *seq, _MASK))  # sbh
 
 
 def _core(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
@@ -129,4 +142,5 @@ def _core(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
     g.save(q, k)
     g.save(g.new("softmax", scores, dims, dt), g.new("attn_dropout_mask", scores, dims, _MASK))
     g.save(g.new("attn_dropout", scores, dims, dt), v)
-    return g.new("context", (S, B, m.hidden_size), "S·B·H", dt)
+    t = ctx.shard.tp
+    return g.new("context", (S, B, m.hidden_size // t), "S·B·H/t" if t > 1 else "S·B·H", dt)
