@@ -129,7 +129,7 @@ def line_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float], str
     if x1 == x0:
         x1 = x0 + 1
     top = nice_max(max(ys_all + [1])) if y_bytes else max(ys_all + [1]) * 1.1
-    left, right, tpad, bottom = 74, 150, 24, 46
+    left, right, tpad, bottom = 74, 190, 24, 46
     plot_w, plot_h = width - left - right, height - tpad - bottom
 
     def X(x: float) -> float:
@@ -153,7 +153,8 @@ def line_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float], str
         v = x0 + (x1 - x0) * k / 4
         out.append(f'<text x="{X(v):.1f}" y="{tpad + plot_h + 16}" text-anchor="middle" fill="#555">{v:,.0f}</text>')
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_e(xlabel)}</text>')
-    for j, (name, xs, ys, color, style) in enumerate(series):
+    legend = 0
+    for name, xs, ys, color, style in series:
         if style == "points":
             for x, y in zip(xs, ys):
                 out.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3.5" fill="{color}">'
@@ -163,7 +164,10 @@ def line_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float], str
             dash = ' stroke-dasharray="5 3"' if style == "dash" else ""
             out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6"{dash} points="{pts}">'
                        f'<title>{_e(name)}</title></polyline>')
-        ly = tpad + 14 * j
+        if not name:  # unnamed: drawn, not in the legend
+            continue
+        ly = tpad + 14 * legend
+        legend += 1
         out.append(f'<line x1="{width - right + 10}" x2="{width - right + 24}" y1="{ly + 5}" y2="{ly + 5}" '
                    f'stroke="{color}" stroke-width="3"/><text x="{width - right + 28}" y="{ly + 9}">{_e(name)}</text>')
     for x, y, text in marks:
@@ -457,7 +461,7 @@ def _sweep(d: dict, page: _Page) -> None:
             a, b, c = _curve(fit, xs, ys)
             exp = f" ~{over}^{fit['exponent']:.2f}" if fit and fit.get("exponent") is not None else ""
             series.append((f"{name}{exp}", xs, ys, color, "points"))
-            series.append((f"{name} fit", grid, [a + b * x + c * x * x for x in grid], color, "dash"))
+            series.append(("", grid, [a + b * x + c * x * x for x in grid], color, "dash"))
         if d.get("budget_bytes"):
             series.append(("budget", [xs[0], xs[-1]], [d["budget_bytes"]] * 2, "#222", "line"))
         page.section(f"Memory against {over} (points and fitted curves)", line_chart(series, xlabel=over, height=340))
@@ -468,14 +472,26 @@ def _sweep(d: dict, page: _Page) -> None:
               {True: "yes", False: "no"}.get(p.get("fits"), "")] for p in points],
             numeric=tuple(range(len(ledgers) + 2))))
     if fits:
-        page.section("Fitted growth", _generic_value(fits))
+        rows = [("peak", fits["peak"])] if isinstance(fits.get("peak"), dict) else []
+        for group in ("ledgers", "terms"):
+            rows += [(f"{group[:-1]} {k}", v) for k, v in (fits.get(group) or {}).items() if isinstance(v, dict)]
+        page.section("Fitted growth: y ≈ constant + linear·x + quadratic·x², and the log-log exponent", table(
+            ["", "exponent", "constant", "linear", "quadratic", "points"],
+            [[name, "—" if f.get("exponent") is None else f"{f['exponent']:.3f}", _num(f.get("constant")),
+              _num(f.get("linear_coef")), _num(f.get("quadratic_coef")), f.get("num_points", "")] for name, f in rows],
+            numeric=(1, 2, 3, 4, 5)))
+
+
+def _num(x: object) -> str:
+    return "—" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 # plan --------------------------------------------------------------------------------------------
 
 def _config_text(c: object) -> str:
     if isinstance(c, dict):
-        return " ".join(f"{k}={v}" for k, v in c.items() if v not in (None, False, 1, "none", ()) or k == "batch")
+        return " ".join(f"{k}={v}" for k, v in c.items()
+                        if v not in (None, False, 1, "none", (), []) or k in ("batch", "micro_batch"))
     return str(c)
 
 
@@ -513,7 +529,7 @@ def _plan(d: dict, page: _Page) -> None:
     if pareto:
         series.append(("Pareto front", *pts(sorted(pareto, key=lambda c: c.get("tokens_per_s") or 0)), "#c00", "line"))
     if usable:
-        xs = [c["tokens_per_s"] for c in cands if c.get("tokens_per_s") is not None] or [0]
+        xs = [c["tokens_per_s"] for c in cands + pareto if c.get("tokens_per_s") is not None] or [0]
         series.append(("usable memory", [min(xs), max(xs)], [usable, usable], "#222", "dash"))
     page.section("Peak per rank against throughput", line_chart(series, xlabel="tokens/s"))
     ranked = sorted(cands, key=lambda c: (not c.get("fits"), -(c.get("tokens_per_s") or 0)))[:50]
