@@ -1,7 +1,7 @@
 """Write files whole or not at all: a temporary file in the same folder, then ``os.replace``.
 
 An interrupted run (Ctrl-C, out-of-memory, a crash) leaves either the old file or none, never
-half of a new one.
+half of a new one. Also used by :mod:`trainmem.report.output`: keep the signatures.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp made it private; an output is an ordinary file
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

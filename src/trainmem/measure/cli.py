@@ -114,14 +114,18 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         from trainmem.errors import SpecError
         raise SpecError("warmup", args.warmup, "must be 0 or more")
+    variants = None
+    if args.variants:  # checked before torch is imported
+        from trainmem.measure.variants import parse_variants
+        variants = parse_variants(args.variants, step, impl)
     close = _distributed(args.run_on)
     try:
         device = resolve_device(None if args.run_on == "auto" else args.run_on)
         impl = replace(impl, device=device.type)
-        if args.variants:
+        if variants is not None:
             from trainmem.measure.render import render_variants
-            from trainmem.measure.variants import parse_variants, run_variants
-            variants = parse_variants(args.variants, step, impl)
+            from trainmem.measure.variants import run_variants
+            variants = [replace(v, impl=replace(v.impl, device=device.type)) for v in variants]
             result = run_variants(source, variants, device=device, seed=args.seed, steps=args.steps,
                                   warmup=max(args.warmup, 1))
             if _is_rank0():
