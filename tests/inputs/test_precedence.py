@@ -91,3 +91,16 @@ def test_help_shows_plain_defaults():
     p.add_argument("--batch", type=int, default=1, help="B (default %(default)s)")
     add_input_args(p)
     assert "B (default 1)" in p.format_help()
+
+
+def test_options_with_other_names_and_comma_lists(tmp_path):
+    p = argparse.ArgumentParser()
+    add_model_step_args(p)
+    p.add_argument("--offload", default="")
+    p.add_argument("--no-reshard-after-forward", action="store_true")
+    add_input_args(p)
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[parallel]\noffload = ["optimizer", "params"]\nreshard_after_forward = false\n')
+    args = p.parse_args(["--config", str(cfg)])
+    apply_inputs(args, p)
+    assert args.offload == "optimizer,params" and args.no_reshard_after_forward is True

@@ -39,6 +39,9 @@ SOURCES = (
     ("deepspeed", read_deepspeed, "DeepSpeed config"),
     ("megatron_args", parse_megatron_args, "Megatron-LM arguments"),
 )
+#: Spec fields whose command-line option has another name: field -> (dest, value conversion).
+_OPTION = {("model", "name"): ("model", None),
+           ("parallel", "reshard_after_forward"): ("no_reshard_after_forward", lambda v: not v)}
 _REQUIRED_MODEL = ("hidden_size", "num_layers", "num_heads", "ffn_size", "vocab_size")
 
 
@@ -81,10 +84,10 @@ def apply_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
     model. Returns what was read, for the JSON ``inputs`` ({} when no file was given).
     ``parser`` is accepted for symmetry with argparse; the marks on the defaults are enough.
     """
-    given = {k for k, v in vars(args).items() if not isinstance(v, _Default)}
-    for k, v in list(vars(args).items()):
-        if isinstance(v, _Default):
-            setattr(args, k, v.value)
+    defaults = {k: v.value for k, v in vars(args).items() if isinstance(v, _Default)}
+    given = set(vars(args)) - set(defaults)
+    for k, v in defaults.items():
+        setattr(args, k, v)
     answers = []
     for dest, reader, _ in SOURCES:
         value = getattr(args, dest, None)
@@ -99,7 +102,11 @@ def apply_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
     for section, values in merged.items():
         for field, value in values.items():
             key = f"{section}.{field}"
-            dest = "model" if (section, field) == ("model", "name") else field
+            dest, convert = _OPTION.get((section, field), (field, None))
+            if convert:
+                value = convert(value)
+            if isinstance(value, tuple) and isinstance(defaults.get(dest), str):
+                value = ",".join(map(str, value))  # options such as --offload take a comma list
             if section == "model" and "model" in given:
                 overridden.append(key)
                 continue
