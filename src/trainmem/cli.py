@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_model_step_args
+    from trainmem.cliargs import add_finetune_args, add_model_step_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_step_args(est)
     est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/1)")
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
+    add_finetune_args(est)
     est.set_defaults(func=_estimate)
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
     add_model_step_args(cmp)
@@ -56,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _estimate(args) -> int:
-    from trainmem.cliargs import specs_from_args
+    from trainmem.cliargs import finetune_from_args, specs_from_args
     from trainmem.estimate import estimate
 
     model, step, impl = specs_from_args(args)
-    result = estimate(model, step, impl)
+    result = estimate(model, step, impl, finetune=finetune_from_args(args))
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

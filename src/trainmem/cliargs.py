@@ -12,7 +12,8 @@ from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
 from trainmem.specs.step import OPTIMIZERS, PRECISIONS, LOSSES
 
-__all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL"]
+__all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL",
+           "add_finetune_args", "finetune_from_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
 
@@ -67,3 +68,73 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device)
     return step, impl
+
+
+# fine-tuning (commands that model it opt in: estimate, plan) ------------------------------------
+
+def _names(field: str):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        if not names:
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: needs at least one name")
+        return names
+    parse.__name__ = field
+    return parse
+
+
+def _float(field: str):
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: must be a number") from None
+    parse.__name__ = field
+    return parse
+
+
+#: flag -> FinetuneSpec field, for flags that only make sense with adapters
+_LORA_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets",
+               "lora_dropout": "--lora-dropout", "adapter_dtype": "--adapter-dtype"}
+
+
+def add_finetune_args(p: argparse.ArgumentParser) -> None:
+    """--finetune, --finetune-preset, --lora-rank, --lora-alpha, --lora-targets, --lora-dropout,
+    --adapter-dtype, --freeze. Precedence: flags > preset > FinetuneSpec defaults."""
+    from trainmem.specs.finetune import ADAPTER_DTYPES, MODES
+
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--finetune", choices=MODES, default=None,
+                   help="full (with --freeze), lora (frozen base + adapters), qlora (4-bit NF4 base + adapters)")
+    g.add_argument("--finetune-preset", default=None, metavar="NAME",
+                   help="a bundled recipe, e.g. lora-r16-all, lora-r8-attn, qlora-r64-all (flags override it)")
+    g.add_argument("--lora-rank", type=_int("lora-rank"), default=None, help="adapter rank r (default 8)")
+    g.add_argument("--lora-alpha", type=_float("lora-alpha"), default=None, help="peft lora_alpha (default 8)")
+    g.add_argument("--lora-targets", type=_names("lora-targets"), default=None, metavar="NAMES",
+                   help="comma-separated module names, or all-linear (default q_proj,v_proj)")
+    g.add_argument("--lora-dropout", type=_float("lora-dropout"), default=None, help="adapter input dropout (default 0)")
+    g.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default=None,
+                   help="adapter weights' dtype (default float32: peft upcasts 16-bit adapters)")
+    g.add_argument("--freeze", type=_names("freeze"), default=None, metavar="PATTERNS",
+                   help="comma-separated: embeddings, layers.0-11, or module names/prefixes (implies --finetune full)")
+
+
+def finetune_from_args(args: argparse.Namespace):
+    """The FinetuneSpec the fine-tuning flags describe, or None when none was given."""
+    from trainmem.specs.finetune import FinetuneSpec
+
+    given = {f: getattr(args, f) for f in (*_LORA_FLAGS, "freeze") if getattr(args, f, None) is not None}
+    if getattr(args, "finetune", None):
+        given["mode"] = args.finetune
+    preset = getattr(args, "finetune_preset", None)
+    if preset is None and not given:
+        return None
+    if preset is not None:
+        from trainmem.estimate.finetune import load_preset
+        spec = load_preset(preset, **given)
+    else:
+        spec = FinetuneSpec(**given)
+    if not spec.adapters:
+        for name, flag in _LORA_FLAGS.items():
+            if name in given:
+                raise SpecError(name, given[name], f"{flag} needs --finetune lora or qlora, not {spec.mode}")
+    return spec

@@ -166,21 +166,22 @@ class FinetuneLinear:
         else:
             out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label, weight_sym=weight_sym)
             if not trainable:
-                self._note(ctx, x, "not saved: frozen weight (mm keeps its input only for the weight's gradient)")
+                self._note(ctx, x, "frozen weight", "mm keeps its input only for the weight's gradient")
         if lora_targeted(module, spec):
             out = self._lora(ctx, x, out, weight)
         return out
 
-    def _note(self, ctx: Ctx, x: Sym, why: str) -> None:
+    def _note(self, ctx: Ctx, x: Sym, what: str, why: str) -> None:
+        """A zero-byte marker: this layer's input is not kept (shown in reports next to what is)."""
         item = MemoryItem(name=ctx.g.path("input"), category=Category.ACTIVATION, shape=x.shape, dtype=x.dtype,
-                          bytes=0, formula=f"0 ({x.formula()} not saved)", note=why)
+                          bytes=0, formula=f"not saved: {what} ({x.formula()})", note=f"not saved: {what}: {why}")
         self.notes.append(item)
 
     def _linear4bit(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight, label: str) -> Sym:
         """bitsandbytes ``Linear4bit.forward``: ``x.to(compute_dtype)``, ``MatMul4Bit`` (keeps only the
         packed weight; dequantizes one weight at a time as a temporary), result cast back to x's dtype."""
         ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved
-        self._note(ctx, x, f"not saved: 4-bit {self.spec.quant_type} weight (MatMul4Bit keeps only the packed weight)")
+        self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
         shape = x.shape[:-1] + (out_features,)
         dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
         return ctx.g.new(label, shape, dims, x.dtype, x.rg)
@@ -207,7 +208,7 @@ class FinetuneLinear:
             if _EMBEDDING.search(name) and not ctx.trainable(name):
                 self.notes.append(MemoryItem(
                     name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=(), dtype="int64",
-                    bytes=0, formula="0 (B·S·8 not saved)",
+                    bytes=0, formula="not saved: frozen embedding (B·S·8)",
                     note="not saved: frozen embedding (the indices serve only the weight's gradient)"))
 
 
