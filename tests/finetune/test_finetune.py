@@ -104,7 +104,8 @@ def test_qlora_storage_from_the_format():
     # a 4096×4096 weight: 16,777,216 weights; 262,144 blocks of 64; 1,024 blocks of 256 absmax
     dq = {i.name.rpartition(".")[2] if i.name != "w" else "w": i.bytes
           for i in quantized_items("w", (4096, 4096), FinetuneSpec(mode="qlora"))}
-    assert dq == {"w": 8_388_608, "absmax": 262_144, "absmax2": 1_024 * 4, "absmax_offset": 4, "quant_code": 64}
+    assert dq == {"w": 8_388_608, "absmax": 262_144, "absmax2": 1_024 * 4, "absmax_offset": 4, "absmax_code": 1024,
+                  "quant_code": 64}
     plain = {i.name: i.bytes for i in quantized_items("w", (4096, 4096), FinetuneSpec(mode="qlora", double_quant=False))}
     assert plain["w.absmax"] == 262_144 * 4  # fp32 per 64 weights: 0.5 bit per weight
     # bits per weight: 4 + 8/64 + 32/(64·256) ≈ 4.127 with double quantization, 4.5 without

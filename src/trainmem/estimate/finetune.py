@@ -26,8 +26,8 @@ Three pieces plug into the estimator:
   packed 4-bit codes plus its quantization constants (bitsandbytes ``quantize_4bit``).
 
 Known limitations:
-  - QLoRA's storage follows the format (bitsandbytes 0.4x ``functional.quantize_4bit``), not a
-    measurement: 4-bit matmuls need a CUDA build of bitsandbytes. Non-quantized parameters
+  - QLoRA is checked on CPU (bitsandbytes 0.50.2: storage and saved set exact); the CUDA
+    kernels' workspaces are not measured. Non-quantized parameters
     (embeddings, norms, head) follow the step's precision; ``prepare_model_for_kbit_training``'s
     fp32 upcast of them is closest to ``precision=amp-bf16``.
   - Frozen MoE experts (fused ``grouped_mm``) still keep their routed inputs; LoRA on experts
@@ -223,7 +223,8 @@ def _make(name: str, category: Category, shape: tuple[int, ...], dtype: str, nby
 def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> list[MemoryItem]:
     """A bitsandbytes 4-bit weight: packed codes (two per uint8), one absmax per ``quant_block``
     weights (fp32; with double quantization uint8, plus one fp32 constant per
-    ``double_quant_block`` absmax and an fp32 offset), and the 16-entry fp32 code book."""
+    ``double_quant_block`` absmax, an fp32 offset and its own 256-entry fp32 dynamic map), and
+    the 16-entry fp32 code book. Checked byte for byte against bitsandbytes 0.50.2 on CPU."""
     P = Category.PARAMETER
     n = math.prod(shape)
     blocks = -(-n // spec.quant_block)
@@ -235,7 +236,8 @@ def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> li
         out += [_make(f"{name}.absmax", P, (blocks,), "uint8", blocks, f"⌈numel/{qb}⌉·1 (8-bit absmax)"),
                 _make(f"{name}.absmax2", P, (blocks2,), "float32", blocks2 * 4,
                       f"⌈numel/{qb}/{spec.double_quant_block}⌉·4"),
-                _make(f"{name}.absmax_offset", P, (), "float32", 4, "1·4")]
+                _make(f"{name}.absmax_offset", P, (), "float32", 4, "1·4"),
+                _make(f"{name}.absmax_code", P, (256,), "float32", 1024, "256·4 (8-bit dynamic map, one per weight)")]
     else:
         out.append(_make(f"{name}.absmax", P, (blocks,), "float32", blocks * 4, f"⌈numel/{qb}⌉·4"))
     out.append(_make(f"{name}.quant_code", P, (16,), "float32", 64, "16·4 (4-bit code book)"))
