@@ -94,6 +94,11 @@ def quadratic_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
 
 def fit_growth(xs: Sequence[float], ys: Sequence[float]) -> GrowthFit:
     a, b, c = quadratic_fit(xs, ys)
+    x_max = max((abs(x) for x in xs), default=0.0)
+    floor = 1e-9 * max((abs(y) for y in ys), default=0.0)  # round-off of the solve, not bytes
+    a = 0.0 if abs(a) * x_max * x_max <= floor else a
+    b = 0.0 if abs(b) * x_max <= floor else b
+    c = 0.0 if abs(c) <= floor else c
     return GrowthFit(loglog_slope(xs, ys), a, b, c, len(xs))
 
 

@@ -360,19 +360,19 @@ def _gather(mine: RankProfile) -> tuple[RankProfile, ...]:
     return tuple(RankProfile.from_dict(d) for d in out)
 
 
+@contextlib.contextmanager
 def _oom_guard():
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            del exc  # drop the traceback's frames (and the tensors they hold) before releasing
-            release_memory()
-            raise OutOfMemory(f"out of memory during a measured step ({msg[:200]}); memory was released") from None
-    return guard()
+    """Turn an allocation failure into :class:`OutOfMemory`, after releasing memory."""
+    msg = None
+    try:
+        yield
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if msg is not None:  # outside the handler, the traceback's frames (and their tensors) are gone
+        release_memory()
+        raise OutOfMemory(f"out of memory during a measured step ({msg[:200]}); memory was released")
 
 
 # --------------------------------------------------------------------------------------------
