@@ -1,0 +1,323 @@
+"""One rank of a measured distributed training step; run by :func:`launch.run_torchrun`.
+
+``python -m trainmem.measure_dist.worker '<scenario json>'`` under torchrun (gloo, CPU). The
+rank builds a tiny Hugging Face model from ``scenario["config"]``, applies one strategy, runs
+three steps (AdamW ``foreach=True``, ``zero_grad(set_to_none=True)``) and measures the third
+(DDP rebuilds its gradient buckets in the second):
+
+* ``activation_bytes``: distinct local storages saved for backward by one micro-batch's
+  forward + loss (parameters excluded);
+* ``states_bytes``: local parameter shards, gradients, optimizer states, step counters,
+  buffers, and ``comm_buffer`` (DDP gradient buckets that are not the gradients themselves);
+* ``peak_bytes``: the live-set peak of the whole step (``tracking.LiveTracker``), with
+  ``baseline_bytes`` (alive before it) and ``inflight_activation_bytes`` (most saved
+  activation bytes alive at once; several micro-batches under pipelining).
+
+Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer and root),
+``tp`` (DTensor ``parallelize_module``, optional sequence parallel), ``pp``
+(``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from trainmem.measure_dist.tracking import (
+    LiveTracker, fsdp_unsharded_tensors, local, parameter_storage_keys, saved_activations, storage_bytes,
+)
+
+__all__ = ["DEFAULTS", "STRATEGIES", "main", "run"]
+
+STRATEGIES = ("single", "ddp", "fsdp", "tp", "pp")
+
+#: Tiny Llama: every sharded dimension divides by 4, so FSDP2 shards carry no padding.
+DEFAULT_CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+
+DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, precision="fp32",
+                attention="sdpa", seed=0,
+                gradient_as_bucket_view=False,  # ddp
+                reshard_after_forward=True,     # fsdp
+                sp=False,                       # tp
+                schedule="gpipe", microbatches=4)  # pp; batch is the micro-batch size
+
+
+def _dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def _apply_tp(model, mesh, sp: bool) -> None:
+    """torchtitan's Llama plan on Hugging Face module names; with ``sp`` the residual stream is
+    a DTensor sharded over the sequence (dim 1) and norms run on the local tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    if sp:
+        top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                     use_local_output=False),
+               "model.norm": SequenceParallel(),
+               "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    else:
+        top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+               "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh, top)
+    for layer in model.model.layers:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel()}
+        if sp:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            })
+        else:
+            plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(layer, mesh, plan)
+
+
+def _pipeline_stage_module(model, stage: int, num_stages: int):
+    """Stage ``stage`` of a Hugging Face Llama split by layers: stage 0 owns the embedding,
+    the last stage the final norm and LM head (the loss runs in the schedule's ``loss_fn``)."""
+    import torch
+    from torch import nn
+
+    layers = model.model.layers
+    per = len(layers) // num_stages
+    first, last = stage == 0, stage == num_stages - 1
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = model.model.embed_tokens if first else None
+            self.layers = nn.ModuleList(layers[stage * per:(stage + 1) * per])
+            self.rotary_emb = model.model.rotary_emb
+            self.norm = model.model.norm if last else None
+            self.lm_head = model.lm_head if last else None
+
+        def forward(self, x):
+            h = self.embed_tokens(x) if first else x
+            pos = torch.arange(h.shape[1]).unsqueeze(0)
+            pe = self.rotary_emb(h, pos)
+            for layer in self.layers:
+                h = layer(h, position_embeddings=pe, position_ids=pos)  # no mask: SDPA is_causal
+            if last:
+                h = self.lm_head(self.norm(h))
+            return h
+
+    return Stage()
+
+
+def run(scenario: dict, rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from trainmem.models.hf import build_hf_model
+
+    sc = {**DEFAULTS, **scenario}
+    strategy = sc["strategy"]
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}")
+    cfg = dict(sc["config"])
+    B, S, V = sc["batch"], sc["seq"], cfg["vocab_size"]
+    torch.manual_seed(sc["seed"])  # identical weights on every rank
+    model = build_hf_model(cfg, attention=sc["attention"], dtype=_dtype(sc["precision"]))
+    hf_loss = model.loss_function  # shift labels, upcast logits, cross-entropy: as model(ids, labels=ids)
+    loss_fn = lambda logits, labels: hf_loss(logits, labels, vocab_size=V)  # noqa: E731
+    extra: dict = {}
+    buckets: dict[int, object] = {}
+    data_rank = rank if strategy in ("ddp", "fsdp") else 0
+    gen = torch.Generator().manual_seed(1000 + data_rank)
+    nmb = sc["microbatches"] if strategy == "pp" else 1
+    ids = torch.randint(0, V, (B * nmb, S), generator=gen)
+
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        net = DDP(model, gradient_as_bucket_view=sc["gradient_as_bucket_view"])
+
+        def hook(state, bucket):  # the default allreduce, recording the bucket it reduces
+            buckets[bucket.buffer().untyped_storage()._cdata] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        net.register_comm_hook(None, hook)
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=sc["reshard_after_forward"])
+        fully_shard(model, reshard_after_forward=sc["reshard_after_forward"])
+        net = model
+    elif strategy == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"])
+        net = model
+    else:
+        net = model
+
+    if strategy == "pp":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage_mod = _pipeline_stage_module(model, rank, world)
+        del model
+        model = stage_mod
+        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sc["schedule"]]
+        sched = cls(stage, n_microbatches=nmb, loss_fn=loss_fn)
+        last = rank == world - 1
+
+        def forward_backward():
+            if rank == 0:
+                sched.step(ids)
+            elif last:
+                sched.step(target=ids, losses=[])
+            else:
+                sched.step()
+    else:
+        def forward_backward():
+            loss = net(ids, labels=ids).loss
+            loss.backward()
+
+    # foreach kernels refuse a mix of DTensor and plain tensors (TP without SP leaves the norms
+    # plain), so DTensor parameters get their own group
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                          [p for p in params if not isinstance(p, DTensor)]) if g]
+    opt = torch.optim.AdamW([{"params": g} for g in groups], lr=1e-4, foreach=True)
+    grads_seen: dict = {}
+
+    def step(record: bool = False):
+        forward_backward()
+        if record:
+            grads_seen["gradient"] = storage_bytes(p.grad for p in model.parameters())
+            grads_seen["logical"] = sum(local(p.grad).numel() * local(p.grad).element_size()
+                                        for p in model.parameters() if p.grad is not None)
+            grads_seen["keys"] = {local(p.grad).untyped_storage()._cdata
+                                  for p in model.parameters() if p.grad is not None}
+            grads_seen["items"] = [
+                {"name": n, "shape": list(local(p).shape), "param_bytes": local(p).untyped_storage().nbytes(),
+                 "grad_bytes": local(p.grad).untyped_storage().nbytes() if p.grad is not None else 0,
+                 "grad_shape": list(local(p.grad).shape) if p.grad is not None else None,
+                 "placements": str(getattr(p, "placements", "")),
+                 "grad_placements": str(getattr(p.grad, "placements", ""))}
+                for n, p in model.named_parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # optimizer state and lazy strategy state exist from here on
+    buckets.clear()  # DDP rebuilds its buckets in the order gradients became ready
+    step()
+    dist.barrier()
+
+    # model states, read through local shards
+    def opt_tensors(scalar: bool):
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and (local(v).dim() == 0) == scalar:
+                    yield v
+
+    states = {"parameter": storage_bytes(model.parameters()),
+              "optimizer_state": storage_bytes(opt_tensors(False)),
+              "optimizer_step": storage_bytes(opt_tensors(True)),
+              "buffer": storage_bytes(model.buffers())}
+
+    # step 3, tracked
+    tracker = LiveTracker()
+    unsharded = fsdp_unsharded_tensors(model)
+    tracker.watch(model.parameters())
+    tracker.watch(model.buffers())
+    tracker.watch(opt_tensors(False))
+    tracker.watch(opt_tensors(True))
+    tracker.watch(buckets.values())
+    tracker.watch(unsharded)
+    tracker.saved_exclude = parameter_storage_keys(model)
+    baseline = tracker.current_bytes()
+    with tracker:
+        step(record=True)
+    states["gradient"] = grads_seen["gradient"]
+    # a local gradient can be a view of a larger storage (DTensor's vocab-parallel embedding)
+    states_logical_gradient = grads_seen["logical"]
+    states["comm_buffer"] = storage_bytes(buckets.values(), exclude=grads_seen["keys"])
+    dist.barrier()
+
+    # saved activations of one micro-batch forward + loss, outside the schedule
+    if strategy == "pp":
+        mb = ids[:B].clone()  # the schedule's micro-batches are views of ``ids``: count one micro-batch
+        if rank == 0:
+            fwd = lambda: stage_mod(mb)  # noqa: E731
+        else:
+            h = torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
+            fwd = (lambda: loss_fn(stage_mod(h), mb)) if rank == world - 1 else (lambda: stage_mod(h))
+    elif strategy == "fsdp":
+        # FSDP2 runs forward hooks per call; a full forward + backward keeps its state machine sound
+        fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
+    else:
+        fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
+    saved, out = saved_activations(model, fwd)
+    if strategy == "fsdp" or strategy == "ddp" or strategy == "tp":
+        out.backward()  # collectives in backward must run on every rank
+    del out
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+
+    return {
+        "rank": rank, "world_size": world, "scenario": sc,
+        "activation_bytes": saved.total_bytes,
+        "activation_items": sorted(saved.items, key=lambda i: -i["nbytes"]),
+        "states_bytes": states,
+        "gradient_logical_bytes": states_logical_gradient,
+        "baseline_bytes": baseline,
+        "peak_bytes": tracker.peak_bytes,
+        "peak_op": tracker.peak_op,
+        "peak_parts": tracker.peak_parts,
+        "inflight_activation_bytes": tracker.peak_saved_bytes,
+        "ddp_buckets_bytes": storage_bytes(buckets.values()),
+        "state_items": grads_seen["items"],
+        **extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``argv[0]``: a JSON object with ``out_dir`` and ``scenarios`` (a list), run in order in
+    one process group (imports dominate a launch on a small CPU box); writes
+    ``out_dir/rank<r>.json``, the list of this rank's results."""
+    import gc
+
+    import torch.distributed as dist
+
+    argv = sys.argv[1:] if argv is None else argv
+    payload = json.loads(argv[0])
+    out_dir = Path(payload["out_dir"])
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        results = []
+        for scenario in payload["scenarios"]:
+            results.append(run(scenario, rank, world))
+            gc.collect()
+        tmp = out_dir / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, out_dir / f"rank{rank}.json")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
