@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_finetune_args, add_model_step_args
+    from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_step_args(est)
     est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/1)")
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
+    est.add_argument("--mode", dest="step_mode", choices=("train", "inference"), default="train",
+                     help="train (one optimizer step) or inference (weights, prefill, KV cache)")
+    est.add_argument("--context", type=_int("context"), default=None,
+                     help="inference: tokens each sequence's KV cache holds (default --seq)")
+    est.add_argument("--block-size", type=_int("block-size"), default=16,
+                     help="inference: paged KV-cache block in tokens (default 16; 1 = unpaged)")
+    add_parallel_args(est)
     add_finetune_args(est)
     est.set_defaults(func=_estimate)
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
@@ -57,11 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _estimate(args) -> int:
-    from trainmem.cliargs import finetune_from_args, specs_from_args
+    from trainmem.cliargs import finetune_from_args, parallel_from_args, specs_from_args
     from trainmem.estimate import estimate
 
     model, step, impl = specs_from_args(args)
-    result = estimate(model, step, impl, finetune=finetune_from_args(args))
+    if args.step_mode == "inference":
+        from trainmem.estimate.inference import inference_estimate
+        result = inference_estimate(model, step, impl, context=args.context or step.seq, block_size=args.block_size)
+    else:
+        result = estimate(model, step, impl, parallel_from_args(args), finetune=finetune_from_args(args))
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -138,3 +138,47 @@ def finetune_from_args(args: argparse.Namespace):
             if name in given:
                 raise SpecError(name, given[name], f"{flag} needs --finetune lora or qlora, not {spec.mode}")
     return spec
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """--dp --tp --sp --cp --cp-style --ep --pp --schedule --virtual-stages --microbatches
+    --layer-split --zero --fsdp --fsdp-group --no-reshard-after-forward --offload."""
+    from trainmem.specs.parallel import OFFLOADS, SCHEDULES
+
+    g = p.add_argument_group("parallelism (per-rank results)")
+    for flag, what in (("dp", "data-parallel replicas"), ("tp", "tensor-parallel degree"),
+                       ("cp", "context-parallel degree"), ("ep", "expert-parallel degree"),
+                       ("pp", "pipeline stages"), ("virtual-stages", "chunks per pipeline rank (interleaved)"),
+                       ("microbatches", "micro-batches per pipeline flush"),
+                       ("fsdp-group", "ranks per shard group for --fsdp hybrid")):
+        g.add_argument(f"--{flag}", type=_int(flag), default=None, help=what)
+    g.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
+    g.add_argument("--cp-style", choices=("ring", "allgather"), default="ring")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    g.add_argument("--layer-split", default=None, metavar="N,N,...", help="layers per pipeline stage (uneven)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    g.add_argument("--fsdp", choices=("full", "hybrid"), default=None)
+    g.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="FSDP keeps gathered parameters from forward to backward")
+    g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",
+                   help=f"comma list of {', '.join(OFFLOADS)}")
+
+
+def parallel_from_args(args: argparse.Namespace):
+    """A ParallelSpec from the options of :func:`add_parallel_args` (None when all are defaults)."""
+    from trainmem.specs.parallel import ParallelSpec
+
+    split = ()
+    if args.layer_split:
+        try:
+            split = tuple(int(x) for x in args.layer_split.split(","))
+        except ValueError:
+            raise SpecError("layer_split", args.layer_split, "must be comma-separated integers") from None
+    offload = tuple(x for x in (args.offload or "").split(",") if x)
+    kwargs = {k: getattr(args, k.replace("-", "_")) for k in
+              ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group")}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    par = ParallelSpec(**kwargs, sp=args.sp, cp_style=args.cp_style, schedule=args.schedule,
+                       layer_split=split, zero=args.zero, fsdp=args.fsdp,
+                       reshard_after_forward=not args.no_reshard_after_forward, offload=offload)
+    return None if par.is_single and par.pp == 1 else par

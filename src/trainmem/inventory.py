@@ -23,6 +23,7 @@ class Category(str, enum.Enum):
     TRANSIENT = "transient"
     INPUT = "input"
     KV_CACHE = "kv_cache"
+    BUFFER = "buffer"
     UNATTRIBUTED = "unattributed"
 
     def __str__(self) -> str:  # render as the plain value

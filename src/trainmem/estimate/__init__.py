@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from trainmem.estimate.activations import activation_items
 from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
 from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
-from trainmem.estimate.peak import Phase, layer_of, phases
+from trainmem.estimate.parallel import RankClass, rank_classes
+from trainmem.estimate.peak import Phase, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
@@ -36,6 +37,9 @@ class Estimate:
     phases: tuple[Phase, ...]
     parallel: ParallelSpec = ParallelSpec()
     finetune: FinetuneSpec | None = None  # None: every parameter trains
+    ranks: tuple[RankClass, ...] = ()
+    """Per-rank classes under parallelism (empty on one device). The top-level inventory and
+    phases are then those of the rank class with the highest peak."""
 
     @property
     def totals_bytes(self) -> dict[str, int]:
@@ -53,6 +57,10 @@ class Estimate:
     def peak_phase(self) -> str:
         return self.peak.name
 
+    @property
+    def peak_rank(self) -> str | None:
+        return max(self.ranks, key=lambda r: r.peak_bytes).name if self.ranks else None
+
     def to_dict(self, *, items: bool = True) -> dict:
         out = {
             "schema": SCHEMA,
@@ -65,31 +73,35 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "phases": [p.to_dict() for p in self.phases],
         }
+        if self.ranks:
+            out["peak_rank"] = self.peak_rank
+            out["ranks"] = [r.to_dict() for r in self.ranks]
         if items:
             out["items"] = [i.to_dict() for i in self.inventory]
         return out
 
 
-def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
-             finetune: FinetuneSpec | None = None) -> Estimate:
+def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | None = None,
+             parallel: ParallelSpec | None = None, *, finetune: FinetuneSpec | None = None) -> Estimate:
     """Estimate one training step of ``model``: every parameter, gradient, master weight,
     optimizer state and saved activation, and the phase-by-phase peak.
 
+    ``parallel``: per-rank results under DP/TP/SP/CP/EP/PP, ZeRO/FSDP and offload
+    (``estimate/parallel.py``); the result's ``ranks`` lists every rank class.
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
     step = step or StepSpec()
     impl = impl or ImplSpec()
+    if parallel is not None and not parallel.is_single:
+        ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
+        worst = max(ranks, key=lambda r: r.peak_bytes)
+        return Estimate(model, step, impl, worst.inventory, worst.phases, parallel=parallel,
+                        finetune=finetune, ranks=ranks)
     acts = activation_items(model, step, impl, finetune)
     states = model_state_items(model, step, finetune)
     inv = Inventory(tuple(states) + tuple(acts))
-    # (bytes, largest tensor) a checkpointed block re-materializes during its backward
-    recompute: dict[int, tuple[int, int]] = {}
-    if impl.recompute != "none":
-        plain = activation_items(model, step, replace(impl, recompute="none", recompute_every=1), finetune)
-        for it in plain:
-            li = layer_of(it.name)
-            if li is not None and (impl.checkpointed(li) or impl.recompute == "selective"):
-                total, big = recompute.get(li, (0, 0))
-                recompute[li] = (total + it.bytes, max(big, it.bytes))
+    recompute = recompute_per_layer(
+        acts, activation_items(model, step, replace(impl, recompute="none", recompute_every=1), finetune)
+        if impl.recompute != "none" else acts)
     d = step.dtypes
     resid_dtype = d.param
     lsm = next((i for i in acts if i.name == "loss.log_softmax"), None)

@@ -53,7 +53,13 @@ def layer_of(name: str) -> int | None:
 
 def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str, loss_dtype: str,
            loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
-           optimizer_transient: tuple[int, str], residual_bytes: int) -> list[Phase]:
+           optimizer_transient: tuple[int, str], residual_bytes: int,
+           persistent: dict[str, int] | None = None, working: dict[str, int] | None = None) -> list[Phase]:
+    """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
+    stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
+    ``working`` ones during forward and backward (FSDP all-gathers, ring buffers)."""
+    persistent = {k: v for k, v in (persistent or {}).items() if v}
+    working = {k: v for k, v in (working or {}).items() if v}
     by_cat: dict[Category, int] = {}
     act_layer: dict[int, int] = {}
     largest: dict[int, int] = {}
@@ -85,7 +91,8 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
     out: list[Phase] = []
 
     def add(name: str, parts: dict[str, int], note: str) -> None:
-        full = {**static, **{k: v for k, v in parts.items() if v}}
+        bufs = {**persistent, **(working if name != "optimizer" else {})}
+        full = {**static, **{k: v for k, v in parts.items() if v}, **bufs}
         out.append(Phase(name, sum(full.values()), full, note))
 
     if loss == "ce":
@@ -97,7 +104,8 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
         add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     else:
-        add("forward", {"gradients": g_acc, "activations": A}, "end of forward (chunked loss)")
+        add("forward", {"gradients": g_acc, "activations": A},
+            "end of forward" + (" (chunked loss)" if loss != "none" else ""))
     last = max(act_layer) if act_layer else None
     if last is not None:
         # the gradient of the block output, plus the gradient of the largest saved tensor
@@ -115,3 +123,21 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
     tb, rule = optimizer_transient
     add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
     return out
+
+
+def recompute_per_layer(kept: list[MemoryItem], plain: list[MemoryItem]) -> dict[int, tuple[int, int]]:
+    """(bytes, largest tensor) each checkpointed block re-materializes in its backward: what the
+    block would keep without checkpointing minus what it keeps with it."""
+    def per_layer(items):
+        total: dict[int, int] = {}
+        big: dict[int, int] = {}
+        for it in items:
+            li = layer_of(it.name)
+            if li is not None:
+                total[li] = total.get(li, 0) + it.bytes
+                big[li] = max(big.get(li, 0), it.bytes)
+        return total, big
+
+    kt, _ = per_layer(kept)
+    pt, pb = per_layer(plain)
+    return {li: (pt[li] - kt.get(li, 0), pb[li]) for li in pt if pt[li] > kt.get(li, 0)}

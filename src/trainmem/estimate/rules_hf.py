@@ -144,10 +144,12 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
 def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None) -> list[Sym]:
     """Block inputs besides the hidden state that a checkpointed block holds: the position
     ids and, for eager attention, the materialized causal mask (B, 1, S, S)."""
-    if ctx.impl.recompute not in ("full", "every-k"):
+    if ctx.impl.recompute == "none":
         return []
     g = ctx.g
-    held = [positions or g.new("model.position_ids", (1, ctx.S), "S", "int64", False)]
+    held = []
+    if ctx.impl.recompute != "selective":  # selective checkpoints only the attention function
+        held.append(positions or g.new("model.position_ids", (1, ctx.S), "S", "int64", False))
     if kernel == "eager":
         held.append(g.new("model.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype, False))
     return held
@@ -175,7 +177,7 @@ def _llama(ctx: Ctx) -> None:
                 with g.checkpoint(x, cos, sin, *held):
                     x = _llama_layer(ctx, x, cos, sin, kernel)
             else:
-                x = _llama_layer(ctx, x, cos, sin, kernel)
+                x = _llama_layer(ctx, x, cos, sin, kernel, held)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
     with g.module("lm_head"):
         h = ctx.sp_gather(h, "input_gathered")
@@ -183,7 +185,7 @@ def _llama(ctx: Ctx) -> None:
     _loss(ctx, logits)
 
 
-def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
+def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = ()) -> Sym:
     g, m = ctx.g, ctx.model
     gemma = m.family in ("gemma", "gemma2")
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
@@ -212,8 +214,9 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         k = g.new("k_cache", k.shape, k.dims, k.dtype, k.rg)
         v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype, v.rg)
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
-        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
-                           softcap=m.attn_softcap, out_copy=m.family == "phi3")
+        with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
+            o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
+                               softcap=m.attn_softcap, out_copy=m.family == "phi3")
         with g.module("o_proj"):
             a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd"), "out_sp")
     if gemma and m.family == "gemma2":
@@ -358,7 +361,8 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
             q = k = qkv  # SDPA keeps the strided query view, i.e. the whole c_attn output
         k = g.new("k_cache", *heads, k.dtype, k.rg)
         v = g.new("v_cache", *heads, qkv.dtype, qkv.rg)
-        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox)
+        with g.checkpoint(q, k, v) if ctx.impl.recompute == "selective" else nullcontext():
+            o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox)
         if kernel in ("flash", "efficient") and not neox:
             pass
         with g.module("dense" if neox else "c_proj"):

@@ -276,10 +276,23 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
 
     fitting.sort(key=lambda r: (r[0], r[1].peak_bytes))
     if fitting:
-        shown = [candidate(r) for r in fitting[:top]]
+        # the closed form ranks; the estimator's own per-rank accounting has the last word, so
+        # walk down the ranking until ``top`` configurations fit by it too (bounded)
+        shown = []
+        for r in fitting[: 8 * top]:
+            c = _recheck(model, base, profile, candidate(r), usable)
+            if c.fits:
+                shown.append(c)
+                if len(shown) == top:
+                    break
+            else:
+                rejected.append((c.config, f"per-rank estimate {c.peak_bytes} B > usable {usable} B "
+                                           "(the closed form said it fits)"))
+        if not shown:
+            shown = [_recheck(model, base, profile, candidate(r), usable) for r in fitting[:top]]
     else:
-        shown = [candidate(r) for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
-    shown = [_recheck(model, base, profile, c, usable) for c in shown]
+        shown = [_recheck(model, base, profile, candidate(r), usable)
+                 for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
     stats = {"evaluated": evaluated, "fitting": len(fitting), "estimator_calls": calls,
              "kernel_sets": [list(k) for k in kernels], "seconds": time.perf_counter() - t0,
              "method": "closed form from two estimator calls (micro-batch 1 and 2) per distinct "

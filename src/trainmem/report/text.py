@@ -29,6 +29,9 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
     totals = e.totals_bytes
     for c in LEDGERS:
         lines.append(f"  {c.value:<17} {fmt_bytes(totals.get(c.value, 0)):>12}")
+    for extra in ("kv_cache", "buffer"):
+        if totals.get(extra):
+            lines.append(f"  {extra:<17} {fmt_bytes(totals[extra]):>12}")
     lines.append(f"  {'sum of ledgers':<17} {fmt_bytes(sum(totals.values())):>12}   (not the peak)")
     lines.append("")
     lines += _layer_breakdown(e, detail)
@@ -42,8 +45,29 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
             for k, v in p.parts.items():
                 lines.append(f"      {k:<22} {fmt_bytes(v):>12}")
     lines.append("")
-    lines.append(f"Peak: {fmt_bytes(e.peak_bytes)} in phase '{e.peak_phase}' — {peak.note}")
+    if e.ranks:
+        lines += _ranks(e)
+        lines.append("")
+    where = f" on {e.peak_rank}" if e.ranks else ""
+    lines.append(f"Peak: {fmt_bytes(e.peak_bytes)}{where} in phase '{e.peak_phase}' — {peak.note}")
     return "\n".join(lines)
+
+
+def _ranks(e: Estimate) -> list[str]:
+    par = e.parallel
+    out = [f"Per rank (dp={par.dp} tp={par.tp}{' +sp' if par.sp else ''} cp={par.cp} ep={par.ep} pp={par.pp} "
+           f"{par.schedule if par.pp > 1 else ''} zero={par.zero} fsdp={par.fsdp or '-'} "
+           f"offload={','.join(par.offload) or '-'}; ledgers above are the peak rank's)",
+           f"  {'rank class':<12} {'ranks':>6} {'layers':>9} {'params':>11} {'grads':>11} {'optim':>11} "
+           f"{'acts':>11} {'buffers':>10} {'peak':>11} {'host':>10}"]
+    for r in e.ranks:
+        t = r.totals_bytes
+        opt = t.get("optimizer_state", 0) + t.get("master_weight", 0)
+        out.append(f"  {r.name:<12} {r.count:>6} {f'{r.layers[0]}-{r.layers[1] - 1}':>9} "
+                   f"{fmt_bytes(t.get('parameter', 0)):>11} {fmt_bytes(t.get('gradient', 0)):>11} "
+                   f"{fmt_bytes(opt):>11} {fmt_bytes(t.get('activation', 0)):>11} "
+                   f"{fmt_bytes(t.get('buffer', 0)):>10} {fmt_bytes(r.peak_bytes):>11} {fmt_bytes(r.host_bytes):>10}")
+    return out
 
 
 def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:

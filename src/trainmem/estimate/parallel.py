@@ -1,0 +1,341 @@
+"""Memory per rank under data, tensor, sequence, context, expert and pipeline parallelism,
+ZeRO/FSDP and offload.
+
+Every rank class (one per pipeline stage) gets its own inventory and phases:
+
+* **activations** come from the same block rules run on the rank-local model (heads, FFN width
+  and vocabulary divided by ``tp``; sequence divided by ``cp``; sequence parallelism splitting
+  the norm/residual/dropout tensors), cut by pipeline stage according to which layer *keeps*
+  each tensor, and multiplied by the micro-batches the schedule holds in flight;
+* **model states** are the single-device items, each divided by how it is sharded: tensor
+  parallel weights by ``tp`` (column/row-parallel projections, vocab-parallel embedding and
+  head), experts by ``ep``, then ZeRO/FSDP over the data-parallel group (stage 1: optimizer
+  states and master weights, 2: + gradients, 3 / FSDP: + parameters);
+* **buffers**: DDP gradient buckets, ZeRO bucket buffers, FSDP all-gather (current + prefetched
+  block) and reduce-scatter buffers, context-parallel K/V ring buffers, pipeline send/receive.
+
+Known limitations: pipeline stages are modelled in steady state (the schedule's in-flight
+micro-batches), with shared tensors such as RoPE tables counted once on the first stage that
+keeps them; expert parallelism assumes balanced routing; DeepSpeed bucket sizes are its
+defaults (5e8 elements).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from trainmem.errors import SpecError, UnsupportedError
+from trainmem.estimate.activations import activation_items_with_savers
+from trainmem.estimate.ctx import Shard
+from trainmem.estimate.model_states import model_state_items
+from trainmem.estimate.peak import Phase, phases, recompute_per_layer
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+
+__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight"]
+
+_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)(?:\.|$)")
+_HEAD = ("model.norm", "lm_head", "loss", "transformer.ln_f", "gpt_neox.final_layer_norm", "norm",
+         "final_layernorm", "output_layer", "cls.")
+# column-parallel (split output rows), row-parallel (split input columns), vocab-parallel
+_COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj",
+           "c_attn", "c_fc", "query_key_value", "dense_h_to_4h", "query", "key", "value",
+           "attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up", "intermediate.dense")
+_ROW = ("o_proj", "down_proj", "c_proj", "attention.dense", "dense_4h_to_h", "attn.o", "mlp.down",
+        "output.dense")
+_VOCAB = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings", "embed.weight",
+          "decoder")
+_ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """Ranks that hold the same bytes: one pipeline stage across its DP × TP × CP ranks."""
+
+    name: str
+    count: int
+    layers: tuple[int, int]
+    inventory: Inventory
+    phases: tuple[Phase, ...]
+    host_bytes: int
+    in_flight: int
+
+    @property
+    def totals_bytes(self) -> dict[str, int]:
+        return self.inventory.totals()
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "count": self.count, "layers": list(self.layers),
+            "totals_bytes": self.totals_bytes, "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak.name, "host_bytes": self.host_bytes,
+            "in_flight_microbatches": self.in_flight,
+            "phases": [p.to_dict() for p in self.phases],
+        }
+
+
+# --- validation and layout --------------------------------------------------------------------
+
+def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec) -> None:
+    """Refuse combinations that cannot run, naming every degree involved."""
+    degrees = (f"dp={par.dp} tp={par.tp} cp={par.cp} pp={par.pp} ep={par.ep} "
+               f"(heads={model.num_heads}, kv_heads={model.num_kv_heads}, layers={model.num_layers}, "
+               f"seq={step.seq})")
+    if model.num_heads % par.tp or model.num_kv_heads % par.tp:
+        raise SpecError("tp", par.tp, f"must divide num_heads and num_kv_heads: {degrees}")
+    if model.ffn_size % par.tp:
+        raise SpecError("tp", par.tp, f"must divide ffn_size={model.ffn_size}: {degrees}")
+    if par.pp > model.num_layers:
+        raise SpecError("pp", par.pp, f"exceeds the model's layers: {degrees}")
+    if par.layer_split:
+        if len(par.layer_split) != par.pp or sum(par.layer_split) != model.num_layers or min(par.layer_split) < 1:
+            raise SpecError("layer_split", par.layer_split,
+                            f"needs pp={par.pp} positive entries summing to {model.num_layers} layers")
+    if par.schedule == "interleaved" and model.num_layers % (par.pp * par.virtual_stages):
+        raise SpecError("virtual_stages", par.virtual_stages,
+                        f"pp × virtual_stages must divide the layers: {degrees}")
+    if step.seq % par.cp:
+        raise SpecError("cp", par.cp, f"must divide seq: {degrees}")
+    if par.sp and (step.seq // par.cp) % par.tp:
+        raise SpecError("sp", True, f"sequence parallelism needs tp to divide seq/cp: {degrees}")
+    if par.ep > 1:
+        if not model.is_moe:
+            raise SpecError("ep", par.ep, "expert parallelism needs a mixture-of-experts model")
+        if model.num_experts % par.ep or (par.dp * par.cp) % par.ep:
+            raise SpecError("ep", par.ep, f"must divide num_experts={model.num_experts} and dp×cp: {degrees}")
+    if par.cp > 1 and impl.attention in ("eager", "sdpa-math"):
+        raise SpecError("cp", par.cp, f"context parallelism needs a fused attention kernel, not {impl.attention}")
+    if par.zero and par.fsdp:
+        raise SpecError("zero", par.zero, f"choose ZeRO or FSDP, not both (fsdp={par.fsdp})")
+    if "params" in par.offload and not (par.zero == 3 or par.fsdp):
+        raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
+
+
+def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
+    """[start, end) layers of each pipeline stage (first stages take the remainder)."""
+    if par.layer_split:
+        sizes = list(par.layer_split)
+    else:
+        base, rem = divmod(model.num_layers, par.pp)
+        sizes = [base + (1 if s < rem else 0) for s in range(par.pp)]
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def in_flight(par: ParallelSpec, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once, in units of the stage's layers.
+
+    GPipe holds all of them; 1F1B (and zero-bubble ZB-H1, which keeps 1F1B's memory) holds
+    ``pp - stage``; interleaved 1F1B with v chunks holds Megatron's warm-up count plus one,
+    each chunk being 1/v of the stage.
+    """
+    m, pp = par.microbatches, par.pp
+    if pp == 1:
+        return 1
+    if par.schedule == "gpipe":
+        return m
+    if par.schedule == "interleaved":
+        v = par.virtual_stages
+        warmup = (pp - stage - 1) * 2 + (v - 1) * pp
+        return min(m * v, warmup + 1) / v
+    return min(pp - stage, m)
+
+
+# --- sharding of model states -----------------------------------------------------------------
+
+def _tp_factor(name: str, par: ParallelSpec) -> int:
+    if ".experts." in name or name.endswith(".experts"):
+        return par.ep * (par.tp if par.ep == 1 else 1)
+    base = name.rsplit(".", 2)[0] if name.count(".") >= 2 else name
+    if any(k in name for k in _VOCAB) or any(base.endswith(k) or f".{k}." in name for k in _COLUMN + _ROW):
+        return par.tp
+    return 1
+
+
+def _shard_group(par: ParallelSpec) -> int:
+    group = par.dp * par.cp
+    if par.fsdp == "hybrid":
+        group = min(group, par.fsdp_group)
+    return group
+
+
+def _stage_of(name: str, stages: list[tuple[int, int]], *, is_param: bool) -> int | None:
+    m = _LAYER.search("." + name)
+    if m:
+        li = int(m.group(1))
+        return next(s for s, (a, b) in enumerate(stages) if a <= li < b)
+    if is_param and name.startswith(("model.norm", "lm_head", "transformer.ln_f", "gpt_neox.final_layer_norm",
+                                     "norm.", "cls.")):
+        return len(stages) - 1
+    if name.startswith(_HEAD) or name == "":
+        return len(stages) - 1 if name else 0
+    return 0
+
+
+def _local_item(item: MemoryItem, div: int) -> MemoryItem:
+    if div == 1:
+        return item
+    return MemoryItem.make(item.name, item.category, (math.ceil(math.prod(item.shape) / div),),
+                           item.dtype, math.ceil(item.bytes / div), f"{item.formula}/{div}")
+
+
+# --- the per-rank estimate --------------------------------------------------------------------
+
+def local_model(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
+    """The model one TP rank computes: heads, FFN width and vocabulary divided by ``tp``."""
+    t = par.tp
+    if t == 1:
+        return model
+    return replace(model, num_heads=model.num_heads // t, num_kv_heads=model.num_kv_heads // t,
+                   head_dim=model.head_dim, ffn_size=model.ffn_size // t,
+                   vocab_size=-(-model.vocab_size // t),
+                   expert_ffn_size=model.expert_ffn_size // t if model.is_moe and par.ep == 1 else model.expert_ffn_size)
+
+
+def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
+                 finetune=None) -> list[RankClass]:
+    validate(model, step, impl, par)
+    if impl.profile == "megatron" and par.cp > 1:
+        raise UnsupportedError("the megatron profile models tensor/sequence parallelism, not context parallelism")
+    stages = stage_layers(model, par)
+    last = len(stages) - 1
+    lm = local_model(model, par)
+    lstep = replace(step, seq=step.seq // par.cp)
+    shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style)
+    acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
+    plain = acts
+    if impl.recompute != "none":
+        plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
+                                                finetune, shard)
+    states = model_state_items(model, step, finetune)
+    if model.tied_embeddings and par.pp > 1:  # the last stage keeps its own copy of the tied head
+        states = states + [replace(i, name=i.name.replace(_embedding_name(states), "lm_head.weight", 1))
+                           for i in states if i.name.startswith(_embedding_name(states))]
+    group = _shard_group(par)
+    zero = 3 if par.fsdp else par.zero
+    d = step.dtypes
+    act_b = dtype_bytes(d.activation)
+    out: list[RankClass] = []
+    for s, (a, b) in enumerate(stages):
+        stage_acts = [it for it, sv in zip(acts, savers) if _stage_of(sv, stages, is_param=False) == s]
+        head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
+        n = in_flight(par, s)
+        items: list[MemoryItem] = []
+        host = 0
+        for it in states:
+            if _stage_of(it.name, stages, is_param=True) != s:
+                continue
+            div = _tp_factor(it.name, par)
+            cat = it.category
+            if (cat in (Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT) and zero >= 1) or \
+               (cat is Category.GRADIENT and zero >= 2) or (cat is Category.PARAMETER and zero >= 3):
+                div *= group
+            local = _local_item(it, div)
+            offloaded = ("optimizer" in par.offload and cat in (Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT)) \
+                or ("params" in par.offload and cat is Category.PARAMETER)
+            if offloaded:
+                host += local.bytes
+            else:
+                items.append(local)
+        body = sum(it.bytes for it in stage_acts if it not in head_acts)
+        if "activations" in par.offload:
+            # everything but the block being computed and the one prefetched goes to host
+            per_layer = body / max(1, b - a)
+            keep = int(min(body, 2 * per_layer))
+            host += int(body * n) - keep
+            items += [it for it in stage_acts if it in head_acts]
+            items.append(MemoryItem.make(f"stage{s}.activations_on_device", Category.ACTIVATION, (), d.activation,
+                                         keep, "2 blocks' activations (the rest offloaded)"))
+        else:
+            items += stage_acts
+            extra = int(round(body * (n - 1)))
+            if extra:
+                items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
+                                             d.activation, extra, f"({n:g} − 1) × stage activations"))
+        persistent, working = _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group)
+        state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
+        full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
+        from trainmem.estimate.model_states import optimizer_step_transient_bytes
+        tb, rule = optimizer_step_transient_bytes(model, step)
+        if "optimizer" in par.offload:
+            tb, rule = 0, "optimizer step runs on the host (offloaded)"
+        elif full_state:
+            tb = int(tb * state_bytes / full_state)
+        recompute = {li: v for li, v in recompute_per_layer(acts, plain).items() if a <= li < b}
+        lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
+        ph = phases(
+            items, B=lstep.batch, S=lstep.seq, vocab=lm.vocab_size,
+            logits_dtype=d.activation if d.autocast else d.param,
+            loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
+            grad_accum=max(step.grad_accum, par.microbatches), recompute_bytes=recompute,
+            optimizer_transient=(tb, rule),
+            residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.param)
+                               // (par.tp if par.sp else 1)),
+            persistent=persistent, working=working,
+        )
+        name = "rank" if par.pp == 1 else f"pp_stage_{s}"
+        inv = Inventory(tuple(items) + tuple(
+            MemoryItem.make(f"buffers.{k}", Category.BUFFER, (), d.activation, v, "communication buffer")
+            for k, v in {**persistent, **working}.items() if v))
+        out.append(RankClass(name, par.dp * par.tp * par.cp, (a, b), inv, tuple(ph), host,
+                             int(math.ceil(n))))
+    return out
+
+
+def _embedding_name(states: list[MemoryItem]) -> str:
+    for it in states:
+        if it.category is Category.PARAMETER and any(k in it.name for k in ("embed_tokens", "wte", "embed_in",
+                                                                              "word_embeddings", "embed.")):
+            return it.name
+    return "\0"
+
+
+def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group):
+    """(persistent, working) communication buffers of stage ``s``, in bytes."""
+    d = step.dtypes
+    persistent: dict[str, int] = {}
+    working: dict[str, int] = {}
+    stage_params = [i for i in states if i.category is Category.PARAMETER
+                    and _stage_of(i.name, stages, is_param=True) == s]
+    local_numel = sum(math.prod(i.shape) / _tp_factor(i.name, par) for i in stage_params)
+    gb = dtype_bytes(d.grad)
+    if par.dp * par.cp > 1 and zero == 0:
+        # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
+        # Megatron's DDP keeps gradients in the contiguous buffer itself
+        if impl.profile != "megatron":
+            persistent["ddp_gradient_buckets"] = int(local_numel * gb)
+    elif zero in (1, 2):
+        persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET, local_numel) * gb)
+    elif zero == 3:
+        per_layer: dict[int, float] = {}
+        for i in stage_params:
+            m = _LAYER.search("." + i.name)
+            if m:
+                li = int(m.group(1))
+                per_layer[li] = per_layer.get(li, 0) + math.prod(i.shape) / _tp_factor(i.name, par)
+        big = max(per_layer.values(), default=0)
+        pb = dtype_bytes(d.param)
+        working["fsdp_allgather"] = int(2 * big * pb)          # current block + prefetched block
+        working["fsdp_reduce_scatter"] = int(big * gb)          # one block's unsharded gradients
+        if not par.reshard_after_forward:
+            working["fsdp_unsharded_params"] = int(local_numel * pb * (1 - 1 / group))
+    if par.cp > 1:
+        kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
+        working["cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather"] = int(2 * kv)
+    if par.pp > 1:
+        tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
+        working["pp_send_recv"] = int(2 * tokens * model.hidden_size * act_b)
+    return persistent, working
