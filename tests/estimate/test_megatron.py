@@ -94,7 +94,9 @@ def test_tensor_parallel_closed_forms():
     assert megatron_layer_bytes(s, b, h, a, tp=t, sp=True) == 358_612_992
     assert megatron_layer_bytes(s, b, h, a, tp=t, recompute="selective") == 10 * sbh + 3 * sbh
     assert megatron_layer_bytes(s, b, h, a, tp=t, sp=True, recompute="selective") == 106_954_752
-    assert megatron_layer_bytes(s, b, h, a, tp=t, sp=True, recompute="full") == 2 * sbh
+    assert megatron_layer_bytes(s, b, h, a, tp=t, recompute="full") == 2 * sbh
+    # with SP the layer input kept for recompute is itself split: 2·sbh/t
+    assert megatron_layer_bytes(s, b, h, a, tp=t, sp=True, recompute="full") == 2 * sbh // t
     # t = 1: every variant is the unsharded formula
     assert megatron_layer_bytes(s, b, h, a, tp=1, sp=True) == megatron_layer_bytes(s, b, h, a)
 

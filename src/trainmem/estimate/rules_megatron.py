@@ -48,7 +48,7 @@ def megatron_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: boo
     tensor parallel (t)              sbh(10 + 24/t + 5as/(ht))
     tensor + sequence parallel       sbh(34/t + 5as/(ht))
     selective recompute              drops the 5as/(ht) term
-    full recompute                   sbh·2
+    full recompute                   sbh·2 (sbh·2/t with SP: the input is split)
     ===============================  ==========================
     """
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("tp", tp)):
@@ -59,8 +59,8 @@ def megatron_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: boo
     if h % tp or a % tp or (sp and s % tp):
         raise SpecError("tp", tp, f"must divide h={h}, a={a}" + (f" and s={s} (sequence parallel)" if sp else ""))
     sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh
+    if recompute == "full":  # only the layer input, itself split by sequence parallelism
+        return 2 * sbh // tp if sp else 2 * sbh
     linear = 34 * sbh // tp if sp else 10 * sbh + 24 * sbh // tp
     quadratic = 5 * a * s * s * b // tp
     return linear if recompute == "selective" else linear + quadratic

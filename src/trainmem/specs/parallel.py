@@ -76,7 +76,8 @@ class ParallelSpec:
 
     @property
     def is_single(self) -> bool:
-        return self.world_size == 1 and not self.offload and self.zero == 0 and self.fsdp is None
+        return (self.world_size == 1 and self.ep == 1 and not self.offload and self.zero == 0
+                and self.fsdp is None)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
