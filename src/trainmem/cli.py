@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from trainmem.errors import TrainmemError
@@ -28,6 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args
+    from trainmem.inputs import add_input_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -42,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--block-size", type=_int("block-size"), default=16,
                      help="inference: paged KV-cache block in tokens (default 16; 1 = unpaged)")
     add_parallel_args(est)
+    est.add_argument("--tree", type=int, nargs="?", const=3, metavar="DEPTH",
+                     help="ledger → block → tensor tree with formulas (DEPTH 1-3; --detail: unfolded)")
+    est.add_argument("--summary", action="store_true", help="one-screen summary")
+    _add_output_args(est)
+    add_input_args(est)  # last: it marks the other options' defaults
     add_finetune_args(est)
     est.set_defaults(func=_estimate)
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
@@ -49,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (needed for MoE)")
     cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/1)")
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
+    _add_output_args(cmp)
     cmp.set_defaults(func=_compare)
     pre = sub.add_parser("presets", help="list bundled model presets")
     pre.set_defaults(func=_presets)
@@ -63,18 +71,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_output_args(p) -> None:
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--plot", metavar="FILE", help="write a figure (.png or .svg; needs matplotlib)")
+
+
 def _estimate(args) -> int:
     from trainmem.cliargs import finetune_from_args, parallel_from_args, specs_from_args
     from trainmem.estimate import estimate
+    from trainmem.inputs import apply_inputs
+    from trainmem.report.output import write_outputs
 
+    files = apply_inputs(args)
     model, step, impl = specs_from_args(args)
     if args.step_mode == "inference":
         from trainmem.estimate.inference import inference_estimate
         result = inference_estimate(model, step, impl, context=args.context or step.seq, block_size=args.block_size)
     else:
         result = estimate(model, step, impl, parallel_from_args(args), finetune=finetune_from_args(args))
+    write_outputs(result, args, title=f"trainmem estimate: {model.name}")
     if args.json:
-        print(json.dumps(result.to_dict()))
+        out = result.to_dict()
+        if files:
+            out["inputs"]["files"] = files
+        print(json.dumps(out))
+    elif args.tree:
+        from trainmem.report.tree import render_tree
+        print(render_tree(result, depth=args.tree, detail=args.detail))
+    elif args.summary:
+        from trainmem.report.tree import render_summary
+        print(render_summary(result))
     else:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
@@ -94,6 +120,8 @@ def _compare(args) -> int:
     impl = replace(impl, device="cpu")  # the trace runs CPU kernels: compare like with like
     target = model if impl.profile == "reference" else load_config_dict(args.model)
     result = compare(estimate(model, step, impl), trace_step(target, step, impl, real=args.real))
+    from trainmem.report.output import write_outputs
+    write_outputs(result, args, title=f"trainmem compare: {args.model}")
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -128,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug, not bad input: one line unless asked for the traceback
+        if os.environ.get("TRAINMEM_DEBUG"):
+            raise
+        sys.stderr.write(f"trainmem: internal error: {type(exc).__name__}: {exc} "
+                         "(set TRAINMEM_DEBUG=1 for the traceback, and please report it)\n")
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ __all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEF
            "add_finetune_args", "finetune_from_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
+DEFAULT_SEQ = 4096
 
 
 def _int(field: str):
@@ -37,7 +38,8 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset name or path to a Hugging Face config.json / model folder (default {DEFAULT_MODEL})")
     p.add_argument("--batch", type=_int("batch"), default=1, help="micro-batch size B (default 1)")
-    p.add_argument("--seq", type=_int("seq"), default=4096, help="sequence length S (default 4096)")
+    p.add_argument("--seq", type=_int("seq"), default=None,
+                   help="sequence length S (default 4096, or the model's maximum if smaller)")
     p.add_argument("--grad-accum", type=_int("grad-accum"), default=1, help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master)")
@@ -53,20 +55,25 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
-    from trainmem.specs.loaders import load_model
+    from trainmem.inputs import model_from_args
 
-    return (load_model(args.model), *step_impl_from_args(args))
+    model = model_from_args(args)
+    if args.seq is None and model.max_positions:
+        args.seq = min(DEFAULT_SEQ, model.max_positions)
+    return (model, *step_impl_from_args(args))
 
 
 def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     """The step and implementation specs alone (for commands that build the model themselves)."""
-    step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
-                    optimizer=args.optimizer, loss=args.loss)
+    from trainmem.inputs import spec_fields
+
+    step = StepSpec(batch=args.batch, seq=args.seq or DEFAULT_SEQ, grad_accum=args.grad_accum, precision=args.precision,
+                    optimizer=args.optimizer, loss=args.loss, **spec_fields(args, "step"))
     every = args.recompute_every
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device)
+                    recompute_every=every or 1, device=args.device, **spec_fields(args, "impl"))
     return step, impl
 
 
@@ -166,6 +173,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def parallel_from_args(args: argparse.Namespace):
     """A ParallelSpec from the options of :func:`add_parallel_args` (None when all are defaults)."""
+    from trainmem.inputs import spec_fields
     from trainmem.specs.parallel import ParallelSpec
 
     split = ()
@@ -178,6 +186,7 @@ def parallel_from_args(args: argparse.Namespace):
     kwargs = {k: getattr(args, k.replace("-", "_")) for k in
               ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group")}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs.update(spec_fields(args, "parallel"))
     par = ParallelSpec(**kwargs, sp=args.sp, cp_style=args.cp_style, schedule=args.schedule,
                        layer_split=split, zero=args.zero, fsdp=args.fsdp,
                        reshard_after_forward=not args.no_reshard_after_forward, offload=offload)

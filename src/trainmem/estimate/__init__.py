@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_items
 from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
 from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
@@ -91,6 +92,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
     step = step or StepSpec()
     impl = impl or ImplSpec()
+    if model.max_positions and step.seq > model.max_positions:
+        raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "
+                                         f"(max_positions={model.max_positions})")
     if parallel is not None and not parallel.is_single:
         ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
         worst = max(ranks, key=lambda r: r.peak_bytes)

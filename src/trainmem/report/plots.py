@@ -186,7 +186,8 @@ def _estimate_figure(result: Any):
         from trainmem.report.progress import Progress
 
         s, b = result.step.seq, result.step.batch
-        seqs = sorted({max(1, s * k // 4) for k in range(1, 9)})
+        top = result.model.max_positions or 8 * s  # learned positions cap the sequence
+        seqs = sorted({max(1, min(top, s * k // 4)) for k in range(1, 9)})
         batches = sorted({max(1, b * k // 2) for k in range(1, 5)} | {1})
         with Progress("scaling") as bar:
             plot_scaling(estimate_points(result, "seq", seqs, bar), axes[2])
