@@ -84,7 +84,7 @@ def test_out_of_memory_leaves_no_file(monkeypatch, tiny_config, tmp_path, capsys
 
 def test_sweep_device_backend_continues_after_oom(monkeypatch):
     """OOM at a value is a point that does not fit; the search goes on below it."""
-    from trainmem.measure import profiling, sweep as sweep_mod
+    from trainmem.measure import profiling, sweeps as sweep_mod
     from trainmem.specs import ImplSpec, StepSpec
 
     real = profiling.profile_model
@@ -114,3 +114,32 @@ def test_ctrl_c_stops_cleanly_without_partial_output(tmp_path, tiny_config):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"
     assert not out.exists() and os.listdir(tmp_path) == ["tiny.json"]
+
+
+def test_cpu_refuses_a_step_larger_than_the_host():
+    r = _cli("profile", "--model", "llama-3-8b", "--seq", "4096", "--run-on", "cpu")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("OutOfMemory: the estimated peak") and "--layers" in r.stderr
+
+
+def test_public_api_and_flags_are_frozen():
+    import argparse
+
+    import trainmem.measure as tm
+    from trainmem.measure.cli import add_parser
+
+    assert sorted(tm.__all__) == sorted([
+        "profile", "profile_model", "profile_workload", "ProfileResult", "RankProfile", "OutOfMemory",
+        "build_workload", "sweep", "SweepResult", "SweepPoint", "compare_table", "compare_run", "CompareTable",
+        "parse_variants", "run_variants", "VariantsResult", "parse_size", "fit_growth", "GrowthFit"])
+    assert all(callable(getattr(tm, name)) for name in tm.__all__)
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    flags = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
+             for name, p in sub.choices.items()}
+    shared = ["--attention", "--batch", "--device", "--grad-accum", "--help", "--json", "--layers", "--loss",
+              "--model", "--optimizer", "--out", "--precision", "--profile", "--recompute", "--recompute-every",
+              "--run-on", "--seed", "--seq"]
+    assert flags["profile"] == sorted(shared + ["--categories", "--compare", "--no-modules", "--snapshot",
+                                                "--steps", "--top-modules", "--variants", "--warmup"])
+    assert flags["sweep"] == sorted(shared + ["--backend", "--budget", "--max", "--multiple", "--over", "--start"])

@@ -3,7 +3,7 @@
 import pytest
 
 from trainmem.estimate import estimate
-from trainmem.measure.sweep import estimate_crossover_seq, sweep
+from trainmem.measure.sweeps import estimate_crossover_seq, sweep
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import load_model
 

@@ -6,7 +6,7 @@ import pytest
 
 from trainmem.errors import SpecError
 from trainmem.measure import fit as F
-from trainmem.measure.sweep import bisect_max
+from trainmem.measure.sweeps import bisect_max
 from trainmem.measure.units import parse_size
 
 

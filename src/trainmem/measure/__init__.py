@@ -18,7 +18,7 @@ __all__ = ["profile", "profile_model", "profile_workload", "ProfileResult", "Ran
 _WHERE = {
     "profile": "profiling", "profile_model": "profiling", "profile_workload": "profiling", "ProfileResult": "profiling",
     "RankProfile": "profiling", "OutOfMemory": "profiling", "build_workload": "workload",
-    "sweep": "sweep", "SweepResult": "sweep", "SweepPoint": "sweep",
+    "sweep": "sweeps", "SweepResult": "sweeps", "SweepPoint": "sweeps",
     "compare_table": "compare", "compare_run": "compare", "CompareTable": "compare",
     "parse_variants": "variants", "run_variants": "variants", "VariantsResult": "variants",
     "parse_size": "units", "fit_growth": "fit", "GrowthFit": "fit",

@@ -154,7 +154,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     from trainmem.measure.render import render_sweep
-    from trainmem.measure.sweep import sweep
+    from trainmem.measure.sweeps import sweep
     from trainmem.measure.units import parse_size
 
     budget = parse_size(args.budget)

@@ -35,6 +35,8 @@ __all__ = ["profile", "profile_workload", "profile_model", "ProfileResult", "Ran
 
 SCHEMA = "trainmem.profile/1"
 HISTORY_MAX_ENTRIES = 200_000
+#: on CPU, refuse steps whose estimated peak exceeds this share of physical memory
+HOST_FRACTION = 0.8
 _PROFILER_CATEGORY = {"PARAMETER": "parameter", "OPTIMIZER_STATE": "optimizer_state", "INPUT": "input",
                       "TEMPORARY": "transient", "ACTIVATION": "activation", "GRADIENT": "gradient",
                       "AUTOGRAD_DETAIL": "autograd_detail", None: "unattributed"}
@@ -423,15 +425,42 @@ def _with_numerics(r: RankProfile, w) -> RankProfile:
     return replace(r, losses=tuple(w.losses), first_grad_norm=w.grad_norms[0] if w.grad_norms else None)
 
 
+def _check_host_memory(source, step, impl) -> None:
+    import os
+
+    from trainmem.errors import TrainmemError as _Err
+    from trainmem.estimate import estimate
+    from trainmem.report.units import fmt_bytes
+    from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        spec = source if isinstance(source, ModelSpec) else spec_from_hf_config(source)
+        peak = estimate(spec, step or StepSpec(), impl or ImplSpec()).peak_bytes
+    except (_Err, ValueError, OSError, TypeError, AttributeError):
+        return  # an nn.Module, or a config the estimator does not map: nothing to check against
+    if peak > HOST_FRACTION * host:
+        raise OutOfMemory(f"the estimated peak {fmt_bytes(peak)} exceeds {HOST_FRACTION:.0%} of this host's "
+                          f"{fmt_bytes(host)}; measure fewer layers (--layers), a shorter --seq or a smaller --batch")
+
+
 def profile_model(source, step=None, impl=None, *, device=None, seed: int = 0, **kwargs) -> ProfileResult:
     """Build :func:`~trainmem.measure.workload.build_workload` and profile it; memory is
-    released afterwards (also after an out-of-memory error)."""
-    from trainmem.measure.workload import build_workload
+    released afterwards (also after an out-of-memory error).
 
+    On CPU a step whose estimated peak exceeds :data:`HOST_FRACTION` of the host's memory is
+    refused with :class:`OutOfMemory` before anything is built: there the kernel's OOM killer,
+    not an exception, would end the process."""
+    from trainmem.measure.workload import build_workload, resolve_device
+
+    dev = resolve_device(device) if not hasattr(device, "type") else device
+    if dev.type == "cpu":
+        _check_host_memory(source, step, impl)
     w = None
     try:
         with _oom_guard():
-            w = build_workload(source, step, impl, device=device, seed=seed)
+            w = build_workload(source, step, impl, device=dev, seed=seed)
         return profile_workload(w, **kwargs)
     finally:
         if w is not None:

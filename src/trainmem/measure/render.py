@@ -99,9 +99,10 @@ def render_variants(result) -> str:
     rows = []
     for r in result.rows:
         rows.append([r.label, _b(r.peak_allocated_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
+                     "" if r.speed_ratio is None else f"{r.speed_ratio:.2f}x",
                      "" if r.loss is None else f"{r.loss:.5f}",
                      "" if r.loss_diff is None else f"{r.loss_diff:+.2e}",
                      "" if r.grad_norm_rel_diff is None else f"{r.grad_norm_rel_diff:.2e}", r.status])
-    head = ["variant", "peak allocated", "peak reserved", "tokens/s", "loss (step 1)", "Δloss", "Δ|g|/|g|", "status"]
+    head = ["variant", "peak allocated", "peak reserved", "tokens/s", "speed", "loss (step 1)", "Δloss", "Δ|g|/|g|", "status"]
     out = [f"device: {result.device}" + ("" if result.device.startswith("cuda") else "  (reserved n/a on CPU)")]
     return "\n".join(out + _table(head, rows))

@@ -83,10 +83,12 @@ class VariantRow:
     loss_diff: float | None  # vs the first variant
     grad_norm_rel_diff: float | None
     status: str = "ok"  # "ok", "out of memory", "different batch"
+    speed_ratio: float | None = None  # tokens/s ÷ the first variant's
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("label", "peak_allocated_bytes", "peak_reserved_bytes", "tokens_per_s",
-                                             "loss", "grad_norm", "loss_diff", "grad_norm_rel_diff", "status")}
+                                             "loss", "grad_norm", "loss_diff", "grad_norm_rel_diff", "status",
+                                             "speed_ratio")}
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,13 @@ def run_variants(source, variants: list[Variant], *, device=None, seed: int = 0,
         row = VariantRow(v.label, rank.peak_allocated_bytes, rank.peak_reserved_bytes, rank.tokens_per_s, loss, gn,
                          None, None)
         if first is None:
-            row = replace(row, loss_diff=0.0 if loss is not None else None, grad_norm_rel_diff=0.0 if gn else None)
+            row = replace(row, loss_diff=0.0 if loss is not None else None, grad_norm_rel_diff=0.0 if gn else None,
+                          speed_ratio=1.0 if rank.tokens_per_s else None)
             first = (v, row)
         else:
             fv, fr = first
+            if rank.tokens_per_s and fr.tokens_per_s:
+                row = replace(row, speed_ratio=rank.tokens_per_s / fr.tokens_per_s)
             same = fv.step.batch * fv.step.grad_accum == v.step.batch * v.step.grad_accum and fv.step.seq == v.step.seq
             if not same:
                 row = replace(row, status="different batch")
