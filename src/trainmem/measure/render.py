@@ -73,7 +73,8 @@ def render_sweep(result) -> str:
     unit = "tokens" if result.over == "seq" else "sequences"
     lim = "none (even the first value does not fit)" if result.max_fit is None else f"{result.max_fit} {unit}"
     if result.capped:
-        lim += " (the largest value searched; the limit is higher)"
+        stop = result.meta.get("stop")
+        lim += f" (the largest value searched: --max or the model's positions, {stop}; the budget allows more)"
     out = [f"largest {result.over} within {fmt_bytes(result.budget_bytes)} ({result.backend}): {lim}", ""]
     out += _table([result.over, "peak", "activation", "fits"],
                   [[str(p.value), "OOM" if p.peak_bytes is None else fmt_bytes(p.peak_bytes),

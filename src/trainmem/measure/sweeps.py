@@ -245,8 +245,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
     multiple = multiple or (min(DEFAULT_MULTIPLE[over], start) if over == "seq" else 1)
     if stop is None:
         stop = DEFAULT_MAX[over]
-        if over == "seq" and spec.max_positions and spec.family in ("gpt2", "bert") and backend != "estimate":
-            stop = spec.max_positions  # learned position embeddings end there
+    if over == "seq" and spec.max_positions:
+        stop = min(stop, spec.max_positions)  # the estimator refuses longer sequences
     for name, v in (("start", start), ("stop", stop), ("multiple", multiple)):
         if not isinstance(v, int) or v <= 0:
             raise SpecError(name, v, "must be a positive integer")
