@@ -148,6 +148,7 @@ class Workload:
         self.model = self.optimizer = self.ids = None
         self.params = []
         self.masters = None
+        self.context = contextlib.nullcontext  # its closure holds the model
 
 
 def _build_model(source, step: StepSpec, impl: ImplSpec, device):
