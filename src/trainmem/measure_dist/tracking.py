@@ -118,6 +118,15 @@ def saved_activations(model, fn: Callable[[], Any]) -> tuple[SavedActivations, A
     return SavedActivations(list(seen.values())), out
 
 
+class _Saved:
+    """What autograd keeps for one saved tensor; it is released with the graph node."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t) -> None:
+        self.t = t
+
+
 class LiveTracker:
     """Live local bytes sampled after every op; ``peak_bytes`` is the largest sum seen.
 
@@ -131,12 +140,17 @@ class LiveTracker:
         self._refs: dict[int, weakref.ref] = {}
         self._inflight_saved: dict[int, weakref.ref] = {}
         self.peak_bytes = 0
-        self.peak_saved_bytes = 0
+        self.peak_saved_bytes = 0  # most bytes autograd held for backward at once
+        self._held: dict[int, list[int]] = {}  # storage -> [saved handles alive, bytes]
+        self._held_bytes = 0
         self._mode = None
         self.saved_exclude: set[int] = set()  # parameter storages: not activations
         self.peak_op = ""  # the op after which the peak was sampled
         self.peak_parts: dict[str, int] = {}  # at the peak: watched, saved activations, other
         self._watched: dict[int, weakref.ref] = {}
+        #: live bytes (and parts) after the first call of each op named here: phase marks
+        self.marks: dict[str, dict[str, int]] = {}
+        self.mark_ops = {"aten._log_softmax_backward_data.default": "loss_backward"}
 
     def watch(self, tensors: Iterable) -> None:
         for t in tensors:
@@ -163,15 +177,20 @@ class LiveTracker:
     def current_bytes(self) -> int:
         return self._sum(self._refs)
 
+    def _parts(self, total: int) -> dict[str, int]:
+        watched = self._sum(self._watched)
+        saved = sum(r().nbytes() for k, r in list(self._inflight_saved.items())
+                    if k in self._refs and k not in self._watched and r() is not None)
+        return {"total": total, "watched": watched, "saved_activations": saved, "other": total - watched - saved}
+
     def _sample(self, op: str = "") -> None:
         total = self._sum(self._refs)
         if total > self.peak_bytes:
             self.peak_bytes, self.peak_op = total, op
-            watched = self._sum(self._watched)
-            saved = sum(r().nbytes() for k, r in list(self._inflight_saved.items())
-                        if k in self._refs and k not in self._watched and r() is not None)
-            self.peak_parts = {"watched": watched, "saved_activations": saved,
-                               "other": total - watched - saved}
+            self.peak_parts = self._parts(total)
+        mark = self.mark_ops.get(op)
+        if mark and mark not in self.marks:
+            self.marks[mark] = self._parts(total)
 
     def __enter__(self):
         import torch
@@ -191,18 +210,36 @@ class LiveTracker:
 
         def pack(t):
             lt = local(t)
-            if lt.untyped_storage()._cdata in tracker.saved_exclude or _is_parameter(t) or _is_parameter(lt):
+            st = lt.untyped_storage()
+            key = st._cdata
+            if key in tracker.saved_exclude or _is_parameter(t) or _is_parameter(lt):
                 return t
             tracker._add(lt, tracker._inflight_saved)
-            tracker.peak_saved_bytes = max(tracker.peak_saved_bytes, tracker._sum(tracker._inflight_saved))
-            return t
+            tracker._add(lt, tracker._refs)  # saved inputs made before the step are live memory too
+            held = tracker._held.setdefault(key, [0, st.nbytes()])
+            if held[0] == 0:
+                tracker._held_bytes += held[1]
+                tracker.peak_saved_bytes = max(tracker.peak_saved_bytes, tracker._held_bytes)
+            held[0] += 1
+            box = _Saved(t)
+            weakref.finalize(box, tracker._release, key)
+            return box
 
         self._sample()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t if isinstance(b, _Saved) else b)
         self._hooks.__enter__()
         self._mode = _Mode()
         self._mode.__enter__()
         return self
+
+    def _release(self, key: int) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] == 0:
+            self._held_bytes -= held[1]
+            del self._held[key]
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)

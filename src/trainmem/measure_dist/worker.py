@@ -54,7 +54,8 @@ def _dtype(precision: str):
 
 def _apply_tp(model, mesh, sp: bool) -> None:
     """torchtitan's Llama plan on Hugging Face module names; with ``sp`` the residual stream is
-    a DTensor sharded over the sequence (dim 1) and norms run on the local tokens."""
+    a DTensor sharded over the sequence (dim 1) and norms run on the local tokens. The logits
+    stay vocab-sharded for a vocab-parallel loss (torchtitan's default ``loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
@@ -64,10 +65,10 @@ def _apply_tp(model, mesh, sp: bool) -> None:
         top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                                      use_local_output=False),
                "model.norm": SequenceParallel(),
-               "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+               "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
     else:
         top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-               "lm_head": ColwiseParallel(output_layouts=Replicate())}
+               "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     parallelize_module(model, mesh, top)
     for layer in model.model.layers:
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -120,6 +121,15 @@ def _pipeline_stage_module(model, stage: int, num_stages: int):
     return Stage()
 
 
+def _pipeline_buffers(stage) -> list:
+    """The receive buffers a ``PipelineStage`` allocates per micro-batch and reuses every step."""
+    out = []
+    for table in (stage.args_recv_info, stage.grad_recv_info):
+        for infos in table.values():
+            out.extend(getattr(i, "buffer", None) for i in infos)
+    return [t for t in out if t is not None]
+
+
 def run(scenario: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -169,6 +179,12 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     else:
         net = model
 
+    import contextlib
+
+    loss_context = contextlib.nullcontext
+    if strategy == "tp":
+        from torch.distributed.tensor.parallel import loss_parallel as loss_context
+
     if strategy == "pp":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -189,8 +205,9 @@ def run(scenario: dict, rank: int, world: int) -> dict:
                 sched.step()
     else:
         def forward_backward():
-            loss = net(ids, labels=ids).loss
-            loss.backward()
+            with loss_context():
+                loss = net(ids, labels=ids).loss
+                loss.backward()
 
     # foreach kernels refuse a mix of DTensor and plain tensors (TP without SP leaves the norms
     # plain), so DTensor parameters get their own group
@@ -246,6 +263,8 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     tracker.watch(opt_tensors(True))
     tracker.watch(buckets.values())
     tracker.watch(unsharded)
+    if strategy == "pp":  # one activation and one gradient receive buffer per micro-batch, kept across steps
+        tracker.watch(_pipeline_buffers(stage))
     tracker.saved_exclude = parameter_storage_keys(model)
     baseline = tracker.current_bytes()
     with tracker:
@@ -264,15 +283,13 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         else:
             h = torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
             fwd = (lambda: loss_fn(stage_mod(h), mb)) if rank == world - 1 else (lambda: stage_mod(h))
-    elif strategy == "fsdp":
-        # FSDP2 runs forward hooks per call; a full forward + backward keeps its state machine sound
-        fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
     else:
         fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
-    saved, out = saved_activations(model, fwd)
-    if strategy == "fsdp" or strategy == "ddp" or strategy == "tp":
-        out.backward()  # collectives in backward must run on every rank
-    del out
+    with loss_context():
+        saved, out = saved_activations(model, fwd)
+        if strategy in ("ddp", "fsdp", "tp"):
+            out.backward()  # collectives in backward must run on every rank
+        del out
     opt.zero_grad(set_to_none=True)
     dist.barrier()
 
@@ -286,8 +303,10 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         "peak_bytes": tracker.peak_bytes,
         "peak_op": tracker.peak_op,
         "peak_parts": tracker.peak_parts,
+        "marks": tracker.marks,
         "inflight_activation_bytes": tracker.peak_saved_bytes,
         "ddp_buckets_bytes": storage_bytes(buckets.values()),
+        "pp_recv_buffers_bytes": storage_bytes(_pipeline_buffers(stage)) if strategy == "pp" else 0,
         "state_items": grads_seen["items"],
         **extra,
     }
