@@ -136,3 +136,13 @@ def test_pipeline_schedules_hold_microbatches_in_flight():
     # stage 1, gradients into stage 0
     for r in (g0, g1, f0, f1):
         assert r["pp_recv_buffers_bytes"] == MICROBATCHES * boundary
+
+
+def test_public_api_is_frozen():
+    import trainmem.measure_dist as md
+    from trainmem.measure_dist import launch, tracking
+
+    assert md.__all__ == ["DistributedRunError", "run_torchrun"]
+    assert launch.__all__ == ["DistributedRunError", "run_torchrun", "run_torchrun_many", "free_port"]
+    assert tracking.__all__ == ["local", "storage_key", "storage_bytes", "SavedActivations", "saved_activations",
+                                "LiveTracker", "parameter_storage_keys"]
