@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
-__all__ = ["Category", "MemoryItem", "Inventory", "DTYPE_BYTES", "LEDGERS", "dtype_bytes"]
+__all__ = ["Category", "MemoryItem", "Inventory", "Repeat", "DTYPE_BYTES", "LEDGERS", "dtype_bytes"]
 
 
 class Category(str, enum.Enum):
@@ -92,32 +92,90 @@ class MemoryItem:
 
 
 @dataclass(frozen=True)
-class Inventory:
-    """An ordered, immutable collection of memory items."""
+class Repeat:
+    """Identical blocks stored once: ``items`` of block ``src`` stand for blocks ``dsts``.
 
-    items: tuple[MemoryItem, ...] = field(default_factory=tuple)
+    A name starting ``{prefix}{src}.`` becomes ``{prefix}{d}.``; one starting ``{prefix}{src-1}.``
+    (a tensor the previous block made and this one keeps) becomes ``{prefix}{d-1}.``.
+    """
+
+    items: tuple[MemoryItem, ...]
+    prefix: str
+    src: int
+    dsts: tuple[int, ...]
+    shift_previous: bool = True
+
+    def expand(self) -> Iterator[MemoryItem]:
+        own = f"{self.prefix}{self.src}."
+        prev = f"{self.prefix}{self.src - 1}."
+        for d in self.dsts:
+            new_own, new_prev = f"{self.prefix}{d}.", f"{self.prefix}{d - 1}."
+            for it in self.items:
+                n = it.name
+                if n.startswith(own):
+                    n = new_own + n[len(own):]
+                elif self.shift_previous and n.startswith(prev):
+                    n = new_prev + n[len(prev):]
+                yield MemoryItem.make(n, it.category, it.shape, it.dtype, it.bytes, it.formula)
+
+    def __len__(self) -> int:
+        return len(self.items) * len(self.dsts)
+
+
+class Inventory:
+    """An ordered, immutable collection of memory items.
+
+    Blocks that repeat are kept as :class:`Repeat` templates and expanded only when the items are
+    iterated, so totals and peaks of a 126-block model cost one block's work.
+    """
+
+    __slots__ = ("base", "repeats", "_items")
+
+    def __init__(self, items: Iterable[MemoryItem] = (), repeats: Iterable[Repeat] = ()) -> None:
+        self.base: tuple[MemoryItem, ...] = tuple(items)
+        self.repeats: tuple[Repeat, ...] = tuple(repeats)
+        self._items: tuple[MemoryItem, ...] | None = None if self.repeats else self.base
+
+    @property
+    def items(self) -> tuple[MemoryItem, ...]:
+        if self._items is None:
+            out = list(self.base)
+            for r in self.repeats:
+                out.extend(r.expand())
+            self._items = tuple(out)
+        return self._items
 
     def __iter__(self) -> Iterator[MemoryItem]:
         return iter(self.items)
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.base) + sum(len(r) for r in self.repeats)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Inventory) and self.items == other.items
+
+    def __repr__(self) -> str:
+        return f"Inventory({len(self)} items)"
 
     def __add__(self, other: "Inventory") -> "Inventory":
-        return Inventory(self.items + tuple(other.items))
+        return Inventory(self.base + other.base, self.repeats + other.repeats)
 
     @classmethod
     def of(cls, items: Iterable[MemoryItem]) -> "Inventory":
         return cls(tuple(items))
 
     def total(self, category: Category | None = None) -> int:
-        return sum(i.bytes for i in self.items if category is None or i.category is category)
+        return sum(v for k, v in self.totals().items() if category is None or k == category.value)
 
     def totals(self) -> dict[str, int]:
         """Bytes per ledger, every ledger present (zero when empty)."""
         out = {c.value: 0 for c in LEDGERS}
-        for item in self.items:
+        for item in self.base:
             out[item.category.value] = out.get(item.category.value, 0) + item.bytes
+        for r in self.repeats:
+            n = len(r.dsts)
+            for item in r.items:
+                out[item.category.value] = out.get(item.category.value, 0) + item.bytes * n
         return out
 
     def select(self, category: Category | None = None, prefix: str = "") -> "Inventory":

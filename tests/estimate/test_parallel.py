@@ -16,7 +16,7 @@ from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.loaders import load_model
 
 GPT = ModelSpec(family="gpt2", hidden_size=1024, num_layers=4, num_heads=16, ffn_size=4096, vocab_size=5120,
-                activation="gelu_tanh", norm="layernorm", max_positions=2048)
+                activation="gelu_tanh", norm="layernorm", max_positions=8192)
 
 
 def _layer_bytes(e, layer: int = 1) -> int:

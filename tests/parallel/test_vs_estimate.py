@@ -68,18 +68,7 @@ def _explain(r: dict, cls) -> str:
 
 # Open discrepancies, reported with the measured breakdown in docs/parallel.md ("Open
 # discrepancies"). strict: a fix turns these into failures until the mark is removed.
-KNOWN = {
-    "tp2": "gradient 0.930: DTensor's vocab-parallel embedding gets a Replicate (full-table) gradient",
-    "tp2-sp": "gradient 0.930: DTensor's vocab-parallel embedding gets a Replicate (full-table) gradient",
-    "fsdp4-reshard": "peak 1.054: all-gather (2 blocks) + reduce-scatter at loss backward; FSDP2 holds the "
-                     "root's unsharded params + 1 block there",
-    "fsdp4-keep": "peak 1.060: all-gather/reduce-scatter buffers added on top of all-unsharded params; "
-                  "the unsharded copy is full-size, not (1 - 1/dp)",
-    "pp2-gpipe": "last stage: activations 0.931 (loss activations once, not per micro-batch; per-stage RoPE), "
-                 "peak 0.945 (output_chunks, M receive buffers, no gradients at the first loss backward)",
-    "pp2-1f1b": "last stage peak 0.857: the schedule keeps every micro-batch's logits (output_chunks) and "
-                "M receive buffers",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [

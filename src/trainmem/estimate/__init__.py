@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainmem.errors import SpecError
-from trainmem.estimate.activations import activation_items
+from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
-from trainmem.estimate.model_states import model_state_items, optimizer_step_transient_bytes
+from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_step_transient_bytes
 from trainmem.estimate.parallel import RankClass, rank_classes
 from trainmem.estimate.peak import Phase, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
@@ -100,21 +100,27 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         worst = max(ranks, key=lambda r: r.peak_bytes)
         return Estimate(model, step, impl, worst.inventory, worst.phases, parallel=parallel,
                         finetune=finetune, ranks=ranks)
-    acts = activation_items(model, step, impl, finetune)
-    states = model_state_items(model, step, finetune)
-    inv = Inventory(tuple(states) + tuple(acts))
-    recompute = recompute_per_layer(
-        acts, activation_items(model, step, replace(impl, recompute="none", recompute_every=1), finetune)
-        if impl.recompute != "none" else acts)
+    plain_impl = replace(impl, recompute="none", recompute_every=1)
+    if finetune is None:  # identical blocks stored once: the cost of one block, however deep
+        acts = activation_inventory(model, step, impl)
+        states = model_state_inventory(model, step)
+        plain = activation_inventory(model, step, plain_impl) if impl.recompute != "none" else None
+    else:  # fine-tuning may freeze some blocks and not others: every block is its own
+        acts = Inventory(activation_items(model, step, impl, finetune))
+        states = Inventory(model_state_items(model, step, finetune))
+        plain = (Inventory(activation_items(model, step, plain_impl, finetune))
+                 if impl.recompute != "none" else None)
+    inv = states + acts
+    recompute = recompute_per_layer(acts, plain) if plain is not None else {}
     d = step.dtypes
     resid_dtype = d.param
-    lsm = next((i for i in acts if i.name == "loss.log_softmax"), None)
+    lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
     ph = phases(
-        list(inv), B=step.batch, S=step.seq, vocab=model.vocab_size,
+        inv, B=step.batch, S=step.seq, vocab=model.vocab_size,
         logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
-        optimizer_transient=(finetune_optimizer_transient(states, step) if finetune
+        optimizer_transient=(finetune_optimizer_transient(list(states), step) if finetune
                              else optimizer_step_transient_bytes(model, step)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
     )

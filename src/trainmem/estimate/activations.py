@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.graph import Graph
-from trainmem.inventory import MemoryItem
+from trainmem.inventory import Inventory, MemoryItem
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["activation_items", "activation_items_with_savers"]
+__all__ = ["activation_items", "activation_items_with_savers", "activation_inventory"]
 
 
 def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
@@ -21,6 +21,31 @@ def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=
     return activation_items_with_savers(model, step, impl, finetune, shard)[0]
 
 
+def activation_inventory(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> Inventory:
+    """:func:`activation_items` as an :class:`Inventory` whose identical blocks are stored once
+    (fast for deep models; fine-tuning and parallel cuts use the item lists)."""
+    ctx = Ctx(Graph(), model, step, impl, replicate=True)
+    _input_ids(ctx)
+    _forward(impl)(ctx)
+    return ctx.g.inventory()
+
+
+def _input_ids(ctx: Ctx) -> None:
+    """Non-HF profiles name the caller's token ids (the HF rules keep them under the embedding)."""
+    if ctx.impl.profile != "hf":
+        ctx.g.save(ctx.g.new("input_ids", (ctx.step.batch, ctx.step.seq), "B·S", "int64"))
+
+
+def _forward(impl: ImplSpec):
+    if impl.profile == "hf":
+        from trainmem.estimate.rules_hf import hf_forward as forward
+    elif impl.profile == "reference":
+        from trainmem.estimate.rules_reference import reference_forward as forward
+    else:
+        from trainmem.estimate.rules_megatron import megatron_forward as forward
+    return forward
+
+
 def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
                                  shard: Shard | None = None) -> tuple[list[MemoryItem], list[str]]:
     """:func:`activation_items` plus, for each item, the module scope that keeps it (a pipeline
@@ -31,14 +56,8 @@ def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpe
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
         ctx.trainable = trainable_predicate(model, finetune)
         ctx.finetune_linear = hook = FinetuneLinear(model, step, finetune)
-    if impl.profile == "hf":
-        from trainmem.estimate.rules_hf import hf_forward as forward
-    elif impl.profile == "reference":
-        from trainmem.estimate.rules_reference import reference_forward as forward
-    else:
-        from trainmem.estimate.rules_megatron import megatron_forward as forward
-    ctx.g.save(ctx.g.new("input_ids", (step.batch, step.seq), "B·S", "int64")) if impl.profile != "hf" else None
-    forward(ctx)
+    _input_ids(ctx)
+    _forward(impl)(ctx)
     if hook is None:
         return ctx.g.items(), ctx.g.savers()
     hook.embedding_notes(ctx, model)

@@ -47,6 +47,8 @@ class Ctx:
     finetune_linear: Callable[..., Sym] | None = None
     """Fine-tuning's linear rule (frozen or 4-bit base, LoRA adapter; ``estimate/finetune.py``),
     called as ``finetune_linear(ctx, x, ...)`` in place of :meth:`plain_linear`."""
+    replicate: bool = False
+    """Identical blocks may be simulated once and repeated (:meth:`Graph.repeat`)."""
     shard: Shard = Shard()
     """This rank's cut of the block (``model`` is already the rank-local model: heads, FFN width
     and vocabulary divided by ``tp``; ``step.seq`` is the rank's ``S / cp``)."""

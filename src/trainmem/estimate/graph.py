@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
 __all__ = ["Sym", "Graph"]
 
@@ -54,6 +54,7 @@ class Graph:
     saved: dict[int, Sym] = field(default_factory=dict)
     _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
     saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
+    repeats: list[Repeat] = field(default_factory=list)
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -101,11 +102,27 @@ class Graph:
             self._checkpoint.pop()
             self.save(*inputs)
 
+    # identical blocks ------------------------------------------------------------
+    def mark(self) -> int:
+        return len(self.saved)
+
+    def since(self, mark: int) -> list[Sym]:
+        return list(self.saved.values())[mark:]
+
+    def repeat(self, template: list[Sym], prefix: str, src: int, dsts: range) -> None:
+        """Blocks ``dsts`` keep what block ``src`` kept (``template``), renamed."""
+        self.repeats.append(Repeat(tuple(self._item(t) for t in template), prefix, src, tuple(dsts)))
+
+    def inventory(self) -> Inventory:
+        return Inventory(self.items(), self.repeats)
+
+    @staticmethod
+    def _item(t: Sym) -> MemoryItem:
+        return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, t.formula())
+
     def savers(self) -> list[str]:
         """The module scope that kept each item of :meth:`items`, in the same order."""
         return [self.saver.get(k, "") for k in self.saved]
 
     def items(self) -> list[MemoryItem]:
-        act = Category.ACTIVATION
-        return [MemoryItem.make(t.name, act, t.shape, t.dtype, t.nbytes, t.formula())
-                for t in self.saved.values()]
+        return [self._item(t) for t in self.saved.values()]

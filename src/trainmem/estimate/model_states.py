@@ -11,9 +11,10 @@ absmax per 256-element block, and 32-bit states for tensors under 4096 elements.
 from __future__ import annotations
 
 import math
+import re
 
 from trainmem.estimate.params import parameter_shapes
-from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 from trainmem.specs import ModelSpec, StepSpec
 
 __all__ = ["model_state_items", "optimizer_step_transient_bytes"]
@@ -64,11 +65,45 @@ def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[M
     if finetune is not None:
         from trainmem.estimate.finetune import finetune_state_items
         return finetune_state_items(model, step, finetune)
+    return _items_for(parameter_shapes(model), step)
+
+
+def model_state_inventory(model: ModelSpec, step: StepSpec) -> Inventory:
+    """:func:`model_state_items` with identical blocks stored once (block 0 as the template)."""
+    shapes = parameter_shapes(model)
+    prefix, blocks = _block_prefix(shapes)
+    if prefix is None:
+        return Inventory(_items_for(shapes, step))
+    own = [(n, sh) for n, sh in shapes if not n.startswith(prefix)]
+    first = [(n, sh) for n, sh in shapes if n.startswith(f"{prefix}0.")]
+    template = _items_for(first, step)
+    return Inventory(_items_for(own, step) + template,
+                     (Repeat(tuple(template), prefix, 0, tuple(range(1, blocks)), shift_previous=False),))
+
+
+_BLOCK = re.compile(r"^(.*?\.(?:layers|h|layer)\.)(\d+)\.")
+
+
+def _block_prefix(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[str | None, int]:
+    """The blocks' name prefix and count, when every block has block 0's parameters."""
+    per: dict[int, list] = {}
+    prefix = None
+    for name, shape in shapes:
+        m = _BLOCK.match(name)
+        if m:
+            prefix = m.group(1)
+            per.setdefault(int(m.group(2)), []).append((name[len(m.group(0)):], shape))
+    if prefix is None or len(per) < 2 or any(v != per[0] for v in per.values()):
+        return None, 0
+    return prefix, len(per)
+
+
+def _items_for(shapes: list[tuple[str, tuple[int, ...]]], step: StepSpec) -> list[MemoryItem]:
     d = step.dtypes
     pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
     out: list[MemoryItem] = []
     train = step.mode == "train"
-    for name, shape in parameter_shapes(model):
+    for name, shape in shapes:
         out.append(_item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}"))
         if not train:
             continue

@@ -226,12 +226,18 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                            for i in states if i.name.startswith(_embedding_name(states))]
     group = _shard_group(par)
     zero = 3 if par.fsdp else par.zero
+    emb_grad = f"{_embedding_name(states)}.grad"
+    torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
+    rotary = [it for it in acts if ".rotary_emb." in it.name]
     d = step.dtypes
     act_b = dtype_bytes(d.activation)
     out: list[RankClass] = []
     for s, (a, b) in enumerate(stages):
         stage_acts = [it for it, sv in zip(acts, savers) if _stage_of(sv, stages, is_param=False) == s]
         head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
+        if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
+            stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
+                                                       it.bytes, it.formula) for it in rotary]
         n = in_flight(par, s)
         items: list[MemoryItem] = []
         host = 0
@@ -240,6 +246,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 continue
             div = _tp_factor(it.name, par)
             cat = it.category
+            if torch_engine and it.name == emb_grad and div % par.tp == 0:
+                div //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
             if (cat in (Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT) and zero >= 1) or \
                (cat is Category.GRADIENT and zero >= 2) or (cat is Category.PARAMETER and zero >= 3):
                 div *= group
@@ -250,7 +258,9 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 host += local.bytes
             else:
                 items.append(local)
-        body = sum(it.bytes for it in stage_acts if it not in head_acts)
+        # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
+        many = [] if par.schedule != "gpipe" else head_acts
+        body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
         if "activations" in par.offload:
             # everything but the block being computed and the one prefetched goes to host
             per_layer = body / max(1, b - a)
@@ -266,6 +276,13 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
         persistent, working = _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group)
+        if torch_engine and par.pp > 1 and s == last:
+            # torch.distributed.pipelining keeps every micro-batch's output until step() returns
+            lb = dtype_bytes(d.activation if d.autocast else d.param)
+            working["forward"]["pp_output_chunks"] = int(par.microbatches * lstep.batch * lstep.seq
+                                                         * lm.vocab_size * lb)
+            for ph_name in working:
+                working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
         full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
         from trainmem.estimate.model_states import optimizer_step_transient_bytes
@@ -280,7 +297,9 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             items, B=lstep.batch, S=lstep.seq, vocab=lm.vocab_size,
             logits_dtype=d.activation if d.autocast else d.param,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
-            grad_accum=max(step.grad_accum, par.microbatches), recompute_bytes=recompute,
+            grad_accum=(step.grad_accum if par.schedule == "gpipe" and par.pp > 1
+                        else max(step.grad_accum, par.microbatches)),
+            recompute_bytes=recompute,
             optimizer_transient=(tb, rule),
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.param)
                                // (par.tp if par.sp else 1)),
@@ -289,7 +308,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         name = "rank" if par.pp == 1 else f"pp_stage_{s}"
         inv = Inventory(tuple(items) + tuple(
             MemoryItem.make(f"buffers.{k}", Category.BUFFER, (), d.activation, v, "communication buffer")
-            for k, v in {**persistent, **working}.items() if v))
+            for k, v in {**persistent, **_largest_each(working)}.items() if v))
         out.append(RankClass(name, par.dp * par.tp * par.cp, (a, b), inv, tuple(ph), host,
                              int(math.ceil(n))))
     return out
@@ -303,15 +322,31 @@ def _embedding_name(states: list[MemoryItem]) -> str:
     return "\0"
 
 
+def _largest_each(working: dict[str, dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for parts in working.values():
+        for k, v in parts.items():
+            out[k] = max(out.get(k, 0), v)
+    return out
+
+
+_FWD_BWD = ("forward", "backward_start", "backward", "backward_end")
+
+
 def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group):
-    """(persistent, working) communication buffers of stage ``s``, in bytes."""
+    """Communication buffers of stage ``s``: (persistent for the whole step, per-phase working)."""
     d = step.dtypes
     persistent: dict[str, int] = {}
-    working: dict[str, int] = {}
+    working: dict[str, dict[str, int]] = {p: {} for p in _FWD_BWD}
+
+    def every(name: str, value: int, phases=_FWD_BWD) -> None:
+        for p in phases:
+            working[p][name] = working[p].get(name, 0) + int(value)
+
     stage_params = [i for i in states if i.category is Category.PARAMETER
                     and _stage_of(i.name, stages, is_param=True) == s]
     local_numel = sum(math.prod(i.shape) / _tp_factor(i.name, par) for i in stage_params)
-    gb = dtype_bytes(d.grad)
+    gb, pb = dtype_bytes(d.grad), dtype_bytes(d.param)
     if par.dp * par.cp > 1 and zero == 0:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
         # Megatron's DDP keeps gradients in the contiguous buffer itself
@@ -321,21 +356,37 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
         persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET, local_numel) * gb)
     elif zero == 3:
         per_layer: dict[int, float] = {}
+        root = 0.0
         for i in stage_params:
             m = _LAYER.search("." + i.name)
+            numel = math.prod(i.shape) / _tp_factor(i.name, par)
             if m:
                 li = int(m.group(1))
-                per_layer[li] = per_layer.get(li, 0) + math.prod(i.shape) / _tp_factor(i.name, par)
+                per_layer[li] = per_layer.get(li, 0) + numel
+            else:
+                root += numel
         big = max(per_layer.values(), default=0)
-        pb = dtype_bytes(d.param)
-        working["fsdp_allgather"] = int(2 * big * pb)          # current block + prefetched block
-        working["fsdp_reduce_scatter"] = int(big * gb)          # one block's unsharded gradients
-        if not par.reshard_after_forward:
-            working["fsdp_unsharded_params"] = int(local_numel * pb * (1 - 1 / group))
+        if par.reshard_after_forward:
+            # FSDP2 never reshards the root after forward; one block is gathered ahead of its
+            # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
+            every("fsdp_root_unsharded", root * pb * (1 - 1 / group))
+            every("fsdp_allgather", big * pb, ("forward", "backward_start"))
+            every("fsdp_allgather", 2 * big * pb, ("backward",))
+            every("fsdp_reduce_scatter", big * gb, ("backward", "backward_end"))
+        else:
+            # gathered parameters stay from forward to backward, next to their shards
+            every("fsdp_unsharded_params", local_numel * pb)
+            every("fsdp_reduce_scatter", big * gb, ("backward", "backward_end"))
     if par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
-        working["cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather"] = int(2 * kv)
+        every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
     if par.pp > 1:
         tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
-        working["pp_send_recv"] = int(2 * tokens * model.hidden_size * act_b)
+        one = tokens * model.hidden_size * act_b
+        # torch.distributed.pipelining allocates a receive buffer per micro-batch; Megatron two
+        count = par.microbatches if impl.profile != "megatron" else 1
+        if s > 0:
+            every("pp_recv_activations", count * one)
+        if s < len(stages) - 1:
+            every("pp_recv_gradients", count * one)
     return persistent, working

@@ -22,7 +22,7 @@ import re
 from functools import lru_cache
 from dataclasses import dataclass, field
 
-from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 
 __all__ = ["Phase", "phases"]
 
@@ -51,31 +51,64 @@ def layer_of(name: str) -> int | None:
     return _layer_of_prefix(name.rpartition(".")[0])
 
 
-def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype: str, loss_dtype: str,
-           loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
-           optimizer_transient: tuple[int, str], residual_bytes: int,
-           persistent: dict[str, int] | None = None, working: dict[str, int] | None = None) -> list[Phase]:
-    """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
-    stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
-    ``working`` ones during forward and backward (FSDP all-gathers, ring buffers)."""
-    persistent = {k: v for k, v in (persistent or {}).items() if v}
-    working = {k: v for k, v in (working or {}).items() if v}
-    by_cat: dict[Category, int] = {}
-    act_layer: dict[int, int] = {}
-    largest: dict[int, int] = {}
-    grad_layer: dict[int, int] = {}
-    head_act = 0
-    for it in items:
-        by_cat[it.category] = by_cat.get(it.category, 0) + it.bytes
-        li = layer_of(it.name)
+@dataclass
+class LayerStats:
+    """Per-category totals and per-block sums of an inventory (templates counted per block)."""
+
+    by_cat: dict[Category, int] = field(default_factory=dict)
+    act_layer: dict[int, int] = field(default_factory=dict)
+    largest: dict[int, int] = field(default_factory=dict)
+    grad_layer: dict[int, int] = field(default_factory=dict)
+    head_act: int = 0
+
+    def add(self, it: MemoryItem, li: int | None, times: int = 1) -> None:
+        self.by_cat[it.category] = self.by_cat.get(it.category, 0) + it.bytes * times
         if it.category is Category.ACTIVATION:
             if li is not None:
-                act_layer[li] = act_layer.get(li, 0) + it.bytes
-                largest[li] = max(largest.get(li, 0), it.bytes)
-            elif it.name.startswith(("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")):
-                head_act += it.bytes
+                self.act_layer[li] = self.act_layer.get(li, 0) + it.bytes
+                self.largest[li] = max(self.largest.get(li, 0), it.bytes)
+            elif it.name.startswith(_HEAD):
+                self.head_act += it.bytes
         elif it.category is Category.GRADIENT and li is not None:
-            grad_layer[li] = grad_layer.get(li, 0) + it.bytes
+            self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
+
+
+_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")
+
+
+def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
+    st = LayerStats()
+    if not isinstance(items, Inventory):
+        items = Inventory(items)
+    for it in items.base:
+        st.add(it, layer_of(it.name))
+    for r in items.repeats:
+        for it in r.items:
+            li = layer_of(it.name)
+            st.by_cat[it.category] = st.by_cat.get(it.category, 0) + it.bytes * len(r.dsts)
+            if li is None:
+                continue
+            shift = 0 if li == r.src else -1  # the previous block's tensor this block keeps
+            for d in r.dsts:
+                st.add(it, d + shift, times=0)
+    return st
+
+
+def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int, logits_dtype: str,
+           loss_dtype: str, loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
+           optimizer_transient: tuple[int, str], residual_bytes: int,
+           persistent: dict[str, int] | None = None,
+           working: dict[str, int] | dict[str, dict[str, int]] | None = None) -> list[Phase]:
+    """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
+    stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
+    ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
+    for every such phase or a dict per phase name."""
+    persistent = {k: v for k, v in (persistent or {}).items() if v}
+    working = working or {}
+    if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
+        working = {p: dict(working) for p in ("forward", "backward_start", "backward", "backward_end")}
+    st = layer_stats(items)
+    by_cat, act_layer, largest, grad_layer, head_act = st.by_cat, st.act_layer, st.largest, st.grad_layer, st.head_act
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
     M = by_cat.get(Category.MASTER_WEIGHT, 0)
@@ -91,7 +124,7 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
     out: list[Phase] = []
 
     def add(name: str, parts: dict[str, int], note: str) -> None:
-        bufs = {**persistent, **(working if name != "optimizer" else {})}
+        bufs = {**persistent, **{k: v for k, v in working.get(name, {}).items() if v}}
         full = {**static, **{k: v for k, v in parts.items() if v}, **bufs}
         out.append(Phase(name, sum(full.values()), full, note))
 
@@ -125,19 +158,9 @@ def phases(items: list[MemoryItem], *, B: int, S: int, vocab: int, logits_dtype:
     return out
 
 
-def recompute_per_layer(kept: list[MemoryItem], plain: list[MemoryItem]) -> dict[int, tuple[int, int]]:
+def recompute_per_layer(kept, plain) -> dict[int, tuple[int, int]]:
     """(bytes, largest tensor) each checkpointed block re-materializes in its backward: what the
     block would keep without checkpointing minus what it keeps with it."""
-    def per_layer(items):
-        total: dict[int, int] = {}
-        big: dict[int, int] = {}
-        for it in items:
-            li = layer_of(it.name)
-            if li is not None:
-                total[li] = total.get(li, 0) + it.bytes
-                big[li] = max(big.get(li, 0), it.bytes)
-        return total, big
-
-    kt, _ = per_layer(kept)
-    pt, pb = per_layer(plain)
-    return {li: (pt[li] - kt.get(li, 0), pb[li]) for li in pt if pt[li] > kt.get(li, 0)}
+    k, p = layer_stats(kept), layer_stats(plain)
+    return {li: (p.act_layer[li] - k.act_layer.get(li, 0), p.largest[li])
+            for li in p.act_layer if p.act_layer[li] > k.act_layer.get(li, 0)}

@@ -29,6 +29,26 @@ def hf_forward(ctx: Ctx) -> None:
         _llama(ctx)
 
 
+def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
+    """Run the blocks ``{prefix}0``, ``{prefix}1``, ... When every block is alike (same
+    recompute), blocks 2.. repeat block 1 -- which, unlike block 0, reads another block's output --
+    and are recorded as a template instead of being simulated again."""
+    g, n = ctx.g, ctx.model.num_layers
+    uniform = ctx.replicate and ctx.impl.recompute != "every-k" and n > 3
+    template: list[Sym] = []
+    for i in range(n):
+        if uniform and i == 2:
+            g.repeat(template, prefix, 1, range(2, n))
+            name = x.name.replace(f"{prefix}1.", f"{prefix}{n - 1}.", 1)
+            return Sym(name, x.shape, x.dims, x.dtype, x.rg)
+        mark = g.mark()
+        with g.module(f"{prefix}{i}"):
+            x = layer(i, x)
+        if i == 1:
+            template = g.since(mark)
+    return x
+
+
 # --- shared pieces -------------------------------------------------------------------------
 
 _TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")  # get_input_embeddings()
@@ -171,13 +191,13 @@ def _llama(ctx: Ctx) -> None:
         sin = g.new("sin", rot, "S·hd", x.dtype, False)
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
-    for i in range(m.num_layers):
-        with g.module(f"model.layers.{i}"):
-            if ctx.impl.checkpointed(i):
-                with g.checkpoint(x, cos, sin, *held):
-                    x = _llama_layer(ctx, x, cos, sin, kernel)
-            else:
-                x = _llama_layer(ctx, x, cos, sin, kernel, held)
+    def layer(i: int, x: Sym) -> Sym:
+        if ctx.impl.checkpointed(i):
+            with g.checkpoint(x, cos, sin, *held):
+                return _llama_layer(ctx, x, cos, sin, kernel)
+        return _llama_layer(ctx, x, cos, sin, kernel, held)
+
+    x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
     with g.module("lm_head"):
         h = ctx.sp_gather(h, "input_gathered")
@@ -328,14 +348,13 @@ def _gpt(ctx: Ctx) -> None:
             sin = g.new("sin", (1, ctx.S, rot), "S·rot", x.dtype, False)
     layers = "layers" if neox else "h"
     held = _checkpoint_extras(ctx, kernel, x.dtype, positions)
-    for i in range(m.num_layers):
-        with g.module(f"{root}.{layers}.{i}"):
-            inputs = [t for t in (x, cos, sin, *held) if t is not None]
-            if ctx.impl.checkpointed(i):
-                with g.checkpoint(*inputs):
-                    x = _gpt_layer(ctx, x, kernel, cos, sin)
-            else:
-                x = _gpt_layer(ctx, x, kernel, cos, sin)
+    def layer(i: int, x: Sym) -> Sym:
+        if ctx.impl.checkpointed(i):
+            with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None]):
+                return _gpt_layer(ctx, x, kernel, cos, sin)
+        return _gpt_layer(ctx, x, kernel, cos, sin)
+
+    x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
     logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
@@ -405,10 +424,11 @@ def _bert(ctx: Ctx) -> None:
     x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
     x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout", module=True)
     kernel = resolve_kernel(ctx)
-    for i in range(m.num_layers):
-        with g.module(f"bert.encoder.layer.{i}"):
-            with g.checkpoint(x) if ctx.impl.checkpointed(i) else nullcontext():
-                x = _bert_layer(ctx, x, kernel)
+    def layer(i: int, x: Sym) -> Sym:
+        with g.checkpoint(x) if ctx.impl.checkpointed(i) else nullcontext():
+            return _bert_layer(ctx, x, kernel)
+
+    x = _layers(ctx, "bert.encoder.layer.", x, layer)
     with g.module("cls.predictions.transform"):
         with g.module("dense"):
             t = ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H")
