@@ -11,6 +11,7 @@ absmax per 256-element block, and 32-bit states for tensors under 4096 elements.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import re
 
 from trainmem.estimate.params import parameter_shapes
@@ -70,15 +71,24 @@ def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[M
 
 def model_state_inventory(model: ModelSpec, step: StepSpec) -> Inventory:
     """:func:`model_state_items` with identical blocks stored once (block 0 as the template)."""
-    shapes = parameter_shapes(model)
+    shapes = _two_block_shapes(model)
     prefix, blocks = _block_prefix(shapes)
-    if prefix is None:
-        return Inventory(_items_for(shapes, step))
+    if prefix is None or blocks != 2:
+        return Inventory(_items_for(parameter_shapes(model), step))
+    blocks = model.num_layers
     own = [(n, sh) for n, sh in shapes if not n.startswith(prefix)]
     first = [(n, sh) for n, sh in shapes if n.startswith(f"{prefix}0.")]
     template = _items_for(first, step)
     return Inventory(_items_for(own, step) + template,
                      (Repeat(tuple(template), prefix, 0, tuple(range(1, blocks)), shift_previous=False),))
+
+
+def _two_block_shapes(model: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter shapes of the same model cut to two blocks: everything outside the blocks and
+    one block's worth, whatever the depth (blocks are alike; :func:`_block_prefix` checks)."""
+    if model.num_layers <= 2:
+        return parameter_shapes(model)
+    return parameter_shapes(replace(model, num_layers=2))
 
 
 _BLOCK = re.compile(r"^(.*?\.(?:layers|h|layer)\.)(\d+)\.")
@@ -122,8 +132,16 @@ def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec) -> tuple[in
     16-bit gradients for the fp32 optimizer. SGD's foreach update is in place. Adafactor's
     per-parameter loop holds about two temporaries of the largest parameter.
     """
-    shapes = [math.prod(s) for _, s in parameter_shapes(model)]
-    total, largest = sum(shapes), max(shapes)
+    two = _two_block_shapes(model)
+    prefix, blocks = _block_prefix(two)
+    if prefix is None or model.num_layers <= 2:
+        sizes = [math.prod(s) for _, s in parameter_shapes(model)]
+        total, largest = sum(sizes), max(sizes)
+    else:  # blocks are alike: outside + num_layers × one block
+        own = sum(math.prod(s) for n, s in two if not n.startswith(prefix))
+        block = sum(math.prod(s) for n, s in two if n.startswith(f"{prefix}0."))
+        total = own + model.num_layers * block
+        largest = max(math.prod(s) for _, s in two)
     d = step.dtypes
     sb = dtype_bytes(d.state)
     extra, why = 0, []

@@ -83,14 +83,27 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
     for it in items.base:
         st.add(it, layer_of(it.name))
     for r in items.repeats:
+        # one pass over the template, then its per-block sums land on every repeated block
+        per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]
         for it in r.items:
-            li = layer_of(it.name)
             st.by_cat[it.category] = st.by_cat.get(it.category, 0) + it.bytes * len(r.dsts)
+            li = layer_of(it.name)
             if li is None:
                 continue
-            shift = 0 if li == r.src else -1  # the previous block's tensor this block keeps
-            for d in r.dsts:
-                st.add(it, d + shift, times=0)
+            acc = per_shift.setdefault(0 if li == r.src else -1, [0, 0, 0])  # -1: previous block's
+            if it.category is Category.ACTIVATION:
+                acc[0] += it.bytes
+                acc[1] = max(acc[1], it.bytes)
+            elif it.category is Category.GRADIENT:
+                acc[2] += it.bytes
+        for d in r.dsts:
+            for shift, (act, big, grad) in per_shift.items():
+                li = d + shift
+                if act:
+                    st.act_layer[li] = st.act_layer.get(li, 0) + act
+                    st.largest[li] = max(st.largest.get(li, 0), big)
+                if grad:
+                    st.grad_layer[li] = st.grad_layer.get(li, 0) + grad
     return st
 
 
