@@ -5,6 +5,7 @@ Kept local to ``measure`` on purpose (another package may grow its own parser).
 
 from __future__ import annotations
 
+import math
 import re
 
 from trainmem.errors import SpecError
@@ -32,6 +33,8 @@ def parse_size(text: str | int, *, field: str = "budget") -> int:
         value, unit = float(m.group(1)), m.group(2).lower()
     if unit not in _UNITS:
         raise SpecError(field, text, f"unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
+    if not math.isfinite(value * _UNITS[unit]):
+        raise SpecError(field, text, "is too large to be a size")
     n = int(value * _UNITS[unit])
     if n <= 0:
         raise SpecError(field, text, "must be positive")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from dataclasses import dataclass, fields, replace
 from importlib.resources import files
@@ -40,6 +41,8 @@ def parse_size(text: str | int, *, field: str = "size") -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise SpecError(field, text, "must be a size like 80GiB, 40GB, 512MiB or a byte count")
         value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value * _UNITS[unit]):
+        raise SpecError(field, text, "is too large to be a size")
     nbytes = int(round(value * _UNITS[unit]))
     if nbytes <= 0:
         raise SpecError(field, text, "must be positive")
