@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--block-size", type=_int("block-size"), default=16,
                      help="inference: paged KV-cache block in tokens (default 16; 1 = unpaged)")
     add_parallel_args(est)
-    est.add_argument("--tree", type=int, nargs="?", const=3, metavar="DEPTH",
+    est.add_argument("--tree", type=int, nargs="?", const=3, metavar="DEPTH", choices=(1, 2, 3),
                      help="ledger → block → tensor tree with formulas (DEPTH 1-3; --detail: unfolded)")
     est.add_argument("--summary", action="store_true", help="one-screen summary")
     _add_output_args(est)
