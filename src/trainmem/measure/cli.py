@@ -16,15 +16,42 @@ from trainmem.cliargs import _int as _positive  # positive integers, one-line er
 __all__ = ["add_parser", "run_profile", "run_sweep"]
 
 
+MAX_LAYERS = 10_000  # past this --layers is a typo, and the estimate that guards the host would not finish
+MAX_STEPS = 10**6    # a profile measures a few steps; more is a typo
+
+
+def _upto(field: str, maximum: int):
+    """Positive integers up to ``maximum``, one-line errors."""
+    parse = _positive(field)
+
+    def bounded(text: str) -> int:
+        value = parse(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"--{field}={value}: at most {maximum}")
+        return value
+    bounded.__name__ = field
+    return bounded
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed={text!r}: must be an integer") from None
+    if not -(2**63) <= value < 2**64:  # what torch.manual_seed takes
+        raise argparse.ArgumentTypeError(f"--seed={value}: must fit in 64 bits")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from trainmem.cliargs import add_model_step_args
 
     add_model_step_args(p)
-    p.add_argument("--layers", type=_positive("layers"), default=None,
+    p.add_argument("--layers", type=_upto("layers", MAX_LAYERS), default=None,
                    help="override the model's number of layers (measure a few layers of a large model)")
     p.add_argument("--run-on", choices=("auto", "cuda", "cpu"), default="auto",
                    help="device the steps run on (auto: CUDA when available); --device stays the kernels modelled")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and token ids (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for weights and token ids (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (whole or not at all)")
 
@@ -32,7 +59,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("profile", help="run real training steps and measure memory, speed and numerics")
     _common(p)
-    p.add_argument("--steps", type=_positive("steps"), default=3, help="timed steps after the warm-up (default 3)")
+    p.add_argument("--steps", type=_upto("steps", MAX_STEPS), default=3, help="timed steps after the warm-up (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps, not measured (default 1)")
     p.add_argument("--snapshot", metavar="FILE", help="CUDA: dump the recorded memory history (pytorch.org/memory_viz)")
     p.add_argument("--categories", action="store_true",
@@ -111,9 +138,9 @@ def run_profile(args: argparse.Namespace) -> int:
     from trainmem.measure.workload import resolve_device
 
     source, step, impl = _source(args)
-    if args.warmup < 0:
+    if not 0 <= args.warmup <= MAX_STEPS:
         from trainmem.errors import SpecError
-        raise SpecError("warmup", args.warmup, "must be 0 or more")
+        raise SpecError("warmup", args.warmup, f"must be between 0 and {MAX_STEPS}")
     variants = None
     if args.variants:  # checked before torch is imported
         from trainmem.measure.variants import parse_variants
