@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import stat
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,15 @@ def check_type(where: str, key: str, value: Any, annotation: str) -> Any:
 def read_text(path: str | Path, what: str) -> str:
     p = Path(path).expanduser()
     try:
-        if p.stat().st_size > MAX_FILE_BYTES:
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):  # /dev/zero never ends, a FIFO blocks on open
+            raise ConfigError(f"{path}: not a regular file, expected a {what} file")
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # the file may grow after stat
+        if len(data) > MAX_FILE_BYTES:
             raise ConfigError(f"{path}: {what} larger than {MAX_FILE_BYTES >> 20} MiB, not read")
-        data = p.read_bytes()
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a folder, expected a {what} file") from None
     except OSError as exc:
