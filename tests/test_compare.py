@@ -38,7 +38,8 @@ FAMILIES = {
                  num_attention_heads=4, vocab_size=500, max_position_embeddings=64),
 }
 CASES = [(f, p, a, r) for f in FAMILIES
-         for p, a, r in (("bf16", "sdpa", "none"), ("amp-bf16", "eager", "none"), ("fp32", "sdpa", "full"))
+         for p, a, r in (("bf16", "sdpa", "none"), ("amp-bf16", "eager", "none"), ("fp32", "sdpa", "full"),
+                         ("bf16", "eager", "selective"))
          if not (f == "gemma2" and a == "sdpa")]  # transformers runs Gemma-2 (soft-capping) eager only
 
 

@@ -48,6 +48,10 @@ class Comparison:
     trace_peak_bytes: int
     trace_peak_phase: str
 
+
+    def _repr_html_(self) -> str:  # Jupyter
+        from trainmem.report.notebook import result_html
+        return result_html(self)
     @property
     def activation_estimate_bytes(self) -> int:
         return sum(r.estimate_bytes for r in self.rows)

@@ -33,7 +33,8 @@ def config(tmp_path):
 
 def test_defaults_without_files():
     args = parse([])
-    assert (args.model, args.batch, args.seq, args.attention, args.tp) == ("llama-3-8b", 1, 4096, "sdpa", 1)
+    # --seq defaults to None: 4096, or the model's learned positions when fewer (resolved with the model)
+    assert (args.model, args.batch, args.seq, args.attention, args.tp) == ("llama-3-8b", 1, None, "sdpa", 1)
     assert args.inputs == {} and args.spec_overrides == {}
 
 

@@ -42,6 +42,10 @@ class Estimate:
     """Per-rank classes under parallelism (empty on one device). The top-level inventory and
     phases are then those of the rank class with the highest peak."""
 
+
+    def _repr_html_(self) -> str:  # Jupyter
+        from trainmem.report.notebook import estimate_html
+        return estimate_html(self)
     @property
     def totals_bytes(self) -> dict[str, int]:
         return self.inventory.totals()
@@ -90,7 +94,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     ``parallel``: per-rank results under DP/TP/SP/CP/EP/PP, ZeRO/FSDP and offload
     (``estimate/parallel.py``); the result's ``ranks`` lists every rank class.
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
-    step = step or StepSpec()
+    step = step or StepSpec(seq=min(StepSpec().seq, model.max_positions or StepSpec().seq))
     impl = impl or ImplSpec()
     if model.max_positions and step.seq > model.max_positions:
         raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "

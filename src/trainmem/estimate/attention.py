@@ -39,7 +39,8 @@ def resolve_kernel(ctx: Ctx) -> str:
 
 
 def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
-                   softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False) -> Sym:
+                   softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False,
+                   q_copy: bool = False) -> Sym:
     """Run one attention core inside the current module scope.
 
     ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
@@ -48,6 +49,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     running in the scores' dtype (GPT-2; CUDA autocast still promotes it to fp32).
     ``out_copy``: the fused kernels' output comes back in (B, A, S, hd) layout because q was
     made contiguous (RoPE by ``torch.cat``), so ``transpose(1, 2).contiguous()`` copies it.
+    ``q_copy``: ``q`` is a strided view (GPT-2's split of the fused QKV output); bmm reshapes it
+    into a heads-wide copy, which is what eager attention keeps.
     """
     g, m = ctx.g, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
@@ -85,6 +88,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32
         q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.rg) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         low = None
+    if q_copy:
+        q = g.new("q", heads_shape, heads_dims, q.dtype, q.rg)
     qm = ctx.cast(q, low, "q_cast") if low else q
     k_in = ctx.cast(k, low, "k_cast") if low else k
     # the K operand reaches bmm as a fresh (B·A, hd, S) copy: repeat_kv, or the transpose's reshape

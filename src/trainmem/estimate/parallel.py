@@ -188,8 +188,9 @@ def _stage_of(name: str, stages: list[tuple[int, int]], *, is_param: bool) -> in
 def _local_item(item: MemoryItem, div: int) -> MemoryItem:
     if div == 1:
         return item
-    return MemoryItem.make(item.name, item.category, (math.ceil(math.prod(item.shape) / div),),
-                           item.dtype, math.ceil(item.bytes / div), f"{item.formula}/{div}")
+    numel = math.ceil(math.prod(item.shape) / div)  # FSDP pads every shard to the same size
+    return MemoryItem.make(item.name, item.category, (numel,), item.dtype,
+                           math.ceil(numel * dtype_bytes(item.dtype)), f"⌈{item.formula}/{div}⌉")
 
 
 # --- the per-rank estimate --------------------------------------------------------------------

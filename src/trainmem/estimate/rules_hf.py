@@ -161,7 +161,8 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     return logits
 
 
-def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None) -> list[Sym]:
+def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None,
+                       root: str = "model") -> list[Sym]:
     """Block inputs besides the hidden state that a checkpointed block holds: the position
     ids and, for eager attention, the materialized causal mask (B, 1, S, S)."""
     if ctx.impl.recompute == "none":
@@ -171,7 +172,7 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
     if ctx.impl.recompute != "selective":  # selective checkpoints only the attention function
         held.append(positions or g.new("model.position_ids", (1, ctx.S), "S", "int64", False))
     if kernel == "eager":
-        held.append(g.new("model.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype, False))
+        held.append(g.new(f"{root}.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype, False))
     return held
 
 
@@ -347,12 +348,12 @@ def _gpt(ctx: Ctx) -> None:
             cos = g.new("cos", (1, ctx.S, rot), "S·rot", x.dtype, False)
             sin = g.new("sin", (1, ctx.S, rot), "S·rot", x.dtype, False)
     layers = "layers" if neox else "h"
-    held = _checkpoint_extras(ctx, kernel, x.dtype, positions)
+    held = _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
             with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None]):
                 return _gpt_layer(ctx, x, kernel, cos, sin)
-        return _gpt_layer(ctx, x, kernel, cos, sin)
+        return _gpt_layer(ctx, x, kernel, cos, sin, [t for t in held if t.dtype != "int64"])
 
     x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
@@ -360,7 +361,7 @@ def _gpt(ctx: Ctx) -> None:
     _loss(ctx, logits)
 
 
-def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
+def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:
     g, m = ctx.g, ctx.model
     H, F = m.hidden_size, m.ffn_size
     neox = m.family == "gpt_neox"
@@ -373,15 +374,13 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin) -> Sym:
         if neox:
             q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.rg), cos, sin, "q_rope")
             k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.rg), cos, sin, "k_rope")
-        elif kernel in ("eager", "math"):
-            q = g.new("q", *heads, qkv.dtype, qkv.rg)  # bmm reshapes the strided view into a copy
-            k = qkv
         else:
-            q = k = qkv  # SDPA keeps the strided query view, i.e. the whole c_attn output
+            q = k = qkv  # strided views of the c_attn output (SDPA keeps q as such; eager copies it)
         k = g.new("k_cache", *heads, k.dtype, k.rg)
         v = g.new("v_cache", *heads, qkv.dtype, qkv.rg)
-        with g.checkpoint(q, k, v) if ctx.impl.recompute == "selective" else nullcontext():
-            o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox)
+        with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
+            o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox,
+                               q_copy=not neox and kernel in ("eager", "math"))
         if kernel in ("flash", "efficient") and not neox:
             pass
         with g.module("dense" if neox else "c_proj"):
@@ -450,8 +449,10 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
             for n in ("query", "key", "value"):
                 with g.module(n):
                     qkv.append(ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H"))
-            q = g.new("q", (B, A, S, hd), "B·A·S·hd", qkv[0].dtype, qkv[0].rg)
-            o = attention_core(ctx, q, qkv[1], qkv[2], kernel=kernel, gqa_native=True, softmax_fp32=False)
+            q, k, v = qkv  # views of the three projections' outputs
+            with g.checkpoint(q, k, v) if ctx.impl.recompute == "selective" else nullcontext():
+                o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=False,
+                                   q_copy=kernel in ("eager", "math"))
         with g.module("output"):
             with g.module("dense"):
                 a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")

@@ -99,6 +99,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
     p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/1)")
     _add_gpu_args(p, required=True)
+    from trainmem.cliargs import add_finetune_args
+    add_finetune_args(p)
     p.set_defaults(func=run_plan)
 
     a = subparsers.add_parser("advise", help="the brief's ladder of fixes, each with memory saved and throughput cost")
@@ -120,6 +122,7 @@ def add_parser(subparsers) -> None:
 def run_plan(args) -> int:
     from dataclasses import replace
 
+    from trainmem.cliargs import finetune_from_args
     from trainmem.plan.cost import CostModel
     from trainmem.plan.search import SearchSpace, plan
     from trainmem.specs.loaders import load_model
@@ -134,7 +137,8 @@ def run_plan(args) -> int:
     cost = CostModel() if args.mfu is None else CostModel(mfu=args.mfu)
     result = plan(load_model(args.model), seq=args.seq, global_batch=args.global_batch, gpu=gpu, gpus=args.gpus,
                   precision=args.precision, optimizer=args.optimizer, loss=args.loss, profile=args.profile,
-                  reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected)
+                  reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected,
+                  finetune=finetune_from_args(args))
     if args.json:
         print(json.dumps(result.to_dict(rejected=args.rejected)))
     else:

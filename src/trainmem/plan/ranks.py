@@ -33,10 +33,11 @@ def stage_peaks(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Para
     return rank_peak(breakdown(estimate(model, step, impl)), parallel, accumulate=_accumulates(step, parallel))
 
 
-def per_rank_peak(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: ParallelSpec) -> int:
-    """The largest peak over the ranks of ``parallel``, in bytes."""
+def per_rank_peak(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: ParallelSpec,
+                  finetune=None) -> int:
+    """The largest peak over the ranks of ``parallel``, in bytes (``finetune``: a FinetuneSpec)."""
     if parallel.is_single:
-        return estimate(model, step, impl).peak_bytes
+        return estimate(model, step, impl, finetune=finetune).peak_bytes
     if parallel_source() == "estimator":
-        return estimate(model, step, impl, parallel=parallel).peak_bytes  # type: ignore[call-arg]
+        return estimate(model, step, impl, parallel=parallel, finetune=finetune).peak_bytes
     return max(s.peak_bytes for s in stage_peaks(model, step, impl, parallel))

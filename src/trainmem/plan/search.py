@@ -161,9 +161,10 @@ def _pareto(rows: list[tuple]) -> list[tuple]:
 def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
          precision: str = "bf16", optimizer: str = "adamw", loss: str = "ce", profile: str = "hf",
          reserve: Reserve = Reserve(), cost: CostModel = CostModel(), space: SearchSpace = SearchSpace(),
-         top: int = 5, keep_rejected: bool = False) -> Plan:
+         top: int = 5, keep_rejected: bool = False, finetune=None) -> Plan:
     """Every configuration of ``gpus`` × ``gpu`` for ``global_batch`` sequences of ``seq`` tokens,
-    the ``top`` fastest that fit, and the memory-vs-time Pareto front of those that fit."""
+    the ``top`` fastest that fit, and the memory-vs-time Pareto front of those that fit.
+    ``finetune`` (a FinetuneSpec): frozen weights / LoRA change states and saved tensors."""
     t0 = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -181,13 +182,13 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
     for rc in space.recompute:
         for attn in space.attention:
             impl = ImplSpec(profile=profile, attention=attn, recompute=rc)
-            b1 = breakdown(estimate(model, base, impl))
+            b1 = breakdown(estimate(model, base, impl, finetune=finetune))
             calls += 1
             sig = (rc, b1)
             if sig in seen:  # same saved set as a kernel already listed
                 continue
             seen[sig] = attn
-            b2 = breakdown(estimate(model, replace(base, batch=2), impl))
+            b2 = breakdown(estimate(model, replace(base, batch=2), impl, finetune=finetune))
             calls += 1
             kernels[(attn, rc)] = (b1, b2)
 
@@ -280,7 +281,7 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
         # walk down the ranking until ``top`` configurations fit by it too (bounded)
         shown = []
         for r in fitting[: 8 * top]:
-            c = _recheck(model, base, profile, candidate(r), usable)
+            c = _recheck(model, base, profile, candidate(r), usable, finetune)
             if c.fits:
                 shown.append(c)
                 if len(shown) == top:
@@ -289,9 +290,9 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 rejected.append((c.config, f"per-rank estimate {c.peak_bytes} B > usable {usable} B "
                                            "(the closed form said it fits)"))
         if not shown:
-            shown = [_recheck(model, base, profile, candidate(r), usable) for r in fitting[:top]]
+            shown = [_recheck(model, base, profile, candidate(r), usable, finetune) for r in fitting[:top]]
     else:
-        shown = [_recheck(model, base, profile, candidate(r), usable)
+        shown = [_recheck(model, base, profile, candidate(r), usable, finetune)
                  for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
     stats = {"evaluated": evaluated, "fitting": len(fitting), "estimator_calls": calls,
              "kernel_sets": [list(k) for k in kernels], "seconds": time.perf_counter() - t0,
@@ -301,7 +302,8 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 tuple(rejected), stats)
 
 
-def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usable: int) -> Candidate:
+def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usable: int,
+             finetune=None) -> Candidate:
     """The shortlisted configuration through :func:`per_rank_peak` (the estimator's own parallel
     accounting when it has one)."""
     from trainmem.plan.ranks import per_rank_peak, parallel_source
@@ -313,5 +315,5 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
     impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
     par = ParallelSpec(dp=cfg["dp"], tp=cfg["tp"], sp=cfg["sp"], cp=cfg["cp"], pp=cfg["pp"],
                        microbatches=cfg["grad_accum"], zero=cfg["zero"], offload=tuple(cfg["offload"]))
-    peak = per_rank_peak(model, step, impl, par)
+    peak = per_rank_peak(model, step, impl, par, finetune)
     return replace(c, peak_bytes=peak, fits=peak <= usable, peak_source="estimator")
