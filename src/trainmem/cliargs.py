@@ -67,7 +67,8 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     """The step and implementation specs alone (for commands that build the model themselves)."""
     from trainmem.inputs import spec_fields
 
-    step = StepSpec(batch=args.batch, seq=args.seq or DEFAULT_SEQ, grad_accum=args.grad_accum, precision=args.precision,
+    seq = DEFAULT_SEQ if args.seq is None else args.seq  # a file's seq = 0 is an error, not the default
+    step = StepSpec(batch=args.batch, seq=seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss, **spec_fields(args, "step"))
     every = args.recompute_every
     if every is not None and args.recompute != "every-k":
