@@ -292,6 +292,8 @@ def _parse(text: str, where: str) -> dict:
         raise ConfigError(
             f"{where}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object (a config.json), got a {type(cfg).__name__}")
     if "model_type" not in cfg:
