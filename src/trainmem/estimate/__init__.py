@@ -17,7 +17,7 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_step_transient_bytes
 from trainmem.estimate.parallel import RankClass, rank_classes
-from trainmem.estimate.peak import Phase, phases, recompute_per_layer
+from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
@@ -28,7 +28,7 @@ SCHEMA = "trainmem.estimate/1"
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(PhasedResult):
     """The result of :func:`estimate`. Bytes are logical (elements × item size)."""
 
     model: ModelSpec
@@ -42,21 +42,9 @@ class Estimate:
     """Per-rank classes under parallelism (empty on one device). The top-level inventory and
     phases are then those of the rank class with the highest peak."""
 
-
     def _repr_html_(self) -> str:  # Jupyter
         from trainmem.report.notebook import estimate_html
         return estimate_html(self)
-    @property
-    def totals_bytes(self) -> dict[str, int]:
-        return self.inventory.totals()
-
-    @property
-    def peak(self) -> Phase:
-        return max(self.phases, key=lambda p: p.bytes)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak.bytes
 
     @property
     def peak_phase(self) -> str:

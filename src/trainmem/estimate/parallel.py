@@ -30,7 +30,7 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.model_states import model_state_items
-from trainmem.estimate.peak import Phase, phases, recompute_per_layer
+from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
@@ -51,7 +51,7 @@ _ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in el
 
 
 @dataclass(frozen=True)
-class RankClass:
+class RankClass(PhasedResult):
     """Ranks that hold the same bytes: one pipeline stage across its DP × TP × CP ranks."""
 
     name: str
@@ -62,17 +62,6 @@ class RankClass:
     host_bytes: int
     in_flight: int
 
-    @property
-    def totals_bytes(self) -> dict[str, int]:
-        return self.inventory.totals()
-
-    @property
-    def peak(self) -> Phase:
-        return max(self.phases, key=lambda p: p.bytes)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak.bytes
 
     def to_dict(self) -> dict:
         return {

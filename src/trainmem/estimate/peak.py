@@ -46,6 +46,25 @@ def _layer_of_prefix(prefix: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+class PhasedResult:
+    """Shared by results that have an ``inventory`` and ``phases``: totals and the peak."""
+
+    inventory: Inventory
+    phases: tuple[Phase, ...]
+
+    @property
+    def totals_bytes(self) -> dict[str, int]:
+        return self.inventory.totals()
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes
+
+
 def layer_of(name: str) -> int | None:
     """Block index in an item name (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
     return _layer_of_prefix(name.rpartition(".")[0])
