@@ -66,6 +66,7 @@ def nice_max(v: float) -> float:
 
 def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], *, mark: str | None = None,
                  width: int = 760, height: int = 300, title: str = "", mark_label: str = "peak",
+                 mark_value: int | None = None,
                  label_every: int = 1) -> str:
     """Vertical bars, one per ``(label, {part: bytes})``, parts stacked; ``mark`` outlines one bar;
     every ``label_every``-th bar is labelled."""
@@ -104,7 +105,7 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], *, mark: str | None
             out.append(f'<rect x="{x - 2:.1f}" y="{ty - 2:.1f}" width="{bw + 4:.1f}" height="{tpad + plot_h - ty + 2:.1f}" '
                        f'fill="none" stroke="#c00" stroke-width="2"/>'
                        f'<text x="{x + bw / 2:.1f}" y="{ty - 6:.1f}" text-anchor="middle" fill="#c00" '
-                       f'font-weight="bold">{_e(mark_label)} {_e(fmt_bytes(total))}</text>')
+                       f'font-weight="bold">{_e(mark_label)} {_e(fmt_bytes(total if mark_value is None else mark_value))}</text>')
         if i % label_every:
             continue
         short = label if len(label) <= 16 else label[:15] + "…"
@@ -336,7 +337,9 @@ def _ranks(ranks: list | None, page: _Page) -> None:
         return
     rows = [(str(r.get("name", i)), dict(r.get("totals_bytes", {}))) for i, r in enumerate(ranks)]
     worst = max(ranks, key=lambda r: r.get("peak_bytes", 0))
-    chart = stacked_bars(rows, mark=str(worst.get("name")), mark_label="worst peak")
+    # the bars stack each rank's ledgers (a sum); the mark names the rank's computed peak
+    chart = stacked_bars(rows, mark=str(worst.get("name")), mark_label="peak",
+                         mark_value=worst.get("peak_bytes", 0))
     tab = table(["rank class", "ranks", "peak", "host"],
                 [[r.get("name"), r.get("count", ""), fmt_bytes(r.get("peak_bytes", 0)), fmt_bytes(r.get("host_bytes", 0))]
                  for r in ranks], numeric=(1, 2, 3))
