@@ -105,7 +105,10 @@ def _enable_recompute(model, impl: ImplSpec) -> None:
     if impl.recompute in ("full", "every-k"):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UnsupportedError(f"{type(model).__name__} does not support gradient checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if impl.recompute == "every-k":
             from transformers.modeling_layers import GradientCheckpointingLayer
             layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
