@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from trainmem.measure._io import write_text_atomic  # noqa: E402
+from trainmem.atomic import write_text_atomic  # noqa: E402
 from trainmem.measure.compare import error_pct  # noqa: E402
 from trainmem.report.units import fmt_bytes  # noqa: E402
 from trainmem.specs import ImplSpec, StepSpec  # noqa: E402

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
     _add_output_args(cmp)
     cmp.set_defaults(func=_compare)
+    snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
+    snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")
+    snp.add_argument("--top", type=_int("top"), default=10, help="largest allocations to list (default 10)")
+    snp.add_argument("--json", action="store_true", help="print one JSON object")
+    snp.set_defaults(func=_snapshot)
     pre = sub.add_parser("presets", help="list bundled model presets")
     pre.set_defaults(func=_presets)
     for name in PLUGGED:
@@ -127,6 +132,14 @@ def _compare(args) -> int:
     else:
         from trainmem.report.text import render_comparison
         print(render_comparison(result, detail=args.detail))
+    return 0
+
+
+def _snapshot(args) -> int:
+    from trainmem.trace.snapshot_load import load_snapshot, summarize_snapshot
+
+    summary = summarize_snapshot(load_snapshot(args.file), top=args.top).to_dict()
+    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
 
 

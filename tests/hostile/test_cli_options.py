@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from conftest import assert_one_line_error
+from hostile_helpers import assert_one_line_error
 from trainmem.cli import build_parser
 
 #: arguments that make a successful run of each command cheap (the tiny model comes first)
@@ -70,16 +70,8 @@ def _cases():
                 yield pytest.param(cmd, flag, v, False, id=f"{cmd} {flag}={v[:12]!r}")
 
 
-FINDINGS = {  # issue 8 findings reported to their owners; strict, so a fix turns them red
-    ("plan", "--gpu-tflops", "inf"), ("plan", "--gpu-tflops", "1e400"),
-    ("advise", "--gpu-tflops", "inf"), ("advise", "--gpu-tflops", "1e400"),
-}
-
-
 @pytest.mark.parametrize("cmd, flag, value, must_fail", list(_cases()))
 def test_option_value_fails_in_one_line_or_runs(cli, tiny, cmd, flag, value, must_fail):
-    if (cmd, flag, value) in FINDINGS:
-        pytest.xfail("finding: an infinite --gpu-tflops is accepted (plan/cli.py)")
     model = [] if flag == "--model" else ["--model", tiny]
     r = cli([cmd, *model, *BASE.get(cmd, []), f"{flag}={value}"])
     if must_fail or r.rc != 0:
@@ -176,6 +168,5 @@ def test_outputs_are_never_half_written(cli, tiny, tmp_path):
     (["plan", "--gpus", "8", "--global-batch", "16", "--gpu", "h100-80gb", "--gpu-tflops", "inf"],
      "an infinite compute rate gives zero step times"),
 ])
-@pytest.mark.xfail(strict=True, reason="issue 8 findings, reported to their owners")
-def test_findings_should_fail_in_one_line(cli, argv, why):
+def test_findings_fail_in_one_line(cli, argv, why):  # issue 8 findings, fixed since
     assert_one_line_error(cli(argv))

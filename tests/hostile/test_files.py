@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY, assert_one_line_error
+from hostile_helpers import TINY, assert_one_line_error
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 DEEP_TOML = "a = " + "[" * 100_000 + "]" * 100_000

@@ -23,7 +23,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["80XB", "", "GiB", "-1GiB", "0", "1e9"])
+@pytest.mark.parametrize("bad", ["80XB", "", "GiB", "-1GiB", "0", "1e-9", "5e"])
 def test_parse_size_rejects(bad):
     with pytest.raises(SpecError) as e:
         parse_size(bad)

@@ -42,7 +42,7 @@ import re
 from dataclasses import replace
 from typing import Callable
 
-from trainmem.errors import UnsupportedError
+from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.params import parameter_shapes
@@ -89,6 +89,13 @@ def _tied_embedding(model: ModelSpec) -> str | None:
 def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str], bool]:
     """``name -> bool`` over HF parameter names (adapters: ``<module>.lora_A.default.weight``)."""
     tied = _tied_embedding(model)
+    if spec.freeze:  # a pattern that freezes nothing is a typo, not a no-op
+        from trainmem.estimate.params import parameter_shapes
+        names = [n for n, _ in parameter_shapes(model)]
+        for p in spec.freeze:
+            if not any(_matches(n, p) for n in names):
+                raise SpecError("freeze", p, f"matches no parameter of {model.name} "
+                                             "(use embeddings, layers.A-B or a module name such as model.layers.0)")
 
     def trainable(name: str) -> bool:
         if any(a in name for a in _ADAPTER):

@@ -104,6 +104,8 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
             raise SpecError("ep", par.ep, f"must divide num_experts={model.num_experts} and dp×cp: {degrees}")
     if par.cp > 1 and impl.attention in ("eager", "sdpa-math"):
         raise SpecError("cp", par.cp, f"context parallelism needs a fused attention kernel, not {impl.attention}")
+    if par.fsdp == "hybrid" and (par.dp * par.cp) % min(par.fsdp_group, par.dp * par.cp):
+        raise SpecError("fsdp_group", par.fsdp_group, f"must divide the data-parallel ranks dp×cp: {degrees}")
     if par.zero and par.fsdp:
         raise SpecError("zero", par.zero, f"choose ZeRO or FSDP, not both (fsdp={par.fsdp})")
     if "params" in par.offload and not (par.zero == 3 or par.fsdp):

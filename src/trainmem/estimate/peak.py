@@ -92,7 +92,8 @@ class LayerStats:
             self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
 
 
-_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")
+_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.",
+         "final_layernorm.", "output_layer.", "gpt_neox.final_layer_norm.")
 
 
 def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:

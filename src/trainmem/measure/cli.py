@@ -103,7 +103,7 @@ def _source(args):
 
 def _emit(args, payload: dict, text: str | None) -> None:
     if getattr(args, "out", None):
-        from trainmem.measure._io import write_text_atomic
+        from trainmem.atomic import write_text_atomic
         write_text_atomic(args.out, json.dumps(payload, indent=1) + "\n")
     if args.json:
         print(json.dumps(payload))
@@ -184,7 +184,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from trainmem.measure.sweeps import sweep
     from trainmem.measure.units import parse_size
 
-    budget = parse_size(args.budget)
+    budget = parse_size(args.budget, field="budget")
     source, step, impl = _source(args)
     device = None
     if args.backend == "device":

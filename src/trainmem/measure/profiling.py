@@ -334,7 +334,7 @@ def _memory_history(path: str):
 
     import torch
 
-    from trainmem.measure._io import atomic_path
+    from trainmem.atomic import atomic_path
 
     torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
     try:

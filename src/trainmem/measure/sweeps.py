@@ -250,6 +250,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
     for name, v in (("start", start), ("stop", stop), ("multiple", multiple)):
         if not isinstance(v, int) or v <= 0:
             raise SpecError(name, v, "must be a positive integer")
+    if start > stop:
+        raise SpecError("start", start, f"is past the largest value to try (max={stop})")
 
     seen: dict[int, SweepPoint] = {}
     if backend == "estimate":

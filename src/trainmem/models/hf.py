@@ -32,6 +32,9 @@ def build_hf_model(config: Mapping[str, Any], *, attention: str = "sdpa", dtype=
     _require_torch()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' advisory lines would break one-line errors
 
     from trainmem.errors import ConfigError
     from trainmem.specs.loaders import spec_from_hf_config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import json
 
 __all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
@@ -22,6 +23,8 @@ def _positive_float(flag: str):
             raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be a number") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{flag}={value}: must be positive")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be a finite number")
         return value
     return parse
 

@@ -20,33 +20,10 @@ from importlib.resources import files
 
 from trainmem.errors import ConfigError, SpecError
 from trainmem.specs import _validate as v
+from trainmem.units import parse_size
 
 __all__ = ["GPU", "Reserve", "list_gpus", "load_gpu", "parse_size"]
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int, *, field: str = "size") -> int:
-    """``"80GiB"`` -> 85899345920. Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units;
-    a bare number is bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = _SIZE.match(str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise SpecError(field, text, "must be a size like 80GiB, 40GB, 512MiB or a byte count")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(value * _UNITS[unit]):
-        raise SpecError(field, text, "is too large to be a size")
-    nbytes = int(round(value * _UNITS[unit]))
-    if nbytes <= 0:
-        raise SpecError(field, text, "must be positive")
-    return nbytes
 
 
 @dataclass(frozen=True, kw_only=True)

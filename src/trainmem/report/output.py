@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainmem.measure._io import atomic_path, write_text_atomic
+from trainmem.atomic import atomic_path, write_text_atomic
 
 __all__ = ["write_outputs", "atomic_path", "write_text_atomic", "readable"]
 

@@ -15,6 +15,7 @@ FAMILIES = (
     "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3",
     "gemma", "gemma2", "phi3", "bert", "generic",
 )
+MAX_LAYERS = 10_000  # the deepest published models have ~100-200 blocks; more is a typo
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -89,8 +90,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         v.one_of("family", self.family, FAMILIES)
         v.one_of("arch", self.arch, ("decoder", "encoder"))
-        for name in ("hidden_size", "num_layers", "num_heads", "ffn_size", "vocab_size"):
+        for name in ("hidden_size", "num_heads", "ffn_size", "vocab_size"):
             v.positive(name, getattr(self, name))
+        v.positive("num_layers", self.num_layers, maximum=MAX_LAYERS)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         v.positive("num_kv_heads", self.num_kv_heads)

@@ -94,7 +94,10 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
 
 def write_snapshot(result: TraceResult, path: str | Path, *, expandable_segments: bool = False) -> Path:
     """Pickle the snapshot to ``path`` (open it at https://pytorch.org/memory_viz)."""
+    from trainmem.atomic import atomic_path
+
     path = Path(path)
-    with path.open("wb") as f:
-        pickle.dump(to_memory_snapshot(result, expandable_segments=expandable_segments), f)
+    snapshot = to_memory_snapshot(result, expandable_segments=expandable_segments)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        pickle.dump(snapshot, f)
     return path

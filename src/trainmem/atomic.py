@@ -1,7 +1,7 @@
 """Write files whole or not at all: a temporary file in the same folder, then ``os.replace``.
 
 An interrupted run (Ctrl-C, out-of-memory, a crash) leaves either the old file or none, never
-half of a new one. Also used by :mod:`trainmem.report.output`: keep the signatures.
+half of a new one. Every command that writes a file (--out, --html, --plot, --snapshot) uses it.
 """
 
 from __future__ import annotations
