@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
         return 2
     except KeyboardInterrupt:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting already: a late Ctrl-C must not kill cleanup
         sys.stderr.write("interrupted\n")
         return 130
     except BrokenPipeError:
