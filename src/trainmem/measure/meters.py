@@ -13,8 +13,9 @@ module hooks use it to attribute the peak between two hook events to the modules
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable
+
+from trainmem.trace.live import LiveStorages
 
 __all__ = ["CudaMeter", "LiveSetMeter", "ModulePeakHooks"]
 
@@ -44,63 +45,12 @@ class CudaMeter:
         return peak
 
 
-class LiveSetMeter:
-    """A dispatch mode counting live storages; ``baseline`` tensors are alive at the start."""
+class LiveSetMeter(LiveStorages):
+    """The CPU meter: live storages on top of ``baseline`` (:class:`trainmem.trace.live.LiveStorages`)."""
 
-    def __init__(self, baseline: Iterable[Any] = ()) -> None:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        self._base: dict[int, int] = {}
-        for t in baseline:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                self._base[st._cdata] = st.nbytes()
-        self._live: dict[int, int] = {}
-        self._cur = sum(self._base.values())
-        self.peak_bytes = self._interval = self._cur
-        meter = self
-
-        class _Track(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        meter._track(t)
-                return out
-
-        self._mode = _Track()
-
-    def _track(self, t) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._base or key in self._live:
-            return
-        n = st.nbytes()
-        self._live[key] = n
-        self._cur += n
-        if self._cur > self._interval:
-            self._interval = self._cur
-            self.peak_bytes = max(self.peak_bytes, self._cur)
-        weakref.finalize(st, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self._cur -= self._live.pop(key, 0)
-
-    def __enter__(self) -> "LiveSetMeter":
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-
-    def current(self) -> int:
-        return self._cur
-
-    def take_peak(self) -> int:
-        peak, self._interval = self._interval, self._cur
-        return peak
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak
 
 
 def _tensors(obj, out: list) -> list:
