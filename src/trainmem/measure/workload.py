@@ -190,7 +190,7 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
         import torch
     except ImportError:  # pragma: no cover
         raise UnsupportedError("measuring needs torch: pip install 'trainmem[torch]'") from None
-    from trainmem.trace.step import _check, _enable_recompute, _make_optimizer, _selective_recompute
+    from trainmem.trace.step import _check, _enable_recompute, _selective_recompute, make_optimizer_for
 
     step = step or StepSpec()
     impl = impl or ImplSpec()
@@ -205,14 +205,8 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
     model.train()
     if not reference:
         _enable_recompute(model, impl)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params, masters, optimizer = make_optimizer_for(model, step)
     dt = step.dtypes
-    masters = None
-    if dt.master is not None:
-        masters = [p.detach().to(_dtype(dt.master)).requires_grad_(True) for p in params]
-        optimizer = _make_optimizer(step.optimizer, masters)
-    else:
-        optimizer = _make_optimizer(step.optimizer, params)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         from torch.nn.parallel import DistributedDataParallel

@@ -59,6 +59,17 @@ def _make_optimizer(name: str, params):
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
 
 
+def make_optimizer_for(model, step: StepSpec):
+    """``(trainable params, fp32 master copies or None, optimizer)`` as the step's precision asks:
+    mixed precision steps an fp32 master copy of each 16-bit parameter (CUDA's default foreach)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    master = step.dtypes.master
+    if master is None:
+        return params, None, _make_optimizer(step.optimizer, params)
+    masters = [p.detach().to(_dtype(master)).requires_grad_(True) for p in params]
+    return params, masters, _make_optimizer(step.optimizer, masters)
+
+
 def _check(step: StepSpec, impl: ImplSpec) -> None:
     if step.mode != "train":
         raise UnsupportedError(f"mode={step.mode!r}: the tracer runs training steps only")
@@ -206,13 +217,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
     if not reference:  # the reference model checkpoints by itself, from impl
         _enable_recompute(model, impl)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = None
-    if dt.master is not None:
-        masters = [p.detach().to(_dtype(dt.master)).requires_grad_(True) for p in params]
-        optimizer = _make_optimizer(step.optimizer, masters)
-    else:
-        optimizer = _make_optimizer(step.optimizer, params)
+    params, masters, optimizer = make_optimizer_for(model, step)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
                 else contextlib.nullcontext())
     selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
