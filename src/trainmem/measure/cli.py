@@ -80,6 +80,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--max", type=_positive("max"), default=None, dest="stop", help="largest value searched")
     s.add_argument("--multiple", type=_positive("multiple"), default=None,
                    help="values are multiples of this (seq 64, batch 1)")
+    s.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    s.add_argument("--plot", metavar="FILE", help="memory against the swept value with the fits (.png or .svg)")
     s.set_defaults(func=run_sweep)
 
 
@@ -195,5 +197,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                    stop=args.stop, multiple=args.multiple, device=device, seed=args.seed)
     payload = result.to_dict()
     payload["meta"]["model_name"] = args.model
+    from trainmem.report.output import write_outputs
+    write_outputs(payload, args, title=f"trainmem sweep: {args.model}")
     _emit(args, payload, render_sweep(result))
     return 0

@@ -101,6 +101,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top", type=_positive_int("--top"), default=5, help="configurations to show (default 5)")
     p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
     p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/1)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--plot", metavar="FILE", help="memory against step time, the Pareto front marked (.png or .svg)")
     _add_gpu_args(p, required=True)
     from trainmem.cliargs import add_finetune_args
     add_finetune_args(p)
@@ -142,6 +144,8 @@ def run_plan(args) -> int:
                   precision=args.precision, optimizer=args.optimizer, loss=args.loss, profile=args.profile,
                   reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected,
                   finetune=finetune_from_args(args))
+    from trainmem.report.output import write_outputs
+    write_outputs(result.to_dict(rejected=args.rejected), args, title=f"trainmem plan: {args.model}")
     if args.json:
         print(json.dumps(result.to_dict(rejected=args.rejected)))
     else:

@@ -19,6 +19,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--expandable-segments", action="store_true",
                    help="lay out the snapshot as the allocator does with expandable_segments:True")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML timeline")
+    p.add_argument("--plot", metavar="FILE", help="write the step timeline as a figure (.png or .svg)")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.trace/1)")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -67,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot
         write_snapshot(result, args.snapshot, expandable_segments=args.expandable_segments)
+    if args.plot:
+        from trainmem.report.plots import check_plot_path, save_plot
+        check_plot_path(args.plot)
+        save_plot(result, args.plot)
     if args.html:
         from trainmem.trace.html import write_html
         write_html(result, args.html, title=f"trainmem trace: {args.model}")
