@@ -142,4 +142,5 @@ def test_public_api_and_flags_are_frozen():
               "--run-on", "--seed", "--seq"]
     assert flags["profile"] == sorted(shared + ["--categories", "--compare", "--no-modules", "--snapshot",
                                                 "--steps", "--top-modules", "--variants", "--warmup"])
-    assert flags["sweep"] == sorted(shared + ["--backend", "--budget", "--max", "--multiple", "--over", "--start"])
+    assert flags["sweep"] == sorted(shared + ["--backend", "--budget", "--html", "--max", "--multiple", "--over",
+                                              "--plot", "--start"])
