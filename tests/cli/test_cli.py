@@ -74,3 +74,32 @@ def test_hf_config_file_estimates(tmp_path):
     proc = run("estimate", "--model", str(tmp_path), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["inputs"]["model"]["num_kv_heads"] == 2
+
+
+def test_commands_and_estimate_flags_are_frozen():
+    """Changing the command line is a decision: this test makes it a visible one."""
+    from trainmem.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert sorted(sub.choices) == ["advise", "compare", "estimate", "explain", "plan", "presets", "profile",
+                                   "snapshot", "sweep", "trace"]
+    flags = sorted(o for a in sub.choices["estimate"]._actions for o in a.option_strings if o.startswith("--"))
+    assert flags == [
+        "--adapter-dtype", "--attention", "--batch", "--block-size", "--config", "--context", "--cp", "--cp-style",
+        "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
+        "--fsdp", "--fsdp-group", "--grad-accum", "--help", "--html", "--json", "--layer-split", "--lora-alpha",
+        "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args", "--microbatches", "--mode",
+        "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--plot", "--pp", "--precision",
+        "--profile", "--recompute", "--recompute-every", "--schedule", "--seq", "--sp", "--summary",
+        "--torchtitan", "--tp", "--tree", "--virtual-stages", "--zero"]
+
+
+def test_public_estimator_api():
+    import trainmem.estimate as est
+    import trainmem.inventory as inv
+    import trainmem.specs as specs
+
+    assert est.__all__ == ["estimate", "Estimate"]
+    assert sorted(specs.__all__) == ["ImplSpec", "ModelSpec", "ParallelSpec", "StepSpec"]
+    assert sorted(inv.__all__) == ["Category", "DTYPE_BYTES", "Inventory", "LEDGERS", "MemoryItem", "Repeat",
+                                   "dtype_bytes"]
