@@ -8,7 +8,7 @@ Totals are sums of items; a peak is computed from lifetimes, never summed here.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
 __all__ = ["Category", "MemoryItem", "Inventory", "Repeat", "DTYPE_BYTES", "LEDGERS", "dtype_bytes"]

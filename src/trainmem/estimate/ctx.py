@@ -59,10 +59,6 @@ class Ctx:
         self.low = d.activation if d.autocast else None  # autocast's compute dtype
         self.B, self.S = self.step.batch, self.step.seq
 
-    # shapes ------------------------------------------------------------------
-    def bsd(self, width: int, sym: str) -> tuple[tuple[int, ...], str]:
-        return (self.B, self.S, width), f"B·S·{sym}"
-
     # sequence parallelism -------------------------------------------------------
     def sp_scatter(self, x: Sym, label: str) -> Sym:
         """Enter a sequence-parallel region: this rank keeps S/tp of the tokens (a new tensor:

@@ -442,7 +442,6 @@ def _bert(ctx: Ctx) -> None:
 def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
     g, m = ctx.g, ctx.model
     H, F = m.hidden_size, m.ffn_size
-    B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
     with g.module("attention"):
         with g.module("self"):
             qkv = []

@@ -76,7 +76,7 @@ def _seq(ctx: Ctx) -> tuple[tuple[int, int, int], str]:
 
 def megatron_forward(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
-    B, S, H, V = ctx.B, ctx.S, m.hidden_size, m.vocab_size
+    B, S, V = ctx.B, ctx.S, m.vocab_size
     act = ctx.step.dtypes.activation if ctx.step.dtypes.activation != "float32" else "bfloat16"
     seq = _seq(ctx)
     g.save(g.new("embedding.dropout_mask", *seq, _MASK))

@@ -13,8 +13,6 @@ module hooks use it to attribute the peak between two hook events to the modules
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
 from trainmem.trace.live import LiveStorages
 
 __all__ = ["CudaMeter", "LiveSetMeter", "ModulePeakHooks"]

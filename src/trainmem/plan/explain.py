@@ -80,7 +80,6 @@ def sequence_doubles(model, step, impl) -> Answer:
         g[0] += b1
         g[1] += b2
         g[2].add(_pattern(name))
-    logits = (e1.peak.parts.get("logits", 0), e2.peak.parts.get("logits", 0))
     nums = {"seq": step.seq, "seq_doubled": 2 * step.seq,
             "activation_bytes": [e1.totals_bytes["activation"], e2.totals_bytes["activation"]],
             "linear_bytes": groups["x2"][:2], "quadratic_bytes": groups["x4"][:2], "other_bytes": groups["other"][:2],

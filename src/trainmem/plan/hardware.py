@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
-import re
 from dataclasses import dataclass, fields, replace
 from importlib.resources import files
 
