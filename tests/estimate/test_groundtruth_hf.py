@@ -7,7 +7,6 @@ activations, 3% for the step peak (issue #2). Failures name the tensors that dif
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 
@@ -18,7 +17,7 @@ from trainmem.estimate.activations import activation_items
 from trainmem.models.hf import build_hf_model
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
-from trainmem.trace.saved import retained_bytes, saved_tensors, step_peak_bytes
+from trainmem.trace.saved import explain_difference, retained_bytes, saved_tensors, step_peak_bytes
 
 B, S = 2, 32
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -65,18 +64,6 @@ def _measure(cfg: dict, precision: str, attention: str, recompute: str) -> tuple
     return retained + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes(), saved
 
 
-def _diff(estimated, saved) -> str:
-    est = collections.Counter((i.bytes, i.dtype) for i in estimated)
-    meas = collections.Counter((s.nbytes, s.dtype) for s in saved)
-    rows = []
-    for key in sorted(set(est) | set(meas)):
-        if est[key] != meas[key]:
-            names = [i.name for i in estimated if (i.bytes, i.dtype) == key][:3]
-            fns = [s.grad_fn for s in saved if (s.nbytes, s.dtype) == key][:3]
-            rows.append(f"{key[0]} B {key[1]}: estimate {est[key]}× {names} vs measured {meas[key]}× {fns}")
-    return "; ".join(rows)
-
-
 CASES = [
     (family, precision, attention, recompute, dropout)
     for family in FAMILIES
@@ -98,7 +85,7 @@ def test_activations_match_pytorch(family, precision, attention, recompute, drop
     )
     estimated = sum(i.bytes for i in items)
     assert abs(estimated - measured) <= 0.02 * measured, (
-        f"estimate {estimated} vs measured {measured} ({estimated / measured:.4f}); {_diff(items, saved)}"
+        f"estimate {estimated} vs measured {measured} ({estimated / measured:.4f}); {explain_difference(items, saved)}"
     )
 
 

@@ -9,7 +9,6 @@ bytes for model states. Failures name the tensors that differ.
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 
@@ -23,7 +22,7 @@ from trainmem.models.hf import build_hf_model  # noqa: E402
 from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
 from trainmem.specs.finetune import FinetuneSpec, parse_layer_range  # noqa: E402
 from trainmem.specs.loaders import spec_from_hf_config  # noqa: E402
-from trainmem.trace.saved import retained_bytes, saved_tensors  # noqa: E402
+from trainmem.trace.saved import explain_difference, retained_bytes, saved_tensors  # noqa: E402
 
 B, S = 2, 32
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -75,18 +74,6 @@ def _forward(model, ids, precision):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
             return model(input_ids=ids, labels=ids).loss
     return fn
-
-
-def _diff(estimated, saved) -> str:
-    est = collections.Counter((i.bytes, i.dtype) for i in estimated if i.bytes)
-    meas = collections.Counter((s.nbytes, s.dtype) for s in saved)
-    rows = []
-    for key in sorted(set(est) | set(meas)):
-        if est[key] != meas[key]:
-            names = [i.name for i in estimated if (i.bytes, i.dtype) == key][:3]
-            fns = [s.grad_fn for s in saved if (s.nbytes, s.dtype) == key][:3]
-            rows.append(f"{key[0]} B {key[1]}: estimate {est[key]}× {names} vs measured {meas[key]}× {fns}")
-    return "; ".join(rows)
 
 
 LORA = FinetuneSpec(mode="lora", lora_rank=8, lora_alpha=16)
@@ -141,9 +128,9 @@ def test_activations_match_pytorch(family, precision, attention, recompute, ft):
                              ImplSpec(attention=attention, recompute=recompute, device="cpu"), ft)
     estimated = sum(i.bytes for i in items)
     assert abs(estimated - measured) <= 0.03 * measured, (
-        f"estimate {estimated} vs measured {measured} ({estimated / measured:.4f}); {_diff(items, saved)}")
+        f"estimate {estimated} vs measured {measured} ({estimated / measured:.4f}); {explain_difference(items, saved)}")
     if recompute == "none":  # every case is exact today: keep it so
-        assert estimated == measured, _diff(items, saved)
+        assert estimated == measured, explain_difference(items, saved)
 
 
 def _real_states(model, ids, precision) -> dict[str, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["SavedTensor", "saved_tensors", "retained_bytes"]
+__all__ = ["SavedTensor", "saved_tensors", "retained_bytes", "step_peak_bytes", "explain_difference"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,20 @@ def step_peak_bytes(model, optimizer, step: Callable[[], Any]) -> int:
     with LiveStorages(tensors) as live:
         step()
     return live.peak
+
+
+def explain_difference(estimated, saved: list[SavedTensor]) -> str:
+    """Where an estimate's items and measured saved tensors disagree, as one line: per
+    (bytes, dtype), how many each side has, with the estimate's names and the measured
+    ``grad_fn`` names. Zero-byte items (notes such as "not saved") are left out."""
+    import collections
+
+    est = collections.Counter((i.bytes, i.dtype) for i in estimated if i.bytes)
+    meas = collections.Counter((t.nbytes, t.dtype) for t in saved)
+    rows = []
+    for key in sorted(set(est) | set(meas)):
+        if est[key] != meas[key]:
+            names = [i.name for i in estimated if (i.bytes, i.dtype) == key][:3]
+            fns = [t.grad_fn for t in saved if (t.nbytes, t.dtype) == key][:3]
+            rows.append(f"{key[0]} B {key[1]}: estimate {est[key]}× {names} vs measured {meas[key]}× {fns}")
+    return "; ".join(rows)
