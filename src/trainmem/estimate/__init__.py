@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
-from trainmem.estimate.finetune import dequant_transient, finetune_optimizer_transient, with_dequant_transient
-from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_step_transient_bytes
+from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.parallel import RankClass, rank_classes
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
@@ -87,6 +87,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if model.max_positions and step.seq > model.max_positions:
         raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "
                                          f"(max_positions={model.max_positions})")
+    if finetune is not None and impl.profile != "hf":
+        # the reference and megatron rules name modules their own way (attn.q, the paper's closed forms):
+        # LoRA targets and frozen-parameter patterns are HF module names, so they would match nothing
+        raise SpecError("profile", impl.profile, "fine-tuning (LoRA, QLoRA, --freeze) is modelled under "
+                                                 "--profile hf only")
     if parallel is not None and not parallel.is_single:
         ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
         worst = max(ranks, key=lambda r: r.peak_bytes)
@@ -112,8 +117,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
-        optimizer_transient=(finetune_optimizer_transient(list(states), step) if finetune
-                             else optimizer_step_transient_bytes(model, step)),
+        optimizer_transient=optimizer_transient(model, step, states, finetune),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
     )
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward

@@ -18,7 +18,7 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 from trainmem.specs import ModelSpec, StepSpec
 
-__all__ = ["model_state_items", "optimizer_step_transient_bytes"]
+__all__ = ["model_state_items", "optimizer_step_transient_bytes", "optimizer_transient"]
 
 _BNB_BLOCK = 256
 _BNB_MIN_8BIT = 4096
@@ -122,6 +122,16 @@ def _items_for(shapes: list[tuple[str, tuple[int, ...]]], step: StepSpec) -> lis
             out.append(_item(f"{name}.master", Category.MASTER_WEIGHT, shape, d.master, "numel·4"))
         out.extend(_states(name, shape, step))
     return out
+
+
+def optimizer_transient(model: ModelSpec, step: StepSpec, states, finetune=None) -> tuple[int, str]:
+    """Temporaries of ``optimizer.step()`` over the parameters that train: every parameter, or,
+    when fine-tuning, those with optimizer states among ``states`` (the whole model's state items).
+    The single-device and the per-rank estimates both call this one rule."""
+    if finetune is None:
+        return optimizer_step_transient_bytes(model, step)
+    from trainmem.estimate.finetune import finetune_optimizer_transient  # finetune imports this module
+    return finetune_optimizer_transient(list(states), step)
 
 
 def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec) -> tuple[int, str]:

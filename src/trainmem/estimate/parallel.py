@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
-from trainmem.estimate.model_states import model_state_items
+from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -277,8 +278,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
         full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
-        from trainmem.estimate.model_states import optimizer_step_transient_bytes
-        tb, rule = optimizer_step_transient_bytes(model, step)
+        tb, rule = optimizer_transient(model, step, states, finetune)  # the single-device rule, whole model
         if "optimizer" in par.offload:
             tb, rule = 0, "optimizer step runs on the host (offloaded)"
         elif full_state:
@@ -297,6 +297,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                                // (par.tp if par.sp else 1)),
             persistent=persistent, working=working,
         )
+        if finetune is not None:  # QLoRA: this rank dequantizes its own (TP-local) largest 4-bit weight
+            ph = with_dequant_transient(ph, *dequant_transient(lm, finetune))
         name = "rank" if par.pp == 1 else f"pp_stage_{s}"
         inv = Inventory(tuple(items) + tuple(
             MemoryItem.make(f"buffers.{k}", Category.BUFFER, (), d.activation, v, "communication buffer")
@@ -338,16 +340,21 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
     stage_params = [i for i in states if i.category is Category.PARAMETER
                     and _stage_of(i.name, stages, is_param=True) == s]
     local_numel = sum(math.prod(i.shape) / _tp_factor(i.name, par) for i in stage_params)
+    # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
+    # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
+    grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
+    train_grad_bytes = sum(grad_bytes.get(i.name, 0) / _tp_factor(i.name, par) for i in stage_params)
     gb, pb = dtype_bytes(d.grad), dtype_bytes(d.param)
     if par.dp * par.cp > 1 and zero == 0:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
         # Megatron's DDP keeps gradients in the contiguous buffer itself
         if impl.profile != "megatron":
-            persistent["ddp_gradient_buckets"] = int(local_numel * gb)
+            persistent["ddp_gradient_buckets"] = int(train_grad_bytes)
     elif zero in (1, 2):
-        persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET, local_numel) * gb)
+        persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET * gb, train_grad_bytes))
     elif zero == 3:
         per_layer: dict[int, float] = {}
+        per_layer_grad: dict[int, float] = {}
         root = 0.0
         for i in stage_params:
             m = _LAYER.search("." + i.name)
@@ -355,20 +362,22 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
             if m:
                 li = int(m.group(1))
                 per_layer[li] = per_layer.get(li, 0) + numel
+                per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / _tp_factor(i.name, par)
             else:
                 root += numel
         big = max(per_layer.values(), default=0)
+        big_grad = max(per_layer_grad.values(), default=0)
         if par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
             # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
             every("fsdp_root_unsharded", root * pb * (1 - 1 / group))
             every("fsdp_allgather", big * pb, ("forward", "backward_start"))
             every("fsdp_allgather", 2 * big * pb, ("backward",))
-            every("fsdp_reduce_scatter", big * gb, ("backward", "backward_end"))
+            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
         else:
             # gathered parameters stay from forward to backward, next to their shards
             every("fsdp_unsharded_params", local_numel * pb)
-            every("fsdp_reduce_scatter", big * gb, ("backward", "backward_end"))
+            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
     if par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
         every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
