@@ -152,14 +152,14 @@ def _presets(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["estimate", *argv]
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
+    try:  # Ctrl-C while the parser imports the command modules (torch, transformers) exits cleanly too
+        parser = build_parser()
+        if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+            argv = ["estimate", *argv]
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return args.func(args)
     except TrainmemError as exc:
         sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
