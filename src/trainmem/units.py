@@ -1,7 +1,8 @@
-"""Memory sizes as the user types them: ``80GiB``, ``512MiB``, ``1.5 TiB``, ``80GB``, ``1000000``.
+"""Memory sizes as the user types them: ``80GiB``, ``512MiB``, ``1.5 TiB``, ``80GB``, ``4096B``.
 
 The one parser every command uses (``--budget``, ``--gpu-memory``, ``--reserve``...), so that
-``80G`` means the same everywhere: bare letters are binary, ``GB`` is decimal.
+``80G`` means the same everywhere: bare letters are binary, ``GB`` is decimal. A number typed
+without a unit is refused (``--budget 80`` meant 80 bytes, silently); bytes are written ``B``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import re
 
 from trainmem.errors import SpecError
 
-__all__ = ["parse_size"]
+__all__ = ["parse_size", "describe_size", "SIZE_RULE"]
+
+#: The rule, stated once: every ``--help`` and the docs quote it.
+SIZE_RULE = "GiB/G = 2^30 bytes, GB = 10^9 bytes (likewise K, M, T); bytes need a unit: 4096B"
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,6 +36,9 @@ def parse_size(text: str | int, *, field: str = "size") -> int:
         if not m:
             raise SpecError(field, text, "expected a size such as 80GiB, 512MiB or a number of bytes")
         value, unit = float(m.group(1)), m.group(2).lower()
+        if not unit:
+            raise SpecError(field, text, f"needs a unit: {m.group(1)}GiB, {m.group(1)}GB or {m.group(1)}B "
+                                         f"({SIZE_RULE})")
     if unit not in _UNITS:
         raise SpecError(field, text, f"unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
     if not math.isfinite(value * _UNITS[unit]):
@@ -40,3 +47,9 @@ def parse_size(text: str | int, *, field: str = "size") -> int:
     if n <= 0:
         raise SpecError(field, text, "must be positive")
     return n
+
+
+def describe_size(text: str | int, *, field: str = "size") -> str:
+    """How ``text`` was read, for outputs: ``80GB = 80,000,000,000 bytes = 74.51 GiB``."""
+    n = parse_size(text, field=field)
+    return f"{str(text).strip()} = {n:,} bytes = {n / 2**30:.2f} GiB"

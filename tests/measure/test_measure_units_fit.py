@@ -15,7 +15,7 @@ from trainmem.measure.units import parse_size
     ("512MiB", 512 * 2**20),
     ("1.5 GiB", 3 * 2**29),
     ("80GB", 80 * 10**9),
-    ("4096", 4096),
+    ("4096B", 4096),
     ("2t", 2 * 2**40),
     (1024, 1024),
 ])
@@ -23,7 +23,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["80XB", "", "GiB", "-1GiB", "0", "1e-9", "5e"])
+@pytest.mark.parametrize("bad", ["80XB", "", "GiB", "-1GiB", "0", "1e-9", "5e", "80", "1e9"])
 def test_parse_size_rejects(bad):
     with pytest.raises(SpecError) as e:
         parse_size(bad)
@@ -77,3 +77,19 @@ def test_bisect_max_exact():
     with pytest.raises(SpecError):
         bisect_max(lambda v: True, start=128, stop=32, multiple=64)
     assert math.isfinite(F.GrowthFit(1.0, 0, 1, 0, 2).to_dict()["exponent"])
+
+
+def test_a_size_without_unit_is_refused_in_one_line(capsys):
+    """``--budget 80`` was 80 bytes with exit 0 (issue 15, item 8)."""
+    from trainmem.cli import main
+
+    assert main(["sweep", "--model", "gpt2", "--over", "seq", "--budget", "80", "--backend", "estimate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "budget='80'" in err[0] and "80GiB" in err[0] and "80GB" in err[0]
+
+
+def test_describe_size_states_the_rule():
+    from trainmem.units import describe_size
+
+    assert describe_size("80GB") == "80GB = 80,000,000,000 bytes = 74.51 GiB"
+    assert describe_size("80G") == "80G = 85,899,345,920 bytes = 80.00 GiB"

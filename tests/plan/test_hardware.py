@@ -23,13 +23,13 @@ def test_names_are_case_insensitive_and_overridable():
 
 @pytest.mark.parametrize("text, nbytes", [
     ("80GiB", 80 * 2**30), ("80 GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("1.5TiB", 3 * 2**39),
-    ("4096", 4096), (7, 7), ("2e3", 2000),
+    ("4096B", 4096), (7, 7), ("2e3B", 2000),
 ])
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["80GX", "", "-1GiB", "0", "GiB"])
+@pytest.mark.parametrize("text", ["80GX", "", "-1GiB", "0", "GiB", "80", "4096", "1e9"])
 def test_parse_size_refuses(text):
     with pytest.raises(SpecError):
         parse_size(text)
