@@ -1,0 +1,185 @@
+"""Check-then-measure, the part shared by the Trainer callback and :func:`trainmem.guard`.
+
+Before the first step: the estimate's per-device peak against the device's usable memory
+(capacity less :class:`~trainmem.plan.hardware.Reserve`, the reserve ``plan`` and ``advise``
+use), with ``advise``'s ladder when it does not fit. After the first steps: the measured peak
+beside the prediction. Pure functions and result objects; rendering is in ``integrations.text``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainmem.errors import SpecError, TrainmemError
+from trainmem.plan.advise import Advice
+from trainmem.plan.hardware import GPU, Reserve
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
+
+__all__ = ["RunSpec", "Budget", "Check", "Measured", "GuardReport", "DoesNotFit", "resolve_budget",
+           "check_run", "ON_OOM", "DEFAULT_TOLERANCE"]
+
+ON_OOM = ("warn", "stop")
+DEFAULT_TOLERANCE = 0.10
+_RATES_FROM = "h100-80gb"  # advise's throughput costs need a rate; memory is the device's own
+
+
+class DoesNotFit(TrainmemError):
+    """The predicted peak exceeds the device's usable memory and ``on_oom="stop"``."""
+
+    def __init__(self, message: str, check: "Check") -> None:
+        super().__init__(message)
+        self.check = check
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What a live run was read as, with where each value came from."""
+
+    model: ModelSpec
+    step: StepSpec
+    impl: ImplSpec
+    parallel: ParallelSpec = ParallelSpec()
+    finetune: FinetuneSpec | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.name, "step": self.step.to_dict(), "impl": self.impl.to_dict(),
+                "parallel": self.parallel.to_dict(), "finetune": self.finetune.to_dict() if self.finetune else None,
+                "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory one device can give to tensors."""
+
+    gpu: GPU
+    usable_bytes: int
+    reserve: Reserve
+    source: str
+
+    def to_dict(self) -> dict:
+        return {"gpu": self.gpu.name, "memory_bytes": self.gpu.memory_bytes, "usable_bytes": self.usable_bytes,
+                "reserve": self.reserve.to_dict(), "source": self.source}
+
+
+def resolve_budget(*, gpu: str | None = None, gpu_memory: str | int | None = None, device=None,
+                   reserve: Reserve = Reserve()) -> Budget | None:
+    """The device memory to check against: ``gpu_memory`` (a size, parsed by ``trainmem.units``),
+    else a ``gpu`` preset, else a CUDA ``device``'s capacity; None when none is known (CPU, no
+    argument). ``advise``'s throughput costs use the preset's rates, or H100-80GB's when only a
+    size is known."""
+    from trainmem.plan.hardware import load_gpu
+    from trainmem.units import parse_size
+
+    if gpu_memory is not None:
+        memory = parse_size(gpu_memory, field="gpu_memory")
+        base = load_gpu(gpu or _RATES_FROM, memory_bytes=memory)
+        source = f"gpu_memory={gpu_memory}"
+    elif gpu is not None:
+        base = load_gpu(gpu)
+        source = f"gpu={gpu}"
+    elif device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+        props = torch.cuda.get_device_properties(device)
+        base = load_gpu(_RATES_FROM, memory_bytes=int(props.total_memory), name=props.name)
+        source = f"torch.cuda.get_device_properties({device}).total_memory"
+    else:
+        return None
+    return Budget(base, reserve.usable_bytes(base), reserve, source)
+
+
+@dataclass(frozen=True)
+class Check:
+    """The prediction for one run, before its first step."""
+
+    run: RunSpec
+    predicted_peak_bytes: int
+    peak_phase: str
+    budget: Budget | None
+    advice: Advice | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool | None:
+        """None when there is no device memory to compare with."""
+        return None if self.budget is None else self.predicted_peak_bytes <= self.budget.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {"run": self.run.to_dict(), "predicted_peak_bytes": self.predicted_peak_bytes,
+                "peak_phase": self.peak_phase, "budget": self.budget.to_dict() if self.budget else None,
+                "fits": self.fits, "advice": self.advice.to_dict() if self.advice else None,
+                "notes": list(self.notes)}
+
+
+def check_run(run: RunSpec, budget: Budget | None) -> Check:
+    """Estimate ``run`` and compare it with ``budget``; when it does not fit, ``advise``'s ladder."""
+    from trainmem.estimate import estimate
+    from trainmem.plan.advise import advise
+
+    e = estimate(run.model, run.step, run.impl, None if run.parallel.is_single else run.parallel,
+                 finetune=run.finetune)
+    notes: list[str] = []
+    advice = None
+    if budget is not None and e.peak_bytes > budget.usable_bytes:
+        if run.finetune is not None:
+            notes.append("advise does not model fine-tuning yet: no fix proposed")
+        else:
+            if run.parallel.zero or run.parallel.fsdp or run.parallel.offload:
+                notes.append("advise starts from plain data parallelism, not the run's sharding")
+            advice = advise(run.model, run.step, run.impl, budget.gpu, gpus=run.parallel.dp, reserve=budget.reserve)
+    return Check(run, e.peak_bytes, e.peak_phase, budget, advice, tuple(notes))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Peaks of the first steps on the device."""
+
+    device: str
+    source: str
+    step_peaks_bytes: tuple[int, ...]
+    reserved_peak_bytes: int | None = None  # CUDA only
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.step_peaks_bytes)
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "source": self.source, "step_peaks_bytes": list(self.step_peaks_bytes),
+                "peak_bytes": self.peak_bytes, "reserved_peak_bytes": self.reserved_peak_bytes}
+
+
+@dataclass(frozen=True)
+class GuardReport:
+    """Predicted and measured side by side."""
+
+    check: Check
+    measured: Measured | None = None
+    tolerance: float = DEFAULT_TOLERANCE
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ratio(self) -> float | None:
+        """measured ÷ predicted."""
+        if self.measured is None or not self.check.predicted_peak_bytes:
+            return None
+        return self.measured.peak_bytes / self.check.predicted_peak_bytes
+
+    @property
+    def agrees(self) -> bool | None:
+        r = self.ratio
+        return None if r is None else abs(r - 1) <= self.tolerance
+
+    def to_dict(self) -> dict:
+        return {"check": self.check.to_dict(), "measured": self.measured.to_dict() if self.measured else None,
+                "ratio": self.ratio, "tolerance": self.tolerance, "agrees": self.agrees, "notes": list(self.notes)}
+
+
+def validate_options(on_oom: str, tolerance: float, steps: int) -> None:
+    """The options shared by the callback and guard, each named when wrong."""
+    if on_oom not in ON_OOM:
+        raise SpecError("on_oom", on_oom, f"must be one of {', '.join(ON_OOM)}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 10:
+        raise SpecError("tolerance", tolerance, "must be a fraction such as 0.1 (10%)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
+        raise SpecError("measure_steps", steps, "must be an integer from 1 to 1000")

@@ -1,0 +1,198 @@
+"""Read trainmem's specs off live PyTorch objects: a (peft-wrapped) Hugging Face model and an optimizer.
+
+Each reader returns the spec value and the notes that say where it came from or what is not
+modelled; nothing is defaulted silently. Unmodelled inputs that would make the estimate wrong
+(an unknown optimizer, a non-LoRA adapter) raise :class:`~trainmem.errors.UnsupportedError`.
+
+Known limitations:
+  - Frozen parameters outside peft (``requires_grad=False`` set by hand) are noted, not modelled.
+  - Only peft's LoRA adapters are read (not IA3, prefix tuning, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmem.errors import ConfigError, UnsupportedError
+from trainmem.specs import ModelSpec
+from trainmem.specs.finetune import FinetuneSpec
+
+__all__ = ["Read", "base_model", "model_spec_of", "precision_of", "recompute_of", "attention_of", "device_of",
+           "finetune_of", "optimizer_of", "trainer_optim_of", "OPTIMIZER_CLASSES", "TRAINER_OPTIMS"]
+
+_DTYPE_NAME = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+#: transformers ``config._attn_implementation`` -> trainmem attention kernel.
+_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash"}
+
+#: optimizer class name -> (trainmem optimizer, note). The class names of torch.optim, transformers'
+#: Adafactor and bitsandbytes' (``bnb.optim``) 8-bit and paged optimizers.
+_PAGED = ("paged: bitsandbytes pages the states to host memory only under pressure; "
+          "they are estimated as resident on the device")
+OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
+    "AdamW": ("adamw", ""), "Adam": ("adam", ""), "Adafactor": ("adafactor", ""),
+    "AdamW8bit": ("adam8bit", ""), "Adam8bit": ("adam8bit", ""),
+    "PagedAdamW8bit": ("adam8bit", _PAGED), "PagedAdamW": ("adamw", _PAGED), "PagedAdamW32bit": ("adamw", _PAGED),
+    "AdamW32bit": ("adamw", ""),
+}
+
+#: TrainingArguments ``optim`` -> optimizer class name above, for a run whose optimizer is not
+#: built yet (transformers ``trainer_optimizer.py``'s table of optimizer getters).
+TRAINER_OPTIMS = {
+    "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adafactor": "Adafactor", "sgd": "SGD",
+    "adamw_bnb_8bit": "AdamW8bit", "adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
+    "paged_adamw_32bit": "PagedAdamW32bit",
+}
+
+
+@dataclass(frozen=True)
+class Read:
+    """One value read off a live object, with what the reader wants the user to know."""
+
+    value: object
+    notes: tuple[str, ...] = ()
+
+
+def _dtype(t) -> str:
+    return _DTYPE_NAME.get(str(t), str(t).removeprefix("torch."))
+
+
+def base_model(model):
+    """The transformers model under a peft wrapper (``PeftModel.get_base_model``), or ``model``."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def model_spec_of(model) -> ModelSpec:
+    """The :class:`ModelSpec` of a transformers model, from its config (``config.to_dict()``)."""
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    config = getattr(base_model(model), "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise UnsupportedError(f"{type(model).__name__} has no Hugging Face config: pass spec=ModelSpec(...)")
+    cfg = config.to_dict()
+    return spec_from_hf_config(cfg, name=str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"))
+
+
+def _params(model) -> list:
+    return list(model.parameters())
+
+
+def precision_of(model, *, amp: str | None) -> Read:
+    """``amp``: ``"bf16"``/``"fp16"`` when the step runs under torch.autocast (the Trainer's
+    ``bf16``/``fp16``), else None. Autocast over 16-bit weights is pure 16-bit."""
+    dtypes = {_dtype(p.dtype) for p in _params(base_model(model)) if p.is_floating_point()}
+    base = "float32" if "float32" in dtypes and len(dtypes) == 1 else None
+    for name in ("bfloat16", "float16"):
+        if name in dtypes:
+            base = name
+    if base is None:
+        raise UnsupportedError(f"parameter dtypes {sorted(dtypes)} are not modelled (float32, bfloat16 or float16)")
+    if base == "float32":
+        return Read({"bf16": "amp-bf16", "fp16": "amp-fp16", None: "fp32"}[amp])
+    pure = {"bfloat16": "bf16", "float16": "fp16"}[base]
+    notes = (f"autocast {amp} over {base} weights is pure {pure}",) if amp and amp != pure else ()
+    return Read(pure, notes)
+
+
+def recompute_of(model) -> Read:
+    """full / every-k / none, from the per-layer ``gradient_checkpointing`` flags transformers sets
+    (``modeling_utils.PreTrainedModel._set_gradient_checkpointing``: layer i is checkpointed when
+    ``i % every_n_layers == 0``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    flags = [bool(m.gradient_checkpointing) for m in base_model(model).modules()
+             if isinstance(m, GradientCheckpointingLayer)]
+    on = [i for i, f in enumerate(flags) if f]
+    if not on:
+        return Read(("none", 1))
+    if len(on) == len(flags):
+        return Read(("full", 1))
+    k = on[1] - on[0] if len(on) > 1 else len(flags)
+    if on == list(range(0, len(flags), k)):
+        return Read(("every-k", k))
+    raise UnsupportedError(f"activation checkpointing on layers {on} is not every k-th layer: not modelled")
+
+
+def attention_of(model) -> str:
+    name = getattr(getattr(base_model(model), "config", None), "_attn_implementation", None) or "eager"
+    if name not in _ATTENTION:
+        raise UnsupportedError(f"attn_implementation={name!r} is not modelled ({', '.join(_ATTENTION)})")
+    return _ATTENTION[name]
+
+
+def device_of(model) -> str:
+    """The ImplSpec device (whose kernels are modelled): cuda, or cpu."""
+    dev = next((p.device for p in _params(model)), None)
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise UnsupportedError(f"parameters on {dev}: trainmem models cuda and cpu kernels")
+    return dev.type
+
+
+def finetune_of(model) -> Read:
+    """LoRA/QLoRA from a peft model (adapter names, rank, alpha, dropout and dtype read off the
+    adapter layers themselves), or None with a note when parameters are frozen by hand."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        frozen = sum(p.numel() for p in _params(model) if not p.requires_grad)
+        note = (f"{frozen:,} parameters are frozen by hand: not modelled, estimated as trained",) if frozen else ()
+        return Read(None, note)
+    adapter = getattr(model, "active_adapter", None) or next(iter(peft_config))
+    cfg = peft_config[adapter]
+    if getattr(cfg, "peft_type", None) is None or str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
+        raise UnsupportedError(f"peft adapter type {cfg.peft_type} is not modelled (LoRA is)")
+    targets, dtypes = set(), set()
+    for name, mod in model.named_modules():
+        lora_a = getattr(mod, "lora_A", None)
+        if lora_a is not None and hasattr(lora_a, "keys") and adapter in lora_a:
+            targets.add(name.rsplit(".", 1)[-1])
+            dtypes.add(_dtype(lora_a[adapter].weight.dtype))
+    if len(dtypes) != 1:
+        raise UnsupportedError(f"LoRA adapters in dtypes {sorted(dtypes)}: expected one")
+    notes = []
+    if getattr(cfg, "modules_to_save", None):
+        notes.append(f"peft modules_to_save={list(cfg.modules_to_save)} are not modelled")
+    quant = getattr(getattr(base_model(model), "config", None), "quantization_config", None)
+    fields = dict(lora_rank=int(cfg.r), lora_alpha=float(cfg.lora_alpha), lora_targets=tuple(sorted(targets)),
+                  lora_dropout=float(cfg.lora_dropout), adapter_dtype=dtypes.pop())
+    if quant is not None and getattr(quant, "load_in_4bit", False):
+        fields.update(quant_type=str(quant.bnb_4bit_quant_type), double_quant=bool(quant.bnb_4bit_use_double_quant),
+                      compute_dtype=_dtype(quant.bnb_4bit_compute_dtype))
+        return Read(FinetuneSpec(mode="qlora", **fields), tuple(notes))
+    return Read(FinetuneSpec(mode="lora", **fields), tuple(notes))
+
+
+def trainer_optim_of(optim: str, optim_args: str | None, *, device: str) -> Read:
+    """The trainmem optimizer of a TrainingArguments ``optim`` (before the Trainer builds it)."""
+    optim = str(getattr(optim, "value", optim))
+    if optim not in TRAINER_OPTIMS:
+        raise UnsupportedError(f"optim={optim!r} is not modelled (known: {', '.join(TRAINER_OPTIMS)})")
+    kwargs = dict(kv.split("=", 1) for kv in (optim_args or "").replace(" ", "").split(",") if "=" in kv)
+    try:
+        momentum = float(kwargs.get("momentum", 0))
+    except ValueError:
+        raise ConfigError(f"optim_args={optim_args!r}: momentum must be a number") from None
+    defaults = {"fused": optim == "adamw_torch_fused", "momentum": momentum}
+    return _optimizer(TRAINER_OPTIMS[optim], defaults, device=device)
+
+
+def optimizer_of(optimizer, *, device: str) -> Read:
+    """The trainmem optimizer of a torch optimizer (unwrapping accelerate's ``AcceleratedOptimizer``)."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    return _optimizer(type(opt).__name__, getattr(opt, "defaults", {}), device=device)
+
+
+def _optimizer(cls: str, defaults: dict, *, device: str) -> Read:
+    if cls == "SGD":
+        return Read("sgd-momentum" if defaults.get("momentum", 0) else "sgd")
+    if cls not in OPTIMIZER_CLASSES:
+        raise UnsupportedError(f"optimizer {cls} is not modelled (known: SGD, {', '.join(OPTIMIZER_CLASSES)})")
+    name, note = OPTIMIZER_CLASSES[cls]
+    notes = [note] if note else []
+    if defaults.get("fused"):
+        notes.append("fused AdamW's temporaries are not modelled yet: estimated as foreach AdamW's")
+    elif device == "cpu" and name in ("adamw", "adam") and defaults.get("foreach") is None:
+        # torch/optim/optimizer.py _default_to_fused_or_foreach: foreach only for CUDA tensors
+        notes.append("on CPU torch's AdamW runs per tensor (not foreach): the estimate's optimizer-step "
+                     "temporaries are an upper bound")
+    return Read(name, tuple(notes))
