@@ -18,6 +18,7 @@ PLUGGED = (
     "trainmem.trace.cli",      # trace, compare
     "trainmem.measure.cli",    # profile, sweep
     "trainmem.plan.cli",       # plan, advise, explain
+    "trainmem.serve.cli",      # serve
 )
 
 

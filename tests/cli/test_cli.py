@@ -82,7 +82,7 @@ def test_commands_and_estimate_flags_are_frozen():
 
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     assert sorted(sub.choices) == ["advise", "compare", "estimate", "explain", "plan", "presets", "profile",
-                                   "snapshot", "sweep", "trace"]
+                                   "serve", "snapshot", "sweep", "trace"]
     flags = sorted(o for a in sub.choices["estimate"]._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--config", "--context", "--cp", "--cp-style",

@@ -1,0 +1,109 @@
+"""What the page asks for, as pure functions of a parsed request: the estimate with its verdict
+on the chosen GPU, and (slower, asked for separately) the largest micro-batch and sequence that
+fit and the advisor's fixes.
+
+The numbers are those of the commands the response names: ``estimate`` is ``trainmem estimate
+--json`` for ``command_estimate``; ``advice`` is ``trainmem advise --json`` for ``command_advise``.
+Usable memory per GPU is the planner's (:class:`trainmem.plan.hardware.Reserve`).
+
+Known limitations:
+  - The advisor starts from data parallelism over ``gpus`` without fine-tuning, as ``trainmem
+    advise`` does; the response's ``advice.start_peak_bytes`` says where it started.
+  - The largest micro-batch and sequence keep every other setting, parallel degrees included, and
+    search as ``trainmem sweep`` does (doubling then bisection, sequences in multiples of 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from trainmem.errors import TrainmemError
+from trainmem.serve.request import Request, request_parser
+
+__all__ = ["SCHEMA", "options", "estimate_response", "fit_response"]
+
+SCHEMA = "trainmem.serve/1"
+
+
+def _specs(req: Request):
+    from trainmem.cliargs import finetune_from_args, parallel_from_args, specs_from_args
+
+    model, step, impl = specs_from_args(req.args)
+    return model, step, impl, parallel_from_args(req.args), finetune_from_args(req.args)
+
+
+def _hardware(req: Request):
+    from trainmem.plan.cli import _check_gpus, _gpu, _reserve
+
+    gpu = _gpu(req.args)
+    _check_gpus(gpu, req.args.gpus)
+    return gpu, _reserve(req.args)
+
+
+def options() -> dict:
+    """Presets, GPUs, every field's choices, default and help: what the page builds its form from."""
+    from trainmem.plan.hardware import list_gpus, load_gpu
+    from trainmem.report.html import COLORS
+    from trainmem.specs.loaders import list_presets
+
+    fields = {}
+    for dest, a in request_parser().actions.items():
+        default = getattr(a.default, "value", a.default)
+        fields[dest] = {"flag": a.option_strings[-1], "choices": list(a.choices) if a.choices else None,
+                        "default": default, "help": a.help or "", "boolean": a.nargs == 0}
+    return {"schema": SCHEMA, "presets": list_presets(),
+            "gpus": [{"name": n, "memory_bytes": load_gpu(n).memory_bytes} for n in list_gpus()],
+            "fields": fields, "colors": COLORS}
+
+
+def estimate_response(req: Request) -> dict:
+    """The estimate (``trainmem estimate --json`` without the per-tensor items), the fits verdict
+    on ``gpus`` × ``gpu`` and the phase chart."""
+    from trainmem.estimate import estimate
+    from trainmem.report.html import stacked_bars
+
+    model, step, impl, par, ft = _specs(req)
+    gpu, reserve = _hardware(req)
+    result = estimate(model, step, impl, par, finetune=ft)
+    usable = reserve.usable_bytes(gpu)
+    d = result.to_dict(items=False)
+    phases = d["phases"]
+    chart = stacked_bars([(p["name"], p["parts"]) for p in phases], mark=d["peak_phase"],
+                         title=f"{model.name}: live bytes per phase of the step")
+    return {"schema": SCHEMA, "command_estimate": req.command("estimate"), "command_advise": req.command("advise"),
+            "estimate": d, "chart_svg": chart,
+            "fits": {"gpu": gpu.name, "gpus": req.args.gpus, "dp": req.args.dp, "memory_bytes": gpu.memory_bytes,
+                     "reserve": reserve.to_dict(), "usable_bytes": usable, "peak_bytes": result.peak_bytes,
+                     "headroom_bytes": usable - result.peak_bytes, "fits": result.peak_bytes <= usable}}
+
+
+def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
+    """The largest ``over`` (batch or seq) whose peak fits ``usable``, every other setting kept."""
+    from trainmem.estimate import estimate
+    from trainmem.measure.sweeps import DEFAULT_MAX, DEFAULT_MULTIPLE, DEFAULT_START, bisect_max
+
+    stop = DEFAULT_MAX[over]
+    if over == "seq" and model.max_positions:
+        stop = min(stop, model.max_positions)
+
+    def fits(value: int) -> bool:
+        return estimate(model, replace(step, **{over: value}), impl, par, finetune=ft).peak_bytes <= usable
+
+    try:
+        value, capped = bisect_max(fits, start=DEFAULT_START[over], stop=stop, multiple=DEFAULT_MULTIPLE[over])
+    except TrainmemError as exc:  # a value the search reached is refused (e.g. not divisible by tp)
+        return {"value": None, "capped": False, "why": f"{type(exc).__name__}: {exc}"}
+    return {"value": value, "capped": capped, "why": "" if value else f"{over} {DEFAULT_MULTIPLE[over]} does not fit"}
+
+
+def fit_response(req: Request) -> dict:
+    """The largest micro-batch and sequence that fit, and the advisor's fixes (``trainmem advise``)."""
+    from trainmem.plan.advise import advise
+
+    model, step, impl, par, ft = _specs(req)
+    gpu, reserve = _hardware(req)
+    usable = reserve.usable_bytes(gpu)
+    return {"schema": SCHEMA, "usable_bytes": usable,
+            "largest": {over: _largest(over, model, step, impl, par, ft, usable) for over in ("batch", "seq")},
+            "advice": advise(model, step, impl, gpu, gpus=req.args.gpus, reserve=reserve).to_dict(),
+            "command_advise": req.command("advise")}
