@@ -6,17 +6,22 @@ Help text comes from the spec dataclasses' field docstrings where it can.
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
-from trainmem.specs.step import OPTIMIZERS, PRECISIONS, LOSSES
+from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL",
            "add_finetune_args", "finetune_from_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
-DEFAULT_SEQ = 4096
+
+
+def spec_default(spec: type, name: str):
+    """A spec field's default: the one place the library and every command take defaults from."""
+    return next(f.default for f in fields(spec) if f.name == name)
 
 
 def _int(field: str):
@@ -37,37 +42,44 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     --recompute, --recompute-every, --profile, --device."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset name or path to a Hugging Face config.json / model folder (default {DEFAULT_MODEL})")
-    p.add_argument("--batch", type=_int("batch"), default=1, help="micro-batch size B (default 1)")
+    from functools import partial
+
+    step, impl = partial(spec_default, StepSpec), partial(spec_default, ImplSpec)
+    p.add_argument("--batch", type=_int("batch"), default=step("batch"), help=f"micro-batch size B (default {step('batch')})")
     p.add_argument("--seq", type=_int("seq"), default=None,
-                   help="sequence length S (default 4096, or the model's maximum if smaller)")
-    p.add_argument("--grad-accum", type=_int("grad-accum"), default=1, help="micro-batches per optimizer step")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--loss", choices=LOSSES, default="ce", help="ce (full fp32 logits), chunked-ce, fused-ce")
-    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default="sdpa")
-    p.add_argument("--recompute", choices=RECOMPUTES, default="none")
+                   help=f"sequence length S (default {DEFAULT_SEQ}, or the model's learned positions if fewer)")
+    p.add_argument("--grad-accum", type=_int("grad-accum"), default=step("grad_accum"),
+                   help="micro-batches per optimizer step")
+    p.add_argument("--precision", choices=PRECISIONS, default=step("precision"),
+                   help=f"fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master) "
+                        f"(default {step('precision')})")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=step("optimizer"))
+    p.add_argument("--loss", choices=LOSSES, default=step("loss"), help="ce (full fp32 logits), chunked-ce, fused-ce")
+    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"))
+    p.add_argument("--recompute", choices=RECOMPUTES, default=impl("recompute"))
     p.add_argument("--recompute-every", type=_int("recompute-every"), default=None,
                    help="k for --recompute every-k")
-    p.add_argument("--profile", choices=PROFILES, default="hf",
+    p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
                    help="whose saved set is modelled: hf, reference, megatron")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="kernels modelled (default cuda)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=impl("device"),
+                   help=f"kernels modelled (default {impl('device')})")
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
     model = model_from_args(args)
-    if args.seq is None and model.max_positions:
-        args.seq = min(DEFAULT_SEQ, model.max_positions)
+    if args.seq is None:
+        args.seq = default_seq(model.max_positions)
     return (model, *step_impl_from_args(args))
 
 
 def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
-    """The step and implementation specs alone (for commands that build the model themselves)."""
+    """The step and implementation specs alone (for commands that build the model themselves:
+    they resolve ``args.seq`` with :func:`~trainmem.specs.step.default_seq` first)."""
     from trainmem.inputs import spec_fields
 
-    seq = DEFAULT_SEQ if args.seq is None else args.seq  # a file's seq = 0 is an error, not the default
+    seq = default_seq() if args.seq is None else args.seq  # a file's seq = 0 is an error, not the default
     step = StepSpec(batch=args.batch, seq=seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss, **spec_fields(args, "step"))
     every = args.recompute_every

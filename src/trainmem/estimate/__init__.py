@@ -21,6 +21,7 @@ from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_la
 from trainmem.inventory import Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
+from trainmem.specs.step import default_seq
 
 __all__ = ["estimate", "Estimate"]
 
@@ -82,7 +83,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     ``parallel``: per-rank results under DP/TP/SP/CP/EP/PP, ZeRO/FSDP and offload
     (``estimate/parallel.py``); the result's ``ranks`` lists every rank class.
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
-    step = step or StepSpec(seq=min(StepSpec().seq, model.max_positions or StepSpec().seq))
+    step = step or StepSpec(seq=default_seq(model.max_positions))
     impl = impl or ImplSpec()
     if model.max_positions and step.seq > model.max_positions:
         raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "

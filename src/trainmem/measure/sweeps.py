@@ -28,6 +28,7 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.inventory import LEDGERS, Category
 from trainmem.measure import fit as F
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
+from trainmem.specs.step import default_seq
 
 __all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max"]
 
@@ -116,11 +117,11 @@ def bisect_max(fits: Callable[[int], bool], *, start: int, stop: int, multiple: 
 
 # --------------------------------------------------------------------------------------------
 def _is_scores(item, seq: int) -> bool:
-    """Estimator items say ``S·S`` in their formula; traced items (whose formula is the op)
+    """Estimator items have two sequence axes in their dims; traced items (which have no dims)
     are recognised by a 4-D (B, A, S, S) shape, so a (B, S, H) tensor with H = S is not taken."""
-    if item.formula.startswith("aten.") or not item.formula:
+    if not item.dims:
         return len(item.shape) == 4 and item.shape[-1] == seq and item.shape[-2] == seq
-    return "S·S" in item.formula
+    return sum(d == "S" for d in item.dims) >= 2
 
 
 def _split_terms(items, seq: int) -> dict[str, int]:
@@ -238,9 +239,9 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
         raise SpecError("backend", backend, f"must be one of {', '.join(BACKENDS)}")
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise SpecError("budget_bytes", budget_bytes, "must be a positive number of bytes")
-    step = step or StepSpec()
-    impl = impl or ImplSpec()
     spec = source if isinstance(source, ModelSpec) else spec_from_hf_config(source)
+    step = step or StepSpec(seq=default_seq(spec.max_positions))
+    impl = impl or ImplSpec()
     start = start or DEFAULT_START[over]
     multiple = multiple or (min(DEFAULT_MULTIPLE[over], start) if over == "seq" else 1)
     if stop is None:

@@ -79,20 +79,22 @@ def _check_gpus(gpu, gpus: int) -> None:
 
 
 def add_parser(subparsers) -> None:
-    from trainmem.cliargs import DEFAULT_MODEL, add_model_step_args
+    from trainmem.cliargs import DEFAULT_MODEL, add_model_step_args, spec_default
+    from trainmem.specs import ImplSpec, StepSpec
     from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
-    from trainmem.specs.step import LOSSES, OPTIMIZERS, PRECISIONS
+    from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS
 
     p = subparsers.add_parser("plan", help="search parallel layouts, kernels and recompute for the fastest that fit")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or config.json path (default {DEFAULT_MODEL})")
-    p.add_argument("--seq", type=_positive_int("--seq"), default=4096, help="sequence length (default 4096)")
+    p.add_argument("--seq", type=_positive_int("--seq"), default=None,
+                   help=f"sequence length (default {DEFAULT_SEQ}, or the model's learned positions if fewer)")
     p.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True,
                    help="sequences per optimizer step, over all ranks")
     p.add_argument("--gpus", type=_positive_int("--gpus"), required=True, help="number of GPUs")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--loss", choices=LOSSES, default="ce")
-    p.add_argument("--profile", choices=PROFILES, default="hf")
+    p.add_argument("--precision", choices=PRECISIONS, default=spec_default(StepSpec, "precision"))
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=spec_default(StepSpec, "optimizer"))
+    p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"))
+    p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"))
     p.add_argument("--attention", choices=ATTENTIONS, action="append",
                    help="only these attention kernels (repeatable; default flash, mem-efficient, eager)")
     p.add_argument("--recompute", choices=RECOMPUTES[:3], action="append",
@@ -131,6 +133,7 @@ def run_plan(args) -> int:
     from trainmem.plan.cost import CostModel
     from trainmem.plan.search import SearchSpace, plan
     from trainmem.specs.loaders import load_model
+    from trainmem.specs.step import default_seq
 
     gpu = _gpu(args)
     _check_gpus(gpu, args.gpus)
@@ -140,7 +143,9 @@ def run_plan(args) -> int:
     if args.recompute:
         space = replace(space, recompute=tuple(dict.fromkeys(args.recompute)))
     cost = CostModel() if args.mfu is None else CostModel(mfu=args.mfu)
-    result = plan(load_model(args.model), seq=args.seq, global_batch=args.global_batch, gpu=gpu, gpus=args.gpus,
+    model = load_model(args.model)
+    seq = default_seq(model.max_positions) if args.seq is None else args.seq
+    result = plan(model, seq=seq, global_batch=args.global_batch, gpu=gpu, gpus=args.gpus,
                   precision=args.precision, optimizer=args.optimizer, loss=args.loss, profile=args.profile,
                   reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected,
                   finetune=finetune_from_args(args))

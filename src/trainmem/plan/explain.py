@@ -68,8 +68,11 @@ def _pattern(name: str) -> str:
 
 
 def sequence_doubles(model, step, impl) -> Answer:
-    e1 = estimate(model, step, impl)
-    e2 = estimate(model, replace(step, seq=2 * step.seq), impl)
+    s1 = step.seq
+    if model.max_positions and 2 * s1 > model.max_positions:  # learned positions stop at S: double S/2
+        s1 = max(step.seq // 2, 1)
+    e1 = estimate(model, replace(step, seq=s1), impl)
+    e2 = estimate(model, replace(step, seq=2 * s1), impl)
     a1, a2 = _acts(e1), _acts(e2)
     groups = {"x2": [0, 0, set()], "x4": [0, 0, set()], "other": [0, 0, set()]}
     for name, b1 in a1.items():
@@ -80,7 +83,7 @@ def sequence_doubles(model, step, impl) -> Answer:
         g[0] += b1
         g[1] += b2
         g[2].add(_pattern(name))
-    nums = {"seq": step.seq, "seq_doubled": 2 * step.seq,
+    nums = {"seq": s1, "seq_doubled": 2 * s1,
             "activation_bytes": [e1.totals_bytes["activation"], e2.totals_bytes["activation"]],
             "linear_bytes": groups["x2"][:2], "quadratic_bytes": groups["x4"][:2], "other_bytes": groups["other"][:2],
             "quadratic_tensors": sorted(groups["x4"][2]), "other_tensors": sorted(groups["other"][2]),
@@ -91,11 +94,13 @@ def sequence_doubles(model, step, impl) -> Answer:
                 f"{fmt_bytes(groups['x4'][0])} → {fmt_bytes(groups['x4'][1])}")
     else:
         quad = f"nothing grows ×4: {impl.attention} attention saves no S×S matrix"
-    text = (f"At S={step.seq} → {2 * step.seq}, the B·S·H-type activations double "
-            f"({fmt_bytes(groups['x2'][0])} → {fmt_bytes(groups['x2'][1])}); {quad}. "
-            f"All saved activations: {fmt_bytes(nums['activation_bytes'][0])} → {fmt_bytes(nums['activation_bytes'][1])}. "
-            f"Model states do not change, so the peak goes {fmt_bytes(e1.peak_bytes)} → {fmt_bytes(e2.peak_bytes)} "
-            f"(×{e2.peak_bytes / e1.peak_bytes:.2f}).")
+    text = ("" if s1 == step.seq else f"The model has {model.max_positions} learned positions, too few to double "
+            f"S={step.seq}; S doubles from {s1} instead. ")
+    text += (f"At S={s1} → {2 * s1}, the B·S·H-type activations double "
+             f"({fmt_bytes(groups['x2'][0])} → {fmt_bytes(groups['x2'][1])}); {quad}. "
+             f"All saved activations: {fmt_bytes(nums['activation_bytes'][0])} → {fmt_bytes(nums['activation_bytes'][1])}. "
+             f"Model states do not change, so the peak goes {fmt_bytes(e1.peak_bytes)} → {fmt_bytes(e2.peak_bytes)} "
+             f"(×{e2.peak_bytes / e1.peak_bytes:.2f}).")
     if groups["other"][0]:
         text += f" Terms that neither double nor quadruple (sequence-independent or rounded): {fmt_bytes(groups['other'][0])}."
     return Answer("sequence_doubles", QUESTIONS["sequence_doubles"], text, nums)

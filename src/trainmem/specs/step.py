@@ -8,12 +8,20 @@ from typing import Literal
 from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
-__all__ = ["StepSpec", "PRECISIONS", "OPTIMIZERS", "LOSSES", "Precision"]
+__all__ = ["StepSpec", "PRECISIONS", "OPTIMIZERS", "LOSSES", "Precision", "DEFAULT_SEQ", "default_seq"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce")
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
+DEFAULT_SEQ = 4096  # the sequence length when none is given (StepSpec, estimate(), every command)
+
+
+def default_seq(max_positions: int = 0) -> int:
+    """The sequence length used when none is given: :data:`DEFAULT_SEQ`, or a model's learned
+    positions (``ModelSpec.max_positions``) when it has fewer. The library and every command call
+    this, so they agree."""
+    return min(DEFAULT_SEQ, max_positions) if max_positions else DEFAULT_SEQ
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,11 @@ class StepSpec:
 
     batch: int = 1
     """Micro-batch size B (sequences per forward/backward)."""
-    seq: int = 2048
-    """Sequence length S in tokens."""
+    seq: int = DEFAULT_SEQ
+    """Sequence length S in tokens (default 4096; :func:`default_seq` fits it to a model)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (does not raise the activation peak)."""
-    precision: str = "amp-bf16"
+    precision: str = "bf16"
     """fp32; pure bf16/fp16 (no master copy); amp-bf16/amp-fp16 (torch.autocast, fp32 states);
     mixed-bf16/mixed-fp16 (16-bit params and grads, fp32 master weights and optimizer states)."""
     optimizer: str = "adamw"

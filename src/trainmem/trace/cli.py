@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.specs.loaders import load_config_dict
     from trainmem.trace import trace_step
 
-    from trainmem.cliargs import DEFAULT_SEQ
+    from trainmem.specs.step import default_seq
     from trainmem.specs.loaders import spec_from_hf_config
 
     if args.profile == "reference":
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config_dict(args.model)
         spec = spec_from_hf_config(config, name=args.model)  # validated before torch is imported
     if args.seq is None:  # as the estimator: 4096, or the model's learned positions if fewer
-        args.seq = min(DEFAULT_SEQ, spec.max_positions) if spec.max_positions else DEFAULT_SEQ
+        args.seq = default_seq(spec.max_positions)
     if spec.max_positions and args.seq > spec.max_positions:
         raise SpecError("seq", args.seq, f"exceeds the {args.model} model's learned positions "
                                          f"(max_positions={spec.max_positions})")

@@ -1,0 +1,73 @@
+"""Every estimate-backed command runs at its defaults on every bundled preset, and the library
+and the command line share one set of defaults (issue 12, items 4 and 7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainmem.cli import main
+from trainmem.estimate import estimate
+from trainmem.specs import StepSpec
+from trainmem.specs.loaders import list_presets, load_model
+from trainmem.specs.step import DEFAULT_SEQ, default_seq
+
+PRESETS = list_presets()
+
+#: command -> (the arguments it requires, a line its text output must hold). Nothing else is given.
+COMMANDS = {
+    "estimate": ((), "Peak:"),
+    "explain": ((), "Q: What happens when the sequence length doubles?"),
+    "advise": (("--gpu", "h100-80gb"), "trainmem advise"),
+    "sweep": (("--over", "seq", "--budget", "80GiB", "--backend", "estimate"), "verdict:"),
+    "plan": (("--gpu", "h100-80gb", "--gpus", "1", "--global-batch", "1"), "trainmem plan"),
+}
+
+
+def test_presets_include_models_shorter_than_the_default_sequence():
+    short = {p: load_model(p).max_positions for p in PRESETS if 0 < load_model(p).max_positions < DEFAULT_SEQ}
+    assert {"gpt2", "bert-large"} <= set(short), short
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_command_runs_at_its_defaults(preset, command, capsys):
+    required, needle = COMMANDS[command]
+    rc = main([command, "--model", preset, *required])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err == ""
+    assert needle in out
+    assert preset in out.splitlines()[0] or command in ("sweep",), out.splitlines()[0]
+
+
+@pytest.mark.parametrize("preset", ["llama-3-8b", "gpt2", "bert-large"])
+def test_library_and_cli_defaults_agree(preset, capsys):
+    model = load_model(preset)
+    assert main(["estimate", "--model", preset, "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    lib = json.loads(json.dumps(estimate(model).to_dict()))  # tuples become lists, as in the CLI's JSON
+    assert cli == lib
+    step = lib["inputs"]["step"]
+    # llama-3-8b: rotary, no learned positions -> 4096; gpt2: 1024 positions; bert-large: 512
+    assert step["seq"] == {"llama-3-8b": 4096, "gpt2": 1024, "bert-large": 512}[preset]
+    assert step["precision"] == "bf16"
+    assert step["seq"] == default_seq(model.max_positions)
+
+
+def test_stepspec_defaults_are_the_cli_defaults():
+    from trainmem.cli import build_parser
+
+    args = build_parser().parse_args(["estimate"])
+    s = StepSpec()
+    assert (s.batch, s.seq, s.grad_accum, s.precision, s.optimizer, s.loss) == (1, DEFAULT_SEQ, 1, "bf16", "adamw", "ce")
+    for field in ("batch", "grad_accum", "precision", "optimizer", "loss"):
+        assert getattr(args, field).value == getattr(s, field), field  # marked defaults (trainmem.inputs)
+    assert args.seq.value is None  # resolved per model by default_seq
+
+
+def test_default_seq_is_clipped_to_learned_positions():
+    assert default_seq(0) == DEFAULT_SEQ == 4096  # rotary models: no learned positions
+    assert default_seq(1024) == 1024
+    assert default_seq(8192) == 4096
