@@ -93,6 +93,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         # LoRA targets and frozen-parameter patterns are HF module names, so they would match nothing
         raise SpecError("profile", impl.profile, "fine-tuning (LoRA, QLoRA, --freeze) is modelled under "
                                                  "--profile hf only")
+    if step.dtypes.gathered and (parallel is None or not parallel.fsdp):
+        raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
+                                                     "without FSDP torchtitan autocasts: amp-bf16")
     if parallel is not None and not parallel.is_single:
         ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
         worst = max(ranks, key=lambda r: r.peak_bytes)
@@ -111,11 +114,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     inv = states + acts
     recompute = recompute_per_layer(acts, plain) if plain is not None else {}
     d = step.dtypes
-    resid_dtype = d.param
+    resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
     ph = phases(
         inv, B=step.batch, S=step.seq, vocab=model.vocab_size,
-        logits_dtype=d.activation if d.autocast else d.param, loss=step.loss,
+        logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
         optimizer_transient=optimizer_transient(model, step, states, finetune),

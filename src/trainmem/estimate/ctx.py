@@ -55,7 +55,7 @@ class Ctx:
 
     def __post_init__(self) -> None:
         d = self.step.dtypes
-        self.param = d.param                      # dtype of weights as stored
+        self.param = d.compute                    # dtype of weights as the kernels read them
         self.low = d.activation if d.autocast else None  # autocast's compute dtype
         self.B, self.S = self.step.batch, self.step.seq
 

@@ -271,7 +271,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         persistent, working = _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group)
         if torch_engine and par.pp > 1 and s == last:
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns
-            lb = dtype_bytes(d.activation if d.autocast else d.param)
+            lb = dtype_bytes(d.activation if d.autocast else d.compute)
             working["forward"]["pp_output_chunks"] = int(par.microbatches * lstep.batch * lstep.seq
                                                          * lm.vocab_size * lb)
             for ph_name in working:
@@ -287,13 +287,13 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
             items, B=lstep.batch, S=lstep.seq, vocab=lm.vocab_size,
-            logits_dtype=d.activation if d.autocast else d.param,
+            logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
             grad_accum=(step.grad_accum if par.schedule == "gpipe" and par.pp > 1
                         else max(step.grad_accum, par.microbatches)),
             recompute_bytes=recompute,
             optimizer_transient=(tb, rule),
-            residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.param)
+            residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                                // (par.tp if par.sp else 1)),
             persistent=persistent, working=working,
         )
@@ -344,7 +344,8 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
     # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
     grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
     train_grad_bytes = sum(grad_bytes.get(i.name, 0) / _tp_factor(i.name, par) for i in stage_params)
-    gb, pb = dtype_bytes(d.grad), dtype_bytes(d.param)
+    # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
+    gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
     if par.dp * par.cp > 1 and zero == 0:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
         # Megatron's DDP keeps gradients in the contiguous buffer itself

@@ -42,6 +42,7 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 attention="sdpa", seed=0,
                 gradient_as_bucket_view=False,  # ddp
                 reshard_after_forward=True,     # fsdp
+                mp_param_dtype=None,            # fsdp: "bf16" -> MixedPrecisionPolicy(bf16, reduce fp32)
                 sp=False,                       # tp
                 schedule="gpipe", microbatches=4)  # pp; batch is the micro-batch size
 
@@ -165,11 +166,13 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
         net.register_comm_hook(None, hook)
     elif strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = (MixedPrecisionPolicy(param_dtype=_dtype(sc["mp_param_dtype"]), reduce_dtype=torch.float32)
+              if sc["mp_param_dtype"] else MixedPrecisionPolicy())
         for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=sc["reshard_after_forward"])
-        fully_shard(model, reshard_after_forward=sc["reshard_after_forward"])
+            fully_shard(layer, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
+        fully_shard(model, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
         net = model
     elif strategy == "tp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -10,7 +10,7 @@ from trainmem.specs import _validate as v
 
 __all__ = ["StepSpec", "PRECISIONS", "OPTIMIZERS", "LOSSES", "Precision", "DEFAULT_SEQ", "default_seq"]
 
-PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "fsdp-bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce")
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
@@ -29,21 +29,37 @@ class Precision:
     """Dtypes of each ledger under one precision recipe."""
 
     param: str
+    """Parameters as stored (the parameter ledger; FSDP's shards)."""
     grad: str
     master: str | None
     state: str
     activation: str
     autocast: bool
+    compute: str
+    """Weights as the kernels read them: ``param``, or under FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` the all-gathered copy cast to ``param_dtype``."""
+
+    @property
+    def gathered(self) -> bool:
+        """Compute weights are FSDP's cast all-gather outputs, so the recipe needs FSDP."""
+        return self.compute != self.param and not self.autocast
 
 
 _PRECISION = {
-    "fp32": Precision("float32", "float32", None, "float32", "float32", False),
-    "bf16": Precision("bfloat16", "bfloat16", None, "bfloat16", "bfloat16", False),
-    "fp16": Precision("float16", "float16", None, "float16", "float16", False),
-    "amp-bf16": Precision("float32", "float32", None, "float32", "bfloat16", True),
-    "amp-fp16": Precision("float32", "float32", None, "float32", "float16", True),
-    "mixed-bf16": Precision("bfloat16", "bfloat16", "float32", "float32", "bfloat16", False),
-    "mixed-fp16": Precision("float16", "float16", "float32", "float32", "float16", False),
+    "fp32": Precision("float32", "float32", None, "float32", "float32", False, "float32"),
+    "bf16": Precision("bfloat16", "bfloat16", None, "bfloat16", "bfloat16", False, "bfloat16"),
+    "fp16": Precision("float16", "float16", None, "float16", "float16", False, "float16"),
+    "amp-bf16": Precision("float32", "float32", None, "float32", "bfloat16", True, "float32"),
+    "amp-fp16": Precision("float32", "float32", None, "float32", "float16", True, "float32"),
+    "mixed-bf16": Precision("bfloat16", "bfloat16", "float32", "float32", "bfloat16", False, "bfloat16"),
+    "mixed-fp16": Precision("float16", "float16", "float32", "float32", "float16", False, "float16"),
+    # FSDP2 fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), as
+    # torchtitan applies it (torchtitan/models/llama3/infra/parallelize.py, apply_fsdp): fp32 shards,
+    # gradients reduce-scattered into fp32 shards, fp32 optimizer states, no master copy; the
+    # all-gather casts to bf16, so every kernel sees bf16 weights and no autocast runs
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam.init_dtype_attrs, all_gather_inputs;
+    # the fp32 reduce: _fsdp_collectives.py, foreach_reduce).
+    "fsdp-bf16": Precision("float32", "float32", None, "float32", "bfloat16", False, "bfloat16"),
 }
 
 
@@ -59,7 +75,9 @@ class StepSpec:
     """Micro-batches accumulated per optimizer step (does not raise the activation peak)."""
     precision: str = "bf16"
     """fp32; pure bf16/fp16 (no master copy); amp-bf16/amp-fp16 (torch.autocast, fp32 states);
-    mixed-bf16/mixed-fp16 (16-bit params and grads, fp32 master weights and optimizer states)."""
+    mixed-bf16/mixed-fp16 (16-bit params and grads, fp32 master weights and optimizer states);
+    fsdp-bf16 (FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 shards,
+    gradients and states, bf16 all-gathered weights and activations; needs FSDP)."""
     optimizer: str = "adamw"
     """adamw, adam, sgd, sgd-momentum, adafactor, adam8bit."""
     loss: str = "ce"
