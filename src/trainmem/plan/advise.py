@@ -9,7 +9,8 @@ on, nothing to shrink, no GPUs to spread over) or saves nothing is listed with t
 recommended. The walk stops as soon as the peak fits.
 
 ``throughput_cost`` is the share of tokens/s lost by the rung, from :func:`trainmem.plan.cost.step_time`
-at the same global batch (negative: faster).
+at the same global batch: ``1 − tokens/s after ÷ tokens/s before``, positive when the step gets slower,
+negative when it gets faster (:data:`THROUGHPUT_COST`; the JSON states it under ``conventions``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from trainmem.plan.hardware import GPU, Reserve
 from trainmem.plan.ranks import per_rank_peak
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
-__all__ = ["AdviceStep", "Advice", "advise", "SCHEMA", "RUNGS"]
+__all__ = ["AdviceStep", "Advice", "advise", "SCHEMA", "RUNGS", "THROUGHPUT_COST"]
 
 SCHEMA = "trainmem.advise/1"
+THROUGHPUT_COST = ("1 - tokens_per_s_after / tokens_per_s_before: positive is slower (the share of tokens/s lost), "
+                   "negative is faster")
 RUNGS = ("attention", "micro_batch", "selective_recompute", "full_recompute", "tensor_parallel",
          "zero", "shorter_sequences", "offload")
 _MIN_SEQ = 256  # below this, "shorter sequences" stops being a training choice
@@ -64,7 +67,8 @@ class Advice:
                 "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
                 "start_peak_bytes": self.start_peak_bytes,
                 "steps": [s.to_dict() for s in self.steps],
-                "skipped": [{"rung": r, "why": w} for r, w in self.skipped], "fits": self.fits}
+                "skipped": [{"rung": r, "why": w} for r, w in self.skipped], "fits": self.fits,
+                "conventions": {"throughput_cost": THROUGHPUT_COST}}
 
 
 @dataclass(frozen=True)

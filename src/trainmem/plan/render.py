@@ -78,7 +78,7 @@ def render_advice(advice) -> str:
         lines.append(f"{i}. {s.action}")
         lines.append(f"   saves {fmt_bytes(s.saved_bytes)} → peak {fmt_bytes(s.peak_bytes_after)}"
                      f"{'  (fits)' if s.peak_bytes_after <= advice.usable_bytes else ''}; "
-                     f"throughput cost {s.throughput_cost:+.0%}")
+                     f"{_speed(s.throughput_cost)}")
         if s.note:
             lines.append(f"   {s.note}")
     if advice.skipped:
@@ -87,6 +87,13 @@ def render_advice(advice) -> str:
             lines.append(f"  - {rung}: {why}")
     lines += ["", "Fits." if advice.fits else "Still does not fit after the whole ladder; see `trainmem plan`."]
     return "\n".join(lines)
+
+
+def _speed(throughput_cost: float) -> str:
+    """``throughput_cost`` (1 − tokens/s after ÷ before) in words: "12% slower", "38% faster"."""
+    if round(abs(throughput_cost), 2) == 0:
+        return "same speed"
+    return f"{abs(throughput_cost):.0%} {'slower' if throughput_cost > 0 else 'faster'}"
 
 
 def render_explanation(ex) -> str:
