@@ -90,10 +90,13 @@ def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
         return estimate(model, replace(step, **{over: value}), impl, par, finetune=ft).peak_bytes <= usable
 
     try:
-        value, capped = bisect_max(fits, start=DEFAULT_START[over], stop=stop, multiple=DEFAULT_MULTIPLE[over])
+        # from the current value: the answer is the same (peaks grow with the value), found sooner
+        start = min(max(getattr(step, over), DEFAULT_START[over]), stop)
+        value, capped = bisect_max(fits, start=start, stop=stop, multiple=DEFAULT_MULTIPLE[over])
     except TrainmemError as exc:  # a value the search reached is refused (e.g. not divisible by tp)
         return {"value": None, "capped": False, "why": f"{type(exc).__name__}: {exc}"}
-    return {"value": value, "capped": capped, "why": "" if value else f"{over} {DEFAULT_MULTIPLE[over]} does not fit"}
+    smallest = {"batch": "micro-batch", "seq": "sequence"}[over] + f" {DEFAULT_MULTIPLE[over]}"
+    return {"value": value, "capped": capped, "why": "" if value else f"even {smallest} does not fit"}
 
 
 def fit_response(req: Request) -> dict:
