@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["guard", "largest_micro_batch"]
 
-_WHERE = {"guard": "trainmem.integrations.guard", "largest_micro_batch": "trainmem.integrations.batch"}
+_WHERE = {"guard": "trainmem.integrations.loop", "largest_micro_batch": "trainmem.integrations.batch"}
 
 
 def __getattr__(name: str):

@@ -1,0 +1,86 @@
+"""trainmem.largest_micro_batch: peak(B) fits and peak(B + 1) does not, by the estimate or the trace."""
+
+import json
+from importlib.resources import files
+
+import pytest
+
+import trainmem
+from trainmem.errors import SpecError, UnsupportedError
+from trainmem.estimate import estimate
+from trainmem.plan.hardware import Reserve
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
+from trainmem.specs.loaders import load_model
+
+
+def _usable(gpu_file: str) -> int:
+    memory = json.loads(files("trainmem.data").joinpath("gpus").joinpath(gpu_file).read_text())["memory_bytes"]
+    return memory - (1 << 30) - int(0.05 * memory)  # capacity − 1 GiB − 5%, plan/advise's reserve
+
+
+def test_estimate_backend_is_the_largest_that_fits():
+    model = load_model("llama-2-7b")
+    step = StepSpec(seq=4096, precision="bf16")
+    impl = ImplSpec(attention="flash", recompute="full")
+    fit = trainmem.largest_micro_batch(model, step=step, impl=impl, gpu="H100-80GB")
+    usable = _usable("h100-80gb.json")
+    assert fit.budget.usable_bytes == usable
+    b = fit.batch
+    assert b is not None and b >= 1 and not fit.capped
+    from dataclasses import replace
+    at = estimate(model, replace(step, batch=b), impl).peak_bytes
+    after = estimate(model, replace(step, batch=b + 1), impl).peak_bytes
+    assert at <= usable < after
+    assert (fit.peak_bytes, fit.next_peak_bytes) == (at, after)
+
+
+def test_parallel_and_finetune_are_searched_too():
+    model = load_model("llama-3-8b")
+    lora = trainmem.largest_micro_batch(model, seq=2048, step=StepSpec(precision="bf16"), gpu="A100-40GB",
+                                        finetune=FinetuneSpec(mode="lora", lora_rank=16))
+    full = trainmem.largest_micro_batch(model, seq=2048, step=StepSpec(precision="bf16"), gpu="A100-40GB")
+    assert full.batch is None  # 8B params + grads + AdamW states in bf16 alone exceed 40 GB
+    assert lora.batch is not None and lora.batch >= 1
+    zero3 = trainmem.largest_micro_batch(model, seq=2048, step=StepSpec(precision="bf16"), gpu="A100-40GB",
+                                         parallel=ParallelSpec(dp=8, zero=3))
+    assert zero3.batch is not None
+    assert zero3.peak_bytes <= zero3.budget.usable_bytes < zero3.next_peak_bytes
+
+
+def test_trace_backend_on_a_config():
+    from integrations_tiny import LLAMA
+    from trainmem.trace import trace_step
+    impl = ImplSpec(attention="eager", device="cpu")
+    step = StepSpec(seq=128, precision="fp32")
+    fit = trainmem.largest_micro_batch(LLAMA, step=step, impl=impl, gpu_memory="1.1GiB", backend="trace",
+                                       max_batch=256)
+    b = fit.batch
+    assert b is not None and not fit.capped
+    from dataclasses import replace
+    assert trace_step(LLAMA, replace(step, batch=b), impl).peak_bytes <= fit.budget.usable_bytes
+    assert trace_step(LLAMA, replace(step, batch=b + 1), impl).peak_bytes > fit.budget.usable_bytes
+
+
+def test_capped_and_bad_input():
+    model = load_model("gpt2")
+    fit = trainmem.largest_micro_batch(model, seq=128, gpu="H200", max_batch=4)
+    assert fit.capped and fit.batch == 4 and fit.next_peak_bytes is None
+    with pytest.raises(SpecError, match="gpu_memory"):
+        trainmem.largest_micro_batch(model, seq=128)
+    with pytest.raises(SpecError, match="backend"):
+        trainmem.largest_micro_batch(model, seq=128, gpu="H200", backend="device")
+    with pytest.raises(SpecError, match="max_batch"):
+        trainmem.largest_micro_batch(model, seq=128, gpu="H200", max_batch=0)
+    with pytest.raises(UnsupportedError, match="config"):
+        trainmem.largest_micro_batch(model, seq=128, gpu="H200", backend="trace")
+    fit = trainmem.largest_micro_batch(model, seq=128, gpu_memory="1.02GiB", reserve=Reserve())
+    assert fit.batch is None and fit.peak_bytes is None  # 1.02 GiB − 1 GiB − 5% < 0
+
+
+def test_exports():
+    assert set(trainmem.__all__) == {"guard", "largest_micro_batch"}
+    from trainmem.integrations import guard, largest_micro_batch
+    assert trainmem.guard is guard and trainmem.largest_micro_batch is largest_micro_batch
+    with pytest.raises(AttributeError):
+        trainmem.nothing_here  # noqa: B018
