@@ -229,10 +229,12 @@ def test_torchtitan_exact(tmp_path):
     out = read_torchtitan(write(tmp_path, "llama3_8b.toml", TITAN))
     assert out["overrides"] == {
         "model": {"name": "llama-3-8b"},
-        "step": {"batch": 2, "seq": 8192, "precision": "amp-bf16", "optimizer": "adamw"},
+        # with FSDP, bfloat16 is fully_shard's MixedPrecisionPolicy (tests/inputs/test_torchtitan_keys.py)
+        "step": {"batch": 2, "seq": 8192, "precision": "fsdp-bf16", "optimizer": "adamw", "grad_accum": 1},
         "impl": {"recompute": "every-k", "recompute_every": 2},
         # dp = 2 replicas × 4 shards; TP in torchtitan always comes with sequence parallelism
-        "parallel": {"dp": 8, "fsdp": "hybrid", "fsdp_group": 4, "tp": 2, "pp": 1, "sp": True, "schedule": "1f1b"},
+        "parallel": {"dp": 8, "fsdp": "hybrid", "fsdp_group": 4, "tp": 2, "pp": 1, "sp": True, "schedule": "1f1b",
+                     "reshard_after_forward": True},
     }
     assert out["raw"]["training.seq_len"] == 8192
 
@@ -249,7 +251,10 @@ data_parallel_shard_degree = -1
 [activation_checkpoint]
 mode = "full"
 """))
-    assert out["overrides"] == {"step": {"batch": 1}, "impl": {"recompute": "full"}}
+    # keys the file leaves out take torchtitan's defaults (seq_len 2048, AdamW, bf16 param_dtype under FSDP)
+    assert out["overrides"] == {"step": {"batch": 1, "seq": 2048, "optimizer": "adamw", "precision": "fsdp-bf16",
+                                         "grad_accum": 1},
+                                "impl": {"recompute": "full"}, "parallel": {"fsdp": "full", "reshard_after_forward": True}}
     assert any("not a trainmem preset" in n for n in out["notes"])
     assert any("-1" in n for n in out["notes"])
 
