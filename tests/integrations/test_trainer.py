@@ -3,7 +3,8 @@
 The measured step peak is the live-storage meter (trainmem.trace.live) over the first two
 optimizer steps; the second is a steady step (optimizer states exist) and sets the peak.
 Measured agreement on this project's CPU machine (measured ÷ predicted, 2 steps):
-fp32 sdpa 0.9995, amp-bf16 + eager + full checkpointing 0.9992, LoRA r8 on q/v 0.9996.
+fp32 sdpa 0.9995, amp-bf16 + eager + full checkpointing 0.9992, LoRA r8 on q/v 0.9996,
+B=2 × 2 accumulated micro-batches 0.9996.
 """
 
 import logging
@@ -43,6 +44,8 @@ def _entries(trainer, key):
     ("lora", lambda: peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=8, lora_alpha=16,
                                                                        target_modules=["q_proj", "v_proj"])),
      {}, dict(precision="fp32", attention="sdpa", recompute="none")),
+    ("accum2", lambda: tiny_llama(), dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
+     dict(precision="fp32", attention="sdpa", recompute="none", batch=2, accum=2)),
 ])
 def test_predicted_and_measured_are_logged_and_agree(tmp_path, caplog, name, build, args, expect):
     cb = TrainMemCallback(gpu="H100-80GB", on_oom="stop")
@@ -50,7 +53,7 @@ def test_predicted_and_measured_are_logged_and_agree(tmp_path, caplog, name, bui
         trainer = _train(tmp_path, build(), cb, **args)
     assert trainer.state.global_step == 2
     run = cb.report.check.run
-    assert (run.step.batch, run.step.seq, run.step.grad_accum) == (4, SEQ, 1)
+    assert (run.step.batch, run.step.seq, run.step.grad_accum) == (expect.get("batch", 4), SEQ, expect.get("accum", 1))
     assert (run.step.precision, run.impl.attention, run.impl.recompute, run.impl.device) == (
         expect["precision"], expect["attention"], expect["recompute"], "cpu")
     if name == "lora":

@@ -170,7 +170,7 @@ class TrainMemCallback(TrainerCallback):
             self._meter.begin_step()
 
     def on_step_end(self, args, state, control, **kw):
-        if self._meter is None or not self._meter._active:
+        if self._meter is None or not self._meter.active:
             return
         self._meter.end_step()
         if len(self._meter.peaks) == self.measure_steps:

@@ -30,6 +30,11 @@ class StepMeter:
             from trainmem.trace.live import LiveStorages
             self._live = LiveStorages(_baseline_tensors(model, getattr(optimizer, "optimizer", optimizer), ()))
 
+    @property
+    def active(self) -> bool:
+        """Between begin_step and end_step."""
+        return self._active
+
     def begin_step(self) -> None:
         if self.cuda:
             import torch
