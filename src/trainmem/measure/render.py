@@ -89,7 +89,10 @@ def render_sweep(result) -> str:
                                            [[n, f"{v['exponent']:.3f}", f"{v['quadratic_coef']:.4g}",
                                              f"{v['linear_coef']:.4g}"] for n, v in fits])]
     out.append("")
-    out.append(f"verdict: {result.verdict}")
+    g = result.at_limit
+    at = "" if not g or g["exponent"] is None else (
+        f" at {result.over}={g['value']} (quadratic share {g['quadratic_share']:.0%}, local exponent {g['exponent']:.2f})")
+    out.append(f"verdict: {result.verdict}{at}")
     cs = result.crossover_seq
     out.append("naive attention overtakes the linear terms at: "
                + ("never (no S·S term)" if cs is None else f"S ≈ {cs:,.0f}  ({result.crossover_source})"))

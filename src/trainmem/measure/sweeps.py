@@ -17,6 +17,11 @@ Back-ends and what "fits" means:
 
 Terms: ``attention_scores`` (naive attention's scores, probabilities and dropout masks: the
 estimator's ``S·S`` items, or traced activations of shape (B, A, S, S)) and ``other_activations``.
+
+Verdict: how activations grow *at the limit found* (:func:`growth_at`), not averaged over the
+range, whose lower part may lie below the crossover: the local log-log exponent there and the
+share of the activations that grows quadratically there; ``quadratic`` when the exponent is at
+least :data:`~trainmem.measure.fit.QUADRATIC_EXPONENT` (for a·x² + b·x, a quadratic share of half).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from trainmem.measure import fit as F
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.step import default_seq
 
-__all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max"]
+__all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max",
+           "growth_at"]
 
 SCHEMA = "trainmem.sweep/1"
 BACKENDS = ("estimate", "trace", "device")
@@ -71,12 +77,14 @@ class SweepResult:
     crossover_seq: float | None
     crossover_source: str
     meta: dict = field(default_factory=dict)
+    at_limit: dict = field(default_factory=dict)
+    """Growth at the limit (:func:`growth_at`): ``value``, ``exponent``, ``quadratic_share``, ``source``."""
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, **({"meta": self.meta} if self.meta else {}), "over": self.over,
                 "backend": self.backend, "budget_bytes": self.budget_bytes, "max_fit": self.max_fit,
                 "capped": self.capped, "points": [p.to_dict() for p in self.points], "fit": self.fit,
-                "verdict": self.verdict,
+                "verdict": self.verdict, "at_limit": dict(self.at_limit),
                 "crossover_seq": None if self.crossover_seq is None else round(self.crossover_seq, 1),
                 "crossover_source": self.crossover_source}
 
@@ -222,6 +230,26 @@ def _fits_of(points: list[SweepPoint]) -> dict:
     return out
 
 
+def growth_at(fits: dict, points: tuple[SweepPoint, ...], value: int, over: str) -> dict:
+    """How activations grow at ``value``: the local log-log exponent ``x·y'/y`` of the fitted
+    ``y = a·x² + b·x + c`` (1 + the quadratic share when c = 0), and the share of the activations
+    that grows quadratically — the S·S terms' bytes at that point when the back-end splits them
+    (``source`` ``terms``), else ``a·x²/y`` of the fit (``fit:activation``)."""
+    act = fits["ledgers"]["activation"]
+    a, b, c = act["quadratic_coef"], act["linear_coef"], act["constant"]
+    x = float(value)
+    y = a * x * x + b * x + c
+    exponent = (2 * a * x * x + b * x) / y if y > 0 else None
+    point = next((p for p in points if p.value == value), None)
+    terms = point.terms_bytes if point is not None else {}
+    if over == "seq" and sum(terms.values()) > 0:
+        share, source = terms["attention_scores"] / sum(terms.values()), "terms"
+    else:
+        share, source = (a * x * x / y if y > 0 else 0.0), "fit:activation"
+    return {"value": value, "exponent": None if exponent is None else round(exponent, 6),
+            "quadratic_share": share, "source": source}
+
+
 def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
           over: Literal["seq", "batch"] = "seq", budget_bytes: int, backend: str = "estimate",
           start: int | None = None, stop: int | None = None, multiple: int | None = None,
@@ -290,9 +318,12 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
-    points = sorted(seen.values(), key=lambda p: p.value)
+    points = tuple(sorted(seen.values(), key=lambda p: p.value))
     fits = _fits_of(points)
-    verdict = F.verdict(F.GrowthFit(**{k: v for k, v in fits["ledgers"]["activation"].items()}))
+    limit = max_fit if max_fit is not None else min(p.value for p in points)  # nothing fits: the first value
+    at_limit = growth_at(fits, points, limit, over)
+    e = at_limit["exponent"]
+    verdict = "quadratic" if e is not None and e >= F.QUADRATIC_EXPONENT else "linear"
     x_max = max((p.value for p in points if p.peak_bytes is not None), default=0)
     crossover, source_name = None, "none"
     if over == "seq" and fits["terms"]:
@@ -311,5 +342,5 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
             pass
     meta = {"model": spec.name, "step": step.to_dict(), "impl": impl.to_dict(), "start": start, "stop": stop,
             "multiple": multiple}
-    return SweepResult(over, backend, budget_bytes, max_fit, capped, tuple(points), fits, verdict, crossover,
-                       source_name, meta)
+    return SweepResult(over, backend, budget_bytes, max_fit, capped, points, fits, verdict, crossover,
+                       source_name, meta, at_limit)
