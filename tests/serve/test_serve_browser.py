@@ -40,8 +40,8 @@ def page():
 
 
 def _settle(page) -> None:
-    """Wait for the estimate and the search for what fits to land for the current controls."""
-    page.wait_for_timeout(250)  # the page waits 200 ms after the last change
+    """Wait for the estimate and the search for what fits to land for the current controls (a
+    change marks the page as loading at once, before its 200 ms pause)."""
     page.wait_for_function("document.body.dataset.state !== 'loading' && document.body.dataset.fit !== 'loading'",
                            timeout=120_000)
 
@@ -113,6 +113,11 @@ def test_controls_update_numbers_and_chart(page, capsys, tmp_path):
     _settle(page)
     assert page.text_content("#error") == "argument --batch: --batch=0: must be positive"
     assert _shown(page)["peak_bytes"] == small["peak_bytes"]
+    # what the browser cannot read as a number is refused on the page, not sent as "no value"
+    page.fill("#f-batch", "")
+    page.type("#f-batch", "1e")
+    _settle(page)
+    assert page.text_content("#error") == "batch: not a number"
 
     # nothing was fetched from anywhere but this server
     assert page.requests and all(u.startswith(page.base + "/") for u in page.requests), page.requests
