@@ -2,10 +2,10 @@
 
 * CUDA: the caching allocator's own counters (``torch.cuda.memory_allocated`` and
   ``max_memory_allocated``, reset with ``reset_peak_memory_stats``).
-* CPU: CPU tensors report no allocator statistics, so the live set is tracked: every storage an
-  op creates is counted until its weak reference dies (as in
-  :func:`trainmem.trace.saved.step_peak_bytes`), on top of a baseline of the tensors alive
-  before the step.
+* CPU: CPU tensors report no allocator statistics, so the live set is tracked
+  (:mod:`trainmem.trace.storages`, as in :func:`trainmem.trace.saved.step_peak_bytes`): every
+  storage an op creates and every baseline tensor alive before the step counts at its current
+  size until its weak reference dies.
 
 ``take_peak()`` returns the highest value since the previous call and starts a new interval;
 module hooks use it to attribute the peak between two hook events to the modules running then.

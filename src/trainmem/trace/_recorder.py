@@ -1,20 +1,24 @@
 """The private dispatch mode that records every storage allocation and free.
 
-Storages are keyed by ``untyped_storage()._cdata`` (fake tensors have ``data_ptr() == 0``)
-and held only through weak references, so recording never changes a lifetime. Module
-attribution uses torch's ``ModTracker`` hooks (forward pre/post, multi-grad hooks for
-backward) with our own push order, so the innermost active module wins.
+Storages live in a :class:`trainmem.trace.storages.StorageTracker` (keyed by
+``untyped_storage()._cdata``, held only through weak references, so recording never changes a
+lifetime; DTensors read through their local shard). A storage seen at a new size (an op
+output after ``aten.resize_``) is recorded as the caching allocator serves it: the old block is
+freed and a block of the new size allocated. Module attribution uses torch's ``ModTracker``
+hooks (forward pre/post, multi-grad hooks for backward) with our own push order, so the
+innermost active module wins.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainmem.trace.storages import Entry, StorageTracker
 
 __all__: list[str] = []
 
@@ -81,8 +85,9 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module | None, optimizers=(), progress=None) -> None:
         super().__init__()
         self.rec = Recording()
-        self._live: dict[int, int] = {}  # storage _cdata -> block id
-        self._refs: dict[int, weakref.ref] = {}
+        # entry.data: the storage's current Block (id -1 while it has no bytes)
+        self._storages = StorageTracker(granularity=CUDA_MIN_BLOCK_BYTES, on_free=self._on_free,
+                                        on_resize=self._on_resize)
         self._names: dict[int, str] = {}
         if model is not None:
             self._names = {id(m): n for n, m in model.named_modules()}
@@ -92,7 +97,7 @@ class _Recorder(TorchDispatchMode):
         self._recompute = 0
         self._in_opt = 0
         self._phase = "forward"
-        self._total = 0
+        self._op: str | None = None
         self._open = False
         self._progress = progress
         self._mod_tracker = ModTracker()
@@ -101,39 +106,47 @@ class _Recorder(TorchDispatchMode):
 
     # -- storages ---------------------------------------------------------------
     def _register(self, t: torch.Tensor, origin: str, module: str, op: str = "", name: str = "") -> Block | None:
-        st = t.untyped_storage()
-        key = st._cdata
-        bid = self._live.get(key)
-        if bid is not None:
-            return self.rec.blocks[bid]
-        nbytes = st.nbytes()
-        if nbytes == 0:
-            return None
-        bid = len(self.rec.blocks)
-        blk = Block(bid, nbytes, round_up(nbytes), op, module, self._phase, origin,
-                    tuple(t.shape), str(t.dtype).removeprefix("torch."), len(self.rec.events), name=name)
+        entry, new = self._storages.add(t)
+        if new:
+            entry.data = Block(-1, 0, 0, op, module, self._phase, origin, tuple(t.shape),
+                               str(t.dtype).removeprefix("torch."), -1, name=name)
+            if entry.nbytes:
+                self._open_block(entry)
+        return entry.data if entry.data.id >= 0 else None
+
+    def _open_block(self, entry: Entry, op: str | None = None, in_flight: int = 0) -> None:
+        """A block of the storage's current size, allocated now (by ``op``), like ``entry.data``
+        otherwise; ``in_flight``: bytes of the block it replaces, alive until the copy is done."""
+        blk = replace(entry.data, id=len(self.rec.blocks), nbytes=entry.nbytes, size=round_up(entry.nbytes),
+                      op=entry.data.op if op is None else op, phase=self._phase, alloc_at=len(self.rec.events),
+                      free_at=None, saved=False)
+        entry.data = blk
         self.rec.blocks.append(blk)
-        self.rec.events.append(bid)
-        self._live[key] = bid
-        self._refs[key] = weakref.ref(st, self._freer(key, bid))
-        self._total += blk.size
+        self.rec.events.append(blk.id)
+        total = self._storages.live_bytes + in_flight
         for mod in self._stack:
             k = (mod, self._phase)
-            if self._total > self.rec.module_peaks.get(k, 0):
-                self.rec.module_peaks[k] = self._total
-        return blk
+            if total > self.rec.module_peaks.get(k, 0):
+                self.rec.module_peaks[k] = total
 
-    def _freer(self, key: int, bid: int):
-        def free(_ref) -> None:
-            if not self._open or self._live.get(key) != bid:
-                return
-            del self._live[key]
-            del self._refs[key]
-            blk = self.rec.blocks[bid]
+    def _close_block(self, blk: Block) -> None:
+        if blk.id >= 0 and blk.free_at is None:
             blk.free_at = len(self.rec.events)
-            self.rec.events.append(~bid)
-            self._total -= blk.size
-        return free
+            self.rec.events.append(~blk.id)
+
+    def _on_free(self, entry: Entry) -> None:
+        if self._open:
+            self._close_block(entry.data)
+
+    def _on_resize(self, entry: Entry, old_nbytes: int) -> None:
+        """Like the caching allocator's ``resize_bytes_cuda`` (aten/src/ATen/native/cuda/Resize.cpp):
+        the new block is allocated and the contents copied before the old block is freed."""
+        if not self._open:
+            return
+        old = entry.data
+        if entry.nbytes:
+            self._open_block(entry, self._op, in_flight=old.size if old.id >= 0 else 0)
+        self._close_block(old)
 
     def _current(self) -> str:
         if self._in_opt:
@@ -169,9 +182,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor, func, origin: str) -> None:
-        if t.untyped_storage()._cdata in self._live:
-            return
-        self._register(t, origin, self._current(), _short_op(func))
+        self._op = _short_op(func)  # a storage resized by this op is reallocated by it
+        self._register(t, origin, self._current(), self._op)
 
     # -- model states -------------------------------------------------------------
     def _register_states(self) -> None:
@@ -263,9 +275,9 @@ class _Recorder(TorchDispatchMode):
                 return
 
     def _pack(self, t: torch.Tensor):
-        bid = self._live.get(t.untyped_storage()._cdata)
-        if bid is not None:
-            self.rec.blocks[bid].saved = True
+        entry = self._storages.get(t)
+        if entry is not None and entry.data.id >= 0:
+            entry.data.saved = True
         return t
 
     def _opt_pre(self, opt, args, kwargs) -> None:
@@ -325,5 +337,4 @@ class _Recorder(TorchDispatchMode):
             self._open = False
             if self._progress is not None:
                 self._progress(1.0, "done")
-            self._refs.clear()
-            self._live.clear()
+            self._storages.close()

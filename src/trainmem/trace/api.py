@@ -19,7 +19,8 @@ class Tracer:
     tensors as ``inputs`` (or call :meth:`mark_input`) so they count as inputs.
 
     Known limitations:
-      - Storages resized in place (``UntypedStorage.resize_``, used by FSDP) keep their first size.
+      - A storage resized by an op (``aten.resize_``, ``out=``) is recorded as a new block; one
+        resized through ``UntypedStorage.resize_`` (FSDP) is not seen until an op outputs it.
       - Only tensors whose storage the dispatch mode sees are counted: op outputs inside the
         context and the baseline; tensors made before entry and not registered are invisible.
       - Module attribution in backward follows torch's ModTracker: a module whose inputs need

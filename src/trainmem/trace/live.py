@@ -1,81 +1,67 @@
 """Live storages under a dispatch mode: what PyTorch's CPU tensors cannot tell by themselves.
 
-:class:`LiveStorages` counts the bytes of every storage an op creates while it is active, held
-through weak references only (holding them would change the peak), on top of a baseline of
-storages alive before. It is the ground truth behind ``trace.saved`` (retained bytes, the step
-peak) and behind ``trainmem profile`` on the CPU.
+:class:`LiveStorages` counts the bytes of every storage an op creates while it is active, on
+top of the storages of ``baseline`` (alive before), all held through weak references only
+(holding them would change the peak) in one :class:`trainmem.trace.storages.StorageTracker`:
+a storage counts at its current size until it dies, baseline storages included. It is the
+ground truth behind ``trace.saved`` (retained bytes, the step peak) and behind ``trainmem
+profile`` on the CPU.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable
+
+from trainmem.trace.storages import StorageTracker, storage_key
 
 __all__ = ["LiveStorages"]
 
 
 class LiveStorages:
-    """Use as a context manager. ``now``: live bytes; ``peak``: the most since entry;
-    ``take_peak()``: the most since the previous call (and starts a new interval)."""
+    """Use as a context manager. ``now``: live bytes; ``peak``: the most since creation;
+    ``take_peak()``: the most since the previous call (and starts a new interval).
+
+    Storages in ``skip_keys`` (keys as :func:`~trainmem.trace.storages.storage_key`) are never
+    counted, even when an op outputs them."""
 
     def __init__(self, baseline: Iterable[Any] = (), *, skip_keys: Iterable[int] = ()) -> None:
         import torch
 
-        self.base: dict[int, int] = {}
+        self.storages = StorageTracker()
         for t in baseline:
             if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                self.base[st._cdata] = st.nbytes()
-        self.skip = set(skip_keys) | set(self.base)
-        self.live: dict[int, int] = {}
-        self.now = sum(self.base.values())
-        self.peak = self._interval = self.now
+                self.storages.add(t)
+        self.skip = set(skip_keys)
+        self.storages.reset_peak()
+        self._mode = None
 
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
+    @property
+    def now(self) -> int:
+        return self.storages.live_bytes
+
+    @property
+    def peak(self) -> int:
+        return self.storages.peak_bytes
 
     def track(self, t) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.skip:
+        if self.skip and storage_key(t) in self.skip:
             return
-        size = st.nbytes()
-        if key in self.live:  # a storage regrown in place counts at its largest
-            if size <= self.live[key]:
-                return
-            self.now += size - self.live[key]
-            self.live[key] = size
-        else:
-            self.live[key] = size
-            self.now += size
-            weakref.finalize(st, self._free, key)
-        if self.now > self._interval:
-            self._interval = self.now
-            self.peak = max(self.peak, self.now)
+        self.storages.add(t)
 
     def current(self) -> int:
-        return self.now
+        return self.storages.live_bytes
 
     def take_peak(self) -> int:
-        peak, self._interval = self._interval, self.now
-        return peak
+        return self.storages.take_peak()
+
+    def _after_op(self, func, tensors: list) -> None:
+        for t in tensors:
+            self.track(t)
 
     def __enter__(self) -> "LiveStorages":
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+        from trainmem.trace.storages import dispatch_mode
 
-        tracker = self
-
-        class _Track(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        tracker.track(t)
-                return out
-
-        self._mode = _Track()
+        self._mode = dispatch_mode(self._after_op)
         self._mode.__enter__()
         return self
 

@@ -1,10 +1,12 @@
 """Ground truth for activations: what autograd really keeps for backward.
 
-Two measurements, used by the tests that hold the estimator to account:
+Two measurements, used by the tests that hold the estimator to account (single-process here,
+per rank in ``trainmem.measure_dist``):
 
-* :func:`saved_tensors` -- ``saved_tensors_hooks`` during a forward: the distinct storages
-  packed for backward, parameters excluded, de-duplicated by storage identity, with shape,
-  dtype and the ``grad_fn`` of the tensor that was saved.
+* :func:`saved_tensors` -- ``saved_tensors_hooks`` during a forward: the distinct local storages
+  packed for backward (a DTensor is read through its local shard), parameters excluded (their
+  storages, FSDP2's unsharded copies, and views of either), de-duplicated by storage identity,
+  with shape, dtype and the ``grad_fn`` of the tensor that was saved.
 * :func:`retained_bytes` -- live-storage tracking: bytes created during a forward that are
   still alive after it (what autograd and checkpoint regions retain). Hooks cannot see inside
   ``torch.utils.checkpoint`` regions; this can.
@@ -18,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from trainmem.trace.storages import is_parameter, local, parameter_storage_keys
+
 __all__ = ["SavedTensor", "saved_tensors", "retained_bytes", "step_peak_bytes", "explain_difference"]
 
 
@@ -27,28 +31,23 @@ class SavedTensor:
     dtype: str
     nbytes: int
     grad_fn: str | None
-
-
-def _storage_key(t) -> int:
-    return t.untyped_storage()._cdata
+    dtensor: bool = False  # saved as a DTensor; shape and bytes are its local shard's
 
 
 def saved_tensors(model, fn: Callable[[], Any]) -> tuple[list[SavedTensor], Any]:
-    """Run ``fn()`` (a forward + loss) and list the distinct storages autograd saved."""
+    """Run ``fn()`` (a forward + loss) and list the distinct local storages autograd saved."""
     import torch
 
-    params = {_storage_key(p) for p in model.parameters()}
+    params = parameter_storage_keys(model)
     seen: dict[int, SavedTensor] = {}
 
     def pack(t):
-        if getattr(t, "_local_tensor", None) is not None:  # DTensor: read the local shard
-            t = t._local_tensor
-        key = _storage_key(t)
-        if key not in params and key not in seen:
-            seen[key] = SavedTensor(
-                tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                t.untyped_storage().nbytes(), t.grad_fn.name() if t.grad_fn is not None else None,
-            )
+        lt = local(t)
+        st = lt.untyped_storage()
+        key = st._cdata
+        if key not in params and key not in seen and not is_parameter(t) and not is_parameter(lt):
+            seen[key] = SavedTensor(tuple(lt.shape), str(lt.dtype).removeprefix("torch."), st.nbytes(),
+                                    t.grad_fn.name() if t.grad_fn is not None else None, lt is not t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -63,11 +62,12 @@ def retained_bytes(model, fn: Callable[[], Any]) -> tuple[int, Any]:
     held only through weak references, so tracking does not extend lifetimes.
     """
     from trainmem.trace.live import LiveStorages
+    from trainmem.trace.storages import storage_key
 
-    existing = [_storage_key(t) for t in (*model.parameters(), *model.buffers())]
+    existing = [storage_key(t) for t in (*model.parameters(), *model.buffers())]
     with LiveStorages(skip_keys=existing) as live:
         out = fn()
-    return sum(live.live.values()), out
+    return live.now, out
 
 
 def step_peak_bytes(model, optimizer, step: Callable[[], Any]) -> int:
