@@ -20,13 +20,11 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 from parallel_runs import B, CONFIG, S  # noqa: E402
 from test_vs_estimate import IMPL, LEDGERS, TOL, _explain, _measured_ledgers  # noqa: E402
-from trainmem.errors import SpecError  # noqa: E402
+from trainmem.errors import SpecError, UnsupportedError  # noqa: E402
 from trainmem.estimate import estimate  # noqa: E402
 from trainmem.measure_dist.launch import run_torchrun_many  # noqa: E402
 from trainmem.specs import ParallelSpec, StepSpec  # noqa: E402
 from trainmem.specs.loaders import spec_from_hf_config  # noqa: E402
-
-pytestmark = pytest.mark.distributed
 
 STEP = StepSpec(batch=B, seq=S, precision="fsdp-bf16", optimizer="adamw")
 CASES = [(2, True), (2, False), (4, True), (4, False)]  # (ranks, reshard_after_forward)
@@ -39,6 +37,7 @@ def _launch(nproc: int) -> dict[bool, list[dict]]:
     return dict(zip(modes, run_torchrun_many(nproc, scenarios, timeout=240)))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("nproc,reshard", CASES, ids=[f"fsdp{n}-{'reshard' if r else 'keep'}" for n, r in CASES])
 def test_each_rank_within_5_percent(nproc, reshard):
     est = estimate(spec_from_hf_config(CONFIG), STEP, IMPL,
@@ -54,6 +53,7 @@ def test_each_rank_within_5_percent(nproc, reshard):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.distributed
 def test_the_run_is_what_the_recipe_says():
     """The measured run itself: fp32 parameter and gradient shards, and saved activations whose
     bytes per dtype (bf16 from the bf16 weights; fp32 where HF upcasts: RMSNorm, the loss) are
@@ -83,3 +83,14 @@ def test_needs_fsdp(parallel):
     # torchtitan/distributed/utils.py, maybe_enable_amp: without FSDP the same key means autocast
     with pytest.raises(SpecError, match=r"precision='fsdp-bf16'.*needs FSDP"):
         estimate(spec_from_hf_config(CONFIG), STEP, IMPL, parallel=parallel)
+
+
+def test_refused_where_no_fsdp_runs():
+    # the tracer and the profiler run one device; inference has no FSDP
+    from trainmem.estimate.inference import inference_estimate
+    from trainmem.trace import trace_step
+
+    with pytest.raises(UnsupportedError, match=r"precision='fsdp-bf16' needs FSDP2"):
+        trace_step(CONFIG, STEP, IMPL)
+    with pytest.raises(SpecError, match=r"precision='fsdp-bf16'"):
+        inference_estimate(spec_from_hf_config(CONFIG), STEP, IMPL, context=S)

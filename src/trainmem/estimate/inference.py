@@ -69,6 +69,8 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
         raise SpecError("context", context, "must be a positive integer")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise SpecError("block_size", block_size, "must be a positive integer")
+    if step.dtypes.gathered:
+        raise SpecError("precision", step.precision, "is FSDP2's training recipe; serve the weights as bf16")
     if context < step.seq and model.arch == "decoder":
         raise SpecError("context", context, f"must be at least the prompt length seq={step.seq}")
     step = replace(step, mode="inference", grad_accum=1)

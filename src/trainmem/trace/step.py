@@ -79,6 +79,9 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
     if step.optimizer == "adam8bit":
         raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
+    if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
+        raise UnsupportedError(f"precision={step.precision!r} needs FSDP2, and a trace runs one device without it; "
+                               "trace amp-bf16 (what torchtitan runs without FSDP)")
 
 
 @contextlib.contextmanager
