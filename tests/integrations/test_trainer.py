@@ -190,3 +190,15 @@ def test_unmodelled_run_is_skipped_with_a_warning(tmp_path, caplog):
     assert cb.report is None and "Lion" in cb.skipped
     assert "not checked" in caplog.text
     assert Reserve().fixed_bytes == 1 << 30  # the reserve the docs quote
+
+
+def test_close_ends_the_cpu_meter_after_a_step_that_raised(tmp_path):
+    import torch
+    cb = TrainMemCallback(gpu="H100-80GB")
+    bad = Tokens(vocab=5000)  # token ids past the model's 1000: the embedding raises inside the step
+    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=bad, callbacks=[cb])
+    with pytest.raises(IndexError):
+        trainer.train()
+    assert torch._C._len_torch_dispatch_stack() == 1  # the meter, left by the Trainer
+    cb.close()
+    assert torch._C._len_torch_dispatch_stack() == 0

@@ -180,6 +180,13 @@ class TrainMemCallback(TrainerCallback):
         if self._meter is not None:
             self._finish(state)
 
+    def close(self) -> None:
+        """Stop measuring now. ``on_train_end`` does it; call this after a step that raised (the
+        Trainer then calls no callback), so the CPU meter's dispatch mode ends."""
+        if self._meter is not None:
+            self._meter.close()
+            self._meter = None
+
     def _finish(self, state) -> None:
         measured = self._meter.close()
         self._meter = None
