@@ -78,7 +78,7 @@ def test_guard_on_a_module_without_config_needs_a_spec():
 def test_guard_bad_options():
     model = tiny_llama()
     opt, step, calls = _loop(model)
-    for kw, field in [(dict(on_oom="boom"), "on_oom"), (dict(steps=0), "measure_steps"),
+    for kw, field in [(dict(on_oom="boom"), "on_oom"), (dict(steps=0), "steps"), (dict(reserve="1GiB"), "reserve"),
                       (dict(gpu_memory="-3GiB"), "gpu_memory"), (dict(precision="fp64"), "precision")]:
         with pytest.raises(SpecError) as info:
             trainmem.guard(model, opt, step, batch=2, seq=64, **kw)

@@ -130,7 +130,8 @@ def test_largest_batch_args_sets_the_predicted_micro_batch(tmp_path):
 def test_bad_options_name_the_field():
     for kw, field in [(dict(on_oom="explode"), "on_oom"), (dict(tolerance=-1), "tolerance"),
                       (dict(measure_steps=0), "measure_steps"), (dict(gpu_memory="lots"), "gpu_memory"),
-                      (dict(gpu="H900"), "gpu"), (dict(seq=0), "seq")]:
+                      (dict(gpu="H900"), "gpu"), (dict(seq=0), "seq"),
+                      (dict(reserve=0.05), "reserve"), (dict(measure_steps=True), "measure_steps")]:
         with pytest.raises(SpecError) as info:
             TrainMemCallback(**kw)
         assert info.value.field == field

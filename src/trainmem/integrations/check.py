@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainmem.errors import SpecError, TrainmemError
+from trainmem.errors import DoesNotFit, SpecError
 from trainmem.plan.advise import Advice
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -22,14 +22,6 @@ __all__ = ["RunSpec", "Budget", "Check", "Measured", "GuardReport", "DoesNotFit"
 ON_OOM = ("warn", "stop")
 DEFAULT_TOLERANCE = 0.10
 _RATES_FROM = "h100-80gb"  # advise's throughput costs need a rate; memory is the device's own
-
-
-class DoesNotFit(TrainmemError):
-    """The predicted peak exceeds the device's usable memory and ``on_oom="stop"``."""
-
-    def __init__(self, message: str, check: "Check") -> None:
-        super().__init__(message)
-        self.check = check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,11 +167,14 @@ class GuardReport:
                 "ratio": self.ratio, "tolerance": self.tolerance, "agrees": self.agrees, "notes": list(self.notes)}
 
 
-def validate_options(on_oom: str, tolerance: float, steps: int) -> None:
+def validate_options(on_oom: str, tolerance: float, steps: int, reserve: Reserve, *,
+                     steps_field: str = "measure_steps") -> None:
     """The options shared by the callback and guard, each named when wrong."""
+    if not isinstance(reserve, Reserve):
+        raise SpecError("reserve", reserve, "must be a trainmem.plan.hardware.Reserve")
     if on_oom not in ON_OOM:
         raise SpecError("on_oom", on_oom, f"must be one of {', '.join(ON_OOM)}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 10:
         raise SpecError("tolerance", tolerance, "must be a fraction such as 0.1 (10%)")
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
-        raise SpecError("measure_steps", steps, "must be an integer from 1 to 1000")
+        raise SpecError(steps_field, steps, "must be an integer from 1 to 1000")

@@ -135,7 +135,7 @@ class TrainMemCallback(TrainerCallback):
     def __init__(self, *, gpu: str | None = None, gpu_memory: str | int | None = None, seq: int | None = None,
                  on_oom: str = "warn", tolerance: float = DEFAULT_TOLERANCE, measure_steps: int = 2,
                  reserve: Reserve = Reserve()) -> None:
-        validate_options(on_oom, tolerance, measure_steps)
+        validate_options(on_oom, tolerance, measure_steps, reserve)
         if seq is not None:
             StepSpec(seq=seq)  # names a bad seq now, not at the first step
         self.gpu, self.gpu_memory, self.seq, self.reserve = gpu, gpu_memory, seq, reserve

@@ -70,7 +70,7 @@ def guard(model, optimizer, step_fn: Callable[[], Any], *, batch: int, seq: int,
     optimizer step each) measuring each step's peak. With ``on_oom="stop"`` a step that will not
     fit raises :class:`~trainmem.integrations.check.DoesNotFit` before ``step_fn`` runs, with
     advise's cheapest fix in the message."""
-    validate_options(on_oom, tolerance, steps)
+    validate_options(on_oom, tolerance, steps, reserve, steps_field="steps")
     run = run_from_module(model, optimizer, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision,
                           spec=spec, impl=impl, finetune=finetune, parallel=parallel)
     dev = next(iter(model.parameters())).device
