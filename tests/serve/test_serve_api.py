@@ -57,6 +57,18 @@ def test_estimate_equals_cli(base, capsys, request_body, argv):
     assert "<svg" in r["chart_svg"] and want["peak_phase"] in r["chart_svg"]
 
 
+def test_config_json_path(base, capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                   max_position_embeddings=2048)))
+    status, r = post(base, "/api/estimate", {"model": str(tmp_path), "batch": 2})
+    assert status == 200, r
+    want = cli_json(capsys, ["estimate", "--model", str(tmp_path), "--batch", "2", "--json"])
+    want.pop("items")
+    assert r["estimate"] == want and want["inputs"]["model"]["num_kv_heads"] == 2
+
+
 def test_fit_largest_batch_and_seq_are_the_boundary(base, capsys):
     body = {"model": "gpt2", "gpu": "rtx-4090", "precision": "fp32"}
     status, r = post(base, "/api/fit", body)
