@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args
+    from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args, add_routing_arg
     from trainmem.inputs import add_input_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ledger → block → tensor tree with formulas (DEPTH 1-3; --detail: unfolded)")
     est.add_argument("--summary", action="store_true", help="one-screen summary")
     _add_output_args(est)
+    add_routing_arg(est)
     add_input_args(est)  # last: it marks the other options' defaults
     add_finetune_args(est)
     est.set_defaults(func=_estimate)

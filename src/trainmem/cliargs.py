@@ -65,6 +65,13 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
                    help=f"kernels modelled (default {impl('device')})")
 
 
+def add_routing_arg(p: argparse.ArgumentParser) -> None:
+    """--routing: the MoE routing assumption (``ImplSpec.routing``)."""
+    p.add_argument("--routing", default=spec_default(ImplSpec, "routing"), metavar="balanced|skewed:F|worst",
+                   help="MoE routing assumption: every expert gets its top-k share (balanced, default), a "
+                        "fraction F of the tokens choose the same k experts (skewed:F), or all do (worst)")
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
@@ -85,8 +92,9 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     every = args.recompute_every
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
+    routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device, **spec_fields(args, "impl"))
+                    recompute_every=every or 1, device=args.device, **{**routing, **spec_fields(args, "impl")})
     return step, impl
 
 

@@ -90,7 +90,7 @@ def test_commands_and_estimate_flags_are_frozen():
         "--fsdp", "--fsdp-group", "--grad-accum", "--help", "--html", "--json", "--layer-split", "--lora-alpha",
         "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args", "--microbatches", "--mode",
         "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--plot", "--pp", "--precision",
-        "--profile", "--recompute", "--recompute-every", "--schedule", "--seq", "--sp", "--summary",
+        "--profile", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
         "--torchtitan", "--tp", "--tree", "--virtual-stages", "--zero"]
 
 

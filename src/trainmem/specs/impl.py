@@ -7,13 +7,31 @@ from dataclasses import dataclass, fields
 from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
-__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES"]
+__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
 RECOMPUTES = ("none", "selective", "full", "every-k")
 DEVICES = ("cuda", "cpu")
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
+
+
+def routing_hot_fraction(routing: object) -> float:
+    """The fraction of tokens that choose the same k experts: 0 for ``balanced``, 1 for ``worst``,
+    F for ``skewed:F`` (0 <= F <= 1). Anything else is a SpecError naming the value."""
+    if routing == "balanced":
+        return 0.0
+    if routing == "worst":
+        return 1.0
+    if isinstance(routing, str) and routing.startswith("skewed:"):
+        try:
+            fraction = float(routing[len("skewed:"):])
+        except ValueError:
+            fraction = float("nan")
+        if 0.0 <= fraction <= 1.0:
+            return fraction
+        raise SpecError("routing", routing, "skewed:F needs a fraction F in [0, 1], e.g. skewed:0.5")
+    raise SpecError("routing", routing, "must be balanced, worst or skewed:F with F in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +60,11 @@ class ImplSpec:
     """The device whose kernels are modelled: cuda (default) or cpu (dropout keeps a mask in
     the activation dtype; SDPA runs the CPU flash kernel, or math with dropout)."""
 
+    routing: str = "balanced"
+    """The MoE routing assumption (``routing_hot_fraction``): ``balanced`` (every expert gets its
+    top-k share of the tokens), ``skewed:F`` (a fraction F of the tokens choose the same k
+    experts, the rest are balanced) or ``worst`` (every token chooses the same k experts)."""
+
     def __post_init__(self) -> None:
         v.one_of("profile", self.profile, PROFILES)
         object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
@@ -53,6 +76,7 @@ class ImplSpec:
         for name in ("fused_norm", "fused_bias_act", "fused_dropout", "inplace_act"):
             v.boolean(name, getattr(self, name))
         v.one_of("device", self.device, DEVICES)
+        routing_hot_fraction(self.routing)
 
     def checkpointed(self, layer: int) -> bool:
         """Whether block ``layer`` runs under full activation checkpointing."""

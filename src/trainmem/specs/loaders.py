@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -27,6 +29,7 @@ __all__ = [
     "load_config_dict",
     "spec_from_hf_config",
     "load_model",
+    "hf_cache_config",
 ]
 
 _PRESET_SUFFIX = ".json"
@@ -323,8 +326,49 @@ def _unknown(name: str) -> ConfigError:
     )
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # ORG/NAME, as on the Hub
+
+
+def _hf_hub_caches() -> list[Path]:
+    """Where huggingface_hub keeps its cache, in its own order (``huggingface_hub/constants.py``:
+    ``HF_HUB_CACHE``, then ``HF_HOME/hub``, then ``XDG_CACHE_HOME/huggingface/hub``, then
+    ``~/.cache/huggingface/hub``)."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return [Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()]
+    if env.get("HF_HOME"):
+        return [Path(env["HF_HOME"]).expanduser() / "hub"]
+    cache = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return [cache / "huggingface" / "hub"]
+
+
+def hf_cache_config(repo_id: str) -> Path:
+    """The ``config.json`` of ``ORG/NAME`` in the local Hugging Face cache: the snapshot
+    ``refs/main`` names, else the newest snapshot that has one. Files only, never the network."""
+    hub = _hf_hub_caches()[0]
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    try:
+        if ref.is_file():
+            pinned = snapshots / ref.read_text(encoding="utf-8").strip() / "config.json"
+            if pinned.is_file():
+                return pinned
+        found = [c for c in snapshots.glob("*/config.json") if c.is_file()] if snapshots.is_dir() else []
+    except OSError:
+        found = []
+    if found:
+        return max(found, key=lambda c: c.stat().st_mtime)
+    raise ConfigError(
+        f"{repo_id}: not a local path, and no config.json for it in the Hugging Face cache ({hub}); "
+        f"trainmem never downloads: fetch it with `huggingface-cli download {repo_id} config.json`, "
+        f"or pass the path of a config.json"
+    )
+
+
 def load_config_dict(name_or_path: str) -> dict:
-    """The ``config.json`` dict of a preset name, a ``config.json`` path or a model folder.
+    """The ``config.json`` dict of a preset name, a ``config.json`` path, a model folder, or a
+    Hugging Face ``ORG/NAME`` whose config is in the local cache (:func:`hf_cache_config`).
 
     A preset name wins over a same-named folder in the working directory; write ``./name`` for the folder.
     The file is read as data only: ``auto_map`` and remote code are never followed.
@@ -342,6 +386,8 @@ def load_config_dict(name_or_path: str) -> dict:
         return _read_file(config)
     if path.is_file():
         return _read_file(path)
+    if _REPO_ID.match(name_or_path):
+        return _read_file(hf_cache_config(name_or_path))
     looks_like_path = "/" in name_or_path or "\\" in name_or_path or name_or_path.endswith(".json")
     if looks_like_path:
         raise ConfigError(

@@ -10,10 +10,17 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_model_step_args
+    from trainmem.cliargs import add_model_step_args, add_routing_arg
 
     p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
     add_model_step_args(p)
+    p.add_argument("--head", choices=("lm", "mlm", "seq-cls", "seq2seq"), default=None,
+                   help="the model's head: causal LM, masked LM, sequence classification or encoder-decoder "
+                        "(default: from the config's architectures, else the model type's own)")
+    add_routing_arg(p)
+    p.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), default=None,
+                   help="transformers' experts_implementation for MoE models (default grouped_mm; eager is "
+                        "the per-expert loop, whose memory depends on --routing)")
     p.add_argument("--real", action="store_true", help="real CPU tensors instead of fake ones (small models only)")
     p.add_argument("--snapshot", metavar="FILE", help="write a CUDA memory snapshot pickle (pytorch.org/memory_viz)")
     p.add_argument("--expandable-segments", action="store_true",
@@ -36,6 +43,12 @@ def _bar(done: float, phase: str) -> None:
     sys.stderr.flush()
 
 
+def routing_line(moe: dict) -> str:
+    """The routing assumption a MoE trace ran under, in one line."""
+    return (f"MoE routing: {moe['routing']} (assumed, not measured), experts_implementation={moe['experts_implementation']}, "
+            f"{moe['num_experts']} experts, top-{moe['top_k']}, in {moe['experts_modules']} layers")
+
+
 def run(args: argparse.Namespace) -> int:
     from trainmem.errors import SpecError
     from trainmem.specs import ImplSpec, StepSpec
@@ -43,28 +56,33 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace import trace_step
 
     from trainmem.specs.step import default_seq
-    from trainmem.specs.loaders import spec_from_hf_config
+    from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, spec_from_hf_config
 
     if args.profile == "reference":
         from trainmem.specs.loaders import load_model
         config = spec = load_model(args.model)  # a ModelSpec: trace trainmem's reference model
     else:
         config = load_config_dict(args.model)
-        spec = spec_from_hf_config(config, name=args.model)  # validated before torch is imported
+        # the estimator's families are validated before torch is imported; any other type is left
+        # to transformers (build_hf_model refuses auto_map and checks sizes)
+        spec = (spec_from_hf_config(config, name=args.model) if config["model_type"] in SUPPORTED_MODEL_TYPES
+                else None)
+    max_positions = spec.max_positions if spec else None
     if args.seq is None:  # as the estimator: 4096, or the model's learned positions if fewer
-        args.seq = default_seq(spec.max_positions)
-    if spec.max_positions and args.seq > spec.max_positions:
+        args.seq = default_seq(max_positions)
+    if max_positions and args.seq > max_positions:
         raise SpecError("seq", args.seq, f"exceeds the {args.model} model's learned positions "
-                                         f"(max_positions={spec.max_positions})")
+                                         f"(max_positions={max_positions})")
     step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss)
     every = args.recompute_every
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device)
+                    recompute_every=every or 1, device=args.device, routing=args.routing)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
-    result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None)
+    result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
+                        head=args.head, experts=args.experts)
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot
         write_snapshot(result, args.snapshot, expandable_segments=args.expandable_segments)
@@ -82,4 +100,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         from trainmem.trace.text import render_trace
         print(render_trace(result))
+        if "moe" in result.meta:
+            print(routing_line(result.meta["moe"]))
     return 0

@@ -19,9 +19,20 @@ checkpointing (non-reentrant ``torch.utils.checkpoint``) on every / every k-th d
 ``selective`` checkpoints the attention core (the ``attention_interface`` call: scores, softmax,
 dropout and the weighted sum), not the projections.
 
+Heads (``head``, :data:`trainmem.models.hf.HEADS`): ``lm`` and ``mlm`` take ``labels=ids``;
+``seq-cls`` takes one class label per sequence; ``seq2seq`` (T5-style) takes ``labels=ids``, which
+the model shifts into a decoder input as long as the encoder's.
+
+MoE (see :mod:`trainmem.trace.routing`): the router's expert ids are replaced by the fixed
+assignment ``impl.routing`` names, on fake and real tensors alike, so the expert-token counts are
+concrete. Experts run ``experts`` (transformers' ``experts_implementation``: ``grouped_mm`` by
+default, ``eager`` for the per-expert loop, whose memory depends on the routing). grouped_mm
+experts whose weights are not bf16 run transformers' own fallback op
+(``transformers::grouped_mm_fallback``, ``transformers/integrations/moe.py``) in both modes:
+torch 2.13's meta kernel for ``aten._grouped_mm`` accepts bf16 only; the fallback saves the same
+tensors and returns the same shapes.
+
 Known limitations:
-  - MoE models route with data-dependent ops; on fake tensors they raise UnsupportedError
-    (use ``real=True`` with a small config).
   - ``mem-efficient`` attention and ``adam8bit`` have no CPU implementation; the chunked and
     fused losses are not Hugging Face options: all raise UnsupportedError.
 """
@@ -80,8 +91,8 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
     if step.optimizer == "adam8bit":
         raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
-        raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
-                               "without it: use amp-bf16 (what torchtitan runs without FSDP)")
+        raise UnsupportedError(f"precision={step.precision!r} needs FSDP2, and a trace runs one device without it; "
+                               "trace amp-bf16 (what torchtitan runs without FSDP)")
 
 
 @contextlib.contextmanager
@@ -151,18 +162,71 @@ def _default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def _is_moe(config: Mapping[str, Any]) -> bool:
-    return any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+@contextlib.contextmanager
+def _grouped_mm_fallback_unless_bf16():
+    """Send non-bf16 grouped_mm experts to transformers' fallback op (see the module docstring)."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+
+    def can_use(input, weight, offs):
+        return weight.dtype == _dtype("bfloat16") and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensorMode logs a traceback before raising; our one-line error is enough."""
+    import logging
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _check_positions(model, seq: int) -> None:
+    """Fake tensors hold no indices, so a sequence past a learned position table would not fail."""
+    import torch
+    from trainmem.errors import SpecError
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and "position" in name and m.num_embeddings < seq:
+            raise SpecError("seq", seq, f"exceeds the model's learned positions ({name} has {m.num_embeddings} rows)")
+
+
+def _head_of(model) -> str:
+    from trainmem.models.hf import HEADS
+    name = type(model).__name__
+    return next((h for h, (_, suffix) in HEADS.items() if name.endswith(suffix)), "lm")
+
+
+def _inputs(model, step: StepSpec, head: str) -> dict:
+    """The keyword arguments of one forward: token ids and the labels the head's loss needs."""
+    import torch
+    ids = torch.randint(0, model.config.vocab_size, (step.batch, step.seq))
+    if head == "seq-cls":
+        return {"input_ids": ids, "labels": torch.randint(0, model.config.num_labels, (step.batch,))}
+    return {"input_ids": ids, "labels": ids}
 
 
 def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
-               real: bool = False, progress: Callable[[float, str], None] | None = None) -> TraceResult:
-    """Trace one training step of a Hugging Face causal LM.
+               real: bool = False, progress: Callable[[float, str], None] | None = None,
+               head: str | None = None, experts: str | None = None) -> TraceResult:
+    """Trace one training step of a Hugging Face model.
 
-    ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights), a
+    ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights, any
+    type transformers builds, with ``head``: see the module docstring), a
     :class:`~trainmem.specs.ModelSpec` (trainmem's reference model, whose recompute and kernels
     follow ``impl``), or an already built ``nn.Module`` with ``config.vocab_size`` called as
-    ``model(ids, labels=ids).loss``. Models are built on fake tensors unless ``real``.
+    ``model(input_ids=ids, labels=ids).loss``. Models are built on fake tensors unless ``real``.
+    ``experts`` is transformers' ``experts_implementation`` for MoE models.
     ``progress`` is called with (fraction done, phase) as modules run.
     """
     step = step or StepSpec()
@@ -177,14 +241,10 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
 
     dt = step.dtypes
     fake = not real
-    if isinstance(model_or_config, Mapping) and fake and _is_moe(model_or_config):
-        raise UnsupportedError(
-            f"model_type={model_or_config.get('model_type')!r} routes tokens to experts with data-dependent "
-            "ops (nonzero), which fake tensors cannot run; trace it with real=True (--real) on a small config")
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     try:
-        with mode, _attention_context(impl):
-            return _run(model_or_config, step, impl, dt, progress)
+        with _quiet_fake_tensor_log(), mode, _attention_context(impl):
+            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -192,10 +252,34 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
         raise UnsupportedError(f"op {exc.func} has no fake-tensor implementation; trace with real=True (--real)") from None
     except NotImplementedError as exc:
         raise UnsupportedError(f"an op is not implemented here: {str(exc).splitlines()[0]}") from None
+    except (RuntimeError, IndexError) as exc:  # the model itself refused this step (a shape it cannot take)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedError(f"the model cannot run B={step.batch}, S={step.seq}: {first}") from None
 
 
-def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> TraceResult:
+def _routing(model, impl: ImplSpec, *, fake: bool):
+    """The routing context for ``model`` (nothing for a dense model) and what the result states."""
+    from trainmem.specs.impl import routing_hot_fraction
+    from trainmem.trace.routing import ConcreteInts, experts_modules, force_routing
+
+    modules = experts_modules(model)
+    if not modules:
+        return contextlib.nullcontext(), None
+    stack = contextlib.ExitStack()
+    stack.enter_context(force_routing(model, routing_hot_fraction(impl.routing)))
+    stack.enter_context(_grouped_mm_fallback_unless_bf16())
+    if fake:
+        stack.enter_context(ConcreteInts())
+    first = modules[0]
+    top_k = getattr(model.config, "num_experts_per_tok", None) or getattr(model.config, "moe_topk", None)
+    meta = {"routing": impl.routing, "experts_implementation": model.config._experts_implementation,
+            "num_experts": first.num_experts, "top_k": top_k, "experts_modules": len(modules)}
+    return stack, meta
+
+
+def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None) -> TraceResult:
     import torch
+    from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
 
     from trainmem.specs import ModelSpec
@@ -209,14 +293,17 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
     elif isinstance(model_or_config, Mapping):
         from trainmem.models.hf import build_hf_model
         with _default_dtype(_dtype(dt.param)):
-            model = build_hf_model(model_or_config, attention=impl.attention)
-        vocab = model.config.vocab_size
+            model = build_hf_model(model_or_config, attention=impl.attention, head=head, experts=experts,
+                                   init_weights=not is_fake(torch.empty(0)))
     else:
         model = model_or_config
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if not vocab:
             raise UnsupportedError(f"{type(model).__name__} has no config.vocab_size; use trace() for custom models")
     model.train()
+    head = "lm" if reference else _head_of(model)
+    if not reference:
+        _check_positions(model, step.seq)
     if not reference:  # the reference model checkpoints by itself, from impl
         _enable_recompute(model, impl)
 
@@ -225,12 +312,19 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
                 else contextlib.nullcontext())
     selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
                  else contextlib.nullcontext())
-    ids = torch.randint(0, vocab, (step.batch, step.seq))
+    if reference:
+        ids = torch.randint(0, vocab, (step.batch, step.seq))
+        inputs = {"input_ids": ids, "labels": ids}
+    else:
+        inputs = _inputs(model, step, head)
+    ids = inputs["input_ids"]
+    routing, moe_meta = _routing(model, impl, fake=is_fake(ids)) if not reference else (
+        contextlib.nullcontext(), None)
 
     def one_step() -> None:
         for _ in range(step.grad_accum):
             with autocast:
-                loss = model(ids, labels=ids).loss
+                loss = model(ids, **{k: v for k, v in inputs.items() if k != "input_ids"}).loss
             (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
             del loss
         if masters is not None:
@@ -244,12 +338,14 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress) -> Trace
                 for m, p in zip(masters, params):
                     p.copy_(m)
 
-    from torch._subclasses.fake_tensor import is_fake
     meta = {"step": step.to_dict(), "impl": impl.to_dict(), "fake": bool(is_fake(ids)), "model": type(model).__name__,
-            "torch": torch.__version__}
-    with selective:
+            "head": head, "torch": torch.__version__}
+    if moe_meta:
+        meta["moe"] = moe_meta
+    with selective, routing:
         one_step()
-        tracer = Tracer(model, optimizer, inputs=[ids], meta=meta, progress=progress)
+        distinct = list({id(t): t for t in inputs.values()}.values())  # labels are often the ids
+        tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
         with tracer:
             one_step()
     return tracer.result
