@@ -84,9 +84,11 @@ def parallel_from_trainer(*, world_size: int, deepspeed=None, fsdp: bool = False
     return ParallelSpec(**fields), step, notes
 
 
-def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_dataset=None) -> RunSpec:
+def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_dataset=None,
+                     batch: int | None = None) -> RunSpec:
     """The :class:`RunSpec` of a Trainer run: ``model`` (possibly peft-wrapped), its
-    ``TrainingArguments`` and the optimizer the Trainer built (None: read from ``args.optim``)."""
+    ``TrainingArguments`` and the optimizer the Trainer built (None: read from ``args.optim``).
+    ``batch``: the per-device micro-batch when it is not ``per_device_train_batch_size``."""
     notes: list[str] = []
     if seq is None:
         seq = seq_from_dataset(train_dataset)
@@ -111,7 +113,7 @@ def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_da
         step_over["precision"] = f"mixed-{amp}"  # DeepSpeed's bf16/fp16: 16-bit weights, fp32 master
     if args.torch_compile:
         notes.append("torch_compile is not modelled: compiled graphs may save fewer activations")
-    step = StepSpec(batch=args.per_device_train_batch_size, seq=seq, grad_accum=args.gradient_accumulation_steps,
+    step = StepSpec(batch=batch or args.per_device_train_batch_size, seq=seq, grad_accum=args.gradient_accumulation_steps,
                     precision=step_over.get("precision", precision.value), optimizer=opt.value)
     impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device)
     notes = [*notes, *precision.notes, *opt.notes, *finetune.notes, *par_notes]
@@ -147,8 +149,13 @@ class TrainMemCallback(TrainerCallback):
         self._meter: StepMeter | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kw):
+        self.close()  # auto_find_batch_size runs the loop again after an OOM, with a smaller batch
+        self.report, self.skipped = None, None
+        # state.train_batch_size is the batch the loop really uses (auto_find_batch_size changes it):
+        # per_device_train_batch_size × max(1, n_gpu) (transformers training_args.py train_batch_size)
+        batch = state.train_batch_size // max(1, args.n_gpu) if state.train_batch_size else None
         try:
-            run = run_from_trainer(model, args, optimizer, seq=self.seq,
+            run = run_from_trainer(model, args, optimizer, seq=self.seq, batch=batch,
                                    train_dataset=getattr(train_dataloader, "dataset", None))
         except UnsupportedError as exc:
             self.skipped = str(exc)
