@@ -11,10 +11,12 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.notes import estimate_notes
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.parallel import RankClass, rank_classes
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -51,6 +53,11 @@ class Estimate(PhasedResult):
     def peak_phase(self) -> str:
         return self.peak.name
 
+    @cached_property
+    def notes(self) -> tuple[str, ...]:
+        """Settings that change next to nothing here, and why (:mod:`trainmem.estimate.notes`)."""
+        return estimate_notes(self.model, self.step, self.impl)
+
     @property
     def peak_rank(self) -> str | None:
         return max(self.ranks, key=lambda r: r.peak_bytes).name if self.ranks else None
@@ -66,6 +73,7 @@ class Estimate(PhasedResult):
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase,
             "phases": [p.to_dict() for p in self.phases],
+            "notes": list(self.notes),
         }
         if self.ranks:
             out["peak_rank"] = self.peak_rank

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from trainmem.estimate.notes import selective_recompute_noop
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.plan.ranks import per_rank_peak
@@ -144,6 +145,9 @@ def _propose(rung: str, s: _State, model: ModelSpec, gpu: GPU, gpus: int, fits) 
     if rung == "selective_recompute":
         if impl.recompute != "none":
             return f"recompute is already {impl.recompute}"
+        noop = selective_recompute_noop(model, step, impl)
+        if noop:
+            return noop
         return (replace(s, impl=replace(impl, recompute="selective", recompute_every=1)),
                 "selective activation checkpointing (recompute the attention core in backward)", "")
     if rung == "full_recompute":

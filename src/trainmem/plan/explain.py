@@ -53,10 +53,12 @@ class Explanation:
     step: StepSpec
     impl: ImplSpec
     answers: tuple[Answer, ...]
+    notes: tuple[str, ...] = ()
+    """The estimate's notes: settings that change next to nothing here (:mod:`trainmem.estimate.notes`)."""
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "model": self.model.name, "step": self.step.to_dict(), "impl": self.impl.to_dict(),
-                "answers": [a.to_dict() for a in self.answers]}
+                "notes": list(self.notes), "answers": [a.to_dict() for a in self.answers]}
 
 
 def _acts(e: Estimate) -> dict[str, int]:
@@ -241,4 +243,4 @@ def explain(model: ModelSpec, step: StepSpec, impl: ImplSpec, *, gpu: GPU | None
         mixed_precision(model, step, e),
         train_vs_inference(model, step, impl, e),
     )
-    return Explanation(model, step, impl, answers)
+    return Explanation(model, step, impl, answers, e.notes)

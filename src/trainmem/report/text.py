@@ -50,6 +50,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         lines.append("")
     where = f" on {e.peak_rank}" if e.ranks else ""
     lines.append(f"Peak: {fmt_bytes(e.peak_bytes)}{where} in phase '{e.peak_phase}' — {peak.note}")
+    lines += [f"Note: {n}" for n in e.notes]
     return "\n".join(lines)
 
 
