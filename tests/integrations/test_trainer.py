@@ -169,9 +169,12 @@ def test_parallel_from_deepspeed_and_fsdp():
     assert (par.dp, par.zero, par.offload) == (8, 3, ("optimizer",))
     assert step == {} and any("auto" in n for n in notes)
     par, _, _ = parallel_from_trainer(world_size=4, fsdp=True, fsdp_config={"reshard_after_forward": True})
-    assert (par.dp, par.fsdp, par.zero) == (4, "full", 0)
-    par, _, _ = parallel_from_trainer(world_size=4, fsdp=True, fsdp_config={"reshard_after_forward": "shard_grad_op"})
-    assert (par.fsdp, par.zero) == (None, 2)
+    assert (par.dp, par.fsdp, par.reshard_after_forward) == (4, "full", True)
+    for keep in (False, "shard_grad_op"):  # FSDP2's bool, FSDP1's strategy
+        par, _, _ = parallel_from_trainer(world_size=4, fsdp=True, fsdp_config={"reshard_after_forward": keep})
+        assert (par.fsdp, par.reshard_after_forward) == ("full", False)
+    with pytest.raises(UnsupportedError, match="hybrid"):
+        parallel_from_trainer(world_size=4, fsdp=True, fsdp_config={"reshard_after_forward": "hybrid_shard"})
     par, _, notes = parallel_from_trainer(world_size=2, fsdp=True, fsdp_config={"cpu_offload": True})
     assert par.offload == ("params", "optimizer") and notes
 

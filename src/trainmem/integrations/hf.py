@@ -70,14 +70,13 @@ def parallel_from_trainer(*, world_size: int, deepspeed=None, fsdp: bool = False
         notes.extend(f"deepspeed: {n}" for n in ds["notes"])
     elif fsdp:
         cfg = fsdp_config or {}
-        reshard = cfg.get("reshard_after_forward", True)
-        if str(reshard).lower() in ("shard_grad_op", "hybrid_shard_zero2", "false"):
-            fields["zero"] = 2
-        elif str(reshard).lower() == "hybrid_shard":
-            raise UnsupportedError("fsdp hybrid_shard: the shard group size is not read; estimate it with "
+        # FSDP2 takes a bool; FSDP1's strategies arrive as strings (training_args.py _process_fsdp_args)
+        reshard = str(cfg.get("reshard_after_forward", True)).lower()
+        if reshard.startswith("hybrid_shard"):
+            raise UnsupportedError(f"fsdp {reshard}: the shard group size is not read; estimate it with "
                                    "`trainmem estimate --fsdp hybrid --fsdp-group N`")
-        else:
-            fields["fsdp"] = "full"
+        fields["fsdp"] = "full"
+        fields["reshard_after_forward"] = reshard not in ("false", "shard_grad_op")
         if str(cfg.get("cpu_offload", False)).lower() == "true":
             fields["offload"] = ("params", "optimizer")
             notes.append("fsdp cpu_offload: parameters, gradients and optimizer states estimated on the host")
