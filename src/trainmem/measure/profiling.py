@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trainmem.errors import TrainmemError, UnsupportedError
+from trainmem.errors import OutOfMemory, UnsupportedError
 from trainmem.trace.result import ModulePeak
 
 __all__ = ["profile", "profile_workload", "profile_model", "ProfileResult", "RankProfile", "OutOfMemory",
@@ -40,10 +40,6 @@ HOST_FRACTION = 0.8
 _PROFILER_CATEGORY = {"PARAMETER": "parameter", "OPTIMIZER_STATE": "optimizer_state", "INPUT": "input",
                       "TEMPORARY": "transient", "ACTIVATION": "activation", "GRADIENT": "gradient",
                       "AUTOGRAD_DETAIL": "autograd_detail", None: "unattributed"}
-
-
-class OutOfMemory(TrainmemError):
-    """The device ran out of memory during a measured step (memory was released afterwards)."""
 
 
 def is_oom(exc: BaseException) -> bool:

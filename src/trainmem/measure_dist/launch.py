@@ -11,13 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainmem.errors import TrainmemError
+from trainmem.errors import DistributedRunError
 
 __all__ = ["DistributedRunError", "run_torchrun", "run_torchrun_many", "free_port"]
-
-
-class DistributedRunError(TrainmemError):
-    """A torchrun launch failed, timed out, or a rank wrote no result."""
 
 
 def free_port() -> int:

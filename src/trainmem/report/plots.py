@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainmem.errors import ConfigError, TrainmemError
+from trainmem.errors import ConfigError, PlotDependencyError
 from trainmem.report.html import COLORS, as_dict, color_of, fit_quadratic, kind_of
 from trainmem.report.units import fmt_bytes
 
@@ -28,10 +28,6 @@ __all__ = ["save_plot", "figure_for", "plot_phases", "plot_blocks", "plot_ranks"
 
 FORMATS = (".png", ".svg")
 GIB = 2**30
-
-
-class PlotDependencyError(TrainmemError, ImportError):
-    """matplotlib is not installed."""
 
 
 def _figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (9, 4.5)):

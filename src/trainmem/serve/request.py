@@ -15,7 +15,7 @@ import shlex
 from dataclasses import dataclass
 from functools import lru_cache
 
-from trainmem.errors import SpecError, TrainmemError
+from trainmem.errors import RequestError, SpecError
 
 __all__ = ["RequestError", "Request", "parse_request", "request_parser", "DEFAULT_GPU"]
 
@@ -23,10 +23,6 @@ DEFAULT_GPU = "H100-80GB"
 #: option groups in the order their flags are written; ``estimate`` and ``step`` flags go to
 #: ``trainmem estimate``, ``step`` and ``gpu`` flags to ``trainmem advise``
 GROUPS = ("step", "estimate", "gpu")
-
-
-class RequestError(TrainmemError):
-    """A request the page or an API client got wrong: unknown field, wrong JSON type."""
 
 
 class _Refusing(argparse.ArgumentParser):
