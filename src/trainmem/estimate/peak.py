@@ -18,16 +18,12 @@ counted in every phase (the peak does not grow with the number of micro-batches)
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
 from dataclasses import dataclass, field
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import layer_of
 
 __all__ = ["Phase", "phases"]
-
-_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
-
 
 @dataclass(frozen=True)
 class Phase:
@@ -38,12 +34,6 @@ class Phase:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "bytes": self.bytes, "parts": dict(self.parts), "note": self.note}
-
-
-@lru_cache(maxsize=1 << 16)
-def _layer_of_prefix(prefix: str) -> int | None:
-    m = _LAYER.search("." + prefix + ".")
-    return int(m.group(1)) if m else None
 
 
 class PhasedResult:
@@ -63,11 +53,6 @@ class PhasedResult:
     @property
     def peak_bytes(self) -> int:
         return self.peak.bytes
-
-
-def layer_of(name: str) -> int | None:
-    """Block index in an item name (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
-    return _layer_of_prefix(name.rpartition(".")[0])
 
 
 @dataclass
