@@ -179,3 +179,14 @@ def test_3d_job_estimate(tmp_path, capsys):
     # the command line still wins over the file
     assert main(["estimate", "--torchtitan", str(p), "--precision", "amp-bf16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["step"]["precision"] == "amp-bf16"
+
+
+def test_cpu_offload_and_compile(tmp_path):
+    # parallelize.py, apply_fsdp(cpu_offload=...): CPUOffloadPolicy, only where FSDP is applied
+    out = read(tmp_path, "[training]\nenable_cpu_offload = true\n[parallelism]\ndata_parallel_shard_degree = 4\n"
+                         "[compile]\nenable = true\n")
+    assert out["overrides"]["parallel"]["offload"] == ("optimizer", "params")
+    notes = " ".join(out["notes"])
+    assert "gradient shards" in notes and "[compile] enable" in notes
+    out = overrides(tmp_path, "[training]\nenable_cpu_offload = true\n[parallelism]\ndata_parallel_shard_degree = 1\n")
+    assert "offload" not in out.get("parallel", {})

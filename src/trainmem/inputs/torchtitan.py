@@ -19,7 +19,8 @@ lists which defaults were used.
   split into micro-batches of ``pipeline_parallel_microbatch_size`` (older configs: into
   ``pipeline_parallel_microbatches``, by default the number of stages).
 * ``[activation_checkpoint] mode`` and ``selective_ac_option`` (``op`` -> selective, an integer
-  k -> every k-th block); ``[optimizer] name``.
+  k -> every k-th block); ``[optimizer] name``; ``[training] enable_cpu_offload`` (with FSDP:
+  parameters and optimizer on the host); ``[compile] enable`` (noted: the estimate is eager).
 
 Other tables and keys (job, metrics, checkpoint, ...) do not change memory and are ignored.
 """
@@ -100,6 +101,7 @@ def torchtitan_overrides(cfg: dict, where: str = "torchtitan") -> dict:
     if accum is not None:
         step["grad_accum"] = accum
     _checkpoint(get, sec["impl"], notes, where)
+    _host_and_compile(get, par, dims, notes)
     if defaulted:
         notes.append("torchtitan's defaults for keys the file leaves out: " + ", ".join(defaulted))
     return answer("torchtitan", where, raw, sec, notes)
@@ -252,6 +254,17 @@ def _grad_accum(get, d: dict[str, int], local_batch: int, notes: list[str], wher
         raise ConfigError(f"{where}: [training] global_batch_size={global_batch} must be a multiple of "
                           f"local_batch_size × data-parallel degree = {per_step}")
     return global_batch // per_step
+
+
+def _host_and_compile(get, par: dict, d: dict[str, int], notes: list[str]) -> None:
+    # parallelize.py, apply_fsdp(cpu_offload=training.enable_cpu_offload): FSDP's CPUOffloadPolicy
+    # keeps parameter and gradient shards on the host, and the optimizer steps there
+    if get("training", "enable_cpu_offload", bool, default=False) and d["fsdp"]:
+        par["offload"] = ("optimizer", "params")
+        notes.append("enable_cpu_offload: parameters and optimizer states on the host; the gradient shards, "
+                     "also on the host under CPUOffloadPolicy, are still counted on the device")
+    if get("compile", "enable", bool, default=False):
+        notes.append("[compile] enable: torch.compile saves other tensors than eager mode; the estimate is eager")
 
 
 def _checkpoint(get, impl: dict, notes: list[str], where: str) -> None:
