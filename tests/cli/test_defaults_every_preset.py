@@ -71,3 +71,15 @@ def test_default_seq_is_clipped_to_learned_positions():
     assert default_seq(0) == DEFAULT_SEQ == 4096  # rotary models: no learned positions
     assert default_seq(1024) == 1024
     assert default_seq(8192) == 4096
+
+
+def test_explain_doubles_half_the_sequence_at_the_position_limit():
+    from trainmem.plan.explain import explain
+    from trainmem.specs import ImplSpec
+
+    gpt2 = load_model("gpt2")
+    answers = {a.key: a for a in explain(gpt2, StepSpec(seq=1024), ImplSpec()).answers}
+    doubling = answers["sequence_doubles"]
+    assert (doubling.numbers["seq"], doubling.numbers["seq_doubled"]) == (512, 1024)
+    assert doubling.numbers["activation_bytes"][1] == estimate(gpt2, StepSpec(seq=1024)).totals_bytes["activation"]
+    assert "1024 learned positions, too few to double S=1024" in doubling.answer

@@ -49,7 +49,7 @@ def selective_recompute_noop(model: ModelSpec, step: StepSpec, impl: ImplSpec) -
 
 def estimate_notes(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> tuple[str, ...]:
     """Every note that applies to an estimate of ``model`` with ``step`` and ``impl``."""
-    if impl.recompute != "selective":
+    if impl.recompute != "selective" or step.mode != "train":  # inference keeps nothing for backward
         return ()
     why = selective_recompute_noop(model, step, impl)
     return (why,) if why else ()
