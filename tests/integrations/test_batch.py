@@ -79,8 +79,13 @@ def test_capped_and_bad_input():
 
 
 def test_exports():
-    assert set(trainmem.__all__) == {"guard", "largest_micro_batch"}
+    assert {"guard", "largest_micro_batch", "DoesNotFit"} <= set(trainmem.__all__)
+    from trainmem.integrations import DoesNotFit
+    assert DoesNotFit is trainmem.DoesNotFit  # one class, wherever it is imported from
     from trainmem.integrations import guard, largest_micro_batch
     assert trainmem.guard is guard and trainmem.largest_micro_batch is largest_micro_batch
     with pytest.raises(AttributeError):
         trainmem.nothing_here  # noqa: B018
+    import trainmem.integrations as integrations
+    for name in integrations.__all__:
+        assert getattr(integrations, name).__name__ == name

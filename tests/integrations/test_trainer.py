@@ -17,8 +17,8 @@ peft = pytest.importorskip("peft")
 from integrations_tiny import SEQ, Tokens, tiny_llama, training_args  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
+import trainmem  # noqa: E402
 from trainmem.errors import ConfigError, SpecError, UnsupportedError  # noqa: E402
-from trainmem.integrations.check import DoesNotFit  # noqa: E402
 from trainmem.integrations.hf import (TrainMemCallback, largest_batch_args, parallel_from_trainer,  # noqa: E402
                                       run_from_trainer, seq_from_dataset)
 from trainmem.integrations.read import TRAINER_OPTIMS, trainer_optim_of  # noqa: E402
@@ -91,7 +91,7 @@ def test_a_run_that_does_not_fit_stops_before_its_first_step_with_the_fix(tmp_pa
     model = tiny_llama("eager")
     cb = TrainMemCallback(gpu_memory=_too_small(tmp_path, model), on_oom="stop")
     trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=Tokens(), callbacks=[cb])
-    with caplog.at_level(logging.INFO, logger="trainmem"), pytest.raises(DoesNotFit) as info:
+    with caplog.at_level(logging.INFO, logger="trainmem"), pytest.raises(trainmem.DoesNotFit) as info:
         trainer.train()
     assert trainer.state.global_step == 0
     assert len(trainer.optimizer.state) == 0  # no optimizer step ran

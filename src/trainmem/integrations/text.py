@@ -35,7 +35,8 @@ def check_lines(check: Check) -> list[str]:
         lines.append("trainmem: no device memory to compare with (on CPU pass gpu= or gpu_memory=)")
     else:
         where = (f"usable {fmt_bytes(b.usable_bytes)} of {fmt_bytes(b.gpu.memory_bytes)} ({b.source}; reserve "
-                 f"{fmt_bytes(b.reserve.fixed_bytes)} + {b.reserve.fraction:.0%}, as plan and advise)")
+                 f"{fmt_bytes(b.reserve.fixed_bytes)} + {b.reserve.fraction:.0%}, as plan and advise"
+                 + ("; the reserve alone exceeds the capacity)" if b.usable_bytes <= 0 else ")"))
         if check.fits:
             lines.append(f"trainmem: fits: {where}")
         else:
