@@ -91,8 +91,8 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
     if step.optimizer == "adam8bit":
         raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
-        raise UnsupportedError(f"precision={step.precision!r} needs FSDP2, and a trace runs one device without it; "
-                               "trace amp-bf16 (what torchtitan runs without FSDP)")
+        raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
+                               "without it: use amp-bf16 (what torchtitan runs without FSDP)")
 
 
 @contextlib.contextmanager
