@@ -84,3 +84,15 @@ def test_guard_bad_options():
             trainmem.guard(model, opt, step, batch=2, seq=64, **kw)
         assert info.value.field == field
     assert calls == []
+
+
+def test_disagreement_beyond_the_tolerance_is_a_warning(caplog):
+    model = tiny_llama()
+    opt, step, _ = _loop(model)
+    with caplog.at_level(logging.INFO, logger="trainmem"):
+        # tolerance 0: the ~2 KB the meter does not see (the input batch, made before the step) is too much
+        report = trainmem.guard(model, opt, step, batch=2, seq=64, gpu="A100-40GB", tolerance=0.0, steps=2)
+    assert report.ratio != 1 and report.agrees is False
+    (line,) = [r.getMessage() for r in caplog.records if "measured/predicted" in r.getMessage()]
+    assert "OUTSIDE the 0% tolerance" in line
+    assert [r.levelno for r in caplog.records if "measured/predicted" in r.getMessage()] == [logging.WARNING]
