@@ -96,7 +96,15 @@ def _estimate(args) -> int:
         result = inference_estimate(model, step, impl, context=args.context or step.seq, block_size=args.block_size)
     else:
         result = estimate(model, step, impl, parallel_from_args(args), finetune=finetune_from_args(args))
-    write_outputs(result, args, title=f"trainmem estimate: {model.name}")
+    scaling = None
+    if getattr(args, "plot", None) and args.step_mode != "inference":  # the plot's memory-against-seq/batch panels
+        from trainmem.estimate.scaling import scaling_sweeps
+        from trainmem.report.plots import check_plot_path
+        from trainmem.report.progress import Progress
+        check_plot_path(args.plot)
+        with Progress("scaling") as bar:
+            scaling = scaling_sweeps(result, bar)
+    write_outputs(result, args, title=f"trainmem estimate: {model.name}", scaling=scaling)
     if args.json:
         out = result.to_dict()
         if files:

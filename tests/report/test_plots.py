@@ -6,14 +6,15 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from trainmem.errors import ConfigError
+from trainmem.errors import ConfigError, SpecError
+from trainmem.estimate.scaling import scaling_points, scaling_sweeps
 from trainmem.report.output import write_outputs
 
 from results import COMPARE, PLAN, SWEEP, TRACE, tiny_estimate
 
 pytest.importorskip("matplotlib")
 
-from trainmem.report.plots import estimate_points, figure_for, save_plot  # noqa: E402
+from trainmem.report.plots import figure_for, save_plot  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -29,26 +30,30 @@ def test_each_schema_as_png_and_svg(tmp_path, name, result):
     assert is_svg(save_plot(result, tmp_path / f"{name}.svg"))
 
 
-def test_estimate_object_gets_scaling_panels(tmp_path):
+def test_estimate_gets_scaling_panels_from_its_sweeps(tmp_path):
     e = tiny_estimate()
-    fig = figure_for(e)
+    scaling = scaling_sweeps(e)
+    fig = figure_for(e, scaling=scaling)
     titles = [ax.get_title() for ax in fig.axes]
     assert "memory against seq (points, fitted curves dashed)" in titles
     assert "memory against batch (points, fitted curves dashed)" in titles
-    out = save_plot(e, tmp_path / "e.svg")
+    out = save_plot(e, tmp_path / "e.svg", scaling=scaling)
     assert is_svg(out)
     # the SVG is reproducible: no date, fixed ids
-    assert out.read_bytes() == save_plot(e, tmp_path / "e2.svg").read_bytes()
+    assert out.read_bytes() == save_plot(e, tmp_path / "e2.svg", scaling=scaling).read_bytes()
+    # without sweeps the renderer computes none: the panels stay empty
+    titles = [ax.get_title() for ax in figure_for(e).axes]
+    assert "memory against seq (points, fitted curves dashed)" not in titles
 
 
-def test_estimate_points_match_the_estimator():
+def test_scaling_points_match_the_estimator():
     e = tiny_estimate()
-    sweep = estimate_points(e, "seq", [4, 8])
+    sweep = scaling_points(e, "seq", [4, 8])
     assert [p["value"] for p in sweep["points"]] == [4, 8]
     assert sweep["points"][0]["peak_bytes"] == e.peak_bytes
     assert sweep["points"][1]["peak_bytes"] == tiny_estimate(seq=8).peak_bytes
-    with pytest.raises(ConfigError, match="over='heads'"):
-        estimate_points(e, "heads", [1])
+    with pytest.raises(SpecError, match="over='heads'"):
+        scaling_points(e, "heads", [1])
 
 
 def test_bad_extension_writes_nothing(tmp_path):

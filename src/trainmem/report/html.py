@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainmem.estimate.peak import layer_of
+from trainmem.atomic import write_text_atomic
+from trainmem.names import layer_of
 from trainmem.report.units import fmt_bytes
 
 __all__ = ["to_html", "write_html", "html_fragment", "as_dict", "stacked_bars", "line_chart"]
@@ -665,7 +666,5 @@ def to_html(result: Any, *, title: str | None = None) -> str:
 
 def write_html(result: Any, path: str | Path, *, title: str | None = None) -> Path:
     """Write :func:`to_html` to ``path`` whole or not at all (a temporary file, then a rename)."""
-    from trainmem.report.output import readable, write_text_atomic
-
     write_text_atomic(path, to_html(result, title=title))
-    return readable(path)
+    return Path(path)

@@ -6,26 +6,18 @@ interrupted run (Ctrl-C, a crash) leaves the old file or none, never half of a n
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from trainmem.atomic import atomic_path, write_text_atomic
 
-__all__ = ["write_outputs", "atomic_path", "write_text_atomic", "readable"]
+__all__ = ["write_outputs", "atomic_path", "write_text_atomic"]
 
 
-def readable(path: str | os.PathLike) -> Path:
-    """Give a written file the usual permissions (the temporary file it came from was private)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-    return Path(path)
-
-
-def write_outputs(result: Any, args: Any, *, title: str | None = None) -> list[Path]:
+def write_outputs(result: Any, args: Any, *, title: str | None = None, scaling: dict | None = None) -> list[Path]:
     """Write ``args.html`` (a self-contained page) and ``args.plot`` (``.png`` or ``.svg``) for
     ``result`` (a trainmem result or its ``to_dict()``); missing attributes mean "not asked".
+    ``scaling``: an estimate's sweeps for its plot (:func:`trainmem.estimate.scaling.scaling_sweeps`).
     Returns the paths written."""
     written: list[Path] = []
     html_path = getattr(args, "html", None)
@@ -38,5 +30,5 @@ def write_outputs(result: Any, args: Any, *, title: str | None = None) -> list[P
         written.append(write_html(result, html_path, title=title))
     if plot_path:
         from trainmem.report.plots import save_plot
-        written.append(save_plot(result, plot_path))
+        written.append(save_plot(result, plot_path, scaling=scaling))
     return written

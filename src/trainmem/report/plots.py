@@ -2,28 +2,30 @@
 
 * :func:`plot_phases` -- the ledgers stacked in each phase of the step, the peak marked.
 * :func:`plot_scaling` -- memory against sequence length or micro-batch, points and fitted
-  curves, from a sweep's dict or computed with the estimator over a range.
+  curves, from a sweep's dict (an estimate's come from :mod:`trainmem.estimate.scaling`).
 * :func:`plot_timeline` -- a traced step: allocated bytes by category (or the total when only the
   JSON is at hand), phase bands and the peak.
 * :func:`plot_blocks`, :func:`plot_ranks` -- bytes per block and per rank class.
 * :func:`save_plot` -- the right figure for any result, written as PNG or SVG by the extension.
 
-Everything takes result objects or their ``to_dict()``. Figures are built without pyplot, so no
-window opens and no global state is touched.
+Everything takes result objects or their ``to_dict()`` and computes nothing: the estimator, the
+tracer and the sweeps run before. Figures are built without pyplot, so no window opens and no
+global state is touched.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from trainmem.atomic import atomic_path
 from trainmem.errors import ConfigError, PlotDependencyError
+from trainmem.names import layer_of
 from trainmem.report.html import COLORS, as_dict, color_of, fit_quadratic, kind_of
 from trainmem.report.units import fmt_bytes
 
 __all__ = ["save_plot", "figure_for", "plot_phases", "plot_blocks", "plot_ranks", "plot_scaling",
-           "plot_timeline", "plot_compare", "plot_plan", "estimate_points", "check_plot_path",
+           "plot_timeline", "plot_compare", "plot_plan", "check_plot_path",
            "PlotDependencyError", "FORMATS"]
 
 FORMATS = (".png", ".svg")
@@ -85,8 +87,6 @@ def plot_phases(result: Any, ax=None):
 
 def plot_blocks(result: Any, ax=None):
     """Bytes per Transformer block, stacked by ledger."""
-    from trainmem.estimate.peak import layer_of
-
     d = as_dict(result)
     fig, ax = _fig_ax(ax)
     per: dict[int, dict[str, int]] = {}
@@ -114,22 +114,6 @@ def plot_ranks(ranks: Sequence[dict], ax=None):
     ax.set_title("per rank class")
     _gib_axis(ax)
     return fig
-
-
-def estimate_points(estimate: Any, over: str, values: Sequence[int], progress=None) -> dict:
-    """A sweep-shaped dict (``trainmem.sweep/1`` points) from the estimator at each value of
-    ``over`` (``seq`` or ``batch``), every other input as in ``estimate``."""
-    from trainmem.estimate import estimate as run
-
-    if over not in ("seq", "batch"):
-        raise ConfigError(f"over={over!r}: must be seq or batch")
-    points = []
-    for i, v in enumerate(values):
-        e = run(estimate.model, replace(estimate.step, **{over: int(v)}), estimate.impl)
-        points.append({"value": int(v), "peak_bytes": e.peak_bytes, "totals_bytes": dict(e.totals_bytes)})
-        if progress is not None:
-            progress((i + 1) / len(values), f"{over}={v}")
-    return {"schema": "trainmem.sweep/1", "over": over, "backend": "estimate", "points": points}
 
 
 def plot_scaling(sweep: Any, ax=None):
@@ -170,25 +154,19 @@ def plot_scaling(sweep: Any, ax=None):
     return fig
 
 
-def _estimate_figure(result: Any):
-    """Phases, blocks, and (for an Estimate object) memory against seq and micro-batch; per rank
-    class when the estimate has ``ranks``."""
+def _estimate_figure(result: Any, scaling: dict | None = None):
+    """Phases, blocks, and memory against seq and micro-batch when ``scaling`` has those sweeps
+    (:func:`trainmem.estimate.scaling.scaling_sweeps`); per rank class when the estimate has
+    ``ranks``."""
     d = as_dict(result)
     rows = 3 if d.get("ranks") else 2
     fig, axes = _figure(2, rows, size=(13, 4 * rows))
     plot_phases(d, axes[0])
     plot_blocks(d, axes[1])
-    if hasattr(result, "model") and hasattr(result, "step"):
-        from trainmem.report.progress import Progress
-
-        s, b = result.step.seq, result.step.batch
-        top = result.model.max_positions or 8 * s  # learned positions cap the sequence
-        seqs = sorted({max(1, min(top, s * k // 4)) for k in range(1, 9)})
-        batches = sorted({max(1, b * k // 2) for k in range(1, 5)} | {1})
-        with Progress("scaling") as bar:
-            plot_scaling(estimate_points(result, "seq", seqs, bar), axes[2])
-            plot_scaling(estimate_points(result, "batch", batches, bar), axes[3])
-    else:  # a dict cannot be re-estimated
+    if scaling:
+        plot_scaling(scaling["seq"], axes[2])
+        plot_scaling(scaling["batch"], axes[3])
+    else:
         for ax in axes[2:4]:
             ax.set_axis_off()
     if d.get("ranks"):
@@ -205,27 +183,8 @@ TIMELINE_POINTS = 1500
 
 def _category_timeline(result: Any) -> tuple[list[int], dict[str, list[int]]] | None:
     """Allocated bytes per category along the step, from a TraceResult that kept its recording."""
-    rec = getattr(result, "recording", None)
-    if rec is None:
-        return None
-    from trainmem.trace.result import categorize
-
-    cats = [c.value for c in categorize(rec)]
-    names = list(dict.fromkeys(cats))
-    live = dict.fromkeys(names, 0)
-    events = rec.events
-    base = rec.baseline
-    step = max(1, (len(events) - base) // TIMELINE_POINTS)
-    xs: list[int] = []
-    ys: dict[str, list[int]] = {n: [] for n in names}
-    for i, e in enumerate(events):
-        b = rec.blocks[e if e >= 0 else ~e]
-        live[cats[b.id]] += b.size if e >= 0 else -b.size
-        if i >= base and (i - base) % step == 0:
-            xs.append(i - base)
-            for n in names:
-                ys[n].append(live[n])
-    return xs, ys
+    timeline = getattr(result, "category_timeline", None)
+    return timeline(TIMELINE_POINTS) if timeline is not None else None
 
 
 def plot_timeline(trace: Any, ax=None):
@@ -317,13 +276,13 @@ def _fig_ax(ax, size: tuple[float, float] = (9, 4.5)):
     return fig, axes[0]
 
 
-def figure_for(result: Any):
-    """The figure that suits ``result``: an estimate's phases, blocks and scaling; a trace's
+def figure_for(result: Any, *, scaling: dict | None = None):
+    """The figure that suits ``result``: an estimate's phases, blocks and ``scaling``; a trace's
     timeline; a sweep's scaling curves; a comparison; a plan's candidates."""
     d = as_dict(result)
     kind = kind_of(d)
     if kind == "estimate":
-        return _estimate_figure(result)
+        return _estimate_figure(result, scaling)
     if kind == "trace":
         return plot_timeline(result)
     if kind == "sweep":
@@ -337,15 +296,13 @@ def figure_for(result: Any):
     raise ConfigError(f"no plot for a result of schema {d.get('schema')!r}")
 
 
-def save_plot(result: Any, path: str | Path) -> Path:
+def save_plot(result: Any, path: str | Path, *, scaling: dict | None = None) -> Path:
     """Write :func:`figure_for` ``result`` to ``path`` (``.png`` or ``.svg``) whole or not at all."""
     fmt = check_plot_path(path)
-    fig = figure_for(result)
+    fig = figure_for(result, scaling=scaling)
     from matplotlib import rc_context
-
-    from trainmem.report.output import atomic_path, readable
 
     # a fixed hash salt and no date keep SVG output byte-identical between runs
     with rc_context({"svg.hashsalt": "trainmem"}), atomic_path(path) as tmp:
         fig.savefig(tmp, format=fmt, dpi=110, metadata={"Date": None} if fmt == "svg" else {"Software": None})
-    return readable(path)
+    return Path(path)

@@ -4,11 +4,14 @@ formulas, and the phases with the peak."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from trainmem.estimate import Estimate
-from trainmem.estimate.peak import layer_of
 from trainmem.inventory import LEDGERS, Category
+from trainmem.names import layer_of
 from trainmem.report.units import fmt_bytes
+
+if TYPE_CHECKING:  # renderers take results; they never import the estimator
+    from trainmem.estimate import Estimate
 
 __all__ = ["render_estimate", "render_comparison"]
 

@@ -87,6 +87,28 @@ class TraceResult:
     meta: dict = field(default_factory=dict)
     recording: R.Recording | None = field(default=None, repr=False, compare=False)
 
+    def category_timeline(self, points: int = 1500) -> tuple[list[int], dict[str, list[int]]] | None:
+        """Allocated bytes per category along the step (about ``points`` samples after the
+        baseline), or None when the recording was not kept."""
+        rec = self.recording
+        if rec is None:
+            return None
+        cats = [c.value for c in categorize(rec)]
+        names = list(dict.fromkeys(cats))
+        live = dict.fromkeys(names, 0)
+        base = rec.baseline
+        step = max(1, (len(rec.events) - base) // points)
+        xs: list[int] = []
+        ys: dict[str, list[int]] = {n: [] for n in names}
+        for i, e in enumerate(rec.events):
+            b = rec.blocks[e if e >= 0 else ~e]
+            live[cats[b.id]] += b.size if e >= 0 else -b.size
+            if i >= base and (i - base) % step == 0:
+                xs.append(i - base)
+                for n in names:
+                    ys[n].append(live[n])
+        return xs, ys
+
     def to_dict(self, *, timeline: bool = True) -> dict:
         out = {
             "schema": SCHEMA,
