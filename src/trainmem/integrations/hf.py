@@ -12,7 +12,8 @@ summary, WARNING when it does not fit or disagrees; and a ``trainmem/*`` entry i
 ``state.log_history``, saved in ``trainer_state.json``).
 
 What is read, and from where:
-  - micro-batch ``per_device_train_batch_size``, ``gradient_accumulation_steps``;
+  - micro-batch ``state.train_batch_size`` (``per_device_train_batch_size``, lowered by
+    ``auto_find_batch_size``), ``gradient_accumulation_steps``;
   - sequence length: ``seq=``, else the first training example's ``input_ids`` (noted);
   - precision: the parameters' dtype, under autocast when ``bf16``/``fp16`` is set;
   - recompute: the per-layer checkpointing flags on the model (or FSDP's ``activation_checkpointing``);
