@@ -37,6 +37,7 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("tracer vs MemTracker", ["trace_vs_memtracker.py", *(["--seq", "1024"] if quick else [])],
          "trace_vs_memtracker.md"),
         ("accuracy grid", ["accuracy_grid.py", *(["--quick"] if quick else [])], "accuracy_grid.md"),
+        ("published GPU figures", ["published/run.py"], "published.md"),
     ]
     if _cuda():
         runs.append(("GPU validation", ["gpu_validate.py", *(["--limit", "4"] if quick else [])], "gpu_validate.md"))

@@ -1,0 +1,69 @@
+"""bench/published: every case is well formed, and run.py runs cases end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_module():
+    spec = importlib.util.spec_from_file_location("published_run", ROOT / "bench" / "published" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up here
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run = _run_module()
+
+
+def test_cases_are_valid_and_enough():
+    cases = run.load_cases()
+    assert len(cases) >= 30
+    for c in cases:
+        assert c["source"]["quote"].strip()
+        if "/" in c["model_arg"]:
+            assert (ROOT / c["model_arg"]).is_file(), c["id"]
+
+
+def test_a_bad_case_names_its_id_and_field(tmp_path):
+    doc = json.loads(run.CASES.read_text())
+    doc["cases"][0]["figure"]["bytes"] += 1
+    bad = tmp_path / "cases.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=doc["cases"][0]["id"] + ": figure.bytes"):
+        run.load_cases(bad)
+
+
+def test_two_cases_run_and_one_refusal_is_an_outcome():
+    cases = {c["id"]: c for c in run.load_cases()}
+    ok = run.run_case(cases["litgpt-rt-stablelm3b-lora-mb1"])
+    assert ok.status == "ok" and ok.predicted_bytes > 0
+    assert ok.ratio == ok.predicted_bytes / 9_690_000_000  # 9.69 GB, decimal, as lit-gpt prints it
+    refused = run.run_case(cases["litgpt-rt-phi1.5-lora-mb1"])
+    assert refused.status == "refused" and refused.predicted_bytes is None
+    assert "model_type='phi'" in refused.reason
+
+
+def test_summary_arithmetic():
+    class O:  # the two attributes summarize reads
+        def __init__(self, r):
+            self.ratio, self.status = r, "ok"
+
+    s = run.summarize([O(0.95), O(1.05), O(1.2), O(0.5)])
+    # sorted 0.5, 0.95, 1.05, 1.2 -> median (0.95 + 1.05) / 2 = 1.0; worst |0.5 - 1| = 0.5
+    assert s["median_ratio"] == pytest.approx(1.0) and s["worst_ratio"] == 0.5
+    assert s["within_10pct"] == 0.5 and s["within_25pct"] == 0.75
+    assert (s["under"], s["over"]) == (2, 2)
+
+
+def test_only_prints_without_writing(capsys):
+    assert run.main(["--only", "litgpt-rt-stablelm3b-lora-mb1"]) == 0
+    assert "litgpt-rt-stablelm3b-lora-mb1" in capsys.readouterr().out
+    assert run.main(["--only", "no-such-case"]) == 2
