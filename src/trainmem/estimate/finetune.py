@@ -47,6 +47,8 @@ from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
+from trainmem.estimate.state_items import optimizer_state_items as _states
+from trainmem.estimate.state_items import state_item as _item
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.specs import ModelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec, parse_layer_range
@@ -253,7 +255,6 @@ def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> li
 
 def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -> list[MemoryItem]:
     """Model states under fine-tuning, one item per parameter and ledger (see module docstring)."""
-    from trainmem.estimate.model_states import _item, _states
 
     d = step.dtypes
     pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
@@ -285,7 +286,6 @@ def _adapter_items(name: str, shape: tuple[int, int], step: StepSpec, spec: Fine
     """An adapter weight: grads like the weight; fp32 master and fp32 optimizer states only for a
     16-bit adapter under a master-weight recipe; otherwise states follow the weight (torch's AdamW
     keeps ``zeros_like(param)``)."""
-    from trainmem.estimate.model_states import _item, _states
 
     d = step.dtypes
     dt = _adapter_dtype(spec, step)

@@ -15,48 +15,12 @@ from dataclasses import replace
 import re
 
 from trainmem.estimate.params import parameter_shapes
+from trainmem.estimate.state_items import optimizer_state_items as _states
+from trainmem.estimate.state_items import state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 from trainmem.specs import ModelSpec, StepSpec
 
 __all__ = ["model_state_items", "optimizer_step_transient_bytes", "optimizer_transient"]
-
-_BNB_BLOCK = 256
-_BNB_MIN_8BIT = 4096
-
-
-def _item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
-    n = math.prod(shape) if numel is None else numel
-    return MemoryItem.make(name, category, tuple(shape), dtype, int(n * dtype_bytes(dtype)), formula)
-
-
-def _states(name: str, shape: tuple[int, ...], step: StepSpec, dt: str | None = None) -> list[MemoryItem]:
-    opt, dt = step.optimizer, dt or step.dtypes.state  # dt: LoRA adapters keep states like their weights
-    b = dtype_bytes(dt)
-    n = math.prod(shape)
-    S = Category.OPTIMIZER_STATE
-    if opt in ("adamw", "adam"):
-        return [_item(f"{name}.exp_avg", S, shape, dt, f"numel·{b:g}"),
-                _item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
-    if opt == "sgd-momentum":
-        return [_item(f"{name}.momentum_buffer", S, shape, dt, f"numel·{b:g}")]
-    if opt == "sgd":
-        return []
-    if opt == "adafactor":
-        if len(shape) >= 2:
-            row, col = shape[:-1], shape[:-2] + shape[-1:]
-            return [_item(f"{name}.exp_avg_sq_row", S, row, dt, f"rows·{b:g}"),
-                    _item(f"{name}.exp_avg_sq_col", S, col, dt, f"cols·{b:g}")]
-        return [_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
-    # adam8bit
-    if n < _BNB_MIN_8BIT:
-        return [_item(f"{name}.state1", S, shape, "float32", "numel·4"),
-                _item(f"{name}.state2", S, shape, "float32", "numel·4")]
-    blocks = -(-n // _BNB_BLOCK)
-    return [_item(f"{name}.state1", S, shape, "uint8", "numel·1"),
-            _item(f"{name}.state2", S, shape, "uint8", "numel·1"),
-            _item(f"{name}.absmax1", S, (blocks,), "float32", "⌈numel/256⌉·4"),
-            _item(f"{name}.absmax2", S, (blocks,), "float32", "⌈numel/256⌉·4")]
-
 
 def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[MemoryItem]:
     """One item per parameter and ledger, named ``<parameter name>[.<state>]``.
@@ -130,7 +94,7 @@ def optimizer_transient(model: ModelSpec, step: StepSpec, states, finetune=None)
     The single-device and the per-rank estimates both call this one rule."""
     if finetune is None:
         return optimizer_step_transient_bytes(model, step)
-    from trainmem.estimate.finetune import finetune_optimizer_transient  # finetune imports this module
+    from trainmem.estimate.finetune import finetune_optimizer_transient
     return finetune_optimizer_transient(list(states), step)
 
 
