@@ -25,8 +25,9 @@ class Tracer:
         context and the baseline; tensors made before entry and not registered are invisible.
       - Module attribution in backward follows torch's ModTracker: a module whose inputs need
         no gradient stays active until backward ends (its post-backward hook cannot fire).
-      - Data-dependent ops (MoE routing with ``nonzero``) cannot run on fake tensors: trace
-        such models with real tensors.
+      - Data-dependent ops (``nonzero``, ``item``) cannot run on fake tensors. ``trace_step``
+        fixes MoE routing first (:mod:`trainmem.trace.routing`); around your own model, use the
+        same ``force_routing`` and ``ConcreteInts``, or real tensors.
     """
 
     def __init__(self, model=None, optimizer=None, *, inputs: Iterable = (), meta: dict | None = None,
