@@ -10,7 +10,7 @@ from trainmem.plan.advise import Advice, AdviceStep, advise
 from trainmem.plan.cost import CostModel, StepTime, step_time
 from trainmem.plan.explain import Answer, Explanation, explain
 from trainmem.plan.hardware import GPU, Reserve, list_gpus, load_gpu, parse_size
-from trainmem.plan.ranks import parallel_source, per_rank_peak
+from trainmem.plan.ranks import per_rank_peak
 from trainmem.plan.search import Candidate, Plan, SearchSpace, plan
 
 __all__ = [
@@ -19,5 +19,5 @@ __all__ = [
     "explain", "Explanation", "Answer",
     "GPU", "Reserve", "list_gpus", "load_gpu", "parse_size",
     "CostModel", "StepTime", "step_time",
-    "per_rank_peak", "parallel_source",
+    "per_rank_peak",
 ]

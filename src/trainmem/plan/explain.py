@@ -15,7 +15,7 @@ from trainmem.estimate.inference import inference_estimate
 from trainmem.estimate.params import count_parameters
 from trainmem.inventory import Category
 from trainmem.plan.hardware import GPU, Reserve
-from trainmem.plan.ranks import parallel_source, per_rank_peak
+from trainmem.plan.ranks import per_rank_peak
 from trainmem.report.units import fmt_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.trace.allocator import round_size
@@ -153,7 +153,7 @@ def zero_stages(model, step, impl, e: Estimate, ranks: int) -> Answer:
                  "activation": A}
         shard["peak_bytes"] = per_rank_peak(model, step, impl, ParallelSpec(dp=ranks, zero=z))
         stages[f"zero{z}"] = shard
-    nums = {"ranks": ranks, "stages": stages, "peak_source": parallel_source()}
+    nums = {"ranks": ranks, "stages": stages, "peak_source": "estimator"}
     z0, z3 = stages["zero0"], stages["zero3"]
     text = (f"Over {ranks} data-parallel ranks: ZeRO-1 shards optimizer states and master weights "
             f"({fmt_bytes(O + M)} → {fmt_bytes(stages['zero1']['optimizer_state'] + stages['zero1']['master_weight'])} "

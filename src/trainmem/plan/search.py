@@ -306,10 +306,8 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
              finetune=None) -> Candidate:
     """The shortlisted configuration through :func:`per_rank_peak` (the estimator's own parallel
     accounting when it has one)."""
-    from trainmem.plan.ranks import per_rank_peak, parallel_source
+    from trainmem.plan.ranks import per_rank_peak
 
-    if parallel_source() == "first-order":
-        return c
     cfg = c.config
     step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
     impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
