@@ -42,7 +42,7 @@ REQUIRED = {
 SOURCE_KEYS = ("url", "repo", "path", "commit", "quote")
 FIGURE_KEYS = ("value", "unit", "bytes", "measures", "compare")
 COMPARE_KINDS = ("allocated", "reserved", "unclear")
-UNIT_BYTES = {"GiB": 2**30, "GB": 10**9}
+UNIT_BYTES = {"GiB": 2**30, "GB": 10**9, "bytes": 1}
 CLARITIES = ("clear", "partial")
 
 
@@ -132,12 +132,17 @@ def summarize(outcomes: list[Outcome]) -> dict:
     }
 
 
-def mechanism_ranking(cases: list[dict]) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for c in cases:
-        for m in c["unmodelled"]:
-            counts[m] = counts.get(m, 0) + 1
-    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+def mechanism_ranking(outcomes: list[Outcome]) -> list[tuple[str, int, float | None]]:
+    """(mechanism, cases it appears in, median ratio of those cases that ran), most cases first."""
+    cases: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        for m in o.case["unmodelled"]:
+            cases.setdefault(m, []).append(o)
+    rows = []
+    for m, os_ in cases.items():
+        ratios = [o.ratio for o in os_ if o.status == "ok"]
+        rows.append((m, len(os_), statistics.median(ratios) if ratios else None))
+    return sorted(rows, key=lambda r: (-r[1], r[0]))
 
 
 def _gib(b: int | None) -> str:
@@ -186,7 +191,10 @@ def render(outcomes: list[Outcome], summaries: dict, ranking, stamp: str) -> str
         lines += ["", "Doubtful figures (shown above, summarized apart):", "",
                   *(f"- {c['id']}: {c['doubt']}" for c in doubts)]
     lines += ["", "## Unmodelled mechanisms, by the number of cases each affects", "",
-              "| mechanism | cases |", "|---|---:|", *(f"| {m} | {n} |" for m, n in ranking), ""]
+              "A case usually has several; the median ratio is over every case the mechanism appears in, so it "
+              "mixes their effects.", "",
+              "| mechanism | cases | median ratio of those cases |", "|---|---:|---:|",
+              *(f"| {m} | {n} | {'—' if r is None else f'{r:.3f}'} |" for m, n, r in ranking), ""]
     return "\n".join(lines)
 
 
@@ -225,14 +233,15 @@ def main(argv=None) -> int:
                                             and comparison_kind(o.case) == "allocated"]),
     }
     stamp = f"Run {time.strftime('%Y-%m-%d %H:%M %Z')}, trainmem commit {_commit()}, `python bench/published/run.py`."
-    text = render(outcomes, summaries, mechanism_ranking(cases), stamp)
+    ranking = mechanism_ranking(outcomes)
+    text = render(outcomes, summaries, ranking, stamp)
     print(text)
     if not args.only:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "published.md").write_text(text)
         (RESULTS / "published.json").write_text(json.dumps({
             "schema": "trainmem.published-results/1", "stamp": stamp, "summaries": summaries,
-            "mechanisms": mechanism_ranking(cases),
+            "mechanisms": [{"mechanism": m, "cases": n, "median_ratio": r} for m, n, r in ranking],
             "cases": [{"id": o.case["id"], "status": o.status, "reason": o.reason, "kind": comparison_kind(o.case),
                        "published_bytes": o.case["figure"]["bytes"], "trainmem_bytes": o.predicted_bytes,
                        "doubt": o.case.get("doubt", ""),
