@@ -29,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args, add_routing_arg
+    from trainmem.cliargs import (_int, add_finetune_args, add_model_step_args, add_optimizer_args, add_parallel_args,
+                                  add_routing_arg)
     from trainmem.inputs import add_input_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--summary", action="store_true", help="one-screen summary")
     _add_output_args(est)
     add_routing_arg(est)
+    add_optimizer_args(est)
     add_input_args(est)  # last: it marks the other options' defaults
     add_finetune_args(est)
     est.set_defaults(func=_estimate)
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/1)")
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
     _add_output_args(cmp)
+    add_optimizer_args(cmp)
     cmp.set_defaults(func=_compare)
     snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
     snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")

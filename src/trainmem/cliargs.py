@@ -72,6 +72,19 @@ def add_routing_arg(p: argparse.ArgumentParser) -> None:
                         "fraction F of the tokens choose the same k experts (skewed:F), or all do (worst)")
 
 
+def add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    """--optimizer-impl, --optimizer-in-backward: how and where ``optimizer.step()`` runs
+    (``ImplSpec.optimizer_impl`` / ``optimizer_in_backward``)."""
+    from trainmem.specs.impl import OPTIMIZER_IMPLS
+
+    p.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=spec_default(ImplSpec, "optimizer_impl"),
+                   help="foreach (a parameter-sized temporary), fused (none), for-loop (per tensor), or auto: "
+                        "torch's default on --device (foreach on cuda, for-loop on cpu)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter in its gradient hook (torchtune's optimizer_in_bwd): gradients "
+                        "are never all alive; needs --grad-accum 1")
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
@@ -93,8 +106,11 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
+    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward")  # add_optimizer_args
+             if hasattr(args, k)}
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device, **{**routing, **spec_fields(args, "impl")})
+                    recompute_every=every or 1, device=args.device,
+                    **{**routing, **optim, **spec_fields(args, "impl")})
     return step, impl
 
 

@@ -89,7 +89,8 @@ def test_commands_and_estimate_flags_are_frozen():
         "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
         "--fsdp", "--fsdp-group", "--grad-accum", "--help", "--html", "--json", "--layer-split", "--lora-alpha",
         "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args", "--microbatches", "--mode",
-        "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--plot", "--pp", "--precision",
+        "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--optimizer-impl",
+        "--optimizer-in-backward", "--plot", "--pp", "--precision",
         "--profile", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
         "--torchtitan", "--tp", "--tree", "--virtual-stages", "--zero"]
 

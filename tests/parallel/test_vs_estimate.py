@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 TOL = 0.05
 LEDGERS = ("parameter", "gradient", "optimizer_state")
 STEP = StepSpec(batch=B, seq=S, precision="fp32", optimizer="adamw")
-IMPL = ImplSpec(device="cpu", attention="sdpa")
+IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")  # the workers step foreach AdamW
 
 PARALLEL = {
     "ddp": ParallelSpec(dp=2),

@@ -105,6 +105,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
                                                      "without FSDP torchtitan autocasts: amp-bf16")
     if parallel is not None and not parallel.is_single:
+        if impl.optimizer_in_backward:
+            raise SpecError("optimizer_in_backward", True, "is modelled on one device only (no --dp/--tp/--pp/--zero/--fsdp)")
         ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
         worst = max(ranks, key=lambda r: r.peak_bytes)
         return Estimate(model, step, impl, worst.inventory, worst.phases, parallel=parallel,
@@ -129,8 +131,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
-        optimizer_transient=optimizer_transient(model, step, states, finetune),
+        optimizer_transient=optimizer_transient(model, step, states, finetune, impl),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
+        optimizer_in_backward=impl.optimizer_in_backward,
     )
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune))

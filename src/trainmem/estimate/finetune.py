@@ -45,6 +45,7 @@ from typing import Callable
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Sym
+from trainmem.estimate.optimizer_step import Stepped
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
 from trainmem.estimate.state_items import optimizer_state_items as _states
@@ -301,24 +302,23 @@ def _adapter_items(name: str, shape: tuple[int, int], step: StepSpec, spec: Fine
     return out
 
 
-def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec) -> tuple[int, str]:
-    """``optimizer_step_transient_bytes`` over the parameters that train: fp32 gradient copies for
-    each master weight, foreach ``sqrt(exp_avg_sq)`` like every ``exp_avg_sq``, Adafactor's two
-    temporaries of the largest trainable parameter."""
-    extra, why = 0, []
-    masters = sum(i.bytes for i in items if i.category is Category.MASTER_WEIGHT)
-    if masters:
-        extra += masters
-        why.append("fp32 gradient copies of trainable parameters (numel·4)")
-    if step.optimizer in ("adamw", "adam"):
-        extra += sum(i.bytes for i in items if i.name.endswith(".exp_avg_sq"))
-        why.append("foreach sqrt(exp_avg_sq) of trainable parameters")
-    elif step.optimizer == "adafactor":
-        grads = [i.bytes for i in items if i.category is Category.GRADIENT]
-        sb = dtype_bytes(step.dtypes.state) / dtype_bytes(step.dtypes.grad)
-        extra += int(2 * max(grads, default=0) * sb)
-        why.append("2 × largest trainable parameter")
-    return extra, " + ".join(why) or "in-place update"
+def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec, impl=None) -> tuple[int, str]:
+    """``optimizer_step_transient_bytes`` over the parameters that train: the tensors stepped are
+    each trainable parameter's fp32 master when it has one, else the parameter itself."""
+    from trainmem.estimate.model_states import recipe_transient
+    from trainmem.specs import ImplSpec
+
+    by_name = {i.name: i for i in items}
+    stepped = [by_name.get(f"{n}.master", by_name.get(n)) for n in
+               (i.name.removesuffix(".grad") for i in items if i.category is Category.GRADIENT)]
+    stepped = [i for i in stepped if i is not None]
+    if not stepped:
+        return 0, "nothing trains"
+    big = max(stepped, key=lambda i: i.bytes)
+    total = Stepped(sum(i.bytes for i in stepped), tuple(i.bytes for i in stepped), dtype_bytes(big.dtype))
+    masters = sum(i.bytes for i in stepped if i.category is Category.MASTER_WEIGHT)
+    extra, why = recipe_transient(step, impl or ImplSpec(), total, masters)
+    return extra, f"{why} (trainable parameters)"
 
 
 # QLoRA's dequantization temporaries -------------------------------------------------------------------

@@ -18,7 +18,8 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
-from trainmem.specs import ModelSpec, StepSpec
+from trainmem.estimate.optimizer_step import Stepped, in_backward_temporaries, step_temporaries
+from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
 __all__ = ["model_state_items", "optimizer_step_transient_bytes", "optimizer_transient"]
 
@@ -88,44 +89,52 @@ def _items_for(shapes: list[tuple[str, tuple[int, ...]]], step: StepSpec) -> lis
     return out
 
 
-def optimizer_transient(model: ModelSpec, step: StepSpec, states, finetune=None) -> tuple[int, str]:
+def optimizer_transient(model: ModelSpec, step: StepSpec, states, finetune=None,
+                        impl: ImplSpec | None = None) -> tuple[int, str]:
     """Temporaries of ``optimizer.step()`` over the parameters that train: every parameter, or,
     when fine-tuning, those with optimizer states among ``states`` (the whole model's state items).
     The single-device and the per-rank estimates both call this one rule."""
     if finetune is None:
-        return optimizer_step_transient_bytes(model, step)
+        return optimizer_step_transient_bytes(model, step, impl)
     from trainmem.estimate.finetune import finetune_optimizer_transient
-    return finetune_optimizer_transient(list(states), step)
+    return finetune_optimizer_transient(list(states), step, impl)
 
 
-def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec) -> tuple[int, str]:
+def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec, impl: ImplSpec | None = None) -> tuple[int, str]:
     """Temporaries alive during ``optimizer.step()`` and the rule they come from.
 
-    foreach AdamW/Adam (CUDA's default) materializes ``sqrt(exp_avg_sq)`` for every parameter at
-    once: one state-sized copy of all parameters. Mixed precision first makes fp32 copies of the
-    16-bit gradients for the fp32 optimizer. SGD's foreach update is in place. Adafactor's
-    per-parameter loop holds about two temporaries of the largest parameter.
+    Mixed precision first makes fp32 copies of the 16-bit gradients for the fp32 optimizer; the
+    step's own temporaries depend on the optimizer and its implementation
+    (``estimate/optimizer_step.py``: foreach AdamW holds ``sqrt(exp_avg_sq)`` of every parameter,
+    the for-loop those of one tensor and its neighbour, fused nothing). With the optimizer in backward
+    these are one parameter's (see :func:`stepped_of_model`).
     """
+    stepped = stepped_of_model(model, step)
+    return recipe_transient(step, impl or ImplSpec(), stepped, stepped.total_bytes if step.dtypes.master else 0)
+
+
+def stepped_of_model(model: ModelSpec, step: StepSpec) -> Stepped:
+    """Total and per-tensor bytes of the tensors the optimizer steps (states' dtype: fp32 masters
+    under a master-weight recipe, else the parameters)."""
     two = _two_block_shapes(model)
     prefix, blocks = _block_prefix(two)
     if prefix is None or model.num_layers <= 2:
         sizes = [math.prod(s) for _, s in parameter_shapes(model)]
-        total, largest = sum(sizes), max(sizes)
-    else:  # blocks are alike: outside + num_layers × one block
+        total = sum(sizes)
+    else:  # blocks are alike: outside + num_layers × one block; two blocks show every neighbour
         own = sum(math.prod(s) for n, s in two if not n.startswith(prefix))
         block = sum(math.prod(s) for n, s in two if n.startswith(f"{prefix}0."))
         total = own + model.num_layers * block
-        largest = max(math.prod(s) for _, s in two)
-    d = step.dtypes
-    sb = dtype_bytes(d.state)
-    extra, why = 0, []
-    if d.master:
-        extra += total * 4
-        why.append("fp32 gradient copies (numel·4)")
-    if step.optimizer in ("adamw", "adam"):
-        extra += int(total * sb)
-        why.append(f"foreach sqrt(exp_avg_sq) (numel·{sb:g})")
-    elif step.optimizer == "adafactor":
-        extra += int(2 * largest * sb)
-        why.append(f"2 × largest parameter (max_numel·{2 * sb:g})")
-    return extra, " + ".join(why) or "in-place update"
+        sizes = [math.prod(s) for _, s in two]
+    sb = dtype_bytes(step.dtypes.state)
+    return Stepped(int(total * sb), tuple(int(n * sb) for n in sizes), sb)
+
+
+def recipe_transient(step: StepSpec, impl: ImplSpec, stepped: Stepped, grad_copy_bytes: int = 0) -> tuple[int, str]:
+    """The optimizer's temporaries (:mod:`trainmem.estimate.optimizer_step`) plus the fp32
+    gradient copies a master-weight recipe makes for it (``grad_copy_bytes``, as large as the masters)."""
+    rule = in_backward_temporaries if impl.optimizer_in_backward else step_temporaries
+    extra, why = rule(step, impl, stepped)
+    if grad_copy_bytes:
+        return grad_copy_bytes + extra, f"fp32 gradient copies (numel·4) + {why}"
+    return extra, why

@@ -278,7 +278,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
         full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
-        tb, rule = optimizer_transient(model, step, states, finetune)  # the single-device rule, whole model
+        tb, rule = optimizer_transient(model, step, states, finetune, impl)  # the single-device rule, whole model
         if "optimizer" in par.offload:
             tb, rule = 0, "optimizer step runs on the host (offloaded)"
         elif full_state:

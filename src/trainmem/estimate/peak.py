@@ -14,6 +14,14 @@ Phases of a steady-state step (optimizer state exists; gradients were zeroed wit
 
 With gradient accumulation, gradients exist from the second micro-batch on, so they are
 counted in every phase (the peak does not grow with the number of micro-batches).
+
+With the optimizer in backward (torchtune's ``optimizer_in_bwd``: each parameter steps in its
+post-accumulate-grad hook, which then frees the gradient) no phase holds the gradients and the
+``optimizer`` phase is replaced by ``step_in_backward``: the largest parameter's gradient and
+step temporaries, taken at the head (its gradient arrives while every activation is alive; the
+log-softmax gradient that produced it is alive until the step starts, the head's input gradient
+throughout). A tied or embedding-sized parameter stepped later, with fewer activations alive,
+costs less: the phase is an upper bound there.
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ class LayerStats:
     largest: dict[int, int] = field(default_factory=dict)
     grad_layer: dict[int, int] = field(default_factory=dict)
     head_act: int = 0
+    loss_act: int = 0
+    largest_grad: int = 0
 
     def add(self, it: MemoryItem, li: int | None, times: int = 1) -> None:
         self.by_cat[it.category] = self.by_cat.get(it.category, 0) + it.bytes * times
@@ -73,8 +83,12 @@ class LayerStats:
                 self.largest[li] = max(self.largest.get(li, 0), it.bytes)
             elif it.name.startswith(_HEAD):
                 self.head_act += it.bytes
-        elif it.category is Category.GRADIENT and li is not None:
-            self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
+                if it.name.startswith("loss."):
+                    self.loss_act += it.bytes
+        elif it.category is Category.GRADIENT:
+            self.largest_grad = max(self.largest_grad, it.bytes)
+            if li is not None:
+                self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
 
 
 _HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.",
@@ -92,6 +106,8 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]
         for it in r.items:
             st.by_cat[it.category] = st.by_cat.get(it.category, 0) + it.bytes * len(r.dsts)
+            if it.category is Category.GRADIENT:
+                st.largest_grad = max(st.largest_grad, it.bytes)
             li = layer_of(it.name)
             if li is None:
                 continue
@@ -116,11 +132,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            loss_dtype: str, loss: str, grad_accum: int, recompute_bytes: dict[int, tuple[int, int]],
            optimizer_transient: tuple[int, str], residual_bytes: int,
            persistent: dict[str, int] | None = None,
-           working: dict[str, int] | dict[str, dict[str, int]] | None = None) -> list[Phase]:
+           working: dict[str, int] | dict[str, dict[str, int]] | None = None,
+           optimizer_in_backward: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
-    for every such phase or a dict per phase name."""
+    for every such phase or a dict per phase name. ``optimizer_in_backward``: the optimizer
+    steps each parameter inside backward and ``optimizer_transient`` is one parameter's."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -129,6 +147,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     by_cat, act_layer, largest, grad_layer, head_act = st.by_cat, st.act_layer, st.largest, st.grad_layer, st.head_act
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
+    stored_G = 0 if optimizer_in_backward else G  # gradients that outlive their hook
     M = by_cat.get(Category.MASTER_WEIGHT, 0)
     O = by_cat.get(Category.OPTIMIZER_STATE, 0)
     A = by_cat.get(Category.ACTIVATION, 0)
@@ -164,15 +183,27 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         rec, rec_big = recompute_bytes.get(last, (0, 0))
         big = max(largest[last], rec_big)
         work = rec + residual_bytes + big
-        g_now = G if grad_accum > 1 else grads_head
+        g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else 0
         add("backward", {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work},
             "backward of the last block: head gradients, remaining activations, recomputed "
             "block activations, the output gradient and the gradient of its largest tensor")
-    add("backward_end", {"gradients": G, "activations": A - head_act - sum(act_layer.values()),
+    add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()),
                          "work": residual_bytes},
-        "all gradients exist, block activations freed")
+        "all gradients exist, block activations freed" if not optimizer_in_backward
+        else "gradients were stepped and freed in backward, block activations freed")
     tb, rule = optimizer_transient
-    add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
+    if not optimizer_in_backward:
+        add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
+        return out
+    # the head's weight gradient exists next to the log-softmax gradient that produced it; by its
+    # hook that gradient and the head's saved input (residual-sized) are freed, the loss's are too
+    lsm_grad = int(BSV * dtype_bytes(loss_dtype)) if loss == "ce" else 0
+    at_mm = lsm_grad >= tb - residual_bytes
+    held = {"logits_grad": lsm_grad} if at_mm else {"optimizer_temporaries": tb}
+    acts = A - st.loss_act - (0 if at_mm else residual_bytes)
+    add("step_in_backward", {"activations": acts, "work": residual_bytes, "gradients": st.largest_grad, **held},
+        f"largest parameter stepped in its gradient hook while activations are alive: {rule}; "
+        "the larger of its temporaries and the log-softmax gradient that produced it")
     return out
 
 

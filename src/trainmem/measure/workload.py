@@ -205,7 +205,7 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
     model.train()
     if not reference:
         _enable_recompute(model, impl)
-    params, masters, optimizer = make_optimizer_for(model, step)
+    params, masters, optimizer = make_optimizer_for(model, step, impl)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         from torch.nn.parallel import DistributedDataParallel

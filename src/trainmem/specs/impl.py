@@ -7,12 +7,14 @@ from dataclasses import dataclass, fields
 from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
-__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "routing_hot_fraction"]
+__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS",
+           "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
 RECOMPUTES = ("none", "selective", "full", "every-k")
 DEVICES = ("cuda", "cpu")
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
 
 
@@ -59,6 +61,14 @@ class ImplSpec:
     device: str = "cuda"
     """The device whose kernels are modelled: cuda (default) or cpu (dropout keeps a mask in
     the activation dtype; SDPA runs the CPU flash kernel, or math with dropout)."""
+    optimizer_impl: str = "auto"
+    """How ``optimizer.step()`` runs: foreach (one kernel per op over every tensor: a
+    parameter-sized temporary), fused (one kernel, no temporary), for-loop (tensor by tensor: the
+    largest tensor's temporaries), or auto (torch's default on ``device``: foreach on cuda,
+    for-loop on cpu)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter in its post-accumulate-grad hook and free its gradient there
+    (torchtune's ``optimizer_in_bwd``): gradients are never all alive. Needs grad_accum = 1."""
 
     routing: str = "balanced"
     """The MoE routing assumption (``routing_hot_fraction``): ``balanced`` (every expert gets its
@@ -76,6 +86,8 @@ class ImplSpec:
         for name in ("fused_norm", "fused_bias_act", "fused_dropout", "inplace_act"):
             v.boolean(name, getattr(self, name))
         v.one_of("device", self.device, DEVICES)
+        v.one_of("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        v.boolean("optimizer_in_backward", self.optimizer_in_backward)
         routing_hot_fraction(self.routing)
 
     def checkpointed(self, layer: int) -> bool:

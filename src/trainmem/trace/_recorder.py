@@ -103,6 +103,7 @@ class _Recorder(TorchDispatchMode):
         self._mod_tracker = ModTracker()
         self._handles: list = []
         self._param_keys: set[int] = set()
+        self._host_steps: set[int] = set()  # storages of Adam's host-side step counters: never device bytes
 
     # -- storages ---------------------------------------------------------------
     def _register(self, t: torch.Tensor, origin: str, module: str, op: str = "", name: str = "") -> Block | None:
@@ -182,6 +183,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor, func, origin: str) -> None:
+        if self._host_steps and t.untyped_storage()._cdata in self._host_steps:
+            return  # ``step_t += 1`` (adam.py _single_tensor_adam) outputs a host step counter
         self._op = _short_op(func)  # a storage resized by this op is reallocated by it
         self._register(t, origin, self._current(), self._op)
 
@@ -217,7 +220,9 @@ class _Recorder(TorchDispatchMode):
             base = names.get(id(p), f"optimizer.{i}.param.{j}")
             for k, v in state.items():
                 # Adam's 0-dim ``step`` lives on the host on CUDA unless capturable/fused
-                if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0):
+                if isinstance(v, torch.Tensor) and k == "step" and v.dim() == 0:
+                    self._host_steps.add(v.untyped_storage()._cdata)
+                elif isinstance(v, torch.Tensor):
                     blk = self._register(v, ORIGIN_STATE, "optimizer", name=f"{base}.{k}")
                     if blk is not None and blk.origin == ORIGIN_OP:
                         blk.origin, blk.name = ORIGIN_STATE, f"{base}.{k}"

@@ -10,7 +10,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_model_step_args, add_routing_arg
+    from trainmem.cliargs import add_model_step_args, add_optimizer_args, add_routing_arg
 
     p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
     add_model_step_args(p)
@@ -18,6 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the model's head: causal LM, masked LM, sequence classification or encoder-decoder "
                         "(default: from the config's architectures, else the model type's own)")
     add_routing_arg(p)
+    add_optimizer_args(p)
     p.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), default=None,
                    help="transformers' experts_implementation for MoE models (default grouped_mm; eager is "
                         "the per-expert loop, whose memory depends on --routing)")
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device, routing=args.routing)
+                    recompute_every=every or 1, device=args.device, routing=args.routing,
+                    optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
                         head=args.head, experts=args.experts)

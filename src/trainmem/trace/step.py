@@ -1,9 +1,11 @@
 """``trace_step``: build a model, run two training steps, trace the second.
 
 The step is ``loss = model(ids, labels=ids).loss; loss.backward(); optimizer.step();
-optimizer.zero_grad(set_to_none=True)``, with the optimizer in its CUDA default implementation
-(``foreach=True``) so the trace shows what a CUDA device would hold. The first step creates the
-optimizer state; the second is recorded with everything alive at its start as the baseline.
+optimizer.zero_grad(set_to_none=True)``, with the optimizer in ``impl.optimizer_impl`` (auto:
+torch's default on ``impl.device``, foreach for cuda, so the trace shows what a CUDA device would
+hold), or stepped per parameter inside backward with ``impl.optimizer_in_backward``. The first
+step creates the optimizer state; the second is recorded with everything alive at its start as
+the baseline.
 
 Precision recipes (``StepSpec.precision``):
   - ``fp32``: fp32 model.
@@ -55,30 +57,79 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _make_optimizer(name: str, params):
+_IMPL_KWARGS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+
+
+def _make_optimizer(name: str, params, impl: str = "foreach"):
     import torch
+    kw = _IMPL_KWARGS[impl]
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        return torch.optim.AdamW(params, lr=1e-4, **kw)
     if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=True)
+        return torch.optim.Adam(params, lr=1e-4, **kw)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+        return torch.optim.SGD(params, lr=1e-4, **kw)
     if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
     if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
-        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+        return torch.optim.Adafactor(params, lr=1e-2, **kw)
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
 
 
-def make_optimizer_for(model, step: StepSpec):
-    """``(trainable params, fp32 master copies or None, optimizer)`` as the step's precision asks:
-    mixed precision steps an fp32 master copy of each 16-bit parameter (CUDA's default foreach)."""
+class OptimizerInBackward:
+    """torchtune's ``optimizer_in_bwd`` (``torchtune/training/_memory.py``
+    ``register_optim_in_bwd_hooks``): one optimizer per parameter, stepped and zeroed in that
+    parameter's post-accumulate-grad hook, so each gradient is freed as soon as it is used.
+    ``step()`` and ``zero_grad()`` do nothing: the work happened during backward.
+    ``param_groups`` and ``state`` are those of every per-parameter optimizer."""
+
+    def __init__(self, params, make) -> None:
+        self.optimizers = [make([p]) for p in params]
+        for p, opt in zip(params, self.optimizers):
+            p.register_post_accumulate_grad_hook(self._hook(opt))
+
+    @staticmethod
+    def _hook(opt):
+        def step(_param) -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def make_optimizer_for(model, step: StepSpec, impl: ImplSpec | None = None):
+    """``(trainable params, fp32 master copies or None, optimizer)`` as the step's precision and
+    ``impl`` ask: mixed precision steps an fp32 master copy of each 16-bit parameter; the
+    optimizer runs ``impl.optimizer_impl`` (auto: torch's default on ``impl.device``), in
+    backward when ``impl.optimizer_in_backward`` (an :class:`OptimizerInBackward`)."""
+    from functools import partial
+
+    from trainmem.estimate.optimizer_step import check_optimizer, optimizer_impl_used
+
+    impl = impl or ImplSpec()
+    check_optimizer(step, impl)
+    make = partial(_make_optimizer, step.optimizer, impl=optimizer_impl_used(step, impl))
     params = [p for p in model.parameters() if p.requires_grad]
     master = step.dtypes.master
+    if impl.optimizer_in_backward:  # check_optimizer refused master weights
+        return params, None, OptimizerInBackward(params, make)
     if master is None:
-        return params, None, _make_optimizer(step.optimizer, params)
+        return params, None, make(params)
     masters = [p.detach().to(_dtype(master)).requires_grad_(True) for p in params]
-    return params, masters, _make_optimizer(step.optimizer, masters)
+    return params, masters, make(masters)
 
 
 def _check(step: StepSpec, impl: ImplSpec) -> None:
@@ -90,6 +141,8 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
     if step.optimizer == "adam8bit":
         raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
+    from trainmem.estimate.optimizer_step import check_optimizer
+    check_optimizer(step, impl)
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
         raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
                                "without it: use amp-bf16 (what torchtitan runs without FSDP)")
@@ -307,7 +360,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if not reference:  # the reference model checkpoints by itself, from impl
         _enable_recompute(model, impl)
 
-    params, masters, optimizer = make_optimizer_for(model, step)
+    params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
                 else contextlib.nullcontext())
     selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference

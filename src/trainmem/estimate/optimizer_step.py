@@ -1,0 +1,144 @@
+"""What ``optimizer.step()`` holds beyond its states: temporaries per (optimizer, implementation).
+
+Each rule is a pure function of the tensors the optimizer updates (fp32 masters under a
+master-weight recipe, else the parameters that train): their total and largest bytes. Rules
+follow PyTorch 2.x ``torch/optim/adam.py`` and ``sgd.py`` (AdamW is Adam with
+``decoupled_weight_decay``, so its weight decay is an in-place ``mul_``):
+
+* foreach Adam/AdamW (``_multi_tensor_adam``): ``torch._foreach_sqrt(exp_avg_sqs)`` makes one
+  temporary like every ``exp_avg_sq`` of a device/dtype group at once, then divides and adds in
+  place: Σ numel·bytes.
+* for-loop Adam/AdamW (``_single_tensor_adam``): ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``
+  holds the square root and the quotient together, one tensor at a time: 2 × the largest tensor.
+* fused (``_fused_adam`` -> ``torch._fused_adamw_``, ``_fused_sgd`` -> ``torch._fused_sgd_``):
+  one kernel updates in place; nothing.
+* SGD with or without momentum, any implementation (``_single_tensor_sgd``,
+  ``_multi_tensor_sgd``): ``mul_``/``add_`` in place; nothing (no weight decay, no nesterov).
+
+With the optimizer in backward (torchtune's ``optimizer_in_bwd``) every parameter has its own
+optimizer, so each rule applies to one tensor at a time.
+
+Known limitations: one parameter group of one dtype (several groups -- HF Trainer's decay /
+no-decay split -- step one group at a time, so foreach holds only the larger group's temporary);
+Adafactor's rule is transformers' two temporaries of the largest tensor, not checked against
+``torch.optim.Adafactor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from trainmem.errors import SpecError
+from trainmem.specs import ImplSpec, StepSpec
+
+__all__ = ["Stepped", "optimizer_impl_used", "check_optimizer", "step_temporaries", "in_backward_temporaries",
+           "DEFAULT_IMPL"]
+
+DEFAULT_IMPL = {"cuda": "foreach", "cpu": "for-loop"}
+"""torch's default when neither ``foreach`` nor ``fused`` is given (``optimizer.py``
+``_default_to_fused_or_foreach``: foreach only on devices with foreach kernels, i.e. not CPU)."""
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """The tensors one ``optimizer.step()`` updates: their total bytes, and the bytes of each in
+    the optimizer's order (``model.parameters()``); ``sizes`` may be a representative run -- two
+    alike blocks stand for all of them -- enough for rules that look at neighbours or the largest."""
+
+    total_bytes: int
+    sizes: tuple[int, ...]
+    elem_bytes: float  # of the stepped tensors (formulas only)
+
+    @property
+    def largest_bytes(self) -> int:
+        return max(self.sizes, default=0)
+
+
+Rule = Callable[[Stepped], tuple[int, str]]
+_RULES: dict[tuple[str, str], Rule] = {}
+
+
+def _rule(optimizers: tuple[str, ...], impls: tuple[str, ...]) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for key in ((o, i) for o in optimizers for i in impls):
+            if key in _RULES:
+                raise ValueError(f"duplicate optimizer-step rule for {key}")
+            _RULES[key] = fn
+        return fn
+    return register
+
+
+@_rule(("adamw", "adam"), ("foreach",))
+def _adam_foreach(s: Stepped) -> tuple[int, str]:
+    return s.total_bytes, f"sqrt(exp_avg_sq) of every tensor at once (Σnumel·{s.elem_bytes:g})"
+
+
+@_rule(("adamw", "adam"), ("for-loop",))
+def _adam_for_loop(s: Stepped) -> tuple[int, str]:
+    # ``denom`` of the previous tensor is still bound while the next one's sqrt and quotient exist
+    pairs = [prev + 2 * cur for prev, cur in zip((0,) + s.sizes, s.sizes)]
+    return max(pairs, default=0), (f"previous tensor's denom + sqrt(exp_avg_sq) and its quotient "
+                                   f"(max over neighbours of numel₋₁·{s.elem_bytes:g} + 2·numel·{s.elem_bytes:g})")
+
+
+@_rule(("adamw", "adam", "sgd", "sgd-momentum"), ("fused",))
+def _fused(s: Stepped) -> tuple[int, str]:
+    return 0, "fused kernel updates in place"
+
+
+@_rule(("sgd", "sgd-momentum"), ("foreach", "for-loop"))
+def _sgd(s: Stepped) -> tuple[int, str]:
+    return 0, "in-place update"
+
+
+@_rule(("adafactor",), ("foreach", "for-loop"))
+def _adafactor(s: Stepped) -> tuple[int, str]:
+    return 2 * s.largest_bytes, f"2 × largest tensor (max_numel·{2 * s.elem_bytes:g})"
+
+
+@_rule(("adam8bit",), ("fused",))
+def _bnb(s: Stepped) -> tuple[int, str]:
+    return 0, "bitsandbytes' blockwise 8-bit kernel updates in place"
+
+
+def optimizer_impl_used(step: StepSpec, impl: ImplSpec) -> str:
+    """The implementation ``optimizer.step()`` runs: the one asked for, or torch's default on the
+    device; an optimizer with a single implementation (bitsandbytes) has that one."""
+    if impl.optimizer_impl != "auto":
+        return impl.optimizer_impl
+    default = DEFAULT_IMPL[impl.device]
+    if (step.optimizer, default) in _RULES:
+        return default
+    return next(i for o, i in _RULES if o == step.optimizer)
+
+
+def check_optimizer(step: StepSpec, impl: ImplSpec) -> None:
+    """SpecError unless the optimizer has the implementation and placement asked for."""
+    used = optimizer_impl_used(step, impl)
+    if (step.optimizer, used) not in _RULES:
+        have = ", ".join(i for o, i in _RULES if o == step.optimizer)
+        raise SpecError("optimizer_impl", used, f"{step.optimizer} has no such implementation (it has {have})")
+    if not impl.optimizer_in_backward:
+        return
+    if step.grad_accum > 1:  # torchtune's recipes refuse it: the hook steps before accumulation ends
+        raise SpecError("grad_accum", step.grad_accum, "must be 1 with optimizer_in_backward "
+                                                        "(each parameter steps as soon as its gradient exists)")
+    if step.dtypes.master:
+        raise SpecError("precision", step.precision, "keeps fp32 master weights; optimizer_in_backward "
+                                                     "steps the parameters themselves (use fp32, bf16 or amp-*)")
+
+
+def step_temporaries(step: StepSpec, impl: ImplSpec, stepped: Stepped) -> tuple[int, str]:
+    """Bytes alive inside ``optimizer.step()`` beyond gradients and states, and their rule."""
+    check_optimizer(step, impl)
+    used = optimizer_impl_used(step, impl)
+    nbytes, why = _RULES[(step.optimizer, used)](stepped)
+    return nbytes, f"{used}: {why}"
+
+
+def in_backward_temporaries(step: StepSpec, impl: ImplSpec, stepped: Stepped) -> tuple[int, str]:
+    """The same rule with one optimizer per parameter: the largest tensor's temporaries."""
+    one = Stepped(stepped.largest_bytes, (stepped.largest_bytes,), stepped.elem_bytes)
+    nbytes, why = step_temporaries(step, impl, one)
+    return nbytes, f"{why}, one optimizer per parameter: the largest alone"
