@@ -68,7 +68,7 @@ def test_per_expert_loop_runs_on_fake_tensors_and_matches_real_to_the_byte():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("experts,precision", [("eager", "fp32"), ("eager", "bf16"), ("grouped_mm", "fp32"),
-                                               ("grouped_mm", "bf16")])
+                                               ("grouped_mm", "bf16"), ("batched_mm", "fp32")])
 @pytest.mark.parametrize("routing", ["balanced", "skewed:0.25", "worst"])
 def test_fake_equals_real_for_every_routing(experts, precision, routing):
     step, impl = StepSpec(batch=2, seq=64, precision=precision), ImplSpec(routing=routing)
