@@ -321,11 +321,12 @@ def _routing(model, impl: ImplSpec, *, fake: bool):
     stack = contextlib.ExitStack()
     stack.enter_context(force_routing(model, routing_hot_fraction(impl.routing)))
     stack.enter_context(_grouped_mm_fallback_unless_bf16())
-    if fake:
-        stack.enter_context(ConcreteInts())
     first = modules[0]
+    implementation = first.config._experts_implementation
+    if fake and implementation == "eager":  # the per-expert loop reads expert ids; the others only shapes
+        stack.enter_context(ConcreteInts())
     top_k = getattr(model.config, "num_experts_per_tok", None) or getattr(model.config, "moe_topk", None)
-    meta = {"routing": impl.routing, "experts_implementation": model.config._experts_implementation,
+    meta = {"routing": impl.routing, "experts_implementation": implementation,
             "num_experts": first.num_experts, "top_k": top_k, "experts_modules": len(modules)}
     return stack, meta
 
