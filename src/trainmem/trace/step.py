@@ -392,7 +392,10 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
                 for m, p in zip(masters, params):
                     p.copy_(m)
 
-    meta = {"step": step.to_dict(), "impl": impl.to_dict(), "fake": bool(is_fake(ids)), "model": type(model).__name__,
+    from trainmem.estimate.optimizer_step import optimizer_impl_used
+    used = {"optimizer_impl": optimizer_impl_used(step, impl)}  # the implementation auto resolved to
+    meta = {"step": step.to_dict(), "impl": {**impl.to_dict(), **used}, "fake": bool(is_fake(ids)),
+            "model": type(model).__name__,
             "head": head, "torch": torch.__version__}
     if moe_meta:
         meta["moe"] = moe_meta

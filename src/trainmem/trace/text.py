@@ -15,7 +15,8 @@ def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
     step = r.meta.get("step", {})
     impl = r.meta.get("impl", {})
     head = (f"trace: {r.meta.get('model', 'model')}, batch {step.get('batch', '?')}, seq {step.get('seq', '?')}, "
-            f"{step.get('precision', '?')}, {step.get('optimizer', '?')}, attention {impl.get('attention', '?')}, "
+            f"{step.get('precision', '?')}, {step.get('optimizer', '?')} ({impl.get('optimizer_impl', '?')}"
+            f"{', in backward' if impl.get('optimizer_in_backward') else ''}), attention {impl.get('attention', '?')}, "
             f"recompute {impl.get('recompute', '?')}, {'fake' if r.meta.get('fake', True) else 'real'} tensors")
     lines = [
         head,
