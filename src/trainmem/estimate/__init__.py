@@ -18,6 +18,7 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
 from trainmem.estimate.notes import estimate_notes
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
+from trainmem.estimate.optimizer_step import optimizer_impl_used
 from trainmem.estimate.parallel import RankClass, rank_classes
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
@@ -52,6 +53,11 @@ class Estimate(PhasedResult):
     @property
     def peak_phase(self) -> str:
         return self.peak.name
+
+    @property
+    def optimizer_impl(self) -> str:
+        """The implementation ``optimizer.step()`` runs: ``impl.optimizer_impl`` with ``auto`` resolved."""
+        return optimizer_impl_used(self.step, self.impl)
 
     @cached_property
     def notes(self) -> tuple[str, ...]:

@@ -305,7 +305,7 @@ def _adapter_items(name: str, shape: tuple[int, int], step: StepSpec, spec: Fine
 def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec, impl=None) -> tuple[int, str]:
     """``optimizer_step_transient_bytes`` over the parameters that train: the tensors stepped are
     each trainable parameter's fp32 master when it has one, else the parameter itself."""
-    from trainmem.estimate.model_states import recipe_transient
+    from trainmem.estimate.optimizer_step import recipe_transient
     from trainmem.specs import ImplSpec
 
     by_name = {i.name: i for i in items}

@@ -18,10 +18,11 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
-from trainmem.estimate.optimizer_step import Stepped, in_backward_temporaries, step_temporaries
+from trainmem.estimate.optimizer_step import Stepped, recipe_transient
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
 __all__ = ["model_state_items", "optimizer_step_transient_bytes", "optimizer_transient"]
+
 
 def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[MemoryItem]:
     """One item per parameter and ledger, named ``<parameter name>[.<state>]``.
@@ -128,13 +129,3 @@ def stepped_of_model(model: ModelSpec, step: StepSpec) -> Stepped:
         sizes = [math.prod(s) for _, s in two]
     sb = dtype_bytes(step.dtypes.state)
     return Stepped(int(total * sb), tuple(int(n * sb) for n in sizes), sb)
-
-
-def recipe_transient(step: StepSpec, impl: ImplSpec, stepped: Stepped, grad_copy_bytes: int = 0) -> tuple[int, str]:
-    """The optimizer's temporaries (:mod:`trainmem.estimate.optimizer_step`) plus the fp32
-    gradient copies a master-weight recipe makes for it (``grad_copy_bytes``, as large as the masters)."""
-    rule = in_backward_temporaries if impl.optimizer_in_backward else step_temporaries
-    extra, why = rule(step, impl, stepped)
-    if grad_copy_bytes:
-        return grad_copy_bytes + extra, f"fp32 gradient copies (numel·4) + {why}"
-    return extra, why

@@ -33,7 +33,7 @@ from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, StepSpec
 
 __all__ = ["Stepped", "optimizer_impl_used", "check_optimizer", "step_temporaries", "in_backward_temporaries",
-           "DEFAULT_IMPL"]
+           "recipe_transient", "DEFAULT_IMPL"]
 
 DEFAULT_IMPL = {"cuda": "foreach", "cpu": "for-loop"}
 """torch's default when neither ``foreach`` nor ``fused`` is given (``optimizer.py``
@@ -142,3 +142,14 @@ def in_backward_temporaries(step: StepSpec, impl: ImplSpec, stepped: Stepped) ->
     one = Stepped(stepped.largest_bytes, (stepped.largest_bytes,), stepped.elem_bytes)
     nbytes, why = step_temporaries(step, impl, one)
     return nbytes, f"{why}, one optimizer per parameter: the largest alone"
+
+
+def recipe_transient(step: StepSpec, impl: ImplSpec, stepped: Stepped, grad_copy_bytes: int = 0) -> tuple[int, str]:
+    """The optimizer's temporaries (:func:`step_temporaries`, or
+    :func:`in_backward_temporaries` with the optimizer in backward) plus the fp32
+    gradient copies a master-weight recipe makes for it (``grad_copy_bytes``, as large as the masters)."""
+    rule = in_backward_temporaries if impl.optimizer_in_backward else step_temporaries
+    extra, why = rule(step, impl, stepped)
+    if grad_copy_bytes:
+        return grad_copy_bytes + extra, f"fp32 gradient copies (numel·4) + {why}"
+    return extra, why

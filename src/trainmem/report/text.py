@@ -19,8 +19,6 @@ _IDX = re.compile(r"\.(\d+)\.")
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
-    from trainmem.estimate.optimizer_step import optimizer_impl_used
-
     m, s, im = e.model, e.step, e.impl
     lines = [
         f"trainmem estimate — {m.name} ({m.family}, {m.num_layers} layers, H={m.hidden_size}, "
@@ -28,7 +26,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         f"step: B={s.batch} S={s.seq} grad_accum={s.grad_accum} precision={s.precision} "
         f"optimizer={s.optimizer} loss={s.loss}",
         f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "
-        f"optimizer_impl={optimizer_impl_used(s, im)}{' in backward' if im.optimizer_in_backward else ''}",
+        f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}",
         "",
         "Ledgers (logical bytes)",
     ]
