@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(est)
     add_routing_arg(est)
     add_optimizer_args(est)
+    add_finetune_args(est)  # before add_input_args: a torchtune file sets the fine-tuning too
     add_input_args(est)  # last: it marks the other options' defaults
-    add_finetune_args(est)
     est.set_defaults(func=_estimate)
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
     add_model_step_args(cmp)
@@ -122,7 +122,19 @@ def _estimate(args) -> int:
     else:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
+    if not args.json:
+        _print_file_notes(files)
     return 0
+
+
+def _print_file_notes(files: dict) -> None:
+    """What each input file's reader approximated or left out (the JSON carries it in inputs.files)."""
+    from trainmem.inputs import file_notes
+
+    for path, notes in file_notes(files):
+        print(f"\nfrom {path}:")
+        for note in notes:
+            print(f"  - {note}")
 
 
 def _compare(args) -> int:

@@ -1,6 +1,7 @@
-"""Inputs people already have: trainmem's TOML config, DeepSpeed JSON, Megatron-LM arguments and
-torchtitan TOML, turned into spec overrides. (Hugging Face config.json files and model folders
-are what ``--model`` takes: :mod:`trainmem.specs.loaders`.)
+"""Inputs people already have: trainmem's TOML config, DeepSpeed JSON, Megatron-LM arguments,
+torchtitan TOML, torchtune YAML and Hugging Face TrainingArguments JSON, turned into spec
+overrides. (Hugging Face config.json files and model folders are what ``--model`` takes:
+:mod:`trainmem.specs.loaders`.)
 
 Precedence is command line > files > defaults. Two files that set one field to different values
 are an error naming both. Every reader returns a plain dict (``source``, ``path``, ``raw``,
@@ -23,24 +24,29 @@ from typing import Any
 
 from trainmem.errors import ConfigError
 from trainmem.inputs.deepspeed import read_deepspeed
+from trainmem.inputs.hf_args import read_hf_args
 from trainmem.inputs.megatron import parse_megatron_args
 from trainmem.inputs.torchtitan import read_torchtitan
+from trainmem.inputs.torchtune import read_torchtune
 from trainmem.inputs.trainmem_toml import read_config
 
 __all__ = [
     "add_input_args", "apply_inputs", "model_from_args", "spec_fields",
-    "read_config", "read_deepspeed", "parse_megatron_args", "read_torchtitan", "merge_overrides",
+    "read_config", "read_deepspeed", "parse_megatron_args", "read_torchtitan",
+    "read_torchtune", "read_hf_args", "merge_overrides", "file_notes",
 ]
 
 #: (argparse dest, reader, what the file is) in the order they are read.
 SOURCES = (
     ("config", read_config, "trainmem TOML config"),
     ("torchtitan", read_torchtitan, "torchtitan job config"),
+    ("torchtune", read_torchtune, "torchtune recipe config"),
+    ("hf_args", read_hf_args, "Hugging Face TrainingArguments"),
     ("deepspeed", read_deepspeed, "DeepSpeed config"),
     ("megatron_args", parse_megatron_args, "Megatron-LM arguments"),
 )
 #: Spec fields whose command-line option has another name: field -> (dest, value conversion).
-_OPTION = {("model", "name"): ("model", None),
+_OPTION = {("model", "name"): ("model", None), ("finetune", "mode"): ("finetune", None),
            ("parallel", "reshard_after_forward"): ("no_reshard_after_forward", lambda v: not v)}
 _REQUIRED_MODEL = ("hidden_size", "num_layers", "num_heads", "ffn_size", "vocab_size")
 
@@ -61,13 +67,16 @@ class _Default:
 
 
 def add_input_args(parser: argparse.ArgumentParser) -> None:
-    """--config, --deepspeed, --megatron-args, --torchtitan. Call it after every other option is
-    added: it marks their defaults so that files can fill what the command line left out."""
+    """--config, --deepspeed, --megatron-args, --torchtitan, --torchtune, --hf-args. Call it after
+    every other option is added: it marks their defaults so that files can fill what the command
+    line left out."""
     g = parser.add_argument_group("input files (command line > files > defaults)")
     g.add_argument("--config", metavar="FILE.toml", help="trainmem TOML config: [model] [step] [impl] [parallel]")
     g.add_argument("--deepspeed", metavar="FILE.json", help="DeepSpeed config (ZeRO stage, offload, batch, bf16/fp16)")
     g.add_argument("--megatron-args", metavar="ARGS", help='Megatron-LM arguments, e.g. "--num-layers 32 --bf16"')
     g.add_argument("--torchtitan", metavar="FILE.toml", help="torchtitan job config")
+    g.add_argument("--torchtune", metavar="FILE.yaml", help="torchtune recipe config (full, LoRA, QLoRA fine-tuning)")
+    g.add_argument("--hf-args", metavar="FILE.json", help="Hugging Face TrainingArguments as JSON (to_dict())")
     own = {name for name, _, _ in SOURCES}
     for action in parser._actions:
         if (action.option_strings and action.dest not in own and action.dest != "help"
@@ -96,6 +105,9 @@ def apply_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
     args.spec_overrides = {}
     if not answers:
         return {}
+    for a in answers:  # a file that names a model trainmem cannot build needs --model
+        if a.get("needs_model") and "model" not in given:
+            raise ConfigError(a["needs_model"])
     merged, origin = merge_overrides(answers)
     applied: dict[str, str] = {}  # field -> the source that set it
     overridden: list[str] = []
@@ -166,3 +178,8 @@ def model_from_args(args: argparse.Namespace):
     if "num_experts" in fields and "expert_ffn_size" not in fields:
         fields["expert_ffn_size"] = 0
     return dataclasses.replace(base, **fields)
+
+
+def file_notes(files: dict) -> list[tuple[str, list[str]]]:
+    """(path, notes) of each file read that has notes, for the text output (``apply_inputs``'s answer)."""
+    return [(a["path"], a["notes"]) for a in files.values() if isinstance(a, dict) and "source" in a and a["notes"]]
