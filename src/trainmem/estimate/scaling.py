@@ -15,14 +15,16 @@ __all__ = ["scaling_points", "scaling_sweeps"]
 def scaling_points(e, over: str, values: Sequence[int],
                    progress: Callable[[float, str], None] | None = None) -> dict:
     """A sweep-shaped dict (``trainmem.sweep/1`` points) from the estimator at each value of
-    ``over`` (``seq`` or ``batch``), every other input as in the estimate ``e``."""
+    ``over`` (``seq`` or ``batch``), every other input as in the estimate ``e``: its parallel
+    layout (per-rank peaks, as the estimate's own) and its fine-tuning."""
     from trainmem.estimate import estimate
 
     if over not in ("seq", "batch"):
         raise SpecError("over", over, "must be seq or batch")
     points = []
     for i, v in enumerate(values):
-        p = estimate(e.model, replace(e.step, **{over: int(v)}), e.impl)
+        par = None if e.parallel.is_single else e.parallel
+        p = estimate(e.model, replace(e.step, **{over: int(v)}), e.impl, par, finetune=e.finetune)
         points.append({"value": int(v), "peak_bytes": p.peak_bytes, "totals_bytes": dict(p.totals_bytes)})
         if progress is not None:
             progress((i + 1) / len(values), f"{over}={v}")

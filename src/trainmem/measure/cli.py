@@ -82,6 +82,11 @@ def add_parser(subparsers) -> None:
                    help="values are multiples of this (seq 64, batch 1)")
     s.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     s.add_argument("--plot", metavar="FILE", help="memory against the swept value with the fits (.png or .svg)")
+    from trainmem.cliargs import add_finetune_args, add_optimizer_args, add_parallel_args, add_routing_arg
+    add_routing_arg(s)
+    add_optimizer_args(s)
+    add_parallel_args(s)  # the estimate back-end: per-rank peaks, as estimate reports them
+    add_finetune_args(s)
     s.set_defaults(func=run_sweep)
 
 
@@ -193,8 +198,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         from trainmem.measure.workload import resolve_device
         device = resolve_device(None if args.run_on == "auto" else args.run_on)
         impl = replace(impl, device=device.type)
+    from trainmem.cliargs import finetune_from_args, parallel_from_args
     result = sweep(source, step, impl, over=args.over, budget_bytes=budget, backend=args.backend, start=args.start,
-                   stop=args.stop, multiple=args.multiple, device=device, seed=args.seed)
+                   stop=args.stop, multiple=args.multiple, device=device, seed=args.seed,
+                   parallel=parallel_from_args(args), finetune=finetune_from_args(args))
     payload = result.to_dict()
     payload["meta"]["model_name"] = args.model
     from trainmem.report.output import write_outputs

@@ -144,12 +144,13 @@ def _split_terms(items, seq: int) -> dict[str, int]:
     return {"attention_scores": q, "other_activations": o}
 
 
-def estimate_crossover_seq(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> float | None:
+def estimate_crossover_seq(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel=None,
+                           finetune=None) -> float | None:
     """From the estimator's items: the S where the S·S activations equal the others.
     Items are a·S² (scores) and b·S (the rest) at fixed batch, so S* = S·other/scores."""
     from trainmem.estimate import estimate
 
-    e = estimate(model, step, impl)
+    e = estimate(model, step, impl, parallel, finetune=finetune)
     t = _split_terms(e.inventory, step.seq)
     if t["attention_scores"] == 0:
         return None
@@ -160,12 +161,13 @@ def _with(step: StepSpec, over: str, value: int) -> StepSpec:
     return replace(step, seq=value) if over == "seq" else replace(step, batch=value)
 
 
-def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str):
+def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str, parallel=None, finetune=None):
+    """The estimator's peak of the rank with the highest peak when ``parallel`` is given."""
     from trainmem.estimate import estimate
 
     def run(value: int) -> SweepPoint:
         s = _with(step, over, value)
-        e = estimate(model, s, impl)
+        e = estimate(model, s, impl, parallel, finetune=finetune)
         return SweepPoint(value, True, e.peak_bytes, e.totals_bytes, _split_terms(e.inventory, s.seq))
     return run
 
@@ -253,8 +255,12 @@ def growth_at(fits: dict, points: tuple[SweepPoint, ...], value: int, over: str)
 def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
           over: Literal["seq", "batch"] = "seq", budget_bytes: int, backend: str = "estimate",
           start: int | None = None, stop: int | None = None, multiple: int | None = None,
-          device=None, seed: int = 0) -> SweepResult:
+          device=None, seed: int = 0, parallel=None, finetune=None) -> SweepResult:
     """Largest ``over`` value whose peak fits ``budget_bytes``, with growth-law fits.
+
+    ``parallel`` (a ParallelSpec) and ``finetune`` (a FinetuneSpec): the estimate back-end sweeps
+    the per-rank peak of that layout and fine-tuning, as ``trainmem estimate`` reports it; the
+    trace and device back-ends run one device and full training, and refuse them.
 
     ``source``: a :class:`ModelSpec` for the estimator (and the reference model on the other
     back-ends) or a ``config.json`` dict (a Hugging Face model; the estimator maps it to a spec).
@@ -282,9 +288,15 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
     if start > stop:
         raise SpecError("start", start, f"is past the largest value to try (max={stop})")
 
+    if parallel is not None and parallel.is_single and parallel.pp == 1:
+        parallel = None
+    if backend != "estimate" and (parallel is not None or finetune is not None):
+        what = "parallel degrees" if parallel is not None else "fine-tuning"
+        raise SpecError("backend", backend, f"runs one device with every parameter trained: {what} need "
+                                            "--backend estimate")
     seen: dict[int, SweepPoint] = {}
     if backend == "estimate":
-        run, ctx = _estimate_backend(spec, step, impl, over), None
+        run, ctx = _estimate_backend(spec, step, impl, over, parallel, finetune), None
     elif backend == "trace":
         if impl.profile == "reference" and not isinstance(source, ModelSpec):
             source = spec
@@ -336,11 +348,12 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
         source_name = "fit:activation"
     else:
         try:
-            crossover = estimate_crossover_seq(spec, step, impl)
+            crossover = estimate_crossover_seq(spec, step, impl, parallel, finetune)
             source_name = "estimate"
         except UnsupportedError:
             pass
     meta = {"model": spec.name, "step": step.to_dict(), "impl": impl.to_dict(), "start": start, "stop": stop,
-            "multiple": multiple}
+            "multiple": multiple, "parallel": None if parallel is None else parallel.to_dict(),
+            "finetune": None if finetune is None else finetune.to_dict()}
     return SweepResult(over, backend, budget_bytes, max_fit, capped, points, fits, verdict, crossover,
                        source_name, meta, at_limit)
