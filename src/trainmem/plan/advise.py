@@ -1,35 +1,51 @@
-"""``trainmem advise``: walk the brief's ladder for a configuration that does not fit.
+"""``trainmem advise``: the cheapest sets of changes that fit, and the brief's ladder as the explanation.
 
-The ladder, in order (brief §8): efficient attention; smaller micro-batch with gradient
+**The search** (:func:`search`): every combination of up to ``max_changes`` choices of
+:mod:`trainmem.plan.choices` (attention kernel, micro-batch with accumulation, recompute, loss
+kernel, optimizer kernel and placement, 8-bit optimizer, ZeRO/FSDP, TP+SP, optimizer and
+activation offload, LoRA/QLoRA), each applied to the user's configuration. Every combination is
+first priced with :func:`trainmem.plan.cost.step_time` (microseconds), then measured with the
+estimator (:func:`~trainmem.plan.ranks.per_rank_peak`, memoized per configuration) in order of
+that price, cheapest first. A combination that contains a fitting one is skipped (not minimal).
+The search stops when ``top`` configurations fit and no unmeasured one can be cheaper, or after
+``budget`` estimates; it reports how many it measured. Activation offload's PCIe traffic needs
+the activation bytes, so its price is a lower bound until measured.
+
+**The ladder**, in order (brief §8): efficient attention; smaller micro-batch with gradient
 accumulation; selective, then full activation checkpointing; sequence/tensor parallelism (then
 ZeRO sharding of the model states, when more than one GPU is given); shorter or bucketed sequences;
-CPU offload of the optimizer. Each rung is applied on top of the previous ones and measured with
-the estimator (:func:`~trainmem.plan.ranks.per_rank_peak`); a rung that does not apply (already
-on, nothing to shrink, no GPUs to spread over) or saves nothing is listed with the reason and not
-recommended. The walk stops as soon as the peak fits.
+CPU offload of the optimizer. Each rung is applied on top of the previous ones and measured; a rung
+that does not apply (already on, nothing to shrink, no GPUs to spread over) or saves nothing is
+listed with the reason and not recommended. The walk stops as soon as the peak fits.
 
-``throughput_cost`` is the share of tokens/s lost by the rung, from :func:`trainmem.plan.cost.step_time`
-at the same global batch: ``1 − tokens/s after ÷ tokens/s before``, positive when the step gets slower,
+``throughput_cost`` is the share of tokens/s lost, from :func:`trainmem.plan.cost.step_time` at the
+same global batch: ``1 − tokens/s after ÷ tokens/s before``, positive when the step gets slower,
 negative when it gets faster (:data:`THROUGHPUT_COST`; the JSON states it under ``conventions``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 
+from trainmem.errors import TrainmemError
+from trainmem.estimate import estimate
 from trainmem.estimate.notes import selective_recompute_noop
+from trainmem.plan.choices import CHOICES, Config, Context, fused_attention, tp_degrees
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
-from trainmem.plan.ranks import per_rank_peak
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
-__all__ = ["AdviceStep", "Advice", "advise", "SCHEMA", "RUNGS", "THROUGHPUT_COST"]
+__all__ = ["AdviceStep", "Advice", "Option", "SearchStats", "advise", "search", "SCHEMA", "RUNGS",
+           "THROUGHPUT_COST", "DEFAULT_BUDGET", "DEFAULT_MAX_CHANGES"]
 
 SCHEMA = "trainmem.advise/1"
 THROUGHPUT_COST = ("1 - tokens_per_s_after / tokens_per_s_before: positive is slower (the share of tokens/s lost), "
                    "negative is faster")
 RUNGS = ("attention", "micro_batch", "selective_recompute", "full_recompute", "tensor_parallel",
          "zero", "shorter_sequences", "offload")
+DEFAULT_BUDGET = 150  # estimates; a per-rank estimate of an 8B model takes ~0.15 s
+DEFAULT_MAX_CHANGES = 3
 _MIN_SEQ = 256  # below this, "shorter sequences" stops being a training choice
 
 
@@ -50,6 +66,49 @@ class AdviceStep:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One fitting set of changes found by the search."""
+
+    changes: tuple[str, ...]
+    """Choice names (:data:`trainmem.plan.choices.CHOICES`), in the order applied."""
+    actions: tuple[str, ...]
+    peak_bytes: int
+    headroom_bytes: int
+    throughput_cost: float
+    changes_training: bool
+    """Some change makes it a different training run (adapters on a frozen base)."""
+    config: dict
+    command: str
+    """The ``trainmem estimate`` line whose peak is ``peak_bytes``."""
+
+    def to_dict(self) -> dict:
+        return {"changes": list(self.changes), "actions": list(self.actions), "peak_bytes": self.peak_bytes,
+                "headroom_bytes": self.headroom_bytes, "throughput_cost": self.throughput_cost,
+                "changes_training": self.changes_training, "config": self.config, "command": self.command}
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    candidates: int
+    """Combinations priced."""
+    evaluated: int
+    """Estimates run (memoized per configuration)."""
+    budget: int
+    max_changes: int
+    complete: bool
+    """No unmeasured combination could be cheaper than the options returned."""
+    tried: dict[str, int]
+    """Per choice: measured combinations that contain it."""
+    choices: tuple[str, ...]
+    """The registered choices (those whose spec fields exist)."""
+
+    def to_dict(self) -> dict:
+        return {"candidates": self.candidates, "evaluated": self.evaluated, "budget": self.budget,
+                "max_changes": self.max_changes, "complete": self.complete, "tried": dict(self.tried),
+                "choices": list(self.choices)}
+
+
+@dataclass(frozen=True)
 class Advice:
     model: ModelSpec
     step: StepSpec
@@ -62,53 +121,165 @@ class Advice:
     skipped: tuple[tuple[str, str], ...]
     fits: bool
     reserve: Reserve = field(default_factory=Reserve)
+    options: tuple[Option, ...] = ()
+    stats: SearchStats | None = None
+    start_command: str = ""
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "model": self.model.name, "gpu": self.gpu.name, "gpus": self.gpus,
                 "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
-                "start_peak_bytes": self.start_peak_bytes,
+                "start_peak_bytes": self.start_peak_bytes, "start_command": self.start_command,
+                "options": [o.to_dict() for o in self.options],
+                "search": None if self.stats is None else self.stats.to_dict(),
                 "steps": [s.to_dict() for s in self.steps],
                 "skipped": [{"rung": r, "why": w} for r, w in self.skipped], "fits": self.fits,
                 "conventions": {"throughput_cost": THROUGHPUT_COST}}
 
 
-@dataclass(frozen=True)
-class _State:
-    step: StepSpec
-    impl: ImplSpec
-    par: ParallelSpec
+class _Measure:
+    """Per-rank peaks and activation bytes, one estimate per configuration."""
 
-    def config(self) -> dict:
-        p = self.par
-        return {"micro_batch": self.step.batch, "grad_accum": self.step.grad_accum, "seq": self.step.seq,
-                "attention": self.impl.attention, "recompute": self.impl.recompute, "dp": p.dp, "tp": p.tp,
-                "sp": p.sp, "zero": p.zero, "offload": list(p.offload)}
+    def __init__(self, model: ModelSpec) -> None:
+        self.model, self.memo, self.failed = model, {}, {}
+
+    def __call__(self, c: Config) -> tuple[int, int] | None:
+        if c not in self.memo and c not in self.failed:
+            par = None if c.par.is_single else c.par
+            try:
+                e = estimate(self.model, c.step, c.impl, par, finetune=c.finetune)
+            except TrainmemError as exc:  # a combination the estimator refuses (e.g. in-backward + ZeRO)
+                self.failed[c] = str(exc)
+                return None
+            self.memo[c] = (e.peak_bytes, e.totals_bytes.get("activation", 0))
+        return self.memo.get(c)
+
+    @property
+    def runs(self) -> int:
+        return len(self.memo) + len(self.failed)
 
 
-def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: int = 1,
-           reserve: Reserve = Reserve(), cost: CostModel = CostModel()) -> Advice:
-    """The ladder for ``model`` trained with ``step``/``impl`` on ``gpus`` × ``gpu`` (data parallel
-    to start with)."""
+class _Clock:
+    """Tokens/s of a configuration relative to the start, at the start's global batch."""
+
+    def __init__(self, model: ModelSpec, start: Config, gpu: GPU, cost: CostModel) -> None:
+        self.model, self.gpu, self.cost = model, gpu, cost
+        self.global_batch = start.step.batch * start.step.grad_accum * start.par.dp
+        self.n_params = matmul_parameters(model)
+        self.start_s = self.seconds(start)
+
+    def seconds(self, c: Config, offloaded_activation_bytes: int = 0) -> float:
+        return step_time(self.model, c.step, c.impl, c.par, self.gpu, global_batch=self.global_batch,
+                         cost=self.cost, n_params=self.n_params, finetune=c.finetune,
+                         offloaded_activation_bytes=offloaded_activation_bytes).total_s
+
+    def throughput_cost(self, c: Config, offloaded_activation_bytes: int = 0) -> float:
+        # the original step's tokens per second, whatever the sequence: 1 - t_before / t_after
+        return 1 - self.start_s / self.seconds(c, offloaded_activation_bytes)
+
+
+def _combinations(start: Config, ctx: Context, max_changes: int):
+    """(choice names, actions, config) for every set of up to ``max_changes`` choices, applied in
+    registry order; each configuration once (the fewest changes that reach it)."""
+    names = list(CHOICES)
+    seen: set[Config] = {start}
+    for k in range(1, max_changes + 1):
+        for subset in combinations(names, k):
+            stack = [((), (), start)]
+            for name in subset:
+                stack = [(n + (name,), a + (act,), new) for n, a, c in stack
+                         for new, act in CHOICES[name].variants(c, ctx)]
+            for n, a, c in stack:
+                if c not in seen:
+                    seen.add(c)
+                    yield n, a, c
+
+
+def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus: int,
+           cost: CostModel = CostModel(), top: int = 5, top_changing: int = 2, budget: int = DEFAULT_BUDGET,
+           max_changes: int = DEFAULT_MAX_CHANGES, model_name: str | None = None,
+           measure: _Measure | None = None) -> tuple[tuple[Option, ...], SearchStats]:
+    """The ``top`` cheapest fitting configurations (by step time) reachable from ``start`` by up to
+    ``max_changes`` choices that keep the training, then the ``top_changing`` cheapest that change
+    it (LoRA/QLoRA), searched in that order."""
+    measure = measure or _Measure(model)
+    clock = _Clock(model, start, gpu, cost)
+    ctx = Context(model, gpus, gpu.gpus_per_node)
+    priced = sorted(((any(CHOICES[x].changes_training for x in n), clock.throughput_cost(c), len(n), n, a, c)
+                     for n, a, c in _combinations(start, ctx, max_changes)), key=lambda t: t[:3])
+    found: dict[bool, list[Option]] = {False: [], True: []}
+    wanted = {False: top, True: top_changing}
+    fitting: list[frozenset[str]] = []
+    tried: dict[str, int] = {}
+    complete = True
+    for changing, lower, _, names, actions, c in priced:
+        kept = sorted(o.throughput_cost for o in found[changing])[:wanted[changing]]
+        if len(kept) >= wanted[changing] and kept[-1] <= lower:
+            continue  # nothing left in this group can be cheaper than what is kept
+        made = set(zip(names, actions))
+        if any(f <= made for f in fitting):
+            continue  # contains a fitting set of changes: not minimal
+        if measure.runs >= budget:
+            complete = False
+            break
+        got = measure(c)
+        for n in names:
+            tried[n] = tried.get(n, 0) + 1
+        if got is None or got[0] > usable_bytes:
+            continue
+        offloaded = 0
+        if "activations" in c.par.offload:
+            plain = measure(replace(c, par=replace(c.par, offload=tuple(o for o in c.par.offload
+                                                                        if o != "activations"))))
+            offloaded = plain[1] if plain else 0
+        fitting.append(frozenset(made))
+        if any(set(o.changes) == set(names) for o in found[changing]):
+            continue  # another variant of the same choices fits already, at no more cost
+        found[changing].append(Option(names, actions, got[0], usable_bytes - got[0],
+                                      clock.throughput_cost(c, offloaded), changing, c.config(),
+                                      c.command(model_name or model.name)))
+    options = tuple(o for changing in (False, True) for o in
+                    sorted(found[changing], key=lambda o: (o.throughput_cost, len(o.changes)))[:wanted[changing]])
+    stats = SearchStats(len(priced), measure.runs, budget, max_changes, complete, tried, tuple(CHOICES))
+    return options, stats
+
+
+def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: int | None = None,
+           parallel: ParallelSpec | None = None, finetune=None, reserve: Reserve = Reserve(),
+           cost: CostModel = CostModel(), top: int = 5, budget: int = DEFAULT_BUDGET,
+           max_changes: int = DEFAULT_MAX_CHANGES, model_name: str | None = None) -> Advice:
+    """The cheapest changes that make ``model`` trained with ``step``/``impl`` (on ``parallel``, or
+    data parallel over ``gpus`` × ``gpu``; ``finetune``: a FinetuneSpec) fit, and the ladder."""
+    from trainmem.errors import SpecError
+
+    par = parallel or ParallelSpec(dp=gpus or 1)
+    if gpus is not None and gpus != par.world_size:
+        raise SpecError("gpus", gpus, f"differs from the parallel layout's {par.world_size} ranks "
+                                      f"(dp {par.dp} × tp {par.tp} × cp {par.cp} × pp {par.pp})")
+    gpus = par.world_size
     usable = reserve.usable_bytes(gpu)
-    n_params = matmul_parameters(model)
-    state = _State(step, impl, ParallelSpec(dp=gpus))
-    global_batch = step.batch * step.grad_accum * gpus
+    start = Config(step, impl, par, finetune)
+    measure = _Measure(model)
+    clock = _Clock(model, start, gpu, cost)
+    first = measure(start)
+    if first is None:
+        raise SpecError("configuration", start.command(model_name or model.name), measure.failed[start])
+    now = begin = first[0]
 
-    def peak(s: _State) -> int:
-        return per_rank_peak(model, s.step, s.impl, s.par)
+    def peak(c: Config) -> int:
+        got = measure(c)
+        return got[0] if got is not None else 1 << 62
 
-    def tokens_per_s(s: _State) -> float:
-        t = step_time(model, s.step, s.impl, s.par, gpu, global_batch=global_batch, cost=cost, n_params=n_params)
-        return global_batch * step.seq / t.total_s  # tokens of the original step, whatever the sequence
-
-    now = peak(state)
-    start = now
+    options, stats = ((), None)
+    if now > usable:
+        options, stats = search(model, start, gpu, usable, gpus=gpus, cost=cost, top=top, budget=budget,
+                                max_changes=max_changes, model_name=model_name, measure=measure)
     steps: list[AdviceStep] = []
     skipped: list[tuple[str, str]] = []
+    state = start
     for rung in RUNGS:
         if now <= usable:
             break
-        proposal = _propose(rung, state, model, gpu, gpus, lambda s: peak(s) <= usable)
+        proposal = _propose(rung, state, model, gpu, gpus, lambda c: peak(c) <= usable)
         if isinstance(proposal, str):
             skipped.append((rung, proposal))
             continue
@@ -117,19 +288,27 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
         if after >= now:
             skipped.append((rung, f"{action} saves nothing here: the peak is set by memory this rung does not change"))
             continue
-        cost_frac = 1 - tokens_per_s(new) / tokens_per_s(state)
-        steps.append(AdviceStep(rung, action, now - after, after, cost_frac, new.config(), note))
+        cost_frac = 1 - clock.seconds(state) / clock.seconds(new)
+        steps.append(AdviceStep(rung, action, now - after, after, cost_frac, _ladder_config(new), note))
         state, now = new, after
-    return Advice(model, step, impl, gpu, gpus, usable, start, tuple(steps), tuple(skipped), now <= usable, reserve)
+    return Advice(model, step, impl, gpu, gpus, usable, begin, tuple(steps), tuple(skipped), now <= usable,
+                  reserve, options, stats, start.command(model_name or model.name))
 
 
-def _propose(rung: str, s: _State, model: ModelSpec, gpu: GPU, gpus: int, fits) -> tuple[_State, str, str] | str:
+def _ladder_config(c: Config) -> dict:
+    p = c.par
+    return {"micro_batch": c.step.batch, "grad_accum": c.step.grad_accum, "seq": c.step.seq,
+            "attention": c.impl.attention, "recompute": c.impl.recompute, "dp": p.dp, "tp": p.tp,
+            "sp": p.sp, "zero": p.zero, "offload": list(p.offload)}
+
+
+def _propose(rung: str, s: Config, model: ModelSpec, gpu: GPU, gpus: int, fits) -> tuple[Config, str, str] | str:
     """The rung applied to ``s``, or why it does not apply."""
     step, impl, par = s.step, s.impl, s.par
     if rung == "attention":
         if impl.attention not in ("eager", "sdpa-math"):
             return f"attention is already {impl.attention} (no S×S matrix is saved)"
-        fused = "flash" if impl.device == "cuda" and step.dtypes.activation in ("bfloat16", "float16") else "mem-efficient"
+        fused = fused_attention(step, impl)
         return (replace(s, impl=replace(impl, attention=fused)), f"attention {impl.attention} → {fused}",
                 "exact attention; the B·A·S² score and probability tensors are no longer saved")
     if rung == "micro_batch":
@@ -161,8 +340,7 @@ def _propose(rung: str, s: _State, model: ModelSpec, gpu: GPU, gpus: int, fits) 
             return "one GPU: sequence/tensor parallelism needs --gpus > 1"
         if par.tp > 1:
             return f"tensor parallelism is already {par.tp}"
-        degrees = [t for t in (2, 4, 8, 16) if t <= min(gpus, gpu.gpus_per_node) and gpus % t == 0
-                   and model.num_heads % t == 0 and model.ffn_size % t == 0 and step.seq % t == 0]
+        degrees = tp_degrees(model, step.seq, gpus, gpu.gpus_per_node)
         if not degrees:
             return f"no TP degree ≤ {gpu.gpus_per_node} divides {gpus} GPUs, {model.num_heads} heads and the FFN"
         trial = [replace(s, par=replace(par, tp=t, sp=True, dp=par.dp // t),

@@ -110,11 +110,26 @@ def add_parser(subparsers) -> None:
     add_finetune_args(p)
     p.set_defaults(func=run_plan)
 
-    a = subparsers.add_parser("advise", help="the brief's ladder of fixes, each with memory saved and throughput cost")
+    from trainmem.plan.advise import DEFAULT_BUDGET, DEFAULT_MAX_CHANGES
+
+    a = subparsers.add_parser("advise", help="the cheapest changes that fit, ranked by throughput cost; and the "
+                                             "brief's ladder of fixes")
     add_model_step_args(a)
     _add_gpu_args(a, required=True)
-    a.add_argument("--gpus", type=_positive_int("--gpus"), default=1, help="GPUs available (default 1)")
+    a.add_argument("--gpus", type=_positive_int("--gpus"), default=None,
+                   help="GPUs available, data parallel to start with (default 1, or the world size of --dp/--tp/...)")
+    a.add_argument("--top", type=_positive_int("--top"), default=5,
+                   help="fitting configurations that keep the training to show (default 5)")
+    a.add_argument("--max-estimates", type=_positive_int("--max-estimates"), default=DEFAULT_BUDGET,
+                   help=f"estimates the search may run (default {DEFAULT_BUDGET})")
+    a.add_argument("--max-changes", type=_positive_int("--max-changes"), default=DEFAULT_MAX_CHANGES,
+                   help=f"changes combined in one configuration (default {DEFAULT_MAX_CHANGES})")
     a.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.advise/1)")
+    from trainmem.cliargs import add_finetune_args, add_optimizer_args, add_parallel_args, add_routing_arg
+    add_routing_arg(a)
+    add_optimizer_args(a)
+    add_parallel_args(a)
+    add_finetune_args(a)
     a.set_defaults(func=run_advise)
 
     e = subparsers.add_parser("explain", help="the brief's follow-up questions, answered with your numbers")
@@ -160,13 +175,16 @@ def run_plan(args) -> int:
 
 
 def run_advise(args) -> int:
-    from trainmem.cliargs import specs_from_args
+    from trainmem.cliargs import finetune_from_args, parallel_from_args, specs_from_args
     from trainmem.plan.advise import advise
 
     model, step, impl = specs_from_args(args)
     gpu = _gpu(args)
-    _check_gpus(gpu, args.gpus)
-    result = advise(model, step, impl, gpu, gpus=args.gpus, reserve=_reserve(args))
+    parallel = parallel_from_args(args)
+    _check_gpus(gpu, args.gpus or (parallel.world_size if parallel else 1))
+    result = advise(model, step, impl, gpu, gpus=args.gpus, parallel=parallel, finetune=finetune_from_args(args),
+                    reserve=_reserve(args), top=args.top, budget=args.max_estimates, max_changes=args.max_changes,
+                    model_name=args.model)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -21,7 +21,16 @@ A first-order model for *ranking* configurations, not a performance prediction:
   in forward and again in backward every micro-batch (1.5× the all-reduce volume per micro-batch).
   This traffic overlaps with backward compute; only what exceeds the compute time counts;
 * optimizer offload: gradients to host and parameters back over PCIe each step, plus a CPU Adam
-  at ``cpu_adam_params_per_s``.
+  at ``cpu_adam_params_per_s``;
+* activation offload (torchtune's ``OffloadActivations``: saved tensors to pinned host memory on a
+  side stream, back before their backward): the offloaded bytes out and back over PCIe per
+  micro-batch, overlapped with compute; only what exceeds the compute time counts;
+* fine-tuning (``finetune``): frozen weights compute no weight gradient, so their matmuls cost
+  4·N FLOPs per token instead of 6·N; adapters cost 6 FLOPs per adapter parameter per token;
+  gradients, their all-reduce and the optimizer step cover the trainable parameters only.
+
+Not modelled (zero cost here): the loss kernel (chunked or fused CE), the optimizer step on the GPU
+(fused or foreach, 8-bit states), and QLoRA's 4-bit dequantization before each matmul.
 
 A group whose ranks fit in one node uses the intra-node bandwidth, else the inter-node one.
 Ranks are laid out tp (innermost), cp, dp, pp (outermost), as Megatron-LM does.
@@ -30,6 +39,7 @@ Ranks are laid out tp (innermost), cp, dp, pp (outermost), as Megatron-LM does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from trainmem.errors import SpecError
 from trainmem.estimate.params import parameter_shapes
@@ -38,7 +48,7 @@ from trainmem.plan.hardware import GPU
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs import _validate as v
 
-__all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters"]
+__all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters", "trainable_parameters"]
 
 _EMBED_INPUTS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
                  "token_type_embeddings", "embed_in")
@@ -89,20 +99,47 @@ class StepTime:
                 "total_s": self.total_s}
 
 
-def matmul_parameters(model: ModelSpec) -> tuple[int, int]:
-    """(parameters in matmuls, all parameters). MoE experts count top_k/num_experts of theirs."""
-    total = active = 0
-    for name, shape in parameter_shapes(model):
+def _counts(model: ModelSpec, shapes) -> list[tuple[str, int, int]]:
+    """(name, elements, elements taking part in a matmul per token) of each parameter: the input
+    embedding takes part in none unless tied to the head; MoE experts count top_k/num_experts."""
+    out = []
+    for name, shape in shapes:
         n = 1
         for d in shape:
             n *= d
-        total += n
+        mm = n
         if any(t in name for t in _EMBED_INPUTS) and not model.tied_embeddings:
-            continue
-        if model.is_moe and "experts" in name and "shared" not in name:
-            n = n * model.top_k // model.num_experts
-        active += n
-    return active, total
+            mm = 0
+        elif model.is_moe and "experts" in name and "shared" not in name:
+            mm = n * model.top_k // model.num_experts
+        out.append((name, n, mm))
+    return out
+
+
+def matmul_parameters(model: ModelSpec) -> tuple[int, int]:
+    """(parameters in matmuls, all parameters). MoE experts count top_k/num_experts of theirs."""
+    counts = _counts(model, parameter_shapes(model))
+    return sum(mm for _, _, mm in counts), sum(n for _, n, _ in counts)
+
+
+@lru_cache(maxsize=64)
+def trainable_parameters(model: ModelSpec, finetune) -> tuple[int, int, int]:
+    """(frozen parameters in matmuls, trainable parameters in matmuls, all trainable parameters)
+    under ``finetune`` (a FinetuneSpec; adapters count as trainable matmul parameters), counted as
+    :func:`matmul_parameters` counts them."""
+    from trainmem.estimate.finetune import adapter_parameters, trainable_predicate
+
+    trainable = trainable_predicate(model, finetune)
+    shapes = list(parameter_shapes(model))
+    if finetune.adapters:
+        shapes += [(name, shape) for name, shape, _ in adapter_parameters(model, finetune)]
+    frozen_mm = train_mm = train_all = 0
+    for name, n, mm in _counts(model, shapes):
+        if trainable(name):
+            train_all, train_mm = train_all + n, train_mm + mm
+        else:
+            frozen_mm += mm
+    return frozen_mm, train_mm, train_all
 
 
 def _bw(gpu: GPU, group: int, inner: int) -> float:
@@ -111,18 +148,27 @@ def _bw(gpu: GPU, group: int, inner: int) -> float:
 
 
 def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: ParallelSpec, gpu: GPU,
-              *, global_batch: int, cost: CostModel = CostModel(), n_params: tuple[int, int] | None = None) -> StepTime:
+              *, global_batch: int, cost: CostModel = CostModel(), n_params: tuple[int, int] | None = None,
+              finetune=None, offloaded_activation_bytes: int = 0) -> StepTime:
     """Estimated time of one optimizer step: ``global_batch`` sequences of ``step.seq`` tokens,
-    micro-batch ``step.batch``, spread over ``parallel``."""
+    micro-batch ``step.batch``, spread over ``parallel``. ``finetune``: a FinetuneSpec (frozen
+    weights, adapters); ``offloaded_activation_bytes``: what one rank sends to host memory per
+    micro-batch under activation offload."""
     p = parallel
     world = p.world_size
     N, N_all = n_params or matmul_parameters(model)
+    N_train_all = N_all
+    if finetune is not None:
+        frozen, train, N_train_all = trainable_parameters(model, finetune)
     L, S, B = model.num_layers, step.seq, step.batch
     qd = model.q_size
     tokens = global_batch * S
     causal = 0.5 if model.arch == "decoder" else 1.0
     attn_fwd_tok = 4 * L * S * qd * causal  # QK^T and PV, per token
     mm_flops = 6 * N * tokens
+    if finetune is not None:
+        mm_flops = (4 * frozen + 6 * train) * tokens
+        N = frozen + train  # what full recompute runs forward again
     attn_flops = 3 * attn_fwd_tok * tokens
     if impl.recompute == "full":
         mm_flops += 2 * N * tokens
@@ -160,6 +206,7 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
 
     # model states one rank holds a replica slice of: N_all / (tp · pp) parameters
     shard_params = N_all / (p.tp * p.pp)
+    shard_train = N_train_all / (p.tp * p.pp)
     gb = dtype_bytes(step.dtypes.grad)
     pb = dtype_bytes(step.dtypes.param)
     d = p.dp * p.cp
@@ -168,18 +215,21 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
     if d > 1:
         ring = (d - 1) / d
         if zero <= 1:
-            vol = 2 * ring * shard_params * gb
+            vol = 2 * ring * shard_train * gb
         elif zero == 2:
-            vol = micro * ring * shard_params * gb + ring * shard_params * pb
+            vol = micro * ring * shard_train * gb + ring * shard_train * pb
         else:
-            vol = micro * ring * shard_params * (gb + 2 * pb)
+            vol = micro * ring * (shard_train * gb + shard_params * 2 * pb)
         dp = vol / _bw(gpu, d, p.tp)
     dp_exposed = max(0.0, dp - compute)
     offload = 0.0
     if "optimizer" in p.offload:
-        shard = shard_params / (d if zero >= 1 else 1)
+        shard = shard_train / (d if zero >= 1 else 1)
         offload = shard * (gb + pb) / gpu.host_bytes_per_s + shard / cost.cpu_adam_params_per_s
     if "params" in p.offload:
         shard = shard_params / (d if zero >= 3 else 1)
         offload += 2 * micro * shard * pb / gpu.host_bytes_per_s
+    if offloaded_activation_bytes:
+        out_and_back = 2 * micro * offloaded_activation_bytes / gpu.host_bytes_per_s
+        offload += max(0.0, out_and_back - compute)
     return StepTime(compute, tp, cp, pp, bubble, dp_exposed, offload)

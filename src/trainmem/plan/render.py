@@ -72,6 +72,20 @@ def render_advice(advice) -> str:
         + (f" × {advice.gpus}" if advice.gpus > 1 else ""),
         "",
     ]
+    if advice.options:
+        st = advice.stats
+        lines.append(f"Cheapest changes that fit ({st.evaluated} estimates of {st.candidates} combinations of up to "
+                     f"{st.max_changes} changes{'' if st.complete else f'; stopped at --max-estimates {st.budget}'}):")
+        for i, o in enumerate(advice.options, 1):
+            mark = "  [changes the training]" if o.changes_training else ""
+            lines.append(f"{i}. {' + '.join(o.actions)}{mark}")
+            lines.append(f"   peak {fmt_bytes(o.peak_bytes)}, headroom {fmt_bytes(o.headroom_bytes)}; "
+                         f"{_speed(o.throughput_cost)}")
+            lines.append(f"   {o.command}")
+        lines += ["", "The brief's ladder, rung by rung (the explanation):"]
+    elif advice.stats is not None:
+        lines += [f"No combination of up to {advice.stats.max_changes} changes fits ({advice.stats.evaluated} "
+                  "estimates).", ""]
     if not advice.steps:
         lines.append("It already fits: nothing to change." if advice.fits else "No step of the ladder applies.")
     for i, s in enumerate(advice.steps, 1):

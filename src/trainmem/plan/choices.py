@@ -1,0 +1,252 @@
+"""The changes ``trainmem advise`` searches over: a registry of choices, each a small pure function.
+
+A :class:`Config` is one point of the search (step, implementation, parallel layout, fine-tuning).
+A :class:`Choice` names the spec fields it changes, whether it changes the training itself (adapters
+on a frozen base instead of full weights) and yields its
+variants on a configuration (``flash``; micro-batch 4 → 2 or 1; ZeRO 1, 2, 3 ...), or nothing where
+it does not apply. Choices are applied in registry order, each at most once, so a combination is a
+set. A choice whose spec field does not exist is not registered: adding a mechanism to the specs
+and one entry here is all the search needs.
+
+Known limitations:
+  - Only mechanisms the estimator models are offered; ``--compile`` and op-level recompute are not
+    (yet) spec fields.
+  - Selective recompute is never offered with a fused attention kernel: it is a no-op there
+    (:func:`trainmem.estimate.notes.selective_recompute_noop`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Iterator
+
+from trainmem.estimate.notes import selective_recompute_noop
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
+
+__all__ = ["Config", "Choice", "CHOICES", "Context", "tp_degrees", "fused_attention"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration the search visits."""
+
+    step: StepSpec
+    impl: ImplSpec
+    par: ParallelSpec
+    finetune: FinetuneSpec | None = None
+
+    def config(self) -> dict:
+        p, s, i = self.par, self.step, self.impl
+        out = {"micro_batch": s.batch, "grad_accum": s.grad_accum, "seq": s.seq, "attention": i.attention,
+               "recompute": i.recompute, "recompute_every": i.recompute_every, "loss": s.loss,
+               "optimizer": s.optimizer, "dp": p.dp, "tp": p.tp, "sp": p.sp, "zero": p.zero, "fsdp": p.fsdp,
+               "offload": list(p.offload), "finetune": None if self.finetune is None else self.finetune.mode}
+        for name in _OPTIONAL_IMPL:
+            out[name] = getattr(i, name)
+        return out
+
+    def command(self, model: str) -> str:
+        """The ``trainmem estimate`` line that reproduces this configuration's per-rank peak."""
+        s, i, p = self.step, self.impl, self.par
+        parts = ["trainmem estimate", f"--model {model}", f"--batch {s.batch}", f"--seq {s.seq}"]
+        if s.grad_accum != 1:
+            parts.append(f"--grad-accum {s.grad_accum}")
+        parts += [f"--precision {s.precision}", f"--optimizer {s.optimizer}", f"--loss {s.loss}",
+                  f"--attention {i.attention}", f"--recompute {i.recompute}"]
+        if i.recompute == "every-k":
+            parts.append(f"--recompute-every {i.recompute_every}")
+        if i.profile != "hf":
+            parts.append(f"--profile {i.profile}")
+        if i.device != "cuda":
+            parts.append(f"--device {i.device}")
+        if getattr(i, "optimizer_impl", "auto") != "auto":
+            parts.append(f"--optimizer-impl {i.optimizer_impl}")
+        if getattr(i, "optimizer_in_backward", False):
+            parts.append("--optimizer-in-backward")
+        if not p.is_single:
+            parts.append(f"--dp {p.dp}")
+            if p.tp > 1:
+                parts.append(f"--tp {p.tp}" + (" --sp" if p.sp else ""))
+            for name in ("cp", "ep", "pp"):
+                if getattr(p, name) > 1:
+                    parts.append(f"--{name} {getattr(p, name)}")
+            if p.zero:
+                parts.append(f"--zero {p.zero}")
+            if p.fsdp:
+                parts.append(f"--fsdp {p.fsdp}")
+            if p.offload:
+                parts.append(f"--offload {','.join(p.offload)}")
+        f = self.finetune
+        if f is not None:
+            parts.append(f"--finetune {f.mode}")
+            if f.adapters:
+                parts += [f"--lora-rank {f.lora_rank}", f"--lora-targets {','.join(f.lora_targets)}"]
+            if f.freeze:
+                parts.append(f"--freeze {','.join(f.freeze)}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the variants of a choice may depend on besides the configuration."""
+
+    model: ModelSpec
+    gpus: int
+    gpus_per_node: int
+
+
+Variants = Callable[[Config, Context], Iterator[tuple[Config, str]]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    fields: tuple[str, ...]
+    """Spec fields it changes (``spec.field``)."""
+    changes_training: bool
+    """Whether it is a different training run (adapters on a frozen base), not the same step laid
+    out in memory another way. Such options are ranked after those that keep the training."""
+    variants: Variants
+    note: str = ""
+
+
+CHOICES: dict[str, Choice] = {}
+
+_SPECS = {"step": StepSpec, "impl": ImplSpec, "parallel": ParallelSpec, "finetune": FinetuneSpec}
+_OPTIONAL_IMPL = tuple(n for n in ("optimizer_impl", "optimizer_in_backward")
+                       if n in {f.name for f in fields(ImplSpec)})
+
+
+def _exists(path: str) -> bool:
+    spec, name = path.split(".")
+    return name in {f.name for f in fields(_SPECS[spec])}
+
+
+def choice(name: str, fields_changed: tuple[str, ...], *, changes_training: bool = False, note: str = ""):
+    """Register a choice's variant generator; refuses duplicates, skips choices whose spec fields
+    do not exist."""
+    def register(fn: Variants) -> Variants:
+        if name in CHOICES:
+            raise ValueError(f"choice {name!r} registered twice")
+        if all(_exists(f) for f in fields_changed):
+            CHOICES[name] = Choice(name, fields_changed, changes_training, fn, note)
+        return fn
+    return register
+
+
+def fused_attention(step: StepSpec, impl: ImplSpec) -> str:
+    """The fused kernel that replaces eager/math attention: flash for 16-bit activations on CUDA,
+    else the memory-efficient kernel."""
+    return "flash" if impl.device == "cuda" and step.dtypes.activation in ("bfloat16", "float16") else "mem-efficient"
+
+
+def tp_degrees(model: ModelSpec, seq: int, gpus: int, gpus_per_node: int) -> list[int]:
+    """Tensor-parallel degrees inside one node that divide the GPUs, heads, FFN and sequence (SP)."""
+    return [t for t in (2, 4, 8, 16) if t <= min(gpus, gpus_per_node) and gpus % t == 0
+            and model.num_heads % t == 0 and model.ffn_size % t == 0 and seq % t == 0]
+
+
+# The registry, in the order a combination is applied ------------------------------------------
+
+@choice("attention", ("impl.attention",), note="exact attention; no S×S matrix is saved")
+def _attention(c: Config, ctx: Context):
+    if c.impl.attention in ("eager", "sdpa-math"):
+        k = fused_attention(c.step, c.impl)
+        yield replace(c, impl=replace(c.impl, attention=k)), f"attention {c.impl.attention} → {k}"
+
+
+@choice("micro_batch", ("step.batch", "step.grad_accum"), note="same sequences per optimizer step")
+def _micro_batch(c: Config, ctx: Context):
+    b, a = c.step.batch, c.step.grad_accum
+    for d in range(b - 1, 0, -1):
+        if b % d == 0:
+            yield (replace(c, step=replace(c.step, batch=d, grad_accum=a * (b // d))),
+                   f"micro-batch {b} → {d}, gradient accumulation {a} → {a * (b // d)}")
+
+
+@choice("recompute", ("impl.recompute", "impl.recompute_every"), note="recompute in backward")
+def _recompute(c: Config, ctx: Context):
+    now = c.impl.recompute
+    if now == "full":
+        return
+    if now == "none" and not selective_recompute_noop(ctx.model, c.step, c.impl):
+        yield replace(c, impl=replace(c.impl, recompute="selective", recompute_every=1)), "selective recompute"
+    if now in ("none", "selective"):
+        for k in (4, 2):
+            if k < ctx.model.num_layers:
+                yield (replace(c, impl=replace(c.impl, recompute="every-k", recompute_every=k)),
+                       f"checkpoint every {'2nd' if k == 2 else f'{k}th'} block")
+    yield replace(c, impl=replace(c.impl, recompute="full", recompute_every=1)), "full activation checkpointing"
+
+
+@choice("loss", ("step.loss",), note="the same loss without the full fp32 logits")
+def _loss(c: Config, ctx: Context):
+    order = ("ce", "chunked-ce", "fused-ce")
+    for loss in order[order.index(c.step.loss) + 1:]:
+        yield replace(c, step=replace(c.step, loss=loss)), f"loss {c.step.loss} → {loss}"
+
+
+@choice("optimizer_impl", ("impl.optimizer_impl",), note="torch's fused kernel: no parameter-sized temporary")
+def _optimizer_impl(c: Config, ctx: Context):
+    if c.impl.optimizer_impl != "fused" and c.step.optimizer in ("adamw", "adam", "sgd", "sgd-momentum"):
+        yield replace(c, impl=replace(c.impl, optimizer_impl="fused")), "fused optimizer step"
+
+
+@choice("optimizer_in_backward", ("impl.optimizer_in_backward",),
+        note="each parameter steps in its gradient hook; needs gradient accumulation 1 and one device")
+def _optimizer_in_backward(c: Config, ctx: Context):
+    if not c.impl.optimizer_in_backward and c.step.grad_accum == 1 and c.par.is_single:
+        yield replace(c, impl=replace(c.impl, optimizer_in_backward=True)), "optimizer step in backward"
+
+
+@choice("optimizer_8bit", ("step.optimizer",),
+        note="bitsandbytes 8-bit Adam: block-quantized states (close to Adam, not bit-identical)")
+def _optimizer_8bit(c: Config, ctx: Context):
+    if c.step.optimizer in ("adamw", "adam"):
+        yield replace(c, step=replace(c.step, optimizer="adam8bit")), f"optimizer {c.step.optimizer} → adam8bit"
+
+
+@choice("shard", ("parallel.zero", "parallel.fsdp"), note="shards model states over the data-parallel ranks")
+def _shard(c: Config, ctx: Context):
+    p = c.par
+    if p.dp == 1 or p.fsdp is not None:
+        return
+    for z in (1, 2, 3):
+        if z > p.zero:
+            yield replace(c, par=replace(p, zero=z)), f"ZeRO stage {z} over {p.dp} ranks"
+    yield replace(c, par=replace(p, zero=0, fsdp="full")), f"FSDP (full shard) over {p.dp} ranks"
+
+
+@choice("tensor_parallel", ("parallel.tp", "parallel.sp"),
+        note="heads and FFN split over the TP group, norms and residuals over tokens (SP)")
+def _tensor_parallel(c: Config, ctx: Context):
+    p = c.par
+    if p.tp > 1 or ctx.gpus == 1:
+        return
+    for t in tp_degrees(ctx.model, c.step.seq, p.dp, ctx.gpus_per_node):
+        yield (replace(c, par=replace(p, tp=t, sp=True, dp=p.dp // t),
+                       step=replace(c.step, grad_accum=c.step.grad_accum * t)),
+               f"TP{t} with SP (data parallel {p.dp} → {p.dp // t}, accumulation ×{t})")
+
+
+@choice("offload_optimizer", ("parallel.offload",), note="optimizer step on the CPU; PCIe traffic every step")
+def _offload_optimizer(c: Config, ctx: Context):
+    if "optimizer" not in c.par.offload and not (c.step.optimizer == "sgd" and not c.step.dtypes.master):
+        yield (replace(c, par=replace(c.par, offload=c.par.offload + ("optimizer",), zero=max(c.par.zero, 1))),
+               "offload optimizer states to CPU")
+
+
+@choice("offload_activations", ("parallel.offload",), note="saved activations to host memory and back")
+def _offload_activations(c: Config, ctx: Context):
+    if "activations" not in c.par.offload:
+        yield replace(c, par=replace(c.par, offload=c.par.offload + ("activations",))), "offload activations to CPU"
+
+
+@choice("finetune", ("finetune.mode",), changes_training=True,
+        note="adapters on a frozen base: a different training run")
+def _finetune(c: Config, ctx: Context):
+    if c.finetune is None:
+        for mode in ("lora", "qlora"):
+            yield (replace(c, finetune=FinetuneSpec(mode=mode, lora_targets=("all-linear",), lora_rank=16)),
+                   f"{'LoRA' if mode == 'lora' else 'QLoRA'} r=16 on all linear layers")
