@@ -102,3 +102,18 @@ def test_cli_states_the_routing_assumption(tmp_path, capsys):
     assert main([*base, "--routing", "hot"]) == 2
     assert capsys.readouterr().err.strip() == ("SpecError: routing='hot': must be balanced, worst or skewed:F "
                                                "with F in [0, 1]")
+
+
+def test_estimate_takes_the_same_switch():
+    """The estimator models grouped_mm experts (rules_hf.py ``_moe``): its memory does not depend
+    on routing on one device; expert-parallel ranks under uneven routing are not modelled."""
+    from trainmem.estimate import estimate
+    from trainmem.specs import ParallelSpec
+    from trainmem.specs.loaders import load_model
+
+    model, step = load_model("mixtral-8x7b"), StepSpec(batch=1, seq=512)
+    peaks = {r: estimate(model, step, ImplSpec(routing=r)).peak_bytes for r in ("balanced", "skewed:0.5", "worst")}
+    assert len(set(peaks.values())) == 1
+    with pytest.raises(SpecError, match="routing='worst': is not modelled with ep=2"):
+        estimate(model, step, ImplSpec(routing="worst"), ParallelSpec(dp=2, ep=2))
+    assert estimate(model, step, ImplSpec(), ParallelSpec(dp=2, ep=2)).peak_bytes > 0

@@ -103,6 +103,9 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
             raise SpecError("ep", par.ep, "expert parallelism needs a mixture-of-experts model")
         if model.num_experts % par.ep or (par.dp * par.cp) % par.ep:
             raise SpecError("ep", par.ep, f"must divide num_experts={model.num_experts} and dp×cp: {degrees}")
+        if impl.routing != "balanced":  # the hot experts' ranks would receive more tokens than their share
+            raise SpecError("routing", impl.routing, f"is not modelled with ep={par.ep}: the estimate gives every "
+                            "expert-parallel rank its balanced share of tokens")
     if par.cp > 1 and impl.attention in ("eager", "sdpa-math"):
         raise SpecError("cp", par.cp, f"context parallelism needs a fused attention kernel, not {impl.attention}")
     if par.fsdp == "hybrid" and (par.dp * par.cp) % min(par.fsdp_group, par.dp * par.cp):
