@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(func=_estimate)
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
     add_model_step_args(cmp)
-    cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (needed for MoE)")
+    cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (small configs)")
     cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/1)")
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
     _add_output_args(cmp)
