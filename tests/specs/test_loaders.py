@@ -200,8 +200,9 @@ def test_unknown_preset_without_close_name_still_lists_presets():
         load_model("zzzz")
 
 
-def test_hub_id_is_not_downloaded():
-    with pytest.raises(ConfigError, match=r"Llama-2-7b-hf: no such file or folder.*never downloads"):
+def test_hub_id_is_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache (tests/specs/test_hf_cache.py reads one)
+    with pytest.raises(ConfigError, match=r"Llama-2-7b-hf: not a local path.*never downloads"):
         load_config_dict("meta-llama/Llama-2-7b-hf")
 
 
