@@ -59,7 +59,9 @@ class MemoryItem:
 
     ``bytes`` is logical: elements x item size, an ``int``. ``formula`` says
     where the number came from: a symbolic formula for estimates, the creating
-    op for traces.
+    op for traces. ``dims``: for estimates, one symbolic expression per axis of ``shape``
+    (``("B", "S", "A·hd")``, see ``trainmem.estimate.symbols``); the formula is rendered from
+    them. Empty where there are none (traces, model states, aggregates).
     """
 
     name: str
@@ -69,14 +71,15 @@ class MemoryItem:
     bytes: int
     formula: str = ""
     note: str = ""
+    dims: tuple[str, ...] = ()
 
     @classmethod
     def make(cls, name: str, category: Category, shape: tuple[int, ...], dtype: str, nbytes: int,
-             formula: str = "") -> "MemoryItem":
+             formula: str = "", dims: tuple[str, ...] = ()) -> "MemoryItem":
         """Fast constructor for trusted callers (estimators build thousands of items)."""
         item = object.__new__(cls)
         item.__dict__.update(name=name, category=category, shape=shape, dtype=dtype, bytes=nbytes,
-                             formula=formula, note="")
+                             formula=formula, note="", dims=dims)
         return item
 
     def to_dict(self) -> dict:
@@ -87,6 +90,7 @@ class MemoryItem:
             "dtype": self.dtype,
             "bytes": self.bytes,
             "formula": self.formula,
+            **({"dims": list(self.dims)} if self.dims else {}),
             **({"note": self.note} if self.note else {}),
         }
 
@@ -116,7 +120,7 @@ class Repeat:
                     n = new_own + n[len(own):]
                 elif self.shift_previous and n.startswith(prev):
                     n = new_prev + n[len(prev):]
-                yield MemoryItem.make(n, it.category, it.shape, it.dtype, it.bytes, it.formula)
+                yield MemoryItem.make(n, it.category, it.shape, it.dtype, it.bytes, it.formula, it.dims)
 
     def __len__(self) -> int:
         return len(self.items) * len(self.dsts)

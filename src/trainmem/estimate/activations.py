@@ -33,7 +33,7 @@ def activation_inventory(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> In
 def _input_ids(ctx: Ctx) -> None:
     """Non-HF profiles name the caller's token ids (the HF rules keep them under the embedding)."""
     if ctx.impl.profile != "hf":
-        ctx.g.save(ctx.g.new("input_ids", (ctx.step.batch, ctx.step.seq), "B·S", "int64"))
+        ctx.g.save(ctx.g.new("input_ids", (ctx.step.batch, ctx.step.seq), ("B", "S"), "int64"))
 
 
 def _forward(impl: ImplSpec):

@@ -55,8 +55,9 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     g, m = ctx.g, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
     rg = q.rg or k.rg or v.rg
-    heads_shape, heads_dims = (B, A, S, hd), "B·A·S·hd"
-    scores_shape, scores_dims = (B, A, S, S), "B·A·S·S"
+    heads_shape, heads_dims = (B, A, S, hd), ("B", "A", "S", "hd")
+    scores_shape, scores_dims = (B, A, S, S), ("B", "A", "S", "S")
+    out_shape, out_dims = (B, S, A * hd), ("B", "S", "A·hd")
     low = ctx.low
     if kernel in ("flash", "efficient"):
         if low:  # SDPA is on autocast's lower-precision list
@@ -66,17 +67,16 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
             v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
         cp = ctx.shard.cp
         if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
-            k, v = (g.new(f"{n}_gathered", (B, S * cp, t.shape[-1]), "B·S·Akv·hd", t.dtype, t.rg)
-                    for t, n in ((k, "k"), (v, "v")))
-        out = g.new("sdpa_out", (B, S, A * hd), "B·S·A·hd", q.dtype, rg)
+            k, v = (_gathered(g, t, f"{n}_gathered", cp) for t, n in ((k, "k"), (v, "v")))
+        out = g.new("sdpa_out", out_shape, out_dims, q.dtype, rg)
         if kernel == "flash":
-            lse = g.new("lse", (B, A, S), "B·A·S", "float32")
+            lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32")
         else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
             s32 = -(-S // 32) * 32
-            lse = g.new("lse", (B, A, s32), "B·A·⌈S/32⌉·32", "float32")
+            lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32")
         g.save(q, k, v, out, lse, when=rg)
         if m.attn_dropout > 0 and ctx.impl.device == "cuda":
-            g.save(g.new("rng_state", (2,), "2", "int64", False), when=rg)
+            g.save(g.new("rng_state", (2,), ("2",), "int64", False), when=rg)
         if out_copy:
             return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
@@ -114,4 +114,12 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     g.save(probs, when=vv.rg)
     g.save(vv, when=probs.rg)
     out_dtype = out_dtype if kernel == "math" else probs.dtype
-    return g.new("attn_out", (B, S, A * hd), "B·S·A·hd", out_dtype, rg)
+    return g.new("attn_out", out_shape, out_dims, out_dtype, rg)
+
+
+def _gathered(g, t: Sym, label: str, cp: int) -> Sym:
+    """``t`` all-gathered over the context group: its sequence axis (the one before the last in
+    the (B, A, S, hd) layout, the second in (B, S, heads·hd)) grows ``cp`` times."""
+    ax = 2 if len(t.shape) == 4 else 1
+    shape = t.shape[:ax] + (t.shape[ax] * cp,) + t.shape[ax + 1:]
+    return g.new(label, shape, t.dims[:ax] + (f"{t.dims[ax]}·cp",) + t.dims[ax + 1:], t.dtype, t.rg)

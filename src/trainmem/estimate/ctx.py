@@ -32,6 +32,20 @@ class Shard:
     sp: bool = False
     cp: int = 1
     cp_style: str = "ring"
+    ep: int = 1
+
+    def symbols(self) -> dict[str, str]:
+        """The rank-local sizes as global symbols (``estimate/parallel.py`` ``local_model``): heads,
+        FFN widths and vocabulary divided by ``tp`` (experts' width only without expert
+        parallelism), the sequence by ``cp``."""
+        subs = {}
+        if self.tp > 1:
+            subs.update(A="A/tp", Akv="Akv/tp", F="F/tp", V="⌈V/tp⌉")
+            if self.ep == 1:
+                subs["Fe"] = "Fe/tp"
+        if self.cp > 1:
+            subs["S"] = "S/cp"
+        return subs
 
 
 @dataclass
@@ -58,6 +72,7 @@ class Ctx:
         self.param = d.compute                    # dtype of weights as the kernels read them
         self.low = d.activation if d.autocast else None  # autocast's compute dtype
         self.B, self.S = self.step.batch, self.step.seq
+        self.g.subs = self.shard.symbols()
 
     # sequence parallelism -------------------------------------------------------
     def sp_scatter(self, x: Sym, label: str) -> Sym:
@@ -67,7 +82,7 @@ class Ctx:
         if not self.shard.sp or tp == 1:
             return x
         shape = x.shape[:1] + (x.shape[1] // tp,) + x.shape[2:]
-        return self.g.new(label, shape, x.dims.replace("S", "(S/tp)", 1), x.dtype, x.rg)
+        return self.g.new(label, shape, x.dims[:1] + (f"{x.dims[1]}/tp",) + x.dims[2:], x.dtype, x.rg)
 
     def sp_gather(self, x: Sym, label: str) -> Sym:
         """Leave a sequence-parallel region: all-gather the tokens (DTensor keeps the gathered
@@ -76,7 +91,8 @@ class Ctx:
         if not self.shard.sp or tp == 1:
             return x
         shape = x.shape[:1] + (x.shape[1] * tp,) + x.shape[2:]
-        return self.g.new(label, shape, x.dims.replace("(S/tp)", "S", 1), x.dtype, x.rg)
+        seq = x.dims[1][:-len("/tp")] if x.dims[1].endswith("/tp") else f"{x.dims[1]}·tp"
+        return self.g.new(label, shape, x.dims[:1] + (seq,) + x.dims[2:], x.dtype, x.rg)
 
     # kernels ---------------------------------------------------------------
     def cast(self, x: Sym, dtype: str, label: str) -> Sym:
@@ -89,16 +105,16 @@ class Ctx:
         return self.trainable(self.g.path(label))
 
     def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
-               label: str = "out", weight_sym: str = "") -> Sym:
+               label: str = "out") -> Sym:
         if self.finetune_linear is not None:
-            return self.finetune_linear(self, x, out_features, out_sym, weight=weight, label=label,
-                                        weight_sym=weight_sym)
-        return self.plain_linear(x, out_features, out_sym, weight=weight, label=label, weight_sym=weight_sym)
+            return self.finetune_linear(self, x, out_features, out_sym, weight=weight, label=label)
+        return self.plain_linear(x, out_features, out_sym, weight=weight, label=label)
 
     def plain_linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
-                     label: str = "out", weight_sym: str = "") -> Sym:
+                     label: str = "out") -> Sym:
         """``F.linear`` / ``addmm``: saves the input (and the weight, a parameter).
 
+        ``out_sym`` is the output features' symbol; the weight is ``(out_sym, x.dims[-1])``.
         Under autocast the input and the weight are cast first; the casts are what
         mm's backward keeps, so the weight copy counts as an activation.
         """
@@ -106,15 +122,12 @@ class Ctx:
         wt = self.weight_trainable()
         if self.low:
             xin = self.cast(x, self.low, "input_cast")
-            g.save(g.new("weight_cast", weight, weight_sym or f"{weight[0]}·{weight[1]}", self.low, wt),
-                   when=x.rg)
+            g.save(g.new("weight_cast", weight, (out_sym, x.dims[-1]), self.low, wt), when=x.rg)
             out_dtype = self.low
         else:
             xin, out_dtype = x, x.dtype
         g.save(xin, when=wt)  # mm keeps its input only for the weight's gradient
-        shape = x.shape[:-1] + (out_features,)
-        dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
-        return g.new(label, shape, dims, out_dtype, x.rg or wt)
+        return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.rg or wt)
 
     def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;

@@ -167,14 +167,14 @@ class FinetuneLinear:
         self.notes: list[MemoryItem] = []
 
     def __call__(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
-                 label: str = "out", weight_sym: str = "") -> Sym:
+                 label: str = "out") -> Sym:
         g, spec = ctx.g, self.spec
         module = ".".join(g.scope)
         trainable = ctx.weight_trainable()
         if spec.mode == "qlora" and module not in _HEADS:
             out = self._linear4bit(ctx, x, out_features, out_sym, weight=weight, label=label)
         else:
-            out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label, weight_sym=weight_sym)
+            out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label)
             if not trainable:
                 self._note(ctx, x, "frozen weight", "mm keeps its input only for the weight's gradient")
         if lora_targeted(module, spec):
@@ -183,8 +183,9 @@ class FinetuneLinear:
 
     def _note(self, ctx: Ctx, x: Sym, what: str, why: str) -> None:
         """A zero-byte marker: this layer's input is not kept (shown in reports next to what is)."""
+        dims, text = ctx.g.render(x)
         item = MemoryItem(name=ctx.g.path("input"), category=Category.ACTIVATION, shape=x.shape, dtype=x.dtype,
-                          bytes=0, formula=f"not saved: {what} ({x.formula()})", note=f"not saved: {what}: {why}")
+                          bytes=0, formula=f"not saved: {what} ({text})", note=f"not saved: {what}: {why}", dims=dims)
         self.notes.append(item)
 
     def _linear4bit(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight, label: str) -> Sym:
@@ -192,22 +193,19 @@ class FinetuneLinear:
         packed weight; dequantizes one weight at a time as a temporary), result cast back to x's dtype."""
         ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved
         self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
-        shape = x.shape[:-1] + (out_features,)
-        dims = x.dims.rsplit("·", 1)[0] + "·" + out_sym
-        return ctx.g.new(label, shape, dims, x.dtype, x.rg)
+        return ctx.g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.rg)
 
     def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:
         g, spec, r = ctx.g, self.spec, self.spec.lora_rank
         out_f, in_f = weight
-        in_sym = x.dims.rsplit("·", 1)[-1]
-        out_sym = result.dims.rsplit("·", 1)[-1]
+        out_sym = result.dims[-1]
         xa = ctx.cast(x, self.adapter_dtype, "lora_input_cast")  # peft _cast_input_dtype
         with g.module("lora_dropout.default"):
             d = ctx.dropout(xa, spec.lora_dropout, "out")
         with g.module("lora_A.default"):
-            a = ctx.plain_linear(d, r, "r", weight=(r, in_f), weight_sym=f"r·{in_sym}")
+            a = ctx.plain_linear(d, r, "r", weight=(r, in_f))
         with g.module("lora_B.default"):
-            b = ctx.plain_linear(a, out_f, out_sym, weight=(out_f, r), weight_sym=f"{out_sym}·r")
+            b = ctx.plain_linear(a, out_f, out_sym, weight=(out_f, r))
         scaled = g.new("lora_scaled", b.shape, b.dims, b.dtype, b.rg)  # * scaling (a float): keeps nothing
         total = ctx.add(result, scaled, "lora_sum")
         return ctx.cast(total, result.dtype, "lora_out")  # result.to(torch_result_dtype)
@@ -216,9 +214,13 @@ class FinetuneLinear:
         """Markers for frozen embedding tables: their indices are not kept."""
         for name, _ in parameter_shapes(model):
             if _EMBEDDING.search(name) and not ctx.trainable(name):
+                # token ids are (B, S); position and token-type ids one (1, S) row
+                per_row = any(k in name for k in ("wpe", "position", "token_type"))
+                ids = Sym("", *(((1, ctx.S), ("1", "S")) if per_row else ((ctx.B, ctx.S), ("B", "S"))), "int64")
+                dims, text = ctx.g.render(ids)
                 self.notes.append(MemoryItem(
-                    name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=(), dtype="int64",
-                    bytes=0, formula="not saved: frozen embedding (B·S·8)",
+                    name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=ids.shape, dtype="int64",
+                    bytes=0, formula=f"not saved: frozen embedding ({text})", dims=dims,
                     note="not saved: frozen embedding (the indices serve only the weight's gradient)"))
 
 

@@ -3,8 +3,9 @@
 Block rules (``rules_*.py``) describe a module's forward as ops on :class:`Sym`
 tensors. Each op records what the matching PyTorch kernel saves for backward
 (``Graph.save``), de-duplicated by tensor identity exactly as autograd
-de-duplicates by storage. Shapes are concrete ints; each tensor also carries a
-symbolic formula (``B·S·H``) so every number in a report can show where it came from.
+de-duplicates by storage. Shapes are concrete ints; each tensor also carries its symbolic
+dims, one expression per axis (``("B", "S", "A·hd")``), from which the formula shown beside every
+number (``B·S·A·hd·2``) is rendered when the tensor becomes an item.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from trainmem.estimate.symbols import formula, substitute
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
 __all__ = ["Sym", "Graph"]
@@ -25,7 +27,7 @@ class Sym:
 
     name: str
     shape: tuple[int, ...]
-    dims: str  # symbolic shape, e.g. "B·S·H"
+    dims: tuple[str, ...]  # one symbolic expression per axis, e.g. ("B", "S", "A·hd")
     dtype: str
     rg: bool = True  # requires grad: whether autograd must carry a gradient to it
 
@@ -37,14 +39,6 @@ class Sym:
     def nbytes(self) -> int:
         return int(self.numel * dtype_bytes(self.dtype))
 
-    def formula(self) -> str:
-        return f"{self.dims}·{_fmt_bytes(self.dtype)}"
-
-
-def _fmt_bytes(dtype: str) -> str:
-    b = dtype_bytes(dtype)
-    return str(int(b)) if b == int(b) else str(b)
-
 
 @dataclass
 class Graph:
@@ -55,6 +49,9 @@ class Graph:
     _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
     saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
     repeats: list[Repeat] = field(default_factory=list)
+    subs: dict[str, str] = field(default_factory=dict)
+    """Rank-local symbols as global ones (``A`` -> ``A/tp``), applied when items are rendered."""
+    _rendered: dict[tuple, tuple[tuple[str, ...], str]] = field(default_factory=dict)
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -68,8 +65,9 @@ class Graph:
     def path(self, label: str) -> str:
         return ".".join([*self.scope, label]) if self.scope else label
 
-    def new(self, label: str, shape: tuple[int, ...], dims: str, dtype: str, rg: bool = True) -> Sym:
-        return Sym(self.path(label), tuple(int(s) for s in shape), dims, dtype, rg)
+    def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, rg: bool = True) -> Sym:
+        assert len(dims) == len(shape), (label, shape, dims)
+        return Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, rg)
 
     # saving --------------------------------------------------------------------
     def save(self, *tensors: Sym | None, when: bool = True) -> None:
@@ -116,9 +114,18 @@ class Graph:
     def inventory(self) -> Inventory:
         return Inventory(self.items(), self.repeats)
 
-    @staticmethod
-    def _item(t: Sym) -> MemoryItem:
-        return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, t.formula())
+    def render(self, t: Sym) -> tuple[tuple[str, ...], str]:
+        """``t``'s dims in global symbols and the formula rendered from them."""
+        key = (t.dims, t.dtype)
+        out = self._rendered.get(key)
+        if out is None:
+            dims = tuple(substitute(d, self.subs) for d in t.dims)
+            out = self._rendered[key] = (dims, formula(dims, dtype_bytes(t.dtype)))
+        return out
+
+    def _item(self, t: Sym) -> MemoryItem:
+        dims, text = self.render(t)
+        return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, text, dims)
 
     def savers(self) -> list[str]:
         """The module scope that kept each item of :meth:`items`, in the same order."""

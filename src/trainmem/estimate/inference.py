@@ -29,6 +29,7 @@ from trainmem.estimate import Estimate
 from trainmem.estimate.activations import activation_items
 from trainmem.estimate.model_states import model_state_items
 from trainmem.estimate.peak import Phase, layer_of
+from trainmem.estimate.symbols import formula
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
@@ -83,10 +84,11 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
         shape = (2, B, model.num_kv_heads, rounded, model.head_dim)
         per_layer = kv_cache_bytes(model, batch=B, context=context, dtype=dt, block_size=block_size) // L
         prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
-        formula = f"2·B·⌈ctx/{block_size}⌉·{block_size}·Akv·hd·{dtype_bytes(dt):g}"
+        dims = ("2", "B", "Akv", f"⌈ctx/{block_size}⌉·{block_size}", "hd")
+        text = formula(dims, dtype_bytes(dt))
         for i in range(L):
             cache.append(MemoryItem.make(f"{prefix}.{i}.self_attn.kv_cache", Category.KV_CACHE, shape, dt,
-                                         per_layer, formula))
+                                         per_layer, text, dims))
     acts = activation_items(model, replace(step, mode="train"), replace(impl, recompute="none", recompute_every=1))
     live, names = _block_live_set(acts, 0)
     resid = int(B * step.seq * model.hidden_size * dtype_bytes(dt))

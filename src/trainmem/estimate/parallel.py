@@ -210,7 +210,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     last = len(stages) - 1
     lm = local_model(model, par)
     lstep = replace(step, seq=step.seq // par.cp)
-    shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style)
+    shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
     plain = acts
     if impl.recompute != "none":
@@ -233,7 +233,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
         if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
             stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
-                                                       it.bytes, it.formula) for it in rotary]
+                                                       it.bytes, it.formula, it.dims) for it in rotary]
         n = in_flight(par, s)
         items: list[MemoryItem] = []
         host = 0

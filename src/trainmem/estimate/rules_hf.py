@@ -54,14 +54,15 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
 _TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")  # get_input_embeddings()
 
 
-def _embedding(ctx: Ctx, name: str, rows_sym: str = "B·S") -> Sym:
-    """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype."""
+def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
+    """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype.
+    ``positions``: a position embedding, indexed by (1, S) position ids."""
     g = ctx.g
     with g.module(name):
-        shape = (ctx.B, ctx.S) if rows_sym == "B·S" else (1, ctx.S)
+        shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
         wt = ctx.weight_trainable()
-        g.save(g.new("indices", shape, rows_sym, "int64", False), when=wt)  # only the weight's gradient needs them
-        out = g.new("out", shape + (ctx.model.hidden_size,), rows_sym + "·H", ctx.param, wt)
+        g.save(g.new("indices", shape, dims, "int64", False), when=wt)  # only the weight's gradient needs them
+        out = g.new("out", shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
         if not wt and ctx.impl.recompute in ("full", "every-k") and name.endswith(_TOKEN_EMBEDDINGS):
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
             # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
@@ -80,12 +81,12 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
     with g.module(name):
         wt = ctx.weight_trainable()
         x32 = ctx.cast(x, "float32", "x_fp32")
-        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0], "float32", x.rg)
+        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", x.rg)
         normed = g.new("normed", x.shape, x.dims, "float32", x.rg)
         g.save(x32, rs, when=x.rg)
         if gemma:  # normed * (1 + w.float()): keeps normed for w's grad and (1 + w) for x's
             g.save(normed, when=wt)
-            g.save(g.new("one_plus_w", x.shape[-1:], "H", "float32", wt), when=x.rg)
+            g.save(g.new("one_plus_w", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.rg)
             return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.rg or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
         g.save(nc, when=wt)
@@ -98,7 +99,7 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
     with g.module(name):
         if ctx.low and ctx.impl.device == "cuda":
             x = ctx.cast(x, "float32", "x_fp32")
-        stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0]
+        stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims[:-1] + ("1",)
         # CUDA keeps fp32 statistics; the CPU kernel keeps them in the input's dtype
         stat = "float32" if ctx.impl.device == "cuda" else x.dtype
         rg = x.rg or ctx.weight_trainable()
@@ -138,11 +139,11 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
             dtype = "float32" if upcast or ctx.low else logits.dtype
-            g.save(g.new("log_softmax", (B * S, V), "B·S·V", dtype), when=logits.rg)
+            g.save(g.new("log_softmax", (B * S, V), ("B·S", "V"), dtype), when=logits.rg)
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
-            g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), "B·S·H", logits.dtype))
-        g.save(g.new("target", (B * S,), "B·S", "int64", False), g.new("total_weight", (), "1", "float32", False),
+            g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
+        g.save(g.new("target", (B * S,), ("B·S",), "int64", False), g.new("total_weight", (), (), "float32", False),
                when=logits.rg)
 
 
@@ -152,7 +153,7 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
         ctx.g.save(h)  # chunked/fused CE recompute logits from the hidden state
         return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype, h.rg or ctx.trainable(f"{name}.weight"))
     with ctx.g.module(name):
-        logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size), weight_sym="V·H")
+        logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size))
     if m.logit_softcap:  # Gemma-2: cap * tanh(logits / cap); tanh keeps its output
         with ctx.g.module("loss"):
             t = ctx.g.new("logit_softcap_tanh", logits.shape, logits.dims, logits.dtype, logits.rg)
@@ -170,9 +171,9 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
     g = ctx.g
     held = []
     if ctx.impl.recompute != "selective":  # selective checkpoints only the attention function
-        held.append(positions or g.new("model.position_ids", (1, ctx.S), "S", "int64", False))
+        held.append(positions or g.new("model.position_ids", (1, ctx.S), ("1", "S"), "int64", False))
     if kernel == "eager":
-        held.append(g.new(f"{root}.causal_mask", (ctx.B, 1, ctx.S, ctx.S), "B·S·S", dtype, False))
+        held.append(g.new(f"{root}.causal_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"), dtype, False))
     return held
 
 
@@ -188,8 +189,8 @@ def _llama(ctx: Ctx) -> None:
         x = ctx.sp_scatter(x, "out_sp")
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
-        cos = g.new("cos", rot, "S·hd", x.dtype, False)
-        sin = g.new("sin", rot, "S·hd", x.dtype, False)
+        cos = g.new("cos", rot, ("1", "S", "hd"), x.dtype, False)
+        sin = g.new("sin", rot, ("1", "S", "hd"), x.dtype, False)
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
     def layer(i: int, x: Sym) -> Sym:
@@ -216,8 +217,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         if m.family == "phi3":
             with g.module("qkv_proj"):
                 qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H))
-            q = g.new("q", (ctx.B, ctx.S, qs), "B·S·A·hd", qkv.dtype, qkv.rg)
-            k = g.new("k", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", qkv.dtype, qkv.rg)
+            q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.rg)
+            k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.rg)
             v = qkv  # a view of the fused output
         else:
             with g.module("q_proj"):
@@ -227,19 +228,19 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
             with g.module("v_proj"):
                 v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H))
         if m.qk_norm:
-            q = _rmsnorm(ctx, _heads(q, m.num_heads, m.head_dim), "q_norm")
-            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, m.head_dim), "k_norm")
+            q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm")
+            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm")
         q = _rope(ctx, q, cos, sin, "q_rope")
         k = _rope(ctx, k, cos, sin, "k_rope")
         # the KV cache's torch.cat hands attention fresh copies of K and V
         k = g.new("k_cache", k.shape, k.dims, k.dtype, k.rg)
-        v = g.new("v_cache", (ctx.B, ctx.S, kvs), "B·S·Akv·hd", v.dtype, v.rg)
+        v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.rg)
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
                                softcap=m.attn_softcap, out_copy=m.family == "phi3")
         with g.module("o_proj"):
-            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd"), "out_sp")
+            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs)), "out_sp")
     if gemma and m.family == "gemma2":
         a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=True)
     x = ctx.add(x, a, "residual_attn")
@@ -254,9 +255,9 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     return ctx.add(x, y, "residual_mlp")
 
 
-def _heads(x: Sym, heads: int, hd: int) -> Sym:
+def _heads(x: Sym, heads: int, heads_sym: str, hd: int) -> Sym:
     """A (B, S, heads, hd) view: per-head norms see this shape (their statistics are per head)."""
-    return Sym(x.name, x.shape[:-1] + (heads, hd), x.dims.rsplit("·", 1)[0] + "·heads·hd", x.dtype)
+    return Sym(x.name, x.shape[:-1] + (heads, hd), x.dims[:-1] + (heads_sym, "hd"), x.dtype)
 
 
 def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
@@ -265,28 +266,28 @@ def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
     H, F = m.hidden_size, m.ffn_size
     if not m.gated:
         with g.module("up_proj"):
-            u = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+            u = ctx.linear(h, F, "F", weight=(F, H))
         with g.module("act_fn"):
             a = _activation(ctx, u, "act")
         with g.module("down_proj"):
-            return ctx.linear(a, H, "H", weight=(H, F), weight_sym="H·F")
+            return ctx.linear(a, H, "H", weight=(H, F))
     if m.family == "phi3":
         with g.module("gate_up_proj"):
-            gu = ctx.linear(h, 2 * F, "2F", weight=(2 * F, H), weight_sym="2F·H")
+            gu = ctx.linear(h, 2 * F, "2F", weight=(2 * F, H))
         gate = up = gu
-        shape, dims = gu.shape[:-1] + (F,), "B·S·F"
+        shape, dims = gu.shape[:-1] + (F,), gu.dims[:-1] + ("F",)
     else:
         with g.module("gate_proj"):
-            gate = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+            gate = ctx.linear(h, F, "F", weight=(F, H))
         with g.module("up_proj"):
-            up = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+            up = ctx.linear(h, F, "F", weight=(F, H))
         shape, dims = gate.shape, gate.dims
     with g.module("activation_fn" if m.family == "phi3" else "act_fn"):
         g.save(gate, when=gate.rg)
         act = g.new("out", shape, dims, gate.dtype, gate.rg)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
     with g.module("down_proj"):
-        return ctx.linear(prod, H, "H", weight=(H, F), weight_sym="H·F")
+        return ctx.linear(prod, H, "H", weight=(H, F))
 
 
 def _moe(ctx: Ctx, h: Sym) -> Sym:
@@ -302,27 +303,28 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     low = ctx.low if ctx.impl.device == "cuda" else None
     act = low or (ctx.param if ctx.low else h.dtype)
     with g.module("gate"):
-        logits = ctx.linear(h, E, "E", weight=(E, H), weight_sym="E·H")
-        g.save(g.new("probs", (T, E), "B·S·E", "float32"),
-               g.new("top_idx", (T, k), "B·S·k", "int64"),
-               g.new("top_sum", (T, 1), "B·S", "float32"),
-               g.new("top_val", (T, k), "B·S·k", "float32"))
+        logits = ctx.linear(h, E, "E", weight=(E, H))
+        g.save(g.new("probs", (T, E), ("B·S", "E"), "float32"),
+               g.new("top_idx", (T, k), ("B·S", "k"), "int64"),
+               g.new("top_sum", (T, 1), ("B·S", "1"), "float32"),
+               g.new("top_val", (T, k), ("B·S", "k"), "float32"))
         del logits
     Tk = (T * k,)
     with g.module("experts"):
-        g.save(g.new("sort_idx", Tk, "B·S·k", "int64"), g.new("token_idx", Tk, "B·S·k", "int64"),
-               g.new("counts", (E,), "E", "int32"), g.new("routed_idx", Tk, "B·S·k", "int64"))
-        x_in = g.new("gathered", (T * k, H), "B·S·k·H", act)
-        gu = g.new("gate_up", (T * k, 2 * F), "B·S·k·2Fe", act)
+        Tks = ("B·S·k",)
+        g.save(g.new("sort_idx", Tk, Tks, "int64"), g.new("token_idx", Tk, Tks, "int64"),
+               g.new("counts", (E,), ("E",), "int32"), g.new("routed_idx", Tk, Tks, "int64"))
+        x_in = g.new("gathered", (T * k, H), Tks + ("H",), act)
+        gu = g.new("gate_up", (T * k, 2 * F), Tks + ("2Fe",), act)
         with g.module("act_fn"):
-            a = g.new("out", (T * k, F), "B·S·k·Fe", act)
-        p = g.new("act_mul_up", (T * k, F), "B·S·k·Fe", act)
-        w = g.new("weights", (T * k, 1), "B·S·k", "float32")
-        d = g.new("down", (T * k, H), "B·S·k·H", act)
+            a = g.new("out", (T * k, F), Tks + ("Fe",), act)
+        p = g.new("act_mul_up", (T * k, F), Tks + ("Fe",), act)
+        w = g.new("weights", (T * k, 1), Tks + ("1",), "float32")
+        d = g.new("down", (T * k, H), Tks + ("H",), act)
         g.save(x_in, gu, a, p, w, d)
         if low:
-            g.save(g.new("gate_up_weight_cast", (E, 2 * F, H), "E·2Fe·H", ctx.low),
-                   g.new("down_weight_cast", (E, H, F), "E·H·Fe", ctx.low))
+            g.save(g.new("gate_up_weight_cast", (E, 2 * F, H), ("E", "2Fe", "H"), ctx.low),
+                   g.new("down_weight_cast", (E, H, F), ("E", "H", "Fe"), ctx.low))
     return g.new("moe_out", h.shape, h.dims, promote(act, "float32") if low else act)
 
 
@@ -335,7 +337,7 @@ def _gpt(ctx: Ctx) -> None:
     x = _embedding(ctx, f"{root}.embed_in" if neox else f"{root}.wte")
     positions = None
     if m.max_positions:
-        pos = _embedding(ctx, f"{root}.wpe", rows_sym="S")
+        pos = _embedding(ctx, f"{root}.wpe", positions=True)
         # a frozen wpe keeps no indices: checkpointed blocks then hold their own position ids
         positions = next((t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices"), None)
         x = ctx.add(x, pos, f"{root}.embed_sum")
@@ -345,8 +347,8 @@ def _gpt(ctx: Ctx) -> None:
     if neox:
         rot = m.rotary_dim or m.head_dim
         with g.module(f"{root}.rotary_emb"):
-            cos = g.new("cos", (1, ctx.S, rot), "S·rot", x.dtype, False)
-            sin = g.new("sin", (1, ctx.S, rot), "S·rot", x.dtype, False)
+            cos = g.new("cos", (1, ctx.S, rot), ("1", "S", "rot"), x.dtype, False)
+            sin = g.new("sin", (1, ctx.S, rot), ("1", "S", "rot"), x.dtype, False)
     layers = "layers" if neox else "h"
     held = _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
     def layer(i: int, x: Sym) -> Sym:
@@ -369,8 +371,8 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
     h = _layernorm(ctx, x, "input_layernorm" if neox else "ln_1")
     with g.module("attention" if neox else "attn"):
         with g.module("query_key_value" if neox else "c_attn"):
-            qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H), weight_sym="3H·H")
-        heads = ((B, A, S, hd), "B·A·S·hd")
+            qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H))
+        heads = ((B, A, S, hd), ("B", "A", "S", "hd"))
         if neox:
             q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.rg), cos, sin, "q_rope")
             k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.rg), cos, sin, "k_rope")
@@ -384,7 +386,7 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         if kernel in ("flash", "efficient") and not neox:
             pass
         with g.module("dense" if neox else "c_proj"):
-            a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
+            a = ctx.linear(o, H, "H", weight=(H, H))
         a = ctx.dropout(a, m.hidden_dropout, "resid_dropout", module=True)
     if neox and m.parallel_residual:
         h2 = _layernorm(ctx, x, "post_attention_layernorm")
@@ -393,11 +395,11 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         h2 = _layernorm(ctx, x, "post_attention_layernorm" if neox else "ln_2")
     with g.module("mlp"):
         with g.module("dense_h_to_4h" if neox else "c_fc"):
-            u = ctx.linear(h2, F, "F", weight=(F, H), weight_sym="F·H")
+            u = ctx.linear(h2, F, "F", weight=(F, H))
         with g.module("act"):
             act = _activation(ctx, u, "gelu_new" if m.activation == "gelu_tanh" and not neox else "act")
         with g.module("dense_4h_to_h" if neox else "c_proj"):
-            y = ctx.linear(act, H, "H", weight=(H, F), weight_sym="H·F")
+            y = ctx.linear(act, H, "H", weight=(H, F))
         y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
     if neox and m.parallel_residual:
         return ctx.add(ctx.add(x, a, "residual_attn"), y, "residual_mlp")
@@ -412,12 +414,12 @@ def _bert(ctx: Ctx) -> None:
     x = _embedding(ctx, "bert.embeddings.word_embeddings")
     # position ids are a slice of a registered buffer (no allocation); token-type ids are
     # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
-    pos = _embedding(ctx, "bert.embeddings.position_embeddings", rows_sym="S")
+    pos = _embedding(ctx, "bert.embeddings.position_embeddings", positions=True)
     g.saved.pop(next(k for k, t in g.saved.items() if t.name == "bert.embeddings.position_embeddings.indices"), None)
     x = ctx.add(x, pos, "bert.embeddings.sum")
     if m.type_vocab_size:
         with g.module("bert.embeddings"):
-            g.save(g.new("token_type_ids", (1, ctx.S), "S", "int64", False))
+            g.save(g.new("token_type_ids", (1, ctx.S), ("1", "S"), "int64", False))
         tt = g.new("bert.embeddings.token_type_embeddings.out", x.shape, x.dims, ctx.param)
         x = ctx.add(x, tt, "bert.embeddings.sum_tt")
     x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
@@ -430,12 +432,12 @@ def _bert(ctx: Ctx) -> None:
     x = _layers(ctx, "bert.encoder.layer.", x, layer)
     with g.module("cls.predictions.transform"):
         with g.module("dense"):
-            t = ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H")
+            t = ctx.linear(x, H, "H", weight=(H, H))
         with g.module("transform_act_fn"):
             t = _activation(ctx, t, "gelu")
         t = _layernorm(ctx, t, "LayerNorm")
     with g.module("cls.predictions.decoder"):
-        logits = ctx.linear(t, m.vocab_size, "V", weight=(m.vocab_size, H), weight_sym="V·H")
+        logits = ctx.linear(t, m.vocab_size, "V", weight=(m.vocab_size, H))
     _loss(ctx, logits, upcast=False)
 
 
@@ -447,23 +449,23 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
             qkv = []
             for n in ("query", "key", "value"):
                 with g.module(n):
-                    qkv.append(ctx.linear(x, H, "H", weight=(H, H), weight_sym="H·H"))
+                    qkv.append(ctx.linear(x, H, "H", weight=(H, H)))
             q, k, v = qkv  # views of the three projections' outputs
             with g.checkpoint(q, k, v) if ctx.impl.recompute == "selective" else nullcontext():
                 o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=False,
                                    q_copy=kernel in ("eager", "math"))
         with g.module("output"):
             with g.module("dense"):
-                a = ctx.linear(o, H, "H", weight=(H, H), weight_sym="H·H")
+                a = ctx.linear(o, H, "H", weight=(H, H))
             a = ctx.dropout(a, m.hidden_dropout, "dropout", module=True)
             x = _layernorm(ctx, ctx.add(a, x, "residual"), "LayerNorm")
     with g.module("intermediate"):
         with g.module("dense"):
-            u = ctx.linear(x, F, "F", weight=(F, H), weight_sym="F·H")
+            u = ctx.linear(x, F, "F", weight=(F, H))
         with g.module("intermediate_act_fn"):
             u = _activation(ctx, u, "gelu")
     with g.module("output"):
         with g.module("dense"):
-            y = ctx.linear(u, H, "H", weight=(H, F), weight_sym="H·F")
+            y = ctx.linear(u, H, "H", weight=(H, F))
         y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
         return _layernorm(ctx, ctx.add(y, x, "residual"), "LayerNorm")

@@ -66,12 +66,12 @@ def megatron_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: boo
     return linear if recompute == "selective" else linear + quadratic
 
 
-def _seq(ctx: Ctx) -> tuple[tuple[int, int, int], str]:
+def _seq(ctx: Ctx) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
     """Shape of the tensors sequence parallelism splits (replicated without it)."""
     t = ctx.shard.tp
     if ctx.shard.sp and t > 1:
-        return (ctx.S // t, ctx.B, ctx.model.hidden_size), "(S/t)·B·H"
-    return (ctx.S, ctx.B, ctx.model.hidden_size), "S·B·H"
+        return (ctx.S // t, ctx.B, ctx.model.hidden_size), ("S/tp", "B", "H")
+    return (ctx.S, ctx.B, ctx.model.hidden_size), ("S", "B", "H")
 
 
 def megatron_forward(ctx: Ctx) -> None:
@@ -94,14 +94,14 @@ def megatron_forward(ctx: Ctx) -> None:
     with g.module("output_layer"):
         g.save(g.new("input", *seq, act))
     with g.module("loss"):
-        g.save(g.new("logits_fp32", (S, B, V), "S·B·V", "float32"))
+        g.save(g.new("logits_fp32", (S, B, V), ("S", "B", "V"), "float32"))
 
 
 def _layer(ctx: Ctx, x: Sym) -> None:
     g, m = ctx.g, ctx.model
     B, S, H, t = ctx.B, ctx.S, m.hidden_size, ctx.shard.tp
     seq, dt = _seq(ctx), x.dtype
-    split = ((S, B, H // t), "S·B·H/t" if t > 1 else "S·B·H")  # heads split over TP ranks
+    split = ((S, B, H // t), ("S", "B", "H/tp" if t > 1 else "H"))  # heads split over TP ranks
     with g.module("input_layernorm"):
         g.save(x)  # 2sbh
         h = g.new("out", *seq, dt)
@@ -121,7 +121,7 @@ def _layer(ctx: Ctx, x: Sym) -> None:
         g.save(x)  # 2sbh
         h = g.new("out", *seq, dt)
     with g.module("mlp"):
-        wide = ((S, B, 4 * H // t), "S·B·4H/t" if t > 1 else "S·B·4H")
+        wide = ((S, B, 4 * H // t), ("S", "B", "4H/tp" if t > 1 else "4H"))
         with g.module("fc1"):
             g.save(h)  # 2sbh
             u = g.new("out", *wide, dt)
@@ -138,9 +138,9 @@ def _core(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
     attention over values the dropout output (2as²b) and V (2sbh)."""
     g, m = ctx.g, ctx.model
     B, S, A, dt = ctx.B, ctx.S, m.num_heads, q.dtype
-    scores, dims = (B, A, S, S), "B·A·S·S"
+    scores, dims = (B, A, S, S), ("B", "A", "S", "S")
     g.save(q, k)
     g.save(g.new("softmax", scores, dims, dt), g.new("attn_dropout_mask", scores, dims, _MASK))
     g.save(g.new("attn_dropout", scores, dims, dt), v)
     t = ctx.shard.tp
-    return g.new("context", (S, B, m.hidden_size // t), "S·B·H/t" if t > 1 else "S·B·H", dt)
+    return g.new("context", (S, B, m.hidden_size // t), ("S", "B", "H/tp" if t > 1 else "H"), dt)

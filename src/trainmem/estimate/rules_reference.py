@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
+from trainmem.estimate.symbols import render
 from trainmem.models.reference import check_supported
 
 __all__ = ["reference_forward"]
@@ -25,16 +26,16 @@ def reference_forward(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
     check_supported(m, ctx.impl)
     H = m.hidden_size
-    x = g.new("embed.out", (ctx.B, ctx.S, H), "B·S·H", ctx.param)
+    x = g.new("embed.out", (ctx.B, ctx.S, H), ("B", "S", "H"), ctx.param)
     cos = sin = None
     if m.max_positions:
         with g.module("pos_embed"):
-            g.save(g.new("indices", (ctx.S,), "S", "int64"))  # torch.arange(S)
-            pos = g.new("out", (ctx.S, H), "S·H", ctx.param)
+            g.save(g.new("indices", (ctx.S,), ("S",), "int64"))  # torch.arange(S)
+            pos = g.new("out", (ctx.S, H), ("S", "H"), ctx.param)
         x = ctx.add(x, pos, "embed_sum")
     else:  # rotary tables, built per step in the embedding dtype
-        cos = g.new("rope.cos", (ctx.S, m.head_dim), "S·hd", ctx.param)
-        sin = g.new("rope.sin", (ctx.S, m.head_dim), "S·hd", ctx.param)
+        cos = g.new("rope.cos", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
+        sin = g.new("rope.sin", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
     x = _dropout(ctx, x, m.embd_dropout, "embed_dropout")
     for i in range(m.num_layers):
         with g.module(f"layers.{i}"):
@@ -45,12 +46,12 @@ def reference_forward(ctx: Ctx) -> None:
                 x = _block(ctx, x, cos, sin)
     h = _norm(ctx, x, "norm")
     with g.module("lm_head"):
-        ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, H), weight_sym="V·H")
+        ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, H))
     with g.module("loss"):  # F.cross_entropy(logits.float(), shifted labels): log_softmax + nll_loss
         B, S = ctx.B, ctx.S
-        g.save(g.new("log_softmax", (B * S, m.vocab_size), "B·S·V", "float32"),
-               g.new("target", (B * S,), "B·S", "int64"),
-               g.new("total_weight", (), "1", "float32"))
+        g.save(g.new("log_softmax", (B * S, m.vocab_size), ("B·S", "V"), "float32"),
+               g.new("target", (B * S,), ("B·S",), "int64"),
+               g.new("total_weight", (), (), "float32"))
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def _dropout(ctx: Ctx, x: Sym, p: float, label: str) -> Sym:
     if not ctx.impl.fused_dropout:
         return ctx.dropout(x, p, label)
     g = ctx.g
-    g.save(g.new(f"{label}_bits", (-(-x.numel // 8),), f"⌈{x.dims}/8⌉", "uint8"))
+    g.save(g.new(f"{label}_bits", (-(-x.numel // 8),), (f"⌈{render(x.dims)}/8⌉",), "uint8"))
     return g.new(label, x.shape, x.dims, x.dtype)
 
 
@@ -73,7 +74,7 @@ def _norm(ctx: Ctx, x: Sym, name: str) -> Sym:
     but keeping the fp32 normalized tensor). Python composites run in fp32 and keep the
     fp32 input (RMS) or centred input (LayerNorm), rsqrt, and the normalized tensor cast back."""
     g, m = ctx.g, ctx.model
-    stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims.rsplit("·", 1)[0]
+    stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims[:-1] + ("1",)
     with g.module(name):
         if ctx.impl.fused_norm and m.norm == "layernorm":
             cuda = ctx.impl.device == "cuda"
@@ -120,9 +121,9 @@ def _attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, kernel: str) -> Sym:
     """q (B, A, S, hd), k and v (B, Akv, S, hd) -> the o projection's input (B, S, A·hd)."""
     g, m = ctx.g, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
-    heads, heads_dims = (B, A, S, hd), "B·A·S·hd"
-    scores, scores_dims = (B, A, S, S), "B·A·S·S"
-    out_shape, out_dims = (B, S, A * hd), "B·S·A·hd"
+    heads, heads_dims = (B, A, S, hd), ("B", "A", "S", "hd")
+    scores, scores_dims = (B, A, S, S), ("B", "A", "S", "S")
+    out_shape, out_dims = (B, S, A * hd), ("B", "S", "A·hd")
     p = m.attn_dropout
     if ctx.low:  # matmul and SDPA are on autocast's lower-precision list
         q, k, v = (ctx.cast(t, ctx.low, f"{n}_cast") for t, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -132,12 +133,12 @@ def _attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, kernel: str) -> Sym:
             v = g.new("v_repeat", heads, heads_dims, v.dtype)
         out = g.new("sdpa_out", out_shape, out_dims, q.dtype)  # o reads a view of it
         if kernel == "flash":
-            lse = g.new("lse", (B, A, S), "B·A·S", "float32")
+            lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32")
         else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
-            lse = g.new("lse", (B, A, -(-S // 32) * 32), "B·A·⌈S/32⌉·32", "float32")
+            lse = g.new("lse", (B, A, -(-S // 32) * 32), ("B", "A", "⌈S/32⌉·32"), "float32")
         g.save(q, k, v, out, lse)
         if p > 0:
-            g.save(g.new("rng_state", (2,), "2", "int64"))
+            g.save(g.new("rng_state", (2,), ("2",), "int64"))
         return out
     out_dtype = q.dtype
     if kernel == "math" and q.dtype != "float32" and ctx.impl.device == "cpu":
@@ -174,7 +175,7 @@ def _attention(ctx: Ctx, h: Sym, cos: Sym | None, sin: Sym | None) -> Sym:
         else:
             o = _attention_core(ctx, q, k, v, kernel)
         with g.module("o"):
-            return ctx.linear(o, H, "H", weight=(H, qs), weight_sym="H·A·hd")
+            return ctx.linear(o, H, "H", weight=(H, qs))
 
 
 # --- MLP and block ---------------------------------------------------------------------------
@@ -184,11 +185,11 @@ def _mlp(ctx: Ctx, h: Sym) -> Sym:
     H, F = m.hidden_size, m.ffn_size
     with g.module("mlp"):
         with g.module("gate" if m.gated else "up"):
-            u = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+            u = ctx.linear(h, F, "F", weight=(F, H))
         up = None
         if m.gated:
             with g.module("up"):
-                up = ctx.linear(h, F, "F", weight=(F, H), weight_sym="F·H")
+                up = ctx.linear(h, F, "F", weight=(F, H))
         with g.module("act"):
             if impl.fused_bias_act:  # keeps its inputs, recomputes act(u + b) in backward
                 g.save(u, up)
@@ -200,7 +201,7 @@ def _mlp(ctx: Ctx, h: Sym) -> Sym:
                 if up is not None:
                     a = ctx.mul(a, up, "mul_up")
         with g.module("down"):
-            return ctx.linear(a, H, "H", weight=(H, F), weight_sym="H·F")
+            return ctx.linear(a, H, "H", weight=(H, F))
 
 
 def _block(ctx: Ctx, x: Sym, cos: Sym | None, sin: Sym | None) -> Sym:

@@ -125,11 +125,11 @@ def bisect_max(fits: Callable[[int], bool], *, start: int, stop: int, multiple: 
 
 # --------------------------------------------------------------------------------------------
 def _is_scores(item, seq: int) -> bool:
-    """Estimator items say ``S·S`` in their formula; traced items (whose formula is the op)
+    """Estimator items have two sequence axes in their dims; traced items (which have no dims)
     are recognised by a 4-D (B, A, S, S) shape, so a (B, S, H) tensor with H = S is not taken."""
-    if item.formula.startswith("aten.") or not item.formula:
+    if not item.dims:
         return len(item.shape) == 4 and item.shape[-1] == seq and item.shape[-2] == seq
-    return "S·S" in item.formula
+    return sum(d == "S" for d in item.dims) >= 2
 
 
 def _split_terms(items, seq: int) -> dict[str, int]:

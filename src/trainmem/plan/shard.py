@@ -10,7 +10,7 @@ phases (forward, backward_start, backward, backward_end, optimizer) per pipeline
   ZeRO-2 adds gradients, ZeRO-3/FSDP parameters (plus two gathered blocks: the current and the
   prefetched one); ``offload=("optimizer",)`` moves optimizer states, master weights and the
   optimizer's temporaries to host, ``("params",)`` the sharded parameters;
-* activations: a block tensor whose formula has a head or FFN dimension (A, Akv, F, Fe) is split
+* activations: a block tensor with a head or FFN axis (A, Akv, F, Fe in its dims) is split
   by TP; the rest (norm inputs, residuals: the ``10sbh`` of Korthikanti et al. 2022, §4.2.2) only
   with sequence parallelism; CP divides every activation (the sequence is split); the head's
   activations and logits are vocab-parallel (÷tp) and split by CP;
@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 
 from trainmem.estimate import Estimate
 from trainmem.estimate.peak import layer_of
+from trainmem.estimate.symbols import names
 from trainmem.inventory import Category
 from trainmem.specs import ParallelSpec
 
@@ -39,7 +40,7 @@ __all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak"]
 
 _HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")
 _EMBED = ("embed", "wte", "wpe", "word_embeddings", "position_embeddings", "token_type_embeddings")
-_TP_DIMS = frozenset({"A", "Akv", "F", "Fe", "2F", "2Fe"})
+_TP_DIMS = frozenset({"A", "Akv", "F", "Fe"})
 _LEDGERS = ("parameter", "gradient", "master_weight", "optimizer_state")
 
 
@@ -90,9 +91,11 @@ class Breakdown:
         return Breakdown(**out)
 
 
-def _tp_split(formula: str) -> bool:
-    dims = set(formula.split("·"))
-    return bool(dims & _TP_DIMS) and "H" not in dims
+def _tp_split(dims: tuple[str, ...]) -> bool:
+    """A head or FFN axis and no hidden axis (routed-token tensors such as the experts' gathered
+    input are H wide, whatever their other axes)."""
+    symbols = set().union(*map(names, dims)) if dims else set()
+    return bool(symbols & _TP_DIMS) and "H" not in dims
 
 
 def breakdown(e: Estimate) -> Breakdown:
@@ -108,7 +111,7 @@ def breakdown(e: Estimate) -> Breakdown:
         li = layer_of(it.name)
         if it.category is Category.ACTIVATION:
             if li is not None:
-                if _tp_split(it.formula):
+                if _tp_split(it.dims):
                     act_split += it.bytes
                 else:
                     act_rep += it.bytes
