@@ -260,27 +260,29 @@ def _heads(x: Sym, heads: int, heads_sym: str, hd: int) -> Sym:
     return Sym(x.name, x.shape[:-1] + (heads, hd), x.dims[:-1] + (heads_sym, "hd"), x.dtype)
 
 
-def _gated_mlp(ctx: Ctx, h: Sym) -> Sym:
-    """gate/up projections, act(gate) * up, down projection: 4·B·S·F kept (+ input)."""
+def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
+    """gate/up projections, act(gate) * up, down projection: 4·B·S·F kept (+ input).
+    ``width``: the intermediate size and its symbol, when not the model's ``ffn_size`` (F)."""
     g, m = ctx.g, ctx.model
-    H, F = m.hidden_size, m.ffn_size
+    H = m.hidden_size
+    F, Fs = width or (m.ffn_size, "F")
     if not m.gated:
         with g.module("up_proj"):
-            u = ctx.linear(h, F, "F", weight=(F, H))
+            u = ctx.linear(h, F, Fs, weight=(F, H))
         with g.module("act_fn"):
             a = _activation(ctx, u, "act")
         with g.module("down_proj"):
             return ctx.linear(a, H, "H", weight=(H, F))
     if m.family == "phi3":
         with g.module("gate_up_proj"):
-            gu = ctx.linear(h, 2 * F, "2F", weight=(2 * F, H))
+            gu = ctx.linear(h, 2 * F, f"2{Fs}", weight=(2 * F, H))
         gate = up = gu
-        shape, dims = gu.shape[:-1] + (F,), gu.dims[:-1] + ("F",)
+        shape, dims = gu.shape[:-1] + (F,), gu.dims[:-1] + (Fs,)
     else:
         with g.module("gate_proj"):
-            gate = ctx.linear(h, F, "F", weight=(F, H))
+            gate = ctx.linear(h, F, Fs, weight=(F, H))
         with g.module("up_proj"):
-            up = ctx.linear(h, F, "F", weight=(F, H))
+            up = ctx.linear(h, F, Fs, weight=(F, H))
         shape, dims = gate.shape, gate.dims
     with g.module("activation_fn" if m.family == "phi3" else "act_fn"):
         g.save(gate, when=gate.rg)
@@ -325,7 +327,14 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
         if low:
             g.save(g.new("gate_up_weight_cast", (E, 2 * F, H), ("E", "2Fe", "H"), ctx.low),
                    g.new("down_weight_cast", (E, H, F), ("E", "H", "Fe"), ctx.low))
-    return g.new("moe_out", h.shape, h.dims, promote(act, "float32") if low else act)
+    y = g.new("moe_out", h.shape, h.dims, promote(act, "float32") if low else act)
+    if m.num_shared_experts:
+        # DeepSeek (modeling_deepseek_v3.py, DeepseekV3MoE.forward): routed output +
+        # shared_experts(input), one dense MLP as wide as all shared experts; the sum keeps nothing
+        with g.module("shared_experts"):
+            shared = _gated_mlp(ctx, h, (m.num_shared_experts * F, "Es·Fe"))
+        y = ctx.add(y, shared, "moe_shared_sum")
+    return y
 
 
 # --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------
