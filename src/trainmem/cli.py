@@ -31,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from trainmem.cliargs import (_int, add_finetune_args, add_model_step_args, add_optimizer_args, add_parallel_args,
                                   add_routing_arg)
+    from trainmem.fitargs import add_fit_args
     from trainmem.inputs import add_input_args
 
     p = _Parser(prog="trainmem", description="How much accelerator memory a Transformer training step needs.")
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(est)
     add_routing_arg(est)
     add_optimizer_args(est)
+    add_fit_args(est)
     add_finetune_args(est)  # before add_input_args: a torchtune file sets the fine-tuning too
     add_input_args(est)  # last: it marks the other options' defaults
     est.set_defaults(func=_estimate)
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
     _add_output_args(cmp)
     add_optimizer_args(cmp)
+    add_fit_args(cmp)
     cmp.set_defaults(func=_compare)
     snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
     snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")
@@ -108,10 +111,13 @@ def _estimate(args) -> int:
         with Progress("scaling") as bar:
             scaling = scaling_sweeps(result, bar)
     write_outputs(result, args, title=f"trainmem estimate: {model.name}", scaling=scaling)
+    from trainmem.fitargs import estimate_fit
+    fit, fit_text = estimate_fit(args, result)
     if args.json:
         out = result.to_dict()
         if files:
             out["inputs"]["files"] = files
+        out.update(fit)
         print(json.dumps(out))
     elif args.tree:
         from trainmem.report.tree import render_tree
@@ -123,6 +129,8 @@ def _estimate(args) -> int:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
     if not args.json:
+        if fit_text:
+            print(fit_text)
         _print_file_notes(files)
     return 0
 
@@ -149,14 +157,21 @@ def _compare(args) -> int:
     model, step, impl = specs_from_args(args)
     impl = replace(impl, device="cpu")  # the trace runs CPU kernels: compare like with like
     target = model if impl.profile == "reference" else load_config_dict(args.model)
-    result = compare(estimate(model, step, impl), trace_step(target, step, impl, real=args.real))
+    from trainmem.fitargs import check_figure_args, estimate_fit, gpu_from_args
+    from trainmem.trace.cli import trace_fit
+    check_figure_args(args, reserved_known=False)  # bad --gpu/--memory-figure before the trace runs
+    gpu_from_args(args)
+    est, traced = estimate(model, step, impl), trace_step(target, step, impl, real=args.real)
+    result = compare(est, traced)
+    (efit, etext), (tfit, ttext) = estimate_fit(args, est, label="estimate: "), trace_fit(args, traced, label="trace:    ")
     from trainmem.report.output import write_outputs
     write_outputs(result, args, title=f"trainmem compare: {args.model}")
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "estimate": efit, "trace": tfit}))
     else:
         from trainmem.report.text import render_comparison
         print(render_comparison(result, detail=args.detail))
+        print("\n".join(t for t in (etext, ttext) if t))
     return 0
 
 

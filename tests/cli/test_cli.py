@@ -87,9 +87,10 @@ def test_commands_and_estimate_flags_are_frozen():
     assert flags == [
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--config", "--context", "--cp", "--cp-style",
         "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
-        "--fsdp", "--fsdp-group", "--grad-accum", "--help", "--hf-args", "--html", "--json", "--layer-split",
+        "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--grad-accum", "--help", "--hf-args", "--html", "--json",
+        "--layer-split",
         "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args",
-        "--microbatches", "--mode",
+        "--memory-figure", "--microbatches", "--mode",
         "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--optimizer-impl",
         "--optimizer-in-backward", "--plot", "--pp", "--precision",
         "--profile", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",

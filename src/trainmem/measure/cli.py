@@ -57,6 +57,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> None:
+    from trainmem.fitargs import add_fit_args
+
     p = subparsers.add_parser("profile", help="run real training steps and measure memory, speed and numerics")
     _common(p)
     p.add_argument("--steps", type=_upto("steps", MAX_STEPS), default=3, help="timed steps after the warm-up (default 3)")
@@ -69,12 +71,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compare", action="store_true", help="estimate and trace of the same run, errors in percent")
     p.add_argument("--variants", metavar="SPEC",
                    help='settings side by side, e.g. "attention=eager,sdpa;recompute=none,full;batch=4x1,2x2"')
+    add_fit_args(p)
     p.set_defaults(func=run_profile)
 
     s = subparsers.add_parser("sweep", help="largest sequence length or micro-batch within a memory budget")
     _common(s)
     s.add_argument("--over", choices=("seq", "batch"), required=True, help="what to vary")
-    s.add_argument("--budget", required=True, metavar="SIZE", help="memory budget, e.g. 80GiB, 512MiB")
+    s.add_argument("--budget", metavar="SIZE", help="memory budget, e.g. 80GiB, 512MiB (or --gpu: its usable memory)")
+    add_fit_args(s)
     s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate")
     s.add_argument("--start", type=_positive("start"), default=None, help="first value (seq 128, batch 1)")
     s.add_argument("--max", type=_positive("max"), default=None, dest="stop", help="largest value searched")
@@ -145,6 +149,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from trainmem.measure.workload import resolve_device
 
     source, step, impl = _source(args)
+    from trainmem.fitargs import gpu_from_args
+    gpu_from_args(args)  # a bad --gpu before the steps run
     if not 0 <= args.warmup <= MAX_STEPS:
         from trainmem.errors import SpecError
         raise SpecError("warmup", args.warmup, f"must be between 0 and {MAX_STEPS}")
@@ -173,6 +179,10 @@ def run_profile(args: argparse.Namespace) -> int:
         payload = result.to_dict()
         payload.setdefault("meta", {})["model_name"] = args.model
         text = render_profile(result, top_modules=args.top_modules)
+        from trainmem.fitargs import profile_fit
+        fit, fit_text = profile_fit(args, result)
+        payload.update(fit)
+        text += f"\n{fit_text}" if fit_text else ""
         if args.compare:
             from trainmem.measure.compare import compare_run
             from trainmem.measure.render import render_compare
@@ -189,9 +199,8 @@ def run_profile(args: argparse.Namespace) -> int:
 def run_sweep(args: argparse.Namespace) -> int:
     from trainmem.measure.render import render_sweep
     from trainmem.measure.sweeps import sweep
-    from trainmem.measure.units import parse_size
+    from trainmem.fitargs import sweep_budget, sweep_fit
 
-    budget = parse_size(args.budget, field="budget")
     source, step, impl = _source(args)
     device = None
     if args.backend == "device":
@@ -199,12 +208,18 @@ def run_sweep(args: argparse.Namespace) -> int:
         device = resolve_device(None if args.run_on == "auto" else args.run_on)
         impl = replace(impl, device=device.type)
     from trainmem.cliargs import finetune_from_args, parallel_from_args
+    # --gpu: the allocator is modelled by the trace and measured on CUDA; the estimate keeps a share
+    modelled = args.backend == "trace" or device is not None and device.type == "cuda"
+    budget, budget_text = sweep_budget(args, reserve_modelled=modelled)
     result = sweep(source, step, impl, over=args.over, budget_bytes=budget, backend=args.backend, start=args.start,
                    stop=args.stop, multiple=args.multiple, device=device, seed=args.seed,
-                   parallel=parallel_from_args(args), finetune=finetune_from_args(args))
+                   parallel=parallel_from_args(args), finetune=finetune_from_args(args),
+                   fit_reserved=args.gpu is not None and modelled)
     payload = result.to_dict()
     payload["meta"]["model_name"] = args.model
+    fit, fit_text = sweep_fit(args, result, reserve_modelled=modelled)
+    payload.update(fit)
     from trainmem.report.output import write_outputs
     write_outputs(payload, args, title=f"trainmem sweep: {args.model}")
-    _emit(args, payload, render_sweep(result))
+    _emit(args, payload, "\n".join(t for t in (budget_text, render_sweep(result), fit_text) if t))
     return 0

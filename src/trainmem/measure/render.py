@@ -76,8 +76,10 @@ def render_sweep(result) -> str:
         stop = result.meta.get("stop")
         lim += f" (the largest value searched: --max or the model's positions, {stop}; the budget allows more)"
     out = [f"largest {result.over} within {fmt_bytes(result.budget_bytes)} ({result.backend}): {lim}", ""]
-    out += _table([result.over, "peak", "activation", "fits"],
+    reserved = any(p.reserved_bytes is not None for p in result.points)  # trace, or measured on CUDA
+    out += _table([result.over, "peak allocated", *(["reserved"] if reserved else []), "activation", "fits"],
                   [[str(p.value), "OOM" if p.peak_bytes is None else fmt_bytes(p.peak_bytes),
+                    *([_b(p.reserved_bytes)] if reserved else []),
                     _b(p.totals_bytes.get("activation")) if p.totals_bytes else "n/a",
                     "yes" if p.fits else "no"] for p in result.points])
     out.append("")

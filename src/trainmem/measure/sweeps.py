@@ -255,12 +255,16 @@ def growth_at(fits: dict, points: tuple[SweepPoint, ...], value: int, over: str)
 def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
           over: Literal["seq", "batch"] = "seq", budget_bytes: int, backend: str = "estimate",
           start: int | None = None, stop: int | None = None, multiple: int | None = None,
-          device=None, seed: int = 0, parallel=None, finetune=None) -> SweepResult:
+          device=None, seed: int = 0, parallel=None, finetune=None, fit_reserved: bool = False) -> SweepResult:
     """Largest ``over`` value whose peak fits ``budget_bytes``, with growth-law fits.
 
     ``parallel`` (a ParallelSpec) and ``finetune`` (a FinetuneSpec): the estimate back-end sweeps
     the per-rank peak of that layout and fine-tuning, as ``trainmem estimate`` reports it; the
     trace and device back-ends run one device and full training, and refuse them.
+
+    ``fit_reserved``: compare the trace back-end's reserved figure (its caching-allocator model)
+    with the budget instead of the allocated peak (``sweep --gpu``: the budget is then the capacity
+    less the context, :mod:`trainmem.fits`); the device back-end always compares reserved.
 
     ``source``: a :class:`ModelSpec` for the estimator (and the reference model on the other
     back-ends) or a ``config.json`` dict (a Hugging Face model; the estimator maps it to a spec).
@@ -311,7 +315,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
         if value not in seen:
             p = run(value)
             if p.peak_bytes is not None and backend != "device":
-                p = replace(p, fits=p.peak_bytes <= budget_bytes)
+                held = p.reserved_bytes if fit_reserved and p.reserved_bytes is not None else p.peak_bytes
+                p = replace(p, fits=held <= budget_bytes)
             seen[value] = p
         return seen[value]
 

@@ -32,8 +32,9 @@ class GPU:
     """Display name (``H100-80GB``)."""
     memory_bytes: int
     """Device memory capacity."""
-    bf16_flops: float
-    """Dense BF16 tensor-core rate, FLOP/s (datasheet peak, no sparsity)."""
+    bf16_flops: float | None
+    """Dense BF16 tensor-core rate, FLOP/s (datasheet peak, no sparsity); None for a custom GPU
+    asked memory-only questions (``plan`` needs it)."""
     intra_node_bytes_per_s: float
     """Per-GPU, per-direction bandwidth to peers in the node (NVLink, Infinity Fabric, PCIe)."""
     inter_node_bytes_per_s: float
@@ -44,12 +45,20 @@ class GPU:
     """GPUs sharing the fast intra-node links."""
     source: str = ""
     """Where the numbers come from."""
+    context_bytes: int = 1 << 30
+    """Device memory a training process holds outside the caching allocator: CUDA context, kernel
+    images, library handles (what nvidia-smi shows beyond ``max_memory_reserved``)."""
+    context_source: str = ""
+    """Where ``context_bytes`` comes from, and how sure it is."""
 
     def __post_init__(self) -> None:
         v.positive("memory_bytes", self.memory_bytes, maximum=1 << 50)
         v.positive("gpus_per_node", self.gpus_per_node, maximum=1024)
+        v.non_negative("context_bytes", self.context_bytes, maximum=self.memory_bytes)
         for name in ("bf16_flops", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_bytes_per_s"):
             value = getattr(self, name)
+            if name == "bf16_flops" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise SpecError(name, value, "must be a positive number")
 
@@ -72,7 +81,8 @@ class Reserve:
         v.probability("reserve_fraction", self.fraction)
 
     def usable_bytes(self, gpu: GPU) -> int:
-        return gpu.memory_bytes - self.fixed_bytes - int(self.fraction * gpu.memory_bytes)
+        from trainmem.fits import usable_bytes
+        return usable_bytes(gpu.memory_bytes, self.fixed_bytes, self.fraction)
 
     def to_dict(self) -> dict:
         return {"fixed_bytes": self.fixed_bytes, "fraction": self.fraction}
@@ -87,18 +97,21 @@ def list_gpus() -> list[str]:
     return sorted(p.name[:-5] for p in files("trainmem.data").joinpath("gpus").iterdir() if p.name.endswith(".json"))
 
 
-def load_gpu(name: str, **overrides) -> GPU:
+def load_gpu(name: str, *, memory_only: bool = False, **overrides) -> GPU:
     """A preset by name (case-insensitive: ``H100-80GB``, ``h100-80gb``), with fields overridden.
-    ``custom`` starts from nothing: ``memory_bytes`` and ``bf16_flops`` are then required, and the
-    bandwidths default to an H100 node's."""
+    ``custom`` starts from nothing: ``memory_bytes`` is then required, and ``bf16_flops`` too
+    unless ``memory_only`` (commands that ask whether a step fits, not how fast it runs); the
+    bandwidths default to an H100 node's and the context to the presets' 1 GiB."""
     overrides = {k: val for k, val in overrides.items() if val is not None}
     key = _key(name)
     if key == "custom":
-        flags = {"memory_bytes": "--gpu-memory", "bf16_flops": "--gpu-tflops"}
+        flags = {"memory_bytes": "--gpu-memory", **({} if memory_only else {"bf16_flops": "--gpu-tflops"})}
         missing = [flag for f, flag in flags.items() if f not in overrides]
         if missing:
-            raise SpecError("gpu", name, f"custom needs {' and '.join(missing)}")
-        base = {"intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9, "host_bytes_per_s": 50e9}
+            why = "" if memory_only or missing == ["--gpu-memory"] else " (plan estimates step time)"
+            raise SpecError("gpu", name, f"custom needs {' and '.join(missing)}{why}")
+        base = {"intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9, "host_bytes_per_s": 50e9,
+                "bf16_flops": None}
         return GPU(name="custom", **{**base, **overrides, "source": "command line"})
     names = list_gpus()
     if key not in names:

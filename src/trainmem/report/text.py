@@ -53,7 +53,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         lines += _ranks(e)
         lines.append("")
     where = f" on {e.peak_rank}" if e.ranks else ""
-    lines.append(f"Peak: {fmt_bytes(e.peak_bytes)}{where} in phase '{e.peak_phase}' — {peak.note}")
+    lines.append(f"Peak: {fmt_bytes(e.peak_bytes)} allocated{where} in phase '{e.peak_phase}' — {peak.note}")
     lines += [f"Note: {n}" for n in e.notes]
     return "\n".join(lines)
 
@@ -120,6 +120,7 @@ def render_comparison(c, *, detail: bool = False) -> str:
     lines.append(f"  {'total':<48} {fmt_bytes(ea):>12} {fmt_bytes(ta):>12} {ea / ta if ta else float('nan'):>7.3f}")
     lines.append("")
     ep, tp = c.estimate_peak_bytes, c.trace_peak_bytes
-    lines.append(f"Peak: estimate {fmt_bytes(ep)} ({c.estimate_peak_phase}) vs trace {fmt_bytes(tp)} "
+    lines.append(f"Peak allocated (logical bytes, no allocator rounding): estimate {fmt_bytes(ep)} "
+                 f"({c.estimate_peak_phase}) vs trace {fmt_bytes(tp)} "
                  f"({c.trace_peak_phase}), ratio {ep / tp:.3f}")
     return "\n".join(lines)

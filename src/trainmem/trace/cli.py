@@ -31,6 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.trace/1)")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
+    from trainmem.fitargs import add_fit_args
+    add_fit_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -48,6 +50,18 @@ def routing_line(moe: dict) -> str:
     """The routing assumption a MoE trace ran under, in one line."""
     return (f"MoE routing: {moe['routing']} (assumed, not measured), experts_implementation={moe['experts_implementation']}, "
             f"{moe['num_experts']} experts, top-{moe['top_k']}, in {moe['experts_modules']} layers")
+
+
+def trace_fit(args, result, *, label: str = "") -> tuple[dict, str]:
+    """The verdict on the trace's own reserved figure (the caching-allocator model's replay)."""
+    from trainmem.fitargs import fit_report
+
+    expandable = getattr(args, "expandable_segments", False)
+    reserved = result.reserved_peak_expandable_bytes if expandable else result.reserved_peak_bytes
+    return fit_report(args, allocated_bytes=result.peak_bytes, reserved_bytes=reserved, label=label,
+                      reserved_source="from the caching-allocator model's replay of the trace"
+                                      + (", expandable_segments" if expandable else ""),
+                      active_note="equals allocated: one stream, no freed blocks still in use")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device, routing=args.routing,
                     optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward)
+    from trainmem.fitargs import check_figure_args, gpu_from_args
+    check_figure_args(args, reserved_known=True)  # bad --gpu/--memory-figure before the trace runs
+    gpu_from_args(args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
                         head=args.head, experts=args.experts)
@@ -95,13 +112,17 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         from trainmem.trace.html import write_html
         write_html(result, args.html, title=f"trainmem trace: {args.model}")
+    fit, fit_text = trace_fit(args, result)
     if args.json:
         out = result.to_dict()
         out["meta"]["model_name"] = args.model
+        out.update(fit)
         print(json.dumps(out))
     else:
         from trainmem.trace.text import render_trace
         print(render_trace(result))
         if "moe" in result.meta:
             print(routing_line(result.meta["moe"]))
+        if fit_text:
+            print(fit_text)
     return 0

@@ -1,0 +1,152 @@
+"""``--gpu``, ``--gpu-memory`` and ``--memory-figure`` for the commands that print a peak
+(estimate, trace, compare, sweep, profile), and the lines they print: parsing and rendering
+around :mod:`trainmem.fits`."""
+
+from __future__ import annotations
+
+import argparse
+
+from trainmem.fits import FIGURES, Verdict
+from trainmem.report.units import fmt_bytes
+
+__all__ = ["add_fit_args", "gpu_from_args", "check_figure_args", "render_verdict", "render_figure", "fit_report",
+           "estimate_fit", "sweep_budget", "sweep_fit", "profile_fit"]
+
+
+def add_fit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", metavar="NAME", default=None,
+                   help="say whether the step fits on this accelerator (a preset, or custom with --gpu-memory)")
+    p.add_argument("--gpu-memory", metavar="SIZE", default=None,
+                   help="override or set (custom) the device memory, e.g. 80GiB")
+    p.add_argument("--memory-figure", choices=FIGURES, default="allocated",
+                   help="the figure a peak is stated in: allocated, active (torchtune's), reserved "
+                        "(max_memory_reserved) or device (nvidia-smi: reserved + CUDA context); default allocated")
+
+
+def gpu_from_args(args):
+    """The accelerator of ``--gpu`` (memory only: no TFLOP/s needed), or None."""
+    from trainmem.errors import SpecError
+    from trainmem.plan.hardware import load_gpu
+    from trainmem.units import parse_size
+
+    if args.gpu is None:
+        if args.gpu_memory is not None:
+            raise SpecError("gpu_memory", args.gpu_memory, "needs --gpu (a preset, or custom)")
+        return None
+    memory = None if args.gpu_memory is None else parse_size(args.gpu_memory, field="gpu_memory")
+    return load_gpu(args.gpu, memory_only=True, memory_bytes=memory)
+
+
+def check_figure_args(args, *, reserved_known: bool, unmodelled: str = "not modelled for estimates") -> None:
+    """``device`` needs a GPU (its context); ``reserved`` too where nothing models the allocator."""
+    from trainmem.errors import SpecError
+
+    figure = args.memory_figure
+    if args.gpu is None and (figure == "device" or figure == "reserved" and not reserved_known):
+        what = "the CUDA context is per GPU preset" if figure == "device" else \
+            f"the allocator reserve is then a share of the GPU's capacity: {unmodelled}"
+        raise SpecError("memory_figure", figure, f"needs --gpu ({what})")
+
+
+def render_verdict(v: Verdict, *, label: str = "") -> str:
+    """``FITS on 1× H100-80GB: needs ... allocated (≈ ... reserved), usable ..., headroom ...`` and the
+    usable memory's parts."""
+    head = f"{label}{'FITS' if v.fits else 'DOES NOT FIT'} on {v.gpus}× {v.gpu}"
+    need = f"needs {fmt_bytes(v.need_bytes)} {v.figure}"
+    if v.figure in ("allocated", "active"):
+        need += f" ({'' if v.reserve_modelled else '≈ '}{fmt_bytes(v.reserved_bytes)} reserved)"
+    room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.fits else f"short by {fmt_bytes(-v.headroom_bytes)}"
+    parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} context"
+             + (" and NCCL" if v.gpus > 1 else "")]
+    if v.figure in ("allocated", "active"):  # what the figure leaves out of reserved
+        parts.append(f"{fmt_bytes(v.capacity_bytes - v.context_bytes - v.usable_bytes)} {v.why}")
+    usable = " − ".join(parts) if v.figure != "device" else f"{fmt_bytes(v.capacity_bytes)} capacity"
+    return f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
+
+
+def render_figure(figure: str, nbytes: int, note: str = "") -> str:
+    """A peak line naming its figure, for a command run without ``--gpu``."""
+    return f"peak {figure}: {fmt_bytes(nbytes)}" + (f" ({note})" if note else "")
+
+
+def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
+               reserved_source: str = "", active_note: str = "", gpus: int = 1, label: str = "",
+               unmodelled: str = "not modelled for estimates") -> tuple[dict, str]:
+    """The JSON fields (``fits``, ``memory_figure``) and the text lines for one peak."""
+    from trainmem.fits import verdict
+
+    check_figure_args(args, reserved_known=reserved_bytes is not None, unmodelled=unmodelled)
+    figure, gpu = args.memory_figure, gpu_from_args(args)
+    if gpu is not None:
+        v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
+                    reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled)
+        return {"memory_figure": {"figure": figure, "peak_bytes": v.need_bytes}, "fits": v.to_dict()}, \
+            render_verdict(v, label=label)
+    nbytes = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
+              "reserved": reserved_bytes}[figure]
+    note = {"active": active_note if active_bytes is None else "", "reserved": reserved_source}.get(figure, "")
+    text = "" if figure == "allocated" else render_figure(figure, nbytes, note)
+    return {"memory_figure": {"figure": figure, "peak_bytes": nbytes}}, (label + text if text else "")
+
+
+def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
+    """``estimate``: the peak rank's allocated bytes; reserved is the stated share of capacity."""
+    par = getattr(result, "parallel", None)
+    return fit_report(args, allocated_bytes=result.peak_bytes, gpus=par.world_size if par is not None else 1,
+                      label=label,
+                      active_note="equals allocated: the estimator has no freed blocks still in use by another stream")
+
+
+def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:
+    """``sweep``: the budget in bytes from ``--budget`` or ``--gpu`` (the usable memory, said in a line)."""
+    from trainmem.errors import SpecError
+    from trainmem.fits import ESTIMATE_RESERVE_FRACTION, budget_bytes, context_bytes
+    from trainmem.units import parse_size
+
+    if args.budget is not None and args.gpu is not None:
+        raise SpecError("budget", args.budget, "give --budget or --gpu, not both (--gpu sets the budget to "
+                                               "the GPU's usable memory)")
+    check_figure_args(args, reserved_known=reserve_modelled)
+    gpu = gpu_from_args(args)
+    if gpu is None:
+        if args.budget is None:
+            raise SpecError("budget", None, "needs --budget SIZE or --gpu NAME")
+        return parse_size(args.budget, field="budget"), ""
+    budget = budget_bytes(gpu, reserve_modelled=reserve_modelled)
+    parts = f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(context_bytes(gpu))} context"
+    if reserve_modelled:
+        what = "reserved, from the back-end's allocator"
+    else:
+        what = "allocated"
+        parts += (f" − {fmt_bytes(gpu.memory_bytes - context_bytes(gpu) - budget)} allocator reserve "
+                  f"{ESTIMATE_RESERVE_FRACTION:.0%} of capacity (fragmentation, not modelled for estimates)")
+    return budget, f"budget: the usable memory on 1× {gpu.name}, {fmt_bytes(budget)} {what} = {parts}"
+
+
+def sweep_fit(args, result, *, reserve_modelled: bool) -> tuple[dict, str]:
+    """``sweep --gpu``: the verdict at the largest value that fits and at the next value tried."""
+    if args.gpu is None:
+        return {}, ""
+    points = [p for p in result.points if p.peak_bytes is not None]
+    fit = [p for p in points if p.fits]
+    at = fit[-1] if fit else (points[0] if points else None)
+    after = next((p for p in points if at is not None and at.fits and p.value > at.value and not p.fits), None)
+    out, lines = {}, []
+    for key, p in (("fits", at), ("fits_next", after)):
+        if p is None:
+            continue
+        d, text = fit_report(args, allocated_bytes=p.peak_bytes,
+                             reserved_bytes=p.reserved_bytes if reserve_modelled else None,
+                             reserved_source="from the back-end's allocator", label=f"{result.over}={p.value}: ")
+        out[key] = d["fits"]
+        lines.append(text)
+    return out, "\n".join(lines)
+
+
+def profile_fit(args, result) -> tuple[dict, str]:
+    """``profile``: measured allocated, active and (CUDA) reserved bytes of the rank with the highest peak."""
+    r = max(result.ranks, key=lambda r: r.peak_allocated_bytes)
+    return fit_report(args, allocated_bytes=r.peak_allocated_bytes, reserved_bytes=r.peak_reserved_bytes,
+                      active_bytes=r.peak_active_bytes, gpus=len(result.ranks),
+                      reserved_source="measured (max_memory_reserved)", unmodelled="not measured on CPU",
+                      active_note="equals allocated: no CUDA stream, no freed blocks still in use")

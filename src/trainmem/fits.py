@@ -1,0 +1,139 @@
+"""Does a step fit on a GPU? One usable-memory model and one verdict for every command that prints
+a peak (estimate, trace, compare, sweep, profile), and the four figures a peak can be stated in.
+
+The model, per rank::
+
+    capacity = context + reserved + headroom
+    reserved = allocated + allocator reserve
+
+* ``context``: memory outside PyTorch's caching allocator (CUDA context, kernel images, library
+  handles), per GPU preset (``GPU.context_bytes``, sourced in the preset file), plus NCCL's
+  buffers when more than one rank runs (:data:`NCCL_BYTES`).
+* ``allocator reserve``: bytes the caching allocator holds beyond its allocated blocks. A trace
+  knows it (``reserved − allocated`` from :mod:`trainmem.trace.allocator`'s replay), a CUDA
+  profile measures it; for an estimate it is a stated share of the capacity
+  (:data:`ESTIMATE_RESERVE_FRACTION`, plan's and advise's 5%), because the estimator has phases,
+  not an allocation order, and fragmentation comes from the order.
+
+The headroom is the same whatever the figure; the figure only says which number the verdict
+quotes as the need, and the usable memory is the capacity less what that figure leaves out.
+
+Figures (``--memory-figure``):
+
+* ``allocated``: ``torch.cuda.max_memory_allocated()``, blocks the allocator handed out.
+* ``active``: torchtune's "peak memory active", ``torch.cuda.memory_stats()["active_bytes.all.peak"]``
+  (torchtune/training/memory.py ``get_memory_stats``): allocated blocks plus freed ones still in
+  use by another stream. The estimator and the one-stream trace have no such blocks: there it
+  equals allocated.
+* ``reserved``: ``torch.cuda.max_memory_reserved()``.
+* ``device``: what nvidia-smi shows, reserved plus context.
+
+Known limitations:
+  - ``context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
+    by trainmem; ``trainmem profile`` on a GPU measures the context (``context_bytes``).
+  - The estimate's 5% is a share, not a model of the allocator; the trace's reserved figure is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from trainmem.errors import SpecError
+
+if TYPE_CHECKING:
+    from trainmem.plan.hardware import GPU
+
+__all__ = ["FIGURES", "Verdict", "verdict", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
+           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES"]
+
+FIGURES = ("allocated", "active", "reserved", "device")
+
+#: The estimate's allocator reserve, as a share of capacity: plan's and advise's default
+#: (``trainmem.plan.hardware.Reserve.fraction``), so the five commands and the planner agree.
+ESTIMATE_RESERVE_FRACTION = 0.05
+
+#: Per-rank NCCL buffers when the world has more than one rank. Uncertain, an order of magnitude:
+#: NCCL_BUFFSIZE is 4 MiB per channel and protocol by default (NCCL docs, environment variables),
+#: and NVLink rings open up to 32 channels, so a communicator holds a few hundred MiB.
+NCCL_BYTES = 256 << 20
+
+
+def usable_bytes(capacity_bytes: int, fixed_bytes: int, fraction: float) -> int:
+    """Capacity less a fixed part and a share of the capacity (``Reserve``'s arithmetic)."""
+    return capacity_bytes - fixed_bytes - int(fraction * capacity_bytes)
+
+
+def context_bytes(gpu: GPU, gpus: int = 1) -> int:
+    """Memory outside the caching allocator: the preset's context, and NCCL's buffers on more than one rank."""
+    return gpu.context_bytes + (NCCL_BYTES if gpus > 1 else 0)
+
+
+def budget_bytes(gpu: GPU, *, reserve_modelled: bool, gpus: int = 1,
+                 fraction: float = ESTIMATE_RESERVE_FRACTION) -> int:
+    """The largest peak that fits one rank: reserved bytes where the allocator is modelled or measured
+    (capacity − context), else allocated bytes (capacity − context − ``fraction`` of capacity)."""
+    return usable_bytes(gpu.memory_bytes, context_bytes(gpu, gpus), 0.0 if reserve_modelled else fraction)
+
+
+def check_figure(figure: str) -> str:
+    if figure not in FIGURES:
+        raise SpecError("memory_figure", figure, f"must be one of {', '.join(FIGURES)}")
+    return figure
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """Whether one rank's step fits on ``gpu``, stated in ``figure``."""
+
+    figure: str
+    need_bytes: int
+    """The peak in ``figure``."""
+    usable_bytes: int
+    """Capacity less what ``figure`` leaves out (context, NCCL, allocator reserve)."""
+    headroom_bytes: int
+    """``usable − need``: capacity − context − reserved, the same for every figure."""
+    fits: bool
+    gpu: str
+    gpus: int
+    capacity_bytes: int
+    context_bytes: int
+    """Context plus NCCL buffers."""
+    allocated_bytes: int
+    reserved_bytes: int
+    reserve_bytes: int
+    """Allocator reserve: ``reserved − allocated``."""
+    why: str
+    """Where the allocator reserve comes from."""
+    reserve_modelled: bool
+    """Whether the reserve comes from the allocator model or a measurement (else a share)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
+            reserved_source: str = "", figure: str = "allocated", gpus: int = 1,
+            fraction: float = ESTIMATE_RESERVE_FRACTION, unmodelled: str = "not modelled for estimates") -> Verdict:
+    """The verdict for one rank's peak. ``reserved_bytes`` from a trace or a measurement (named in
+    ``reserved_source``); without it the reserve is ``fraction`` of the capacity (``unmodelled``
+    says why)."""
+    check_figure(figure)
+    capacity = gpu.memory_bytes
+    context = context_bytes(gpu, gpus)
+    if reserved_bytes is None:
+        reserve = int(fraction * capacity)
+        reserved_bytes = allocated_bytes + reserve
+        why = f"allocator reserve {fraction:.0%} of capacity (fragmentation, {unmodelled})"
+        modelled = False
+    else:
+        modelled = True
+        reserve = reserved_bytes - allocated_bytes
+        why = f"allocator reserve {reserved_source or 'given'}"
+    need = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
+            "reserved": reserved_bytes, "device": reserved_bytes + context}[figure]
+    headroom = capacity - context - reserved_bytes
+    return Verdict(figure=figure, need_bytes=need, usable_bytes=need + headroom, headroom_bytes=headroom,
+                   fits=headroom >= 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
+                   allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, reserve_bytes=reserve, why=why,
+                   reserve_modelled=modelled)
