@@ -213,3 +213,64 @@ def test_cli_bad_file_is_one_line(tmp_path, capsys):
     assert main(["estimate", "--torchtune", str(p)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown key 'batch_sise'" in err
+
+
+# --- against torchtune itself (skipped where torchtune is not installed: it needs a torchao that
+# matches torch; run with torchtune 0.6.1 and torchao 0.14.1 over torch 2.13 for this commit) ------
+
+@pytest.mark.parametrize("name, trainable", [
+    # r=8 on q, v, o and w1, w2, w3: per layer q 8·(4096+4096) + v 8·(4096+1024) + o 8·(4096+4096)
+    # + 3 × 8·(4096+14336) = 614400; × 32 layers = 19660800
+    ("llama3_8B_lora_single_device.yaml", 19_660_800),
+    # Llama-2-7B (kv = 4096, FFN 11008): 3 × 65536 + 3 × 8·(4096+11008) = 559104; × 32 = 17891328
+    ("llama2_7B_qlora_single_device.yaml", 17_891_328),
+    ("llama3_1_8B_full.yaml", 8_030_261_248),  # Llama-3-8B's parameters: every one trains
+    ("llama3_1_8B_full_single_device.yaml", 8_030_261_248),
+])
+def test_trainable_parameters_match_torchtune(name, trainable):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchtune")
+    from omegaconf import OmegaConf
+    from torchtune import config, training
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from trainmem.estimate import estimate
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.specs.finetune import FinetuneSpec
+    from trainmem.specs.loaders import load_model
+
+    cfg = OmegaConf.load(DATA / name)
+    with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
+        model = config.instantiate(cfg.model)  # torchtune's own builder, on the meta device
+    o = read_torchtune(DATA / name)["overrides"]
+    if "finetune" in o:
+        set_trainable_params(model, get_adapter_params(model))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable
+    ft = FinetuneSpec(**o["finetune"]) if "finetune" in o else None
+    e = estimate(load_model(o["model"]["name"]), StepSpec(batch=1, seq=128, precision="bf16"), ImplSpec(), finetune=ft)
+    assert e.totals_bytes["gradient"] == 2 * trainable  # bf16 gradients, one per trainable parameter
+
+
+def test_chunked_output_loss_keeps_every_chunk_like_plain_ce():
+    # the reason CEWithChunkedOutputLoss maps to "ce": its saved set is every chunk's fp32 log-softmax
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchtune")
+    from torchtune.models.llama3._component_builders import llama3
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    B, S, V = 2, 64, 1000
+    model = llama3(vocab_size=V, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=S)
+    loss_fn = CEWithChunkedOutputLoss()
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    ids, labels = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    logits = model(ids)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(logits, labels)
+    fp32 = sum(n for n, dtype in saved.values() if dtype == torch.float32 and n > 64)
+    assert fp32 == B * S * V * 4  # 8 chunks × (16 × 1000) × 4 = 512000: nothing recomputed
