@@ -9,7 +9,7 @@ estimator (:func:`~trainmem.plan.ranks.per_rank_peak`, memoized per configuratio
 that price, cheapest first. A combination that contains a fitting one is skipped (not minimal).
 The search stops when ``top`` configurations fit and no unmeasured one can be cheaper, or after
 ``budget`` estimates; it reports how many it measured. Activation offload's PCIe traffic needs
-the activation bytes, so its price is a lower bound until measured.
+the activation bytes: it is ordered with the start's activations and priced once measured.
 
 **The ladder**, in order (brief §8): efficient attention; smaller micro-batch with gradient
 accumulation; selective, then full activation checkpointing; sequence/tensor parallelism (then
@@ -44,7 +44,7 @@ THROUGHPUT_COST = ("1 - tokens_per_s_after / tokens_per_s_before: positive is sl
                    "negative is faster")
 RUNGS = ("attention", "micro_batch", "selective_recompute", "full_recompute", "tensor_parallel",
          "zero", "shorter_sequences", "offload")
-DEFAULT_BUDGET = 150  # estimates; a per-rank estimate of an 8B model takes ~0.15 s
+DEFAULT_BUDGET = 64  # estimates; a per-rank estimate of an 8B model takes ~0.15 s on an idle core
 DEFAULT_MAX_CHANGES = 3
 _MIN_SEQ = 256  # below this, "shorter sequences" stops being a training choice
 
@@ -101,11 +101,13 @@ class SearchStats:
     """Per choice: measured combinations that contain it."""
     choices: tuple[str, ...]
     """The registered choices (those whose spec fields exist)."""
+    why: str = ""
+    """Why nothing was measured, when nothing can fit."""
 
     def to_dict(self) -> dict:
         return {"candidates": self.candidates, "evaluated": self.evaluated, "budget": self.budget,
                 "max_changes": self.max_changes, "complete": self.complete, "tried": dict(self.tried),
-                "choices": list(self.choices)}
+                "choices": list(self.choices), "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -200,47 +202,75 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
            measure: _Measure | None = None) -> tuple[tuple[Option, ...], SearchStats]:
     """The ``top`` cheapest fitting configurations (by step time) reachable from ``start`` by up to
     ``max_changes`` choices that keep the training, then the ``top_changing`` cheapest that change
-    it (LoRA/QLoRA), searched in that order."""
+    it (LoRA/QLoRA), searched in that order; a quarter of ``budget`` is kept for the second group."""
     measure = measure or _Measure(model)
+    # no choice stores a weight in fewer than 4 bits or shards it over more than every GPU
+    floor = matmul_parameters(model)[1] // 2 // gpus
+    if floor > usable_bytes:
+        from trainmem.report.units import fmt_bytes
+        why = (f"even 4-bit weights sharded over {gpus} GPU{'s' if gpus > 1 else ''} take {fmt_bytes(floor)} per GPU, "
+               f"more than the usable {fmt_bytes(usable_bytes)}")
+        return (), SearchStats(0, measure.runs, budget, max_changes, True, {}, tuple(CHOICES), why)
     clock = _Clock(model, start, gpu, cost)
     ctx = Context(model, gpus, gpu.gpus_per_node)
-    priced = sorted(((any(CHOICES[x].changes_training for x in n), clock.throughput_cost(c), len(n), n, a, c)
+    start_activation_bytes = (measure(start) or (0, 0))[1]
+
+    def price(c: Config) -> float:
+        # activation offload is priced with the start's activations (per sequence) until measured
+        moved = start_activation_bytes * c.step.batch // start.step.batch if "activations" in c.par.offload else 0
+        return clock.throughput_cost(c, moved)
+
+    priced = sorted(((any(CHOICES[x].changes_training for x in n), price(c), len(n), n, a, c)
                      for n, a, c in _combinations(start, ctx, max_changes)), key=lambda t: t[:3])
     found: dict[bool, list[Option]] = {False: [], True: []}
     wanted = {False: top, True: top_changing}
     fitting: list[frozenset[str]] = []
     tried: dict[str, int] = {}
     complete = True
-    for changing, lower, _, names, actions, c in priced:
-        kept = sorted(o.throughput_cost for o in found[changing])[:wanted[changing]]
-        if len(kept) >= wanted[changing] and kept[-1] <= lower:
-            continue  # nothing left in this group can be cheaper than what is kept
-        made = set(zip(names, actions))
-        if any(f <= made for f in fitting):
-            continue  # contains a fitting set of changes: not minimal
-        if measure.runs >= budget:
-            complete = False
-            break
-        got = measure(c)
-        for n in names:
-            tried[n] = tried.get(n, 0) + 1
-        if got is None or got[0] > usable_bytes:
-            continue
-        offloaded = 0
-        if "activations" in c.par.offload:
-            plain = measure(replace(c, par=replace(c.par, offload=tuple(o for o in c.par.offload
-                                                                        if o != "activations"))))
-            offloaded = plain[1] if plain else 0
-        fitting.append(frozenset(made))
-        if any(set(o.changes) == set(names) for o in found[changing]):
-            continue  # another variant of the same choices fits already, at no more cost
-        found[changing].append(Option(names, actions, got[0], usable_bytes - got[0],
-                                      clock.throughput_cost(c, offloaded), changing, c.config(),
-                                      c.command(model_name or model.name)))
+    reserve = budget // 4 if any(t[0] for t in priced) else 0  # kept for the group that changes the training
+    for group, limit in ((False, budget - reserve), (True, budget)):
+        for changing, lower, _, names, actions, c in priced:
+            if changing != group:
+                continue
+            kept = sorted(o.throughput_cost for o in found[changing])[:wanted[changing]]
+            if len(kept) >= wanted[changing] and kept[-1] <= lower:
+                break  # nothing left in this group can be cheaper than what is kept
+            made = set(zip(names, actions))
+            if any(f <= made for f in fitting):
+                continue  # contains a fitting set of changes: not minimal
+            if any(set(o.changes) == set(names) and o.throughput_cost <= lower for o in found[changing]):
+                continue  # these choices fit already in another variant, at no more cost: shown once
+            plain = replace(c, par=replace(c.par, offload=tuple(o for o in c.par.offload if o != "activations")))
+            if measure.runs + 1 + (plain != c) > limit:
+                complete = False
+                break
+            got = measure(c)
+            for n in names:
+                tried[n] = tried.get(n, 0) + 1
+            if got is None or got[0] > usable_bytes:
+                continue
+            # activation offload moves what the same configuration would keep: priced once measured
+            offloaded = measure(plain)[1] if plain != c and measure(plain) else 0
+            fitting.append(frozenset(made))
+            if any(set(o.changes) == set(names) for o in found[changing]):
+                continue  # another variant of the same choices fits already
+            found[changing].append(Option(names, actions, got[0], usable_bytes - got[0],
+                                          clock.throughput_cost(c, offloaded), changing, c.config(),
+                                          c.command(model_name or model.name)))
     options = tuple(o for changing in (False, True) for o in
-                    sorted(found[changing], key=lambda o: (o.throughput_cost, len(o.changes)))[:wanted[changing]])
+                    _undominated(sorted(found[changing], key=lambda o: (o.throughput_cost, len(o.changes))))
+                    [:wanted[changing]])
     stats = SearchStats(len(priced), measure.runs, budget, max_changes, complete, tried, tuple(CHOICES))
     return options, stats
+
+
+def _undominated(options: list[Option]) -> list[Option]:
+    """Drop an option another one beats or equals on cost, peak and number of changes."""
+    def beats(a: Option, b: Option) -> bool:
+        return (a is not b and a.throughput_cost <= b.throughput_cost and a.peak_bytes <= b.peak_bytes
+                and len(a.changes) <= len(b.changes))
+    return [o for i, o in enumerate(options)
+            if not any(beats(p, o) and (options.index(p) < i or not beats(o, p)) for p in options)]
 
 
 def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: int | None = None,

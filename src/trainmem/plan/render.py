@@ -84,8 +84,9 @@ def render_advice(advice) -> str:
             lines.append(f"   {o.command}")
         lines += ["", "The brief's ladder, rung by rung (the explanation):"]
     elif advice.stats is not None:
-        lines += [f"No combination of up to {advice.stats.max_changes} changes fits ({advice.stats.evaluated} "
-                  "estimates).", ""]
+        st = advice.stats
+        lines += [f"No combination of up to {st.max_changes} changes fits "
+                  + (f"({st.why})." if st.why else f"({st.evaluated} estimates)."), ""]
     if not advice.steps:
         lines.append("It already fits: nothing to change." if advice.fits else "No step of the ladder applies.")
     for i, s in enumerate(advice.steps, 1):
