@@ -115,6 +115,13 @@ def test_estimate_verdict_text_and_json(capsys):
     assert data["memory_figure"] == {"figure": "device", "peak_bytes": f["need_bytes"]}
 
 
+def test_json_without_gpu_or_figure_is_unchanged(capsys):
+    data = json.loads(_run(capsys, "estimate", "--model", "gpt2", "--json"))
+    assert "fits" not in data and "memory_figure" not in data
+    data = json.loads(_run(capsys, "estimate", "--model", "gpt2", "--memory-figure", "active", "--json"))
+    assert data["memory_figure"] == {"figure": "active", "peak_bytes": data["peak_bytes"]} and "fits" not in data
+
+
 def test_estimate_per_rank_verdict_counts_nccl(capsys):
     data = json.loads(_run(capsys, "estimate", "--model", "llama-3-8b", "--dp", "8", "--zero", "3",
                            "--gpu", "h100-80gb", "--json"))

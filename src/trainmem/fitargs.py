@@ -82,11 +82,12 @@ def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None,
                     reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled)
         return {"memory_figure": {"figure": figure, "peak_bytes": v.need_bytes}, "fits": v.to_dict()}, \
             render_verdict(v, label=label)
+    if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
+        return {}, ""
     nbytes = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
               "reserved": reserved_bytes}[figure]
     note = {"active": active_note if active_bytes is None else "", "reserved": reserved_source}.get(figure, "")
-    text = "" if figure == "allocated" else render_figure(figure, nbytes, note)
-    return {"memory_figure": {"figure": figure, "peak_bytes": nbytes}}, (label + text if text else "")
+    return {"memory_figure": {"figure": figure, "peak_bytes": nbytes}}, label + render_figure(figure, nbytes, note)
 
 
 def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
