@@ -142,5 +142,10 @@ def test_public_api_and_flags_are_frozen():
               "--run-on", "--seed", "--seq"] + ["--gpu", "--gpu-memory", "--memory-figure"]  # does it fit (fits.py)
     assert flags["profile"] == sorted(shared + ["--categories", "--compare", "--no-modules", "--snapshot",
                                                 "--steps", "--top-modules", "--variants", "--warmup"])
-    assert flags["sweep"] == sorted(shared + ["--backend", "--budget", "--html", "--max", "--multiple", "--over",
-                                              "--plot", "--start"])
+    estimate_flags = ["--adapter-dtype", "--cp", "--cp-style", "--dp", "--ep", "--finetune", "--finetune-preset",
+                      "--freeze", "--fsdp", "--fsdp-group", "--layer-split", "--lora-alpha", "--lora-dropout",
+                      "--lora-rank", "--lora-targets", "--microbatches", "--no-reshard-after-forward", "--offload",
+                      "--optimizer-impl", "--optimizer-in-backward", "--pp", "--routing", "--schedule", "--sp", "--tp",
+                      "--virtual-stages", "--zero"]  # the estimate back-end's parallel and fine-tuning (b93b473)
+    assert flags["sweep"] == sorted(shared + estimate_flags + ["--backend", "--budget", "--html", "--max",
+                                                               "--multiple", "--over", "--plot", "--start"])
