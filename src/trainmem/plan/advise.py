@@ -204,9 +204,10 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
     ``max_changes`` choices that keep the training, then the ``top_changing`` cheapest that change
     it (LoRA/QLoRA), searched in that order; a quarter of ``budget`` is kept for the second group."""
     measure = measure or _Measure(model)
-    # no choice stores a weight in fewer than 4 bits or shards it over more than every GPU
+    # no choice stores a weight in fewer than 4 bits, shards it over more than every GPU or moves it
+    # to the host (unless the start does)
     floor = matmul_parameters(model)[1] // 2 // gpus
-    if floor > usable_bytes:
+    if floor > usable_bytes and "params" not in start.par.offload:
         from trainmem.report.units import fmt_bytes
         why = (f"even 4-bit weights sharded over {gpus} GPU{'s' if gpus > 1 else ''} take {fmt_bytes(floor)} per GPU, "
                f"more than the usable {fmt_bytes(usable_bytes)}")
@@ -224,21 +225,21 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
                      for n, a, c in _combinations(start, ctx, max_changes)), key=lambda t: t[:3])
     found: dict[bool, list[Option]] = {False: [], True: []}
     wanted = {False: top, True: top_changing}
-    fitting: list[frozenset[str]] = []
+    fitting: list[frozenset[tuple[str, str]]] = []
     tried: dict[str, int] = {}
     complete = True
     reserve = budget // 4 if any(t[0] for t in priced) else 0  # kept for the group that changes the training
     for group, limit in ((False, budget - reserve), (True, budget)):
-        for changing, lower, _, names, actions, c in priced:
+        for changing, price_first, _, names, actions, c in priced:
             if changing != group:
                 continue
             kept = sorted(o.throughput_cost for o in found[changing])[:wanted[changing]]
-            if len(kept) >= wanted[changing] and kept[-1] <= lower:
+            if len(kept) >= wanted[changing] and kept[-1] <= price_first:
                 break  # nothing left in this group can be cheaper than what is kept
             made = set(zip(names, actions))
             if any(f <= made for f in fitting):
                 continue  # contains a fitting set of changes: not minimal
-            if any(set(o.changes) == set(names) and o.throughput_cost <= lower for o in found[changing]):
+            if any(set(o.changes) == set(names) and o.throughput_cost <= price_first for o in found[changing]):
                 continue  # these choices fit already in another variant, at no more cost: shown once
             plain = replace(c, par=replace(c.par, offload=tuple(o for o in c.par.offload if o != "activations")))
             if measure.runs + 1 + (plain != c) > limit:
