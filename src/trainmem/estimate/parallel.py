@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
@@ -151,12 +152,13 @@ def in_flight(par: ParallelSpec, stage: int) -> float:
 
 # --- sharding of model states -----------------------------------------------------------------
 
-def _tp_factor(name: str, par: ParallelSpec) -> int:
+@lru_cache(maxsize=4096)
+def _tp_factor(name: str, *, tp: int, ep: int) -> int:
     if ".experts." in name or name.endswith(".experts"):
-        return par.ep * (par.tp if par.ep == 1 else 1)
+        return ep * (tp if ep == 1 else 1)
     base = name.rsplit(".", 2)[0] if name.count(".") >= 2 else name
     if any(k in name for k in _VOCAB) or any(base.endswith(k) or f".{k}." in name for k in _COLUMN + _ROW):
-        return par.tp
+        return tp
     return 1
 
 
@@ -211,25 +213,19 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     lm = local_model(model, par)
     lstep = replace(step, seq=step.seq // par.cp)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
-    acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
-    plain = acts
-    if impl.recompute != "none":
-        plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
-                                                finetune, shard)
-    states = model_state_items(model, step, finetune)
-    if model.tied_embeddings and par.pp > 1:  # the last stage keeps its own copy of the tied head
-        states = states + [replace(i, name=i.name.replace(_embedding_name(states), "lm_head.weight", 1))
-                           for i in states if i.name.startswith(_embedding_name(states))]
+    acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
+    # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
+    states, state_stage, tp_div = _local_states(model, replace(step, batch=1, grad_accum=1), finetune,
+                                                par.tp, par.ep, par.pp, tuple(stages))
     group = _shard_group(par)
     zero = 3 if par.fsdp else par.zero
     emb_grad = f"{_embedding_name(states)}.grad"
     torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
     rotary = [it for it in acts if ".rotary_emb." in it.name]
     d = step.dtypes
-    act_b = dtype_bytes(d.activation)
     out: list[RankClass] = []
     for s, (a, b) in enumerate(stages):
-        stage_acts = [it for it, sv in zip(acts, savers) if _stage_of(sv, stages, is_param=False) == s]
+        stage_acts = [it for it, st in zip(acts, act_stage) if st == s]
         head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
         if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
             stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
@@ -238,9 +234,9 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         items: list[MemoryItem] = []
         host = 0
         for it in states:
-            if _stage_of(it.name, stages, is_param=True) != s:
+            if state_stage[it.name] != s:
                 continue
-            div = _tp_factor(it.name, par)
+            div = tp_div[it.name]
             cat = it.category
             if torch_engine and it.name == emb_grad and div % par.tp == 0:
                 div //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
@@ -271,7 +267,9 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             if extra:
                 items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
-        persistent, working = _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group)
+        persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
+                                             stage=s, last=last, zero=zero, group=group),
+                                       [i for i in states if state_stage[i.name] == s], states, tp_div)
         if torch_engine and par.pp > 1 and s == last:
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns
             lb = dtype_bytes(d.activation if d.autocast else d.compute)
@@ -286,7 +284,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             tb, rule = 0, "optimizer step runs on the host (offloaded)"
         elif full_state:
             tb = int(tb * state_bytes / full_state)
-        recompute = {li: v for li, v in recompute_per_layer(acts, plain).items() if a <= li < b}
+        recompute = {li: v for li, v in recompute_all.items() if a <= li < b}
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
             items, B=lstep.batch, S=lstep.seq, vocab=lm.vocab_size,
@@ -311,6 +309,52 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     return out
 
 
+# The two expensive, layout-independent parts are memoized (the planner evaluates many layouts
+# that share them): the rank-local activations with the stage keeping each and the recompute per
+# block, for one (local model, local step, impl, shard, stages); the model states with each one's
+# stage and TP/EP divisor, for one (model, dtypes, optimizer, tp, ep, stages). Results are tuples
+# and frozen items, never mutated.
+
+@lru_cache(maxsize=64)
+def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard,
+                       stages: tuple[tuple[int, int], ...]):
+    acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
+    plain = acts
+    if impl.recompute != "none":
+        plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
+                                                finetune, shard)
+    act_stage = tuple(_stage_of(sv, list(stages), is_param=False) for sv in savers)
+    return tuple(acts), act_stage, recompute_per_layer(acts, plain)
+
+
+@lru_cache(maxsize=16)
+def _states(model: ModelSpec, step: StepSpec, finetune, tied_copy: bool) -> tuple[MemoryItem, ...]:
+    states = model_state_items(model, step, finetune)
+    if tied_copy:  # the last stage keeps its own copy of the tied head
+        states = states + [replace(i, name=i.name.replace(_embedding_name(states), "lm_head.weight", 1))
+                           for i in states if i.name.startswith(_embedding_name(states))]
+    return tuple(states)
+
+
+@lru_cache(maxsize=64)
+def _local_states(model: ModelSpec, step: StepSpec, finetune, tp: int, ep: int, pp: int,
+                  stages: tuple[tuple[int, int], ...]):
+    states = _states(model, step, finetune, model.tied_embeddings and pp > 1)
+    state_stage = _state_stages(states, stages)
+    tp_div = _tp_divisors(states, tp, ep)
+    return states, state_stage, tp_div
+
+
+@lru_cache(maxsize=64)
+def _state_stages(states: tuple[MemoryItem, ...], stages: tuple[tuple[int, int], ...]) -> dict[str, int]:
+    return {it.name: _stage_of(it.name, list(stages), is_param=True) for it in states}
+
+
+@lru_cache(maxsize=64)
+def _tp_divisors(states: tuple[MemoryItem, ...], tp: int, ep: int) -> dict[str, int]:
+    return {it.name: _tp_factor(_LAYER.sub(".layers.0.", "." + it.name)[1:], tp=tp, ep=ep) for it in states}
+
+
 def _embedding_name(states: list[MemoryItem]) -> str:
     for it in states:
         if it.category is Category.PARAMETER and any(k in it.name for k in ("embed_tokens", "wte", "embed_in",
@@ -330,9 +374,30 @@ def _largest_each(working: dict[str, dict[str, int]]) -> dict[str, int]:
 _FWD_BWD = ("forward", "backward_start", "backward", "backward_end")
 
 
-def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, group):
-    """Communication buffers of stage ``s``: (persistent for the whole step, per-phase working)."""
+@dataclass(frozen=True, kw_only=True)
+class _Rank:
+    """What one pipeline stage's buffers depend on."""
+
+    model: ModelSpec
+    local: ModelSpec  # the TP-local model
+    step: StepSpec
+    local_step: StepSpec  # the CP-local sequence
+    impl: ImplSpec
+    par: ParallelSpec
+    stage: int
+    last: int  # the last stage's index
+    zero: int  # 3 under FSDP
+    group: int  # ranks sharing one copy of the sharded states
+
+
+def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
+             tp_div: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Communication buffers of stage ``r.stage``: (persistent for the whole step, per-phase working).
+    ``stage_states``: the stage's model-state items; ``tp_div``: each state's TP/EP divisor."""
+    model, lm, step, lstep, impl, par, zero, group = (r.model, r.local, r.step, r.local_step, r.impl, r.par,
+                                                      r.zero, r.group)
     d = step.dtypes
+    act_b = dtype_bytes(d.activation)
     persistent: dict[str, int] = {}
     working: dict[str, dict[str, int]] = {p: {} for p in _FWD_BWD}
 
@@ -340,13 +405,12 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
         for p in phases:
             working[p][name] = working[p].get(name, 0) + int(value)
 
-    stage_params = [i for i in states if i.category is Category.PARAMETER
-                    and _stage_of(i.name, stages, is_param=True) == s]
-    local_numel = sum(math.prod(i.shape) / _tp_factor(i.name, par) for i in stage_params)
+    stage_params = [i for i in stage_states if i.category is Category.PARAMETER]
+    local_numel = sum(math.prod(i.shape) / tp_div[i.name] for i in stage_params)
     # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
     # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
     grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
-    train_grad_bytes = sum(grad_bytes.get(i.name, 0) / _tp_factor(i.name, par) for i in stage_params)
+    train_grad_bytes = sum(grad_bytes.get(i.name, 0) / tp_div[i.name] for i in stage_params)
     # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
     gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
     if par.dp * par.cp > 1 and zero == 0:
@@ -362,11 +426,11 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
         root = 0.0
         for i in stage_params:
             m = _LAYER.search("." + i.name)
-            numel = math.prod(i.shape) / _tp_factor(i.name, par)
+            numel = math.prod(i.shape) / tp_div[i.name]
             if m:
                 li = int(m.group(1))
                 per_layer[li] = per_layer.get(li, 0) + numel
-                per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / _tp_factor(i.name, par)
+                per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
             else:
                 root += numel
         big = max(per_layer.values(), default=0)
@@ -390,8 +454,8 @@ def _buffers(model, lm, step, lstep, impl, par, s, stages, states, act_b, zero, 
         one = tokens * model.hidden_size * act_b
         # torch.distributed.pipelining allocates a receive buffer per micro-batch; Megatron two
         count = par.microbatches if impl.profile != "megatron" else 1
-        if s > 0:
+        if r.stage > 0:
             every("pp_recv_activations", count * one)
-        if s < len(stages) - 1:
+        if r.stage < r.last:
             every("pp_recv_gradients", count * one)
     return persistent, working

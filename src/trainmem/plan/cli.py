@@ -70,6 +70,18 @@ def _reserve(args):
     return Reserve(fixed_bytes=fixed, fraction=args.reserve_fraction)
 
 
+def _gpus_arg(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus={text!r}: must be a positive integer or auto") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--gpus={value}: must be a positive integer or auto")
+    return value
+
+
 def _check_gpus(gpu, gpus: int) -> None:
     from trainmem.errors import SpecError
 
@@ -88,9 +100,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or config.json path (default {DEFAULT_MODEL})")
     p.add_argument("--seq", type=_positive_int("--seq"), default=None,
                    help=f"sequence length (default {DEFAULT_SEQ}, or the model's learned positions if fewer)")
-    p.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True,
-                   help="sequences per optimizer step, over all ranks")
-    p.add_argument("--gpus", type=_positive_int("--gpus"), required=True, help="number of GPUs")
+    from trainmem.plan.count import BATCH_TOKENS, DEFAULT_MAX_GPUS
+
+    p.add_argument("--global-batch", type=_positive_int("--global-batch"), default=None,
+                   help="sequences per optimizer step, over all ranks (default: the smallest power of two "
+                        f"with ≥ {BATCH_TOKENS:,} tokens, e.g. 128 at seq 8192)")
+    p.add_argument("--gpus", type=_gpus_arg, required=True,
+                   help="number of GPUs, or auto: the smallest count that fits (powers of two, whole nodes)")
+    p.add_argument("--min-gpus", type=_positive_int("--min-gpus"), default=1, help="--gpus auto: fewest to try")
+    p.add_argument("--max-gpus", type=_positive_int("--max-gpus"), default=DEFAULT_MAX_GPUS,
+                   help=f"--gpus auto: most to try (default {DEFAULT_MAX_GPUS})")
     p.add_argument("--precision", choices=PRECISIONS, default=spec_default(StepSpec, "precision"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=spec_default(StepSpec, "optimizer"))
     p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"))
@@ -150,8 +169,11 @@ def run_plan(args) -> int:
     from trainmem.specs.loaders import load_model
     from trainmem.specs.step import default_seq
 
+    from trainmem.plan.count import default_global_batch, smallest_fit
+
     gpu = _gpu(args)
-    _check_gpus(gpu, args.gpus)
+    if args.gpus != "auto":
+        _check_gpus(gpu, args.gpus)
     space = SearchSpace()
     if args.attention:
         space = replace(space, attention=tuple(dict.fromkeys(args.attention)))
@@ -160,10 +182,15 @@ def run_plan(args) -> int:
     cost = CostModel() if args.mfu is None else CostModel(mfu=args.mfu)
     model = load_model(args.model)
     seq = default_seq(model.max_positions) if args.seq is None else args.seq
-    result = plan(model, seq=seq, global_batch=args.global_batch, gpu=gpu, gpus=args.gpus,
-                  precision=args.precision, optimizer=args.optimizer, loss=args.loss, profile=args.profile,
-                  reserve=_reserve(args), cost=cost, space=space, top=args.top, keep_rejected=args.rejected,
-                  finetune=finetune_from_args(args))
+    global_batch, note = (args.global_batch, "") if args.global_batch else default_global_batch(seq)
+    common = dict(seq=seq, global_batch=global_batch, gpu=gpu, precision=args.precision, optimizer=args.optimizer,
+                  loss=args.loss, profile=args.profile, reserve=_reserve(args), cost=cost, space=space, top=args.top,
+                  keep_rejected=args.rejected, finetune=finetune_from_args(args))
+    if args.gpus == "auto":
+        result = smallest_fit(model, min_gpus=args.min_gpus, max_gpus=args.max_gpus, **common)
+    else:
+        result = plan(model, gpus=args.gpus, **common)
+    result = replace(result, global_batch_note=note)
     from trainmem.report.output import write_outputs
     write_outputs(result.to_dict(rejected=args.rejected), args, title=f"trainmem plan: {args.model}")
     if args.json:

@@ -18,16 +18,23 @@ def _cfg(c: dict) -> str:
 
 def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_pareto: int = 12) -> str:
     g = plan.gpu
+    note = f"; {plan.global_batch_note}" if plan.global_batch_note else ""
+    st = plan.stats
     lines = [
-        f"trainmem plan — {plan.model.name}, seq {plan.step.seq}, global batch {plan.global_batch} "
-        f"({plan.global_batch * plan.step.seq:,} tokens/step), {plan.step.precision} {plan.step.optimizer}",
+        f"trainmem plan — {plan.model.name}, seq {plan.step.seq}, global batch {plan.global_batch} sequences "
+        f"({plan.global_batch * plan.step.seq:,} tokens/step{note}), {plan.step.precision} {plan.step.optimizer}",
         f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
         f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} after reserving "
         f"{fmt_bytes(plan.reserve.fixed_bytes)} + {plan.reserve.fraction:.0%}",
-        f"searched {plan.stats['evaluated']:,} configurations ({plan.stats['fitting']:,} fit) in "
-        f"{plan.stats['seconds']:.2f} s from {plan.stats['estimator_calls']} estimator calls",
-        "",
+        f"{screen_line(st)}; {st['checked']} checked with the per-rank estimate, which gives every peak shown; "
+        f"{st['seconds']:.2f} s",
     ]
+    for k in st.get("skipped_kernels", ()):
+        lines.append(f"not offered: {k['attention']} + selective recompute ({k['why'].split(':')[0]}; "
+                     "the same memory as recompute=none, one attention forward slower)")
+    if plan.gpu_counts:
+        lines += [""] + gpu_count_lines(plan)
+    lines.append("")
     fits = any(c.fits for c in plan.candidates)
     lines.append("Fastest configurations that fit" if fits else "Nothing fits; the configurations closest to fitting")
     lines.append(f"  {'configuration':<92} {'peak/rank':>11} {'step s':>8} {'tokens/s':>11}")
@@ -57,6 +64,27 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         if len(plan.rejected) > max_rejected:
             lines.append(f"  ... {len(plan.rejected) - max_rejected:,} more (--json lists every one)")
     return "\n".join(lines)
+
+
+def screen_line(st: dict) -> str:
+    """The one wording of the search counts (the HTML report uses the same)."""
+    return (f"screened {st['evaluated']:,} configurations, {st['fitting']:,} fit by the closed-form screen "
+            f"({st['estimator_calls']} estimator calls)")
+
+
+def gpu_count_lines(plan) -> list[str]:
+    """``--gpus auto``: the counts tried and the answer."""
+    counts = list(plan.gpu_counts)
+    tried = ", ".join(f"{c['gpus']}: {'fits' if c['fits'] else 'no'}" for c in counts)
+    found = next((c for c in counts if c["fits"]), None)
+    if found is None:
+        return [f"GPU counts tried ({tried}): none fits; the closest configurations at {plan.gpus} GPUs below"]
+    out = [f"Smallest GPU count that fits: {found['gpus']} × {plan.gpu.name} (tried {tried})"]
+    nxt = counts[-1] if counts[-1] is not found else None
+    if nxt is not None:
+        out.append(f"  next count, {nxt['gpus']} GPUs: {nxt['tokens_per_s'] / found['tokens_per_s']:.2f}× the "
+                   f"tokens/s ({nxt['tokens_per_s']:,.0f} against {found['tokens_per_s']:,.0f})")
+    return out
 
 
 def _cfg_or_partial(c: dict) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
+from trainmem.estimate.notes import selective_recompute_noop
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.plan.shard import Breakdown, breakdown, rank_peak
@@ -87,11 +88,16 @@ class Plan:
     pareto: tuple[Candidate, ...]
     rejected: tuple[tuple[dict, str], ...]
     stats: dict
+    global_batch_note: str = ""
+    """Where the global batch came from when the user gave none (``default_global_batch``)."""
+    gpu_counts: tuple[dict, ...] = ()
+    """``--gpus auto``: every count tried, in order (see :mod:`trainmem.plan.count`)."""
 
     def to_dict(self, *, rejected: bool = False) -> dict:
         out = {
             "schema": SCHEMA,
             "inputs": {"model": self.model.name, "seq": self.step.seq, "global_batch": self.global_batch,
+                       "global_batch_note": self.global_batch_note,
                        "precision": self.step.precision, "optimizer": self.step.optimizer,
                        "loss": self.step.loss, "gpu": self.gpu.to_dict(), "gpus": self.gpus},
             "reserve": {**self.reserve.to_dict(), "usable_bytes": self.usable_bytes},
@@ -99,6 +105,8 @@ class Plan:
             "pareto": [c.to_dict() for c in self.pareto],
             "search": self.stats,
         }
+        if self.gpu_counts:
+            out["gpu_counts"] = list(self.gpu_counts)
         if rejected:
             out["rejected"] = [{"config": c, "reason": r} for c, r in self.rejected]
         return out
@@ -161,10 +169,11 @@ def _pareto(rows: list[tuple]) -> list[tuple]:
 def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
          precision: str = "bf16", optimizer: str = "adamw", loss: str = "ce", profile: str = "hf",
          reserve: Reserve = Reserve(), cost: CostModel = CostModel(), space: SearchSpace = SearchSpace(),
-         top: int = 5, keep_rejected: bool = False, finetune=None) -> Plan:
+         top: int = 5, keep_rejected: bool = False, finetune=None, front: bool = True) -> Plan:
     """Every configuration of ``gpus`` × ``gpu`` for ``global_batch`` sequences of ``seq`` tokens,
     the ``top`` fastest that fit, and the memory-vs-time Pareto front of those that fit.
-    ``finetune`` (a FinetuneSpec): frozen weights / LoRA change states and saved tensors."""
+    ``finetune`` (a FinetuneSpec): frozen weights / LoRA change states and saved tensors.
+    ``front=False`` leaves the Pareto front empty (no estimator calls for it)."""
     t0 = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -179,9 +188,15 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
     calls = 0
     kernels: dict[tuple[str, str], tuple[Breakdown, Breakdown]] = {}
     seen: dict[tuple, str] = {}
+    noops: dict[str, str] = {}
     for rc in space.recompute:
         for attn in space.attention:
             impl = ImplSpec(profile=profile, attention=attn, recompute=rc)
+            if rc == "selective" and "none" in space.recompute:
+                why = selective_recompute_noop(model, base, impl)
+                if why:  # the same configuration as recompute=none, one attention forward slower
+                    noops[attn] = why
+                    continue
             b1 = breakdown(estimate(model, base, impl, finetune=finetune))
             calls += 1
             sig = (rc, b1)
@@ -276,42 +291,81 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                          worst.peak_bytes <= usable, worst.stage, worst.phase, t.to_dict())
 
     fitting.sort(key=lambda r: (r[0], r[1].peak_bytes))
+    # The closed form screens and ranks; every peak reported (table, front, JSON, HTML) is the
+    # estimator's own per-rank peak of that configuration (estimate(..., parallel=...)).
+    checked: dict[tuple, Candidate] = {}
+
+    def exact(row) -> Candidate:
+        c = candidate(row)
+        key = _key(c.config)
+        if key not in checked:
+            checked[key] = _recheck(model, base, profile, c, usable, finetune)
+        return checked[key]
+
     if fitting:
-        # the closed form ranks; the estimator's own per-rank accounting has the last word, so
-        # walk down the ranking until ``top`` configurations fit by it too (bounded)
+        # walk down the ranking until ``top`` configurations fit by the estimator too (bounded)
         shown = []
         for r in fitting[: 8 * top]:
-            c = _recheck(model, base, profile, candidate(r), usable, finetune)
+            c = exact(r)
             if c.fits:
                 shown.append(c)
                 if len(shown) == top:
                     break
             else:
                 rejected.append((c.config, f"per-rank estimate {c.peak_bytes} B > usable {usable} B "
-                                           "(the closed form said it fits)"))
+                                           "(the closed-form screen said it fits)"))
         if not shown:
-            shown = [_recheck(model, base, profile, candidate(r), usable, finetune) for r in fitting[:top]]
+            shown = [exact(r) for r in fitting[:top]]
     else:
-        shown = [_recheck(model, base, profile, candidate(r), usable, finetune)
-                 for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
+        shown = [exact(r) for r in sorted(closest, key=lambda r: r[1].peak_bytes)[:top]]
+    screened = _pareto(fitting) if front else []
+    if len(screened) > MAX_FRONT:  # evenly spaced, both ends kept
+        screened = [screened[round(i * (len(screened) - 1) / (MAX_FRONT - 1))] for i in range(MAX_FRONT)]
+    pareto = _front([exact(r) for r in screened] + [c for c in shown if c.fits]) if front else []
     stats = {"evaluated": evaluated, "fitting": len(fitting), "estimator_calls": calls,
-             "kernel_sets": [list(k) for k in kernels], "seconds": time.perf_counter() - t0,
-             "method": "closed form from two estimator calls (micro-batch 1 and 2) per distinct "
-                       "(attention, recompute) saved set, scaled by the parallel degrees"}
-    return Plan(model, base, gpu, gpus, global_batch, reserve, usable, tuple(shown), tuple(candidate(r) for r in _pareto(fitting)),
+             "checked": len(checked), "kernel_sets": [list(k) for k in kernels],
+             "skipped_kernels": [{"attention": a, "recompute": "selective", "why": w} for a, w in noops.items()],
+             "seconds": time.perf_counter() - t0,
+             "method": "screen: closed form from two estimator calls (micro-batch 1 and 2) per distinct "
+                       "(attention, recompute) saved set, scaled by the parallel degrees; every peak shown: "
+                       "the estimator's per-rank peak of that configuration"}
+    return Plan(model, base, gpu, gpus, global_batch, reserve, usable, tuple(shown), tuple(pareto),
                 tuple(rejected), stats)
+
+
+MAX_FRONT = 12
+"""Screened Pareto points checked by the estimator (evenly spaced when the screen finds more)."""
+
+
+def _key(cfg: dict) -> tuple:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(cfg.items()))
+
+
+def _front(cands: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates no other beats on both per-rank peak and step time, by peak."""
+    out: list[Candidate] = []
+    best_time = float("inf")
+    seen = set()
+    for c in sorted((c for c in cands if c.fits), key=lambda c: (c.peak_bytes, c.step_time_s)):
+        k = _key(c.config)
+        if c.step_time_s < best_time and k not in seen:
+            out.append(c)
+            seen.add(k)
+            best_time = c.step_time_s
+    return out
 
 
 def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usable: int,
              finetune=None) -> Candidate:
-    """The shortlisted configuration through :func:`per_rank_peak` (the estimator's own parallel
-    accounting when it has one)."""
-    from trainmem.plan.ranks import per_rank_peak
-
+    """The configuration through the estimator's own per-rank accounting (``estimate(..., parallel=...)``):
+    its peak, and the rank class and phase where it occurs."""
     cfg = c.config
     step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
     impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
     par = ParallelSpec(dp=cfg["dp"], tp=cfg["tp"], sp=cfg["sp"], cp=cfg["cp"], pp=cfg["pp"],
                        microbatches=cfg["grad_accum"], zero=cfg["zero"], offload=tuple(cfg["offload"]))
-    peak = per_rank_peak(model, step, impl, par, finetune)
-    return replace(c, peak_bytes=peak, fits=peak <= usable, peak_source="estimator")
+    e = estimate(model, step, impl, parallel=None if par.is_single else par, finetune=finetune)
+    worst = max(e.ranks, key=lambda r: r.peak_bytes) if e.ranks else e
+    stage = worst.name if e.ranks else "rank"
+    return replace(c, peak_bytes=e.peak_bytes, fits=e.peak_bytes <= usable, peak_stage=stage,
+                   peak_phase=worst.peak.name, peak_source="estimator")

@@ -505,11 +505,21 @@ def _plan(d: dict, page: _Page) -> None:
     inp = d.get("inputs", {})
     gpu = inp.get("gpu", {})
     gpu = gpu.get("name", "") if isinstance(gpu, dict) else gpu
-    page.subtitle = " · ".join(str(x) for x in (inp.get("model"), inp.get("seq") and f"S={inp['seq']}",
-                                                 inp.get("global_batch") and f"global batch {inp['global_batch']}",
+    batch = inp.get("global_batch") and f"global batch {inp['global_batch']} sequences" + (
+        f" ({inp['global_batch_note']})" if inp.get("global_batch_note") else "")
+    page.subtitle = " · ".join(str(x) for x in (inp.get("model"), inp.get("seq") and f"S={inp['seq']}", batch,
                                                  gpu and f"{inp.get('gpus', '?')} × {gpu}") if x)
-    page.card("configurations kept", f"{len(cands):,}")
-    page.card("that fit", f"{len(fits):,}")
+    # the same counts, in the same words, as the text report (trainmem.plan.render.screen_line)
+    st = d.get("search", {})
+    if "evaluated" in st:
+        page.card("configurations screened", f"{st['evaluated']:,}")
+        page.card("fit by the closed-form screen", f"{st.get('fitting', 0):,}")
+    if "checked" in st:
+        page.card("checked with the per-rank estimate", f"{st['checked']:,}")
+    page.card("shown that fit", f"{len(fits):,} of {len(cands):,}")
+    found = next((c for c in d.get("gpu_counts", []) if c.get("fits")), None)
+    if found:
+        page.card("smallest GPU count that fits", f"{found['gpus']:,}", peak=True)
     best = max(fits, key=lambda c: c.get("tokens_per_s") or 0, default=None)
     if best:
         page.card("best tokens/s", f"{best.get('tokens_per_s', 0):,.0f}", peak=True)
