@@ -85,6 +85,13 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                         "are never all alive; needs --grad-accum 1")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    """--compile: the model runs under torch.compile (``ImplSpec.compile``, docs/compile.md)."""
+    p.add_argument("--compile", action="store_true",
+                   help="the model runs under torch.compile: what inductor's min-cut partition keeps for "
+                        "backward, not what eager autograd keeps (docs/compile.md)")
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
@@ -106,8 +113,8 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
-    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward")  # add_optimizer_args
-             if hasattr(args, k)}
+    # add_optimizer_args, add_compile_arg
+    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile") if hasattr(args, k)}
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device,
                     **{**routing, **optim, **spec_fields(args, "impl")})

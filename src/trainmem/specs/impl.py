@@ -74,6 +74,9 @@ class ImplSpec:
     """The MoE routing assumption (``routing_hot_fraction``): ``balanced`` (every expert gets its
     top-k share of the tokens), ``skewed:F`` (a fraction F of the tokens choose the same k
     experts, the rest are balanced) or ``worst`` (every token chooses the same k experts)."""
+    compile: bool = False
+    """The model runs under ``torch.compile``: what each region saves for backward is what
+    inductor's min-cut partitioner keeps (``trainmem.trace.compiled``), not eager autograd's."""
 
     def __post_init__(self) -> None:
         v.one_of("profile", self.profile, PROFILES)
@@ -89,6 +92,7 @@ class ImplSpec:
         v.one_of("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         v.boolean("optimizer_in_backward", self.optimizer_in_backward)
         routing_hot_fraction(self.routing)
+        v.boolean("compile", self.compile)
 
     def checkpointed(self, layer: int) -> bool:
         """Whether block ``layer`` runs under full activation checkpointing."""

@@ -159,6 +159,12 @@ class _Recorder(TorchDispatchMode):
             self._phase = phase
             self.rec.marks.append((len(self.rec.events), phase))
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile runs with the recorder on (it would fall back to eager otherwise) and
+        the recorder sees the compiled graphs' ops (``trainmem.trace.compiled``)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self._in_opt:

@@ -10,7 +10,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_model_step_args, add_optimizer_args, add_routing_arg
+    from trainmem.cliargs import add_compile_arg, add_model_step_args, add_optimizer_args, add_routing_arg
 
     p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
     add_model_step_args(p)
@@ -19,6 +19,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: from the config's architectures, else the model type's own)")
     add_routing_arg(p)
     add_optimizer_args(p)
+    add_compile_arg(p)
     p.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), default=None,
                    help="transformers' experts_implementation for MoE models (default grouped_mm; eager is "
                         "the per-expert loop, whose memory depends on --routing)")
@@ -64,6 +65,15 @@ def trace_fit(args, result, *, label: str = "") -> tuple[dict, str]:
                       active_note="equals allocated: one stream, no freed blocks still in use")
 
 
+def compile_line(c: dict) -> str:
+    """What eager and torch.compile save for backward, in one line (``trace/compiled.py``)."""
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.2f} MiB"
+    return (f"saved for backward: eager {mib(c['saved_eager_bytes'])} ({c['saved_eager_tensors']} tensors), "
+            f"compiled {mib(c['saved_compiled_bytes'])} ({c['saved_compiled_tensors']} tensors) "
+            f"in {c['regions']} region(s), backend {c['backend']}")
+
+
 def run(args: argparse.Namespace) -> int:
     from trainmem.errors import SpecError
     from trainmem.specs import ImplSpec, StepSpec
@@ -95,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device, routing=args.routing,
-                    optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward)
+                    optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward,
+                    compile=args.compile)
     from trainmem.fitargs import check_figure_args, gpu_from_args
     check_figure_args(args, reserved_known=True)  # bad --gpu/--memory-figure before the trace runs
     gpu_from_args(args)
@@ -123,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         print(render_trace(result))
         if "moe" in result.meta:
             print(routing_line(result.meta["moe"]))
+        if "compile" in result.meta:
+            print(compile_line(result.meta["compile"]))
         if fit_text:
             print(fit_text)
     return 0

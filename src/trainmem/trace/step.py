@@ -375,10 +375,13 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     routing, moe_meta = _routing(model, impl, fake=is_fake(ids)) if not reference else (
         contextlib.nullcontext(), None)
 
+    def loss_of(m):
+        with autocast:
+            return m(ids, **{k: v for k, v in inputs.items() if k != "input_ids"}).loss
+
     def one_step() -> None:
         for _ in range(step.grad_accum):
-            with autocast:
-                loss = model(ids, **{k: v for k, v in inputs.items() if k != "input_ids"}).loss
+            loss = loss_of(runs)
             (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
             del loss
         if masters is not None:
@@ -399,8 +402,14 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
             "head": head, "torch": torch.__version__}
     if moe_meta:
         meta["moe"] = moe_meta
+    runs = model
+    if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
+        from trainmem.trace.compiled import compile_model, report
+        runs, compiled = compile_model(model, impl)
     with selective, routing:
         one_step()
+        if impl.compile:
+            meta["compile"] = report(model, runs, compiled, loss_of)
         distinct = list({id(t): t for t in inputs.values()}.values())  # labels are often the ids
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
         with tracer:

@@ -208,6 +208,10 @@ def dispatch_mode(after_op: Callable[[Any, list], None]):
     from torch.utils._pytree import tree_flatten
 
     class _AfterOp(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # see _recorder.py: compiled graphs run and are seen
+            return True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             after_op(func, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])

@@ -1,0 +1,142 @@
+"""``--compile``: what ``torch.compile`` saves for backward, traced without generating code.
+
+With ``torch.compile``, AOTAutograd traces each compiled region's forward and backward as one
+joint graph and a partitioner decides which forward values the backward gets (the rest it
+recomputes) before any kernel is generated. Inductor partitions with
+``min_cut_rematerialization_partition(compiler="inductor")`` after its joint-graph passes, on a
+graph decomposed with its own table (``torch/_inductor/compile_fx.py``: ``partition_fn``,
+``compile_fx`` passing ``select_decomp_table()`` to ``aot_autograd``). The min-cut keeps what
+is cheapest to hold and recomputes cheap pointwise ops in backward
+(``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``,
+``choose_saved_values_set``).
+
+:func:`compile_model` compiles a model with the ``trainmem_partition`` backend: the same
+decompositions, joint-graph passes and partition as inductor, and then no code generation: each
+partitioned forward and backward graph runs as its own ``GraphModule`` under the boxed calling
+convention (``torch/_dynamo/backends/debugging.py`` ``boxed_nop``, ``aot_eager``'s compiler): a
+backward frees each saved tensor after its last use, as inductor's code does. It needs no C++ compiler and runs on
+fake tensors (Dynamo traces under the tracer's ``FakeTensorMode``), so a compiled step is traced
+at the real size like an eager one. Each region's saved values (the backward graph's inputs other
+than its tangents) are recorded as :class:`SavedValue` s.
+
+:func:`report` measures what each mode really hands to autograd: the same forward run eagerly
+and compiled under ``saved_tensors_hooks`` (:func:`trainmem.trace.saved.saved_tensors`: distinct
+storages, parameters excluded). A compiled region saves with ``ctx.save_for_backward``
+(``torch/_functorch/_aot_autograd/runtime_wrappers.py``), so both are seen the same way.
+
+Known limitations:
+  - The saved set is inductor's; the transient memory is not. Inductor fuses pointwise chains
+    into kernels whose intermediates never exist, and plans its buffers; here every node of
+    the forward and backward graphs allocates its output (freed after its last use, as the
+    ``GraphModule``'s code ``del``-s it). The activations alive at the start of backward are
+    exact; a peak inside forward or backward is an upper bound for inductor's.
+  - Inside a compiled region there are no module boundaries: its ops are attributed to the
+    compiled module (torch's ``OptimizedModule``).
+  - The whole model is compiled as one ``torch.compile(model)`` (Dynamo splits it where it
+    graph-breaks; each region is partitioned alone). Per-block compilation (torchtitan) gives
+    one region per block and can save a different set at block boundaries.
+  - Not with activation checkpointing (``ImplSpec.recompute``): Dynamo turns a checkpointed
+    region into a higher-order op that replays the CPU generator's state, a real tensor that
+    fake tensors refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainmem.errors import UnsupportedError
+
+__all__ = ["BACKEND_NAME", "SavedValue", "Compiled", "compile_model", "report"]
+
+BACKEND_NAME = "trainmem_partition"
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One value a compiled region's forward hands to its backward (a node of the partitioned
+    graph: a tensor, or a SymInt for dynamic shapes with ``shape=()`` and ``dtype="symint"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int  # numel * itemsize of the value; views share their base's storage
+
+
+@dataclass
+class Compiled:
+    """What :func:`compile_model` recorded: one tuple of saved values per partitioned region
+    (a region that needs no gradient is not partitioned and not listed)."""
+
+    regions: list[tuple[SavedValue, ...]] = field(default_factory=list)
+
+
+def _value(node) -> SavedValue:
+    import torch
+
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return SavedValue(node.name, tuple(int(d) for d in val.shape), str(val.dtype).removeprefix("torch."),
+                          val.numel() * val.element_size())
+    return SavedValue(node.name, (), "symint", 0)
+
+
+def saved_values(backward_graph) -> tuple[SavedValue, ...]:
+    """The backward graph's inputs other than its tangents: what the forward saved for it
+    (``partitioners.py`` ``_extract_fwd_bwd_modules`` makes them the backward's placeholders,
+    saved values and saved SymInts first, then ``tangents_*``)."""
+    return tuple(_value(n) for n in backward_graph.graph.nodes
+                 if n.op == "placeholder" and not n.name.startswith("tangents"))
+
+
+def partitioning_backend(record: Compiled):
+    """The ``trainmem_partition`` backend: inductor's decompositions and partition, no codegen."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        record.regions.append(saved_values(bw))
+        return fw, bw
+
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                        decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+
+
+def compile_model(model, impl):
+    """Refuses what is not traced under compile yet (activation checkpointing: see the module
+    docstring); else ``(torch.compile(model, backend=trainmem_partition, dynamic=False), record)``: shapes are
+    static (one compilation per step shape); the record fills as regions are partitioned. The
+    wrapper, not ``model.compile()``: module hooks (the tracer's ModTracker) stand aside inside an
+    ``OptimizedModule`` (``torch/distributed/_tools/mod_tracker.py`` ``_fw_pre_hook``), so they
+    add nothing to the compiled graphs."""
+    import torch
+
+    if impl.recompute != "none":
+        raise UnsupportedError(f"compile with recompute={impl.recompute!r} is not traced: checkpointed regions "
+                               "replay the CPU generator's state, a real tensor, on fake ones; trace --compile "
+                               "with --recompute none")
+    torch._dynamo.reset()  # a fresh cache: a model built before must not count toward the recompile limit
+    record = Compiled()
+    return torch.compile(model, backend=partitioning_backend(record), dynamic=False), record
+
+
+def report(model, compiled_model, record: Compiled, forward) -> dict:
+    """What the trace states about compilation, after the compiled step has run once: the
+    backend, the partitioned regions and their saved values, and the bytes and count of the
+    distinct storages autograd keeps for backward when ``forward(m)`` (a forward and its loss)
+    runs with ``m = model`` (eager) and ``m = compiled_model``. The outputs are dropped."""
+    from trainmem.trace.saved import saved_tensors
+
+    if not record.regions:
+        raise UnsupportedError("torch.compile partitioned no region (Dynamo ran the whole step eagerly); "
+                               "nothing compiled to trace")
+    eager, out = saved_tensors(model, lambda: forward(model))
+    del out
+    compiled, out = saved_tensors(model, lambda: forward(compiled_model))
+    del out
+    return {"backend": BACKEND_NAME, "regions": len(record.regions),
+            "saved_values": [len(r) for r in record.regions],
+            "saved_eager_bytes": sum(t.nbytes for t in eager), "saved_eager_tensors": len(eager),
+            "saved_compiled_bytes": sum(t.nbytes for t in compiled), "saved_compiled_tensors": len(compiled)}
