@@ -85,7 +85,8 @@ def test_commands_and_estimate_flags_are_frozen():
                                    "serve", "snapshot", "sweep", "trace"]
     flags = sorted(o for a in sub.choices["estimate"]._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
-        "--adapter-dtype", "--attention", "--batch", "--block-size", "--config", "--context", "--cp", "--cp-style",
+        "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--config", "--context", "--cp",
+        "--cp-style",
         "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
         "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--grad-accum", "--help", "--hf-args", "--html", "--json",
         "--layer-split",

@@ -37,7 +37,9 @@ def _input_ids(ctx: Ctx) -> None:
 
 
 def _forward(impl: ImplSpec):
-    if impl.profile == "hf":
+    if impl.compile:  # torch.compile's saved set (it refuses what it has not been checked on)
+        from trainmem.estimate.rules_compiled import compiled_forward as forward
+    elif impl.profile == "hf":
         from trainmem.estimate.rules_hf import hf_forward as forward
     elif impl.profile == "reference":
         from trainmem.estimate.rules_reference import reference_forward as forward

@@ -1,0 +1,115 @@
+"""``ImplSpec.compile``: what ``torch.compile`` keeps for backward in a Llama-family decoder.
+
+Inductor partitions each compiled region's joint graph with a min-cut that recomputes cheap
+pointwise ops in backward (``torch/_functorch/partitioners.py``
+``min_cut_rematerialization_partition``, called from ``torch/_inductor/compile_fx.py``
+``partition_fn``). Read from the partitioned graphs of transformers' ``LlamaForCausalLM``
+(``trainmem.trace.compiled``, the same partition as inductor's, whose C++ build saved the same
+set), against the eager rules of ``rules_hf``:
+
+* RMSNorm keeps its input (not the attention's residual sum: see below), ``rsqrt`` (fp32, B·S·1)
+  and its output (the next linear's input); the normalized product (and, for 16-bit inputs,
+  the fp32 copy) is recomputed;
+* the rotary ``cos``/``sin`` are recomputed from ``inv_freq`` (fp32, hd/2), which is kept;
+* attention keeps what the SDPA kernel saves (it is not decomposed) and ``o_proj``'s output,
+  from which the residual sum is recomputed;
+* SwiGLU keeps ``gate``, ``up`` and ``act(gate)·up``; the activation's output is recomputed;
+* the loss keeps the logits in their own dtype, the row max and the log-sum-exp (fp32,
+  B·S·1 each), the labels padded to S+1 and the token count, instead of the fp32
+  ``log_softmax`` output and the shifted targets.
+
+Scope: what was checked (``tests/estimate/test_compiled_rules.py``): dense Llama-family models
+(Qwen2's q/k/v biases and grouped K/V heads included; no q/k norms), one device, pure fp32/bf16/fp16,
+fused attention kernels, no activation checkpointing, no fine-tuning. Anything else is refused by
+name (:func:`check_compiled`).
+"""
+
+from __future__ import annotations
+
+from trainmem.errors import UnsupportedError
+from trainmem.estimate.attention import attention_core, resolve_kernel
+from trainmem.estimate.ctx import Ctx, Shard
+from trainmem.estimate.graph import Sym
+from trainmem.estimate.rules_hf import _layers
+
+__all__ = ["compiled_forward", "check_compiled"]
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def check_compiled(ctx: Ctx) -> None:
+    """Refuse what the compiled rules have not been checked on, naming the field and value."""
+    m, step, impl = ctx.model, ctx.step, ctx.impl
+    refusals = [
+        ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
+        ("model", m.family, (m.family not in FAMILIES or m.is_moe or m.qk_norm or m.activation != "swiglu"
+                             or m.out_bias or m.mlp_bias or m.norm_bias),
+         f"compiled rules cover dense {'/'.join(FAMILIES)} SwiGLU models (q/k/v biases at most, no q/k norms)"),
+        ("precision", step.precision, step.precision not in ("fp32", "bf16", "fp16"),
+         "compiled rules cover pure fp32/bf16/fp16"),
+        ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
+        ("recompute", impl.recompute, impl.recompute != "none", "compiled rules have no activation checkpointing"),
+        ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
+         "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
+        ("parallel", "sharded", ctx.shard != Shard(), "compiled rules are for one device"),
+        ("finetune", "on", ctx.finetune_linear is not None, "compiled rules have no fine-tuning"),
+        ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
+    ]
+    for field, value, bad, why in refusals:
+        if bad:
+            raise UnsupportedError(f"compile: {field}={value!r} is not modelled: {why}")
+
+
+def compiled_forward(ctx: Ctx) -> None:
+    check_compiled(ctx)
+    g, m = ctx.g, ctx.model
+    B, S, H, V, hd = ctx.B, ctx.S, m.hidden_size, m.vocab_size, m.head_dim
+    a = ctx.param  # pure precisions: weights and activations in one dtype
+    with g.module("model.embed_tokens"):
+        g.save(g.new("indices", (B, S), ("B", "S"), "int64", False))
+        x = g.new("out", (B, S, H), ("B", "S", "H"), a)
+    with g.module("model.rotary_emb"):
+        g.save(g.new("inv_freq", (hd // 2,), ("hd/2",), "float32", False))
+    kernel = resolve_kernel(ctx)
+
+    def layer(_i: int, x: Sym) -> Sym:
+        _rmsnorm(ctx, x, "input_layernorm")
+        with g.module("self_attn"):
+            q = g.new("q_rope", (B, S, m.q_size), ("B", "S", "A·hd"), a)
+            k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+            with g.module("v_proj"):
+                v = g.new("out", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+            attention_core(ctx, q, k, v, kernel=kernel, gqa_native=m.head_dim <= 256)  # keeps o_proj's input
+            with g.module("o_proj"):
+                g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
+        residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), a)
+        _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False)
+        with g.module("mlp"):
+            F = m.ffn_size
+            for name in ("gate_proj", "up_proj"):
+                with g.module(name):
+                    g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
+            g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
+        return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
+
+    x = _layers(ctx, "model.layers.", x, layer)
+    _rmsnorm(ctx, x, "model.norm")
+    with g.module("lm_head"):
+        g.save(g.new("out", (B, S, V), ("B", "S", "V"), a))
+    with g.module("loss"):
+        g.save(g.new("row_max", (B * S, 1), ("B·S", "1"), "float32", False),
+               g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
+               g.new("labels_padded", (B, S + 1), ("B", "S+1"), "int64", False),
+               g.new("total_weight", (), (), "float32", False))
+
+
+def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True) -> Sym:
+    """Keeps fp32 ``rsqrt``, its output (the following linear's input) and its input, unless that
+    is a residual sum, recomputed from the block input and ``o_proj``'s output."""
+    g = ctx.g
+    g.save(x, when=keep_input)
+    with g.module(name):
+        g.save(g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", False))
+        out = g.new("out", x.shape, x.dims, x.dtype)
+        g.save(out)
+    return out

@@ -1,0 +1,86 @@
+"""The compiled saved set (``ImplSpec.compile``, ``estimate/rules_compiled.py``) against the trace of
+the same step under torch.compile (``trace/compiled.py``: inductor's partition, no codegen)."""
+
+import pytest
+
+from trainmem.errors import UnsupportedError
+from trainmem.estimate import estimate
+from trainmem.estimate.activations import activation_items
+from trainmem.estimate.symbols import evaluate
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256)
+QWEN2 = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+COMPILED = ImplSpec(device="cpu", compile=True)
+
+
+def _saved(config, precision, batch=2, seq=64):
+    items = activation_items(spec_from_hf_config(config), StepSpec(batch=batch, seq=seq, precision=precision), COMPILED)
+    return sum(i.bytes for i in items), len(items), items
+
+
+def test_llama_fp32_exact():
+    # B=2, S=64, H=64, F=176, A=4, hd=16, V=1000, 2 layers, fp32 (tests/trace/test_compiled.py):
+    # per layer 8*B*S*H*4 + 3*B*S*F*4 + 2*B*S*4 + B*A*S*4 = 262144 + 270336 + 1024 + 2048 = 535552
+    # final 2*B*S*H*4 + B*S*4 + B*S*V*4 + 2*B*S*4 + 4 = 65536 + 512 + 512000 + 1024 + 4 = 579076
+    # ids B*S*8 = 1024, labels B*(S+1)*8 = 1040, inv_freq hd/2*4 = 32
+    assert _saved(LLAMA, "fp32")[:2] == (2 * 535552 + 579076 + 1024 + 1040 + 32, 38)  # 1652276
+
+
+def test_llama_bf16_exact():
+    # the B*S*H, B*S*F and logits tensors in 2 bytes; rsqrt, lse, row max and log-sum-exp stay fp32:
+    # per layer 262144/2 + 270336/2 + 1024 + 2048 = 269312; final 32768 + 512 + 256000 + 1024 + 4 = 290308
+    assert _saved(LLAMA, "bf16")[:2] == (2 * 269312 + 290308 + 1024 + 1040 + 32, 38)  # 831028
+
+
+def test_qwen2_gqa_and_biases_exact():
+    # Akv=2 K/V heads: K and V are B*S*Akv*hd*4 = 16384; F=128: B*S*F*4 = 65536; biases keep nothing
+    # per layer 6*32768 + 2*16384 + 3*65536 + 1024 + 2048 = 429056; final 579076 as for Llama
+    assert _saved(QWEN2, "fp32")[:2] == (2 * 429056 + 579076 + 1024 + 1040 + 32, 38)  # 1439284
+
+
+def test_formulas_evaluate_to_the_bytes():
+    _, _, items = _saved(QWEN2, "bf16", batch=3, seq=50)
+    env = dict(B=3, S=50, H=64, F=128, A=4, Akv=2, hd=16, V=1000)
+    for it in items:
+        assert tuple(evaluate(d, env) for d in it.dims) == it.shape, it.name
+        assert evaluate(it.formula, env) == it.bytes, it.name
+
+
+def test_compile_saves_less_than_eager_in_the_estimate_too():
+    m, step = spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="fp32")
+    eager = estimate(m, step, ImplSpec(device="cpu"))
+    compiled = estimate(m, step, COMPILED)
+    assert compiled.totals_bytes["activation"] == 1652276 < eager.totals_bytes["activation"]
+
+
+@pytest.mark.parametrize("impl,parallel,why", [
+    (ImplSpec(compile=True, attention="eager"), None, "attention='eager'"),
+    (ImplSpec(compile=True, recompute="full"), None, "recompute='full'"),
+    (ImplSpec(compile=True), ParallelSpec(tp=2), "parallel"),
+])
+def test_unchecked_settings_are_refused_by_name(impl, parallel, why):
+    with pytest.raises(UnsupportedError, match=why) as info:
+        estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="bf16"), impl, parallel)
+    assert "\n" not in str(info.value)
+
+
+def test_other_families_are_refused_by_name():
+    gpt2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256)
+    with pytest.raises(UnsupportedError, match="model='gpt2'"):
+        estimate(spec_from_hf_config(gpt2), StepSpec(batch=2, seq=64, precision="fp32"), COMPILED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,precision,batch,seq", [(QWEN2, "fp32", 1, 96), (LLAMA, "bf16", 3, 40)])
+def test_estimate_equals_the_compiled_trace(config, precision, batch, seq):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step = StepSpec(batch=batch, seq=seq, precision=precision)
+    traced = trace_step(config, step, COMPILED).meta["compile"]
+    assert _saved(config, precision, batch, seq)[:2] == (traced["saved_compiled_bytes"],
+                                                         traced["saved_compiled_tensors"])
