@@ -39,6 +39,7 @@ from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 __all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight"]
 
 _LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)(?:\.|$)")
+_BLOCK_INDEX = re.compile(r"\.(layers|h|layer)\.\d+")
 _HEAD = ("model.norm", "lm_head", "loss", "transformer.ln_f", "gpt_neox.final_layer_norm", "norm",
          "final_layernorm", "output_layer", "cls.")
 # column-parallel (split output rows), row-parallel (split input columns), vocab-parallel
@@ -352,7 +353,8 @@ def _state_stages(states: tuple[MemoryItem, ...], stages: tuple[tuple[int, int],
 
 @lru_cache(maxsize=64)
 def _tp_divisors(states: tuple[MemoryItem, ...], tp: int, ep: int) -> dict[str, int]:
-    return {it.name: _tp_factor(_LAYER.sub(".layers.0.", "." + it.name)[1:], tp=tp, ep=ep) for it in states}
+    # every block's names are block 0's with another index: one _tp_factor call per distinct name
+    return {it.name: _tp_factor(_BLOCK_INDEX.sub(r".\1.0", it.name), tp=tp, ep=ep) for it in states}
 
 
 def _embedding_name(states: list[MemoryItem]) -> str:
