@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from trainmem.errors import ConfigError
+from trainmem.inputs._common import merge_overrides
 from trainmem.inputs.deepspeed import read_deepspeed
 from trainmem.inputs.hf_args import read_hf_args
 from trainmem.inputs.megatron import parse_megatron_args
@@ -134,23 +135,6 @@ def apply_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
     out["applied"] = applied
     out["overridden_by_command_line"] = overridden
     return out
-
-
-def merge_overrides(answers: list[dict]) -> tuple[dict[str, dict], dict[str, str]]:
-    """One overrides dict from several readers' answers, and which source set each field.
-    Two sources that disagree on a field are a ConfigError naming both."""
-    merged: dict[str, dict] = {}
-    origin: dict[str, str] = {}
-    for a in answers:
-        for section, values in a["overrides"].items():
-            for field, value in values.items():
-                key = f"{section}.{field}"
-                have = merged.setdefault(section, {})
-                if field in have and have[field] != value:
-                    raise ConfigError(f"{key}: {have[field]!r} from {origin[key]} but {value!r} from {a['source']}")
-                have[field] = value
-                origin[key] = a["source"]
-    return merged, origin
 
 
 def spec_fields(args: argparse.Namespace, section: str) -> dict:

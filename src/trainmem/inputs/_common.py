@@ -146,3 +146,20 @@ def positive_int(where: str, key: str, value: Any) -> int:
 def answer(source: str, path: str, raw: dict, overrides: dict, notes: list[str]) -> dict:
     return {"source": source, "path": str(path), "raw": raw,
             "overrides": {k: v for k, v in overrides.items() if v}, "notes": notes}
+
+
+def merge_overrides(answers: list[dict]) -> tuple[dict[str, dict], dict[str, str]]:
+    """One overrides dict from several readers' answers, and which source set each field.
+    Two sources that disagree on a field are a ConfigError naming both."""
+    merged: dict[str, dict] = {}
+    origin: dict[str, str] = {}
+    for a in answers:
+        for section, values in a["overrides"].items():
+            for field, value in values.items():
+                key = f"{section}.{field}"
+                have = merged.setdefault(section, {})
+                if field in have and have[field] != value:
+                    raise ConfigError(f"{key}: {have[field]!r} from {origin[key]} but {value!r} from {a['source']}")
+                have[field] = value
+                origin[key] = a["source"]
+    return merged, origin

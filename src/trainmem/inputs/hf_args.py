@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmem.errors import ConfigError
-from trainmem.inputs._common import answer, load_json, positive_int, typed, unknown_key
+from trainmem.inputs._common import answer, load_json, merge_overrides, positive_int, typed, unknown_key
 from trainmem.specs.step import DEFAULT_SEQ
 
 __all__ = ["read_hf_args", "hf_args_overrides", "TRAINING_ARGUMENTS"]
@@ -112,8 +112,6 @@ def hf_args_overrides(cfg: dict, where: str = "hf-args") -> dict:
     if deepspeed is not None:
         # the Trainer hands its values to DeepSpeed (integrations/deepspeed.py, HfTrainerDeepSpeedConfig.
         # trainer_config_process fills "auto"; a value both give differently is an error there too)
-        from trainmem.inputs import merge_overrides
-
         sec, _ = merge_overrides([deepspeed, {"source": "hf-args", "overrides": sec}])
         notes.extend(f"deepspeed: {n}".replace("left to the command line and defaults", "filled from these arguments")
                      for n in deepspeed["notes"])
