@@ -68,10 +68,13 @@ def test_unchecked_settings_are_refused_by_name(impl, parallel, why):
     assert "\n" not in str(info.value)
 
 
-def test_other_families_are_refused_by_name():
-    gpt2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256)
-    with pytest.raises(UnsupportedError, match="model='gpt2'"):
-        estimate(spec_from_hf_config(gpt2), StepSpec(batch=2, seq=64, precision="fp32"), COMPILED)
+@pytest.mark.parametrize("config", [
+    dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256),
+    dict(LLAMA, model_type="mistral", sliding_window=32),  # the window changes the compiled set
+])
+def test_other_families_are_refused_by_name(config):
+    with pytest.raises(UnsupportedError, match=f"model='{config['model_type']}'"):
+        estimate(spec_from_hf_config(config), StepSpec(batch=2, seq=64, precision="fp32"), COMPILED)
 
 
 @pytest.mark.slow
