@@ -47,13 +47,35 @@ CASES = [(f, p, a, r) for f in FAMILIES
 def test_estimate_agrees_with_trace(family, precision, attention, recompute):
     cfg = FAMILIES[family]
     step = StepSpec(batch=2, seq=32, precision=precision)
-    impl = ImplSpec(attention=attention, recompute=recompute, device="cpu")
+    # foreach AdamW, as these cases were measured: its temporaries make the optimizer step the peak
+    # where backward would otherwise be (see test_for_loop_optimizer_peak_in_backward)
+    impl = ImplSpec(attention=attention, recompute=recompute, device="cpu", optimizer_impl="foreach")
     c = compare(estimate(spec_from_hf_config(cfg), step, impl),
                 trace_step(cfg, step, impl, real=family == "mixtral"))
     d = c.to_dict()
     off = [(r.name, r.estimate_bytes, r.trace_bytes) for r in c.rows if r.estimate_bytes != r.trace_bytes]
     assert abs(d["activations"]["ratio"] - 1) <= 0.03, off
     assert abs(d["peak"]["ratio"] - 1) <= 0.03, (c.estimate_peak_phase, c.trace_peak_phase)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma"])
+def test_for_loop_optimizer_peak_in_backward(family):
+    """torch's CPU default steps AdamW one tensor at a time, so under full recompute the peak moves
+    into backward: the first block's backward, which runs last with every later gradient alive
+    (phase backward_first_block; before it existed the estimate missed these by 12%). The block's
+    gradient working set is approximated by its output gradient and its largest tensor's gradient:
+    on these 2-layer toys that leaves the estimate 3-4% low (gpt2 0.970, gemma 0.969, measured)."""
+    cfg = FAMILIES[family]
+    step = StepSpec(batch=2, seq=32, precision="fp32")
+    impl = ImplSpec(attention="sdpa", recompute="full", device="cpu", optimizer_impl="for-loop")
+    e = estimate(spec_from_hf_config(cfg), step, impl)
+    t = trace_step(cfg, step, impl)
+    assert t.peak_phase == "backward"
+    ratio = e.peak_bytes / t.peak_logical_bytes
+    assert 0.96 <= ratio <= 1.0, ratio
+    first = next(p for p in e.phases if p.name == "backward_first_block")
+    last = next(p for p in e.phases if p.name == "backward")
+    assert first.bytes > last.bytes  # every later gradient exists by then
 
 
 def test_compare_cli_json(capsys):

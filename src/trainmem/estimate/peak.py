@@ -9,6 +9,9 @@ Phases of a steady-state step (optimizer state exists; gradients were zeroed wit
                         log-softmax output and of the fp32 logits (two B·S·V·4 tensors).
 * ``backward``       -- backward of the last block: head gradients exist, the last block's
                         recomputed activations (if checkpointed) and its gradient working set.
+* ``backward_first_block`` -- backward of the first block, which runs last: every later
+                        gradient exists beside its recomputed activations and working set (the
+                        peak under full recompute when the optimizer step is not the peak).
 * ``backward_end``   -- every gradient exists, activations are gone.
 * ``optimizer``      -- every gradient plus the optimizer's temporaries.
 
@@ -26,7 +29,7 @@ costs less: the phase is an upper bound there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of
@@ -74,6 +77,9 @@ class LayerStats:
     head_act: int = 0
     loss_act: int = 0
     largest_grad: int = 0
+    late_grad: int = 0
+    """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
+    its gradient from the head, first)."""
 
     def add(self, it: MemoryItem, li: int | None, times: int = 1) -> None:
         self.by_cat[it.category] = self.by_cat.get(it.category, 0) + it.bytes * times
@@ -99,8 +105,14 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
     st = LayerStats()
     if not isinstance(items, Inventory):
         items = Inventory(items)
+    outside: list[MemoryItem] = []
     for it in items.base:
-        st.add(it, layer_of(it.name))
+        li = layer_of(it.name)
+        st.add(it, li)
+        if li is None and it.category is Category.GRADIENT:
+            outside.append(it)
+    if any(it.name.startswith("lm_head.") for it in outside):  # untied head: the embedding's gradient comes last
+        st.late_grad = sum(it.bytes for it in outside if not it.name.startswith(_HEAD))
     for r in items.repeats:
         # one pass over the template, then its per-block sums land on every repeated block
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]
@@ -187,6 +199,19 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         add("backward", {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work},
             "backward of the last block: head gradients, remaining activations, recomputed "
             "block activations, the output gradient and the gradient of its largest tensor")
+        first = min(act_layer)
+        if first != last and not optimizer_in_backward:
+            # the first block's backward runs last: every later block's gradients exist next to its
+            # recomputed activations and working set. Live bytes are linear in the block index between
+            # the two ends (gradients accumulate, activations drain), so the ends bound every block.
+            rec0, rec_big0 = recompute_bytes.get(first, (0, 0))
+            work0 = rec0 + residual_bytes + max(largest[first], rec_big0)
+            g_first = G if grad_accum > 1 else G - grad_layer.get(first, 0) - st.late_grad
+            add("backward_first_block",
+                {"gradients": g_first, "activations": A - head_act - sum(act_layer.values()) + act_layer[first],
+                 "recompute_and_work": work0},
+                "backward of the first block, the last to run: every later gradient exists, its "
+                "recomputed block activations, the output gradient and the gradient of its largest tensor")
     add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()),
                          "work": residual_bytes},
         "all gradients exist, block activations freed" if not optimizer_in_backward
@@ -209,7 +234,19 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
 
 def recompute_per_layer(kept, plain) -> dict[int, tuple[int, int]]:
     """(bytes, largest tensor) each checkpointed block re-materializes in its backward: what the
-    block would keep without checkpointing minus what it keeps with it."""
+    block would keep without checkpointing and does not keep with it. Op-level checkpointing keeps
+    op outputs that plain autograd would not (a policy saves them whether or not backward reads
+    them); those stay beside the recomputed ones, so they are not taken off."""
     k, p = layer_stats(kept), layer_stats(plain)
-    return {li: (p.act_layer[li] - k.act_layer.get(li, 0), p.largest[li])
-            for li in p.act_layer if p.act_layer[li] > k.act_layer.get(li, 0)}
+    extra = layer_stats(_only_in(kept, plain)).act_layer  # kept, but not what plain autograd keeps
+    rec = {li: p.act_layer[li] - k.act_layer.get(li, 0) + extra.get(li, 0) for li in p.act_layer}
+    return {li: (b, p.largest[li]) for li, b in rec.items() if b > 0}
+
+
+def _only_in(kept: Inventory, plain: Inventory) -> Inventory:
+    """``kept``'s activations whose names ``plain`` lacks (block templates compared as templates)."""
+    names = {i.name for i in plain.base} | {i.name for r in plain.repeats for i in r.items}
+    new = [i for i in kept.base if i.category is Category.ACTIVATION and i.name not in names]
+    reps = [replace(r, items=tuple(i for i in r.items if i.category is Category.ACTIVATION and i.name not in names))
+            for r in kept.repeats]
+    return Inventory(new, reps)
