@@ -87,3 +87,10 @@ def test_estimate_equals_the_compiled_trace(config, precision, batch, seq):
     traced = trace_step(config, step, COMPILED).meta["compile"]
     assert _saved(config, precision, batch, seq)[:2] == (traced["saved_compiled_bytes"],
                                                          traced["saved_compiled_tensors"])
+
+
+def test_the_text_header_says_compile():
+    from trainmem.report.text import render_estimate
+
+    e = estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="bf16"), COMPILED)
+    assert "torch.compile" in render_estimate(e).splitlines()[2]

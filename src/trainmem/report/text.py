@@ -26,7 +26,8 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         f"step: B={s.batch} S={s.seq} grad_accum={s.grad_accum} precision={s.precision} "
         f"optimizer={s.optimizer} loss={s.loss}",
         f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "
-        f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}",
+        f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}"
+        f"{' torch.compile (saved set: docs/compile.md)' if im.compile else ''}",
         "",
         "Ledgers (logical bytes)",
     ]
