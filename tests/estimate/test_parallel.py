@@ -118,3 +118,31 @@ def test_json_ranks_contract():
     for r in d["ranks"]:
         assert {"name", "count", "totals_bytes", "peak_bytes", "host_bytes"} <= set(r)
         assert r["count"] == 4
+
+
+def test_the_pipeline_steps_are_pure_and_exact():
+    """apply_zero / apply_offload / apply_pp / apply_cp, the steps rank_classes composes."""
+    from trainmem.estimate.parallel import apply_cp, apply_offload, apply_pp, apply_tp, apply_zero
+    from trainmem.inventory import Category, MemoryItem
+
+    n = 4096 * 14336  # one up_proj of Llama-3-8B: 58,720,256 elements
+    name = "model.layers.0.mlp.up_proj.weight"
+    items = [MemoryItem.make(name, Category.PARAMETER, (4096, 14336), "bfloat16", 2 * n),
+             MemoryItem.make(f"{name}.grad", Category.GRADIENT, (4096, 14336), "bfloat16", 2 * n),
+             MemoryItem.make(f"{name}.exp_avg", Category.OPTIMIZER_STATE, (4096, 14336), "float32", 4 * n)]
+    div = {it.name: 2 for it in items}  # column-parallel over tp=2
+    z1 = apply_zero(items, div, zero=1, group=8)
+    # ZeRO-1 shards only the optimizer state over the 8 ranks: ⌈n/16⌉·4 = 3,670,016·4; the rest ÷ tp only
+    assert [it.bytes for it in z1] == [58_720_256, 58_720_256, 14_680_064]
+    z3 = apply_zero(items, div, zero=3, group=8)
+    assert [it.bytes for it in z3] == [7_340_032, 7_340_032, 14_680_064]  # ⌈n/16⌉·2 for bf16
+    kept, host = apply_offload(z3, ("optimizer",))
+    assert [it.name for it in kept] == [name, f"{name}.grad"] and host == 14_680_064
+    kept, host = apply_offload(z3, ("optimizer", "params"))
+    assert [it.name for it in kept] == [f"{name}.grad"] and host == 14_680_064 + 7_340_032
+    assert items[0].bytes == 2 * n  # inputs untouched
+    assert apply_pp(items, [0, 1, 1], 1) == items[1:]
+    model, step = load_model("llama-3-8b"), StepSpec(batch=1, seq=4096)
+    assert apply_cp(step, ParallelSpec(cp=4)).seq == 1024 and apply_cp(step, ParallelSpec()) is step
+    lm = apply_tp(model, ParallelSpec(tp=4))
+    assert (lm.num_heads, lm.num_kv_heads, lm.ffn_size, lm.vocab_size) == (8, 2, 3584, 32064)  # ⌈128256/4⌉

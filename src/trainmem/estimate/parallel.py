@@ -36,7 +36,8 @@ from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_la
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
-__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight"]
+__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight", "local_model",
+           "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload"]
 
 _LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)(?:\.|$)")
 _BLOCK_INDEX = re.compile(r"\.(layers|h|layer)\.\d+")
@@ -191,9 +192,55 @@ def _local_item(item: MemoryItem, div: int) -> MemoryItem:
                            math.ceil(numel * dtype_bytes(item.dtype)), f"⌈{item.formula}/{div}⌉")
 
 
+# --- the pipeline: pure steps over an inventory ------------------------------------------------
+#
+# rank_classes composes them: apply_tp (the TP-local model: heads, FFN, vocabulary ÷ tp) and
+# apply_cp (the CP-local sequence) shape what the activation rules produce; apply_pp keeps one
+# stage's items; apply_zero divides each model state by its TP/EP divisor and, by ZeRO stage, by the
+# sharding group; apply_offload moves offloaded states to host.
+
+def apply_cp(step: StepSpec, par: ParallelSpec) -> StepSpec:
+    """The step one CP rank computes: the sequence divided by ``cp``."""
+    return step if par.cp == 1 else replace(step, seq=step.seq // par.cp)
+
+
+def apply_pp(items, stage_of, stage: int) -> list[MemoryItem]:
+    """The items stage ``stage`` keeps (``stage_of``: each item's stage, in order)."""
+    return [it for it, st in zip(items, stage_of) if st == stage]
+
+
+_ZERO_SHARDED = {Category.OPTIMIZER_STATE: 1, Category.MASTER_WEIGHT: 1, Category.GRADIENT: 2, Category.PARAMETER: 3}
+"""The ZeRO stage from which each kind of model state is sharded over the data-parallel group
+(stage 1: optimizer states and master weights, 2: + gradients, 3 / FSDP: + parameters)."""
+
+
+def apply_zero(states, divisors: dict[str, int], *, zero: int, group: int) -> list[MemoryItem]:
+    """Each state ÷ its TP/EP divisor, and ÷ ``group`` when ZeRO stage ``zero`` shards its kind
+    (one ceiling over the product: FSDP pads every shard to the same size)."""
+    out = []
+    for it in states:
+        div = divisors[it.name]
+        if zero >= _ZERO_SHARDED.get(it.category, 4):
+            div *= group
+        out.append(_local_item(it, div))
+    return out
+
+
+def apply_offload(states, offload: tuple[str, ...]) -> tuple[list[MemoryItem], int]:
+    """(states kept on the device, bytes moved to host): ``optimizer`` moves optimizer states and
+    master weights (DeepSpeed ZeRO-Offload, FSDP's CPUOffloadPolicy), ``params`` the parameters."""
+    moved = set()
+    if "optimizer" in offload:
+        moved |= {Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT}
+    if "params" in offload:
+        moved.add(Category.PARAMETER)
+    kept = [it for it in states if it.category not in moved]
+    return kept, sum(it.bytes for it in states if it.category in moved)
+
+
 # --- the per-rank estimate --------------------------------------------------------------------
 
-def local_model(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
+def apply_tp(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
     """The model one TP rank computes: heads, FFN width and vocabulary divided by ``tp``."""
     t = par.tp
     if t == 1:
@@ -204,6 +251,9 @@ def local_model(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
                    expert_ffn_size=model.expert_ffn_size // t if model.is_moe and par.ep == 1 else model.expert_ffn_size)
 
 
+local_model = apply_tp
+
+
 def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
                  finetune=None) -> list[RankClass]:
     validate(model, step, impl, par)
@@ -211,8 +261,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         raise UnsupportedError("the megatron profile models tensor/sequence parallelism, not context parallelism")
     stages = stage_layers(model, par)
     last = len(stages) - 1
-    lm = local_model(model, par)
-    lstep = replace(step, seq=step.seq // par.cp)
+    lm = apply_tp(model, par)
+    lstep = apply_cp(step, par)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
@@ -226,31 +276,17 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     d = step.dtypes
     out: list[RankClass] = []
     for s, (a, b) in enumerate(stages):
-        stage_acts = [it for it, st in zip(acts, act_stage) if st == s]
+        stage_acts = apply_pp(acts, act_stage, s)
         head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
         if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
             stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
                                                        it.bytes, it.formula, it.dims) for it in rotary]
         n = in_flight(par, s)
-        items: list[MemoryItem] = []
-        host = 0
-        for it in states:
-            if state_stage[it.name] != s:
-                continue
-            div = tp_div[it.name]
-            cat = it.category
-            if torch_engine and it.name == emb_grad and div % par.tp == 0:
-                div //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
-            if (cat in (Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT) and zero >= 1) or \
-               (cat is Category.GRADIENT and zero >= 2) or (cat is Category.PARAMETER and zero >= 3):
-                div *= group
-            local = _local_item(it, div)
-            offloaded = ("optimizer" in par.offload and cat in (Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT)) \
-                or ("params" in par.offload and cat is Category.PARAMETER)
-            if offloaded:
-                host += local.bytes
-            else:
-                items.append(local)
+        stage_states = apply_pp(states, [state_stage[it.name] for it in states], s)
+        divisors = {it.name: tp_div[it.name] for it in stage_states}
+        if torch_engine and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
+            divisors[emb_grad] //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
+        items, host = apply_offload(apply_zero(stage_states, divisors, zero=zero, group=group), par.offload)
         # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
         many = [] if par.schedule != "gpipe" else head_acts
         body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
@@ -325,7 +361,7 @@ def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune,
         plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
                                                 finetune, shard)
     act_stage = tuple(_stage_of(sv, list(stages), is_param=False) for sv in savers)
-    return tuple(acts), act_stage, recompute_per_layer(acts, plain)
+    return tuple(acts), act_stage, recompute_per_layer(Inventory(acts), Inventory(plain))
 
 
 @lru_cache(maxsize=16)
