@@ -51,8 +51,9 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=_int("grad-accum"), default=step("grad_accum"),
                    help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default=step("precision"),
-                   help=f"fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master) "
-                        f"(default {step('precision')})")
+                   help=f"fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master) | "
+                        f"fsdp-bf16 | megatron-bf16 (fp32 grads); aliases hf-bf16 = amp-bf16 (HF Trainer "
+                        f"bf16=True), torchtune-bf16 = bf16 (default {step('precision')})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=step("optimizer"))
     p.add_argument("--loss", choices=LOSSES, default=step("loss"), help="ce (full fp32 logits), chunked-ce, fused-ce")
     p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"))

@@ -48,7 +48,7 @@ def check_compiled(ctx: Ctx) -> None:
         ("model", m.family, (m.family not in FAMILIES or m.is_moe or m.qk_norm or m.activation != "swiglu"
                              or m.out_bias or m.mlp_bias or m.norm_bias),
          f"compiled rules cover dense {'/'.join(FAMILIES)} SwiGLU models (q/k/v biases at most, no q/k norms)"),
-        ("precision", step.precision, step.precision not in ("fp32", "bf16", "fp16"),
+        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16"),
          "compiled rules cover pure fp32/bf16/fp16"),
         ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
         ("recompute", impl.recompute, impl.recompute != "none", "compiled rules have no activation checkpointing"),

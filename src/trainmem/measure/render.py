@@ -75,7 +75,9 @@ def render_sweep(result) -> str:
     if result.capped:
         stop = result.meta.get("stop")
         lim += f" (the largest value searched: --max or the model's positions, {stop}; the budget allows more)"
-    out = [f"largest {result.over} within {fmt_bytes(result.budget_bytes)} ({result.backend}): {lim}", ""]
+    out = [f"largest {result.over} within {fmt_bytes(result.budget_bytes)} ({result.backend}): {lim}"]
+    desc = result.meta.get("step", {}).get("precision_description")
+    out += [f"precision: {desc}"] * bool(desc) + [""]
     reserved = any(p.reserved_bytes is not None for p in result.points)  # trace, or measured on CUDA
     out += _table([result.over, "peak allocated", *(["reserved"] if reserved else []), "activation", "fits"],
                   [[str(p.value), "OOM" if p.peak_bytes is None else fmt_bytes(p.peak_bytes),

@@ -23,6 +23,7 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
     lines = [
         f"trainmem plan — {plan.model.name}, seq {plan.step.seq}, global batch {plan.global_batch} sequences "
         f"({plan.global_batch * plan.step.seq:,} tokens/step{note}), {plan.step.precision} {plan.step.optimizer}",
+        f"precision: {plan.step.precision_description}",
         f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
         f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} after reserving "
         f"{fmt_bytes(plan.reserve.fixed_bytes)} + {plan.reserve.fraction:.0%}",
@@ -98,6 +99,7 @@ def render_advice(advice) -> str:
         f"trainmem advise — {advice.model.name}: peak {fmt_bytes(advice.start_peak_bytes)} vs usable "
         f"{fmt_bytes(advice.usable_bytes)} on {advice.gpu.name}"
         + (f" × {advice.gpus}" if advice.gpus > 1 else ""),
+        f"precision: {advice.step.precision_description}",
         "",
     ]
     if advice.options:

@@ -8,9 +8,20 @@ from typing import Literal
 from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
-__all__ = ["StepSpec", "PRECISIONS", "OPTIMIZERS", "LOSSES", "Precision", "DEFAULT_SEQ", "default_seq"]
+__all__ = ["StepSpec", "PRECISIONS", "PRECISION_ALIASES", "RECIPES", "OPTIMIZERS", "LOSSES", "Precision",
+           "DEFAULT_SEQ", "default_seq", "describe_precision"]
 
-PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "fsdp-bf16")
+RECIPES = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "fsdp-bf16", "megatron-bf16")
+PRECISION_ALIASES = {
+    # Hugging Face Trainer, TrainingArguments(bf16=True): the model stays fp32 and the forward runs
+    # under torch.autocast (transformers/trainer.py, Trainer.autocast_smart_context_manager via
+    # accelerate's mixed_precision="bf16"; training_args.py, TrainingArguments.bf16).
+    "hf-bf16": "amp-bf16",
+    # torchtune, `dtype: bf16`: the model is built and loaded in bf16 and the optimizer steps bf16
+    # parameters (torchtune/training/precision.py, get_dtype and set_default_dtype).
+    "torchtune-bf16": "bf16",
+}
+PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce")
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
@@ -60,7 +71,31 @@ _PRECISION = {
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam.init_dtype_attrs, all_gather_inputs;
     # the fp32 reduce: _fsdp_collectives.py, foreach_reduce).
     "fsdp-bf16": Precision("float32", "float32", None, "float32", "bfloat16", False, "bfloat16"),
+    # Megatron-LM --bf16: bf16 parameters (args.params_dtype), fp32 main gradients
+    # (megatron/training/arguments.py, validate_args: "bfloat16 requires gradient accumulation and
+    # all-reduce to be done in fp32" sets accumulate_allreduce_grads_in_fp32 unless
+    # --grad-reduce-in-bf16; the fp32 grad buffer: megatron/core/distributed/param_and_grad_buffer.py),
+    # fp32 main parameters and Adam states (megatron/core/optimizer/optimizer.py,
+    # Float16OptimizerWithFloat16Params / distrib_optimizer.py). mixed-bf16 is the same with bf16
+    # gradients (Megatron's --grad-reduce-in-bf16): 2 bytes per parameter fewer.
+    "megatron-bf16": Precision("bfloat16", "float32", "float32", "float32", "bfloat16", False, "bfloat16"),
 }
+
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def describe_precision(name: str) -> str:
+    """One line saying what the precision keeps (weights, gradients, master copy, optimizer states,
+    activations), read off its :class:`Precision`; an alias names its recipe: ``hf-bf16 = amp-bf16:
+    fp32 weights, fp32 grads, no master, fp32 optimizer states, bf16 activations (autocast)``."""
+    v.one_of("precision", name, PRECISIONS)
+    recipe = PRECISION_ALIASES.get(name, name)
+    d, s = _PRECISION[recipe], _SHORT
+    weights = f"{s[d.param]} shards gathered in {s[d.compute]}" if d.gathered else f"{s[d.param]} weights"
+    master = f"{s[d.master]} master" if d.master else "no master"
+    parts = (weights, f"{s[d.grad]} grads", master, f"{s[d.state]} optimizer states",
+             f"{s[d.activation]} activations" + (" (autocast)" if d.autocast else ""))
+    return f"{name if name == recipe else f'{name} = {recipe}'}: {', '.join(parts)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +112,9 @@ class StepSpec:
     """fp32; pure bf16/fp16 (no master copy); amp-bf16/amp-fp16 (torch.autocast, fp32 states);
     mixed-bf16/mixed-fp16 (16-bit params and grads, fp32 master weights and optimizer states);
     fsdp-bf16 (FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 shards,
-    gradients and states, bf16 all-gathered weights and activations; needs FSDP)."""
+    gradients and states, bf16 all-gathered weights and activations; needs FSDP); megatron-bf16
+    (mixed-bf16 with fp32 main gradients). Aliases, kept as typed and echoed in outputs:
+    hf-bf16 (= amp-bf16), torchtune-bf16 (= bf16)."""
     optimizer: str = "adamw"
     """adamw, adam, sgd, sgd-momentum, adafactor, adam8bit."""
     loss: str = "ce"
@@ -98,12 +135,22 @@ class StepSpec:
         v.one_of("mode", self.mode, ("train", "inference"))
 
     @property
+    def recipe(self) -> str:
+        """The canonical recipe name (an alias resolved: hf-bf16 -> amp-bf16)."""
+        return PRECISION_ALIASES.get(self.precision, self.precision)
+
+    @property
+    def precision_description(self) -> str:
+        return describe_precision(self.precision)
+
+    @property
     def dtypes(self) -> Precision:
-        return _PRECISION[self.precision]
+        return _PRECISION[self.recipe]
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "precision_recipe": self.recipe, "precision_description": self.precision_description}

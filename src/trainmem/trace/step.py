@@ -147,6 +147,9 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
                                "without it: use amp-bf16 (what torchtitan runs without FSDP)")
 
+    if step.dtypes.master and step.dtypes.grad != step.dtypes.param:  # Megatron's fp32 main_grad buffer
+        raise UnsupportedError(f"precision={step.precision!r} keeps fp32 main gradients in Megatron's grad buffer; "
+                               "the tracer steps torch's .grad: trace mixed-bf16 (2 bytes per parameter fewer)")
 
 @contextlib.contextmanager
 def _selective_recompute(model, attention: str):

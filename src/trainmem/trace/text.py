@@ -20,6 +20,7 @@ def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
             f"recompute {impl.get('recompute', '?')}, {'fake' if r.meta.get('fake', True) else 'real'} tensors")
     lines = [
         head,
+        *([f"precision: {step['precision_description']}"] if "precision_description" in step else []),
         f"peak allocated   {_gib(r.peak_bytes)}  at {r.peak_phase} / {r.peak_module or '<root>'} / {r.peak_op}",
         f"reserved (model) {_gib(r.reserved_peak_bytes)}  expandable_segments: {_gib(r.reserved_peak_expandable_bytes).strip()}"
         f", fragmentation at peak {r.fragmentation:.1%}",
