@@ -29,8 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import (_int, add_compile_arg, add_finetune_args, add_model_step_args, add_optimizer_args,
-                                  add_parallel_args, add_routing_arg)
+    from trainmem.cliargs import (_int, add_compile_arg, add_finetune_args, add_inference_args, add_model_step_args,
+                                  add_optimizer_args, add_parallel_args, add_routing_arg)
     from trainmem.fitargs import add_fit_args
     from trainmem.inputs import add_input_args
 
@@ -42,10 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
     est.add_argument("--mode", dest="step_mode", choices=("train", "inference"), default="train",
                      help="train (one optimizer step) or inference (weights, prefill, KV cache)")
-    est.add_argument("--context", type=_int("context"), default=None,
-                     help="inference: tokens each sequence's KV cache holds (default --seq)")
-    est.add_argument("--block-size", type=_int("block-size"), default=16,
-                     help="inference: paged KV-cache block in tokens (default 16; 1 = unpaged)")
+    add_inference_args(est)
     add_parallel_args(est)
     est.add_argument("--tree", type=int, nargs="?", const=3, metavar="DEPTH", choices=(1, 2, 3),
                      help="ledger → block → tensor tree with formulas (DEPTH 1-3; --detail: unfolded)")
@@ -91,16 +88,18 @@ def _add_output_args(p) -> None:
 
 
 def _estimate(args) -> int:
-    from trainmem.cliargs import finetune_from_args, parallel_from_args, specs_from_args
+    from trainmem.cliargs import finetune_from_args, parallel_from_args, serving_from_args, specs_from_args
     from trainmem.estimate import estimate
     from trainmem.inputs import apply_inputs
     from trainmem.report.output import write_outputs
 
     files = apply_inputs(args)
     model, step, impl = specs_from_args(args)
+    serving = serving_from_args(args, step.seq)
     if args.step_mode == "inference":
         from trainmem.estimate.inference import inference_estimate
-        result = inference_estimate(model, step, impl, context=args.context or step.seq, block_size=args.block_size)
+        from trainmem.fitargs import gpu_from_args
+        result = inference_estimate(model, step, impl, parallel_from_args(args), gpu=gpu_from_args(args), **serving)
     else:
         result = estimate(model, step, impl, parallel_from_args(args), finetune=finetune_from_args(args))
     scaling = None

@@ -14,7 +14,7 @@ from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL",
-           "add_finetune_args", "finetune_from_args"]
+           "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
 
@@ -190,6 +190,51 @@ def finetune_from_args(args: argparse.Namespace):
             if name in given:
                 raise SpecError(name, given[name], f"{flag} needs --finetune lora or qlora, not {spec.mode}")
     return spec
+
+
+def add_inference_args(p: argparse.ArgumentParser) -> None:
+    """--context --block-size --weights --weight-group --kv-dtype --prefill-chunk --gpu-memory-utilization
+    (``estimate --mode inference``; the rest is ignored in training mode and refused there when given)."""
+    from trainmem.estimate.inference import VLLM_GPU_MEMORY_UTILIZATION
+    from trainmem.estimate.inference_weights import KV_DTYPES, WEIGHT_FORMATS
+
+    g = p.add_argument_group("serving (--mode inference; per rank under --tp/--pp)")
+    g.add_argument("--context", type=_int("context"), default=None,
+                   help="tokens each sequence's KV cache holds (default --seq)")
+    g.add_argument("--block-size", type=_int("block-size"), default=16,
+                   help="paged KV-cache block in tokens (default 16; 1 = unpaged)")
+    g.add_argument("--weights", choices=tuple(WEIGHT_FORMATS), default=None,
+                   help="weight format of the block linears (default: as --precision stores them); "
+                        "int4 = AWQ packing with fp16 group scales")
+    g.add_argument("--weight-group", type=_int("weight-group"), default=None, help="int4: group size (default 128)")
+    g.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=None,
+                   help="KV-cache dtype (default: the activation dtype)")
+    g.add_argument("--prefill-chunk", type=_int("prefill-chunk"), default=None,
+                   help="chunked prefill: prompt tokens per forward")
+    g.add_argument("--gpu-memory-utilization", type=_float("gpu-memory-utilization"), default=None,
+                   help=f"with --gpu: share of capacity the server may use (vLLM's default "
+                        f"{VLLM_GPU_MEMORY_UTILIZATION}); prints the concurrent sequences that fit")
+
+
+_SERVING_FLAGS = {"weights": "--weights", "weight_group": "--weight-group", "kv_dtype": "--kv-dtype",
+                  "prefill_chunk": "--prefill-chunk", "gpu_memory_utilization": "--gpu-memory-utilization",
+                  "context": "--context"}
+
+
+def serving_from_args(args: argparse.Namespace, seq: int) -> dict:
+    """Keyword arguments of ``inference_estimate`` from :func:`add_inference_args`'s options; in training
+    mode none may be given (a serving flag there would be silently ignored)."""
+    given = {k: getattr(args, k) for k in _SERVING_FLAGS if getattr(args, k) is not None}
+    if args.step_mode != "inference":
+        for name, value in given.items():
+            raise SpecError(name, value, f"{_SERVING_FLAGS[name]} needs --mode inference")
+        return {}
+    if "weight_group" in given and given.get("weights") != "int4":
+        raise SpecError("weight_group", given["weight_group"], "--weight-group needs --weights int4")
+    if "gpu_memory_utilization" in given and args.gpu is None:
+        raise SpecError("gpu_memory_utilization", given["gpu_memory_utilization"], "needs --gpu")
+    given.setdefault("context", seq)
+    return {**given, "block_size": args.block_size}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

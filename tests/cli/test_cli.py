@@ -88,14 +88,14 @@ def test_commands_and_estimate_flags_are_frozen():
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--config", "--context", "--cp",
         "--cp-style",
         "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
-        "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--grad-accum", "--help", "--hf-args", "--html", "--json",
-        "--layer-split",
+        "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--help", "--hf-args", "--html", "--json",
+        "--kv-dtype", "--layer-split",
         "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args",
         "--memory-figure", "--microbatches", "--mode",
         "--model", "--no-reshard-after-forward", "--offload", "--optimizer", "--optimizer-impl",
-        "--optimizer-in-backward", "--plot", "--pp", "--precision",
+        "--optimizer-in-backward", "--plot", "--pp", "--precision", "--prefill-chunk",
         "--profile", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
-        "--torchtitan", "--torchtune", "--tp", "--tree", "--virtual-stages", "--zero"]
+        "--torchtitan", "--torchtune", "--tp", "--tree", "--virtual-stages", "--weight-group", "--weights", "--zero"]
 
 
 def test_public_estimator_api():

@@ -19,6 +19,9 @@ _IDX = re.compile(r"\.(\d+)\.")
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
+    if getattr(e, "serving", None) is not None:  # --mode inference: serving settings only
+        from trainmem.report.inference_text import render_inference
+        return render_inference(e, detail=detail)
     m, s, im = e.model, e.step, e.impl
     lines = [
         f"trainmem estimate — {m.name} ({m.family}, {m.num_layers} layers, H={m.hidden_size}, "

@@ -1,0 +1,57 @@
+"""`trainmem estimate --mode inference` end to end: the serving question answered in one command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CMD = [sys.executable, "-m", "trainmem.cli"]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CMD, *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRAINMEM_DEBUG": ""})
+
+
+def test_serving_command_answers_concurrency_per_rank():
+    r = run("estimate", "--model", "llama-3-8b", "--mode", "inference", "--seq", "2048", "--context", "8192",
+            "--precision", "bf16", "--weights", "fp8", "--kv-dtype", "fp8", "--tp", "2", "--prefill-chunk", "512",
+            "--gpu", "h100-80gb")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "serving: weights=fp8 kv_cache=float8 context=8192 block=16 sequences=1 prompt=2048 prefill_chunk=512" in out
+    assert "layout: tp=2 pp=1" in out
+    assert "fits " in out and "concurrent sequences of 8,192 tokens on 2× H100-80GB" in out
+    for training_word in ("optimizer", "loss", "gradient", "grad_accum"):
+        assert training_word not in out
+
+
+def test_serving_json_carries_the_settings_and_capacity():
+    r = run("estimate", "--model", "llama-3-8b", "--mode", "inference", "--seq", "1024", "--precision", "bf16",
+            "--pp", "2", "--gpu", "h100-80gb", "--gpu-memory-utilization", "0.8", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["serving"]["gpu_memory_utilization"] == 0.8 and d["serving"]["context"] == 1024
+    assert [x["name"] for x in d["ranks"]] == ["stage 0", "stage 1"]
+    c = d["capacity"]
+    assert c["sequences"] == c["blocks"] // (1024 // 16) and c["gpus"] == 2
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--kv-dtype", "fp8"], "kv_dtype"),                                        # training mode
+    (["--mode", "inference", "--weight-group", "64"], "weight_group"),          # without int4
+    (["--mode", "inference", "--gpu-memory-utilization", "0.9"], "gpu_memory_utilization"),  # without --gpu
+    (["--mode", "inference", "--gpu", "h100-80gb", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+    (["--mode", "inference", "--tp", "3"], "tp"),
+    (["--mode", "inference", "--zero", "3"], "zero"),
+    (["--mode", "inference", "--weights", "int4", "--weight-group", "100"], "weight_group"),
+    (["--mode", "inference", "--weights", "int3"], "--weights"),
+])
+def test_bad_serving_input_is_one_line(argv, field):
+    r = run("estimate", "--model", "llama-3-8b", "--seq", "1024", *argv)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert field in r.stderr and r.stdout == ""
