@@ -87,6 +87,10 @@ class TraceResult:
     meta: dict = field(default_factory=dict)
     recording: R.Recording | None = field(default=None, repr=False, compare=False)
 
+    def _repr_html_(self) -> str:  # Jupyter
+        from trainmem.report.notebook import trace_html
+        return trace_html(self)
+
     def category_timeline(self, points: int = 1500) -> tuple[list[int], dict[str, list[int]]] | None:
         """Allocated bytes per category along the step (about ``points`` samples after the
         baseline), or None when the recording was not kept."""
