@@ -10,6 +10,7 @@ from trainmem.errors import SpecError
 from trainmem.estimate.inference import inference_estimate, kv_cache_bytes
 from trainmem.estimate.inference_weights import linear_bytes
 from trainmem.estimate.symbols import evaluate, symbol_values
+from trainmem.fits import NCCL_BYTES
 from trainmem.inventory import Category
 from trainmem.plan.hardware import load_gpu
 from trainmem.specs import ParallelSpec, StepSpec
@@ -148,7 +149,7 @@ def test_capacity_is_vllms_block_count():
     assert half.block_bytes == block // 2 and half.blocks >= 2 * c.blocks
     # pp=2: each stage's block is 16 layers; the executor keeps the fewest blocks of its workers
     e2 = inference_estimate(L3, BF16, parallel=ParallelSpec(pp=2), context=8192, gpu=gpu)
-    per_stage = [(int(gpu.memory_bytes * 0.9) - gpu.context_bytes
+    per_stage = [(int(gpu.memory_bytes * 0.9) - gpu.context_bytes - NCCL_BYTES  # two GPUs: NCCL's buffers too
                   - max(p.bytes - p.parts["kv_cache"] for p in r.phases)) // (block // 2) for r in e2.ranks]
     assert e2.capacity.blocks == min(per_stage) and e2.capacity.gpus == 2
 

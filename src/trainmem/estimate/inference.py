@@ -23,7 +23,7 @@ cache + the logits: the last position's only, in fp32, ⌈V/tp⌉ wide, unless `
 Capacity (``gpu=``), as vLLM sizes its KV pool (vllm/worker/worker.py, Worker.determine_num_available_blocks;
 CacheEngine.get_cache_block_size)::
 
-    blocks = (capacity · gpu_memory_utilization − CUDA context − (peak − KV cache)) // block_bytes
+    blocks = (capacity · gpu_memory_utilization − CUDA context (+ NCCL) − (peak − KV cache)) // block_bytes
     block_bytes = 2 · stage layers · block · kv_heads_per_rank · head_dim · kv_bytes
 
 the fewest over the ranks (the executor takes the minimum over its workers), and the concurrent
@@ -271,8 +271,10 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
 
 def _capacity(gpu, ranks: list[RankClass], model: ModelSpec, serving: ServingSpec, *, tp: int, kv_dtype: str,
               gpus: int) -> Capacity:
-    """vLLM's KV pool: what is left of capacity·utilization after the CUDA context, the weights and the
-    profiled forward's peak, in blocks; the fewest over the ranks."""
+    """vLLM's KV pool: what is left of capacity·utilization after the memory outside torch (the CUDA
+    context, and NCCL's buffers on more than one GPU: trainmem.fits, the one usable-memory model), the
+    weights and the profiled forward's peak, in blocks; the fewest over the ranks."""
+    from trainmem.fits import context_bytes
     if model.arch != "decoder":
         raise SpecError("gpu", gpu.name, f"sizes a KV cache; {model.name} is an encoder and keeps none")
     best = None
@@ -280,7 +282,7 @@ def _capacity(gpu, ranks: list[RankClass], model: ModelSpec, serving: ServingSpe
         no_kv_peak = max(p.bytes - p.parts.get("kv_cache", 0) for p in r.phases)
         block_bytes = kv_cache_bytes(model, batch=1, context=serving.block_size, dtype=kv_dtype,
                                      block_size=serving.block_size, tp=tp, layers=r.layers[1] - r.layers[0])
-        pool = int(gpu.memory_bytes * serving.gpu_memory_utilization) - gpu.context_bytes - no_kv_peak
+        pool = int(gpu.memory_bytes * serving.gpu_memory_utilization) - context_bytes(gpu, gpus) - no_kv_peak
         blocks = max(0, pool // block_bytes)
         if best is None or blocks < best[0]:
             best = (blocks, block_bytes, max(0, pool), r.name)
