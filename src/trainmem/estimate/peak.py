@@ -243,8 +243,10 @@ def recompute_per_layer(kept, plain) -> dict[int, tuple[int, int]]:
     return {li: (b, p.largest[li]) for li, b in rec.items() if b > 0}
 
 
-def _only_in(kept: Inventory, plain: Inventory) -> Inventory:
+def _only_in(kept: "Inventory | list[MemoryItem]", plain: "Inventory | list[MemoryItem]") -> Inventory:
     """``kept``'s activations whose names ``plain`` lacks (block templates compared as templates)."""
+    kept = kept if isinstance(kept, Inventory) else Inventory(kept)  # the per-rank path passes lists
+    plain = plain if isinstance(plain, Inventory) else Inventory(plain)
     names = {i.name for i in plain.base} | {i.name for r in plain.repeats for i in r.items}
     new = [i for i in kept.base if i.category is Category.ACTIVATION and i.name not in names]
     reps = [replace(r, items=tuple(i for i in r.items if i.category is Category.ACTIVATION and i.name not in names))
