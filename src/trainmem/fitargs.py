@@ -8,16 +8,28 @@ import argparse
 
 from trainmem.fits import FIGURES, Verdict
 from trainmem.report.units import fmt_bytes
+from trainmem.units import SIZE_RULE, describe_size
 
 __all__ = ["add_fit_args", "gpu_from_args", "check_figure_args", "render_verdict", "render_figure", "fit_report",
-           "estimate_fit", "sweep_budget", "sweep_fit", "profile_fit"]
+           "estimate_fit", "sweep_budget", "sweep_fit", "profile_fit", "size_readings"]
+
+#: The size flags a command may take, as ``args`` attribute -> the label of the line saying how it was read.
+_SIZE_FLAGS = {"budget": "budget", "gpu_memory": "gpu memory", "reserve": "reserve",
+               "gpu_intra_bw": "intra-node bandwidth (per s)", "gpu_inter_bw": "inter-node bandwidth (per s)"}
+
+
+def size_readings(args) -> list[str]:
+    """One line per size the user typed, saying how it was read (``budget: 80GB = 80,000,000,000
+    bytes = 74.51 GiB``): ``80G`` is binary, ``80GB`` decimal (:data:`trainmem.units.SIZE_RULE`)."""
+    return [f"{label}: " + ("0 bytes" if str(value).strip() in ("0", "0B") else describe_size(value, field=name))
+            for name, label in _SIZE_FLAGS.items() if (value := getattr(args, name, None)) is not None]
 
 
 def add_fit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", metavar="NAME", default=None,
                    help="say whether the step fits on this accelerator (a preset, or custom with --gpu-memory)")
     p.add_argument("--gpu-memory", metavar="SIZE", default=None,
-                   help="override or set (custom) the device memory, e.g. 80GiB")
+                   help=f"override or set (custom) the device memory, e.g. 80GiB ({SIZE_RULE})")
     p.add_argument("--memory-figure", choices=FIGURES, default="allocated",
                    help="the figure a peak is stated in: allocated, active (torchtune's), reserved "
                         "(max_memory_reserved) or device (nvidia-smi: reserved + CUDA context); default allocated")
@@ -81,7 +93,7 @@ def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None,
         v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
                     reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled)
         return {"memory_figure": {"figure": figure, "peak_bytes": v.need_bytes}, "fits": v.to_dict()}, \
-            render_verdict(v, label=label)
+            "\n".join([*size_readings(args), render_verdict(v, label=label)])
     if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
         return {}, ""
     nbytes = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
@@ -112,7 +124,7 @@ def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:
     if gpu is None:
         if args.budget is None:
             raise SpecError("budget", None, "needs --budget SIZE or --gpu NAME")
-        return parse_size(args.budget, field="budget"), ""
+        return parse_size(args.budget, field="budget"), "\n".join(size_readings(args))
     budget = budget_bytes(gpu, reserve_modelled=reserve_modelled)
     parts = f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(context_bytes(gpu))} context"
     if reserve_modelled:

@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 
 from trainmem.cliargs import _int as _positive  # positive integers, one-line errors
+from trainmem.units import SIZE_RULE
 
 __all__ = ["add_parser", "run_profile", "run_sweep"]
 
@@ -77,7 +78,8 @@ def add_parser(subparsers) -> None:
     s = subparsers.add_parser("sweep", help="largest sequence length or micro-batch within a memory budget")
     _common(s)
     s.add_argument("--over", choices=("seq", "batch"), required=True, help="what to vary")
-    s.add_argument("--budget", metavar="SIZE", help="memory budget, e.g. 80GiB, 512MiB (or --gpu: its usable memory)")
+    s.add_argument("--budget", metavar="SIZE",
+                   help=f"memory budget, e.g. 80GiB, 512MiB (or --gpu: its usable memory); {SIZE_RULE}")
     add_fit_args(s)
     s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate")
     s.add_argument("--start", type=_positive("start"), default=None, help="first value (seq 128, batch 1)")

@@ -6,6 +6,8 @@ import argparse
 import math
 import json
 
+from trainmem.units import SIZE_RULE
+
 __all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
 
 
@@ -34,15 +36,19 @@ def _add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
 
     p.add_argument("--gpu", required=required, metavar="NAME",
                    help=f"accelerator preset ({', '.join(list_gpus())}) or custom")
-    p.add_argument("--gpu-memory", metavar="SIZE", help="override or set (custom) device memory, e.g. 80GiB")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help=f"override or set (custom) device memory, e.g. 80GiB ({SIZE_RULE})")
     p.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), metavar="T",
                    help="override or set (custom) dense bf16 TFLOP/s")
-    p.add_argument("--gpu-intra-bw", metavar="SIZE", help="per-GPU intra-node bandwidth per second, e.g. 450GB")
-    p.add_argument("--gpu-inter-bw", metavar="SIZE", help="per-GPU inter-node bandwidth per second, e.g. 50GB")
+    p.add_argument("--gpu-intra-bw", metavar="SIZE", help="per-GPU intra-node bandwidth per second, e.g. 450GB "
+                                                          "(GB = 10^9 bytes, G = 2^30)")
+    p.add_argument("--gpu-inter-bw", metavar="SIZE", help="per-GPU inter-node bandwidth per second, e.g. 50GB "
+                                                          "(GB = 10^9 bytes, G = 2^30)")
     p.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), metavar="N")
     r = Reserve()
-    p.add_argument("--reserve", default=f"{r.fixed_bytes >> 30}GiB", metavar="SIZE",
-                   help="memory per rank kept for the CUDA context and workspaces (default 1GiB)")
+    p.add_argument("--reserve", default=None, metavar="SIZE",
+                   help=f"memory per rank kept for the CUDA context and workspaces "
+                        f"(default {r.fixed_bytes >> 30}GiB; {SIZE_RULE})")
     p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
                    help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
 
@@ -66,6 +72,8 @@ def _gpu(args):
 def _reserve(args):
     from trainmem.plan.hardware import Reserve, parse_size
 
+    if args.reserve is None:
+        return Reserve(fraction=args.reserve_fraction)
     fixed = 0 if args.reserve.strip() in ("0", "0B") else parse_size(args.reserve, field="reserve")
     return Reserve(fixed_bytes=fixed, fraction=args.reserve_fraction)
 
@@ -196,8 +204,9 @@ def run_plan(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(rejected=args.rejected)))
     else:
+        from trainmem.fitargs import size_readings
         from trainmem.plan.render import render_plan
-        print(render_plan(result, rejected=args.rejected))
+        print("\n".join([*size_readings(args), render_plan(result, rejected=args.rejected)]))
     return 0
 
 
@@ -215,8 +224,9 @@ def run_advise(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
+        from trainmem.fitargs import size_readings
         from trainmem.plan.render import render_advice
-        print(render_advice(result))
+        print("\n".join([*size_readings(args), render_advice(result)]))
     return 0
 
 
