@@ -352,6 +352,12 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
 # stage and TP/EP divisor, for one (model, dtypes, optimizer, tp, ep, stages). Results are tuples
 # and frozen items, never mutated.
 
+def clear_caches() -> None:
+    """Forget the memoized activations and states (benchmarks time cold runs with it)."""
+    for f in (_local_activations, _states, _local_states, _state_stages, _tp_divisors, _tp_factor):
+        f.cache_clear()
+
+
 @lru_cache(maxsize=64)
 def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard,
                        stages: tuple[tuple[int, int], ...]):
