@@ -55,3 +55,13 @@ def test_bad_serving_input_is_one_line(argv, field):
     r = run("estimate", "--model", "llama-3-8b", "--seq", "1024", *argv)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert field in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("view", [[], ["--summary"], ["--tree", "2"], ["--detail"]])
+def test_every_inference_view_shows_serving_settings_only(view):
+    r = run("estimate", "--model", "llama-3-8b", "--mode", "inference", "--seq", "512", "--precision", "bf16",
+            "--weights", "int4", "--pp", "2", *view)
+    assert r.returncode == 0, r.stderr
+    assert "serving: weights=int4 G=128 kv_cache=bfloat16 context=512" in r.stdout
+    for training_word in ("adamw", "optimizer", "gradient", "master_weight", "loss"):
+        assert training_word not in r.stdout

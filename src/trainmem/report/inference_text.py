@@ -10,7 +10,7 @@ from trainmem.report.units import fmt_bytes
 if TYPE_CHECKING:
     from trainmem.estimate.inference import Capacity, InferenceEstimate
 
-__all__ = ["render_inference", "capacity_line"]
+__all__ = ["render_inference", "capacity_line", "serving_settings"]
 
 
 def capacity_line(c: Capacity) -> str:
@@ -23,16 +23,22 @@ def capacity_line(c: Capacity) -> str:
             f"{f', fewest on {c.rank}' if c.rank.startswith('stage') else ''})")
 
 
-def render_inference(e: InferenceEstimate, *, detail: bool = False) -> str:
-    m, s, sv, par = e.model, e.step, e.serving, e.parallel
+def serving_settings(e: InferenceEstimate) -> str:
+    """``serving: weights=… kv_cache=… context=… …``: the inference settings, nothing of training."""
+    s, sv = e.step, e.serving
     kv = next((i.dtype for i in e.inventory if i.category.value == "kv_cache"), "-")
     weights = sv.weights or f"as {s.precision} stores them"
+    return (f"serving: weights={weights}{f' G={sv.weight_group}' if sv.weights == 'int4' else ''} kv_cache={kv} "
+            f"context={sv.context} block={sv.block_size} sequences={s.batch} prompt={s.seq}"
+            f"{f' prefill_chunk={sv.prefill_chunk}' if sv.prefill_chunk else ''} attention={e.impl.attention}")
+
+
+def render_inference(e: InferenceEstimate, *, detail: bool = False) -> str:
+    m, s, par = e.model, e.step, e.parallel
     lines = [
         f"trainmem estimate (inference) — {m.name} ({m.family}, {m.num_layers} layers, H={m.hidden_size}, "
         f"A={m.num_heads}/{m.num_kv_heads} kv, F={m.ffn_size}, V={m.vocab_size})",
-        f"serving: weights={weights}{f' G={sv.weight_group}' if sv.weights == 'int4' else ''} kv_cache={kv} "
-        f"context={sv.context} block={sv.block_size} sequences={s.batch} prompt={s.seq}"
-        f"{f' prefill_chunk={sv.prefill_chunk}' if sv.prefill_chunk else ''} attention={e.impl.attention}",
+        serving_settings(e),
         f"layout: tp={par.tp} pp={par.pp} replicas={par.dp} ({par.tp * par.pp} GPUs per replica)",
         "",
     ]

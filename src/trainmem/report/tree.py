@@ -78,6 +78,8 @@ def _label(ids: list[int]) -> str:
 
 def _categories(e: Estimate) -> list[Category]:
     present = {i.category for i in e.inventory}
+    if getattr(e, "serving", None) is not None:  # inference: weights and KV cache, no training ledgers
+        return [c for c in Category if c in present]
     return list(LEDGERS) + [c for c in Category if c in present and c not in LEDGERS]
 
 
@@ -126,6 +128,9 @@ def _tensor(it: MemoryItem) -> str:
 
 def _headline(e: Estimate) -> str:
     m, s, im = e.model, e.step, e.impl
+    if getattr(e, "serving", None) is not None:
+        from trainmem.report.inference_text import serving_settings
+        return f"{m.name}: L={m.num_layers} H={m.hidden_size} · {serving_settings(e)}"
     return (f"{m.name}: L={m.num_layers} H={m.hidden_size} · B={s.batch} S={s.seq} {s.precision} {s.optimizer}"
             f" · attention={im.attention} recompute={im.recompute} profile={im.profile}")
 
