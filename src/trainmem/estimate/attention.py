@@ -68,15 +68,18 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         cp = ctx.shard.cp
         if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
             k, v = (_gathered(g, t, f"{n}_gathered", cp) for t, n in ((k, "k"), (v, "v")))
-        out = g.new("sdpa_out", out_shape, out_dims, q.dtype, rg)
+        # the aten op, for an op-level checkpoint policy: _scaled_dot_product_{flash,efficient}_attention
+        # on CUDA, _scaled_dot_product_flash_attention_for_cpu on CPU
+        op = f"sdpa_{kernel}" + ("_cpu" if ctx.impl.device == "cpu" else "")
+        out = g.new("sdpa_out", out_shape, out_dims, q.dtype, rg, op=op)
         if kernel == "flash":
-            lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32")
+            lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32", op=op)
         else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
             s32 = -(-S // 32) * 32
-            lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32")
+            lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32", op=op)
         g.save(q, k, v, out, lse, when=rg)
         if m.attn_dropout > 0 and ctx.impl.device == "cuda":
-            g.save(g.new("rng_state", (2,), ("2",), "int64", False), when=rg)
+            g.save(g.new("rng_state", (2,), ("2",), "int64", False, op=op), when=rg)
         if out_copy:
             return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
@@ -96,6 +99,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.rg)
     g.save(qm, when=kt.rg)  # bmm keeps each operand for the other's gradient
     g.save(kt, when=qm.rg)
+    # Q·Kᵀ's bmm output; the scaling (or the math kernel's pre-scaled q) makes the next tensor
+    g.new("scores", scores_shape, scores_dims, qm.dtype, qm.rg or kt.rg, op="bmm")
     # eager adds the causal mask (in the embedding dtype) before softmax: type promotion applies
     if softcap:  # Gemma-2: cap * tanh(scores / cap) before the mask; tanh keeps its output
         g.save(g.new("softcap_tanh", scores_shape, scores_dims, qm.dtype, True), when=qm.rg or kt.rg)
@@ -113,6 +118,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
     g.save(probs, when=vv.rg)
     g.save(vv, when=probs.rg)
+    # P·V's bmm output (B, A, S, hd); transpose(1, 2).contiguous() copies it into attn_out
+    g.new("pv", heads_shape, heads_dims, vv.dtype, probs.rg or vv.rg, op="bmm")
     out_dtype = out_dtype if kernel == "math" else probs.dtype
     return g.new("attn_out", out_shape, out_dims, out_dtype, rg)
 

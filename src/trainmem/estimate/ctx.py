@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from trainmem.errors import UnsupportedError
 from trainmem.estimate.graph import Graph, Sym
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
@@ -105,18 +106,24 @@ class Ctx:
         return self.trainable(self.g.path(label))
 
     def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
-               label: str = "out") -> Sym:
+               label: str = "out", bias: bool = False) -> Sym:
         if self.finetune_linear is not None:
+            if self.impl.recompute == "op":
+                raise UnsupportedError("recompute='op' with fine-tuning adapters is not modelled: "
+                                       "use none, selective, full or every-k")
             return self.finetune_linear(self, x, out_features, out_sym, weight=weight, label=label)
-        return self.plain_linear(x, out_features, out_sym, weight=weight, label=label)
+        return self.plain_linear(x, out_features, out_sym, weight=weight, label=label, bias=bias)
 
     def plain_linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
-                     label: str = "out") -> Sym:
+                     label: str = "out", bias: bool = False) -> Sym:
         """``F.linear`` / ``addmm``: saves the input (and the weight, a parameter).
 
         ``out_sym`` is the output features' symbol; the weight is ``(out_sym, x.dims[-1])``.
         Under autocast the input and the weight are cast first; the casts are what
         mm's backward keeps, so the weight copy counts as an activation.
+        The output comes from aten.addmm with a bias (contiguous 2-D/3-D input,
+        aten/src/ATen/native/Linear.cpp ``linear``: ``_flatten_nd_linear``), else from aten.mm
+        (``matmul`` folds the leading axes); an op-level checkpoint policy reads which.
         """
         g = self.g
         wt = self.weight_trainable()
@@ -127,7 +134,8 @@ class Ctx:
         else:
             xin, out_dtype = x, x.dtype
         g.save(xin, when=wt)  # mm keeps its input only for the weight's gradient
-        return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.rg or wt)
+        return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.rg or wt,
+                     op="addmm" if bias else "mm")
 
     def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;

@@ -18,7 +18,14 @@ from typing import Iterator
 from trainmem.estimate.symbols import formula, substitute
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
-__all__ = ["Sym", "Graph"]
+__all__ = ["Sym", "Graph", "OpPolicy", "SAVED_OPS"]
+
+SAVED_OPS = frozenset({"mm", "addmm", "bmm", "sdpa_flash", "sdpa_efficient"})
+"""The ops torchtitan's op-level policy keeps (torchtitan/distributed/activation_checkpoint.py at
+b5bcd76, ``_get_default_save_ops``: torch._functorch.partitioners' ``compute_intensive_ops`` --
+mm, addmm, bmm, the CUDA flash and memory-efficient SDPA kernels -- plus aten.linear, max, topk
+and collectives, none of which a dense block here runs). The CPU SDPA kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) is not on it."""
 
 
 @dataclass(eq=False)
@@ -30,6 +37,7 @@ class Sym:
     dims: tuple[str, ...]  # one symbolic expression per axis, e.g. ("B", "S", "A·hd")
     dtype: str
     rg: bool = True  # requires grad: whether autograd must carry a gradient to it
+    op: str | None = None  # the aten op whose output this is, where a checkpoint policy asks ("mm", "bmm", ...)
 
     @property
     def numel(self) -> int:
@@ -41,12 +49,33 @@ class Sym:
 
 
 @dataclass
+class OpPolicy:
+    """torchtitan's op-level selective checkpointing policy for one block's forward.
+
+    torchtitan/distributed/activation_checkpoint.py (b5bcd76) ``SelectiveAC._wrap_block``,
+    ``wrapped_policy``: a fresh ``forward_mm_count`` per checkpoint call; each aten.mm adds one
+    before the decision, and an mm whose count is even is recomputed -- the 1st, 3rd, 5th... mm
+    of the block are kept, the 2nd, 4th... recomputed. addmm and bmm are not counted and always kept.
+    """
+
+    mm_count: int = 0
+
+    def save(self, op: str) -> bool:
+        if op == "mm":
+            self.mm_count += 1
+            return self.mm_count % 2 == 1
+        return op in SAVED_OPS
+
+
+@dataclass
 class Graph:
     """Collects the tensors a forward pass saves for backward."""
 
     scope: list[str] = field(default_factory=list)
     saved: dict[int, Sym] = field(default_factory=dict)
     _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
+    _policies: list[OpPolicy | None] = field(default_factory=list)  # one per open checkpoint region
+    _cached: list[dict[int, Sym]] = field(default_factory=list)  # the op outputs each region's policy keeps
     saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
     repeats: list[Repeat] = field(default_factory=list)
     subs: dict[str, str] = field(default_factory=dict)
@@ -65,9 +94,16 @@ class Graph:
     def path(self, label: str) -> str:
         return ".".join([*self.scope, label]) if self.scope else label
 
-    def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, rg: bool = True) -> Sym:
+    def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, rg: bool = True,
+            op: str | None = None) -> Sym:
+        """A new storage; ``op`` names the aten op that produced it, for the policy of the
+        innermost checkpoint region (:meth:`checkpoint`), which may keep it."""
         assert len(dims) == len(shape), (label, shape, dims)
-        return Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, rg)
+        t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, rg, op)
+        if op is not None and self._policies and self._policies[-1] is not None and self._policies[-1].save(op):
+            self._cached[-1].setdefault(id(t), t)
+            self.saver.setdefault(id(t), ".".join(self.scope))
+        return t
 
     # saving --------------------------------------------------------------------
     def save(self, *tensors: Sym | None, when: bool = True) -> None:
@@ -87,17 +123,28 @@ class Graph:
                 self.saver.setdefault(id(t), scope)
 
     @contextmanager
-    def checkpoint(self, *inputs: Sym) -> Iterator[None]:
+    def checkpoint(self, *inputs: Sym, policy: OpPolicy | None = None) -> Iterator[None]:
         """A region under non-reentrant activation checkpointing.
 
         Inside, nothing is kept; the region's inputs are kept instead (the
         recompute closure holds them) -- torch.utils.checkpoint semantics.
+        With a ``policy`` (selective checkpointing, ``create_selective_checkpoint_contexts``),
+        the outputs of the ops it saves are kept too, whether or not backward reads them:
+        torch/utils/checkpoint.py ``_CachingTorchDispatchMode`` stores every MUST_SAVE output
+        in the forward and ``_CachedTorchDispatchMode`` hands it back during the recompute.
         """
         self._checkpoint.append({})
+        self._policies.append(policy)
+        self._cached.append({})
         try:
             yield
         finally:
             self._checkpoint.pop()
+            self._policies.pop()
+            cached = self._cached.pop()
+            target = self._checkpoint[-1] if self._checkpoint else self.saved
+            for k, t in cached.items():
+                target.setdefault(k, t)
             self.save(*inputs)
 
     # identical blocks ------------------------------------------------------------

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 from trainmem.estimate.attention import attention_core, resolve_kernel
 from trainmem.estimate.ctx import Ctx, promote
-from trainmem.estimate.graph import Sym
+from trainmem.estimate.graph import OpPolicy, Sym
 
 __all__ = ["hf_forward"]
 
@@ -162,6 +162,12 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     return logits
 
 
+def _policy(ctx: Ctx) -> OpPolicy | None:
+    """A fresh op-level policy per checkpointed block under ``recompute='op'`` (torchtitan builds
+    one per checkpoint call: ``context_fn`` runs per forward of the wrapped block)."""
+    return OpPolicy() if ctx.impl.recompute == "op" else None
+
+
 def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None = None,
                        root: str = "model") -> list[Sym]:
     """Block inputs besides the hidden state that a checkpointed block holds: the position
@@ -195,7 +201,7 @@ def _llama(ctx: Ctx) -> None:
     held = _checkpoint_extras(ctx, kernel, x.dtype)
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
-            with g.checkpoint(x, cos, sin, *held):
+            with g.checkpoint(x, cos, sin, *held, policy=_policy(ctx)):
                 return _llama_layer(ctx, x, cos, sin, kernel)
         return _llama_layer(ctx, x, cos, sin, kernel, held)
 
@@ -216,17 +222,17 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         h = ctx.sp_gather(h, "input_gathered")
         if m.family == "phi3":
             with g.module("qkv_proj"):
-                qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H))
+                qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H), bias=m.qkv_bias)
             q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.rg)
             k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.rg)
             v = qkv  # a view of the fused output
         else:
             with g.module("q_proj"):
-                q = ctx.linear(h, qs, "A·hd", weight=(qs, H))
+                q = ctx.linear(h, qs, "A·hd", weight=(qs, H), bias=m.qkv_bias)
             with g.module("k_proj"):
-                k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H))
+                k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
             with g.module("v_proj"):
-                v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H))
+                v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
         if m.qk_norm:
             q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm")
             k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm")
@@ -240,7 +246,7 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
                                softcap=m.attn_softcap, out_copy=m.family == "phi3")
         with g.module("o_proj"):
-            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs)), "out_sp")
+            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
     if gemma and m.family == "gemma2":
         a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=True)
     x = ctx.add(x, a, "residual_attn")
@@ -268,28 +274,28 @@ def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
     F, Fs = width or (m.ffn_size, "F")
     if not m.gated:
         with g.module("up_proj"):
-            u = ctx.linear(h, F, Fs, weight=(F, H))
+            u = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
         with g.module("act_fn"):
             a = _activation(ctx, u, "act")
         with g.module("down_proj"):
-            return ctx.linear(a, H, "H", weight=(H, F))
+            return ctx.linear(a, H, "H", weight=(H, F), bias=m.mlp_bias)
     if m.family == "phi3":
         with g.module("gate_up_proj"):
-            gu = ctx.linear(h, 2 * F, f"2{Fs}", weight=(2 * F, H))
+            gu = ctx.linear(h, 2 * F, f"2{Fs}", weight=(2 * F, H), bias=m.mlp_bias)
         gate = up = gu
         shape, dims = gu.shape[:-1] + (F,), gu.dims[:-1] + (Fs,)
     else:
         with g.module("gate_proj"):
-            gate = ctx.linear(h, F, Fs, weight=(F, H))
+            gate = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
         with g.module("up_proj"):
-            up = ctx.linear(h, F, Fs, weight=(F, H))
+            up = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
         shape, dims = gate.shape, gate.dims
     with g.module("activation_fn" if m.family == "phi3" else "act_fn"):
         g.save(gate, when=gate.rg)
         act = g.new("out", shape, dims, gate.dtype, gate.rg)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
     with g.module("down_proj"):
-        return ctx.linear(prod, H, "H", weight=(H, F))
+        return ctx.linear(prod, H, "H", weight=(H, F), bias=m.mlp_bias)
 
 
 def _moe(ctx: Ctx, h: Sym) -> Sym:
@@ -362,7 +368,7 @@ def _gpt(ctx: Ctx) -> None:
     held = _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
-            with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None]):
+            with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None], policy=_policy(ctx)):
                 return _gpt_layer(ctx, x, kernel, cos, sin)
         return _gpt_layer(ctx, x, kernel, cos, sin, [t for t in held if t.dtype != "int64"])
 
@@ -380,7 +386,7 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
     h = _layernorm(ctx, x, "input_layernorm" if neox else "ln_1")
     with g.module("attention" if neox else "attn"):
         with g.module("query_key_value" if neox else "c_attn"):
-            qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H))
+            qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H), bias=m.qkv_bias)
         heads = ((B, A, S, hd), ("B", "A", "S", "hd"))
         if neox:
             q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.rg), cos, sin, "q_rope")
@@ -395,7 +401,7 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         if kernel in ("flash", "efficient") and not neox:
             pass
         with g.module("dense" if neox else "c_proj"):
-            a = ctx.linear(o, H, "H", weight=(H, H))
+            a = ctx.linear(o, H, "H", weight=(H, H), bias=m.out_bias)
         a = ctx.dropout(a, m.hidden_dropout, "resid_dropout", module=True)
     if neox and m.parallel_residual:
         h2 = _layernorm(ctx, x, "post_attention_layernorm")
@@ -404,11 +410,11 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         h2 = _layernorm(ctx, x, "post_attention_layernorm" if neox else "ln_2")
     with g.module("mlp"):
         with g.module("dense_h_to_4h" if neox else "c_fc"):
-            u = ctx.linear(h2, F, "F", weight=(F, H))
+            u = ctx.linear(h2, F, "F", weight=(F, H), bias=m.mlp_bias)
         with g.module("act"):
             act = _activation(ctx, u, "gelu_new" if m.activation == "gelu_tanh" and not neox else "act")
         with g.module("dense_4h_to_h" if neox else "c_proj"):
-            y = ctx.linear(act, H, "H", weight=(H, F))
+            y = ctx.linear(act, H, "H", weight=(H, F), bias=m.mlp_bias)
         y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
     if neox and m.parallel_residual:
         return ctx.add(ctx.add(x, a, "residual_attn"), y, "residual_mlp")
@@ -435,7 +441,7 @@ def _bert(ctx: Ctx) -> None:
     x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout", module=True)
     kernel = resolve_kernel(ctx)
     def layer(i: int, x: Sym) -> Sym:
-        with g.checkpoint(x) if ctx.impl.checkpointed(i) else nullcontext():
+        with g.checkpoint(x, policy=_policy(ctx)) if ctx.impl.checkpointed(i) else nullcontext():
             return _bert_layer(ctx, x, kernel)
 
     x = _layers(ctx, "bert.encoder.layer.", x, layer)
@@ -458,23 +464,23 @@ def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
             qkv = []
             for n in ("query", "key", "value"):
                 with g.module(n):
-                    qkv.append(ctx.linear(x, H, "H", weight=(H, H)))
+                    qkv.append(ctx.linear(x, H, "H", weight=(H, H), bias=m.qkv_bias))
             q, k, v = qkv  # views of the three projections' outputs
             with g.checkpoint(q, k, v) if ctx.impl.recompute == "selective" else nullcontext():
                 o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=False,
                                    q_copy=kernel in ("eager", "math"))
         with g.module("output"):
             with g.module("dense"):
-                a = ctx.linear(o, H, "H", weight=(H, H))
+                a = ctx.linear(o, H, "H", weight=(H, H), bias=m.out_bias)
             a = ctx.dropout(a, m.hidden_dropout, "dropout", module=True)
             x = _layernorm(ctx, ctx.add(a, x, "residual"), "LayerNorm")
     with g.module("intermediate"):
         with g.module("dense"):
-            u = ctx.linear(x, F, "F", weight=(F, H))
+            u = ctx.linear(x, F, "F", weight=(F, H), bias=m.mlp_bias)
         with g.module("intermediate_act_fn"):
             u = _activation(ctx, u, "gelu")
     with g.module("output"):
         with g.module("dense"):
-            y = ctx.linear(u, H, "H", weight=(H, F))
+            y = ctx.linear(u, H, "H", weight=(H, F), bias=m.mlp_bias)
         y = ctx.dropout(y, m.hidden_dropout, "dropout", module=True)
         return _layernorm(ctx, ctx.add(y, x, "residual"), "LayerNorm")

@@ -12,7 +12,7 @@ __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIM
 
 PROFILES = ("hf", "reference", "megatron")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
-RECOMPUTES = ("none", "selective", "full", "every-k")
+RECOMPUTES = ("none", "selective", "full", "every-k", "op")
 DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
@@ -47,7 +47,9 @@ class ImplSpec:
     """eager (materialized softmax), sdpa (PyTorch's dispatcher: flash on CUDA for 16-bit,
     efficient for fp32, the CPU flash kernel or math on CPU), flash, sdpa-math, mem-efficient."""
     recompute: str = "none"
-    """none, selective (attention core), full (every block), every-k (every k-th block)."""
+    """none, selective (attention core), full (every block), every-k (every k-th block), op (every
+    block under op-level selective checkpointing with torchtitan's policy: the outputs of the
+    block's 1st, 3rd, 5th... mm, of addmm, bmm and the CUDA SDPA kernels are kept; hf profile only)."""
     recompute_every: int = 1
     """k for ``every-k``: blocks 0, k, 2k, ... are checkpointed."""
     fused_norm: bool = False
@@ -86,6 +88,9 @@ class ImplSpec:
         v.positive("recompute_every", self.recompute_every, maximum=10**6)
         if self.recompute != "every-k" and self.recompute_every != 1:
             raise SpecError("recompute_every", self.recompute_every, f"needs recompute='every-k', not {self.recompute!r}")
+        if self.recompute == "op" and self.profile != "hf":
+            raise SpecError("recompute", self.recompute, f"op-level checkpointing is modelled for profile='hf' "
+                            f"(Hugging Face modules), not {self.profile!r}")
         for name in ("fused_norm", "fused_bias_act", "fused_dropout", "inplace_act"):
             v.boolean(name, getattr(self, name))
         v.one_of("device", self.device, DEVICES)
@@ -95,8 +100,9 @@ class ImplSpec:
         v.boolean("compile", self.compile)
 
     def checkpointed(self, layer: int) -> bool:
-        """Whether block ``layer`` runs under full activation checkpointing."""
-        if self.recompute == "full":
+        """Whether block ``layer`` runs under activation checkpointing (under ``op`` with a policy
+        that keeps some op outputs)."""
+        if self.recompute in ("full", "op"):
             return True
         if self.recompute == "every-k":
             return layer % self.recompute_every == 0
