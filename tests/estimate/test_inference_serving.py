@@ -3,17 +3,19 @@ formats, KV-cache dtype, chunked prefill and the KV pool's capacity. Exact integ
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from trainmem.errors import SpecError
-from trainmem.estimate.inference import inference_estimate, kv_cache_bytes
+from trainmem.estimate.inference import inference_estimate, serving_stages
 from trainmem.estimate.inference_weights import linear_bytes
 from trainmem.estimate.symbols import evaluate, symbol_values
 from trainmem.fits import NCCL_BYTES
 from trainmem.inventory import Category
 from trainmem.plan.hardware import load_gpu
-from trainmem.specs import ParallelSpec, StepSpec
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
 from trainmem.specs.loaders import load_model
 
 L3 = load_model("llama-3-8b")  # 32 layers, H 4096, 32/8 heads, hd 128, F 14336, V 128256, untied
@@ -64,6 +66,19 @@ def test_pp_stages_keep_their_layers_weights_and_cache():
     assert s0.totals_bytes["parameter"] + s1.totals_bytes["parameter"] == _params(one)
     assert s0.totals_bytes["kv_cache"] == s1.totals_bytes["kv_cache"] == 2 * 16 * 4096 * 8 * 128 * 2
     assert "prefill_logits" in {p.name for p in s1.phases} and "prefill_logits" not in {p.name for p in s0.phases}
+
+
+def test_uneven_stages_follow_vllm_get_pp_indices():
+    # 30 layers on 4 stages: 7 each, the remainder 2 to the second-last and third-last stages
+    assert serving_stages(30, ParallelSpec(pp=4)) == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    # 32 on 3: [10, 10, 10] + 1 to stages -2 and -3
+    assert serving_stages(32, ParallelSpec(pp=3)) == [(0, 11), (11, 22), (22, 32)]
+    assert serving_stages(30, ParallelSpec(pp=2, layer_split=(10, 20))) == [(0, 10), (10, 30)]
+    with pytest.raises(SpecError, match="layer_split"):
+        serving_stages(30, ParallelSpec(pp=2, layer_split=(10, 10)))
+    e = inference_estimate(replace(L3, num_layers=30), BF16, parallel=ParallelSpec(pp=4), context=2048)
+    assert [r.layers for r in e.ranks] == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    assert [r.totals_bytes["kv_cache"] for r in e.ranks] == [2 * n * 2048 * 8 * 128 * 2 for n in (7, 8, 8, 7)]
 
 
 def test_tied_embeddings_under_pp_the_last_stage_keeps_a_head():
@@ -132,7 +147,6 @@ def test_chunked_prefill_runs_n_tokens_and_caches_the_context():
     assert pc.parts["block_live"] == 3 * 2 * 512 * 14336 * 2
     assert pc.bytes < pw.bytes
     with pytest.raises(SpecError, match="prefill_chunk"):
-        from trainmem.specs import ImplSpec
         inference_estimate(L3, step, ImplSpec(attention="eager"), context=8192, prefill_chunk=512)
 
 

@@ -15,6 +15,7 @@ KV cache (vLLM's paged attention, Kwon et al. 2023, §4.1: memory in fixed block
 
 with ``kv_heads_per_rank = max(1, Akv / tp)`` (vLLM replicates KV heads when tp > Akv:
 :mod:`trainmem.estimate.inference_weights`). Weights per rank and per format: the same module.
+Pipeline stages split the layers as vLLM does (:func:`serving_stages`), or by ``layer_split``.
 
 Phases: ``prefill`` (weights + cache + one block's live set), ``prefill_logits`` (last stage: weights +
 cache + the logits: the last position's only, in fp32, ⌈V/tp⌉ wide, unless ``all_logits``),
@@ -34,7 +35,6 @@ Known limitations:
   - No sliding-window or cross-layer cache sharing, no MLA; encoders have no cache.
   - The prefill live set is an upper-bound heuristic from the saved set, not a trace; chunked
     prefill is modelled for SDPA/flash attention (eager scores over chunk × context are refused).
-  - Pipeline stages split layers as training's ``stage_layers`` does (first stages take the remainder).
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ from trainmem.estimate.activations import activation_items
 from trainmem.estimate.inference_weights import (KV_DTYPES, WEIGHT_FORMATS, check_tp, kv_heads_per_rank,
                                                  rank_weight_items)
 from trainmem.estimate.model_states import model_state_items
-from trainmem.estimate.parallel import RankClass, stage_layers
+from trainmem.estimate.parallel import RankClass
 from trainmem.estimate.peak import Phase, layer_of
 from trainmem.estimate.symbols import formula
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs import _validate as v
 
-__all__ = ["inference_estimate", "kv_cache_bytes", "ServingSpec", "Capacity", "InferenceEstimate"]
+__all__ = ["inference_estimate", "kv_cache_bytes", "serving_stages", "ServingSpec", "Capacity", "InferenceEstimate"]
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vllm/engine/arg_utils.py, EngineArgs.gpu_memory_utilization
 
@@ -157,6 +157,24 @@ def _block_live_set(items: list[MemoryItem], layer: int) -> tuple[int, list[str]
     return best, names
 
 
+def serving_stages(num_layers: int, par: ParallelSpec) -> list[tuple[int, int]]:
+    """[start, end) layers of each pipeline stage. vLLM (vllm/distributed/utils.py, get_pp_indices) gives
+    every stage ⌊L/pp⌋ and the remainder one each to the stages before the last, from the second-last
+    backwards (the first and last hold the embedding and the head); ``layer_split`` is its
+    VLLM_PP_LAYER_PARTITION."""
+    if par.layer_split:
+        sizes = list(par.layer_split)
+        if len(sizes) != par.pp or sum(sizes) != num_layers or min(sizes) < 1:
+            raise SpecError("layer_split", par.layer_split, f"needs pp={par.pp} positive entries summing to "
+                                                            f"{num_layers} layers")
+    else:
+        sizes = [num_layers // par.pp] * par.pp
+        for i in range(2, num_layers % par.pp + 2):
+            sizes[-i] += 1
+    bounds = [sum(sizes[:s]) for s in range(par.pp + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 def _check_parallel(par: ParallelSpec) -> None:
     for name, value, plain in (("cp", par.cp, 1), ("ep", par.ep, 1), ("sp", par.sp, False), ("zero", par.zero, 0),
                                ("fsdp", par.fsdp, None), ("offload", par.offload, ())):
@@ -208,7 +226,7 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
         raise SpecError("pp", par.pp, f"exceeds the model's layers ({model.num_layers})")
     step = replace(step, mode="inference", grad_accum=1)
     tp, B = par.tp, step.batch
-    stages = stage_layers(model, replace(par, layer_split=()) if not par.layer_split else par)
+    stages = serving_stages(model.num_layers, par)
     dt = _cache_dtype(step)
     kv_dt = KV_DTYPES[kv_dtype] if kv_dtype else dt
     params = model_state_items(model, step)  # parameters only in inference mode
