@@ -244,8 +244,12 @@ def test_not_utf8(tmp_path):
         load_config_dict(str(path))
 
 
+LLAMA_SIZES = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "intermediate_size": 128}
+
+
 def test_model_folder(tmp_path):
-    _write(tmp_path, json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    _write(tmp_path, json.dumps(LLAMA_SIZES))
     assert load_model(str(tmp_path)).num_layers == 2
     assert load_model(str(tmp_path / "config.json")).name == str(tmp_path / "config.json")
     empty = tmp_path / "empty"
@@ -300,3 +304,34 @@ def test_loaders_import_no_torch():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_a_file_without_its_sizes_is_refused_naming_every_one(tmp_path, model_type):
+    path = _write(tmp_path, json.dumps({"model_type": model_type}))
+    with pytest.raises(ConfigError) as err:
+        load_model(str(path))
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: model_type={model_type!r} without vocab_size, ") and "\n" not in msg
+    names = ("n_embd", "n_layer", "n_head") if model_type == "gpt2" else \
+        ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    assert all(n in msg for n in names) and "defaults" in msg and "write them in the file" in msg
+
+
+def test_missing_sizes_message_names_llama_2_7b_and_only_what_is_missing(tmp_path):
+    path = _write(tmp_path, json.dumps({k: v for k, v in LLAMA_SIZES.items() if k != "intermediate_size"}))
+    with pytest.raises(ConfigError, match=r"without intermediate_size; transformers would take "
+                                          r"LlamaConfig \(Llama-2-7B\)'s defaults \(intermediate_size=11008\)"):
+        load_model(str(path))
+
+
+def test_sizes_under_an_alias_or_derivable_are_accepted(tmp_path):
+    # gpt2 reads hidden_size as n_embd (attribute_map); n_inner=None is 4·n_embd, not a default size
+    cfg = {"model_type": "gpt2", "vocab_size": 100, "hidden_size": 64, "n_layer": 2, "n_head": 4}
+    spec = load_model(str(_write(tmp_path, json.dumps(cfg))))
+    assert (spec.hidden_size, spec.ffn_size) == (64, 256)  # 4 · 64
+
+
+def test_a_dict_still_takes_the_class_defaults():
+    # the refusal is for files: a dict in code is read the way transformers reads it
+    assert spec_from_hf_config({"model_type": "llama"}).vocab_size == 32000

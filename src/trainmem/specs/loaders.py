@@ -4,7 +4,8 @@ A preset is a ``config.json`` shipped in ``trainmem/data/models/<name>.json``, r
 Everything here reads JSON as data: no torch, no transformers, no network, no remote code.
 
 Known limitations:
-  - Defaults for missing keys are those of transformers 5.x config classes, written down below.
+  - Defaults for missing keys are those of transformers 5.x config classes, written down below; a
+    file (preset, path, folder, cache) must still write the sizes (:data:`_REQUIRED`).
   - Only the model types in :data:`SUPPORTED_MODEL_TYPES` are mapped; anything else is refused.
   - Options that only change numerics or masking (rope scaling, sliding windows, soft-capping) are not
     part of a ModelSpec; options that add parameters trainmem does not model (cross-attention) are refused.
@@ -97,6 +98,20 @@ _ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
              "n_positions": "max_position_embeddings"},
     "mixtral": {"num_local_experts": "num_experts"},
+}
+
+#: Keys a ``config.json`` file must write (or their :data:`_ALIASES` name): the sizes. transformers
+#: would fill a missing one from its config class's defaults (LlamaConfig's are Llama-2-7B's), which
+#: for a file is almost always a mistake. gpt2's ``n_inner`` is not here: None means 4·n_embd.
+_CONFIG_CLASS = {"gpt2": "GPT2Config", "gpt_neox": "GPTNeoXConfig", "llama": "LlamaConfig (Llama-2-7B)",
+                 "mistral": "MistralConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config",
+                 "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "phi3": "Phi3Config",
+                 "bert": "BertConfig"}
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    **{t: _SIZES for t in _DEFAULTS},
+    "gpt2": ("vocab_size", "n_embd", "n_layer", "n_head"),
+    "mixtral": (*_SIZES, "num_local_experts", "num_experts_per_tok"),
 }
 
 #: ``ACT2FN`` names -> trainmem activation for a two-matrix MLP.
@@ -303,7 +318,20 @@ def _parse(text: str, where: str) -> dict:
         raise ConfigError(f"{where}: no 'model_type' key, so the architecture is unknown")
     if not isinstance(cfg["model_type"], str):
         raise ConfigError(f"{where}: model_type={cfg['model_type']!r} is not a string")
+    _check_sizes(cfg, where)
     return cfg
+
+
+def _check_sizes(cfg: dict, where: str) -> None:
+    """Refuse a file that leaves out a size-defining key (:data:`_REQUIRED`), naming every one."""
+    model_type = cfg["model_type"]
+    aliases = _ALIASES.get(model_type, {})
+    missing = [k for k in _REQUIRED.get(model_type, ()) if k not in cfg and aliases.get(k) not in cfg]
+    if missing:
+        defaults = ", ".join(f"{k}={_DEFAULTS[model_type][k]}" for k in missing)
+        raise ConfigError(f"{where}: model_type={model_type!r} without {', '.join(missing)}; transformers would "
+                          f"take {_CONFIG_CLASS[model_type]}'s defaults ({defaults}), almost always a mistake in a "
+                          f"file: write them in the file")
 
 
 def _read_file(path: Path) -> dict:
