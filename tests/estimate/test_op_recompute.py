@@ -154,3 +154,24 @@ def test_op_is_refused_where_not_modelled():
         ImplSpec(recompute="op", profile="reference")
     with pytest.raises(SpecError, match="recompute_every"):
         ImplSpec(recompute="op", recompute_every=2)
+
+
+def test_cost_recomputes_the_even_mms():
+    from trainmem.plan.cost import op_recomputed_parameters, step_time
+    from trainmem.plan.hardware import GPU
+    from trainmem.specs import ParallelSpec
+    from trainmem.specs.loaders import load_model
+
+    m = load_model("llama-3-8b")
+    # Llama's mm's in order q, k, v, o, gate, up, down: k, o and up run again:
+    # 1024·4096 + 4096·4096 + 14336·4096 = 4194304 + 16777216 + 58720256 = 79691776
+    assert op_recomputed_parameters(m) == 79691776
+    qwen = spec_from_hf_config(FAMILIES["qwen2"])
+    # q/k/v have biases (addmm, kept): the mm's are o, gate, up, down and gate, down run again: 2·176·64
+    assert op_recomputed_parameters(qwen) == 2 * 176 * 64
+    gpu = GPU(name="x", memory_bytes=1 << 36, bf16_flops=1e15, intra_node_bytes_per_s=1e11,
+              inter_node_bytes_per_s=1e10, host_bytes_per_s=1e10, gpus_per_node=8)
+    step = StepSpec(batch=1, seq=4096, precision="bf16")
+    t = {r: step_time(m, step, ImplSpec(recompute=r), ParallelSpec(), gpu, global_batch=4).compute_s
+         for r in ("none", "op", "full")}
+    assert t["none"] < t["op"] < t["full"]

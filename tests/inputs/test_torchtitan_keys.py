@@ -144,7 +144,7 @@ def test_global_batch_size_is_gradient_accumulation(tmp_path):
     # job_config.py, ActivationCheckpoint: mode "selective", selective_ac_option "2"
     ("", {"recompute": "every-k", "recompute_every": 2}),
     ('[activation_checkpoint]\nmode = "selective"\n', {"recompute": "every-k", "recompute_every": 2}),
-    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n', {"recompute": "selective"}),
+    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n', {"recompute": "op"}),
     ('[activation_checkpoint]\nmode = "none"\n', {"recompute": "none"}),
 ])
 def test_activation_checkpoint(tmp_path, section, recompute):

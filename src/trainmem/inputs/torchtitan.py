@@ -274,8 +274,8 @@ def _checkpoint(get, impl: dict, notes: list[str], where: str) -> None:
         impl["recompute"] = mode
     elif mode == "selective":
         option = str(get("activation_checkpoint", "selective_ac_option", (str, int)))
-        if option == "op":
-            impl["recompute"] = "selective"
+        if option == "op":  # op-level SAC with torchtitan's policy: ImplSpec recompute "op"
+            impl["recompute"] = "op"
         elif option.isdigit() and int(option) > 0:
             impl.update(recompute="every-k", recompute_every=int(option))
         else:

@@ -9,8 +9,8 @@ set. A choice whose spec field does not exist is not registered: adding a mechan
 and one entry here is all the search needs.
 
 Known limitations:
-  - Only mechanisms the estimator models are offered; ``--compile`` and op-level recompute are not
-    (yet) spec fields.
+  - Only mechanisms the estimator models are offered; ``--compile`` is not (yet) a spec field.
+    Op-level recompute is offered under the hf profile without fine-tuning adapters only.
   - Selective recompute is never offered with a fused attention kernel: it is a no-op there
     (:func:`trainmem.estimate.notes.selective_recompute_noop`).
 """
@@ -177,6 +177,9 @@ def _recompute(c: Config, ctx: Context):
             if k < ctx.model.num_layers:
                 yield (replace(c, impl=replace(c.impl, recompute="every-k", recompute_every=k)),
                        f"checkpoint every {'2nd' if k == 2 else f'{k}th'} block")
+    if now in ("none", "selective") and c.impl.profile == "hf" and c.finetune is None:
+        yield (replace(c, impl=replace(c.impl, recompute="op", recompute_every=1)),
+               "op-level checkpointing (torchtitan's policy: keep every other matmul output)")
     yield replace(c, impl=replace(c.impl, recompute="full", recompute_every=1)), "full activation checkpointing"
 
 

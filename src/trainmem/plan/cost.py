@@ -48,7 +48,8 @@ from trainmem.plan.hardware import GPU
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs import _validate as v
 
-__all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters", "trainable_parameters"]
+__all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters", "trainable_parameters",
+           "op_recomputed_parameters"]
 
 _EMBED_INPUTS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
                  "token_type_embeddings", "embed_in")
@@ -142,6 +143,25 @@ def trainable_parameters(model: ModelSpec, finetune) -> tuple[int, int, int]:
     return frozen_mm, train_mm, train_all
 
 
+def op_recomputed_parameters(model: ModelSpec) -> int:
+    """Weights per block whose matmul op-level checkpointing runs again in backward: torchtitan's
+    policy (``trainmem.estimate.graph.OpPolicy``) recomputes the 2nd, 4th... aten.mm of the block;
+    linears with a bias run addmm, which it keeps. The attention kernels and bmm's are kept too;
+    the pointwise ops it recomputes are not priced (like full recompute's)."""
+    from trainmem.estimate.graph import OpPolicy
+
+    H, qs, kvs, F = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
+    mlp = [F * H, F * H, H * F] if model.gated else [F * H, H * F]
+    experts = 0
+    if model.is_moe:  # the router is an mm; routed experts run _grouped_mm, which is not kept
+        mlp = [model.num_experts * H]
+        experts = (3 if model.gated else 2) * model.expert_ffn_size * H * model.top_k
+    block = [(qs * H, model.qkv_bias), (kvs * H, model.qkv_bias), (kvs * H, model.qkv_bias),
+             (H * qs, model.out_bias), *((w, model.mlp_bias) for w in mlp)]
+    policy = OpPolicy()
+    return experts + sum(w for w, bias in block if not policy.save("addmm" if bias else "mm"))
+
+
 def _bw(gpu: GPU, group: int, inner: int) -> float:
     """Bandwidth of a group of ``group`` ranks spaced ``inner`` apart."""
     return gpu.intra_node_bytes_per_s if group * inner <= gpu.gpus_per_node else gpu.inter_node_bytes_per_s
@@ -175,6 +195,8 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
         attn_flops += attn_fwd_tok * tokens
     elif impl.recompute == "selective":
         attn_flops += attn_fwd_tok * tokens
+    elif impl.recompute == "op":
+        mm_flops += 2 * L * op_recomputed_parameters(model) * tokens
     elif impl.recompute == "every-k":
         share = len(range(0, L, impl.recompute_every)) / L
         mm_flops += 2 * N * tokens * share
