@@ -56,6 +56,7 @@ def test_predicted_and_measured_are_logged_and_agree(tmp_path, caplog, name, bui
     assert (run.step.batch, run.step.seq, run.step.grad_accum) == (expect.get("batch", 4), SEQ, expect.get("accum", 1))
     assert (run.step.precision, run.impl.attention, run.impl.recompute, run.impl.device) == (
         expect["precision"], expect["attention"], expect["recompute"], "cpu")
+    assert run.impl.optimizer_impl == "fused"  # the Trainer's default optim, adamw_torch_fused
     if name == "lora":
         ft = run.finetune
         assert (ft.mode, ft.lora_rank, ft.lora_alpha, ft.lora_targets) == ("lora", 8, 16.0, ("q_proj", "v_proj"))
@@ -143,21 +144,40 @@ def test_seq_must_be_readable_or_given():
     assert seq_from_dataset(Tokens(seq=96)) == 96
 
 
-@pytest.mark.parametrize("optim, name, note", [
-    ("adamw_torch", "adamw", "per tensor"), ("adamw_torch_fused", "adamw", "fused"),
-    ("adamw_bnb_8bit", "adam8bit", None), ("adamw_8bit", "adam8bit", None),
-    ("paged_adamw_8bit", "adam8bit", "paged"), ("paged_adamw_32bit", "adamw", "paged"),
-    ("adafactor", "adafactor", None), ("sgd", "sgd", None),
+@pytest.mark.parametrize("optim, name, on_cpu, on_cuda, note", [
+    # torch's default without foreach/fused: the per-tensor loop on CPU, foreach on CUDA
+    ("adamw_torch", "adamw", "for-loop", "foreach", None), ("adamw_torch_fused", "adamw", "fused", "fused", None),
+    ("sgd", "sgd", "for-loop", "foreach", None),
+    # one implementation (bitsandbytes, transformers' Adafactor): the estimate resolves "auto"
+    ("adamw_bnb_8bit", "adam8bit", "auto", "auto", None), ("adamw_8bit", "adam8bit", "auto", "auto", None),
+    ("paged_adamw_8bit", "adam8bit", "auto", "auto", "paged"), ("paged_adamw_32bit", "adamw", "auto", "auto", "paged"),
+    ("adafactor", "adafactor", "auto", "auto", None),
 ])
-def test_trainer_optim_names(optim, name, note):
+def test_trainer_optim_names(optim, name, on_cpu, on_cuda, note):
     read = trainer_optim_of(optim, None, device="cpu")
-    assert read.value == name
+    assert read.value == (name, on_cpu)
+    assert trainer_optim_of(optim, None, device="cuda").value == (name, on_cuda)
     assert (note is None) == (not read.notes) and (note is None or note in " ".join(read.notes))
     assert optim in TRAINER_OPTIMS
 
 
+@pytest.mark.parametrize("kwargs, on_cpu, on_cuda", [
+    ({}, "for-loop", "foreach"), ({"foreach": True}, "foreach", "foreach"),
+    ({"foreach": False}, "for-loop", "for-loop"), ({"fused": True}, "fused", "fused"),
+])
+def test_live_optimizer_implementation(kwargs, on_cpu, on_cuda):
+    """Read off the built optimizer's ``defaults`` (what ``step()`` will run), not its class alone."""
+    import torch
+
+    from trainmem.integrations.read import optimizer_of
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3, **kwargs)
+    assert optimizer_of(opt, device="cpu").value == ("adamw", on_cpu)
+    assert optimizer_of(opt, device="cuda").value == ("adamw", on_cuda)
+    assert not optimizer_of(opt, device="cpu").notes
+
+
 def test_trainer_optim_unknown_and_momentum():
-    assert trainer_optim_of("sgd", "momentum=0.9,nesterov=True", device="cuda").value == "sgd-momentum"
+    assert trainer_optim_of("sgd", "momentum=0.9,nesterov=True", device="cuda").value == ("sgd-momentum", "foreach")
     with pytest.raises(UnsupportedError, match="lion_8bit"):
         trainer_optim_of("lion_8bit", None, device="cuda")
 

@@ -114,8 +114,9 @@ def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_da
     if args.torch_compile:
         notes.append("torch_compile is not modelled: compiled graphs may save fewer activations")
     step = StepSpec(batch=batch or args.per_device_train_batch_size, seq=seq, grad_accum=args.gradient_accumulation_steps,
-                    precision=step_over.get("precision", precision.value), optimizer=opt.value)
-    impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device)
+                    precision=step_over.get("precision", precision.value), optimizer=opt.value[0])
+    impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device,
+                    optimizer_impl=opt.value[1])
     notes = [*notes, *precision.notes, *opt.notes, *finetune.notes, *par_notes]
     return RunSpec(model=R.model_spec_of(model), step=step, impl=impl, parallel=parallel,
                    finetune=finetune.value, notes=tuple(notes))

@@ -11,6 +11,7 @@ The model is read as the Trainer callback reads it (``integrations.read``): a tr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 from trainmem.integrations import read as R
@@ -50,12 +51,15 @@ def run_from_module(model, optimizer, *, batch: int, seq: int, grad_accum: int =
     if impl is None:
         if hf:
             recompute, every = R.recompute_of(model).value
-            impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device)
+            impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device,
+                            optimizer_impl=opt.value[1])
         else:
-            impl = ImplSpec(device=device)
+            impl = ImplSpec(device=device, optimizer_impl=opt.value[1])
             notes.append("impl not read from a module without a Hugging Face config: ImplSpec defaults "
                          f"(attention={impl.attention}, recompute={impl.recompute}); pass impl=")
-    step = StepSpec(batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, optimizer=opt.value)
+    elif impl.optimizer_impl == "auto":  # the live optimizer says which
+        impl = replace(impl, optimizer_impl=opt.value[1])
+    step = StepSpec(batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, optimizer=opt.value[0])
     return RunSpec(model=spec, step=step, impl=impl, parallel=parallel or ParallelSpec(), finetune=finetune,
                    notes=tuple(notes))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmem.errors import ConfigError, UnsupportedError
+from trainmem.estimate.optimizer_step import DEFAULT_IMPL
 from trainmem.specs import ModelSpec
 from trainmem.specs.finetune import FinetuneSpec
 
@@ -35,6 +36,11 @@ OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
     "PagedAdamW8bit": ("adam8bit", _PAGED), "PagedAdamW": ("adamw", _PAGED), "PagedAdamW32bit": ("adamw", _PAGED),
     "AdamW32bit": ("adamw", ""),
 }
+
+#: torch.optim classes, whose ``defaults`` hold ``foreach``/``fused`` (None: torch chooses).
+#: Classes of the same name without those keys (bitsandbytes', transformers' Adafactor) have one
+#: implementation.
+_TORCH_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adafactor")
 
 #: TrainingArguments ``optim`` -> optimizer class name above, for a run whose optimizer is not
 #: built yet (transformers ``trainer_optimizer.py``'s table of optimizer getters).
@@ -163,7 +169,9 @@ def finetune_of(model) -> Read:
 
 
 def trainer_optim_of(optim: str, optim_args: str | None, *, device: str) -> Read:
-    """The trainmem optimizer of a TrainingArguments ``optim`` (before the Trainer builds it)."""
+    """``(trainmem optimizer, ImplSpec.optimizer_impl)`` of a TrainingArguments ``optim`` (before the
+    Trainer builds it): ``adamw_torch_fused`` is fused AdamW, ``adamw_torch`` and ``sgd`` torch's
+    default on ``device``."""
     optim = str(getattr(optim, "value", optim))
     if optim not in TRAINER_OPTIMS:
         raise UnsupportedError(f"optim={optim!r} is not modelled (known: {', '.join(TRAINER_OPTIMS)})")
@@ -172,27 +180,41 @@ def trainer_optim_of(optim: str, optim_args: str | None, *, device: str) -> Read
         momentum = float(kwargs.get("momentum", 0))
     except ValueError:
         raise ConfigError(f"optim_args={optim_args!r}: momentum must be a number") from None
-    defaults = {"fused": optim == "adamw_torch_fused", "momentum": momentum}
-    return _optimizer(TRAINER_OPTIMS[optim], defaults, device=device)
+    cls = TRAINER_OPTIMS[optim]
+    defaults = {"momentum": momentum}
+    if optim in ("adamw_torch", "adamw_torch_fused", "sgd"):  # torch.optim, built with fused=True or neither
+        defaults.update(foreach=None, fused=optim == "adamw_torch_fused" or None)
+    return _optimizer(cls, defaults, device=device)
 
 
 def optimizer_of(optimizer, *, device: str) -> Read:
-    """The trainmem optimizer of a torch optimizer (unwrapping accelerate's ``AcceleratedOptimizer``)."""
+    """``(trainmem optimizer, ImplSpec.optimizer_impl)`` of a torch optimizer (unwrapping
+    accelerate's ``AcceleratedOptimizer``), the implementation read from its ``defaults``."""
     opt = getattr(optimizer, "optimizer", optimizer)
     return _optimizer(type(opt).__name__, getattr(opt, "defaults", {}), device=device)
 
 
+def _impl(cls: str, defaults: dict, device: str) -> str:
+    """What ``optimizer.step()`` runs. torch/optim/adam.py ``adam()`` (sgd.py ``sgd()`` alike): a
+    ``fused`` or ``foreach`` given is used; with neither, ``optimizer.py``
+    ``_default_to_fused_or_foreach(use_fused=False)`` picks foreach when every parameter is on a
+    device with foreach kernels (cuda), else the per-tensor loop (cpu)."""
+    if cls not in _TORCH_OPTIMIZERS or ("foreach" not in defaults and "fused" not in defaults):
+        return "auto"  # one implementation: the estimate resolves it
+    if defaults.get("fused"):
+        return "fused"
+    foreach = defaults.get("foreach")
+    if foreach is None:
+        return DEFAULT_IMPL[device]
+    return "foreach" if foreach else "for-loop"
+
+
 def _optimizer(cls: str, defaults: dict, *, device: str) -> Read:
     if cls == "SGD":
-        return Read("sgd-momentum" if defaults.get("momentum", 0) else "sgd")
-    if cls not in OPTIMIZER_CLASSES:
+        name, notes = ("sgd-momentum" if defaults.get("momentum", 0) else "sgd"), []
+    elif cls in OPTIMIZER_CLASSES:
+        name, note = OPTIMIZER_CLASSES[cls]
+        notes = [note] if note else []
+    else:
         raise UnsupportedError(f"optimizer {cls} is not modelled (known: SGD, {', '.join(OPTIMIZER_CLASSES)})")
-    name, note = OPTIMIZER_CLASSES[cls]
-    notes = [note] if note else []
-    if defaults.get("fused"):
-        notes.append("fused AdamW's temporaries are not modelled yet: estimated as foreach AdamW's")
-    elif device == "cpu" and name in ("adamw", "adam") and defaults.get("foreach") is None:
-        # torch/optim/optimizer.py _default_to_fused_or_foreach: foreach only for CUDA tensors
-        notes.append("on CPU torch's AdamW runs per tensor (not foreach): the estimate's optimizer-step "
-                     "temporaries are an upper bound")
-    return Read(name, tuple(notes))
+    return Read((name, _impl(cls, defaults, device)), tuple(notes))
