@@ -36,6 +36,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("planner search time", ["plan_search.py"], "plan_search.md"),
         ("tracer vs MemTracker", ["trace_vs_memtracker.py", *(["--seq", "1024"] if quick else [])],
          "trace_vs_memtracker.md"),
+        ("trace_model, your own 7B-shaped module", ["trace_model.py", *(["--seq", "1024"] if quick else [])],
+         "trace_model.md"),
         ("accuracy grid", ["accuracy_grid.py", *(["--quick"] if quick else [])], "accuracy_grid.md"),
         ("published GPU figures", ["published/run.py"], "published.md"),
     ]

@@ -5,7 +5,9 @@ plain torch: SDPA attention, SwiGLU MLP) at 32 blocks, d 4096, 32 heads, ffn 110
 B1, bf16, AdamW foreach (trace_model's default). One fresh process; wall time of the whole call
 (build on fake tensors, warm-up step, recorded step, analysis) and the process's peak RSS.
 
-    PYTHONPATH=src python bench/trace_model.py [--seq 4096] [--out bench/results/trace_model.md]
+Writes bench/results/trace_model.md.
+
+    PYTHONPATH=src python bench/trace_model.py [--seq 4096] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "trace_model.md"
 sys.path.insert(0, str(ROOT / "tests" / "trace"))
 
 from test_trace_model import TinyLM, lm_step  # noqa: E402
@@ -30,7 +33,7 @@ from trainmem.trace import trace_model  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     start = time.perf_counter()
     r = trace_model(lambda: TinyLM(vocab=32000, d=4096, heads=32, ffn=11008, layers=32), lm_step,
@@ -49,8 +52,7 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    args.out.write_text(text)
 
 
 if __name__ == "__main__":
