@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(cmp)
     add_optimizer_args(cmp)
     add_fit_args(cmp)
-    cmp.set_defaults(func=_compare)
+    cmp.set_defaults(func=_compare, device=None)  # CPU kernels only: a typed --device cuda is refused
     snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
     snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")
     snp.add_argument("--top", type=_int("top"), default=10, help="largest allocations to list (default 10)")
@@ -146,16 +146,18 @@ def _print_file_notes(files: dict) -> None:
 
 
 def _compare(args) -> int:
-    from dataclasses import replace
-
     from trainmem.cliargs import specs_from_args
     from trainmem.compare import compare
+    from trainmem.errors import SpecError
     from trainmem.estimate import estimate
     from trainmem.specs.loaders import load_config_dict
     from trainmem.trace import trace_step
 
+    if args.device == "cuda":  # typed (the default here is None): the trace cannot run CUDA kernels
+        raise SpecError("device", "cuda", "compare traces CPU kernels and estimates the same kernels; for CUDA "
+                                          "kernels run `estimate --device cuda`, or `profile` on a GPU")
+    args.device = "cpu"  # the trace runs CPU kernels: compare like with like
     model, step, impl = specs_from_args(args)
-    impl = replace(impl, device="cpu")  # the trace runs CPU kernels: compare like with like
     target = model if impl.profile == "reference" else load_config_dict(args.model)
     from trainmem.fitargs import check_figure_args, estimate_fit, gpu_from_args
     from trainmem.trace.cli import trace_fit

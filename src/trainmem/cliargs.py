@@ -63,7 +63,7 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
                    help="whose saved set is modelled: hf, reference, megatron")
     p.add_argument("--device", choices=("cuda", "cpu"), default=impl("device"),
-                   help=f"kernels modelled (default {impl('device')})")
+                   help=f"kernels modelled (default {impl('device')}; compare: cpu only, its trace runs CPU kernels)")
 
 
 def add_routing_arg(p: argparse.ArgumentParser) -> None:
