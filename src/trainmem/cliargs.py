@@ -17,6 +17,10 @@ __all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEF
            "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
+PRECISION_HELP = (f"{', '.join(PRECISIONS)}: pure bf16/fp16; amp-* autocast over fp32 weights; mixed-* fp32 "
+                  "master; fsdp-bf16 needs --fsdp; megatron-bf16 has fp32 grads; aliases hf-bf16 = amp-bf16 "
+                  "(HF Trainer bf16=True), torchtune-bf16 = bf16")
+OPTIMIZER_HELP = f"{', '.join(OPTIMIZERS)} (adam8bit: bitsandbytes' 8-bit states)"
 
 
 def spec_default(spec: type, name: str):
@@ -50,14 +54,16 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
                    help=f"sequence length S (default {DEFAULT_SEQ}, or the model's learned positions if fewer)")
     p.add_argument("--grad-accum", type=_int("grad-accum"), default=step("grad_accum"),
                    help="micro-batches per optimizer step")
-    p.add_argument("--precision", choices=PRECISIONS, default=step("precision"),
-                   help=f"fp32 | bf16/fp16 (pure) | amp-* (autocast, fp32 states) | mixed-* (fp32 master) | "
-                        f"fsdp-bf16 | megatron-bf16 (fp32 grads); aliases hf-bf16 = amp-bf16 (HF Trainer "
-                        f"bf16=True), torchtune-bf16 = bf16 (default {step('precision')})")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=step("optimizer"))
+    p.add_argument("--precision", choices=PRECISIONS, default=step("precision"), metavar="NAME",
+                   help=f"{PRECISION_HELP} (default {step('precision')})")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=step("optimizer"), help=OPTIMIZER_HELP)
     p.add_argument("--loss", choices=LOSSES, default=step("loss"), help="ce (full fp32 logits), chunked-ce, fused-ce")
-    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"))
-    p.add_argument("--recompute", choices=RECOMPUTES, default=impl("recompute"))
+    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"),
+                   help="eager (materialized softmax), sdpa (PyTorch picks the kernel), flash, sdpa-math, "
+                        f"mem-efficient (default {impl('attention')})")
+    p.add_argument("--recompute", choices=RECOMPUTES, default=impl("recompute"),
+                   help="activation checkpointing: none, selective (attention core), full (every block), "
+                        "every-k (every k-th block), op (torchtitan's op-level policy)")
     p.add_argument("--recompute-every", type=_int("recompute-every"), default=None,
                    help="k for --recompute every-k")
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
@@ -250,11 +256,13 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                        ("fsdp-group", "ranks per shard group for --fsdp hybrid")):
         g.add_argument(f"--{flag}", type=_int(flag), default=None, help=what)
     g.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
-    g.add_argument("--cp-style", choices=("ring", "allgather"), default="ring")
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    g.add_argument("--cp-style", choices=("ring", "allgather"), default="ring",
+                   help="context parallel: ring (K/V blocks passed around) or allgather (K/V gathered once)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     g.add_argument("--layer-split", default=None, metavar="N,N,...", help="layers per pipeline stage (uneven)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
-    g.add_argument("--fsdp", choices=("full", "hybrid"), default=None)
+    g.add_argument("--fsdp", choices=("full", "hybrid"), default=None,
+                   help="FSDP sharding: full (= ZeRO-3) or hybrid (shard within a node, replicate across)")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps gathered parameters from forward to backward")
     g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",

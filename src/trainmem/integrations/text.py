@@ -52,13 +52,13 @@ def _fix_lines(check: Check) -> list[str]:
     if a is None:
         return []
     if not a.steps:
-        return ["trainmem: no fix on advise's ladder applies here"]
-    out = ["trainmem: cheapest fix (advise's ladder, applied in order until it fits):"]
+        return ["trainmem: none of advise's usual fixes applies here"]
+    out = ["trainmem: cheapest fix (advise's usual fixes, applied in order until it fits):"]
     for n, s in enumerate(a.steps, 1):
         out.append(f"trainmem:   {n}. {s.action}: peak → {fmt_bytes(s.peak_bytes_after)} "
                    f"(saves {fmt_bytes(s.saved_bytes)}, throughput cost {s.throughput_cost:+.0%})")
     if not a.fits:
-        out.append("trainmem:   the whole ladder still does not fit")
+        out.append("trainmem:   still does not fit after every one")
     return out
 
 

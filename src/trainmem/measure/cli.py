@@ -81,7 +81,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--budget", metavar="SIZE",
                    help=f"memory budget, e.g. 80GiB, 512MiB (or --gpu: its usable memory); {SIZE_RULE}")
     add_fit_args(s)
-    s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate")
+    s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate",
+                   help="estimate (analytic), trace (fake tensors on CPU) or device (real runs); default estimate")
     s.add_argument("--start", type=_positive("start"), default=None, help="first value (seq 128, batch 1)")
     s.add_argument("--max", type=_positive("max"), default=None, dest="stop", help="largest value searched")
     s.add_argument("--multiple", type=_positive("multiple"), default=None,
@@ -117,7 +118,9 @@ def _source(args):
 def _emit(args, payload: dict, text: str | None) -> None:
     if getattr(args, "out", None):
         from trainmem.atomic import write_text_atomic
+        from trainmem.report.output import say_wrote
         write_text_atomic(args.out, json.dumps(payload, indent=1) + "\n")
+        say_wrote(args.out)
     if args.json:
         print(json.dumps(payload))
     elif text is not None:

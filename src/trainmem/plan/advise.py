@@ -389,7 +389,7 @@ def _propose(rung: str, s: Config, model: ModelSpec, gpu: GPU, gpus: int, fits) 
         trial = [replace(s, par=replace(par, zero=z)) for z in (1, 2, 3) if z > par.zero]
         new = next((t for t in trial if fits(t)), trial[-1])
         return (new, f"ZeRO stage {new.par.zero} over {par.dp} data-parallel ranks",
-                "shards model states only (beyond the brief's ladder); activations are unchanged")
+                "shards model states only (beyond the usual fixes); activations are unchanged")
     if rung == "shorter_sequences":
         if step.seq <= _MIN_SEQ:
             return f"sequence is already {step.seq} tokens"

@@ -44,7 +44,8 @@ def _add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                                                           "(GB = 10^9 bytes, G = 2^30)")
     p.add_argument("--gpu-inter-bw", metavar="SIZE", help="per-GPU inter-node bandwidth per second, e.g. 50GB "
                                                           "(GB = 10^9 bytes, G = 2^30)")
-    p.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), metavar="N")
+    p.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), metavar="N",
+                   help="override or set (custom) the GPUs in one node")
     r = Reserve()
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help=f"memory per rank kept for the CUDA context and workspaces "
@@ -99,7 +100,7 @@ def _check_gpus(gpu, gpus: int) -> None:
 
 
 def add_parser(subparsers) -> None:
-    from trainmem.cliargs import DEFAULT_MODEL, add_model_step_args, spec_default
+    from trainmem.cliargs import DEFAULT_MODEL, OPTIMIZER_HELP, PRECISION_HELP, add_model_step_args, spec_default
     from trainmem.specs import ImplSpec, StepSpec
     from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
     from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS
@@ -118,10 +119,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--min-gpus", type=_positive_int("--min-gpus"), default=1, help="--gpus auto: fewest to try")
     p.add_argument("--max-gpus", type=_positive_int("--max-gpus"), default=DEFAULT_MAX_GPUS,
                    help=f"--gpus auto: most to try (default {DEFAULT_MAX_GPUS})")
-    p.add_argument("--precision", choices=PRECISIONS, default=spec_default(StepSpec, "precision"))
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=spec_default(StepSpec, "optimizer"))
-    p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"))
-    p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"))
+    p.add_argument("--precision", choices=PRECISIONS, default=spec_default(StepSpec, "precision"), metavar="NAME",
+                   help=f"{PRECISION_HELP} (default {spec_default(StepSpec, 'precision')})")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=spec_default(StepSpec, "optimizer"), help=OPTIMIZER_HELP)
+    p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"),
+                   help="ce (full fp32 logits), chunked-ce, fused-ce")
+    p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"),
+                   help="whose saved set is modelled: hf, reference, megatron")
     p.add_argument("--attention", choices=ATTENTIONS, action="append",
                    help="only these attention kernels (repeatable; default flash, mem-efficient, eager)")
     p.add_argument("--recompute", choices=RECOMPUTES[:3], action="append",
@@ -140,7 +144,7 @@ def add_parser(subparsers) -> None:
     from trainmem.plan.advise import DEFAULT_BUDGET, DEFAULT_MAX_CHANGES
 
     a = subparsers.add_parser("advise", help="the cheapest changes that fit, ranked by throughput cost; and the "
-                                             "brief's ladder of fixes")
+                                             "usual fixes applied one by one, as the explanation")
     add_model_step_args(a)
     _add_gpu_args(a, required=True)
     a.add_argument("--gpus", type=_positive_int("--gpus"), default=None,
@@ -159,7 +163,8 @@ def add_parser(subparsers) -> None:
     add_finetune_args(a)
     a.set_defaults(func=run_advise)
 
-    e = subparsers.add_parser("explain", help="the brief's follow-up questions, answered with your numbers")
+    e = subparsers.add_parser("explain", help="follow-up questions (bytes per parameter, at 2·S, at 4 micro-batches, "
+                                              "per ZeRO stage, inference) answered with your numbers")
     add_model_step_args(e)
     e.add_argument("--gpu", metavar="NAME", help="compare against this accelerator's memory")
     e.add_argument("--zero-ranks", type=_positive_int("--zero-ranks"), default=8,

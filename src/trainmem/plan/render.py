@@ -112,13 +112,13 @@ def render_advice(advice) -> str:
             lines.append(f"   peak {fmt_bytes(o.peak_bytes)}, headroom {fmt_bytes(o.headroom_bytes)}; "
                          f"{_speed(o.throughput_cost)}")
             lines.append(f"   {o.command}")
-        lines += ["", "The brief's ladder, rung by rung (the explanation):"]
+        lines += ["", "The usual fixes, applied one by one until it fits (the explanation):"]
     elif advice.stats is not None:
         st = advice.stats
         lines += [f"No combination of up to {st.max_changes} changes fits "
                   + (f"({st.why})." if st.why else f"({st.evaluated} estimates)."), ""]
     if not advice.steps:
-        lines.append("It already fits: nothing to change." if advice.fits else "No step of the ladder applies.")
+        lines.append("It already fits: nothing to change." if advice.fits else "None of the usual fixes applies.")
     for i, s in enumerate(advice.steps, 1):
         lines.append(f"{i}. {s.action}")
         lines.append(f"   saves {fmt_bytes(s.saved_bytes)} → peak {fmt_bytes(s.peak_bytes_after)}"
@@ -130,7 +130,7 @@ def render_advice(advice) -> str:
         lines += ["", "Not recommended (does not apply):"]
         for rung, why in advice.skipped:
             lines.append(f"  - {rung}: {why}")
-    lines += ["", "Fits." if advice.fits else "Still does not fit after the whole ladder; see `trainmem plan`."]
+    lines += ["", "Fits." if advice.fits else "Still does not fit after every usual fix; see `trainmem plan`."]
     return "\n".join(lines)
 
 

@@ -11,14 +11,22 @@ from typing import Any
 
 from trainmem.atomic import atomic_path, write_text_atomic
 
-__all__ = ["write_outputs", "atomic_path", "write_text_atomic"]
+__all__ = ["write_outputs", "atomic_path", "write_text_atomic", "say_wrote"]
+
+
+def say_wrote(path: str | Path) -> Path:
+    """Tell the user, on stderr (stdout may be JSON), where a file went: ``wrote FILE``."""
+    import sys
+
+    sys.stderr.write(f"wrote {path}\n")
+    return Path(path)
 
 
 def write_outputs(result: Any, args: Any, *, title: str | None = None, scaling: dict | None = None) -> list[Path]:
     """Write ``args.html`` (a self-contained page) and ``args.plot`` (``.png`` or ``.svg``) for
     ``result`` (a trainmem result or its ``to_dict()``); missing attributes mean "not asked".
     ``scaling``: an estimate's sweeps for its plot (:func:`trainmem.estimate.scaling.scaling_sweeps`).
-    Returns the paths written."""
+    Says ``wrote FILE`` on stderr for each; returns the paths written."""
     written: list[Path] = []
     html_path = getattr(args, "html", None)
     plot_path = getattr(args, "plot", None)
@@ -27,8 +35,8 @@ def write_outputs(result: Any, args: Any, *, title: str | None = None, scaling: 
         check_plot_path(plot_path)
     if html_path:
         from trainmem.report.html import write_html
-        written.append(write_html(result, html_path, title=title))
+        written.append(say_wrote(write_html(result, html_path, title=title)))
     if plot_path:
         from trainmem.report.plots import save_plot
-        written.append(save_plot(result, plot_path, scaling=scaling))
+        written.append(say_wrote(save_plot(result, plot_path, scaling=scaling)))
     return written

@@ -113,16 +113,17 @@ def run(args: argparse.Namespace) -> int:
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
                         head=args.head, experts=args.experts)
+    from trainmem.report.output import say_wrote
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot
-        write_snapshot(result, args.snapshot, expandable_segments=args.expandable_segments)
+        say_wrote(write_snapshot(result, args.snapshot, expandable_segments=args.expandable_segments))
     if args.plot:
         from trainmem.report.plots import check_plot_path, save_plot
         check_plot_path(args.plot)
-        save_plot(result, args.plot)
+        say_wrote(save_plot(result, args.plot))
     if args.html:
         from trainmem.trace.html import write_html
-        write_html(result, args.html, title=f"trainmem trace: {args.model}")
+        say_wrote(write_html(result, args.html, title=f"trainmem trace: {args.model}"))
     fit, fit_text = trace_fit(args, result)
     if args.json:
         out = result.to_dict()
