@@ -172,6 +172,7 @@ def _compare(args) -> int:
         print(json.dumps({**result.to_dict(), **({"estimate": efit, "trace": tfit} if efit or tfit else {})}))
     else:
         from trainmem.report.text import render_comparison
+        print(f"precision: {step.precision_description}")
         print(render_comparison(result, detail=args.detail))
         print("\n".join(t for t in (etext, ttext) if t))
     return 0

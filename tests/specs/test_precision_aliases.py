@@ -86,3 +86,18 @@ def test_trace_text_shows_the_description(capsys):
     assert f"precision: {describe_precision('torchtune-bf16')}" in render_trace(r)
     b = trace_step(TINY_CONFIG, StepSpec(batch=1, seq=16, precision="bf16"))
     assert r.peak_bytes == b.peak_bytes
+
+
+@pytest.mark.parametrize("argv,precision", [
+    (["compare", "--model", "gpt2", "--seq", "64"], "hf-bf16"),  # the trace runs autocast on CPU
+    (["explain", "--model", "gpt2", "--seq", "128"], "megatron-bf16"),
+    (["sweep", "--model", "gpt2", "--over", "batch", "--budget", "4GiB", "--max", "2"], "megatron-bf16"),
+    (["advise", "--model", "gpt2", "--seq", "128", "--gpu", "l4", "--max-estimates", "2"], "megatron-bf16"),
+    (["profile", "--model", "CONFIG", "--seq", "16", "--run-on", "cpu", "--steps", "1"], "hf-bf16"),
+], ids=lambda a: a[0] if isinstance(a, list) else a)
+def test_every_command_says_what_the_precision_keeps(argv, precision, capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_CONFIG))
+    argv = [str(cfg) if a == "CONFIG" else a for a in argv]
+    assert main([*argv, "--precision", precision]) == 0
+    assert f"precision: {describe_precision(precision)}" in capsys.readouterr().out.splitlines()

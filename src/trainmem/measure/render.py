@@ -28,7 +28,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def render_profile(result, *, top_modules: int = 10) -> str:
     r0 = result.ranks[0]
     cuda = result.device.startswith("cuda")
+    desc = (result.meta or {}).get("step", {}).get("precision_description")
     out = [f"device: {result.device}" + ("" if cuda else "  (peaks are live-set bytes; reserved n/a on CPU)"),
+           *([f"precision: {desc}"] if desc else []),
            f"peak allocated: {_b(result.peak_allocated_bytes)}",
            f"peak reserved:  {_b(result.peak_reserved_bytes)}" + ("" if cuda else "  (reserved n/a on CPU)"),
            f"tokens/s:       {_rate(result.tokens_per_s)}  (step {r0.step_time_s * 1e3:.1f} ms)"]

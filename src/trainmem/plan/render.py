@@ -143,7 +143,8 @@ def _speed(throughput_cost: float) -> str:
 
 def render_explanation(ex) -> str:
     lines = [f"trainmem explain — {ex.model.name}, B={ex.step.batch} S={ex.step.seq} {ex.step.precision} "
-             f"{ex.step.optimizer}, attention={ex.impl.attention} recompute={ex.impl.recompute}", ""]
+             f"{ex.step.optimizer}, attention={ex.impl.attention} recompute={ex.impl.recompute}",
+             f"precision: {ex.step.precision_description}", ""]
     if ex.notes:
         lines += [f"Note: {n}" for n in ex.notes] + [""]
     for a in ex.answers:
