@@ -1,5 +1,7 @@
 """The sweep finds the limit the back-end implies, and the growth laws of naive attention."""
 
+from dataclasses import replace
+
 import pytest
 
 from trainmem.estimate import estimate
@@ -14,7 +16,7 @@ def _scan_limit(model, step, impl, over, budget, multiple, stop):
     """The largest multiple whose estimated peak fits, by scanning every value."""
     best = None
     for v in range(multiple, stop + 1, multiple):
-        s = StepSpec(**{**step.to_dict(), over: v})
+        s = replace(step, **{over: v})
         if estimate(model, s, impl).peak_bytes <= budget:
             best = v
     return best
@@ -26,7 +28,7 @@ def test_estimate_backend_finds_the_scanned_limit(over, limit):
     step = StepSpec(batch=1, seq=2048, precision="bf16", optimizer="sgd")
     impl = ImplSpec(attention="eager")
     multiple, stop = (64, 8192) if over == "seq" else (1, 64)
-    peak = lambda v: estimate(model, StepSpec(**{**step.to_dict(), over: v}), impl).peak_bytes
+    peak = lambda v: estimate(model, replace(step, **{over: v}), impl).peak_bytes
     budget = (peak(limit) + peak(limit + multiple)) // 2  # a synthetic budget between two values
     r = sweep(model, step, impl, over=over, budget_bytes=budget, backend="estimate", multiple=multiple, stop=stop)
     expected = _scan_limit(model, step, impl, over, budget, multiple, stop)

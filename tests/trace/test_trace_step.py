@@ -111,6 +111,6 @@ def test_reference_model_from_a_model_spec():
 
 def test_public_api_is_frozen():
     import trainmem.trace as t
-    assert t.__all__ == ["trace", "trace_step", "Tracer", "TraceResult", "ModulePeak", "LiveTensor", "SCHEMA"]
+    assert t.__all__ == ["trace", "trace_step", "trace_model", "Tracer", "TraceResult", "ModulePeak", "LiveTensor", "SCHEMA"]
     for name in t.__all__:
         assert getattr(t, name) is not None
