@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     est = sub.add_parser("estimate", help="analytic estimate: ledgers, per-tensor activations, peak")
     add_model_step_args(est)
-    est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/1)")
+    est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/2)")
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")
     est.add_argument("--mode", dest="step_mode", choices=("train", "inference"), default="train",
                      help="train (one optimizer step) or inference (weights, prefill, KV cache)")
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="estimate and trace side by side: ratio per module and for the peak")
     add_model_step_args(cmp)
     cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (small configs)")
-    cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/1)")
+    cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/2)")
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
     _add_output_args(cmp)
     add_optimizer_args(cmp)
@@ -111,10 +111,11 @@ def _estimate(args) -> int:
         with Progress("scaling") as bar:
             scaling = scaling_sweeps(result, bar)
     write_outputs(result, args, title=f"trainmem estimate: {model.name}", scaling=scaling)
-    from trainmem.fitargs import estimate_fit
+    from trainmem.fitargs import estimate_fit, gpu_from_args
     fit, fit_text = estimate_fit(args, result)
     if args.json:
-        out = result.to_dict()
+        from trainmem.schemas import set_gpu
+        out = set_gpu(result.to_dict(), gpu_from_args(args))
         if files:
             out["inputs"]["files"] = files
         out.update(fit)

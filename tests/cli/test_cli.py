@@ -27,7 +27,7 @@ def test_json_contract(capsys):
     assert main(["estimate", "--model", "gpt2", "--batch", "2", "--seq", "512", "--precision", "amp-bf16",
                  "--attention", "eager", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "trainmem.estimate/1"
+    assert data["schema"] == "trainmem.estimate/2"
     assert set(data["totals_bytes"]) >= {"parameter", "gradient", "master_weight", "optimizer_state", "activation"}
     assert data["inputs"]["model"]["family"] == "gpt2" and data["inputs"]["step"]["batch"] == 2
     assert data["peak_phase"] in {p["name"] for p in data["phases"]}

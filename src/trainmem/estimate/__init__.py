@@ -28,7 +28,7 @@ from trainmem.specs.step import default_seq
 
 __all__ = ["estimate", "Estimate"]
 
-SCHEMA = "trainmem.estimate/1"
+SCHEMA = "trainmem.estimate/2"
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,10 @@ class Estimate(PhasedResult):
         return max(self.ranks, key=lambda r: r.peak_bytes).name if self.ranks else None
 
     def to_dict(self, *, items: bool = True) -> dict:
+        from trainmem.schemas import header
         out = {
-            "schema": SCHEMA,
-            "inputs": {"model": self.model.to_dict(), "step": self.step.to_dict(), "impl": self.impl.to_dict(),
-                       "parallel": self.parallel.to_dict(),
-                       "finetune": self.finetune.to_dict() if self.finetune else None},
+            **header("estimate", model=self.model, step=self.step, impl=self.impl, parallel=self.parallel,
+                     finetune=self.finetune),
             "profile": self.impl.profile,
             "totals_bytes": self.totals_bytes,
             "peak_bytes": self.peak_bytes,

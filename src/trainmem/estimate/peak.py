@@ -44,7 +44,9 @@ class Phase:
     note: str = ""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "bytes": self.bytes, "parts": dict(self.parts), "note": self.note}
+        from trainmem.schemas import part_key  # /2: ledger parts named as the categories (singular)
+        return {"name": self.name, "bytes": self.bytes, "parts": {part_key(k): v for k, v in self.parts.items()},
+                "note": self.note}
 
 
 class PhasedResult:
