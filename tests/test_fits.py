@@ -138,9 +138,9 @@ def test_trace_verdict_uses_the_allocator_model(capsys, tiny):
     data = json.loads(_run(capsys, "trace", "--model", tiny, "--seq", "64", "--gpu", "custom",
                            "--gpu-memory", "2GiB", "--json"))
     f = data["fits"]
-    assert f["reserved_bytes"] == data["reserved_peak_bytes"] and f["allocated_bytes"] == data["peak_bytes"]
-    assert f["reserve_modelled"] is True and f["reserve_bytes"] == data["reserved_peak_bytes"] - data["peak_bytes"]
-    assert f["headroom_bytes"] == 2 * GIB - GIB - data["reserved_peak_bytes"]
+    assert f["reserved_bytes"] == data["peak_reserved_bytes"] and f["allocated_bytes"] == data["peak_bytes"]
+    assert f["reserve_modelled"] is True and f["reserve_bytes"] == data["peak_reserved_bytes"] - data["peak_bytes"]
+    assert f["headroom_bytes"] == 2 * GIB - GIB - data["peak_reserved_bytes"]
     out = _run(capsys, "trace", "--model", tiny, "--seq", "64", "--gpu", "custom", "--gpu-memory", "2GiB",
                "--memory-figure", "reserved")
     assert "FITS on 1× custom: needs" in out and "reserved, usable 1.00 GiB" in out

@@ -114,8 +114,8 @@ def _estimate(args) -> int:
     from trainmem.fitargs import estimate_fit, gpu_from_args
     fit, fit_text = estimate_fit(args, result)
     if args.json:
-        from trainmem.schemas import set_gpu
-        out = set_gpu(result.to_dict(), gpu_from_args(args))
+        from trainmem.schemas import set_inputs
+        out = set_inputs(result.to_dict(), gpu=gpu_from_args(args))
         if files:
             out["inputs"]["files"] = files
         out.update(fit)

@@ -78,4 +78,4 @@ def test_estimate_and_trace_read_the_cache(hub, capsys):
     assert main(["estimate", "--model", "acme/tiny", "--seq", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["model"]["num_layers"] == 2
     assert main(["trace", "--model", "acme/tiny", "--seq", "32", "--json", "--progress", "never"]) == 0
-    assert json.loads(capsys.readouterr().out)["meta"]["model_name"] == "acme/tiny"
+    assert json.loads(capsys.readouterr().out)["inputs"]["model"]["name"] == "acme/tiny"

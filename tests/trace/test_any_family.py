@@ -38,7 +38,7 @@ def test_trace_runs_every_family(family, tmp_path, capsys):
     d = _trace_cli(tmp_path, capsys, FAMILIES[family])
     head = HEAD_OF.get(family, "lm")
     assert d["meta"]["head"] == head
-    assert d["meta"]["model"].endswith(CLASS_SUFFIX[head])
+    assert d["meta"]["model_class"].endswith(CLASS_SUFFIX[head])
     assert d["meta"]["fake"] is True
     # every parameter was trained: it has a gradient and AdamW's two moments, each its own size
     items = {(i["category"], i["name"]): i["bytes"] for i in d["items"]}

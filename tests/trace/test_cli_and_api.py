@@ -36,8 +36,8 @@ def test_trace_json_snapshot_and_html(config_path, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0
     d = json.loads(out)
-    assert d["schema"] == "trainmem.trace/1"
-    assert d["peak_bytes"] > 0 and d["reserved_peak_bytes"] >= d["peak_bytes"]
+    assert d["schema"] == "trainmem.trace/2"
+    assert d["peak_bytes"] > 0 and d["peak_reserved_bytes"] >= d["peak_bytes"]
     assert "100%" in err  # progress bar on stderr
     assert snap.stat().st_size > 0
     text = page.read_text()

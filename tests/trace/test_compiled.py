@@ -122,5 +122,5 @@ def test_trace_cli_compile_json(tmp_path, capsys):
     assert args.func(args) == 0
     d = json.loads(capsys.readouterr().out)
     c = d["meta"]["compile"]
-    assert d["meta"]["impl"]["compile"] is True
+    assert d["inputs"]["impl"]["compile"] is True
     assert (c["saved_eager_bytes"], c["saved_compiled_bytes"]) == (2003460, 1652276)  # see the test above

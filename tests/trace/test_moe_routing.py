@@ -98,7 +98,7 @@ def test_cli_states_the_routing_assumption(tmp_path, capsys):
             "in 2 layers") in out
     assert main([*base, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["meta"]["moe"]["routing"] == d["meta"]["impl"]["routing"] == "balanced"
+    assert d["meta"]["moe"]["routing"] == d["inputs"]["impl"]["routing"] == "balanced"
     assert main([*base, "--routing", "hot"]) == 2
     assert capsys.readouterr().err.strip() == ("SpecError: routing='hot': must be balanced, worst or skewed:F "
                                                "with F in [0, 1]")

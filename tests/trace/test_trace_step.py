@@ -77,11 +77,11 @@ def test_precisions_put_states_in_their_ledgers():
 def test_result_contract():
     r = trace_step(LLAMA, FP32, ImplSpec())
     d = r.to_dict()
-    assert d["schema"] == SCHEMA == "trainmem.trace/1"
-    for key in ("peak_bytes", "peak_phase", "reserved_peak_bytes", "totals_at_peak_bytes", "modules", "top_at_peak"):
+    assert d["schema"] == SCHEMA == "trainmem.trace/2"
+    for key in ("peak_bytes", "peak_phase", "peak_reserved_bytes", "totals_at_peak_bytes", "modules", "top_at_peak"):
         assert key in d
     assert d["peak_bytes"] % 512 == 0
-    assert d["reserved_peak_bytes"] >= d["peak_bytes"]
+    assert d["peak_reserved_bytes"] >= d["peak_bytes"]
     assert sum(d["totals_at_peak_bytes"].values()) == d["peak_bytes"]
     assert {"name", "forward_peak_bytes", "backward_peak_bytes"} <= set(d["modules"][0])
     assert {"name", "category", "bytes", "op"} <= set(d["top_at_peak"][0])

@@ -2,8 +2,8 @@
 sweep or a plan. Inline CSS, inline SVG charts and a few lines of inline script; nothing is
 fetched, so the file works offline and can be attached to a bug report.
 
-Every renderer takes the result's ``to_dict()`` (schemas ``trainmem.estimate/1``,
-``trainmem.trace/1``, ``trainmem.compare/1``, ``trainmem.sweep/1``, ``trainmem.plan/1``), so it
+Every renderer takes the result's ``to_dict()`` (schemas ``trainmem.estimate/2``,
+``trainmem.trace/2``, ``trainmem.compare/2``, ``trainmem.sweep/2``, ``trainmem.plan/2``), so it
 does not depend on the classes; a dict of an unknown schema is shown as generic tables. The
 page reads without scripts; the script adds sorting and a filter to the tensor table.
 
@@ -350,14 +350,15 @@ def _ranks(ranks: list | None, page: _Page) -> None:
 # trace -------------------------------------------------------------------------------------------
 
 def _trace(d: dict, page: _Page) -> None:
-    meta = d.get("meta", {})
-    step = meta.get("step", {})
-    page.subtitle = (f"{meta.get('model_name') or meta.get('model', 'model')} · B={step.get('batch', '?')} "
+    meta, inputs = d.get("meta", {}), d.get("inputs") or {}
+    step = inputs.get("step") or {}
+    model = (inputs.get("model") or {}).get("name") or meta.get("model_class", "model")
+    page.subtitle = (f"{model} · B={step.get('batch', '?')} "
                      f"S={step.get('seq', '?')} · {step.get('precision', '?')} · "
                      f"{'fake' if meta.get('fake', True) else 'real'} tensors")
     page.card("peak allocated", fmt_bytes(d.get("peak_bytes", 0)), peak=True)
     page.card("peak at", f"{d.get('peak_phase')} / {d.get('peak_module') or '<root>'} / {d.get('peak_op')}")
-    page.card("reserved peak (allocator model)", fmt_bytes(d.get("reserved_peak_bytes", 0)))
+    page.card("reserved peak (allocator model)", fmt_bytes(d.get("peak_reserved_bytes", 0)))
     page.card("fragmentation at peak", f"{d.get('fragmentation', 0):.1%}")
     page.card("allocations", f"{d.get('num_allocations', 0):,}")
     tl = d.get("timeline")

@@ -22,7 +22,7 @@ from typing import Any
 from trainmem.inventory import Category
 
 __all__ = ["VERSION", "COMMANDS", "LEDGERS", "FIGURES", "PHASES", "schema_name", "header", "model_source",
-           "part_key", "figure_key", "set_gpu", "trainmem_version", "schema_path"]
+           "part_key", "figure_key", "set_inputs", "trainmem_version", "schema_path"]
 
 VERSION = 2
 COMMANDS = ("estimate", "trace", "compare", "profile", "sweep", "plan", "advise", "explain", "snapshot")
@@ -105,6 +105,17 @@ def _spec(spec: Any) -> dict | None:
     return dict(spec) if isinstance(spec, dict) else spec.to_dict()
 
 
+def set_inputs(out: dict, **given: Any) -> dict:
+    """Fill inputs a result was built without (the CLI resolves ``--gpu``, knows the model's spec);
+    a None leaves the input as it was."""
+    for key, value in given.items():
+        if key not in _NORMALIZE:
+            raise ValueError(f"input={key!r}: expected one of {', '.join(_NORMALIZE)}")
+        if value is not None:
+            out["inputs"][key] = _NORMALIZE[key](value)
+    return out
+
+
 def set_gpu(out: dict, gpu: Any) -> dict:
     """Fill ``inputs.gpu`` of a result built without one (the CLI resolves ``--gpu``)."""
     if gpu is not None:
@@ -116,6 +127,9 @@ def header(command: str, *, model: Any = None, step: Any = None, impl: Any = Non
            finetune: Any = None, gpu: Any = None) -> dict:
     """The three keys every ``--json`` starts with. ``model``: a ModelSpec (or only its name);
     the others: a spec with ``to_dict()``, an already resolved dict, or None (does not apply)."""
+    given = {"model": model, "step": step, "impl": impl, "parallel": parallel, "finetune": finetune, "gpu": gpu}
     return {"schema": schema_name(command), "trainmem_version": trainmem_version(),
-            "inputs": {"model": _model(model), "step": _spec(step), "impl": _spec(impl),
-                       "parallel": _spec(parallel), "finetune": _spec(finetune), "gpu": _spec(gpu)}}
+            "inputs": {k: _NORMALIZE[k](v) for k, v in given.items()}}
+
+
+_NORMALIZE = {"model": _model, "step": _spec, "impl": _spec, "parallel": _spec, "finetune": _spec, "gpu": _spec}

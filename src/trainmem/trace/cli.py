@@ -29,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="lay out the snapshot as the allocator does with expandable_segments:True")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML timeline")
     p.add_argument("--plot", metavar="FILE", help="write the step timeline as a figure (.png or .svg)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.trace/1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.trace/2)")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     from trainmem.fitargs import add_fit_args
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
         say_wrote(write_html(result, args.html, title=f"trainmem trace: {args.model}"))
     fit, fit_text = trace_fit(args, result)
     if args.json:
-        out = result.to_dict()
-        out["meta"]["model_name"] = args.model
+        from trainmem.schemas import set_inputs
+        out = set_inputs(result.to_dict(), model=spec if spec is not None else args.model, gpu=gpu_from_args(args))
         out.update(fit)
         print(json.dumps(out))
     else:

@@ -15,9 +15,9 @@ from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.trace import _recorder as R
 from trainmem.trace.allocator import replay
 
-__all__ = ["TraceResult", "ModulePeak", "LiveTensor", "SCHEMA"]
+__all__ = ["TraceResult", "ModulePeak", "LiveTensor", "SCHEMA", "item_names"]
 
-SCHEMA = "trainmem.trace/1"
+SCHEMA = "trainmem.trace/2"
 TOP_AT_PEAK = 20
 TIMELINE_POINTS = 2000  # the JSON timeline keeps each bucket's maximum
 
@@ -114,16 +114,22 @@ class TraceResult:
         return xs, ys
 
     def to_dict(self, *, timeline: bool = True) -> dict:
+        from trainmem.schemas import header
+        m = self.meta
+        # /2: what was asked is the header's inputs; meta keeps what the trace found (class, torch, ...)
+        extra = {("model_class" if k == "model" else k): v for k, v in m.items()
+                 if k not in ("step", "impl", "finetune", "model_name")}
         out = {
-            "schema": SCHEMA,
-            **({"meta": self.meta} if self.meta else {}),
+            **header("trace", model=m.get("model_name") or m.get("model"), step=m.get("step"), impl=m.get("impl"),
+                     finetune=m.get("finetune")),
+            "meta": extra,
             "peak_bytes": self.peak_bytes,
             "peak_logical_bytes": self.peak_logical_bytes,
             "peak_phase": self.peak_phase,
             "peak_op": self.peak_op,
             "peak_module": self.peak_module,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "reserved_peak_expandable_bytes": self.reserved_peak_expandable_bytes,
+            "peak_reserved_bytes": self.reserved_peak_bytes,
+            "peak_reserved_expandable_bytes": self.reserved_peak_expandable_bytes,
             "fragmentation": round(self.fragmentation, 6),
             "num_allocations": self.num_allocations,
             "totals_at_peak_bytes": dict(self.totals_at_peak_bytes),
@@ -162,6 +168,20 @@ def item_name(b: R.Block) -> str:
     if b.name:
         return b.name
     return f"{b.module}.{b.op}" if b.module else b.op
+
+
+def item_names(rec: R.Recording) -> list[str]:
+    """A unique name per block, by block id: :func:`item_name`, and ``:k`` after the k-th repeat
+    (k = 1, 2, ... in allocation order), so ``model.layers.0.self_attn.cat`` and
+    ``model.layers.0.self_attn.cat:1`` are the first and second outputs of ``cat`` in that module."""
+    seen: dict[str, int] = {}
+    out = []
+    for b in rec.blocks:
+        base = item_name(b)
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        out.append(f"{base}:{k}" if k else base)
+    return out
 
 
 def categorize(rec: R.Recording) -> list[Category]:
@@ -207,10 +227,11 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
              if b.alloc_at <= peak_at and (b.free_at is None or b.free_at > peak_at)] if peak_at >= 0 else []
     totals = {c.value: 0 for c in Category}
     live = []
+    names = item_names(rec)
     for b in alive:
         cat = cats[b.id]
         totals[cat.value] += b.size
-        live.append(LiveTensor(item_name(b), cat, b.size, b.op, b.phase, b.shape, b.dtype))
+        live.append(LiveTensor(names[b.id], cat, b.size, b.op, b.phase, b.shape, b.dtype))
     top = sorted(live, key=lambda t: -t.bytes)[:TOP_AT_PEAK]
     peak_block = blocks[events[peak_at]] if peak_at >= 0 else None
 
@@ -234,7 +255,7 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
         modules=modules,
         top_at_peak=tuple(top),
         alive_at_peak=tuple(live),
-        items=_items(rec, cats),
+        items=_items(rec, cats, names),
         timeline_allocated_bytes=tuple(allocated[base:]) or (0,),
         timeline_reserved_bytes=tuple(rep.reserved_bytes[base:]) or (0,),
         phases=tuple((max(i - base, 0), p) for i, p in rec.marks),
@@ -244,7 +265,7 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
     )
 
 
-def _items(rec: R.Recording, cats: list[Category]) -> Inventory:
+def _items(rec: R.Recording, cats: list[Category], names: list[str]) -> Inventory:
     """Activations saved for backward (as alive when backward starts) and model states."""
     out = []
     for b, cat in zip(rec.blocks, cats):
@@ -254,6 +275,6 @@ def _items(rec: R.Recording, cats: list[Category]) -> Inventory:
             note = "saved for backward" if b.saved else "alive at backward start (not seen by saved-tensor hooks)"
         else:
             note = "buffer" if b.origin == R.ORIGIN_BUFFER else ""
-        out.append(MemoryItem(name=item_name(b), category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
+        out.append(MemoryItem(name=names[b.id], category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
                               formula=f"aten.{b.op}" if b.op else "", note=note))
     return Inventory.of(out)

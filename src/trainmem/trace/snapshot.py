@@ -17,14 +17,14 @@ import pickle
 from pathlib import Path
 
 from trainmem.trace.allocator import CachingAllocator
-from trainmem.trace.result import TraceResult, categorize, item_name
+from trainmem.trace.result import TraceResult, categorize, item_names
 
 __all__ = ["to_memory_snapshot", "write_snapshot"]
 
 
-def _frames(block, category: str) -> list[dict]:
+def _frames(block, name: str, category: str) -> list[dict]:
     return [
-        {"filename": item_name(block), "line": 0, "name": block.op or block.origin},
+        {"filename": name, "line": 0, "name": block.op or block.origin},
         {"filename": f"phase={block.phase}", "line": 0, "name": f"category={category}"},
     ]
 
@@ -34,7 +34,7 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
     rec = result.recording
     if rec is None:
         raise ValueError("this TraceResult carries no recording (it was loaded, not traced)")
-    cats = categorize(rec)
+    cats, names = categorize(rec), item_names(rec)
     alloc = CachingAllocator(expandable_segments=expandable_segments)
     trace: list[dict] = []
     addr_of: dict[int, int] = {}
@@ -55,13 +55,13 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
                                   "stream": 0, "time_us": t, "frames": []})
                 seen_segments = len(segs)
             trace.append({"action": "alloc", "addr": addr, "size": blk.size, "stream": 0, "time_us": t,
-                          "frames": _frames(blk, cats[e].value)})
+                          "frames": _frames(blk, names[e], cats[e].value)})
         else:
             blk = rec.blocks[~e]
             alloc.free(~e)
             for action in ("free_requested", "free_completed"):
                 trace.append({"action": action, "addr": addr_of[~e], "size": blk.size, "stream": 0,
-                              "time_us": t, "frames": _frames(blk, cats[~e].value)})
+                              "time_us": t, "frames": _frames(blk, names[~e], cats[~e].value)})
 
     live = {addr_of[b.id]: b for b in rec.blocks if b.free_at is None and b.id in addr_of}
     segments = []
@@ -72,7 +72,7 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
             blocks.append({
                 "address": b["address"], "size": b["size"], "requested_size": b["requested_size"],
                 "state": "active_allocated" if b["allocated"] else "inactive",
-                "frames": _frames(owner, cats[owner.id].value) if owner is not None else [],
+                "frames": _frames(owner, names[owner.id], cats[owner.id].value) if owner is not None else [],
             })
         allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
         segments.append({
@@ -88,7 +88,7 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
         "allocator_settings": {"expandable_segments": expandable_segments, "PYTORCH_CUDA_ALLOC_CONF": "",
                                "max_split_size": -1},
         "trainmem": {"schema": result.to_dict(timeline=False)["schema"], "peak_bytes": result.peak_bytes,
-                     "reserved_peak_bytes": result.reserved_peak_bytes},
+                     "peak_reserved_bytes": result.reserved_peak_bytes},
     }
 
 
