@@ -6,15 +6,14 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from trainmem.errors import SpecError
+from trainmem.families import family_names, get_family
 from trainmem.specs import _validate as v
 
 __all__ = ["ModelSpec", "FAMILIES", "ACTIVATIONS", "NORMS"]
 
-#: Code families whose module structure (and so saved set) the ``hf`` profile knows.
-FAMILIES = (
-    "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3",
-    "gemma", "gemma2", "phi3", "bert", "generic",
-)
+#: Code families whose module structure (and so saved set) the ``hf`` profile knows: the
+#: registered ones (``trainmem/families/``, one module each).
+FAMILIES = family_names()
 MAX_LAYERS = 10_000  # the deepest published models have ~100-200 blocks; more is a typo
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -137,7 +136,7 @@ class ModelSpec:
         elif self.top_k or self.num_shared_experts:
             raise SpecError("num_experts", 0, f"is required when top_k={self.top_k} "
                             f"or num_shared_experts={self.num_shared_experts} is set")
-        if self.arch == "encoder" and self.family not in ("bert", "generic"):
+        if self.arch == "encoder" and not get_family(self.family).encoder:
             raise SpecError("arch", self.arch, f"encoder models are modelled for family bert, not {self.family}")
 
     # derived sizes ---------------------------------------------------------

@@ -1,0 +1,220 @@
+"""The family registry: what trainmem knows about one architecture, in one place.
+
+A :class:`Family` holds everything that differs between code families (transformers'
+``model_type``): how its ``config.json`` reads (:class:`ConfigSchema`), its parameters in
+``named_parameters()`` order, which ``hf`` block rules run it (:class:`BlockRules`), how tensor
+parallelism splits its linears (:class:`TPRoles`), and the module paths of its embeddings, blocks
+and head. Each family module registers its families with :func:`register_family`, which refuses a
+second family of the same name; everything else asks :func:`get_family`.
+
+Module layouts that are not families -- the ``reference`` and ``megatron`` profiles name
+modules their own way -- register a :class:`NameScheme` (:func:`register_scheme`), so that the
+name queries (:func:`head_modules`, :func:`embedding_modules`, :func:`tp_roles`) cover every
+item name an estimate can hold.
+
+This module imports nothing from the estimator or the specs at run time (specs import it).
+
+Layer kinds (the hook, not yet used): a family whose blocks are not all alike (DeepSeek-V3's
+dense-then-MoE blocks, Gemma-3's local/global attention) sets :attr:`Family.layer_kinds`, a
+function ``ModelSpec -> tuple[str, ...]`` giving each block's kind; the parameter layout and the
+block rules then branch on the kind of block ``i`` instead of on the family. Today every family
+leaves it ``None``: every block is alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from trainmem.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainmem.families.config import ConfigReader
+    from trainmem.specs.model import ModelSpec
+
+__all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "NameScheme", "register_family",
+           "register_scheme", "get_family", "family_names", "config_families", "families", "schemes",
+           "head_modules", "embedding_modules", "token_embedding_modules", "tp_roles", "layer_containers"]
+
+Params = list[tuple[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPRoles:
+    """How Megatron-style tensor parallelism splits a family's weights (by module name).
+
+    A name in ``column`` splits its output features (``ColwiseParallel``), one in ``row`` its
+    input features (``RowwiseParallel``); a ``vocab`` name is a vocabulary-parallel embedding or
+    head (split over the vocabulary). Names are module names or dotted suffixes of module paths
+    (``attention.dense``) as ``estimate/parallel.py`` ``_tp_factor`` matches them.
+    """
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockRules:
+    """Which ``hf`` block rules run a family (``estimate/rules_hf.py``) and its quirks there."""
+
+    forward: str
+    """The model forward of ``rules_hf``: ``llama`` (pre-norm RMSNorm decoder with RoPE),
+    ``gpt`` (GPT-2 / GPT-NeoX LayerNorm decoder) or ``bert`` (post-norm encoder)."""
+    unit_offset_norm: bool = False
+    """Gemma's RMSNorm: ``normed * (1 + w)`` in fp32, cast last (``GemmaRMSNorm``)."""
+    scaled_embedding: bool = False
+    """Gemma scales the token embedding by ``sqrt(H)`` (a new tensor)."""
+    sandwich_norms: bool = False
+    """Gemma-2: a norm after attention and two around the MLP (``pre_/post_feedforward_layernorm``)."""
+    fused_qkv: bool = False
+    """Phi-3: one ``qkv_proj``; its attention output is copied (``Phi3Attention``)."""
+    fused_gate_up: bool = False
+    """Phi-3: one ``gate_up_proj``, and the activation module is ``activation_fn``."""
+    neox: bool = False
+    """GPT-NeoX module names, rotary embeddings and fp32 softmax, rather than GPT-2's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigSchema:
+    """How a Hugging Face ``config.json`` of this ``model_type`` reads (transformers 5.x)."""
+
+    config_class: str
+    """The transformers config class (named in messages)."""
+    defaults: dict[str, Any]
+    """The config class's defaults, for keys a file leaves out (only keys a ModelSpec reads)."""
+    read: Callable[["ConfigReader"], dict]
+    """The reader: a :class:`~trainmem.families.config.ConfigReader` -> ModelSpec fields."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Keys the class also accepts under another name (``PretrainedConfig.attribute_map``)."""
+    required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                 "intermediate_size")
+    """Keys a file must write (or their alias): the sizes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NameScheme:
+    """The module paths of one naming scheme, for the name queries below."""
+
+    name: str
+    embeddings: tuple[str, ...]
+    """Input embedding module paths, the token embedding first."""
+    head: tuple[str, ...]
+    """Modules after the last block: final norm, output layer (the loss is ``loss`` everywhere)."""
+    layers: str
+    """The block container's path (``model.layers``): block ``i`` is ``{layers}.{i}``."""
+    tp: TPRoles = TPRoles()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family(NameScheme):
+    """One code family: a ``model_type`` of transformers, or ``generic`` (Llama names)."""
+
+    config: ConfigSchema | None
+    """How its ``config.json`` reads; None for a family no config names (``generic``)."""
+    parameters: Callable[["ModelSpec"], Params]
+    """``(name, shape)`` of every parameter, in ``named_parameters()`` order (LM head included)."""
+    rules: BlockRules
+    encoder: bool = False
+    """Models ``arch="encoder"`` specs (BERT-style) too."""
+    output_layer: str = "lm_head"
+    """The module that maps the last hidden state to the vocabulary (never adapted or quantized)."""
+    conv1d: bool = False
+    """Linears are GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
+    layer_kinds: Callable[["ModelSpec"], tuple[str, ...]] | None = None
+    """The hook for families whose blocks differ (see the module docstring); None: all alike."""
+
+
+_FAMILIES: dict[str, Family] = {}
+_SCHEMES: dict[str, NameScheme] = {}
+
+
+def _register(table: dict, item: NameScheme, what: str) -> None:
+    if item.name in _FAMILIES or item.name in _SCHEMES:
+        raise SpecError(what, item.name, "is already registered (a family or naming scheme is defined once)")
+    table[item.name] = item
+    _clear()
+
+
+def register_family(make: Callable[[], Family]) -> Callable[[], Family]:
+    """Decorator: register the :class:`Family` the function returns; a name registered twice raises."""
+    _register(_FAMILIES, make(), "family")
+    return make
+
+
+def register_scheme(make: Callable[[], NameScheme]) -> Callable[[], NameScheme]:
+    """Decorator: register a profile's :class:`NameScheme`; a name registered twice raises."""
+    _register(_SCHEMES, make(), "scheme")
+    return make
+
+
+def get_family(name: str) -> Family:
+    """The registered family ``name``; :class:`SpecError` naming the known ones otherwise."""
+    try:
+        return _FAMILIES[name]
+    except (KeyError, TypeError):
+        raise SpecError("family", name, f"must be one of {', '.join(_FAMILIES)}") from None
+
+
+def family_names() -> tuple[str, ...]:
+    """Every registered family, in registration order."""
+    return tuple(_FAMILIES)
+
+
+def families() -> tuple[Family, ...]:
+    return tuple(_FAMILIES.values())
+
+
+def schemes() -> tuple[NameScheme, ...]:
+    """Every naming scheme: the families', then the profiles'."""
+    return (*_FAMILIES.values(), *_SCHEMES.values())
+
+
+def config_families() -> dict[str, Family]:
+    """``model_type`` -> family, for the families a ``config.json`` can name."""
+    return {n: f for n, f in _FAMILIES.items() if f.config is not None}
+
+
+# name queries over every scheme: memoized, forgotten when a family registers -----------------------
+_CACHE: dict[str, Any] = {}
+
+
+def _clear() -> None:
+    _CACHE.clear()
+
+
+def _union(key: str, pick: Callable[[NameScheme], tuple[str, ...]]) -> tuple[str, ...]:
+    if key not in _CACHE:
+        out: dict[str, None] = {}
+        for s in schemes():
+            out.update(dict.fromkeys(pick(s)))
+        _CACHE[key] = tuple(out)
+    return _CACHE[key]
+
+
+def head_modules() -> tuple[str, ...]:
+    """Module paths after the last block in any scheme (final norms, output layers), and ``loss``."""
+    return _union("head", lambda s: (*s.head, "loss"))
+
+
+def embedding_modules() -> tuple[str, ...]:
+    """Input embedding module paths in any scheme (token, position, token-type)."""
+    return _union("embeddings", lambda s: s.embeddings)
+
+
+def token_embedding_modules() -> tuple[str, ...]:
+    """The token embedding of each scheme (``get_input_embeddings()``)."""
+    return _union("token", lambda s: s.embeddings[:1])
+
+
+def layer_containers() -> tuple[str, ...]:
+    """The last component of each scheme's block container (``layers``, ``h``, ``layer``)."""
+    return _union("layers", lambda s: (s.layers.rpartition(".")[2],))
+
+
+def tp_roles() -> TPRoles:
+    """The union of every scheme's tensor-parallel roles."""
+    if "tp" not in _CACHE:
+        _CACHE["tp"] = TPRoles(column=_union("col", lambda s: s.tp.column), row=_union("row", lambda s: s.tp.row),
+                               vocab=_union("vocab", lambda s: s.tp.vocab))
+    return _CACHE["tp"]

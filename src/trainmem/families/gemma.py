@@ -1,0 +1,42 @@
+"""Gemma (``modeling_gemma.py``: RMSNorm times ``1 + w``, embeddings scaled by ``sqrt(H)``) and
+Gemma-2 (``modeling_gemma2.py``: also sandwich norms and tanh soft-capping)."""
+
+from __future__ import annotations
+
+from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
+from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.llama import llama_family, llama_parameters
+
+
+def _read_gemma(c: ConfigReader) -> dict:
+    return llama_like(c)
+
+
+def _read_gemma2(c: ConfigReader) -> dict:
+    return {**llama_like(c, act_key="hidden_activation"),
+            "attn_softcap": float(c("attn_logit_softcapping") or 0.0),
+            "logit_softcap": float(c("final_logit_softcapping") or 0.0)}
+
+
+@register_family
+def gemma() -> Family:
+    return llama_family("gemma", ConfigSchema(
+        config_class="GemmaConfig", read=_read_gemma,
+        defaults={"vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+                  "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
+                  "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+                  "attention_dropout": 0.0}),
+        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True))
+
+
+@register_family
+def gemma2() -> Family:
+    return llama_family("gemma2", ConfigSchema(
+        # Gemma2Config reads ``hidden_activation``, not ``hidden_act``
+        config_class="Gemma2Config", read=_read_gemma2,
+        defaults={"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                  "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+                  "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True),
+        parameters=lambda m: llama_parameters(m, sandwich_norms=True))

@@ -1,0 +1,12 @@
+"""``generic``: a spec written by hand (or read from Megatron/torchtitan arguments), with Llama
+module names; the only family that models either architecture (decoder or encoder)."""
+
+from __future__ import annotations
+
+from trainmem.families.base import Family, register_family
+from trainmem.families.llama import llama_family
+
+
+@register_family
+def generic() -> Family:
+    return llama_family("generic", None, encoder=True)

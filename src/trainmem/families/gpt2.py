@@ -1,0 +1,65 @@
+"""GPT-2 (``modeling_gpt2.py``): learned positions, LayerNorm, ``Conv1D`` linears (weights
+stored ``[in, out]``), a packed ``c_attn``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainmem.families import layout as lay
+from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
+from trainmem.families.config import ConfigReader
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainmem.specs.model import ModelSpec
+
+
+def _parameters(m: "ModelSpec") -> lay.Params:
+    lay.refuse(m, "MoE", "qk_norm", "type_vocab_size")
+    H, F = m.hidden_size, m.ffn_size
+    params = lay.embedding("transformer.wte", m.vocab_size, H)
+    if m.max_positions:
+        params += lay.embedding("transformer.wpe", m.max_positions, H)
+    for i in range(m.num_layers):
+        pre = f"transformer.h.{i}"
+        params += lay.norm(m, f"{pre}.ln_1")
+        params += lay.conv1d(f"{pre}.attn.c_attn", H, m.q_size + 2 * m.kv_size, m.qkv_bias)
+        params += lay.conv1d(f"{pre}.attn.c_proj", m.q_size, H, m.out_bias)
+        params += lay.norm(m, f"{pre}.ln_2")
+        params += lay.conv1d(f"{pre}.mlp.c_fc", H, lay.up_width(m, F), m.mlp_bias)
+        params += lay.conv1d(f"{pre}.mlp.c_proj", F, H, m.mlp_bias)
+    params += lay.norm(m, "transformer.ln_f")
+    return params + lay.lm_head(m)
+
+
+def _read(c: ConfigReader) -> dict:
+    c.refuse_if("add_cross_attention", "cross-attention layers are not modelled")
+    hidden = c("n_embd")
+    inner = c("n_inner")
+    return {
+        "hidden_size": hidden, "num_layers": c("n_layer"), "num_heads": c("n_head"),
+        "ffn_size": 4 * hidden if inner is None else inner,
+        "activation": c.activation("activation_function", gated=False),
+        "norm": "layernorm", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
+        "tied_embeddings": c("tie_word_embeddings"), "vocab_size": c("vocab_size"),
+        "max_positions": c("n_positions"),
+        "attn_dropout": c("attn_pdrop"), "hidden_dropout": c("resid_pdrop"), "embd_dropout": c("embd_pdrop"),
+    }
+
+
+@register_family
+def gpt2() -> Family:
+    return Family(
+        name="gpt2",
+        config=ConfigSchema(
+            config_class="GPT2Config", read=_read,
+            defaults={"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                      "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+                      "attn_pdrop": 0.1, "tie_word_embeddings": True, "add_cross_attention": False},
+            aliases={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                     "n_positions": "max_position_embeddings"},
+            # n_inner is not required: None means 4·n_embd
+            required=("vocab_size", "n_embd", "n_layer", "n_head")),
+        parameters=_parameters, rules=BlockRules(forward="gpt"),
+        embeddings=("transformer.wte", "transformer.wpe"), head=("transformer.ln_f", "lm_head"),
+        layers="transformer.h", tp=TPRoles(column=("c_attn", "c_fc"), row=("c_proj",), vocab=("wte",)),
+        conv1d=True)

@@ -1,0 +1,25 @@
+"""Mistral (``modeling_mistral.py``): the Llama layout, no attention bias key."""
+
+from __future__ import annotations
+
+from trainmem.families.base import ConfigSchema, Family, register_family
+from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.llama import llama_family
+
+__all__ = ["MISTRAL_DEFAULTS"]
+
+#: MistralConfig's defaults (MixtralConfig shares them for these keys).
+MISTRAL_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_dropout": 0.0,
+}
+
+
+def _read(c: ConfigReader) -> dict:
+    return llama_like(c, bias_key=None)
+
+
+@register_family
+def mistral() -> Family:
+    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", defaults=MISTRAL_DEFAULTS, read=_read))

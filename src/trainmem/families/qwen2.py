@@ -1,0 +1,35 @@
+"""Qwen2 (``modeling_qwen2.py``: q, k, v carry a bias, o_proj does not) and Qwen3
+(``modeling_qwen3.py``: per-head RMSNorm on q and k)."""
+
+from __future__ import annotations
+
+from trainmem.families.base import ConfigSchema, Family, register_family
+from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.llama import llama_family
+
+_QWEN2_DEFAULTS = {  # Qwen2Config
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": None, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_dropout": 0.0,
+}
+
+
+def _read_qwen2(c: ConfigReader) -> dict:
+    return {**llama_like(c, bias_key=None), "qkv_bias": True}  # q, k, v carry a bias; o_proj does not
+
+
+def _read_qwen3(c: ConfigReader) -> dict:
+    return {**llama_like(c), "qk_norm": True}
+
+
+@register_family
+def qwen2() -> Family:
+    return llama_family("qwen2", ConfigSchema(config_class="Qwen2Config", defaults=_QWEN2_DEFAULTS,
+                                              read=_read_qwen2))
+
+
+@register_family
+def qwen3() -> Family:
+    # Qwen3Config shares Qwen2Config's defaults for these keys
+    return llama_family("qwen3", ConfigSchema(config_class="Qwen3Config", read=_read_qwen3,
+                                              defaults={**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}))
