@@ -6,7 +6,7 @@ Help text comes from the spec dataclasses' field docstrings where it can.
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
@@ -14,7 +14,7 @@ from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL",
-           "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args"]
+           "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args", "add_head_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
 PRECISION_HELP = (f"{', '.join(PRECISIONS)}: pure bf16/fp16; amp-* autocast over fp32 weights; mixed-* fp32 "
@@ -99,10 +99,30 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "backward, not what eager autograd keeps (docs/compile.md)")
 
 
+def add_head_args(p: argparse.ArgumentParser, heads: tuple[str, ...] | None = None) -> None:
+    """--head, --num-labels: the task head (``ModelSpec.head``; ``estimate/heads.py``)."""
+    from trainmem.specs.model import HEADS
+
+    more = ", seq2seq (encoder-decoder); default: the config's architectures, else" if heads else "; default:"
+    p.add_argument("--head", choices=heads or HEADS, default=None,
+                   help="the model's head: lm (causal LM), mlm (masked LM), seq-cls (sequence classification), "
+                        f"token-cls (token classification){more} lm for decoders, mlm for encoders")
+    p.add_argument("--num-labels", type=_int("num-labels"), default=None,
+                   help="classes of a seq-cls or token-cls head (default 2)")
+
+
+def _with_head(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
+    head, labels = getattr(args, "head", None), getattr(args, "num_labels", None)
+    if labels is not None and (head or model.head) not in ("seq-cls", "token-cls"):
+        raise SpecError("num_labels", labels, "needs --head seq-cls or token-cls")
+    given = {k: v for k, v in (("head", head), ("num_labels", labels)) if v is not None}
+    return replace(model, **given) if given else model
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
-    model = model_from_args(args)
+    model = _with_head(args, model_from_args(args))
     if args.seq is None:
         args.seq = default_seq(model.max_positions)
     return (model, *step_impl_from_args(args))

@@ -16,6 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.notes import estimate_notes
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.optimizer_step import optimizer_impl_used
@@ -106,6 +107,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         # LoRA targets and frozen-parameter patterns are HF module names, so they would match nothing
         raise SpecError("profile", impl.profile, "fine-tuning (LoRA, QLoRA, --freeze) is modelled under "
                                                  "--profile hf only")
+    check_head(model, impl, parallel)
     if step.dtypes.gathered and (parallel is None or not parallel.fsdp):
         raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
                                                      "without FSDP torchtitan autocasts: amp-bf16")
@@ -132,7 +134,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
     ph = phases(
-        inv, B=step.batch, S=step.seq, vocab=model.vocab_size,
+        inv, B=step.batch, S=step.seq, vocab=logits_width(model),
         logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,

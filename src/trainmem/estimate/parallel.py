@@ -31,6 +31,7 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
@@ -324,7 +325,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         recompute = {li: v for li, v in recompute_all.items() if a <= li < b}
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
-            items, B=lstep.batch, S=lstep.seq, vocab=lm.vocab_size,
+            items, B=lstep.batch, S=lstep.seq, vocab=logits_width(lm),
             logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
             grad_accum=(step.grad_accum if par.schedule == "gpipe" and par.pp > 1

@@ -28,7 +28,8 @@ Shape = tuple[int, ...]
 
 def parameter_shapes(model: ModelSpec) -> list[tuple[str, Shape]]:
     """``(name, shape)`` of every trainable parameter, in ``named_parameters()`` order."""
-    return family_of(model).parameters(model)
+    from trainmem.estimate.heads import head_parameters  # a classification head replaces the LM head
+    return head_parameters(model, family_of(model).parameters(model))
 
 
 def count_parameters(model: ModelSpec) -> int:

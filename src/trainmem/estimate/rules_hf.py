@@ -13,20 +13,23 @@ from contextlib import nullcontext
 from trainmem.estimate.attention import attention_core, resolve_kernel
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import OpPolicy, Sym
+from trainmem.families import BlockRules, family_of, token_embedding_modules
 
 __all__ = ["hf_forward"]
 
-LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "generic")
-
 
 def hf_forward(ctx: Ctx) -> None:
-    m = ctx.model
-    if m.arch == "encoder":
+    """The model forward the family's :class:`~trainmem.families.BlockRules` name (``trainmem/families/``)."""
+    if ctx.model.arch == "encoder":
         _bert(ctx)
-    elif m.family in ("gpt2", "gpt_neox"):
+    elif _rules(ctx).forward == "gpt":
         _gpt(ctx)
     else:
         _llama(ctx)
+
+
+def _rules(ctx: Ctx) -> BlockRules:
+    return family_of(ctx.model).rules
 
 
 def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
@@ -51,9 +54,6 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
 
 # --- shared pieces -------------------------------------------------------------------------
 
-_TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")  # get_input_embeddings()
-
-
 def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
     """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype.
     ``positions``: a position embedding, indexed by (1, S) position ids."""
@@ -63,7 +63,7 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
         wt = ctx.weight_trainable()
         g.save(g.new("indices", shape, dims, "int64", False), when=wt)  # only the weight's gradient needs them
         out = g.new("out", shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
-        if not wt and ctx.impl.recompute in ("full", "every-k") and name.endswith(_TOKEN_EMBEDDINGS):
+        if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
             # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
             out.rg = True
@@ -186,10 +186,10 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
 # --- Llama family --------------------------------------------------------------------------
 
 def _llama(ctx: Ctx) -> None:
-    g, m = ctx.g, ctx.model
-    gemma = m.family in ("gemma", "gemma2")
+    g, m, rules = ctx.g, ctx.model, _rules(ctx)
+    gemma = rules.unit_offset_norm
     x = _embedding(ctx, "model.embed_tokens")
-    if gemma:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
+    if rules.scaled_embedding:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
         x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.rg)
     with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
         x = ctx.sp_scatter(x, "out_sp")
@@ -214,13 +214,13 @@ def _llama(ctx: Ctx) -> None:
 
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = ()) -> Sym:
-    g, m = ctx.g, ctx.model
-    gemma = m.family in ("gemma", "gemma2")
+    g, m, rules = ctx.g, ctx.model, _rules(ctx)
+    gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
     h = _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
     with g.module("self_attn"):
         h = ctx.sp_gather(h, "input_gathered")
-        if m.family == "phi3":
+        if rules.fused_qkv:
             with g.module("qkv_proj"):
                 qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H), bias=m.qkv_bias)
             q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.rg)
@@ -244,20 +244,20 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
-                               softcap=m.attn_softcap, out_copy=m.family == "phi3")
+                               softcap=m.attn_softcap, out_copy=rules.fused_qkv)
         with g.module("o_proj"):
             a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
-    if gemma and m.family == "gemma2":
-        a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=True)
+    if rules.sandwich_norms:
+        a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=gemma)
     x = ctx.add(x, a, "residual_attn")
-    norm2 = "pre_feedforward_layernorm" if m.family == "gemma2" else "post_attention_layernorm"
+    norm2 = "pre_feedforward_layernorm" if rules.sandwich_norms else "post_attention_layernorm"
     h = _rmsnorm(ctx, x, norm2, gemma=gemma)
     with g.module("mlp"):
         h = ctx.sp_gather(h, "input_gathered")
         y = _moe(ctx, h) if m.is_moe else _gated_mlp(ctx, h)
         y = ctx.sp_scatter(y, "out_sp")
-    if m.family == "gemma2":
-        y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=True)
+    if rules.sandwich_norms:
+        y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=gemma)
     return ctx.add(x, y, "residual_mlp")
 
 
@@ -279,7 +279,8 @@ def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
             a = _activation(ctx, u, "act")
         with g.module("down_proj"):
             return ctx.linear(a, H, "H", weight=(H, F), bias=m.mlp_bias)
-    if m.family == "phi3":
+    fused = _rules(ctx).fused_gate_up
+    if fused:
         with g.module("gate_up_proj"):
             gu = ctx.linear(h, 2 * F, f"2{Fs}", weight=(2 * F, H), bias=m.mlp_bias)
         gate = up = gu
@@ -290,7 +291,7 @@ def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
         with g.module("up_proj"):
             up = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
         shape, dims = gate.shape, gate.dims
-    with g.module("activation_fn" if m.family == "phi3" else "act_fn"):
+    with g.module("activation_fn" if fused else "act_fn"):
         g.save(gate, when=gate.rg)
         act = g.new("out", shape, dims, gate.dtype, gate.rg)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
@@ -347,7 +348,7 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
 
 def _gpt(ctx: Ctx) -> None:
     g, m = ctx.g, ctx.model
-    neox = m.family == "gpt_neox"
+    neox = _rules(ctx).neox
     root = "gpt_neox" if neox else "transformer"
     x = _embedding(ctx, f"{root}.embed_in" if neox else f"{root}.wte")
     positions = None
@@ -381,7 +382,7 @@ def _gpt(ctx: Ctx) -> None:
 def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:
     g, m = ctx.g, ctx.model
     H, F = m.hidden_size, m.ffn_size
-    neox = m.family == "gpt_neox"
+    neox = _rules(ctx).neox
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
     h = _layernorm(ctx, x, "input_layernorm" if neox else "ln_1")
     with g.module("attention" if neox else "attn"):
@@ -398,8 +399,6 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox,
                                q_copy=not neox and kernel in ("eager", "math"))
-        if kernel in ("flash", "efficient") and not neox:
-            pass
         with g.module("dense" if neox else "c_proj"):
             a = ctx.linear(o, H, "H", weight=(H, H), bias=m.out_bias)
         a = ctx.dropout(a, m.hidden_dropout, "resid_dropout", module=True)

@@ -169,5 +169,6 @@ def symbol_values(model, step, parallel=None, *, lora_rank: int = 0, context: in
         "A": model.num_heads, "Akv": model.num_kv_heads, "hd": model.head_dim,
         "rot": model.rotary_dim or model.head_dim, "F": model.ffn_size, "Fe": model.expert_ffn_size,
         "E": model.num_experts, "k": model.top_k, "Es": model.num_shared_experts, "r": lora_rank,
+        "nl": getattr(model, "num_labels", 0),
         "ctx": context, "tp": p.tp if p else 1, "cp": p.cp if p else 1,
     }

@@ -1,7 +1,7 @@
 """Build Hugging Face models from a config dict, never from the network and never remote code.
 
 Any ``model_type`` that the installed transformers can build from a config is accepted, with one
-of four heads (:data:`HEADS`). The model class comes from transformers' own Auto mappings
+of five heads (:data:`HEADS`). The model class comes from transformers' own Auto mappings
 (``transformers/models/auto/modeling_auto.py``); ``auto_map`` is never followed.
 
 Known limitations:
@@ -26,11 +26,13 @@ HEADS = {
     "lm": ("AutoModelForCausalLM", "ForCausalLM"),
     "mlm": ("AutoModelForMaskedLM", "ForMaskedLM"),
     "seq-cls": ("AutoModelForSequenceClassification", "ForSequenceClassification"),
+    "token-cls": ("AutoModelForTokenClassification", "ForTokenClassification"),
     "seq2seq": ("AutoModelForSeq2SeqLM", "ForConditionalGeneration"),
 }
 #: head name -> the Auto mapping (``modeling_auto``) that lists the model types it can build.
 _MAPPINGS = {"lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
              "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+             "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
              "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
 
 # size keys checked for model types the estimator does not read (it checks its own)

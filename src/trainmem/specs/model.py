@@ -9,7 +9,7 @@ from trainmem.errors import SpecError
 from trainmem.families import family_names, get_family
 from trainmem.specs import _validate as v
 
-__all__ = ["ModelSpec", "FAMILIES", "ACTIVATIONS", "NORMS"]
+__all__ = ["ModelSpec", "FAMILIES", "ACTIVATIONS", "NORMS", "HEADS"]
 
 #: Code families whose module structure (and so saved set) the ``hf`` profile knows: the
 #: registered ones (``trainmem/families/``, one module each).
@@ -17,6 +17,9 @@ FAMILIES = family_names()
 MAX_LAYERS = 10_000  # the deepest published models have ~100-200 blocks; more is a typo
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
+#: Task heads (transformers' Auto classes: ForCausalLM, ForMaskedLM, ForSequenceClassification,
+#: ForTokenClassification); their rules are in ``estimate/heads.py``.
+HEADS = ("lm", "mlm", "seq-cls", "token-cls")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +88,14 @@ class ModelSpec:
     """Intermediate width of one expert; defaults to ``ffn_size``."""
     num_shared_experts: int = 0
     """Always-on experts next to the routed ones."""
+    head: str | None = None
+    """Task head: ``lm`` (causal LM), ``mlm`` (BERT's masked-LM head), ``seq-cls`` (one label per
+    sequence), ``token-cls`` (one label per token); default: lm for decoders, mlm for encoders."""
+    num_labels: int = 2
+    """Classes of a ``seq-cls``/``token-cls`` head (transformers' ``num_labels``)."""
+    classifier_dropout: float | None = None
+    """Dropout before a classification head (``classifier_dropout``); None: transformers' default
+    for the family (BERT: ``hidden_dropout``, decoders' token classifiers: 0.1)."""
 
     def __post_init__(self) -> None:
         v.one_of("family", self.family, FAMILIES)
@@ -138,6 +149,15 @@ class ModelSpec:
                             f"or num_shared_experts={self.num_shared_experts} is set")
         if self.arch == "encoder" and not get_family(self.family).encoder:
             raise SpecError("arch", self.arch, f"encoder models are modelled for family bert, not {self.family}")
+        if self.head is None:
+            object.__setattr__(self, "head", "mlm" if self.arch == "encoder" else "lm")
+        v.one_of("head", self.head, HEADS)
+        if (self.head, self.arch) in (("lm", "encoder"), ("mlm", "decoder")):
+            raise SpecError("head", self.head, f"is not a head of an {self.arch} model "
+                                               f"(use {'mlm' if self.arch == 'encoder' else 'lm'}, seq-cls or token-cls)")
+        v.positive("num_labels", self.num_labels, maximum=1 << 20)
+        if self.classifier_dropout is not None:
+            v.probability("classifier_dropout", self.classifier_dropout)
 
     # derived sizes ---------------------------------------------------------
     @property

@@ -14,9 +14,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
     add_model_step_args(p)
-    p.add_argument("--head", choices=("lm", "mlm", "seq-cls", "seq2seq"), default=None,
-                   help="the model's head: causal LM, masked LM, sequence classification or encoder-decoder "
-                        "(default: from the config's architectures, else the model type's own)")
+    from trainmem.cliargs import add_head_args
+    add_head_args(p, ("lm", "mlm", "seq-cls", "token-cls", "seq2seq"))
     add_routing_arg(p)
     add_optimizer_args(p)
     add_compile_arg(p)
@@ -88,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         config = spec = load_model(args.model)  # a ModelSpec: trace trainmem's reference model
     else:
         config = load_config_dict(args.model)
+        if args.num_labels is not None:
+            if args.head not in ("seq-cls", "token-cls"):
+                raise SpecError("num_labels", args.num_labels, "needs --head seq-cls or token-cls")
+            config = {**config, "num_labels": args.num_labels}
         # the estimator's families are validated before torch is imported; any other type is left
         # to transformers (build_hf_model refuses auto_map and checks sizes)
         spec = (spec_from_hf_config(config, name=args.model) if config["model_type"] in SUPPORTED_MODEL_TYPES

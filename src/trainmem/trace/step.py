@@ -23,7 +23,7 @@ dropout and the weighted sum), not the projections; ``op`` checkpoints every dec
 ``create_selective_checkpoint_contexts`` and torchtitan's op policy (:func:`op_sac_context`).
 
 Heads (``head``, :data:`trainmem.models.hf.HEADS`): ``lm`` and ``mlm`` take ``labels=ids``;
-``seq-cls`` takes one class label per sequence; ``seq2seq`` (T5-style) takes ``labels=ids``, which
+``seq-cls`` takes one class label per sequence, ``token-cls`` one per token; ``seq2seq`` (T5-style) takes ``labels=ids``, which
 the model shifts into a decoder input as long as the encoder's.
 
 MoE (see :mod:`trainmem.trace.routing`): the router's expert ids are replaced by the fixed
@@ -309,6 +309,8 @@ def _inputs(model, step: StepSpec, head: str) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (step.batch, step.seq))
     if head == "seq-cls":
         return {"input_ids": ids, "labels": torch.randint(0, model.config.num_labels, (step.batch,))}
+    if head == "token-cls":
+        return {"input_ids": ids, "labels": torch.randint(0, model.config.num_labels, (step.batch, step.seq))}
     return {"input_ids": ids, "labels": ids}
 
 

@@ -1,0 +1,199 @@
+"""Task heads: what a classification head adds to the parameters and to the saved set.
+
+``ModelSpec.head`` picks the head transformers' Auto class builds on the same base model:
+
+* ``lm`` / ``mlm`` -- the language-model heads, modelled in ``rules_hf.py`` (``lm_head``,
+  BERT's ``cls.predictions``) and ``params.py``.
+* ``seq-cls`` -- ``AutoModelForSequenceClassification``. Decoders
+  (``transformers/modeling_layers.py`` ``GenericForSequenceClassification.forward``,
+  ``GPT2ForSequenceClassification``, ``GPTNeoXForSequenceClassification``): ``score`` (no bias)
+  maps every token to ``num_labels`` logits, the last non-pad token's row is picked with
+  ``logits[arange(B), last_non_pad_token]`` (aten.index keeps its two (B,) int64 indices, not the
+  logits), cross-entropy on (B, num_labels) without an upcast (``loss_utils.py``
+  ``ForSequenceClassificationLoss``). BERT (``BertForSequenceClassification``, ``BertPooler``):
+  the pooler's dense reads ``hidden[:, 0]`` -- a view, so addmm keeps the whole (B, S, H) storage
+  -- then tanh (keeps its output), dropout, ``classifier`` (bias) and CrossEntropyLoss.
+* ``token-cls`` -- ``AutoModelForTokenClassification``: dropout (``classifier_dropout``), a
+  linear to ``num_labels`` per token (``score`` with bias for the generic decoders, ``classifier``
+  for GPT-2/GPT-NeoX/BERT) and cross-entropy over (B·S, num_labels); ``ForTokenClassification``
+  (generic decoders, GPT-NeoX) upcasts the logits to fp32, GPT-2's and BERT's inline
+  ``CrossEntropyLoss`` does not.
+
+No [B, S, V] logits exist: a classifier's logits are B·S·num_labels (token-cls and decoders'
+seq-cls) wide, so the loss phases use ``num_labels`` where the LM heads use the vocabulary.
+
+Known limitations:
+  - Single-label classification (integer labels, ``num_labels`` > 1) only: regression
+    (``num_labels`` = 1, MSE) and multi-label (BCE) are not modelled.
+  - peft's ``modules_to_save`` (a trainable head next to LoRA adapters) is not modelled: under
+    lora/qlora the head is frozen like the rest of the base.
+  - Checked on CPU against real models (tests/estimate/test_heads.py); tensor/sequence parallel
+    cuts of a classification head are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmem.estimate.graph import Sym
+from trainmem.specs import ModelSpec
+
+__all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_width", "classifier_dropout", "check_head"]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TaskHead:
+    """Where a family's transformers classes put their classification heads."""
+
+    seq_module: str
+    """The sequence classifier's linear (``score`` or ``classifier``)."""
+    seq_bias: bool
+    tok_module: str
+    """The token classifier's linear."""
+    tok_bias: bool
+    tok_upcast: bool
+    """The token-classification loss casts the logits to fp32 first (``ForTokenClassification``)."""
+    pooler: str | None = None
+    """BERT's pooler (first token, dense, tanh) in front of the sequence classifier; decoders pool
+    the last token's logits instead."""
+
+
+#: family -> its heads (a family not listed uses transformers' Generic* classes).
+_LAYOUTS: dict[str, TaskHead] = {
+    "generic": TaskHead("score", False, "score", True, True),
+    "gpt2": TaskHead("score", False, "classifier", True, False),
+    "gpt_neox": TaskHead("score", False, "classifier", True, True),
+    "bert": TaskHead("classifier", True, "classifier", True, False, pooler="bert.pooler"),
+}
+
+
+def head_layout(model: ModelSpec) -> TaskHead:
+    if model.arch == "encoder":
+        return _LAYOUTS["bert"]
+    return _LAYOUTS.get(model.family, _LAYOUTS["generic"])
+
+
+def classifier_dropout(model: ModelSpec) -> float:
+    """The dropout in front of the classifier: ``config.classifier_dropout`` when set, else
+    BERT's ``hidden_dropout_prob`` (``BertFor*Classification.__init__``) or 0.1 (decoders' token
+    classifiers: ``GenericForTokenClassification``, ``GPT2ForTokenClassification``,
+    ``GPTNeoXConfig.classifier_dropout``). Decoders' sequence classifiers have none."""
+    if model.head == "seq-cls" and head_layout(model).pooler is None:
+        return 0.0
+    if model.classifier_dropout is not None:
+        return model.classifier_dropout
+    return model.hidden_dropout if model.arch == "encoder" else 0.1
+
+
+def logits_width(model: ModelSpec) -> int:
+    """Columns of the logits the loss reads: the vocabulary for LM heads, else ``num_labels``."""
+    return model.vocab_size if model.head in ("lm", "mlm") else model.num_labels
+
+
+_LM_HEAD = ("lm_head.", "cls.")
+
+
+def head_parameters(model: ModelSpec, params: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
+    """The LM-head layout ``params`` with its head swapped for ``model.head``'s."""
+    if model.head in ("lm", "mlm"):
+        return params
+    lay, H, nl = head_layout(model), model.hidden_size, model.num_labels
+    out = [(n, s) for n, s in params if not n.startswith(_LM_HEAD)]
+    seq = model.head == "seq-cls"
+    if seq and lay.pooler:
+        out += [(f"{lay.pooler}.dense.weight", (H, H)), (f"{lay.pooler}.dense.bias", (H,))]
+    module, bias = (lay.seq_module, lay.seq_bias) if seq else (lay.tok_module, lay.tok_bias)
+    out.append((f"{module}.weight", (nl, H)))
+    if bias:
+        out.append((f"{module}.bias", (nl,)))
+    return out
+
+
+# the forward --------------------------------------------------------------------------------------
+
+def task_head(ctx, h: Sym) -> None:
+    """A classification head and its loss on the base model's last hidden state ``h`` (B, S, H)."""
+    if ctx.step.loss != "ce":
+        from trainmem.errors import SpecError
+        raise SpecError("loss", ctx.step.loss, f"chunked and fused losses are LM-head losses; a {ctx.model.head} "
+                                               "head computes plain cross-entropy (--loss ce)")
+    lay = head_layout(ctx.model)
+    if ctx.model.head == "token-cls":
+        _token_cls(ctx, h, lay)
+    elif lay.pooler:
+        _pooled_cls(ctx, h, lay)
+    else:
+        _last_token_cls(ctx, h, lay)
+
+
+def _classifier(ctx, x: Sym, module: str, bias: bool) -> Sym:
+    m = ctx.model
+    with ctx.g.module(module):
+        return ctx.linear(x, m.num_labels, "nl", weight=(m.num_labels, m.hidden_size), bias=bias)
+
+
+def _token_cls(ctx, h: Sym, lay: TaskHead) -> None:
+    x = ctx.dropout(h, classifier_dropout(ctx.model), "dropout", module=True)
+    logits = _classifier(ctx, x, lay.tok_module, lay.tok_bias)  # (B, S, nl)
+    _cross_entropy(ctx, logits, (ctx.B * ctx.S, "B·S"), upcast=lay.tok_upcast)
+
+
+def _last_token_cls(ctx, h: Sym, lay: TaskHead) -> None:
+    g = ctx.g
+    logits = _classifier(ctx, h, lay.seq_module, lay.seq_bias)  # (B, S, nl)
+    with g.module("pool"):
+        # logits[arange(B), last_non_pad_token]: index's backward keeps the indices, not the logits
+        g.save(g.new("batch_index", (ctx.B,), ("B",), "int64", False),
+               g.new("last_non_pad_token", (ctx.B,), ("B",), "int64", False), when=logits.rg)
+        pooled = g.new("pooled_logits", (ctx.B, logits.shape[-1]), ("B", "nl"), logits.dtype, logits.rg)
+    _cross_entropy(ctx, pooled, (ctx.B, "B"), upcast=False)
+
+
+def _pooled_cls(ctx, h: Sym, lay: TaskHead) -> None:
+    """BERT: ``pooler.dense(hidden[:, 0])``, tanh, dropout, classifier."""
+    g, m, B, H = ctx.g, ctx.model, ctx.B, ctx.model.hidden_size
+    with g.module(lay.pooler), g.module("dense"):
+        wt = ctx.weight_trainable()
+        if ctx.low:  # autocast copies the (B, H) view into a contiguous low-precision input
+            g.save(g.new("input_cast", (B, H), ("B", "H"), ctx.low, h.rg), when=wt)
+            g.save(g.new("weight_cast", (H, H), ("H", "H"), ctx.low, wt), when=h.rg)
+        else:  # addmm keeps hidden[:, 0], a view: the whole (B, S, H) storage stays alive
+            g.save(h, when=wt)
+        dense = g.new("out", (B, H), ("B", "H"), ctx.low or h.dtype, h.rg or wt, op="addmm")
+    with g.module(lay.pooler), g.module("activation"):
+        pooled = g.new("out", dense.shape, dense.dims, dense.dtype, dense.rg)
+        g.save(pooled, when=pooled.rg)  # tanh keeps its output
+    x = ctx.dropout(pooled, classifier_dropout(m), "dropout", module=True)
+    logits = _classifier(ctx, x, lay.seq_module, lay.seq_bias)  # (B, nl)
+    _cross_entropy(ctx, logits, (B, "B"), upcast=False)
+
+
+def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> None:
+    """``F.cross_entropy`` = log_softmax (keeps its output) + nll_loss (keeps the targets and
+    ``total_weight``, a 0-d tensor in the input's dtype: aten ``nll_loss_forward``). Autocast
+    runs cross_entropy in fp32."""
+    g = ctx.g
+    n, sym = rows
+    dtype = "float32" if upcast or ctx.low else logits.dtype
+    with g.module("loss"):
+        g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.rg)
+        g.save(g.new("target", (n,), (sym,), "int64", False), g.new("total_weight", (), (), dtype, False),
+               when=logits.rg)
+
+
+def check_head(model: ModelSpec, impl, parallel=None) -> None:
+    """Refuse what a classification head has not been modelled with, naming the field and value."""
+    if model.head in ("lm", "mlm"):
+        return
+    from trainmem.errors import SpecError
+    if impl.profile != "hf":
+        raise SpecError("profile", impl.profile, f"a {model.head} head is modelled under --profile hf only")
+    if impl.compile:
+        raise SpecError("compile", True, f"the compiled rules cover LM heads; a {model.head} head runs eager here")
+    for name in ("tp", "cp", "pp"):
+        value = getattr(parallel, name, 1) if parallel is not None else 1
+        if value > 1:
+            raise SpecError(name, value, f"a {model.head} head is modelled without tensor, context or "
+                                         "pipeline parallelism (data parallel, ZeRO and FSDP are fine)")
