@@ -81,6 +81,6 @@ def test_for_loop_optimizer_peak_in_backward(family):
 def test_compare_cli_json(capsys):
     assert main(["compare", "--model", "gpt2", "--batch", "1", "--seq", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "trainmem.compare/1"
+    assert data["schema"] == "trainmem.compare/2"
     assert {"name", "estimate_bytes", "trace_bytes", "ratio"} <= set(data["rows"][0])
     assert abs(data["peak"]["ratio"] - 1) < 0.03 and abs(data["activations"]["ratio"] - 1) < 0.03

@@ -171,7 +171,7 @@ def test_sweep_gpu_sets_the_budget_and_says_so(capsys, tiny):
                            "--max", "8", "--gpu", "custom", "--gpu-memory", "1100MiB", "--json"))
     assert data["budget_bytes"] == 76 << 20
     for p in data["points"]:
-        assert p["fits"] is (p["reserved_bytes"] <= 76 << 20)
+        assert p["fits"] is (p["peak_reserved_bytes"] <= 76 << 20)
     assert data["fits"]["fits"] is True and data["fits"]["reserved_bytes"] <= 76 << 20
     if "fits_next" in data:
         assert data["fits_next"]["fits"] is False

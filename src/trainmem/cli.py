@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
     snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")
     snp.add_argument("--top", type=_int("top"), default=10, help="largest allocations to list (default 10)")
-    snp.add_argument("--json", action="store_true", help="print one JSON object")
+    snp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.snapshot/2)")
     snp.set_defaults(func=_snapshot)
     pre = sub.add_parser("presets", help="list bundled model presets")
     pre.set_defaults(func=_presets)
@@ -172,7 +172,9 @@ def _compare(args) -> int:
     from trainmem.report.output import write_outputs
     write_outputs(result, args, title=f"trainmem compare: {args.model}")
     if args.json:
-        print(json.dumps({**result.to_dict(), **({"estimate": efit, "trace": tfit} if efit or tfit else {})}))
+        from trainmem.schemas import set_inputs
+        out = set_inputs(result.to_dict(), gpu=gpu_from_args(args))
+        print(json.dumps({**out, **({"estimate": efit, "trace": tfit} if efit or tfit else {})}))
     else:
         from trainmem.report.text import render_comparison
         print(f"precision: {step.precision_description}")
@@ -185,7 +187,12 @@ def _snapshot(args) -> int:
     from trainmem.trace.snapshot_load import load_snapshot, summarize_snapshot
 
     summary = summarize_snapshot(load_snapshot(args.file), top=args.top)
-    print(json.dumps(summary.to_dict()) if args.json else _render_snapshot(args.file, summary))
+    if args.json:
+        out = summary.to_dict()
+        out["inputs"]["file"] = str(args.file)
+        print(json.dumps(out))
+    else:
+        print(_render_snapshot(args.file, summary))
     return 0
 
 

@@ -9,12 +9,13 @@ The trace runs CPU kernels, so the estimate it is compared with models ``device=
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trainmem.inventory import Category, Inventory
 
 __all__ = ["Comparison", "CompareRow", "compare", "SCHEMA"]
 
-SCHEMA = "trainmem.compare/1"
+SCHEMA = "trainmem.compare/2"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class Comparison:
     estimate_peak_phase: str
     trace_peak_bytes: int
     trace_peak_phase: str
+    model: Any = None  # the estimate's specs, echoed in the header's inputs
+    step: Any = None
+    impl: Any = None
 
 
     def _repr_html_(self) -> str:  # Jupyter
@@ -64,8 +68,9 @@ class Comparison:
         def side(e: int, t: int) -> dict:
             return {"estimate_bytes": e, "trace_bytes": t, "ratio": e / t if t else None}
 
+        from trainmem.schemas import header
         return {
-            "schema": SCHEMA,
+            **header("compare", model=self.model, step=self.step, impl=self.impl),
             "rows": [r.to_dict() for r in self.rows],
             "activations": side(self.activation_estimate_bytes, self.activation_trace_bytes),
             "peak": {**side(self.estimate_peak_bytes, self.trace_peak_bytes),
@@ -107,4 +112,5 @@ def compare(estimate, trace) -> Comparison:
     names = list(e) + [n for n in t if n not in e]
     rows = tuple(CompareRow(n, e.get(n, 0), t.get(n, 0)) for n in names)
     return Comparison(rows, estimate.peak_bytes, estimate.peak_phase,
-                      trace.peak_logical_bytes, trace.peak_phase)
+                      trace.peak_logical_bytes, trace.peak_phase,
+                      model=estimate.model, step=estimate.step, impl=estimate.impl)

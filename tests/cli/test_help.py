@@ -65,8 +65,9 @@ def snapshot_file(tmp_path_factory):
 def test_snapshot_prints_sizes_and_keeps_the_json(snapshot_file, capsys):
     assert main(["snapshot", str(snapshot_file), "--top", "3", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d) == {"num_segments", "reserved_bytes", "allocated_bytes", "peak_allocated_bytes", "num_events",
-                      "top_allocations"}
+    assert set(d) == {"schema", "trainmem_version", "inputs", "num_segments", "reserved_bytes", "allocated_bytes",
+                      "peak_bytes", "num_events", "top_allocations"}
+    assert d["schema"] == "trainmem.snapshot/2" and d["inputs"]["file"] == str(snapshot_file)
     assert main(["snapshot", str(snapshot_file), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "{" not in out and "[" not in out and "_bytes" not in out  # no dict or list reprs, no raw keys

@@ -50,7 +50,7 @@ def test_sweep_json_contract(capsys):
     assert main(["sweep", "--model", "llama-3-8b", "--over", "seq", "--budget", "80GiB", "--attention", "eager",
                  "--precision", "bf16", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["schema"] == "trainmem.sweep/1"
+    assert d["schema"] == "trainmem.sweep/2"
     assert {"max_fit", "points", "fit", "verdict", "crossover_seq"} <= set(d)
     assert {"value", "peak_bytes", "totals_bytes"} <= set(d["points"][0])
     assert d["fit"]["terms"]["attention_scores"]["exponent"] == pytest.approx(2.0, abs=0.01)
@@ -62,8 +62,8 @@ def test_profile_json_contract_and_out_file(capsys, tiny_config, tmp_path):
     assert main(["profile", "--model", tiny_config, "--seq", "32", "--batch", "1", "--precision", "fp32",
                  "--run-on", "cpu", "--steps", "1", "--json", "--compare", "--out", str(out)]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["schema"] == "trainmem.profile/1" and d["device"] == "cpu"
-    assert {"peak_allocated_bytes", "peak_reserved_bytes", "tokens_per_s", "ranks"} <= set(d)
+    assert d["schema"] == "trainmem.profile/2" and d["device"] == "cpu"
+    assert {"peak_bytes", "peak_reserved_bytes", "tokens_per_s", "ranks"} <= set(d)
     assert d["compare"]["rows"][-2]["name"] == "peak_allocated"
     assert json.loads(out.read_text()) == d
     assert os.listdir(out.parent) == ["profile.json"]

@@ -30,5 +30,5 @@ def test_torchrun_two_ranks_rank0_reports_both(tmp_path):
     assert len(lines) == 1  # rank 0 only
     d = json.loads(lines[0])
     assert [rank["rank"] for rank in d["ranks"]] == [0, 1]
-    assert d["peak_allocated_bytes"] == max(rank["peak_allocated_bytes"] for rank in d["ranks"])
+    assert d["peak_bytes"] == max(rank["peak_bytes"] for rank in d["ranks"])
     assert d["tokens_per_s"] == pytest.approx(sum(rank["tokens_per_s"] for rank in d["ranks"]))

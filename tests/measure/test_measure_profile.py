@@ -26,7 +26,7 @@ def tiny_profile():
 def test_profile_tiny_hf_model_is_sane(tiny_profile):
     r = tiny_profile
     d = r.to_dict()
-    assert d["schema"] == "trainmem.profile/1" and d["device"] == "cpu"
+    assert d["schema"] == "trainmem.profile/2" and d["device"] == "cpu"
     assert d["peak_reserved_bytes"] is None  # reserved n/a on CPU
     assert len(d["ranks"]) == 1 and d["ranks"][0]["rank"] == 0
     t = r.totals_bytes

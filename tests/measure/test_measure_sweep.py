@@ -36,7 +36,7 @@ def test_estimate_backend_finds_the_scanned_limit(over, limit):
     by_value = {p.value: p for p in r.points}
     assert by_value[r.max_fit].fits and by_value[r.max_fit].peak_bytes <= budget
     assert not by_value[r.max_fit + multiple].fits
-    assert r.to_dict()["schema"] == "trainmem.sweep/1"
+    assert r.to_dict()["schema"] == "trainmem.sweep/2"
 
 
 def test_eager_exponents_score_term_two_rest_one():

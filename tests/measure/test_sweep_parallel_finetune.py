@@ -22,9 +22,9 @@ def test_sweep_lora_on_a_24gb_card_answers(capsys):
     assert main(["sweep", "--model", "qwen2.5-7b", "--over", "batch", "--budget", "24GiB", "--finetune", "lora",
                  "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["meta"]["finetune"]["mode"] == "lora"
+    assert d["inputs"]["finetune"]["mode"] == "lora"
     model = load_model("qwen2.5-7b")
-    step = StepSpec(**{k: d["meta"]["step"][k] for k in ("batch", "seq", "grad_accum", "precision", "optimizer",
+    step = StepSpec(**{k: d["inputs"]["step"][k] for k in ("batch", "seq", "grad_accum", "precision", "optimizer",
                                                          "loss")})
     lora = FinetuneSpec(mode="lora")
     for p in d["points"]:

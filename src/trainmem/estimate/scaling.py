@@ -14,7 +14,7 @@ __all__ = ["scaling_points", "scaling_sweeps"]
 
 def scaling_points(e, over: str, values: Sequence[int],
                    progress: Callable[[float, str], None] | None = None) -> dict:
-    """A sweep-shaped dict (``trainmem.sweep/1`` points) from the estimator at each value of
+    """A sweep-shaped dict (``trainmem.sweep/2`` points) from the estimator at each value of
     ``over`` (``seq`` or ``batch``), every other input as in the estimate ``e``: its parallel
     layout (per-rank peaks, as the estimate's own) and its fine-tuning."""
     from trainmem.estimate import estimate
@@ -28,7 +28,7 @@ def scaling_points(e, over: str, values: Sequence[int],
         points.append({"value": int(v), "peak_bytes": p.peak_bytes, "totals_bytes": dict(p.totals_bytes)})
         if progress is not None:
             progress((i + 1) / len(values), f"{over}={v}")
-    return {"schema": "trainmem.sweep/1", "over": over, "backend": "estimate", "points": points}
+    return {"schema": "trainmem.sweep/2", "over": over, "backend": "estimate", "points": points}
 
 
 def scaling_sweeps(e, progress: Callable[[float, str], None] | None = None) -> dict[str, dict]:

@@ -181,8 +181,8 @@ def run_profile(args: argparse.Namespace) -> int:
         kwargs = dict(steps=args.steps, warmup=args.warmup, snapshot=args.snapshot, modules=not args.no_modules,
                       categories=args.categories)
         result = profile_model(source, step, impl, device=device, seed=args.seed, **kwargs)
-        payload = result.to_dict()
-        payload.setdefault("meta", {})["model_name"] = args.model
+        from trainmem.schemas import model_input, set_inputs
+        payload = set_inputs(result.to_dict(), model=model_input(source, args.model), gpu=gpu_from_args(args))
         text = render_profile(result, top_modules=args.top_modules)
         from trainmem.fitargs import profile_fit
         fit, fit_text = profile_fit(args, result)
@@ -220,8 +220,9 @@ def run_sweep(args: argparse.Namespace) -> int:
                    stop=args.stop, multiple=args.multiple, device=device, seed=args.seed,
                    parallel=parallel_from_args(args), finetune=finetune_from_args(args),
                    fit_reserved=args.gpu is not None and modelled)
-    payload = result.to_dict()
-    payload["meta"]["model_name"] = args.model
+    from trainmem.fitargs import gpu_from_args
+    from trainmem.schemas import model_input, set_inputs
+    payload = set_inputs(result.to_dict(), model=model_input(source, args.model), gpu=gpu_from_args(args))
     fit, fit_text = sweep_fit(args, result, reserve_modelled=modelled)
     payload.update(fit)
     from trainmem.report.output import write_outputs

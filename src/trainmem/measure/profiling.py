@@ -33,7 +33,7 @@ from trainmem.trace.result import ModulePeak
 __all__ = ["profile", "profile_workload", "profile_model", "ProfileResult", "RankProfile", "OutOfMemory",
            "SCHEMA", "is_oom", "release_memory"]
 
-SCHEMA = "trainmem.profile/1"
+SCHEMA = "trainmem.profile/2"
 HISTORY_MAX_ENTRIES = 200_000
 #: on CPU, refuse steps whose estimated peak exceeds this share of physical memory
 HOST_FRACTION = 0.8
@@ -94,8 +94,8 @@ class RankProfile:
 
     def to_dict(self) -> dict:
         return {
-            "rank": self.rank, "device": self.device,
-            "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "rank": self.rank, "device": self.device,  # /2: peak_bytes is the allocated peak, as everywhere
+            "peak_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_active_bytes": self.peak_active_bytes, "num_alloc_retries": self.num_alloc_retries,
             "num_ooms": self.num_ooms, "baseline_bytes": self.baseline_bytes, "context_bytes": self.context_bytes,
             "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s,
@@ -108,6 +108,7 @@ class RankProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "RankProfile":
         d = dict(d)
+        d["peak_allocated_bytes"] = d.pop("peak_bytes")
         d["modules"] = tuple(ModulePeak(**m) for m in d.get("modules", ()))
         d["losses"] = tuple(d.get("losses", ()))
         return cls(**d)
@@ -144,8 +145,14 @@ class ProfileResult:
         return self.ranks[0].totals_bytes
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, **({"meta": self.meta} if self.meta else {}), "device": self.device,
-                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+        from trainmem.schemas import header
+        m = self.meta
+        return {**header("profile", model=m.get("model_name") or m.get("model"), step=m.get("step"),
+                         impl=m.get("impl")),
+                "meta": {("model_class" if k == "model" else k): v for k, v in m.items()
+                         if k not in ("step", "impl", "model_name")},
+                "device": self.device,
+                "peak_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
                 "tokens_per_s": self.tokens_per_s, "totals_bytes": dict(self.totals_bytes),
                 "ranks": [r.to_dict() for r in self.ranks]}
 

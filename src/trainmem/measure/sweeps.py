@@ -27,7 +27,7 @@ least :data:`~trainmem.measure.fit.QUADRATIC_EXPONENT` (for a·x² + b·x, a qua
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.inventory import LEDGERS, Category
@@ -38,7 +38,7 @@ from trainmem.specs.step import default_seq
 __all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max",
            "growth_at"]
 
-SCHEMA = "trainmem.sweep/1"
+SCHEMA = "trainmem.sweep/2"
 BACKENDS = ("estimate", "trace", "device")
 TERMS = ("attention_scores", "other_activations")
 MIN_FIT_POINTS = 4
@@ -60,7 +60,7 @@ class SweepPoint:
 
     def to_dict(self) -> dict:
         return {"value": self.value, "fits": self.fits, "peak_bytes": self.peak_bytes,
-                "reserved_bytes": self.reserved_bytes, "totals_bytes": dict(self.totals_bytes),
+                "peak_reserved_bytes": self.reserved_bytes, "totals_bytes": dict(self.totals_bytes),
                 "terms_bytes": dict(self.terms_bytes), **({"note": self.note} if self.note else {})}
 
 
@@ -79,9 +79,15 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
     at_limit: dict = field(default_factory=dict)
     """Growth at the limit (:func:`growth_at`): ``value``, ``exponent``, ``quadratic_share``, ``source``."""
+    model: Any = None
+    """The swept model's spec (echoed in the header's inputs)."""
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, **({"meta": self.meta} if self.meta else {}), "over": self.over,
+        from trainmem.schemas import header
+        m = self.meta
+        return {**header("sweep", model=self.model or m.get("model"), step=m.get("step"), impl=m.get("impl"),
+                         parallel=m.get("parallel"), finetune=m.get("finetune")),
+                "search": {k: m[k] for k in ("start", "stop", "multiple") if k in m}, "over": self.over,
                 "backend": self.backend, "budget_bytes": self.budget_bytes, "max_fit": self.max_fit,
                 "capped": self.capped, "points": [p.to_dict() for p in self.points], "fit": self.fit,
                 "verdict": self.verdict, "at_limit": dict(self.at_limit),
@@ -361,4 +367,4 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
             "multiple": multiple, "parallel": None if parallel is None else parallel.to_dict(),
             "finetune": None if finetune is None else finetune.to_dict()}
     return SweepResult(over, backend, budget_bytes, max_fit, capped, points, fits, verdict, crossover,
-                       source_name, meta, at_limit)
+                       source_name, meta, at_limit, model=spec)

@@ -393,8 +393,9 @@ def _trace(d: dict, page: _Page) -> None:
              for m in mods], numeric=(1, 2)))
     if d.get("items"):
         page.items = d["items"]
-    if meta:
-        page.section("Step", f"<pre>{_e(json.dumps(meta, indent=1, default=str))}</pre>")
+    shown = {**{k: v for k, v in inputs.items() if v is not None and k != "model"}, **meta}
+    if shown:
+        page.section("Step", f"<pre>{_e(json.dumps(shown, indent=1, default=str))}</pre>")
 
 
 _PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea"}
@@ -441,8 +442,8 @@ def _curve(fit: dict | None, xs: Sequence[float], ys: Sequence[float]) -> tuple[
 def _sweep(d: dict, page: _Page) -> None:
     over = d.get("over", "value")
     points = sorted((p for p in d.get("points", []) if p.get("peak_bytes") is not None), key=lambda p: p["value"])
-    meta = d.get("meta", {})
-    page.subtitle = " · ".join(str(x) for x in (meta.get("model"), f"memory against {over}",
+    model = ((d.get("inputs") or {}).get("model") or {}).get("name")
+    page.subtitle = " · ".join(str(x) for x in (model, f"memory against {over}",
                                                  d.get("backend") and f"backend {d['backend']}") if x)
     if d.get("max_fit") is not None:
         page.card(f"largest {over} that fits", f"{d['max_fit']:,}", peak=True)

@@ -89,8 +89,10 @@ class SnapshotSummary:
     """Largest allocations seen in the trace (or live blocks, without a trace), largest first."""
 
     def to_dict(self) -> dict:
-        return {"num_segments": self.num_segments, "reserved_bytes": self.reserved_bytes,
-                "allocated_bytes": self.allocated_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+        from trainmem.schemas import header
+        # /2: reserved_bytes and allocated_bytes when the snapshot was taken; peak_bytes the allocated peak
+        return {**header("snapshot"), "num_segments": self.num_segments, "reserved_bytes": self.reserved_bytes,
+                "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_allocated_bytes,
                 "num_events": self.num_events,
                 "top_allocations": [{"size_bytes": a.size_bytes, "where": a.where} for a in self.top_allocations]}
 
