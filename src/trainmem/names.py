@@ -1,7 +1,8 @@
 """Item names follow module paths (``model.layers.3.mlp.up_proj.out``); what can be read from one.
 
 Shared by the estimator, the planner and the renderers, so that none of them imports another
-to parse a name.
+to parse a name. Which module paths are blocks, embeddings or the head is the family registry's
+knowledge (``trainmem/families/``): every family's and profile's names, so these work on any item.
 """
 
 from __future__ import annotations
@@ -9,17 +10,58 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-__all__ = ["layer_of"]
+from trainmem.families import embedding_modules, head_modules, layer_containers, token_embedding_modules
 
-_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
+__all__ = ["layer_of", "layer_index", "split_block", "as_block", "under", "is_head", "is_embedding",
+           "is_token_embedding"]
+
+_CONTAINERS = "|".join(sorted(map(re.escape, layer_containers()), key=len, reverse=True))
+# ".layers.3." anywhere in a dotted path wrapped in dots: the first block index
+_LAYER = re.compile(rf"\.(?:{_CONTAINERS})\.(\d+)\.")
+_BLOCK_INDEX = re.compile(rf"\.({_CONTAINERS})\.\d+(?=\.|$)")
 
 
 @lru_cache(maxsize=1 << 16)
-def _layer_of_prefix(prefix: str) -> int | None:
-    m = _LAYER.search("." + prefix + ".")
+def layer_index(path: str) -> int | None:
+    """Block index in a module path or name (``model.layers.3`` or ``model.layers.3.mlp`` -> 3), else None."""
+    m = _LAYER.search("." + path + ".")
     return int(m.group(1)) if m else None
 
 
 def layer_of(name: str) -> int | None:
-    """Block index in an item name (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
-    return _layer_of_prefix(name.rpartition(".")[0])
+    """Block index of an item's module (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
+    return layer_index(name.rpartition(".")[0])
+
+
+def split_block(name: str) -> tuple[str, int, str] | None:
+    """``model.layers.3.mlp.out`` -> (``model.layers.``, 3, ``mlp.out``): the blocks' prefix, the
+    index and the path inside the block; None outside blocks."""
+    m = _LAYER.search("." + name)  # positions in name are one less
+    if not m:
+        return None
+    return name[:m.start(1) - 1], int(m.group(1)), name[m.end(1):]
+
+
+def as_block(name: str, index: int = 0) -> str:
+    """The same name in block ``index`` (every block index replaced)."""
+    return _BLOCK_INDEX.sub(rf".\1.{index}", "." + name)[1:]
+
+
+def under(name: str, modules: tuple[str, ...]) -> bool:
+    """``name`` is one of ``modules`` or lies inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
+def is_head(name: str) -> bool:
+    """After the last block: a final norm, the output layer or the loss (in any family or profile)."""
+    return under(name, head_modules())
+
+
+def is_embedding(name: str) -> bool:
+    """An input embedding (token, position, token-type) or one of its states."""
+    return under(name, embedding_modules())
+
+
+def is_token_embedding(name: str) -> bool:
+    """The token embedding (``get_input_embeddings()``) or one of its states."""
+    return under(name, token_embedding_modules())

@@ -38,7 +38,6 @@ Known limitations:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import replace
 from typing import Callable
 
@@ -50,7 +49,9 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import state_item as _item
+from trainmem.families import family_of, output_layers
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.names import is_embedding, is_token_embedding, layer_index
 from trainmem.specs import ModelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec, parse_layer_range
 
@@ -59,9 +60,6 @@ __all__ = [
     "adapter_parameters", "dequant_transient", "with_dequant_transient", "load_preset", "list_presets",
 ]
 
-_EMBEDDING = re.compile(r"(?:^|\.)(?:embed[^.]*|wte|wpe|[A-Za-z_]*embeddings)\.weight$")
-_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
-_HEADS = ("lm_head", "cls.predictions.decoder")  # output layers: never adapted, never quantized
 _ADAPTER = (".lora_A.", ".lora_B.")
 FROZEN_NOTE = "frozen: no gradient, master weight or optimizer state"
 
@@ -72,21 +70,31 @@ def _module(param: str) -> str:
     return param.rpartition(".")[0]
 
 
+def _embedding_weight(name: str) -> bool:
+    """An input embedding table (token, position, token-type) of any family."""
+    return name.endswith(".weight") and is_embedding(_module(name))
+
+
+def _output_layer(module: str) -> bool:
+    """A family's output layer (``lm_head``, ``cls.predictions.decoder``): never adapted, never quantized."""
+    return module in output_layers()
+
+
 def _matches(name: str, pattern: str) -> bool:
     """A freeze pattern: ``embeddings``, a layer range, or a module name / dotted prefix."""
     if pattern == "embeddings":
-        return bool(_EMBEDDING.search(name))
+        return _embedding_weight(name)
     layers = parse_layer_range(pattern)
     if layers is not None:
-        m = _LAYER.search(name)
-        return bool(m) and int(m.group(1)) in layers
+        li = layer_index(name)
+        return li is not None and li in layers
     return name == pattern or name.startswith(pattern + ".") or f".{pattern}." in f".{name}"
 
 
 def _tied_embedding(model: ModelSpec) -> str | None:
     if not model.tied_embeddings:
         return None
-    return next((n for n, _ in parameter_shapes(model) if _EMBEDDING.search(n)), None)
+    return next((n for n, _ in parameter_shapes(model) if _embedding_weight(n)), None)
 
 
 def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str], bool]:
@@ -105,7 +113,7 @@ def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str],
             return spec.adapters
         if spec.adapters:
             return False  # peft freezes the whole base (bias="none")
-        if tied and _module(name) in _HEADS:
+        if tied and _output_layer(_module(name)):
             name = tied  # one tensor: frozen together
         return not any(_matches(name, p) for p in spec.freeze)
 
@@ -115,8 +123,8 @@ def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str],
 def is_linear_weight(model: ModelSpec, name: str, shape: tuple[int, ...]) -> bool:
     """A 2-D weight of a linear layer other than the output head (what peft's ``all-linear``
     adapts and bitsandbytes quantizes)."""
-    return (name.endswith(".weight") and len(shape) == 2 and not _EMBEDDING.search(name)
-            and _module(name) not in _HEADS)
+    return (name.endswith(".weight") and len(shape) == 2 and not _embedding_weight(name)
+            and not _output_layer(_module(name)))
 
 
 def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
@@ -124,13 +132,13 @@ def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
     if not spec.adapters or any(a.strip(".") in module.split(".") for a in _ADAPTER):
         return False
     if "all-linear" in spec.lora_targets:
-        return module not in _HEADS
+        return not _output_layer(module)
     return any(module == t or module.endswith("." + t) for t in spec.lora_targets)
 
 
 def _linear_in_out(model: ModelSpec, shape: tuple[int, int]) -> tuple[int, int]:
     """(in, out) of a linear weight; GPT-2's ``Conv1D`` stores ``[in, out]``."""
-    return (shape[0], shape[1]) if model.family == "gpt2" else (shape[1], shape[0])
+    return (shape[0], shape[1]) if family_of(model).conv1d else (shape[1], shape[0])
 
 
 def adapter_parameters(model: ModelSpec, spec: FinetuneSpec) -> list[tuple[str, tuple[int, int], str]]:
@@ -171,7 +179,7 @@ class FinetuneLinear:
         g, spec = ctx.g, self.spec
         module = ".".join(g.scope)
         trainable = ctx.weight_trainable()
-        if spec.mode == "qlora" and module not in _HEADS:
+        if spec.mode == "qlora" and not _output_layer(module):
             out = self._linear4bit(ctx, x, out_features, out_sym, weight=weight, label=label)
         else:
             out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label)
@@ -213,9 +221,9 @@ class FinetuneLinear:
     def embedding_notes(self, ctx: Ctx, model: ModelSpec) -> None:
         """Markers for frozen embedding tables: their indices are not kept."""
         for name, _ in parameter_shapes(model):
-            if _EMBEDDING.search(name) and not ctx.trainable(name):
+            if _embedding_weight(name) and not ctx.trainable(name):
                 # token ids are (B, S); position and token-type ids one (1, S) row
-                per_row = any(k in name for k in ("wpe", "position", "token_type"))
+                per_row = not is_token_embedding(name)
                 ids = Sym("", *(((1, ctx.S), ("1", "S")) if per_row else ((ctx.B, ctx.S), ("B", "S"))), "int64")
                 dims, text = ctx.g.render(ids)
                 self.notes.append(MemoryItem(

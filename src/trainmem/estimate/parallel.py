@@ -23,7 +23,6 @@ defaults (5e8 elements).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -34,24 +33,14 @@ from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
+from trainmem.families import tp_roles
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import as_block, is_head, is_token_embedding, layer_index
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight", "local_model",
            "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload"]
 
-_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)(?:\.|$)")
-_BLOCK_INDEX = re.compile(r"\.(layers|h|layer)\.\d+")
-_HEAD = ("model.norm", "lm_head", "loss", "transformer.ln_f", "gpt_neox.final_layer_norm", "norm",
-         "final_layernorm", "output_layer", "cls.")
-# column-parallel (split output rows), row-parallel (split input columns), vocab-parallel
-_COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj",
-           "c_attn", "c_fc", "query_key_value", "dense_h_to_4h", "query", "key", "value",
-           "attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up", "intermediate.dense")
-_ROW = ("o_proj", "down_proj", "c_proj", "attention.dense", "dense_4h_to_h", "attn.o", "mlp.down",
-        "output.dense")
-_VOCAB = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings", "embed.weight",
-          "decoder")
 _ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
 
 
@@ -159,8 +148,12 @@ def in_flight(par: ParallelSpec, stage: int) -> float:
 def _tp_factor(name: str, *, tp: int, ep: int) -> int:
     if ".experts." in name or name.endswith(".experts"):
         return ep * (tp if ep == 1 else 1)
+    # column-parallel (split output rows), row-parallel (split input columns), vocab-parallel:
+    # every family's and profile's roles (trainmem/families/)
+    roles = tp_roles()
     base = name.rsplit(".", 2)[0] if name.count(".") >= 2 else name
-    if any(k in name for k in _VOCAB) or any(base.endswith(k) or f".{k}." in name for k in _COLUMN + _ROW):
+    if any(k in name for k in roles.vocab) or any(base.endswith(k) or f".{k}." in name
+                                                   for k in roles.column + roles.row):
         return tp
     return 1
 
@@ -172,17 +165,13 @@ def _shard_group(par: ParallelSpec) -> int:
     return group
 
 
-def _stage_of(name: str, stages: list[tuple[int, int]], *, is_param: bool) -> int | None:
-    m = _LAYER.search("." + name)
-    if m:
-        li = int(m.group(1))
+def _stage_of(name: str, stages: list[tuple[int, int]]) -> int:
+    """A block's item goes with its block, a head's (final norm, output layer, loss) to the last
+    stage, everything else (embeddings, rotary tables) to the first."""
+    li = layer_index(name)
+    if li is not None:
         return next(s for s, (a, b) in enumerate(stages) if a <= li < b)
-    if is_param and name.startswith(("model.norm", "lm_head", "transformer.ln_f", "gpt_neox.final_layer_norm",
-                                     "norm.", "cls.")):
-        return len(stages) - 1
-    if name.startswith(_HEAD) or name == "":
-        return len(stages) - 1 if name else 0
-    return 0
+    return len(stages) - 1 if is_head(name) else 0
 
 
 def _local_item(item: MemoryItem, div: int) -> MemoryItem:
@@ -367,7 +356,7 @@ def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune,
     if impl.recompute != "none":
         plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
                                                 finetune, shard)
-    act_stage = tuple(_stage_of(sv, list(stages), is_param=False) for sv in savers)
+    act_stage = tuple(_stage_of(sv, list(stages)) for sv in savers)
     return tuple(acts), act_stage, recompute_per_layer(Inventory(acts), Inventory(plain))
 
 
@@ -391,19 +380,18 @@ def _local_states(model: ModelSpec, step: StepSpec, finetune, tp: int, ep: int, 
 
 @lru_cache(maxsize=64)
 def _state_stages(states: tuple[MemoryItem, ...], stages: tuple[tuple[int, int], ...]) -> dict[str, int]:
-    return {it.name: _stage_of(it.name, list(stages), is_param=True) for it in states}
+    return {it.name: _stage_of(it.name, list(stages)) for it in states}
 
 
 @lru_cache(maxsize=64)
 def _tp_divisors(states: tuple[MemoryItem, ...], tp: int, ep: int) -> dict[str, int]:
     # every block's names are block 0's with another index: one _tp_factor call per distinct name
-    return {it.name: _tp_factor(_BLOCK_INDEX.sub(r".\1.0", it.name), tp=tp, ep=ep) for it in states}
+    return {it.name: _tp_factor(as_block(it.name), tp=tp, ep=ep) for it in states}
 
 
 def _embedding_name(states: list[MemoryItem]) -> str:
     for it in states:
-        if it.category is Category.PARAMETER and any(k in it.name for k in ("embed_tokens", "wte", "embed_in",
-                                                                              "word_embeddings", "embed.")):
+        if it.category is Category.PARAMETER and is_token_embedding(it.name):
             return it.name
     return "\0"
 
@@ -470,10 +458,9 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         per_layer_grad: dict[int, float] = {}
         root = 0.0
         for i in stage_params:
-            m = _LAYER.search("." + i.name)
+            li = layer_index(i.name)
             numel = math.prod(i.shape) / tp_div[i.name]
-            if m:
-                li = int(m.group(1))
+            if li is not None:
                 per_layer[li] = per_layer.get(li, 0) + numel
                 per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
             else:

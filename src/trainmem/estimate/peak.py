@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import layer_of
+from trainmem.names import is_head, layer_of
 
 __all__ = ["Phase", "phases"]
 
@@ -89,7 +89,7 @@ class LayerStats:
             if li is not None:
                 self.act_layer[li] = self.act_layer.get(li, 0) + it.bytes
                 self.largest[li] = max(self.largest.get(li, 0), it.bytes)
-            elif it.name.startswith(_HEAD):
+            elif is_head(it.name):
                 self.head_act += it.bytes
                 if it.name.startswith("loss."):
                     self.loss_act += it.bytes
@@ -97,10 +97,6 @@ class LayerStats:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
                 self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
-
-
-_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.",
-         "final_layernorm.", "output_layer.", "gpt_neox.final_layer_norm.")
 
 
 def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
@@ -114,7 +110,7 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
         if li is None and it.category is Category.GRADIENT:
             outside.append(it)
     if any(it.name.startswith("lm_head.") for it in outside):  # untied head: the embedding's gradient comes last
-        st.late_grad = sum(it.bytes for it in outside if not it.name.startswith(_HEAD))
+        st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
     for r in items.repeats:
         # one pass over the template, then its per-block sums land on every repeated block
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]

@@ -44,15 +44,13 @@ from functools import lru_cache
 from trainmem.errors import SpecError
 from trainmem.estimate.params import parameter_shapes
 from trainmem.inventory import dtype_bytes
+from trainmem.names import is_embedding
 from trainmem.plan.hardware import GPU
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs import _validate as v
 
 __all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters", "trainable_parameters",
            "op_recomputed_parameters"]
-
-_EMBED_INPUTS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
-                 "token_type_embeddings", "embed_in")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +107,7 @@ def _counts(model: ModelSpec, shapes) -> list[tuple[str, int, int]]:
         for d in shape:
             n *= d
         mm = n
-        if any(t in name for t in _EMBED_INPUTS) and not model.tied_embeddings:
+        if is_embedding(name) and not model.tied_embeddings:
             mm = 0
         elif model.is_moe and "experts" in name and "shared" not in name:
             mm = n * model.top_k // model.num_experts

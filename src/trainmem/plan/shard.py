@@ -34,12 +34,11 @@ from trainmem.estimate import Estimate
 from trainmem.estimate.peak import layer_of
 from trainmem.estimate.symbols import names
 from trainmem.inventory import Category
+from trainmem.names import is_embedding, is_head
 from trainmem.specs import ParallelSpec
 
 __all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak"]
 
-_HEAD = ("loss.", "lm_head.", "model.norm.", "transformer.ln_f.", "norm.", "cls.")
-_EMBED = ("embed", "wte", "wpe", "word_embeddings", "position_embeddings", "token_type_embeddings")
 _TP_DIMS = frozenset({"A", "Akv", "F", "Fe"})
 _LEDGERS = ("parameter", "gradient", "master_weight", "optimizer_state")
 
@@ -115,7 +114,7 @@ def breakdown(e: Estimate) -> Breakdown:
                     act_split += it.bytes
                 else:
                     act_rep += it.bytes
-            elif it.name.startswith(_HEAD):
+            elif is_head(it.name):
                 act_head += it.bytes
             else:
                 act_first += it.bytes
@@ -127,7 +126,7 @@ def breakdown(e: Estimate) -> Breakdown:
             block[k] += it.bytes
             if k == 0:
                 layer_params[li] = layer_params.get(li, 0) + it.bytes
-        elif any(t in it.name for t in _EMBED):
+        elif is_embedding(it.name):
             embed[k] += it.bytes
         else:
             head[k] += it.bytes
