@@ -119,10 +119,19 @@ def _with_head(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
     return replace(model, **given) if given else model
 
 
+def _traced_model(args: argparse.Namespace) -> ModelSpec | None:
+    """Under --profile traced, a model type the estimator does not map still has a ModelSpec
+    (``estimate/traced``); None otherwise."""
+    if getattr(args, "profile", None) != "traced":
+        return None
+    from trainmem.estimate.traced import unmapped_model_spec
+    return unmapped_model_spec(args.model)
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, ImplSpec]:
     from trainmem.inputs import model_from_args
 
-    model = _with_head(args, model_from_args(args))
+    model = _with_head(args, _traced_model(args) or model_from_args(args))
     if args.seq is None:
         args.seq = default_seq(model.max_positions)
     return (model, *step_impl_from_args(args))

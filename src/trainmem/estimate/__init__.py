@@ -111,6 +111,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if step.dtypes.gathered and (parallel is None or not parallel.fsdp):
         raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
                                                      "without FSDP torchtitan autocasts: amp-bf16")
+    if impl.profile == "traced":  # estimate/traced: what is kept and every parameter, read off a fake-tensor trace
+        from trainmem.estimate.traced import check_traced
+        check_traced(step, impl, parallel, finetune)
     if parallel is not None and not parallel.is_single:
         if impl.optimizer_in_backward:
             raise SpecError("optimizer_in_backward", True, "is modelled on one device only (no --dp/--tp/--pp/--zero/--fsdp)")
@@ -119,7 +122,10 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         return Estimate(model, step, impl, worst.inventory, worst.phases, parallel=parallel,
                         finetune=finetune, ranks=ranks)
     plain_impl = replace(impl, recompute="none", recompute_every=1)
-    if finetune is None:  # identical blocks stored once: the cost of one block, however deep
+    if impl.profile == "traced":
+        from trainmem.estimate.traced import traced_parts
+        acts, states, plain, traced_transient = traced_parts(model, step, impl)
+    elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
         acts = activation_inventory(model, step, impl)
         states = model_state_inventory(model, step)
         plain = activation_inventory(model, step, plain_impl) if impl.recompute != "none" else None
@@ -138,7 +144,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
         grad_accum=step.grad_accum, recompute_bytes=recompute,
-        optimizer_transient=optimizer_transient(model, step, states, finetune, impl),
+        optimizer_transient=(traced_transient if impl.profile == "traced"
+                             else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward,
     )

@@ -10,7 +10,7 @@ from trainmem.specs import _validate as v
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS",
            "routing_hot_fraction"]
 
-PROFILES = ("hf", "reference", "megatron")
+PROFILES = ("hf", "reference", "megatron", "traced")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
 RECOMPUTES = ("none", "selective", "full", "every-k", "op")
 DEVICES = ("cuda", "cpu")
@@ -42,7 +42,8 @@ class ImplSpec:
 
     profile: str = "hf"
     """Whose saved set is modelled: ``hf`` (Hugging Face transformers modules), ``reference``
-    (trainmem's own reference model) or ``megatron`` (the accounting behind sbh(34 + 5as/h))."""
+    (trainmem's own reference model), ``megatron`` (the accounting behind sbh(34 + 5as/h)) or
+    ``traced`` (read off a fake-tensor trace of the transformers model, ``estimate/traced``)."""
     attention: str = "sdpa"
     """eager (materialized softmax), sdpa (PyTorch's dispatcher: flash on CUDA for 16-bit,
     efficient for fp32, the CPU flash kernel or math on CPU), flash, sdpa-math, mem-efficient."""
@@ -88,7 +89,7 @@ class ImplSpec:
         v.positive("recompute_every", self.recompute_every, maximum=10**6)
         if self.recompute != "every-k" and self.recompute_every != 1:
             raise SpecError("recompute_every", self.recompute_every, f"needs recompute='every-k', not {self.recompute!r}")
-        if self.recompute == "op" and self.profile != "hf":
+        if self.recompute == "op" and self.profile not in ("hf", "traced"):
             raise SpecError("recompute", self.recompute, f"op-level checkpointing is modelled for profile='hf' "
                             f"(Hugging Face modules), not {self.profile!r}")
         for name in ("fused_norm", "fused_bias_act", "fused_dropout", "inplace_act"):

@@ -1,0 +1,121 @@
+"""Layer kinds: which blocks of a Hugging Face model are alike, read off the model itself.
+
+The model is built from its config on the meta device (no memory, exact shapes). A block's
+signature is what could change what it saves: every submodule's class and plain attributes
+(``is_sliding``, ``sliding_window``, ``use_rope``, ``layer_type`` ...; ``layer_idx`` left out),
+every parameter's name, shape and dtype, and whether the block runs checkpointed. Blocks with one
+signature are one kind. The traced model is the shortest prefix of blocks that shows every kind,
+plus one block more (it must repeat its kind's first block exactly, which checks the kinds).
+
+Known limitations:
+  - Only models with one stack of blocks (a ``ModuleList`` as long as ``num_hidden_layers``);
+    encoder-decoder models (T5) are refused.
+  - The prefix is cut from the config by ``num_hidden_layers`` and by per-layer lists (any list
+    as long as the model is deep, e.g. ``layer_types``; index lists such as ``mlp_only_layers``
+    are filtered). When the cut model's blocks do not have the full model's signatures, the cut
+    is refused rather than guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from trainmem.errors import UnsupportedError
+
+__all__ = ["Stack", "find_stack", "layer_signatures", "reduced_config", "meta_model", "parameter_shapes_of",
+           "layer_count_key"]
+
+_SKIP_ATTRS = {"training", "layer_idx", "layer_id", "layer_number", "block_idx", "idx", "layer_index"}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The blocks of a model: their ``ModuleList``'s name (``model.layers``) and count."""
+
+    prefix: str  # "model.layers."
+    num_layers: int
+
+
+def meta_model(config: Mapping[str, Any], attention: str, dtype=None):
+    """The model ``config`` describes, on the meta device, weights not initialized."""
+    import torch
+
+    from trainmem.models.hf import build_hf_model
+    from trainmem.trace.step import _default_dtype
+
+    ctx = _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
+    with torch.device("meta"), ctx:
+        return build_hf_model(config, attention=attention, init_weights=False)
+
+
+def find_stack(model) -> Stack:
+    """The one ``ModuleList`` of blocks: as long as ``config.num_hidden_layers``."""
+    import torch
+
+    depth = getattr(model.config, "num_hidden_layers", None)
+    found = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and depth and len(m) == depth]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(found)})"
+        raise UnsupportedError(f"{type(model).__name__}: --profile traced needs one stack of blocks "
+                               f"(a ModuleList of num_hidden_layers={depth}); found {what}")
+    return Stack(found[0] + ".", depth)
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def layer_signatures(model, stack: Stack, checkpointed: Callable[[int], bool]) -> list[tuple]:
+    """One hashable signature per block (see the module docstring)."""
+    layers = model.get_submodule(stack.prefix[:-1])
+    out = []
+    for i, layer in enumerate(layers):
+        mods = tuple((n, type(m).__name__, tuple(sorted((k, v) for k, v in vars(m).items()
+                                                         if not k.startswith("_") and k not in _SKIP_ATTRS
+                                                         and _plain(v))))
+                     for n, m in layer.named_modules())
+        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+        out.append((mods, params, bool(checkpointed(i))))
+    return out
+
+
+def layer_count_key(config: Mapping[str, Any]) -> str:
+    """The key this config writes its depth under (``n_layer`` for gpt2)."""
+    from transformers import AutoConfig
+
+    aliases = getattr(type(AutoConfig.for_model(config["model_type"])), "attribute_map", {}) or {}
+    for key, target in aliases.items():
+        if target == "num_hidden_layers" and key in config:
+            return key
+    return "num_hidden_layers"
+
+
+def reduced_config(config: Mapping[str, Any], depth: int, layers: int) -> dict:
+    """``config`` cut to its first ``layers`` blocks (of ``depth``)."""
+    out = dict(config)
+    out[layer_count_key(config)] = layers
+    for key, value in config.items():
+        if not isinstance(value, list):
+            continue
+        if len(value) == depth and depth != layers:
+            out[key] = value[:layers]  # per-layer lists: layer_types, no_rope_layers, ...
+        elif key.endswith("_layers") and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            out[key] = [v for v in value if v < layers]  # index lists: mlp_only_layers, ...
+    return out
+
+
+def parameter_shapes_of(model) -> list[tuple[str, tuple[int, ...]]]:
+    """``named_parameters()`` as (name, shape): tied weights once, as transformers names them."""
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def tp_plan_of(model) -> dict[str, str]:
+    """transformers' ``base_model_tp_plan`` (module pattern -> colwise/rowwise/...), prefixed as
+    the model names its modules; empty when the model has none."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    return {f"{prefix}{k}": str(v) for k, v in plan.items()}

@@ -1,0 +1,98 @@
+"""Run the cut model's forward on fake tensors at a few (B, S) and list what it keeps for backward.
+
+One model is built in one ``FakeTensorMode`` (CPU fake tensors: shapes and dtypes, no data) and
+run once per point: forward and loss under trainmem's recorder (``trace/_recorder.py``), as
+``trace_step`` runs them (``trace/step.py``: precision, autocast, attention kernel, recompute,
+MoE routing). What the step keeps for backward is every storage an op made during forward that
+is still alive when forward returns -- saved by autograd, or held by a checkpoint region -- plus
+the inputs autograd saved (the token ids, by the embedding), less the loss itself.
+
+Known limitations: CPU kernels only (``--device cpu``); the saved set is that of transformers'
+modules as installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from trainmem.errors import UnsupportedError
+from trainmem.specs import ImplSpec, StepSpec
+
+__all__ = ["Saved", "record_saved"]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One storage kept for backward at one (B, S)."""
+
+    name: str  # <module path>.<op>, ``_<n>`` from the second of a name on; ``loss.`` for the root's ops
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
+                 points: Sequence[tuple[int, int]]) -> list[list[Saved]]:
+    """What one forward keeps for backward at each (B, S) of ``points``, in allocation order."""
+    import torch
+    from torch._subclasses import fake_tensor as ft
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainmem.trace import step as ts
+
+    ts._check(step, impl)
+    try:
+        with ts._quiet_fake_tensor_log(), FakeTensorMode(), ts._attention_context(impl):
+            from trainmem.models.hf import build_hf_model
+            with ts._default_dtype(ts._dtype(step.dtypes.param)):
+                model = build_hf_model(config, attention=impl.attention, init_weights=False)
+            model.train()
+            ts._enable_recompute(model, impl)
+            routing, _ = ts._routing(model, impl, fake=True)
+            selective = (ts._selective_recompute(model, impl.attention) if impl.recompute == "selective"
+                         else contextlib.nullcontext())
+            with routing, selective:
+                return [_one(model, replace(step, batch=b, seq=s), torch) for b, s in points]
+    except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
+        raise UnsupportedError(f"--profile traced: op {exc.func} has a data-dependent output on fake tensors") from None
+    except ft.UnsupportedOperatorException as exc:
+        raise UnsupportedError(f"--profile traced: op {exc.func} has no fake-tensor implementation") from None
+    except (RuntimeError, IndexError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedError(f"--profile traced: the model cannot run on fake tensors: {first}") from None
+
+
+def _one(model, step: StepSpec, torch) -> list[Saved]:
+    from trainmem.trace import step as ts
+    from trainmem.trace._recorder import ORIGIN_INPUT, ORIGIN_OP, _Recorder
+
+    ts._check_positions(model, step.seq)
+    inputs = ts._inputs(model, step, ts._head_of(model))
+    ids = inputs.pop("input_ids")
+    dt = step.dtypes
+    autocast = torch.autocast("cpu", dtype=ts._dtype(dt.activation)) if dt.autocast else contextlib.nullcontext()
+    rec = _Recorder(model, [])
+    with rec:
+        rec.mark_input(ids, "input_ids")
+        for key, t in inputs.items():
+            if t is not ids:
+                rec.mark_input(t, key)
+        with autocast:
+            loss = model(ids, **inputs).loss
+        entry = rec._storages.get(loss)
+        loss_block = entry.data if entry is not None else None
+        kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
+                if b.free_at is None and b.phase == "forward" and b is not loss_block
+                and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
+        del loss
+    seen: dict[str, int] = {}
+    out = []
+    for b in kept:
+        base = b.name or (f"{b.module}.{b.op}" if b.module else f"loss.{b.op.lstrip('_')}")
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
+    return out

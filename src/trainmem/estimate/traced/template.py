@@ -1,0 +1,261 @@
+"""The traced template: every tensor one layer kind keeps, as exact polynomials in B and S.
+
+:func:`build_template` traces the model cut to one period of its layer kinds
+(:mod:`~trainmem.estimate.traced.kinds`) at six grid points and one held-out point
+(:mod:`~trainmem.estimate.traced.record`), fits every saved tensor's axes and bytes
+(:mod:`~trainmem.estimate.traced.poly`) and keeps, per layer kind, the tensors its first block
+keeps, with the blocks of the full model that are of that kind. Parameters (exact shapes, from the
+full model on the meta device) are kept the same way. A template is plain data: it is cached as
+JSON (:mod:`~trainmem.estimate.traced.cache`) and evaluated at any (B, S) in its regime.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Mapping, Sequence
+
+from trainmem.errors import UnsupportedError
+from trainmem.estimate.symbols import formula
+from trainmem.estimate.traced import poly as P
+from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
+
+__all__ = ["TracedItem", "Kind", "Template", "build_template", "regime_of"]
+
+_WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "window_size", "local_window_size")
+
+
+@dataclass(frozen=True)
+class TracedItem:
+    """One kept tensor: its name (relative to its block for a kind's items), creating op, dtype,
+    one polynomial per axis and one for its storage bytes."""
+
+    name: str
+    op: str
+    dtype: str
+    axes: tuple[P.Poly, ...]
+    nbytes: P.Poly
+
+    def at(self, B: int, S: int, prefix: str = "") -> MemoryItem:
+        shape = tuple(int(P.value(a, B, S)) for a in self.axes)
+        dims = tuple(P.render(a) for a in self.axes)
+        nbytes = P.value(self.nbytes, B, S)
+        if nbytes.denominator != 1 or nbytes < 0:
+            raise UnsupportedError(f"--profile traced: {prefix}{self.name} has {nbytes} bytes at B={B}, S={S} "
+                                   f"(its fitted size {P.render(self.nbytes)} is not whole there)")
+        return MemoryItem.make(prefix + self.name, Category.ACTIVATION, shape, self.dtype, int(nbytes),
+                               f"{formula(dims, dtype_bytes(self.dtype))} (aten.{self.op})", dims)
+
+    def to_json(self) -> list:
+        return [self.name, self.op, self.dtype, [P.to_json(a) for a in self.axes], P.to_json(self.nbytes)]
+
+    @classmethod
+    def from_json(cls, d: Sequence) -> "TracedItem":
+        return cls(d[0], d[1], d[2], tuple(P.from_json(a) for a in d[3]), P.from_json(d[4]))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One layer kind: the blocks of that kind, and the tensors and parameters of one of them."""
+
+    layers: tuple[int, ...]
+    items: tuple[TracedItem, ...]
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Template:
+    """Everything an estimate needs from the trace, independent of B and S (within ``regime``)."""
+
+    model_type: str
+    prefix: str  # the blocks' names: "model.layers."
+    num_layers: int
+    regime: tuple[int, int | None]  # S range the fit holds for: (lo, hi], hi None for no bound
+    batch_one: bool  # fitted at B = 1 only (see poly.py), else for B >= 2
+    base_items: tuple[TracedItem, ...]  # outside the blocks (embedding, final norm, loss, inputs)
+    kinds: tuple[Kind, ...]
+    params_before: tuple[tuple[str, tuple[int, ...]], ...]  # outside the blocks, before them
+    params_after: tuple[tuple[str, tuple[int, ...]], ...]
+    tp_plan: Mapping[str, str]
+    traced_layers: int  # blocks in the traced cut
+    points: tuple[tuple[int, int], ...]
+
+    def activations(self, B: int, S: int) -> Inventory:
+        """The kept tensors at (B, S), each kind's block stored once as a template."""
+        lo, hi = self.regime
+        if not (S > lo and (hi is None or S <= hi)) or self.batch_one != (B == 1):
+            raise UnsupportedError(f"--profile traced: B={B}, S={S} is outside the fitted range "
+                                   f"(B {'= 1' if self.batch_one else '>= 2'}, S in ({lo}, {hi}])")
+        base = [i.at(B, S) for i in self.base_items]
+        reps = []
+        for k in self.kinds:
+            src = k.layers[0]
+            items = tuple(i.at(B, S, f"{self.prefix}{src}.") for i in k.items)
+            reps.append(Repeat(items, self.prefix, src, k.layers, shift_previous=False))
+        return Inventory(base, reps)
+
+    def parameter_layout(self):
+        """(before, [(kind params, layers)], after): parameter names and shapes."""
+        return self.params_before, [(k.params, k.layers) for k in self.kinds], self.params_after
+
+    def num_parameters(self) -> int:
+        own = sum(math.prod(s) for _, s in (*self.params_before, *self.params_after))
+        return own + sum(len(k.layers) * sum(math.prod(s) for _, s in k.params) for k in self.kinds)
+
+    def to_json(self) -> dict:
+        return {
+            "model_type": self.model_type, "prefix": self.prefix, "num_layers": self.num_layers,
+            "regime": list(self.regime), "batch_one": self.batch_one, "base_items": [i.to_json() for i in self.base_items],
+            "kinds": [{"layers": list(k.layers), "items": [i.to_json() for i in k.items],
+                       "params": [[n, list(s)] for n, s in k.params]} for k in self.kinds],
+            "params_before": [[n, list(s)] for n, s in self.params_before],
+            "params_after": [[n, list(s)] for n, s in self.params_after],
+            "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
+            "points": [list(p) for p in self.points],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Template":
+        def params(rows):
+            return tuple((n, tuple(s)) for n, s in rows)
+        return cls(
+            d["model_type"], d["prefix"], d["num_layers"], (d["regime"][0], d["regime"][1]), d["batch_one"],
+            tuple(TracedItem.from_json(i) for i in d["base_items"]),
+            tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]))
+                  for k in d["kinds"]),
+            params(d["params_before"]), params(d["params_after"]), dict(d["tp_plan"]), d["traced_layers"],
+            tuple(tuple(p) for p in d["points"]))
+
+
+def regime_of(config: Mapping[str, Any], seq: int) -> tuple[int, int | None]:
+    """The S range around ``seq`` in which no window of the config is crossed: masks and kernels
+    change when S passes a sliding window or an attention chunk, so each side is fitted apart."""
+    edges = sorted({v for k in _WINDOW_KEYS if isinstance(v := config.get(k), int) and not isinstance(v, bool)
+                    and v > 0})
+    lo = max((e for e in edges if e < seq), default=0)
+    hi = min((e for e in edges if e >= seq), default=None)
+    return lo, hi
+
+
+def _unit(config: Mapping[str, Any]) -> int:
+    """The step between traced sequence lengths: 8, or a multiple that splits every expert's
+    share of B·S·k evenly (the per-expert loop's counts are then exact)."""
+    experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(config.get(k), int) and config[k] > 0), 0)
+    top_k = next((config[k] for k in ("num_experts_per_tok", "moe_topk", "top_k")
+                  if isinstance(config.get(k), int) and config[k] > 0), 1)
+    if not experts:
+        return 8
+    return math.lcm(8, experts // math.gcd(experts, top_k))
+
+
+def _fit_points(config: Mapping[str, Any], regime: tuple[int, int | None],
+                batch_one: bool) -> tuple[list, tuple[int, int]]:
+    lo, hi = regime
+    u = _unit(config)
+    grid = list(P.grid_points((lo + u, lo + 2 * u, lo + 3 * u), (1,) if batch_one else (2, 3)))
+    held = (1 if batch_one else 4, lo + 5 * u)
+    if hi is not None and held[1] > hi:
+        raise UnsupportedError(f"--profile traced: the window at S={hi} is too close to the one at S={lo} "
+                               f"to fit between them (it needs S up to {held[1]})")
+    return grid, held
+
+
+def _fit_items(runs: list[list], points: list[tuple[int, int]], held: tuple[int, int]) -> list[TracedItem]:
+    """One :class:`TracedItem` per kept tensor, checked at the held-out point."""
+    keys = [[(s.name, s.op, s.dtype, len(s.shape)) for s in run] for run in runs]
+    for k, run_keys in enumerate(keys[1:], 1):
+        if run_keys != keys[0]:
+            diff = next((a, b) for a, b in zip(keys[0] + [None], run_keys + [None]) if a != b)
+            raise UnsupportedError(f"--profile traced: what the model keeps changes with B and S "
+                                   f"({points[0]} vs {(points + [held])[k]}: {diff[0] and diff[0][0]} / "
+                                   f"{diff[1] and diff[1][0]}); it cannot be fitted")
+    grid_runs, check = runs[:-1], runs[-1]
+    out = []
+    for j, first in enumerate(grid_runs[0]):
+        axes = tuple(P.fit(points, [r[j].shape[a] for r in grid_runs]) for a in range(len(first.shape)))
+        nbytes = P.fit(points, [r[j].nbytes for r in grid_runs])
+        want = check[j]
+        got_shape = tuple(P.value(a, *held) for a in axes)
+        if got_shape != tuple(Fraction(x) for x in want.shape) or P.value(nbytes, *held) != want.nbytes:
+            raise UnsupportedError(f"--profile traced: {first.name} is not a polynomial in B and S of degree "
+                                   f"<= 1 in B and <= 2 in S (fitted {P.render(nbytes)} bytes, but at B={held[0]}, "
+                                   f"S={held[1]} it holds {want.nbytes} of shape {want.shape})")
+        out.append(TracedItem(first.name, first.op, first.dtype, axes, nbytes))
+    return out
+
+
+def _same(a: Sequence[TracedItem], b: Sequence[TracedItem]) -> bool:
+    return [(i.name, i.op, i.dtype, i.axes, i.nbytes) for i in a] == [(i.name, i.op, i.dtype, i.axes, i.nbytes)
+                                                                       for i in b]
+
+
+def _cut_length(sigs: list[tuple], first: dict[tuple, int]) -> int:
+    """Blocks to trace: every kind, one repeat (the check), and last a block of the full model's
+    last block's kind (the last block's output is kept, or not, by what follows it: the final
+    norm). The whole model when that is not shorter."""
+    depth = len(sigs)
+    cut = max(first.values()) + 3
+    while cut < depth and sigs[cut - 1] != sigs[-1]:
+        cut += 1
+    return min(cut, depth)
+
+
+def build_template(config: Mapping[str, Any], step, impl) -> Template:
+    """Trace, fit and check (see the module docstring). ``step.seq`` picks the regime."""
+    from trainmem.estimate.traced import kinds as K
+    from trainmem.estimate.traced.record import record_saved
+
+    full = K.meta_model(config, impl.attention)
+    stack = K.find_stack(full)
+    depth = stack.num_layers
+    sigs = K.layer_signatures(full, stack, impl.checkpointed)
+    first: dict[tuple, int] = {}
+    kind_of = [first.setdefault(s, i) for i, s in enumerate(sigs)]  # each block -> its kind's first block
+    cut = _cut_length(sigs, first)
+    small = K.reduced_config(config, depth, cut)
+    cut_model = K.meta_model(small, impl.attention)
+    if K.layer_signatures(cut_model, K.find_stack(cut_model), impl.checkpointed) != sigs[:cut]:
+        raise UnsupportedError(f"--profile traced: {config['model_type']} cut to its first {cut} blocks does not "
+                               "build the same blocks (its layer pattern is not read from num_hidden_layers and "
+                               "per-layer lists)")
+    regime = regime_of(config, step.seq)
+    batch_one = step.batch == 1
+    grid, held = _fit_points(config, regime, batch_one)
+    runs = record_saved(small, step, impl, grid + [held])
+    items = _fit_items(runs, grid, held)
+
+    per_layer: dict[int, list[TracedItem]] = {i: [] for i in range(cut)}
+    base = []
+    for it in items:
+        rest = it.name[len(stack.prefix):] if it.name.startswith(stack.prefix) else None
+        idx, _, tail = (rest or "").partition(".")
+        if rest is not None and idx.isdigit() and tail:
+            per_layer[int(idx)].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes))
+        else:
+            base.append(it)
+
+    shapes = K.parameter_shapes_of(full)
+    in_stack = [(n, s) for n, s in shapes if n.startswith(stack.prefix)]
+    at = shapes.index(in_stack[0]) if in_stack else len(shapes)
+    before = tuple((n, s) for n, s in shapes[:at] if not n.startswith(stack.prefix))
+    after = tuple((n, s) for n, s in shapes[at:] if not n.startswith(stack.prefix))
+
+    def params_of(block: int) -> tuple:
+        pre = f"{stack.prefix}{block}."
+        return tuple((n[len(pre):], s) for n, s in in_stack if n.startswith(pre))
+
+    if cut == depth:  # the whole model was traced: every block is its own
+        kinds = [Kind((i,), tuple(per_layer[i]), params_of(i)) for i in range(depth)]
+    else:
+        check = cut - 2  # a block past the first of its kind, followed by another block
+        if not _same(per_layer[check], per_layer[kind_of[check]]):
+            raise UnsupportedError(f"--profile traced: block {check} of {config['model_type']} keeps other tensors "
+                                   f"than block {kind_of[check]}, of the same kind; blocks are not alike")
+        kinds = [Kind(tuple(i for i in range(depth - 1) if kind_of[i] == src), tuple(per_layer[src]),
+                      params_of(src)) for src in sorted(first.values())]
+        kinds = [k for k in kinds if k.layers]
+        kinds.append(Kind((depth - 1,), tuple(per_layer[cut - 1]), params_of(kind_of[-1])))
+    return Template(config["model_type"], stack.prefix, depth, regime, batch_one, tuple(base), tuple(kinds),
+                    before, after, K.tp_plan_of(full), cut, tuple(grid) + (held,))
