@@ -111,6 +111,8 @@ class Ctx:
             if self.impl.recompute == "op":
                 raise UnsupportedError("recompute='op' with fine-tuning adapters is not modelled: "
                                        "use none, selective, full or every-k")
+            if self.impl.float8 != "none":
+                raise UnsupportedError(f"float8={self.impl.float8!r} with fine-tuning adapters is not modelled")
             return self.finetune_linear(self, x, out_features, out_sym, weight=weight, label=label)
         return self.plain_linear(x, out_features, out_sym, weight=weight, label=label, bias=bias)
 
@@ -124,7 +126,11 @@ class Ctx:
         The output comes from aten.addmm with a bias (contiguous 2-D/3-D input,
         aten/src/ATen/native/Linear.cpp ``linear``: ``_flatten_nd_linear``), else from aten.mm
         (``matmul`` folds the leading axes); an op-level checkpoint policy reads which.
+        A linear torchao converts to ``Float8Linear`` keeps what ``estimate/float8.py`` says.
         """
+        if self.impl.float8 != "none" and self.float8_converts(weight):
+            from trainmem.estimate.float8 import float8_linear
+            return float8_linear(self, x, out_features, out_sym, weight=weight, label=label, bias=bias)
         g = self.g
         wt = self.weight_trainable()
         if self.low:
@@ -136,6 +142,11 @@ class Ctx:
         g.save(xin, when=wt)  # mm keeps its input only for the weight's gradient
         return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.rg or wt,
                      op="addmm" if bias else "mm")
+
+    def float8_converts(self, weight: tuple[int, int]) -> bool:
+        """Whether torchao's conversion (torchtitan's filter) makes this linear a ``Float8Linear``."""
+        from trainmem.estimate.float8 import converted
+        return converted(self.model.family, self.model.num_experts, self.g.path("weight"), weight)
 
     def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
-__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS",
+__all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
            "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron", "traced")
@@ -15,6 +15,7 @@ ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
 RECOMPUTES = ("none", "selective", "full", "every-k", "op")
 DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
+FLOAT8S = ("none", "tensorwise", "rowwise")
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
 
 
@@ -80,6 +81,15 @@ class ImplSpec:
     compile: bool = False
     """The model runs under ``torch.compile``: what each region saves for backward is what
     inductor's min-cut partitioner keeps (``trainmem.trace.compiled``), not eager autograd's."""
+    float8: str = "none"
+    """Float8 training as torchao's ``convert_to_float8_training`` does it (``estimate/float8.py``):
+    ``none``, ``tensorwise`` or ``rowwise`` (``Float8LinearConfig.from_recipe_name``). Every
+    ``nn.Linear`` whose two dims are multiples of 16 runs its matmuls in fp8, except the output head
+    (torchtitan's configs: ``filter_fqns = ["output"]``); hf profile, eager."""
+    float8_all_gather: bool = False
+    """FSDP2 all-gathers the converted linears' weights in fp8 (torchao's
+    ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8] enable_fsdp_float8_all_gather``):
+    1 byte per element gathered instead of the compute dtype. tensorwise only."""
 
     def __post_init__(self) -> None:
         v.one_of("profile", self.profile, PROFILES)
@@ -99,6 +109,25 @@ class ImplSpec:
         v.boolean("optimizer_in_backward", self.optimizer_in_backward)
         routing_hot_fraction(self.routing)
         v.boolean("compile", self.compile)
+        self._check_float8()
+
+    def _check_float8(self) -> None:
+        v.one_of("float8", self.float8, FLOAT8S)
+        v.boolean("float8_all_gather", self.float8_all_gather)
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            # torchao/float8/config.py, Float8LinearConfig.__post_init__: the fp8 all-gather needs tensorwise
+            raise SpecError("float8_all_gather", self.float8_all_gather,
+                            f"needs float8='tensorwise' (torchao's fp8 all-gather), not {self.float8!r}")
+        if self.float8 == "none":
+            return
+        if self.profile != "hf":
+            raise SpecError("float8", self.float8, f"is modelled for profile='hf' (Hugging Face modules), "
+                            f"not {self.profile!r}")
+        for name in ("compile", "recompute"):
+            value = getattr(self, name)
+            if value in (True, "op"):  # both decide what is saved with torchao's ops inside: not modelled yet
+                raise SpecError("float8", self.float8, f"with {name}={value!r} is not modelled: Float8 is "
+                                "modelled in eager mode with recompute none, selective, full or every-k")
 
     def checkpointed(self, layer: int) -> bool:
         """Whether block ``layer`` runs under activation checkpointing (under ``op`` with a policy

@@ -405,10 +405,17 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         _check_positions(model, step.seq)
     if not reference:  # the reference model checkpoints by itself, from impl
         _enable_recompute(model, impl)
+    float8_names = None
+    if impl.float8 != "none":  # trace/float8.py: torchao's own conversion, filtered as torchtitan does
+        from trainmem.trace.float8 import convert_float8
+        float8_names = convert_float8(model, impl)
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
                 else contextlib.nullcontext())
+    if dt.autocast and float8_names is not None:  # Float8Linear reads CUDA's autocast state
+        from trainmem.trace.float8 import Float8Autocast
+        autocast = Float8Autocast(autocast, _dtype(dt.activation))
     selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
                  else contextlib.nullcontext())
     if reference:
@@ -447,6 +454,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
             "head": head, "torch": torch.__version__}
     if moe_meta:
         meta["moe"] = moe_meta
+    if float8_names is not None:
+        meta["float8"] = {"recipe": impl.float8, "converted": float8_names}
     runs = model
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report

@@ -1,0 +1,102 @@
+"""Float8 training as torchao does it (``torchao.float8.convert_to_float8_training``, torchao 0.18).
+
+Which linears are converted
+  torchao swaps every ``nn.Linear`` its ``module_filter_fn`` accepts for a ``Float8Linear``
+  (torchao/float8/float8_linear_utils.py, ``swap_linear_layers``). The filter modelled is
+  torchtitan's (torchtitan/components/quantization/utils.py, ``module_filter_fn``): both weight
+  dims multiples of 16, and no filtered name; torchtitan's shipped configs filter the output head
+  (``filter_fqns = ["output"]``), here the Hugging Face head modules :data:`HEAD_MODULES`.
+  Hugging Face modules that are not ``nn.Linear`` are never converted: GPT-2's ``Conv1D``
+  blocks and the MoE routers (``MixtralTopKRouter`` holds a bare weight).
+
+What a Float8Linear keeps for backward (eager)
+  ``matmul_with_hp_or_float8_args.forward`` (torchao/float8/float8_linear.py) saves its
+  high-precision ``input_hp`` and ``weight_hp_t`` -- a view of the parameter, no new storage --
+  whenever autograd records the Function, and re-casts both to fp8 in backward. So without
+  autocast a Float8Linear keeps exactly what ``nn.Linear`` keeps. Under autocast,
+  ``Float8Linear.forward`` casts only the input (to CUDA's autocast dtype, read with
+  ``torch.is_autocast_enabled()``); the weight reaches the fp8 cast as stored, so the per-linear
+  weight copy autocast's ``F.linear`` keeps (:meth:`Ctx.plain_linear`) is not kept. A bias is added
+  after the fp8 matmul (``output + bias.to(output.dtype)``), which keeps nothing.
+
+The fp8 copies themselves (input and weight in forward; grad_output, weight and input again in
+backward, each 1 byte per element plus an fp32 scale: one per tensor for ``tensorwise``, one per
+row for ``rowwise``) are transients of the matmul: :func:`fp8_cast_bytes` sizes them. Under
+FSDP2 with ``enable_fsdp_float8_all_gather`` the converted weights are all-gathered in fp8
+(torchao/float8/fsdp_utils.py, ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``: the
+local shard is cast, the fp8 bytes travel and are kept unsharded): :func:`gathered_bytes_per_element`.
+
+Known limitations:
+  - torch.compile changes this: the partitioner may keep the fp8 casts instead of the bf16
+    input (torchtitan runs Float8 compiled); compile with float8 is refused (``ImplSpec``).
+  - op-level checkpointing's policy sees ``_scaled_mm``, not ``mm``: refused.
+  - a real CPU run without CUDA's autocast state does not cast the input; the tracer sets CUDA's
+    autocast state beside CPU's so that the CPU run takes the CUDA path.
+"""
+
+from __future__ import annotations
+
+from trainmem.errors import UnsupportedError
+from trainmem.families import get_family
+
+__all__ = ["HEAD_MODULES", "converted", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
+           "is_linear_module"]
+
+HEAD_MODULES = ("lm_head", "cls.predictions.decoder", "score", "classifier")
+"""Hugging Face output heads, left in high precision as torchtitan's ``filter_fqns = ["output"]``."""
+
+
+def is_linear_module(family: str, num_experts: int, weight_path: str) -> bool:
+    """Whether the Hugging Face module owning ``weight_path`` is an ``nn.Linear`` (torchao converts
+    only those): not GPT-2's ``Conv1D`` blocks (transformers/pytorch_utils.py ``Conv1D``), not an
+    MoE router (modeling_mixtral.py ``MixtralTopKRouter``: a Parameter read by ``F.linear``)."""
+    fam = get_family(family)
+    if fam.conv1d and weight_path.startswith(fam.layers + "."):
+        return False
+    return not (num_experts and weight_path.endswith(".mlp.gate.weight"))
+
+
+def converted(family: str, num_experts: int, weight_path: str, weight: tuple[int, int]) -> bool:
+    """torchtitan's ``module_filter_fn`` with the head filtered: an ``nn.Linear`` whose
+    ``(out, in)`` are both multiples of 16 and which is not a head."""
+    if any(weight_path == h + ".weight" or weight_path.startswith(h + ".") for h in HEAD_MODULES):
+        return False
+    if not is_linear_module(family, num_experts, weight_path):
+        return False
+    return weight[0] % 16 == 0 and weight[1] % 16 == 0
+
+
+def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int, int], label: str, bias: bool):
+    """A ``Float8Linear`` call (see the module docstring): keeps its (autocast-cast) input whenever
+    the input or the weight needs a gradient; the output is the input's dtype."""
+    g = ctx.g
+    wt = ctx.weight_trainable()
+    rg = x.rg or wt
+    xin = ctx.cast(x, ctx.low, "input_cast") if ctx.low else x
+    g.save(xin, when=rg)  # autograd.Function.save_for_backward: no requires-grad condition per operand
+    shape, dims = x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,)
+    if not bias:
+        return g.new(label, shape, dims, xin.dtype, rg, op="scaled_mm")
+    g.new("scaled_mm", shape, dims, xin.dtype, rg, op="scaled_mm")
+    return g.new(label, shape, dims, xin.dtype, rg)
+
+
+def fp8_cast_bytes(recipe: str, rows: int, cols: int) -> int:
+    """Bytes of one fp8 cast of a (rows, cols) tensor: 1 byte per element plus fp32 scales --
+    one for ``tensorwise``, one per row for ``rowwise`` (torchao/float8/float8_utils.py
+    ``tensor_to_scale``: ``amax`` over the last dim with ``keepdim``)."""
+    if recipe == "tensorwise":
+        return rows * cols + 4
+    if recipe == "rowwise":
+        return rows * cols + 4 * rows
+    raise UnsupportedError(f"float8 recipe {recipe!r} has no fp8 cast (tensorwise or rowwise)")
+
+
+def gathered_bytes_per_element(impl, weight_path: str, weight: tuple[int, ...], compute_bytes: int,
+                               family: str, num_experts: int) -> int:
+    """Bytes per element FSDP2 all-gathers for one parameter: 1 for a converted linear weight
+    under ``float8_all_gather`` (the fp8 payload; its scale is one fp32 per tensor), else
+    ``compute_bytes`` (``MixedPrecisionPolicy.param_dtype``)."""
+    if impl.float8_all_gather and len(weight) == 2 and converted(family, num_experts, weight_path, weight):
+        return 1
+    return compute_bytes

@@ -1,0 +1,89 @@
+"""Float8 training in the tracer: torchao's real ``convert_to_float8_training`` on the built model.
+
+The model's ``nn.Linear`` modules that torchtitan's filter accepts
+(:func:`trainmem.estimate.float8.converted`: dims multiples of 16, the output head left out)
+become torchao ``Float8Linear`` modules with ``Float8LinearConfig.from_recipe_name(impl.float8)``.
+Their casts, amax reductions and ``torch._scaled_mm`` run on fake tensors and on the CPU
+(torch 2.13 has a CPU ``_scaled_mm`` for both recipes), so the trace records torchao's own ops.
+
+Under autocast, ``Float8Linear.forward`` reads CUDA's autocast state (``torch.is_autocast_enabled()``)
+to cast its input; the tracer runs CPU kernels as a stand-in for a CUDA device, so
+:func:`cuda_autocast_state` sets CUDA's autocast state beside CPU's: CPU ops are not affected (autocast
+acts per device), and the Float8Linear takes the path it takes on a GPU.
+
+Known limitations:
+  - the fp8 all-gather needs FSDP2, which one traced device does not run: refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from trainmem.errors import UnsupportedError
+
+__all__ = ["Float8Autocast", "convert_float8", "cuda_autocast_state"]
+
+
+def _torchao_float8():
+    try:
+        import torchao.float8 as f8
+    except ImportError:
+        raise UnsupportedError("float8 tracing needs torchao: pip install torchao") from None
+    return f8
+
+
+def convert_float8(model, impl) -> list[str]:
+    """Convert ``model`` in place as torchtitan's Float8 converter does; returns the converted
+    modules' names (torchao offers the filter ``nn.Linear`` modules only)."""
+    if impl.float8_all_gather:
+        raise UnsupportedError("float8_all_gather is FSDP2's fp8 all-gather; the tracer runs one device "
+                               "without FSDP: trace without it")
+    from trainmem.estimate.float8 import converted
+
+    f8 = _torchao_float8()
+    names: list[str] = []
+
+    def accept(module, fqn: str) -> bool:
+        weight = tuple(module.weight.shape)
+        ok = converted("generic", 0, f"{fqn}.weight", weight)
+        if ok:
+            names.append(fqn)
+        return ok
+
+    config = f8.Float8LinearConfig.from_recipe_name(impl.float8)
+    f8.convert_to_float8_training(model, module_filter_fn=accept, config=config)
+    return names
+
+
+@contextlib.contextmanager
+def cuda_autocast_state(dtype):
+    """CUDA's autocast flag and dtype set as ``torch.autocast('cuda', dtype)`` would set them
+    (see the module docstring); restored on exit."""
+    import torch
+    enabled, old = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", old)
+
+
+class Float8Autocast:
+    """``autocast`` (the step's CPU autocast context) entered together with
+    :func:`cuda_autocast_state`; reusable, as the step enters it once per micro-batch."""
+
+    def __init__(self, autocast, dtype) -> None:
+        self.autocast, self.dtype = autocast, dtype
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast)
+        stack.enter_context(cuda_autocast_state(self.dtype))
+        self._stack.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.pop().close()
