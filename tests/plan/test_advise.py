@@ -81,4 +81,4 @@ def test_already_fits_recommends_nothing():
     a = advise(GPT2, StepSpec(batch=1, seq=128), ImplSpec(), load_gpu("h100-80gb"))
     assert a.fits and not a.steps
     data = a.to_dict()
-    assert data["schema"] == "trainmem.advise/1" and data["steps"] == [] and data["fits"] is True
+    assert data["schema"] == "trainmem.advise/2" and data["steps"] == [] and data["fits"] is True

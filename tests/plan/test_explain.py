@@ -29,7 +29,7 @@ def test_every_question_is_answered(case):
     _, answers, ex = case
     assert list(answers) == list(QUESTIONS)
     data = ex.to_dict()
-    assert data["schema"] == "trainmem.explain/1"
+    assert data["schema"] == "trainmem.explain/2"
     assert all(set(a) >= {"question", "answer", "numbers"} for a in data["answers"])
 
 

@@ -19,7 +19,7 @@ def test_plan_json(capsys):
     assert main(["plan", "--model", "gpt2", "--seq", "512", "--global-batch", "16", "--gpu", "l4", "--gpus", "2",
                  "--json", "--rejected", "--top", "3"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "trainmem.plan/1"
+    assert data["schema"] == "trainmem.plan/2"
     assert 1 <= len(data["candidates"]) <= 3 and data["pareto"]
     for c in data["candidates"]:
         assert set(c) >= {"config", "peak_bytes", "step_time_s", "tokens_per_s", "fits"} and c["fits"]
@@ -38,11 +38,11 @@ def test_advise_and_explain_json(capsys):
     assert main(["advise", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--attention", "eager",
                  "--gpu", "custom", "--gpu-memory", "4GiB", "--gpu-tflops", "100", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "trainmem.advise/1" and data["fits"] is True
+    assert data["schema"] == "trainmem.advise/2" and data["fits"] is True
     assert all(set(s) >= {"action", "saved_bytes", "peak_bytes_after", "throughput_cost"} for s in data["steps"])
     assert main(["explain", "--model", "gpt2", "--seq", "256", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "trainmem.explain/1" and len(data["answers"]) == 8
+    assert data["schema"] == "trainmem.explain/2" and len(data["answers"]) == 8
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -62,7 +62,7 @@ def test_rejected_configurations_say_why(small_plan):
     assert any("needs a fused attention kernel" in r for r in reasons)
     assert any("tp=16 spans nodes" in r for r in reasons)  # 8 L4s per node
     data = small_plan.to_dict(rejected=True)
-    assert data["schema"] == "trainmem.plan/1" and len(data["rejected"]) == len(reasons)
+    assert data["schema"] == "trainmem.plan/2" and len(data["rejected"]) == len(reasons)
     for c in data["candidates"] + data["pareto"]:
         assert set(c) >= {"config", "peak_bytes", "step_time_s", "tokens_per_s", "fits"}
 

@@ -15,7 +15,7 @@ def tiny_estimate(**step):
 GIB = 2**30
 
 SWEEP = {
-    "schema": "trainmem.sweep/1", "over": "seq", "backend": "estimate", "budget_bytes": 80 * GIB, "max_fit": 12288,
+    "schema": "trainmem.sweep/2", "over": "seq", "backend": "estimate", "budget_bytes": 80 * GIB, "max_fit": 12288,
     "points": [{"value": s, "fits": s <= 12288, "peak_bytes": 20 * GIB + s * s * 256 + s * 2**20,
                 "totals_bytes": {"parameter": 15 * GIB, "activation": s * s * 256 + s * 2**20}}
                for s in (1024, 2048, 4096, 8192, 16384)],
@@ -25,8 +25,9 @@ SWEEP = {
 }
 
 PLAN = {
-    "schema": "trainmem.plan/1",
-    "inputs": {"model": "llama-3-70b", "seq": 4096, "global_batch": 512, "gpu": {"name": "H100-80GB"}, "gpus": 64},
+    "schema": "trainmem.plan/2",
+    "inputs": {"model": {"name": "llama-3-70b", "source": "preset"}, "step": {"seq": 4096}, "global_batch": 512,
+               "gpu": {"name": "H100-80GB"}, "gpus": 64},
     "reserve": {"usable_bytes": 74 * GIB},
     "candidates": [{"config": {"tp": tp, "pp": pp, "batch": 1}, "peak_bytes": (120 // (tp * pp) + 30) * GIB,
                     "step_time_s": 1.0 + tp * 0.1, "tokens_per_s": 4096 * 512 / (1.0 + tp * 0.1 + pp * 0.2),
@@ -36,7 +37,7 @@ PLAN = {
 PLAN["pareto"] = [c for c in PLAN["candidates"] if c["fits"]][:3]
 
 COMPARE = {
-    "schema": "trainmem.compare/1",
+    "schema": "trainmem.compare/2",
     "rows": [{"name": "model.layers.0.mlp", "estimate_bytes": 3 * 2**20, "trace_bytes": 3 * 2**20, "ratio": 1.0,
               "missing_in": None},
              {"name": "model.layers.0.self_attn", "estimate_bytes": 2**20, "trace_bytes": 1_000_000,
@@ -47,10 +48,11 @@ COMPARE = {
 }
 
 TRACE = {
-    "schema": "trainmem.trace/1", "meta": {"model_name": "tiny-trace", "step": {"batch": 1, "seq": 4}},
+    "schema": "trainmem.trace/2", "inputs": {"model": {"name": "tiny-trace", "source": "code"},
+                                             "step": {"batch": 1, "seq": 4}}, "meta": {"fake": True},
     "peak_bytes": 5 * 2**20, "peak_logical_bytes": 5 * 2**20 - 100, "peak_phase": "backward",
-    "peak_op": "mm", "peak_module": "model.layers.1.mlp", "reserved_peak_bytes": 6 * 2**20,
-    "reserved_peak_expandable_bytes": 5 * 2**20, "fragmentation": 0.1, "num_allocations": 40,
+    "peak_op": "mm", "peak_module": "model.layers.1.mlp", "peak_reserved_bytes": 6 * 2**20,
+    "peak_reserved_expandable_bytes": 5 * 2**20, "fragmentation": 0.1, "num_allocations": 40,
     "totals_at_peak_bytes": {"parameter": 2**20, "gradient": 2**20, "activation": 3 * 2**20},
     "modules": [{"name": "model.layers.1.mlp", "forward_peak_bytes": 3 * 2**20, "backward_peak_bytes": 5 * 2**20}],
     "top_at_peak": [{"name": "model.layers.1.mlp.mm", "category": "activation", "bytes": 2**20, "op": "mm",

@@ -95,7 +95,7 @@ def test_fit_advice_equals_cli_advise(base, capsys):
     assert status == 200, r
     want = cli_json(capsys, ["advise", "--model", "llama-2-7b", "--batch", "4", "--seq", "4096", "--attention",
                              "eager", "--gpu", "A100-80GB", "--gpus", "8", "--json"])
-    want["gpu"] = r["advice"]["gpu"]  # the page sends the preset's file name (a100-80gb)
+    want["inputs"]["gpu"] = r["advice"]["inputs"]["gpu"]  # the page sends the preset's file name (a100-80gb)
     assert r["advice"] == want and want["steps"], "the case must need fixes"
     assert r["advice"] == cli_json(capsys, r["command_advise"] + " --json")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import combinations
+from typing import Any
 
 from trainmem.errors import TrainmemError
 from trainmem.estimate import estimate
@@ -39,7 +40,7 @@ from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 __all__ = ["AdviceStep", "Advice", "Option", "SearchStats", "advise", "search", "SCHEMA", "RUNGS",
            "THROUGHPUT_COST", "DEFAULT_BUDGET", "DEFAULT_MAX_CHANGES"]
 
-SCHEMA = "trainmem.advise/1"
+SCHEMA = "trainmem.advise/2"
 THROUGHPUT_COST = ("1 - tokens_per_s_after / tokens_per_s_before: positive is slower (the share of tokens/s lost), "
                    "negative is faster")
 RUNGS = ("attention", "micro_batch", "selective_recompute", "full_recompute", "tensor_parallel",
@@ -126,10 +127,15 @@ class Advice:
     options: tuple[Option, ...] = ()
     stats: SearchStats | None = None
     start_command: str = ""
+    parallel: ParallelSpec | None = None  # the starting layout, echoed in the header's inputs
+    finetune: Any = None
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "model": self.model.name, "gpu": self.gpu.name, "gpus": self.gpus,
-                "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
+        from trainmem.schemas import header
+        out = header("advise", model=self.model, step=self.step, impl=self.impl, parallel=self.parallel,
+                     finetune=self.finetune, gpu=self.gpu)
+        out["inputs"]["gpus"] = self.gpus
+        return {**out, "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
                 "start_peak_bytes": self.start_peak_bytes, "start_command": self.start_command,
                 "options": [o.to_dict() for o in self.options],
                 "search": None if self.stats is None else self.stats.to_dict(),
@@ -323,7 +329,7 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
         steps.append(AdviceStep(rung, action, now - after, after, cost_frac, _ladder_config(new), note))
         state, now = new, after
     return Advice(model, step, impl, gpu, gpus, usable, begin, tuple(steps), tuple(skipped), now <= usable,
-                  reserve, options, stats, start.command(model_name or model.name))
+                  reserve, options, stats, start.command(model_name or model.name), parallel=par, finetune=finetune)
 
 
 def _ladder_config(c: Config) -> dict:

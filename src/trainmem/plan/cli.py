@@ -133,7 +133,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=None, help="share of the bf16 peak large GEMMs reach (default 0.45)")
     p.add_argument("--top", type=_positive_int("--top"), default=5, help="configurations to show (default 5)")
     p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
-    p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/1)")
+    p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/2)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--plot", metavar="FILE", help="memory against step time, the Pareto front marked (.png or .svg)")
     _add_gpu_args(p, required=True)
@@ -155,7 +155,7 @@ def add_parser(subparsers) -> None:
                    help=f"estimates the search may run (default {DEFAULT_BUDGET})")
     a.add_argument("--max-changes", type=_positive_int("--max-changes"), default=DEFAULT_MAX_CHANGES,
                    help=f"changes combined in one configuration (default {DEFAULT_MAX_CHANGES})")
-    a.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.advise/1)")
+    a.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.advise/2)")
     from trainmem.cliargs import add_finetune_args, add_optimizer_args, add_parallel_args, add_routing_arg
     add_routing_arg(a)
     add_optimizer_args(a)
@@ -169,7 +169,7 @@ def add_parser(subparsers) -> None:
     e.add_argument("--gpu", metavar="NAME", help="compare against this accelerator's memory")
     e.add_argument("--zero-ranks", type=_positive_int("--zero-ranks"), default=8,
                    help="data-parallel ranks for the ZeRO answer (default 8)")
-    e.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.explain/1)")
+    e.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.explain/2)")
     e.set_defaults(func=run_explain)
 
 

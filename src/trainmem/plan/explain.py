@@ -22,7 +22,7 @@ from trainmem.trace.allocator import round_size
 
 __all__ = ["Answer", "Explanation", "explain", "SCHEMA", "QUESTIONS"]
 
-SCHEMA = "trainmem.explain/1"
+SCHEMA = "trainmem.explain/2"
 QUESTIONS = {
     "sequence_doubles": "What happens when the sequence length doubles?",
     "grad_accum": "Does gradient accumulation raise the peak?",
@@ -57,8 +57,8 @@ class Explanation:
     """The estimate's notes: settings that change next to nothing here (:mod:`trainmem.estimate.notes`)."""
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "model": self.model.name, "step": self.step.to_dict(), "impl": self.impl.to_dict(),
-                "notes": list(self.notes), "answers": [a.to_dict() for a in self.answers]}
+        from trainmem.schemas import header
+        return {**header("explain", model=self.model, step=self.step, impl=self.impl), "notes": list(self.notes), "answers": [a.to_dict() for a in self.answers]}
 
 
 def _acts(e: Estimate) -> dict[str, int]:

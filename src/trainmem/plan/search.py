@@ -32,7 +32,7 @@ from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["SearchSpace", "Candidate", "Plan", "plan", "SCHEMA"]
 
-SCHEMA = "trainmem.plan/1"
+SCHEMA = "trainmem.plan/2"
 # Dominated choices, skipped when the choice that dominates them is in the search space:
 _NO_SP = ("dominated by sp=True: the same bytes move (all-gather + reduce-scatter = all-reduce) "
           "and norms, dropout and residuals are split over the TP group")
@@ -94,17 +94,17 @@ class Plan:
     """``--gpus auto``: every count tried, in order (see :mod:`trainmem.plan.count`)."""
 
     def to_dict(self, *, rejected: bool = False) -> dict:
-        out = {
-            "schema": SCHEMA,
-            "inputs": {"model": self.model.name, "seq": self.step.seq, "global_batch": self.global_batch,
-                       "global_batch_note": self.global_batch_note,
-                       "precision": self.step.precision, "optimizer": self.step.optimizer,
-                       "loss": self.step.loss, "gpu": self.gpu.to_dict(), "gpus": self.gpus},
+        from trainmem.schemas import header
+        # impl and parallel are searched, so the header leaves them null; the search's own inputs follow
+        out = header("plan", model=self.model, step=self.step, gpu=self.gpu)
+        out["inputs"].update({"gpus": self.gpus, "global_batch": self.global_batch,
+                              "global_batch_note": self.global_batch_note})
+        out.update({
             "reserve": {**self.reserve.to_dict(), "usable_bytes": self.usable_bytes},
             "candidates": [c.to_dict() for c in self.candidates],
             "pareto": [c.to_dict() for c in self.pareto],
             "search": self.stats,
-        }
+        })
         if self.gpu_counts:
             out["gpu_counts"] = list(self.gpu_counts)
         if rejected:

@@ -509,7 +509,8 @@ def _plan(d: dict, page: _Page) -> None:
     gpu = gpu.get("name", "") if isinstance(gpu, dict) else gpu
     batch = inp.get("global_batch") and f"global batch {inp['global_batch']} sequences" + (
         f" ({inp['global_batch_note']})" if inp.get("global_batch_note") else "")
-    page.subtitle = " · ".join(str(x) for x in (inp.get("model"), inp.get("seq") and f"S={inp['seq']}", batch,
+    seq = (inp.get("step") or {}).get("seq")
+    page.subtitle = " · ".join(str(x) for x in ((inp.get("model") or {}).get("name"), seq and f"S={seq}", batch,
                                                  gpu and f"{inp.get('gpus', '?')} × {gpu}") if x)
     # the same counts, in the same words, as the text report (trainmem.plan.render.screen_line)
     st = d.get("search", {})
