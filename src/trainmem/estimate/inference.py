@@ -51,6 +51,7 @@ from trainmem.estimate.model_states import model_state_items
 from trainmem.estimate.parallel import RankClass
 from trainmem.estimate.peak import Phase, layer_of
 from trainmem.estimate.symbols import formula
+from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs import _validate as v
@@ -244,7 +245,7 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
     acts = activation_items(lm, replace(step, mode="train", seq=tokens),
                             replace(impl, recompute="none", recompute_every=1))
     rounded = -(-context // block_size) * block_size
-    prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
+    prefix = family_of(model).layers  # the KV cache items live in the model's blocks
     kv_axis = "1" if tp > model.num_kv_heads else ("Akv" if tp == 1 else "Akv/tp")
     dims = ("2", "B", kv_axis, f"⌈ctx/{block_size}⌉·{block_size}", "hd")
     ranks = []

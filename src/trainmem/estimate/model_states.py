@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-import re
 
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
+from trainmem.names import split_block
 from trainmem.estimate.optimizer_step import Stepped, recipe_transient
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
@@ -57,18 +57,15 @@ def _two_block_shapes(model: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     return parameter_shapes(replace(model, num_layers=2))
 
 
-_BLOCK = re.compile(r"^(.*?\.(?:layers|h|layer)\.)(\d+)\.")
-
-
 def _block_prefix(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[str | None, int]:
     """The blocks' name prefix and count, when every block has block 0's parameters."""
     per: dict[int, list] = {}
     prefix = None
     for name, shape in shapes:
-        m = _BLOCK.match(name)
-        if m:
-            prefix = m.group(1)
-            per.setdefault(int(m.group(2)), []).append((name[len(m.group(0)):], shape))
+        block = split_block(name)
+        if block:
+            prefix, index, inside = block
+            per.setdefault(index, []).append((inside, shape))
     if prefix is None or len(per) < 2 or any(v != per[0] for v in per.values()):
         return None, 0
     return prefix, len(per)

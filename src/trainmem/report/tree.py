@@ -7,12 +7,11 @@ Identical consecutive blocks are folded into one line (``blocks 0–31  32 × 41
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainmem.inventory import LEDGERS, Category, MemoryItem
-from trainmem.names import layer_of
+from trainmem.names import layer_of, split_block
 from trainmem.report.units import fmt_bytes
 
 if TYPE_CHECKING:  # renderers take results; they never import the estimator
@@ -20,7 +19,6 @@ if TYPE_CHECKING:  # renderers take results; they never import the estimator
 
 __all__ = ["render_tree", "render_summary", "ledger_groups"]
 
-_BLOCK = re.compile(r"^(.*?\.(?:layers|h|layer)\.\d+)\.")
 TOP_TENSORS = 8  # tensors shown per group unless detail
 BAR = 24  # characters of the widest bar in the summary
 
@@ -39,10 +37,10 @@ class Group:
 
 
 def _relative(item: MemoryItem) -> MemoryItem:
-    m = _BLOCK.match(item.name)
-    if not m:
+    block = split_block(item.name)
+    if not block:
         return item
-    return MemoryItem.make(item.name[m.end():], item.category, item.shape, item.dtype, item.bytes, item.formula)
+    return MemoryItem.make(block[2], item.category, item.shape, item.dtype, item.bytes, item.formula)
 
 
 def ledger_groups(items: list[MemoryItem], *, fold: bool = True) -> list[Group]:
