@@ -15,17 +15,23 @@ from trainmem.families import embedding_modules, head_modules, layer_containers,
 __all__ = ["layer_of", "layer_index", "split_block", "as_block", "under", "is_head", "is_embedding",
            "is_token_embedding"]
 
-_CONTAINERS = "|".join(sorted(map(re.escape, layer_containers()), key=len, reverse=True))
-# ".layers.3." anywhere in a dotted path wrapped in dots: the first block index
-_LAYER = re.compile(rf"\.(?:{_CONTAINERS})\.(\d+)\.")
-_BLOCK_INDEX = re.compile(rf"\.({_CONTAINERS})\.\d+(?=\.|$)")
+
+@lru_cache(maxsize=8)
+def _patterns(containers: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
+    """(".layers.3." anywhere in a dot-wrapped path, a block index to replace) for these containers."""
+    alt = "|".join(sorted(map(re.escape, containers), key=len, reverse=True))
+    return re.compile(rf"\.(?:{alt})\.(\d+)\."), re.compile(rf"\.({alt})\.\d+(?=\.|$)")
 
 
 @lru_cache(maxsize=1 << 16)
+def _layer_index(containers: tuple[str, ...], path: str) -> int | None:
+    m = _patterns(containers)[0].search("." + path + ".")
+    return int(m.group(1)) if m else None
+
+
 def layer_index(path: str) -> int | None:
     """Block index in a module path or name (``model.layers.3`` or ``model.layers.3.mlp`` -> 3), else None."""
-    m = _LAYER.search("." + path + ".")
-    return int(m.group(1)) if m else None
+    return _layer_index(layer_containers(), path)
 
 
 def layer_of(name: str) -> int | None:
@@ -36,7 +42,7 @@ def layer_of(name: str) -> int | None:
 def split_block(name: str) -> tuple[str, int, str] | None:
     """``model.layers.3.mlp.out`` -> (``model.layers.``, 3, ``mlp.out``): the blocks' prefix, the
     index and the path inside the block; None outside blocks."""
-    m = _LAYER.search("." + name)  # positions in name are one less
+    m = _patterns(layer_containers())[0].search("." + name)  # positions in name are one less
     if not m:
         return None
     return name[:m.start(1) - 1], int(m.group(1)), name[m.end(1):]
@@ -44,7 +50,7 @@ def split_block(name: str) -> tuple[str, int, str] | None:
 
 def as_block(name: str, index: int = 0) -> str:
     """The same name in block ``index`` (every block index replaced)."""
-    return _BLOCK_INDEX.sub(rf".\1.{index}", "." + name)[1:]
+    return _patterns(layer_containers())[1].sub(rf".\1.{index}", "." + name)[1:]
 
 
 def under(name: str, modules: tuple[str, ...]) -> bool:

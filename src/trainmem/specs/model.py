@@ -98,7 +98,7 @@ class ModelSpec:
     for the family (BERT: ``hidden_dropout``, decoders' token classifiers: 0.1)."""
 
     def __post_init__(self) -> None:
-        v.one_of("family", self.family, FAMILIES)
+        v.one_of("family", self.family, family_names())  # the registry now, with families added since import
         v.one_of("arch", self.arch, ("decoder", "encoder"))
         for name in ("hidden_size", "num_heads", "ffn_size", "vocab_size"):
             v.positive(name, getattr(self, name))
