@@ -182,12 +182,16 @@ def _float(field: str):
 #: flag -> FinetuneSpec field, for flags that only make sense with adapters
 _LORA_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets",
                "lora_dropout": "--lora-dropout", "adapter_dtype": "--adapter-dtype"}
+#: flag -> FinetuneSpec field, for flags that only make sense with a 4-bit base
+_QLORA_FLAGS = {"qlora_scope": "--qlora-scope", "double_quant": "--double-quant", "quantize_head": "--quantize-head",
+                "quant_impl": "--quant-impl"}
 
 
 def add_finetune_args(p: argparse.ArgumentParser) -> None:
     """--finetune, --finetune-preset, --lora-rank, --lora-alpha, --lora-targets, --lora-dropout,
-    --adapter-dtype, --freeze. Precedence: flags > preset > FinetuneSpec defaults."""
-    from trainmem.specs.finetune import ADAPTER_DTYPES, MODES
+    --adapter-dtype, --freeze, and qlora's --qlora-scope, --double-quant, --quantize-head, --quant-impl.
+    Precedence: flags > preset > FinetuneSpec defaults."""
+    from trainmem.specs.finetune import ADAPTER_DTYPES, MODES, QLORA_SCOPES, QUANT_IMPLS
 
     g = p.add_argument_group("fine-tuning")
     g.add_argument("--finetune", choices=MODES, default=None,
@@ -203,13 +207,23 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="adapter weights' dtype (default float32: peft upcasts 16-bit adapters)")
     g.add_argument("--freeze", type=_names("freeze"), default=None, metavar="PATTERNS",
                    help="comma-separated: embeddings, layers.0-11, or module names/prefixes (implies --finetune full)")
+    g.add_argument("--qlora-scope", choices=QLORA_SCOPES, default=None,
+                   help="qlora: which linears are 4-bit: all but the head (default: transformers/bitsandbytes, "
+                        "torchtune >= 0.3) or only those with adapters (targeted: torchtune <= 0.2)")
+    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=None,
+                   help="qlora: quantize the absmax constants to 8 bits (bnb_4bit_use_double_quant; default on)")
+    g.add_argument("--quantize-head", action="store_true", default=None,
+                   help="qlora: the (untied) output head is 4-bit too (llm_int8_skip_modules=[])")
+    g.add_argument("--quant-impl", choices=QUANT_IMPLS, default=None,
+                   help="qlora: storage of a 4-bit weight: bnb (bitsandbytes, default) or torchao-nf4 "
+                        "(torchao's NF4Tensor, as torchtune uses)")
 
 
 def finetune_from_args(args: argparse.Namespace):
     """The FinetuneSpec the fine-tuning flags describe, or None when none was given."""
     from trainmem.specs.finetune import FinetuneSpec
 
-    given = {f: getattr(args, f) for f in (*_LORA_FLAGS, "freeze") if getattr(args, f, None) is not None}
+    given = {f: getattr(args, f) for f in (*_LORA_FLAGS, *_QLORA_FLAGS, "freeze") if getattr(args, f, None) is not None}
     if getattr(args, "finetune", None):
         given["mode"] = args.finetune
     preset = getattr(args, "finetune_preset", None)
@@ -224,6 +238,10 @@ def finetune_from_args(args: argparse.Namespace):
         for name, flag in _LORA_FLAGS.items():
             if name in given:
                 raise SpecError(name, given[name], f"{flag} needs --finetune lora or qlora, not {spec.mode}")
+    if spec.mode != "qlora":
+        for name, flag in _QLORA_FLAGS.items():
+            if name in given:
+                raise SpecError(name, given[name], f"{flag} needs --finetune qlora, not {spec.mode}")
     return spec
 
 

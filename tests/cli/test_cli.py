@@ -87,15 +87,15 @@ def test_commands_and_estimate_flags_are_frozen():
     assert flags == [
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--config", "--context", "--cp",
         "--cp-style",
-        "--deepspeed", "--detail", "--device", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
+        "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
         "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--head", "--help",
         "--hf-args", "--html", "--json",
         "--kv-dtype", "--layer-split",
         "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args",
         "--memory-figure", "--microbatches", "--mode",
-        "--model", "--no-reshard-after-forward", "--num-labels", "--offload", "--optimizer", "--optimizer-impl",
+        "--model", "--no-double-quant", "--no-reshard-after-forward", "--num-labels", "--offload", "--optimizer", "--optimizer-impl",
         "--optimizer-in-backward", "--plot", "--pp", "--precision", "--prefill-chunk",
-        "--profile", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
+        "--profile", "--qlora-scope", "--quant-impl", "--quantize-head", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
         "--torchtitan", "--torchtune", "--tp", "--tree", "--virtual-stages", "--weight-group", "--weights", "--zero"]
 
 

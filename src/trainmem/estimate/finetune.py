@@ -47,6 +47,7 @@ from trainmem.estimate.graph import Sym
 from trainmem.estimate.optimizer_step import Stepped
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
+from trainmem.estimate.quant4bit import quantized_weight_items
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import state_item as _item
 from trainmem.families import family_of, output_layers
@@ -136,6 +137,24 @@ def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
     return any(module == t or module.endswith("." + t) for t in spec.lora_targets)
 
 
+def quantized_module(module: str, spec: FinetuneSpec) -> bool:
+    """The module's base weight is 4-bit: under qlora, every linear but the output head
+    (``qlora_scope='all'``: transformers' bitsandbytes integration, torchtune >= 0.3) or only the
+    adapter-targeted ones (``targeted``: torchtune <= 0.2); the head only with ``quantize_head``."""
+    if spec.mode != "qlora":
+        return False
+    if _output_layer(module):
+        return spec.quantize_head
+    return spec.qlora_scope == "all" or lora_targeted(module, spec)
+
+
+def is_quantized_weight(model: ModelSpec, name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> bool:
+    """A 2-D linear weight (the head included) that :func:`quantized_module` makes 4-bit."""
+    module = _module(name)
+    linear = is_linear_weight(model, name, shape) or (_output_layer(module) and len(shape) == 2)
+    return linear and name.endswith(".weight") and quantized_module(module, spec)
+
+
 def _linear_in_out(model: ModelSpec, shape: tuple[int, int]) -> tuple[int, int]:
     """(in, out) of a linear weight; GPT-2's ``Conv1D`` stores ``[in, out]``."""
     return (shape[0], shape[1]) if family_of(model).conv1d else (shape[1], shape[0])
@@ -179,7 +198,7 @@ class FinetuneLinear:
         g, spec = ctx.g, self.spec
         module = ".".join(g.scope)
         trainable = ctx.weight_trainable()
-        if spec.mode == "qlora" and not _output_layer(module):
+        if quantized_module(module, spec):
             out = self._linear4bit(ctx, x, out_features, out_sym, weight=weight, label=label)
         else:
             out = ctx.plain_linear(x, out_features, out_sym, weight=weight, label=label)
@@ -234,34 +253,10 @@ class FinetuneLinear:
 
 # model states ---------------------------------------------------------------------------------------
 
-def _make(name: str, category: Category, shape: tuple[int, ...], dtype: str, nbytes: int, formula: str,
-          note: str = "") -> MemoryItem:
-    return MemoryItem(name=name, category=category, shape=tuple(shape), dtype=dtype, bytes=int(nbytes),
-                      formula=formula, note=note)
-
-
-def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> list[MemoryItem]:
-    """A bitsandbytes 4-bit weight: packed codes (two per uint8), one absmax per ``quant_block``
-    weights (fp32; with double quantization uint8, plus one fp32 constant per
-    ``double_quant_block`` absmax, an fp32 offset and its own 256-entry fp32 dynamic map), and
-    the 16-entry fp32 code book. Checked byte for byte against bitsandbytes 0.50.2 on CPU."""
-    P = Category.PARAMETER
-    n = math.prod(shape)
-    blocks = -(-n // spec.quant_block)
-    note = f"{spec.quant_type} 4-bit base, frozen"
-    out = [_make(name, P, shape, spec.quant_type, -(-n // 2), "⌈numel/2⌉·1 (packed uint8)", note)]
-    qb = spec.quant_block
-    if spec.double_quant:
-        blocks2 = -(-blocks // spec.double_quant_block)
-        out += [_make(f"{name}.absmax", P, (blocks,), "uint8", blocks, f"⌈numel/{qb}⌉·1 (8-bit absmax)"),
-                _make(f"{name}.absmax2", P, (blocks2,), "float32", blocks2 * 4,
-                      f"⌈numel/{qb}/{spec.double_quant_block}⌉·4"),
-                _make(f"{name}.absmax_offset", P, (), "float32", 4, "1·4"),
-                _make(f"{name}.absmax_code", P, (256,), "float32", 1024, "256·4 (8-bit dynamic map, one per weight)")]
-    else:
-        out.append(_make(f"{name}.absmax", P, (blocks,), "float32", blocks * 4, f"⌈numel/{qb}⌉·4"))
-    out.append(_make(f"{name}.quant_code", P, (16,), "float32", 64, "16·4 (4-bit code book)"))
-    return out
+def quantized_items(name: str, shape: tuple[int, ...], spec: FinetuneSpec,
+                    weight_dtype: str = "bfloat16") -> list[MemoryItem]:
+    """A 4-bit base weight as ``spec.quant_impl`` stores it (:mod:`trainmem.estimate.quant4bit`)."""
+    return quantized_weight_items(name, shape, spec, weight_dtype)
 
 
 def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -> list[MemoryItem]:
@@ -269,6 +264,9 @@ def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -
 
     d = step.dtypes
     pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
+    if spec.mode == "qlora" and spec.quantize_head and model.tied_embeddings:
+        raise SpecError("quantize_head", True, f"{model.name}'s head is its input embedding (tied); only an "
+                                               "untied head can be 4-bit")
     trainable = trainable_predicate(model, spec)
     adapters: dict[str, list[tuple[str, tuple[int, int]]]] = {}
     for name, shape, after in adapter_parameters(model, spec) if spec.adapters else ():
@@ -276,8 +274,8 @@ def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -
     train = step.mode == "train"
     out: list[MemoryItem] = []
     for name, shape in parameter_shapes(model):
-        if spec.mode == "qlora" and is_linear_weight(model, name, shape):
-            out += quantized_items(name, shape, spec)
+        if is_quantized_weight(model, name, shape, spec):
+            out += quantized_items(name, shape, spec, d.param)
         elif train and trainable(name):
             out.append(_item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}"))
             out.append(_item(f"{name}.grad", Category.GRADIENT, shape, d.grad, f"numel·{gb:g}"))
@@ -338,7 +336,7 @@ def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int,
     the largest quantized weight in the compute dtype. Zero unless qlora."""
     if spec is None or spec.mode != "qlora":
         return 0, ""
-    sizes = [(math.prod(s), n) for n, s in parameter_shapes(model) if is_linear_weight(model, n, s)]
+    sizes = [(math.prod(s), n) for n, s in parameter_shapes(model) if is_quantized_weight(model, n, s, spec)]
     numel, name = max(sizes)
     b = dtype_bytes(spec.compute_dtype)
     return int(numel * b), f"dequantized {name} (largest 4-bit weight, numel·{b:g})"

@@ -21,6 +21,8 @@ MODES = ("full", "lora", "qlora")
 ADAPTER_DTYPES = ("float32", "param", "bfloat16", "float16")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 QUANT_TYPES = ("nf4", "fp4")
+QLORA_SCOPES = ("all", "targeted")
+QUANT_IMPLS = ("bnb", "torchao-nf4")
 
 _RANGE = re.compile(r"^(?:layers|h|layer)\.(\d+)(?:-(\d+))?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
@@ -72,6 +74,15 @@ class FinetuneSpec:
     """absmax constants per block of the second quantization (one fp32 constant each)."""
     compute_dtype: str = "bfloat16"
     """dtype a 4-bit weight is dequantized to for each matmul (``bnb_4bit_compute_dtype``)."""
+    qlora_scope: str = "all"
+    """Which linears are 4-bit: ``all`` but the output head (transformers' bitsandbytes integration,
+    torchtune >= 0.3), or only the adapter-targeted ones (``targeted``: torchtune <= 0.2's
+    ``LoRALinear(quantize_base=True)``, before FrozenNF4Linear)."""
+    quantize_head: bool = False
+    """The output head is 4-bit too (bitsandbytes ``llm_int8_skip_modules=[]``); untied heads only."""
+    quant_impl: str = "bnb"
+    """Storage of a 4-bit weight: ``bnb`` (bitsandbytes Params4bit) or ``torchao-nf4`` (torchao
+    NF4Tensor, what torchtune uses: int8 block scalers, constants in the weight's dtype)."""
 
     def __post_init__(self) -> None:
         v.one_of("mode", self.mode, MODES)
@@ -97,6 +108,15 @@ class FinetuneSpec:
         v.boolean("double_quant", self.double_quant)
         v.positive("double_quant_block", self.double_quant_block, maximum=1 << 16)
         v.one_of("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        v.one_of("qlora_scope", self.qlora_scope, QLORA_SCOPES)
+        v.boolean("quantize_head", self.quantize_head)
+        v.one_of("quant_impl", self.quant_impl, QUANT_IMPLS)
+        if self.quant_impl == "torchao-nf4":
+            if not self.double_quant:
+                raise SpecError("double_quant", False, "torchao's NF4Tensor always quantizes its scalers (double "
+                                                      "quantization); use quant_impl bnb for single quantization")
+            if self.quant_type != "nf4":
+                raise SpecError("quant_type", self.quant_type, "torchao-nf4 stores nf4 only")
 
     @property
     def adapters(self) -> bool:
@@ -109,7 +129,8 @@ class FinetuneSpec:
     def to_dict(self) -> dict:
         """Every field that matters for the mode (LoRA fields only with adapters, 4-bit fields only for qlora)."""
         lora = {f.name for f in fields(self) if f.name.startswith(("lora_", "adapter_"))}
-        quant = {"quant_type", "quant_block", "double_quant", "double_quant_block", "compute_dtype"}
+        quant = {"quant_type", "quant_block", "double_quant", "double_quant_block", "compute_dtype", "qlora_scope",
+                 "quantize_head", "quant_impl"}
         out = {}
         for f in fields(self):
             if (f.name in lora and not self.adapters) or (f.name in quant and self.mode != "qlora"):
