@@ -75,6 +75,8 @@ def test_quantize_base_on_a_lora_builder(tmp_path):
                        "dtype: bf16\n")
     ft = a["overrides"]["finetune"]
     assert ft["mode"] == "qlora" and ft["lora_targets"] == ("q_proj", "k_proj", "lm_head")
+    # torchtune >= 0.3: every linear but the head is a torchao NF4Tensor (FrozenNF4Linear or LoRALinear)
+    assert ft["quant_impl"] == "torchao-nf4" and ft["qlora_scope"] == "all"
     # lora_llama3_8b's defaults for the rest, said in a note
     assert (ft["lora_rank"], ft["lora_alpha"]) == (8, 16.0)
     assert any("apply_lora_to_mlp=False" in n and "lora_rank=8" in n for n in a["notes"])

@@ -269,8 +269,13 @@ def _lora(get, ft: dict, mode: str, notes: list[str], where: str) -> None:
               adapter_dtype="param")
     if mode == "qlora":
         # torchtune/modules/peft/lora.py, LoRALinear: to_nf4(weight) with torchao's defaults
-        # (block_size=64, scaler_block_size=256): FinetuneSpec's nf4 defaults
-        notes.append("quantize_base: NF4 base weights (torchao to_nf4: blocks of 64, scalers in blocks of 256)")
+        # (block_size=64, scaler_block_size=256): FinetuneSpec's nf4 defaults, in torchao's NF4Tensor
+        # layout. Since torchtune 0.3 (PR #1119) the linears without adapters are FrozenNF4Linear too
+        # (_component_builders.py), the output head never (its "TODO: quantize_base is not applied to
+        # final output_proj"): qlora_scope all, the head in the base dtype.
+        ft.update(quant_impl="torchao-nf4", qlora_scope="all")
+        notes.append("quantize_base: every linear but the output head as torchao NF4 (to_nf4: blocks of 64, "
+                     "scalers in blocks of 256; torchtune >= 0.3)")
     if defaulted:
         notes.append("torchtune's LoRA builder defaults for keys the file leaves out: " + ", ".join(defaulted))
 
