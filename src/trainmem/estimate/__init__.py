@@ -15,6 +15,7 @@ from functools import cached_property
 
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
+from trainmem.estimate.activation_offload import apply_offload, offloads_activations
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.notes import estimate_notes
@@ -46,6 +47,8 @@ class Estimate(PhasedResult):
     ranks: tuple[RankClass, ...] = ()
     """Per-rank classes under parallelism (empty on one device). The top-level inventory and
     phases are then those of the rank class with the highest peak."""
+    host: Inventory | None = None
+    """Activations offloaded to host memory (``--offload activations``, one device): in no phase."""
 
     def _repr_html_(self) -> str:  # Jupyter
         from trainmem.report.notebook import estimate_html
@@ -81,6 +84,8 @@ class Estimate(PhasedResult):
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
         }
+        if self.host is not None:
+            out["host_bytes"] = {"offloaded_activations": self.host.total()}
         if self.ranks:
             out["peak_rank"] = self.peak_rank
             out["ranks"] = [r.to_dict() for r in self.ranks]
@@ -114,7 +119,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if impl.profile == "traced":  # estimate/traced: what is kept and every parameter, read off a fake-tensor trace
         from trainmem.estimate.traced import check_traced
         check_traced(step, impl, parallel, finetune)
-    if parallel is not None and not parallel.is_single:
+    offload = offloads_activations(parallel)  # --offload activations alone runs one device
+    if parallel is not None and not parallel.is_single and not offload:
         if impl.optimizer_in_backward:
             raise SpecError("optimizer_in_backward", True, "is modelled on one device only (no --dp/--tp/--pp/--zero/--fsdp)")
         ranks = tuple(rank_classes(model, step, impl, parallel, finetune))
@@ -136,6 +142,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                  if impl.recompute != "none" else None)
     inv = states + acts
     recompute = recompute_per_layer(acts, plain) if plain is not None else {}
+    working, host = None, None
+    if offload:  # estimate/activation_offload.py: torchtune's OffloadActivations
+        inv, recompute, working, host = apply_offload(model, step, impl, states, acts, recompute, finetune)
     d = step.dtypes
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
@@ -147,8 +156,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         optimizer_transient=(traced_transient if impl.profile == "traced"
                              else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
-        optimizer_in_backward=impl.optimizer_in_backward,
+        optimizer_in_backward=impl.optimizer_in_backward, working=working,
     )
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune))
-    return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune)
+    return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,
+                    **({"parallel": parallel, "host": host} if offload else {}))

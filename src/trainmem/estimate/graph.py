@@ -78,6 +78,9 @@ class Graph:
     _cached: list[dict[int, Sym]] = field(default_factory=list)  # the op outputs each region's policy keeps
     saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
     repeats: list[Repeat] = field(default_factory=list)
+    keeper: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    """For each tensor in ``saved``: the scope of the save that kept it and, for a checkpointed
+    region's input, its position among the region's inputs (activation offload asks)."""
     subs: dict[str, str] = field(default_factory=dict)
     """Rank-local symbols as global ones (``A`` -> ``A/tp``), applied when items are rendered."""
     _rendered: dict[tuple, tuple[tuple[str, ...], str]] = field(default_factory=dict)
@@ -119,6 +122,8 @@ class Graph:
         scope = ".".join(self.scope)
         for t in tensors:
             if t is not None:
+                if target is self.saved and id(t) not in target:
+                    self.keeper[id(t)] = (scope, None)
                 target.setdefault(id(t), t)
                 self.saver.setdefault(id(t), scope)
 
@@ -144,8 +149,14 @@ class Graph:
             cached = self._cached.pop()
             target = self._checkpoint[-1] if self._checkpoint else self.saved
             for k, t in cached.items():
+                if target is self.saved and k not in target:
+                    self.keeper[k] = (".".join(self.scope), None)
                 target.setdefault(k, t)
+            fresh = [t is not None and target is self.saved and id(t) not in target for t in inputs]
             self.save(*inputs)
+            for i, (t, new) in enumerate(zip(inputs, fresh)):
+                if new:
+                    self.keeper[id(t)] = (".".join(self.scope), i)
 
     # identical blocks ------------------------------------------------------------
     def mark(self) -> int:
@@ -177,6 +188,10 @@ class Graph:
     def savers(self) -> list[str]:
         """The module scope that kept each item of :meth:`items`, in the same order."""
         return [self.saver.get(k, "") for k in self.saved]
+
+    def keepers(self) -> list[tuple[str, int | None]]:
+        """:attr:`keeper` for each item of :meth:`items`, in the same order."""
+        return [self.keeper.get(k, ("", None)) for k in self.saved]
 
     def items(self) -> list[MemoryItem]:
         return [self._item(t) for t in self.saved.values()]

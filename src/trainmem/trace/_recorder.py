@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainmem.trace.storages import Entry, StorageTracker
+from trainmem.trace.offload import allocating_on_host
 
 __all__: list[str] = []
 
@@ -189,6 +190,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor, func, origin: str) -> None:
+        if allocating_on_host():
+            return  # a host copy made by activation offload (trace/offload.py): never device bytes
         if self._host_steps and t.untyped_storage()._cdata in self._host_steps:
             return  # ``step_t += 1`` (adam.py _single_tensor_adam) outputs a host step counter
         self._op = _short_op(func)  # a storage resized by this op is reallocated by it

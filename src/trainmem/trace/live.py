@@ -55,6 +55,9 @@ class LiveStorages:
         return self.storages.take_peak()
 
     def _after_op(self, func, tensors: list) -> None:
+        from trainmem.trace.offload import allocating_on_host
+        if allocating_on_host():
+            return  # a host copy made by activation offload (trace/offload.py): not device memory
         for t in tensors:
             self.track(t)
 

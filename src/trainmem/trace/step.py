@@ -316,7 +316,8 @@ def _inputs(model, step: StepSpec, head: str) -> dict:
 
 def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                real: bool = False, progress: Callable[[float, str], None] | None = None,
-               head: str | None = None, experts: str | None = None) -> TraceResult:
+               head: str | None = None, experts: str | None = None,
+               offload: tuple[str, ...] = ()) -> TraceResult:
     """Trace one training step of a Hugging Face model.
 
     ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights, any
@@ -326,6 +327,8 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     ``model(input_ids=ids, labels=ids).loss``. Models are built on fake tensors unless ``real``.
     ``experts`` is transformers' ``experts_implementation`` for MoE models.
     ``progress`` is called with (fraction done, phase) as modules run.
+    ``offload=("activations",)``: torchtune's activation offloading (:mod:`trainmem.trace.offload`);
+    the host copies are not device memory and ``meta["offload"]`` reports them.
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
@@ -342,7 +345,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     try:
         with _quiet_fake_tensor_log(), mode, _attention_context(impl):
-            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts)
+            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, offload=offload)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -376,7 +379,8 @@ def _routing(model, impl: ImplSpec, *, fake: bool):
     return stack, meta
 
 
-def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None) -> TraceResult:
+def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None,
+         offload: tuple[str, ...] = ()) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
@@ -460,12 +464,18 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report
         runs, compiled = compile_model(model, impl)
-    with selective, routing:
+    from trainmem.trace.offload import offload_activations
+    offloading = offload_activations(model) if "activations" in offload else contextlib.nullcontext()
+    with selective, routing, offloading as off:
         one_step()
         if impl.compile:
             meta["compile"] = report(model, runs, compiled, loss_of)
         distinct = list({id(t): t for t in inputs.values()}.values())  # labels are often the ids
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
         with tracer:
+            if off is not None:
+                off.reset()
             one_step()
+            if off is not None:
+                meta["offload"] = off.report()
     return tracer.result

@@ -1,0 +1,219 @@
+"""Activation offload on one device (``--offload activations``): which saved tensors leave the GPU.
+
+The mechanism is torchtune's ``OffloadActivations`` (torchtune/training/_activation_offloading.py
+at bd2a0fc, defaults ``use_streams=True``, ``max_fwd_stash_size=5``, ``min_offload_size=1024``)
+as ``get_act_offloading_ctx_manager`` installs it: a ``saved_tensors_hooks`` pair around the
+model's forward, turned off (``NoOpManager``) inside the output projection, with the loss
+computed outside it (recipes/full_finetune_single_device.py ``_loss_step``). Its pack hook copies
+each saved tensor of at least 1024 bytes that is not an ``nn.Parameter`` to host memory; autograd
+then holds an id, and the device copy dies with its last Python reference. The tracer runs the
+same policy (``trace/offload.py``); ``tests/estimate/test_activation_offload.py`` holds the two,
+and a real-tensor run, to the same bytes.
+
+Rules, per saved tensor (one estimator item, one storage), in the order applied:
+
+* ``B·S·8`` int64 token ids (``*.indices``): copied to host, but the caller's tensor stays;
+* fewer than 1024 bytes (``rsqrt`` of a norm at small B·S, scalars): kept on the device;
+* kept by the LM head or the loss (outside the offloaded region): kept;
+* a checkpointed block's input other than the first: Hugging Face's
+  ``GradientCheckpointingLayer`` passes only the hidden state positionally
+  (transformers/modeling_layers.py: ``checkpoint(partial(forward, **kwargs), *args)``) and
+  ``torch.utils.checkpoint`` packs only positional inputs (``_CheckpointFrame.save_inputs``); the
+  keyword arguments (position embeddings, position ids, mask) live in the recompute closure;
+* everything else: offloaded. Under full recompute that is each block's input hidden state.
+
+With streams, the device copy of each offloaded tensor is kept in a forward stash until five
+later tensors have been packed; at the end of forward the stash holds the last five packs, all
+inside the final norm for Llama's RMSNorm and GPT-2's LayerNorm (a norm packs 5-6 tensors), so
+``stash`` is the final norm's offloaded tensors. They stay through the loss backward until the
+first node that brings a tensor back runs.
+
+In backward each node's offloaded tensors come back as new device tensors and stay until the
+next such node has run (``in_flight``, with ``X`` the block's largest offloaded tensor and ``W`` its
+largest weight):
+
+* without recompute, the MLP product's backward (``act_fn(gate) * up``) is the widest moment: its
+  two saved inputs and the down projection's (``3·X``) are on the device with the product's input
+  gradient and its two output gradients (``3·X``, one of which the phases' work term already
+  counts), plus a weight copy ``W`` (a linear layer saves ``weight.t()``, a view that is not an
+  ``nn.Parameter``, so torchtune copies it out and back too): ``5·X + W``;
+* under full recompute only each block's input hidden state is packed (the recompute's own hooks
+  take the block's saves): this block's and the previous block's, ``2·X``.
+
+Known limitations:
+  - ``host_bytes`` counts each offloaded storage once; torchtune copies every pack (a tensor
+    saved by three projections three times, and the weights' views): the tracer's host figure
+    is larger (both are reported).
+  - profiles other than ``hf`` are not modelled (their head and checkpoint naming differ).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmem.inventory import Category, Inventory, MemoryItem
+
+__all__ = ["OffloadSplit", "offload_split", "MIN_OFFLOAD_BYTES", "OUTSIDE_REGION"]
+
+MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
+OUTSIDE_REGION = ("lm_head", "loss", "score", "classifier", "cls", "qa_outputs")
+"""Scopes whose saves torchtune leaves on the device: the output projection (NoOpManager) and the
+loss (computed outside the context); the HF heads' names."""
+
+
+@dataclass(frozen=True)
+class OffloadSplit:
+    """Saved activations split by where they live (bytes: logical, one storage each)."""
+
+    device: Inventory
+    """Saved tensors that stay on the device."""
+    host: Inventory
+    """Saved tensors copied to host memory ("offloaded to host"); their device copies die."""
+    stash_bytes: int
+    """Device copies the forward stash still holds when backward starts."""
+    in_flight_bytes: int
+    """Bound on the tensors brought back and alive at once in backward (two nodes' worth)."""
+    reasons: dict[str, str]
+    """Why each kept item stays on the device (item name -> reason)."""
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host.total()
+
+
+def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tuple[bool, str]:
+    """(stays on the device, reason) for one item; an input of the step is also copied out."""
+    scope, position = keeper
+    if it.dtype == "int64" and it.shape == (B, S) and it.name.endswith(".indices"):
+        return True, "the caller's token ids (torchtune copies them out too)"
+    if it.bytes < MIN_OFFLOAD_BYTES:
+        return True, f"smaller than min_offload_size ({MIN_OFFLOAD_BYTES} bytes)"
+    if not scope or scope.split(".")[0] in OUTSIDE_REGION:
+        return True, "kept by the output projection or the loss (outside the offloaded region)"
+    if position is not None and position > 0:
+        return True, "a checkpointed block's keyword input (held by the recompute closure)"
+    return False, ""
+
+
+def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *, B: int, S: int,
+                  largest_block_weight_bytes: int, checkpointed: bool = False,
+                  use_streams: bool = True) -> OffloadSplit:
+    """Split ``acts`` (an activation inventory, templates per block) by torchtune's policy.
+    ``keepers``: item name -> (scope that kept it, position among a checkpoint's inputs)."""
+    dev_base, host_base, reasons = [], [], {}
+    copied_inputs = []
+    for it in acts.base:
+        stays, why = _stays(it, keepers.get(it.name, ("", None)), B, S)
+        (dev_base if stays else host_base).append(it)
+        if stays:
+            reasons[it.name] = why
+            if why.startswith("the caller"):
+                copied_inputs.append(it)
+    dev_reps, host_reps = [], []
+    for r in acts.repeats:
+        keep = [it for it in r.items if _stays(it, keepers.get(it.name, ("", None)), B, S)[0]]
+        off = [it for it in r.items if it not in keep]
+        for it in keep:
+            reasons[it.name] = _stays(it, keepers.get(it.name, ("", None)), B, S)[1]
+        dev_reps.append(_replace_items(r, keep))
+        host_reps.append(_replace_items(r, off))
+    host = Inventory(host_base + copied_inputs, host_reps)
+    stash = 0
+    out_base = [it for it in host_base if it not in copied_inputs]  # outside blocks, in forward order
+    if use_streams and out_base:  # the final norm's offloaded tensors (see the module docstring)
+        last_scope = keepers.get(out_base[-1].name, ("", None))[0]
+        stash = sum(it.bytes for it in out_base if keepers.get(it.name, ("", None))[0] == last_scope)
+    block = max((it.bytes for r in host.repeats for it in r.items), default=0) or max(
+        (it.bytes for it in out_base), default=0)
+    if checkpointed:  # a block's input comes back; the previous block's stays until this one's hook
+        in_flight = 2 * block
+    else:  # the MLP product's node: its two saved inputs and the down projection's, three gradients
+        in_flight = 5 * block + largest_block_weight_bytes  # (one is the phases' work) and a weight copy
+    return OffloadSplit(Inventory(dev_base, dev_reps), host, stash, in_flight, reasons)
+
+
+def _replace_items(r, items):
+    from dataclasses import replace
+    return replace(r, items=tuple(items))
+
+
+def activation_offload(model, step, impl, *, use_streams: bool = True) -> OffloadSplit:
+    """:func:`offload_split` of the step's activation inventory (identical blocks stored once)."""
+    from trainmem.errors import SpecError
+    from trainmem.estimate.activations import _forward, _input_ids
+    from trainmem.estimate.ctx import Ctx
+    from trainmem.estimate.graph import Graph
+    from trainmem.estimate.params import parameter_shapes
+    from trainmem.inventory import dtype_bytes
+    from trainmem.names import layer_of
+
+    if impl.profile != "hf":
+        raise SpecError("offload", "activations", f"is modelled under --profile hf only, not {impl.profile!r}")
+    if impl.recompute not in ("none", "full") or impl.compile:
+        raise SpecError("offload", "activations", "is modelled with --recompute none or full, without --compile")
+    ctx = Ctx(Graph(), model, step, impl, replicate=True)
+    _input_ids(ctx)
+    _forward(impl)(ctx)
+    keepers = {it.name: k for it, k in zip(ctx.g.items(), ctx.g.keepers())}
+    # the copies are made from the compute weights: the parameters, or autocast's casts of them
+    size = dtype_bytes(step.dtypes.activation if step.dtypes.autocast else step.dtypes.param)
+    weight = max((int(math.prod(shape) * size) for name, shape in parameter_shapes(model)
+                  if layer_of(name) is not None and len(shape) == 2), default=0)
+    return offload_split(ctx.g.inventory(), keepers, B=step.batch, S=step.seq,
+                         largest_block_weight_bytes=weight, checkpointed=impl.recompute == "full",
+                         use_streams=use_streams)
+
+
+def device_items(split: OffloadSplit) -> list[MemoryItem]:
+    """Every saved activation of every block, flat: kept ones as they are, offloaded ones as
+    zero-byte items noting where they went (the phases still see every block)."""
+    host = {it.name for it in split.host}
+    out = []
+    for it in _all_items(split):
+        if it.name in host and it.name not in split.reasons:
+            it = MemoryItem(name=it.name, category=Category.ACTIVATION, shape=it.shape, dtype=it.dtype, bytes=0,
+                            formula=it.formula, dims=it.dims, note=f"offloaded to host ({it.bytes} bytes)")
+        out.append(it)
+    return out
+
+
+def _all_items(split: OffloadSplit):
+    """Device and host items in one list, each name once (the caller's ids are in both)."""
+    seen: set[str] = set()
+    for it in (*split.device, *split.host):
+        if it.name not in seen:
+            seen.add(it.name)
+            yield it
+
+
+def working_bytes(split: OffloadSplit) -> dict[str, dict[str, int]]:
+    """The offload's device buffers per phase of ``estimate.peak.phases``: the forward stash until
+    the loss backward is done, the tensors brought back during the blocks' backward."""
+    stash, back = {"offload_stash": split.stash_bytes}, {"offload_in_flight": split.in_flight_bytes}
+    return {"forward": stash, "backward_start": stash, "backward": back, "backward_first_block": back}
+
+
+def offloads_activations(parallel) -> bool:
+    """``--offload activations`` on one device, nothing else parallel: the single-device estimate
+    with this module's split (offload of optimizer states or parameters is per-rank)."""
+    if parallel is None or "activations" not in parallel.offload:
+        return False
+    from dataclasses import replace
+    return replace(parallel, offload=tuple(o for o in parallel.offload if o != "activations")).is_single
+
+
+def apply_offload(model, step, impl, states: Inventory, acts: Inventory,
+                  recompute: dict[int, tuple[int, int]], finetune=None):
+    """``(inventory, recompute_bytes, working, host)`` for ``estimate.peak.phases`` under activation
+    offload: the device inventory, each block's largest saved tensor kept for the gradient it
+    still gets in backward, the stash and in-flight buffers, and what went to host."""
+    from trainmem.errors import SpecError
+    from trainmem.estimate.peak import layer_stats
+
+    if finetune is not None:
+        raise SpecError("offload", "activations", "is modelled without fine-tuning adapters or frozen weights")
+    split = activation_offload(model, step, impl)
+    largest = layer_stats(acts).largest
+    rec = {li: (recompute.get(li, (0, 0))[0], max(recompute.get(li, (0, 0))[1], big)) for li, big in largest.items()}
+    return states + Inventory(device_items(split)), rec, working_bytes(split), split.host

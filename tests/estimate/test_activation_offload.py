@@ -1,0 +1,145 @@
+"""``--offload activations``: torchtune's ``OffloadActivations`` on one device.
+
+Checked against the real mechanism on CPU (transformers models built from config, real tensors,
+``saved_tensors_hooks`` with torchtune's policy: ``trace/offload.py``): what stays on the device
+after the forward equals the estimate to the byte, with and without streams (the forward stash);
+the device storages copied out equal the estimate's host figure; the fake-tensor trace equals the
+real-tensor trace; the estimated step peak is within 2% of the traced one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainmem.errors import SpecError
+from trainmem.estimate import estimate
+from trainmem.estimate.activation_offload import activation_offload
+from trainmem.models.hf import build_hf_model
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+from trainmem.trace import trace_step
+from trainmem.trace.live import LiveStorages
+from trainmem.trace.offload import OffloadActivations, offload_activations
+from trainmem.trace.storages import storage_key
+
+B, S = 2, 64
+SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=500)
+FAMILIES = {"llama": dict(model_type="llama", **SMALL), "qwen2": dict(model_type="qwen2", **SMALL)}
+OFFLOAD = ParallelSpec(offload=("activations",))
+
+
+def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool):
+    """(bytes the forward leaves on the device, the offload hooks) for one real forward + loss:
+    the storages alive after it (the loss excluded) plus the input ids, which the embedding keeps."""
+    torch.manual_seed(0)
+    model = build_hf_model(cfg, attention="sdpa", dtype=torch.bfloat16 if precision == "bf16" else None)
+    if recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, cfg["vocab_size"], (B, S))
+    skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
+    with offload_activations(model, use_streams=use_streams) as off:
+        with LiveStorages(skip_keys=skip) as live:
+            loss = model(ids, labels=ids).loss
+        kept = live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
+        loss.backward()
+    assert not off.tracker and not off.bwd_stash and off.host.live_bytes == 0  # all brought back and freed
+    return kept, off
+
+
+def test_policy_on_torch_ops():
+    """torchtune's pack test: >= 1024 bytes and not an nn.Parameter instance. A bias-free linear
+    saves its input and ``weight.t()`` (a view: copied out); a 2-element mul's inputs stay."""
+    lin = torch.nn.Linear(16, 16, bias=False)  # weight 16·16·4 = 1024 bytes
+    x = torch.randn(32, 16, requires_grad=True)  # 32·16·4 = 2048 bytes
+    small = torch.randn(2, requires_grad=True)
+    hooks = OffloadActivations(use_streams=False)
+    with hooks:
+        y = lin(x)
+        z = small * small
+    # copied: x (2048) and weight.t() (1024); kept: small, twice (2·8 bytes)
+    assert hooks.offloaded_bytes == 2048 + 1024
+    assert hooks.packed_bytes == 2048 + 1024 + 2 * 8
+    assert hooks.host.live_bytes == 3072
+    (y.sum() + z.sum()).backward()
+    assert hooks.host.live_bytes == 0 and torch.equal(lin.weight.grad, torch.ones(32, 16).t() @ x)
+
+
+def test_llama_fp32_device_set_exact():
+    sp = activation_offload(spec_from_hf_config(FAMILIES["llama"]), StepSpec(batch=B, seq=S, precision="fp32"),
+                            ImplSpec(attention="sdpa", device="cpu"))
+    # kept: ids B·S·8 = 1024; five norm rsqrt B·S·4 = 512 < 1024 each; the head's input B·S·H·4 = 32768;
+    # log_softmax B·S·V·4 = 256000, the target B·S·8 = 1024, the total weight 4
+    assert sp.device.total() == 1024 + 5 * 512 + 32768 + 256000 + 1024 + 4
+    # the forward stash: the final norm's input and normalized tensor, 2·B·S·H·4
+    assert sp.stash_bytes == 2 * 32768
+    assert sp.reasons["model.layers.0.input_layernorm.rsqrt"].startswith("smaller than")
+
+
+CASES = [(f, p, r) for f in FAMILIES for p in ("fp32", "bf16") for r in ("none", "full")]
+FAST = ("qwen2", "bf16", "none")
+
+
+@pytest.mark.parametrize("family,precision,recompute",
+                         [c if c == FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
+def test_device_set_equals_real_offload(family, precision, recompute):
+    cfg = FAMILIES[family]
+    sp = activation_offload(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
+                            ImplSpec(attention="sdpa", device="cpu", recompute=recompute))
+    kept, off = _forward_with_offload(cfg, precision, recompute, use_streams=False)
+    assert sp.device.total() == kept
+    # every device storage copied out, once each (the caller's ids too)
+    assert sp.host_bytes == off.offloaded_storage_bytes
+    kept_streams, _ = _forward_with_offload(cfg, precision, recompute, use_streams=True)
+    assert sp.device.total() + sp.stash_bytes == kept_streams
+
+
+LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trace_on_fake_tensors_equals_real(precision):
+    step = StepSpec(batch=2, seq=128, precision=precision)
+    impl = ImplSpec(attention="eager", device="cpu")
+    fake = trace_step(LLAMA, step, impl, offload=("activations",))
+    real = trace_step(LLAMA, step, impl, real=True, offload=("activations",))
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.totals_at_peak_bytes == real.totals_at_peak_bytes
+    assert fake.meta["offload"] == real.meta["offload"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_step_peak_within_two_percent_of_trace(precision):
+    step = StepSpec(batch=2, seq=256, precision=precision)
+    impl = ImplSpec(attention="sdpa", device="cpu", optimizer_impl="foreach")
+    traced = trace_step(LLAMA, step, impl, offload=("activations",))
+    est = estimate(spec_from_hf_config(LLAMA), step, impl, OFFLOAD)
+    assert abs(est.peak_bytes - traced.peak_logical_bytes) <= 0.02 * traced.peak_logical_bytes, (
+        est.peak_bytes, traced.peak_logical_bytes, est.peak_phase)
+    plain = trace_step(LLAMA, step, impl)
+    assert traced.peak_bytes < plain.peak_bytes
+    # host: the estimate counts each storage once; torchtune copies every pack (weights' views too)
+    assert est.host.total() == traced.meta["offload"]["offloaded_storage_bytes"]
+    assert traced.meta["offload"]["offloaded_bytes"] > est.host.total()
+
+
+def test_estimate_reports_host_and_keeps_it_off_the_device():
+    spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=256, precision="bf16")
+    plain, off = estimate(spec, step, ImplSpec()), estimate(spec, step, ImplSpec(), OFFLOAD)
+    assert off.peak_bytes < plain.peak_bytes
+    d = off.to_dict(items=False)
+    assert d["host_bytes"]["offloaded_activations"] == off.host.total() > 0
+    assert "host_bytes" not in plain.to_dict(items=False)
+
+
+def test_refused_where_not_modelled():
+    spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=256, precision="bf16")
+    with pytest.raises(SpecError, match="offload"):
+        estimate(spec, step, ImplSpec(recompute="op"), OFFLOAD)
+    with pytest.raises(SpecError, match="offload"):
+        estimate(spec, step, ImplSpec(profile="reference"), OFFLOAD)
