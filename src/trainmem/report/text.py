@@ -19,13 +19,14 @@ _IDX = re.compile(r"\.(\d+)\.")
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
+    from trainmem.report.tree import head_note
     if getattr(e, "serving", None) is not None:  # --mode inference: serving settings only
         from trainmem.report.inference_text import render_inference
         return render_inference(e, detail=detail)
     m, s, im = e.model, e.step, e.impl
     lines = [
         f"trainmem estimate — {m.name} ({m.family}, {m.num_layers} layers, H={m.hidden_size}, "
-        f"A={m.num_heads}/{m.num_kv_heads} kv, F={m.ffn_size}, V={m.vocab_size})",
+        f"A={m.num_heads}/{m.num_kv_heads} kv, F={m.ffn_size}, V={m.vocab_size}{head_note(m)})",
         f"step: B={s.batch} S={s.seq} grad_accum={s.grad_accum} precision={s.precision} "
         f"optimizer={s.optimizer} loss={s.loss}",
         f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "

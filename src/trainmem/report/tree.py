@@ -124,12 +124,18 @@ def _tensor(it: MemoryItem) -> str:
     return f"{name:<38} {fmt_bytes(it.bytes):>12}   {it.formula or '':<14} [{shape}] {it.dtype}"
 
 
+def head_note(m) -> str:
+    """A classification head, when the model has one (docs/heads.md)."""
+    return f", head={m.head} ({m.num_labels} labels)" if m.head in ("seq-cls", "token-cls") else ""
+
+
 def _headline(e: Estimate) -> str:
     m, s, im = e.model, e.step, e.impl
     if getattr(e, "serving", None) is not None:
         from trainmem.report.inference_text import serving_settings
         return f"{m.name}: L={m.num_layers} H={m.hidden_size} · {serving_settings(e)}"
-    return (f"{m.name}: L={m.num_layers} H={m.hidden_size} · B={s.batch} S={s.seq} {s.precision} {s.optimizer}"
+    return (f"{m.name}: L={m.num_layers} H={m.hidden_size}{head_note(m)} · B={s.batch} S={s.seq} {s.precision} "
+            f"{s.optimizer}"
             f" · attention={im.attention} recompute={im.recompute} profile={im.profile}")
 
 
