@@ -1,6 +1,8 @@
 """Options shared by every command that takes a model and a step, and their conversion to specs.
 
-Help text comes from the spec dataclasses' field docstrings where it can.
+Each option's help is written here, beside it; its default is read from the spec dataclass
+(:func:`spec_default`), so the library and every command share one default. Converting the
+parsed options builds the specs, whose validation names any bad value (exit code 2).
 """
 
 from __future__ import annotations

@@ -155,12 +155,12 @@ def activation_offload(model, step, impl, *, use_streams: bool = True) -> Offloa
     ctx = Ctx(Graph(), model, step, impl, replicate=True)
     _input_ids(ctx)
     _forward(impl)(ctx)
-    keepers = {it.name: k for it, k in zip(ctx.g.items(), ctx.g.keepers())}
+    keepers = {it.name: k for it, k in zip(ctx.graph.items(), ctx.graph.keepers())}
     # the copies are made from the compute weights: the parameters, or autocast's casts of them
     size = dtype_bytes(step.dtypes.activation if step.dtypes.autocast else step.dtypes.param)
     weight = max((int(math.prod(shape) * size) for name, shape in parameter_shapes(model)
                   if layer_of(name) is not None and len(shape) == 2), default=0)
-    return offload_split(ctx.g.inventory(), keepers, B=step.batch, S=step.seq,
+    return offload_split(ctx.graph.inventory(), keepers, B=step.batch, S=step.seq,
                          largest_block_weight_bytes=weight, checkpointed=impl.recompute == "full",
                          use_streams=use_streams)
 

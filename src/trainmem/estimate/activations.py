@@ -27,13 +27,13 @@ def activation_inventory(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> In
     ctx = Ctx(Graph(), model, step, impl, replicate=True)
     _input_ids(ctx)
     _forward(impl)(ctx)
-    return ctx.g.inventory()
+    return ctx.graph.inventory()
 
 
 def _input_ids(ctx: Ctx) -> None:
     """Non-HF profiles name the caller's token ids (the HF rules keep them under the embedding)."""
     if ctx.impl.profile != "hf":
-        ctx.g.save(ctx.g.new("input_ids", (ctx.step.batch, ctx.step.seq), ("B", "S"), "int64"))
+        ctx.graph.save(ctx.graph.new("input_ids", (ctx.step.batch, ctx.step.seq), ("B", "S"), "int64"))
 
 
 def _forward(impl: ImplSpec):
@@ -61,6 +61,6 @@ def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpe
     _input_ids(ctx)
     _forward(impl)(ctx)
     if hook is None:
-        return ctx.g.items(), ctx.g.savers()
+        return ctx.graph.items(), ctx.graph.savers()
     hook.embedding_notes(ctx, model)
-    return ctx.g.items() + hook.notes, ctx.g.savers() + [""] * len(hook.notes)
+    return ctx.graph.items() + hook.notes, ctx.graph.savers() + [""] * len(hook.notes)

@@ -52,9 +52,9 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     ``q_copy``: ``q`` is a strided view (GPT-2's split of the fused QKV output); bmm reshapes it
     into a heads-wide copy, which is what eager attention keeps.
     """
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
-    rg = q.rg or k.rg or v.rg
+    rg = q.requires_grad or k.requires_grad or v.requires_grad
     heads_shape, heads_dims = (B, A, S, hd), ("B", "A", "S", "hd")
     scores_shape, scores_dims = (B, A, S, S), ("B", "A", "S", "S")
     out_shape, out_dims = (B, S, A * hd), ("B", "S", "A·hd")
@@ -63,8 +63,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         if low:  # SDPA is on autocast's lower-precision list
             q, k, v = (ctx.cast(t, low, f"{n}_cast") for t, n in ((q, "q"), (k, "k"), (v, "v")))
         if not gqa_native and m.num_kv_heads != A:
-            k = g.new("k_repeat", heads_shape, heads_dims, k.dtype, k.rg)
-            v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
+            k = g.new("k_repeat", heads_shape, heads_dims, k.dtype, k.requires_grad)
+            v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.requires_grad)
         cp = ctx.shard.cp
         if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
             k, v = (_gathered(g, t, f"{n}_gathered", cp) for t, n in ((k, "k"), (v, "v")))
@@ -89,37 +89,37 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     out_dtype = low or v.dtype
     if kernel == "math" and ctx.impl.device == "cpu" and (low or q.dtype) != "float32":
         # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32
-        q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.rg) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.requires_grad) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         low = None
     if q_copy:
-        q = g.new("q", heads_shape, heads_dims, q.dtype, q.rg)
+        q = g.new("q", heads_shape, heads_dims, q.dtype, q.requires_grad)
     qm = ctx.cast(q, low, "q_cast") if low else q
     k_in = ctx.cast(k, low, "k_cast") if low else k
     # the K operand reaches bmm as a fresh (B·A, hd, S) copy: repeat_kv, or the transpose's reshape
-    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.rg)
-    g.save(qm, when=kt.rg)  # bmm keeps each operand for the other's gradient
-    g.save(kt, when=qm.rg)
+    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.requires_grad)
+    g.save(qm, when=kt.requires_grad)  # bmm keeps each operand for the other's gradient
+    g.save(kt, when=qm.requires_grad)
     # Q·Kᵀ's bmm output; the scaling (or the math kernel's pre-scaled q) makes the next tensor
-    g.new("scores", scores_shape, scores_dims, qm.dtype, qm.rg or kt.rg, op="bmm")
+    g.new("scores", scores_shape, scores_dims, qm.dtype, qm.requires_grad or kt.requires_grad, op="bmm")
     # eager adds the causal mask (in the embedding dtype) before softmax: type promotion applies
     if softcap:  # Gemma-2: cap * tanh(scores / cap) before the mask; tanh keeps its output
-        g.save(g.new("softcap_tanh", scores_shape, scores_dims, qm.dtype, True), when=qm.rg or kt.rg)
+        g.save(g.new("softcap_tanh", scores_shape, scores_dims, qm.dtype, True), when=qm.requires_grad or kt.requires_grad)
     masked = kernel == "eager" and m.arch == "decoder"  # encoders without padding pass no mask
     scores_dtype = promote(qm.dtype, ctx.param) if masked else qm.dtype
     sm_dtype = "float32" if softmax_fp32 or (low and ctx.impl.device == "cuda") else scores_dtype
-    probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype, qm.rg or kt.rg)
-    g.save(probs32, when=probs32.rg)
+    probs32 = g.new("softmax", scores_shape, scores_dims, sm_dtype, qm.requires_grad or kt.requires_grad)
+    g.save(probs32, when=probs32.requires_grad)
     probs = ctx.cast(probs32, q.dtype if softmax_fp32 else v.dtype, "probs")
     probs = ctx.dropout(probs, m.attn_dropout, "attn_dropout")
     if low:
         probs = ctx.cast(probs, low, "probs_cast")
         v = ctx.cast(v, low, "v_cast")
     # V likewise reaches bmm as a fresh heads-wide copy (repeat_kv, the KV-cache cat, or a reshape)
-    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.rg)
-    g.save(probs, when=vv.rg)
-    g.save(vv, when=probs.rg)
+    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.requires_grad)
+    g.save(probs, when=vv.requires_grad)
+    g.save(vv, when=probs.requires_grad)
     # P·V's bmm output (B, A, S, hd); transpose(1, 2).contiguous() copies it into attn_out
-    g.new("pv", heads_shape, heads_dims, vv.dtype, probs.rg or vv.rg, op="bmm")
+    g.new("pv", heads_shape, heads_dims, vv.dtype, probs.requires_grad or vv.requires_grad, op="bmm")
     out_dtype = out_dtype if kernel == "math" else probs.dtype
     return g.new("attn_out", out_shape, out_dims, out_dtype, rg)
 
@@ -129,4 +129,4 @@ def _gathered(g, t: Sym, label: str, cp: int) -> Sym:
     the (B, A, S, hd) layout, the second in (B, S, heads·hd)) grows ``cp`` times."""
     ax = 2 if len(t.shape) == 4 else 1
     shape = t.shape[:ax] + (t.shape[ax] * cp,) + t.shape[ax + 1:]
-    return g.new(label, shape, t.dims[:ax] + (f"{t.dims[ax]}·cp",) + t.dims[ax + 1:], t.dtype, t.rg)
+    return g.new(label, shape, t.dims[:ax] + (f"{t.dims[ax]}·cp",) + t.dims[ax + 1:], t.dtype, t.requires_grad)

@@ -53,7 +53,7 @@ class Shard:
 class Ctx:
     """Everything a block rule needs: the graph, sizes, and the dtype policy."""
 
-    g: Graph
+    graph: Graph
     model: ModelSpec
     step: StepSpec
     impl: ImplSpec
@@ -73,7 +73,7 @@ class Ctx:
         self.param = d.compute                    # dtype of weights as the kernels read them
         self.low = d.activation if d.autocast else None  # autocast's compute dtype
         self.B, self.S = self.step.batch, self.step.seq
-        self.g.subs = self.shard.symbols()
+        self.graph.subs = self.shard.symbols()
 
     # sequence parallelism -------------------------------------------------------
     def sp_scatter(self, x: Sym, label: str) -> Sym:
@@ -83,7 +83,7 @@ class Ctx:
         if not self.shard.sp or tp == 1:
             return x
         shape = x.shape[:1] + (x.shape[1] // tp,) + x.shape[2:]
-        return self.g.new(label, shape, x.dims[:1] + (f"{x.dims[1]}/tp",) + x.dims[2:], x.dtype, x.rg)
+        return self.graph.new(label, shape, x.dims[:1] + (f"{x.dims[1]}/tp",) + x.dims[2:], x.dtype, x.requires_grad)
 
     def sp_gather(self, x: Sym, label: str) -> Sym:
         """Leave a sequence-parallel region: all-gather the tokens (DTensor keeps the gathered
@@ -93,17 +93,17 @@ class Ctx:
             return x
         shape = x.shape[:1] + (x.shape[1] * tp,) + x.shape[2:]
         seq = x.dims[1][:-len("/tp")] if x.dims[1].endswith("/tp") else f"{x.dims[1]}·tp"
-        return self.g.new(label, shape, x.dims[:1] + (seq,) + x.dims[2:], x.dtype, x.rg)
+        return self.graph.new(label, shape, x.dims[:1] + (seq,) + x.dims[2:], x.dtype, x.requires_grad)
 
     # kernels ---------------------------------------------------------------
     def cast(self, x: Sym, dtype: str, label: str) -> Sym:
         """``x.to(dtype)``: a new storage unless the dtype already matches (ToCopy saves nothing)."""
         if x.dtype == dtype:
             return x
-        return self.g.new(label, x.shape, x.dims, dtype, x.rg)
+        return self.graph.new(label, x.shape, x.dims, dtype, x.requires_grad)
 
     def weight_trainable(self, label: str = "weight") -> bool:
-        return self.trainable(self.g.path(label))
+        return self.trainable(self.graph.path(label))
 
     def linear(self, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                label: str = "out", bias: bool = False) -> Sym:
@@ -131,22 +131,22 @@ class Ctx:
         if self.impl.float8 != "none" and self.float8_converts(weight):
             from trainmem.estimate.float8 import float8_linear
             return float8_linear(self, x, out_features, out_sym, weight=weight, label=label, bias=bias)
-        g = self.g
+        g = self.graph
         wt = self.weight_trainable()
         if self.low:
             xin = self.cast(x, self.low, "input_cast")
-            g.save(g.new("weight_cast", weight, (out_sym, x.dims[-1]), self.low, wt), when=x.rg)
+            g.save(g.new("weight_cast", weight, (out_sym, x.dims[-1]), self.low, wt), when=x.requires_grad)
             out_dtype = self.low
         else:
             xin, out_dtype = x, x.dtype
         g.save(xin, when=wt)  # mm keeps its input only for the weight's gradient
-        return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.rg or wt,
+        return g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), out_dtype, x.requires_grad or wt,
                      op="addmm" if bias else "mm")
 
     def float8_converts(self, weight: tuple[int, int]) -> bool:
         """Whether torchao's conversion (torchtitan's filter) makes this linear a ``Float8Linear``."""
         from trainmem.estimate.float8 import converted
-        return converted(self.model.family, self.model.num_experts, self.g.path("weight"), weight)
+        return converted(self.model.family, self.model.num_experts, self.graph.path("weight"), weight)
 
     def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;
@@ -154,21 +154,21 @@ class Ctx:
         ``module``: the dropout is an ``nn.Dropout`` submodule named ``label`` (names follow it)."""
         if p <= 0.0:
             return x
-        g = self.g
+        g = self.graph
         mask_dtype = "bool" if self.impl.device == "cuda" else x.dtype
         if module:
             with g.module(label):
-                g.save(g.new("mask", x.shape, x.dims, mask_dtype, False), when=x.rg)
-                return g.new("out", x.shape, x.dims, x.dtype, x.rg)
-        g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype, False), when=x.rg)
-        return g.new(label, x.shape, x.dims, x.dtype, x.rg)
+                g.save(g.new("mask", x.shape, x.dims, mask_dtype, False), when=x.requires_grad)
+                return g.new("out", x.shape, x.dims, x.dtype, x.requires_grad)
+        g.save(g.new(f"{label}_mask", x.shape, x.dims, mask_dtype, False), when=x.requires_grad)
+        return g.new(label, x.shape, x.dims, x.dtype, x.requires_grad)
 
     def mul(self, a: Sym, b: Sym, label: str, *, shape=None, dims=None) -> Sym:
         """Elementwise product: each operand is kept for the other's gradient."""
-        self.g.save(a, when=b.rg)
-        self.g.save(b, when=a.rg)
-        return self.g.new(label, shape or a.shape, dims or a.dims, promote(a.dtype, b.dtype), a.rg or b.rg)
+        self.graph.save(a, when=b.requires_grad)
+        self.graph.save(b, when=a.requires_grad)
+        return self.graph.new(label, shape or a.shape, dims or a.dims, promote(a.dtype, b.dtype), a.requires_grad or b.requires_grad)
 
     def add(self, a: Sym, b: Sym, label: str) -> Sym:
         """Elementwise sum: keeps nothing."""
-        return self.g.new(label, a.shape, a.dims, promote(a.dtype, b.dtype), a.rg or b.rg)
+        return self.graph.new(label, a.shape, a.dims, promote(a.dtype, b.dtype), a.requires_grad or b.requires_grad)

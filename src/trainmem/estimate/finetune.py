@@ -195,7 +195,7 @@ class FinetuneLinear:
 
     def __call__(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                  label: str = "out") -> Sym:
-        g, spec = ctx.g, self.spec
+        g, spec = ctx.graph, self.spec
         module = ".".join(g.scope)
         trainable = ctx.weight_trainable()
         if quantized_module(module, spec):
@@ -210,8 +210,8 @@ class FinetuneLinear:
 
     def _note(self, ctx: Ctx, x: Sym, what: str, why: str) -> None:
         """A zero-byte marker: this layer's input is not kept (shown in reports next to what is)."""
-        dims, text = ctx.g.render(x)
-        item = MemoryItem(name=ctx.g.path("input"), category=Category.ACTIVATION, shape=x.shape, dtype=x.dtype,
+        dims, text = ctx.graph.render(x)
+        item = MemoryItem(name=ctx.graph.path("input"), category=Category.ACTIVATION, shape=x.shape, dtype=x.dtype,
                           bytes=0, formula=f"not saved: {what} ({text})", note=f"not saved: {what}: {why}", dims=dims)
         self.notes.append(item)
 
@@ -220,10 +220,10 @@ class FinetuneLinear:
         packed weight; dequantizes one weight at a time as a temporary), result cast back to x's dtype."""
         ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved
         self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
-        return ctx.g.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.rg)
+        return ctx.graph.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.requires_grad)
 
     def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:
-        g, spec, r = ctx.g, self.spec, self.spec.lora_rank
+        g, spec, r = ctx.graph, self.spec, self.spec.lora_rank
         out_f, in_f = weight
         out_sym = result.dims[-1]
         xa = ctx.cast(x, self.adapter_dtype, "lora_input_cast")  # peft _cast_input_dtype
@@ -233,7 +233,7 @@ class FinetuneLinear:
             a = ctx.plain_linear(d, r, "r", weight=(r, in_f))
         with g.module("lora_B.default"):
             b = ctx.plain_linear(a, out_f, out_sym, weight=(out_f, r))
-        scaled = g.new("lora_scaled", b.shape, b.dims, b.dtype, b.rg)  # * scaling (a float): keeps nothing
+        scaled = g.new("lora_scaled", b.shape, b.dims, b.dtype, b.requires_grad)  # * scaling (a float): keeps nothing
         total = ctx.add(result, scaled, "lora_sum")
         return ctx.cast(total, result.dtype, "lora_out")  # result.to(torch_result_dtype)
 
@@ -244,7 +244,7 @@ class FinetuneLinear:
                 # token ids are (B, S); position and token-type ids one (1, S) row
                 per_row = not is_token_embedding(name)
                 ids = Sym("", *(((1, ctx.S), ("1", "S")) if per_row else ((ctx.B, ctx.S), ("B", "S"))), "int64")
-                dims, text = ctx.g.render(ids)
+                dims, text = ctx.graph.render(ids)
                 self.notes.append(MemoryItem(
                     name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=ids.shape, dtype="int64",
                     bytes=0, formula=f"not saved: frozen embedding ({text})", dims=dims,

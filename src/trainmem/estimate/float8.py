@@ -69,9 +69,9 @@ def converted(family: str, num_experts: int, weight_path: str, weight: tuple[int
 def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int, int], label: str, bias: bool):
     """A ``Float8Linear`` call (see the module docstring): keeps its (autocast-cast) input whenever
     the input or the weight needs a gradient; the output is the input's dtype."""
-    g = ctx.g
+    g = ctx.graph
     wt = ctx.weight_trainable()
-    rg = x.rg or wt
+    rg = x.requires_grad or wt
     xin = ctx.cast(x, ctx.low, "input_cast") if ctx.low else x
     g.save(xin, when=rg)  # autograd.Function.save_for_backward: no requires-grad condition per operand
     shape, dims = x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,)

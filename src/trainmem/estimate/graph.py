@@ -36,7 +36,7 @@ class Sym:
     shape: tuple[int, ...]
     dims: tuple[str, ...]  # one symbolic expression per axis, e.g. ("B", "S", "A·hd")
     dtype: str
-    rg: bool = True  # requires grad: whether autograd must carry a gradient to it
+    requires_grad: bool = True  # whether autograd must carry a gradient to it
     op: str | None = None  # the aten op whose output this is, where a checkpoint policy asks ("mm", "bmm", ...)
 
     @property
@@ -97,12 +97,12 @@ class Graph:
     def path(self, label: str) -> str:
         return ".".join([*self.scope, label]) if self.scope else label
 
-    def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, rg: bool = True,
+    def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, requires_grad: bool = True,
             op: str | None = None) -> Sym:
         """A new storage; ``op`` names the aten op that produced it, for the policy of the
         innermost checkpoint region (:meth:`checkpoint`), which may keep it."""
         assert len(dims) == len(shape), (label, shape, dims)
-        t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, rg, op)
+        t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, requires_grad, op)
         if op is not None and self._policies and self._policies[-1] is not None and self._policies[-1].save(op):
             self._cached[-1].setdefault(id(t), t)
             self.saver.setdefault(id(t), ".".join(self.scope))

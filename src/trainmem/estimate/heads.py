@@ -130,7 +130,7 @@ def task_head(ctx, h: Sym) -> None:
 
 def _classifier(ctx, x: Sym, module: str, bias: bool) -> Sym:
     m = ctx.model
-    with ctx.g.module(module):
+    with ctx.graph.module(module):
         return ctx.linear(x, m.num_labels, "nl", weight=(m.num_labels, m.hidden_size), bias=bias)
 
 
@@ -141,30 +141,30 @@ def _token_cls(ctx, h: Sym, lay: TaskHead) -> None:
 
 
 def _last_token_cls(ctx, h: Sym, lay: TaskHead) -> None:
-    g = ctx.g
+    g = ctx.graph
     logits = _classifier(ctx, h, lay.seq_module, lay.seq_bias)  # (B, S, nl)
     with g.module("pool"):
         # logits[arange(B), last_non_pad_token]: index's backward keeps the indices, not the logits
         g.save(g.new("batch_index", (ctx.B,), ("B",), "int64", False),
-               g.new("last_non_pad_token", (ctx.B,), ("B",), "int64", False), when=logits.rg)
-        pooled = g.new("pooled_logits", (ctx.B, logits.shape[-1]), ("B", "nl"), logits.dtype, logits.rg)
+               g.new("last_non_pad_token", (ctx.B,), ("B",), "int64", False), when=logits.requires_grad)
+        pooled = g.new("pooled_logits", (ctx.B, logits.shape[-1]), ("B", "nl"), logits.dtype, logits.requires_grad)
     _cross_entropy(ctx, pooled, (ctx.B, "B"), upcast=False)
 
 
 def _pooled_cls(ctx, h: Sym, lay: TaskHead) -> None:
     """BERT: ``pooler.dense(hidden[:, 0])``, tanh, dropout, classifier."""
-    g, m, B, H = ctx.g, ctx.model, ctx.B, ctx.model.hidden_size
+    g, m, B, H = ctx.graph, ctx.model, ctx.B, ctx.model.hidden_size
     with g.module(lay.pooler), g.module("dense"):
         wt = ctx.weight_trainable()
         if ctx.low:  # autocast copies the (B, H) view into a contiguous low-precision input
-            g.save(g.new("input_cast", (B, H), ("B", "H"), ctx.low, h.rg), when=wt)
-            g.save(g.new("weight_cast", (H, H), ("H", "H"), ctx.low, wt), when=h.rg)
+            g.save(g.new("input_cast", (B, H), ("B", "H"), ctx.low, h.requires_grad), when=wt)
+            g.save(g.new("weight_cast", (H, H), ("H", "H"), ctx.low, wt), when=h.requires_grad)
         else:  # addmm keeps hidden[:, 0], a view: the whole (B, S, H) storage stays alive
             g.save(h, when=wt)
-        dense = g.new("out", (B, H), ("B", "H"), ctx.low or h.dtype, h.rg or wt, op="addmm")
+        dense = g.new("out", (B, H), ("B", "H"), ctx.low or h.dtype, h.requires_grad or wt, op="addmm")
     with g.module(lay.pooler), g.module("activation"):
-        pooled = g.new("out", dense.shape, dense.dims, dense.dtype, dense.rg)
-        g.save(pooled, when=pooled.rg)  # tanh keeps its output
+        pooled = g.new("out", dense.shape, dense.dims, dense.dtype, dense.requires_grad)
+        g.save(pooled, when=pooled.requires_grad)  # tanh keeps its output
     x = ctx.dropout(pooled, classifier_dropout(m), "dropout", module=True)
     logits = _classifier(ctx, x, lay.seq_module, lay.seq_bias)  # (B, nl)
     _cross_entropy(ctx, logits, (B, "B"), upcast=False)
@@ -174,13 +174,13 @@ def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> 
     """``F.cross_entropy`` = log_softmax (keeps its output) + nll_loss (keeps the targets and
     ``total_weight``, a 0-d tensor in the input's dtype: aten ``nll_loss_forward``). Autocast
     runs cross_entropy in fp32."""
-    g = ctx.g
+    g = ctx.graph
     n, sym = rows
     dtype = "float32" if upcast or ctx.low else logits.dtype
     with g.module("loss"):
-        g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.rg)
+        g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.requires_grad)
         g.save(g.new("target", (n,), (sym,), "int64", False), g.new("total_weight", (), (), dtype, False),
-               when=logits.rg)
+               when=logits.requires_grad)
 
 
 def check_head(model: ModelSpec, impl, parallel=None) -> None:

@@ -65,7 +65,7 @@ def check_compiled(ctx: Ctx) -> None:
 
 def compiled_forward(ctx: Ctx) -> None:
     check_compiled(ctx)
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, H, V, hd = ctx.B, ctx.S, m.hidden_size, m.vocab_size, m.head_dim
     a = ctx.param  # pure precisions: weights and activations in one dtype
     with g.module("model.embed_tokens"):
@@ -109,7 +109,7 @@ def compiled_forward(ctx: Ctx) -> None:
 def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True) -> Sym:
     """Keeps fp32 ``rsqrt``, its output (the following linear's input) and its input, unless that
     is a residual sum, recomputed from the block input and ``o_proj``'s output."""
-    g = ctx.g
+    g = ctx.graph
     g.save(x, when=keep_input)
     with g.module(name):
         g.save(g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", False))

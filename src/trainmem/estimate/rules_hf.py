@@ -36,14 +36,14 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
     """Run the blocks ``{prefix}0``, ``{prefix}1``, ... When every block is alike (same
     recompute), blocks 2.. repeat block 1 -- which, unlike block 0, reads another block's output --
     and are recorded as a template instead of being simulated again."""
-    g, n = ctx.g, ctx.model.num_layers
+    g, n = ctx.graph, ctx.model.num_layers
     uniform = ctx.replicate and ctx.impl.recompute != "every-k" and n > 3
     template: list[Sym] = []
     for i in range(n):
         if uniform and i == 2:
             g.repeat(template, prefix, 1, range(2, n))
             name = x.name.replace(f"{prefix}1.", f"{prefix}{n - 1}.", 1)
-            return Sym(name, x.shape, x.dims, x.dtype, x.rg)
+            return Sym(name, x.shape, x.dims, x.dtype, x.requires_grad)
         mark = g.mark()
         with g.module(f"{prefix}{i}"):
             x = layer(i, x)
@@ -57,7 +57,7 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
 def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
     """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype.
     ``positions``: a position embedding, indexed by (1, S) position ids."""
-    g = ctx.g
+    g = ctx.graph
     with g.module(name):
         shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
         wt = ctx.weight_trainable()
@@ -66,7 +66,7 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
         if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
             # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
-            out.rg = True
+            out.requires_grad = True
             g.save(out)
         return out
 
@@ -77,32 +77,32 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
     Keeps the fp32 input (pow and mul), rsqrt (mul), and the normalized tensor (mul by w).
     Gemma's variant multiplies by ``1 + w`` in fp32 and casts last.
     """
-    g = ctx.g
+    g = ctx.graph
     with g.module(name):
         wt = ctx.weight_trainable()
         x32 = ctx.cast(x, "float32", "x_fp32")
-        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", x.rg)
-        normed = g.new("normed", x.shape, x.dims, "float32", x.rg)
-        g.save(x32, rs, when=x.rg)
+        rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", x.requires_grad)
+        normed = g.new("normed", x.shape, x.dims, "float32", x.requires_grad)
+        g.save(x32, rs, when=x.requires_grad)
         if gemma:  # normed * (1 + w.float()): keeps normed for w's grad and (1 + w) for x's
             g.save(normed, when=wt)
-            g.save(g.new("one_plus_w", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.rg)
-            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.rg or wt), x.dtype, "out")
+            g.save(g.new("one_plus_w", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.requires_grad)
+            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
         g.save(nc, when=wt)
-        return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype), x.rg or wt)
+        return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype), x.requires_grad or wt)
 
 
 def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
     """``native_layer_norm``: keeps input, mean and rstd (fp32). CUDA autocast runs it in fp32."""
-    g = ctx.g
+    g = ctx.graph
     with g.module(name):
         if ctx.low and ctx.impl.device == "cuda":
             x = ctx.cast(x, "float32", "x_fp32")
         stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims[:-1] + ("1",)
         # CUDA keeps fp32 statistics; the CPU kernel keeps them in the input's dtype
         stat = "float32" if ctx.impl.device == "cuda" else x.dtype
-        rg = x.rg or ctx.weight_trainable()
+        rg = x.requires_grad or ctx.weight_trainable()
         g.save(x, g.new("mean", stat_shape, stat_dims, stat, False), g.new("rstd", stat_shape, stat_dims, stat, False),
                when=rg)
         return g.new("out", x.shape, x.dims, x.dtype, rg)
@@ -110,13 +110,13 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
 
 def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
     """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not)."""
-    ctx.g.save(cos, sin, when=x.rg)
-    return ctx.g.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype), x.rg)
+    ctx.graph.save(cos, sin, when=x.requires_grad)
+    return ctx.graph.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype), x.requires_grad)
 
 
 def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
     """One activation kernel. ``gelu_new`` is HF's python tanh-GELU: five saved tensors."""
-    g = ctx.g
+    g = ctx.graph
     if kind == "gelu_new":
         hi = x
         if ctx.low and ctx.impl.device == "cuda":  # pow is on CUDA autocast's fp32 list
@@ -124,41 +124,41 @@ def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
         t = g.new("tanh", x.shape, x.dims, hi.dtype)
         one_plus = g.new("one_plus_tanh", x.shape, x.dims, hi.dtype)
         half_x = g.new("half_x", x.shape, x.dims, x.dtype)
-        g.save(x, hi, t, one_plus, half_x, when=x.rg)
-        return g.new("out", x.shape, x.dims, promote(half_x.dtype, one_plus.dtype), x.rg)
-    g.save(x, when=x.rg)  # silu, gelu, gelu(tanh), relu keep their input (relu its output: same size)
-    return g.new("out", x.shape, x.dims, x.dtype, x.rg)
+        g.save(x, hi, t, one_plus, half_x, when=x.requires_grad)
+        return g.new("out", x.shape, x.dims, promote(half_x.dtype, one_plus.dtype), x.requires_grad)
+    g.save(x, when=x.requires_grad)  # silu, gelu, gelu(tanh), relu keep their input (relu its output: same size)
+    return g.new("out", x.shape, x.dims, x.dtype, x.requires_grad)
 
 
 def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     """HF ``ForCausalLMLoss``: ``logits.float()``, log_softmax keeps its output, nll_loss keeps
     the shifted targets and the total weight."""
-    g = ctx.g
+    g = ctx.graph
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
             dtype = "float32" if upcast or ctx.low else logits.dtype
-            g.save(g.new("log_softmax", (B * S, V), ("B·S", "V"), dtype), when=logits.rg)
+            g.save(g.new("log_softmax", (B * S, V), ("B·S", "V"), dtype), when=logits.requires_grad)
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
         g.save(g.new("target", (B * S,), ("B·S",), "int64", False), g.new("total_weight", (), (), "float32", False),
-               when=logits.rg)
+               when=logits.requires_grad)
 
 
 def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     m = ctx.model
     if ctx.step.loss != "ce":
-        ctx.g.save(h)  # chunked/fused CE recompute logits from the hidden state
-        return ctx.g.new("logits_chunk", h.shape, h.dims, h.dtype, h.rg or ctx.trainable(f"{name}.weight"))
-    with ctx.g.module(name):
+        ctx.graph.save(h)  # chunked/fused CE recompute logits from the hidden state
+        return ctx.graph.new("logits_chunk", h.shape, h.dims, h.dtype, h.requires_grad or ctx.trainable(f"{name}.weight"))
+    with ctx.graph.module(name):
         logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size))
     if m.logit_softcap:  # Gemma-2: cap * tanh(logits / cap); tanh keeps its output
-        with ctx.g.module("loss"):
-            t = ctx.g.new("logit_softcap_tanh", logits.shape, logits.dims, logits.dtype, logits.rg)
-            ctx.g.save(t, when=t.rg)
-            logits = ctx.g.new("logits_capped", logits.shape, logits.dims, logits.dtype, logits.rg)
+        with ctx.graph.module("loss"):
+            t = ctx.graph.new("logit_softcap_tanh", logits.shape, logits.dims, logits.dtype, logits.requires_grad)
+            ctx.graph.save(t, when=t.requires_grad)
+            logits = ctx.graph.new("logits_capped", logits.shape, logits.dims, logits.dtype, logits.requires_grad)
     return logits
 
 
@@ -174,7 +174,7 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
     ids and, for eager attention, the materialized causal mask (B, 1, S, S)."""
     if ctx.impl.recompute == "none":
         return []
-    g = ctx.g
+    g = ctx.graph
     held = []
     if ctx.impl.recompute != "selective":  # selective checkpoints only the attention function
         held.append(positions or g.new("model.position_ids", (1, ctx.S), ("1", "S"), "int64", False))
@@ -186,11 +186,11 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
 # --- Llama family --------------------------------------------------------------------------
 
 def _llama(ctx: Ctx) -> None:
-    g, m, rules = ctx.g, ctx.model, _rules(ctx)
+    g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     x = _embedding(ctx, "model.embed_tokens")
     if rules.scaled_embedding:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
-        x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.rg)
+        x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.requires_grad)
     with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
         x = ctx.sp_scatter(x, "out_sp")
     with g.module("model.rotary_emb"):
@@ -214,7 +214,7 @@ def _llama(ctx: Ctx) -> None:
 
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = ()) -> Sym:
-    g, m, rules = ctx.g, ctx.model, _rules(ctx)
+    g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
     h = _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
@@ -223,8 +223,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         if rules.fused_qkv:
             with g.module("qkv_proj"):
                 qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H), bias=m.qkv_bias)
-            q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.rg)
-            k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.rg)
+            q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.requires_grad)
+            k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.requires_grad)
             v = qkv  # a view of the fused output
         else:
             with g.module("q_proj"):
@@ -239,8 +239,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         q = _rope(ctx, q, cos, sin, "q_rope")
         k = _rope(ctx, k, cos, sin, "k_rope")
         # the KV cache's torch.cat hands attention fresh copies of K and V
-        k = g.new("k_cache", k.shape, k.dims, k.dtype, k.rg)
-        v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.rg)
+        k = g.new("k_cache", k.shape, k.dims, k.dtype, k.requires_grad)
+        v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
@@ -269,7 +269,7 @@ def _heads(x: Sym, heads: int, heads_sym: str, hd: int) -> Sym:
 def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
     """gate/up projections, act(gate) * up, down projection: 4·B·S·F kept (+ input).
     ``width``: the intermediate size and its symbol, when not the model's ``ffn_size`` (F)."""
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H = m.hidden_size
     F, Fs = width or (m.ffn_size, "F")
     if not m.gated:
@@ -292,8 +292,8 @@ def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
             up = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
         shape, dims = gate.shape, gate.dims
     with g.module("activation_fn" if fused else "act_fn"):
-        g.save(gate, when=gate.rg)
-        act = g.new("out", shape, dims, gate.dtype, gate.rg)
+        g.save(gate, when=gate.requires_grad)
+        act = g.new("out", shape, dims, gate.dtype, gate.requires_grad)
     prod = ctx.mul(act, up, "act_mul_up", shape=shape, dims=dims)
     with g.module("down_proj"):
         return ctx.linear(prod, H, "H", weight=(H, F), bias=m.mlp_bias)
@@ -305,7 +305,7 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     Every routed tensor has T·k rows (T = B·S tokens), so the total is independent of how
     tokens spread over experts.
     """
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
     T = ctx.B * ctx.S
     # grouped_mm is on CUDA autocast's lower-precision list, not on CPU's
@@ -347,7 +347,7 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
 # --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------
 
 def _gpt(ctx: Ctx) -> None:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     neox = _rules(ctx).neox
     root = "gpt_neox" if neox else "transformer"
     x = _embedding(ctx, f"{root}.embed_in" if neox else f"{root}.wte")
@@ -355,7 +355,7 @@ def _gpt(ctx: Ctx) -> None:
     if m.max_positions:
         pos = _embedding(ctx, f"{root}.wpe", positions=True)
         # a frozen wpe keeps no indices: checkpointed blocks then hold their own position ids
-        positions = next((t for t in ctx.g.saved.values() if t.name == f"{root}.wpe.indices"), None)
+        positions = next((t for t in ctx.graph.saved.values() if t.name == f"{root}.wpe.indices"), None)
         x = ctx.add(x, pos, f"{root}.embed_sum")
     x = ctx.dropout(x, m.embd_dropout, f"{root}.drop", module=True)
     kernel = resolve_kernel(ctx)
@@ -380,7 +380,7 @@ def _gpt(ctx: Ctx) -> None:
 
 
 def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H, F = m.hidden_size, m.ffn_size
     neox = _rules(ctx).neox
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
@@ -390,12 +390,12 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
             qkv = ctx.linear(h, 3 * H, "3H", weight=(3 * H, H), bias=m.qkv_bias)
         heads = ((B, A, S, hd), ("B", "A", "S", "hd"))
         if neox:
-            q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.rg), cos, sin, "q_rope")
-            k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.rg), cos, sin, "k_rope")
+            q = _rope(ctx, g.new("q", *heads, qkv.dtype, qkv.requires_grad), cos, sin, "q_rope")
+            k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.requires_grad), cos, sin, "k_rope")
         else:
             q = k = qkv  # strided views of the c_attn output (SDPA keeps q as such; eager copies it)
-        k = g.new("k_cache", *heads, k.dtype, k.rg)
-        v = g.new("v_cache", *heads, qkv.dtype, qkv.rg)
+        k = g.new("k_cache", *heads, k.dtype, k.requires_grad)
+        v = g.new("v_cache", *heads, qkv.dtype, qkv.requires_grad)
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox,
                                q_copy=not neox and kernel in ("eager", "math"))
@@ -423,7 +423,7 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
 # --- BERT ----------------------------------------------------------------------------------
 
 def _bert(ctx: Ctx) -> None:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H = m.hidden_size
     x = _embedding(ctx, "bert.embeddings.word_embeddings")
     # position ids are a slice of a registered buffer (no allocation); token-type ids are
@@ -456,7 +456,7 @@ def _bert(ctx: Ctx) -> None:
 
 
 def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H, F = m.hidden_size, m.ffn_size
     with g.module("attention"):
         with g.module("self"):

@@ -75,7 +75,7 @@ def _seq(ctx: Ctx) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
 
 
 def megatron_forward(ctx: Ctx) -> None:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, V = ctx.B, ctx.S, m.vocab_size
     act = ctx.step.dtypes.activation if ctx.step.dtypes.activation != "float32" else "bfloat16"
     seq = _seq(ctx)
@@ -98,7 +98,7 @@ def megatron_forward(ctx: Ctx) -> None:
 
 
 def _layer(ctx: Ctx, x: Sym) -> None:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, H, t = ctx.B, ctx.S, m.hidden_size, ctx.shard.tp
     seq, dt = _seq(ctx), x.dtype
     split = ((S, B, H // t), ("S", "B", "H/tp" if t > 1 else "H"))  # heads split over TP ranks
@@ -136,7 +136,7 @@ def _layer(ctx: Ctx, x: Sym) -> None:
 def _core(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
     """QKᵀ keeps Q and K (4sbh), softmax its output (2as²b), dropout a mask (as²b), the
     attention over values the dropout output (2as²b) and V (2sbh)."""
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, A, dt = ctx.B, ctx.S, m.num_heads, q.dtype
     scores, dims = (B, A, S, S), ("B", "A", "S", "S")
     g.save(q, k)

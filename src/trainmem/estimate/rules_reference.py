@@ -23,7 +23,7 @@ __all__ = ["reference_forward"]
 def reference_forward(ctx: Ctx) -> None:
     """Every tensor the reference model keeps during one forward + loss (``input_ids`` is
     added by the caller: the token embedding keeps exactly that storage)."""
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     check_supported(m, ctx.impl)
     H = m.hidden_size
     x = g.new("embed.out", (ctx.B, ctx.S, H), ("B", "S", "H"), ctx.param)
@@ -63,7 +63,7 @@ def _dropout(ctx: Ctx, x: Sym, p: float, label: str) -> Sym:
         return x
     if not ctx.impl.fused_dropout:
         return ctx.dropout(x, p, label)
-    g = ctx.g
+    g = ctx.graph
     g.save(g.new(f"{label}_bits", (-(-x.numel // 8),), (f"⌈{render(x.dims)}/8⌉",), "uint8"))
     return g.new(label, x.shape, x.dims, x.dtype)
 
@@ -73,7 +73,7 @@ def _norm(ctx: Ctx, x: Sym, name: str) -> Sym:
     (CUDA ``_fused_rms_norm``: input, fp32 rstd; on CPU a composite like the python one,
     but keeping the fp32 normalized tensor). Python composites run in fp32 and keep the
     fp32 input (RMS) or centred input (LayerNorm), rsqrt, and the normalized tensor cast back."""
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     stat_shape, stat_dims = x.shape[:-1] + (1,), x.dims[:-1] + ("1",)
     with g.module(name):
         if ctx.impl.fused_norm and m.norm == "layernorm":
@@ -99,8 +99,8 @@ def _norm(ctx: Ctx, x: Sym, name: str) -> Sym:
 
 def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
     """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not)."""
-    ctx.g.save(cos, sin)
-    return ctx.g.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype))
+    ctx.graph.save(cos, sin)
+    return ctx.graph.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype))
 
 
 # --- attention -----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _kernel(ctx: Ctx) -> str:
 
 def _attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, kernel: str) -> Sym:
     """q (B, A, S, hd), k and v (B, Akv, S, hd) -> the o projection's input (B, S, A·hd)."""
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
     heads, heads_dims = (B, A, S, hd), ("B", "A", "S", "hd")
     scores, scores_dims = (B, A, S, S), ("B", "A", "S", "S")
@@ -158,7 +158,7 @@ def _attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, kernel: str) -> Sym:
 
 
 def _attention(ctx: Ctx, h: Sym, cos: Sym | None, sin: Sym | None) -> Sym:
-    g, m = ctx.g, ctx.model
+    g, m = ctx.graph, ctx.model
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
     with g.module("attn"):
         projs = {}
@@ -181,7 +181,7 @@ def _attention(ctx: Ctx, h: Sym, cos: Sym | None, sin: Sym | None) -> Sym:
 # --- MLP and block ---------------------------------------------------------------------------
 
 def _mlp(ctx: Ctx, h: Sym) -> Sym:
-    g, m, impl = ctx.g, ctx.model, ctx.impl
+    g, m, impl = ctx.graph, ctx.model, ctx.impl
     H, F = m.hidden_size, m.ffn_size
     with g.module("mlp"):
         with g.module("gate" if m.gated else "up"):
