@@ -28,6 +28,7 @@ from trainmem.inventory import Inventory, Repeat, dtype_bytes
 __all__ = ["traced_template", "traced_parts", "traced_model_spec", "unmapped_model_spec", "check_traced"]
 
 _MEMO: dict[str, Any] = {}  # key -> Template, for sweeps within one process
+_CONFIGS: dict[Any, dict] = {}  # ModelSpec named "" -> the config.json it was read from (unmapped_model_spec)
 
 
 def check_traced(step, impl, parallel=None, finetune=None) -> None:
@@ -101,6 +102,9 @@ def _config_of(model) -> dict:
     from trainmem.errors import ConfigError
     from trainmem.specs.loaders import load_config_dict
 
+    known = _CONFIGS.get(replace(model, name=""))  # commands that rebuild the spec from the dict (sweep)
+    if known is not None:
+        return known
     try:
         return load_config_dict(model.name)
     except ConfigError:
@@ -169,8 +173,11 @@ def traced_model_spec(config: Mapping[str, Any], name: str = "custom"):
 
 def unmapped_model_spec(name: str):
     """For ``--model NAME --profile traced``: the generic ModelSpec of a model type the estimator
-    does not map, or None (the usual reading applies)."""
+    does not map, or None (the usual reading applies). Either way the config is remembered for the
+    spec, so a command that passes the spec on under another name still finds it."""
     from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, load_config_dict
 
     config = load_config_dict(name)
-    return None if config.get("model_type") in SUPPORTED_MODEL_TYPES else traced_model_spec(config, name=name)
+    spec = traced_model_spec(config, name=name)
+    _CONFIGS[replace(spec, name="")] = config
+    return None if config.get("model_type") in SUPPORTED_MODEL_TYPES else spec

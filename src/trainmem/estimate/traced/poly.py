@@ -13,6 +13,7 @@ Pure arithmetic: no torch, no I/O.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Sequence
 
@@ -104,9 +105,17 @@ def render(poly: Poly) -> str:
     return "".join(parts) or "0"
 
 
-def to_json(poly: Poly) -> list[str]:
-    return [str(c) for c in poly]
+def to_json(poly: Poly) -> list[int]:
+    """Integer numerators over one common denominator, last: exact and quick to evaluate."""
+    den = math.lcm(*(c.denominator for c in poly))
+    return [int(c * den) for c in poly] + [den]
 
 
-def from_json(data: Sequence[str]) -> Poly:
-    return tuple(Fraction(c) for c in data)
+def from_json(data: Sequence[int]) -> Poly:
+    return tuple(Fraction(n, data[-1]) for n in data[:-1])
+
+
+def value_int(data: Sequence[int], B: int, S: int) -> tuple[int, int]:
+    """:func:`value` of a :func:`to_json` polynomial in integers: (quotient, remainder)."""
+    n0, n1, n2, n3, n4, n5, den = data
+    return divmod(n0 + n1 * B + S * (n2 + n3 * B + S * (n4 + n5 * B)), den)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
@@ -29,30 +30,40 @@ _WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "window_size", "local_
 @dataclass(frozen=True)
 class TracedItem:
     """One kept tensor: its name (relative to its block for a kind's items), creating op, dtype,
-    one polynomial per axis and one for its storage bytes."""
+    one polynomial per axis and one for its storage bytes (:func:`poly.to_json` form: integer
+    numerators over a common denominator), and the per-axis dims rendered from them."""
 
     name: str
     op: str
     dtype: str
-    axes: tuple[P.Poly, ...]
-    nbytes: P.Poly
+    axes: tuple[tuple[int, ...], ...]
+    nbytes: tuple[int, ...]
+    dims: tuple[str, ...]
+
+    @classmethod
+    def fitted(cls, name: str, op: str, dtype: str, axes: Sequence[P.Poly], nbytes: P.Poly) -> "TracedItem":
+        return cls(name, op, dtype, tuple(tuple(P.to_json(a)) for a in axes), tuple(P.to_json(nbytes)),
+                   tuple(P.render(a) for a in axes))
+
+    @cached_property
+    def formula(self) -> str:
+        return f"{formula(self.dims, dtype_bytes(self.dtype))} (aten.{self.op})"
 
     def at(self, B: int, S: int, prefix: str = "") -> MemoryItem:
-        shape = tuple(int(P.value(a, B, S)) for a in self.axes)
-        dims = tuple(P.render(a) for a in self.axes)
-        nbytes = P.value(self.nbytes, B, S)
-        if nbytes.denominator != 1 or nbytes < 0:
-            raise UnsupportedError(f"--profile traced: {prefix}{self.name} has {nbytes} bytes at B={B}, S={S} "
-                                   f"(its fitted size {P.render(self.nbytes)} is not whole there)")
-        return MemoryItem.make(prefix + self.name, Category.ACTIVATION, shape, self.dtype, int(nbytes),
-                               f"{formula(dims, dtype_bytes(self.dtype))} (aten.{self.op})", dims)
+        shape = tuple(P.value_int(a, B, S)[0] for a in self.axes)
+        nbytes, rest = P.value_int(self.nbytes, B, S)
+        if rest or nbytes < 0:
+            raise UnsupportedError(f"--profile traced: {prefix}{self.name} has {P.value(P.from_json(self.nbytes), B, S)}"
+                                   f" bytes at B={B}, S={S} (its fitted size is not whole there)")
+        return MemoryItem.make(prefix + self.name, Category.ACTIVATION, shape, self.dtype, nbytes, self.formula,
+                               self.dims)
 
     def to_json(self) -> list:
-        return [self.name, self.op, self.dtype, [P.to_json(a) for a in self.axes], P.to_json(self.nbytes)]
+        return [self.name, self.op, self.dtype, [list(a) for a in self.axes], list(self.nbytes), list(self.dims)]
 
     @classmethod
     def from_json(cls, d: Sequence) -> "TracedItem":
-        return cls(d[0], d[1], d[2], tuple(P.from_json(a) for a in d[3]), P.from_json(d[4]))
+        return cls(d[0], d[1], d[2], tuple(tuple(a) for a in d[3]), tuple(d[4]), tuple(d[5]))
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,7 @@ def _fit_items(runs: list[list], points: list[tuple[int, int]], held: tuple[int,
             raise UnsupportedError(f"--profile traced: {first.name} is not a polynomial in B and S of degree "
                                    f"<= 1 in B and <= 2 in S (fitted {P.render(nbytes)} bytes, but at B={held[0]}, "
                                    f"S={held[1]} it holds {want.nbytes} of shape {want.shape})")
-        out.append(TracedItem(first.name, first.op, first.dtype, axes, nbytes))
+        out.append(TracedItem.fitted(first.name, first.op, first.dtype, axes, nbytes))
     return out
 
 
@@ -232,7 +243,7 @@ def build_template(config: Mapping[str, Any], step, impl) -> Template:
         rest = it.name[len(stack.prefix):] if it.name.startswith(stack.prefix) else None
         idx, _, tail = (rest or "").partition(".")
         if rest is not None and idx.isdigit() and tail:
-            per_layer[int(idx)].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes))
+            per_layer[int(idx)].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes, it.dims))
         else:
             base.append(it)
 
