@@ -25,10 +25,19 @@ __all__ = ["Float8Autocast", "convert_float8", "cuda_autocast_state"]
 
 
 def _torchao_float8():
+    """torchao.float8, imported without the warnings a CPU build logs about its CUDA-only kernels."""
+    import logging
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as f8
     except ImportError:
         raise UnsupportedError("float8 tracing needs torchao: pip install torchao") from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
     return f8
 
 

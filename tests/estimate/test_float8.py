@@ -1,0 +1,149 @@
+"""``float8``: Float8 training as torchao's ``convert_to_float8_training`` does it (torchao 0.18).
+
+Checked against the real mechanism: torchao's own conversion and ``Float8Linear`` on real CPU
+tensors (torch 2.13 runs ``_scaled_mm`` on the CPU for both recipes), transformers models built
+from config. What the forward keeps equals the estimate to the byte; under autocast the real run
+sets CUDA's autocast state as well, which is what ``Float8Linear.forward`` reads on a GPU.
+Importing torchao costs several CPU seconds, so every test that runs it is marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainmem.errors import SpecError, UnsupportedError
+from trainmem.estimate import estimate
+from trainmem.estimate.activations import activation_items
+from trainmem.estimate.float8 import converted, fp8_cast_bytes, gathered_bytes_per_element
+from trainmem.models.hf import build_hf_model
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+from trainmem.trace import trace_step
+from trainmem.trace.float8 import convert_float8, cuda_autocast_state
+from trainmem.trace.live import LiveStorages
+from trainmem.trace.storages import storage_key
+
+B, S = 2, 64
+SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512)
+FAMILIES = {
+    "llama": dict(model_type="llama", **SMALL),
+    "qwen2": dict(model_type="qwen2", **SMALL),  # q/k/v with bias: the bias is added after the fp8 mm
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128),  # Conv1D
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **SMALL),  # router
+}
+
+
+def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str) -> int:
+    """Bytes the forward leaves alive (the loss excluded, the ids counted once), as in
+    tests/estimate/test_op_recompute.py, with torchao's conversion applied."""
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = build_hf_model(cfg, attention=attention, dtype=torch.bfloat16 if precision == "bf16" else None)
+    convert_float8(model, ImplSpec(float8=recipe))
+    ids = torch.randint(0, cfg["vocab_size"], (B, S))
+    skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
+    amp = precision == "amp-bf16"
+    with LiveStorages(skip_keys=skip) as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
+                (cuda_autocast_state(torch.bfloat16) if amp else contextlib.nullcontext()):
+            loss = model(ids, labels=ids).loss
+    return live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
+
+
+def _estimated(cfg: dict, precision: str, attention: str, recipe: str) -> int:
+    items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
+                             ImplSpec(attention=attention, device="cpu", float8=recipe))
+    return sum(i.bytes for i in items)
+
+
+def test_filter_is_torchtitans_with_the_head_left_out():
+    assert converted("llama", 0, "model.layers.0.mlp.up_proj.weight", (176, 64))  # 176 = 11·16
+    assert not converted("llama", 0, "model.layers.0.mlp.up_proj.weight", (172, 64))
+    assert not converted("llama", 0, "lm_head.weight", (512, 64))
+    assert not converted("gpt2", 0, "transformer.h.0.attn.c_attn.weight", (192, 64))  # Conv1D
+    assert not converted("mixtral", 4, "model.layers.0.mlp.gate.weight", (16, 64))  # the router
+    assert converted("llama", 0, "model.layers.0.mlp.gate_proj.weight", (176, 64))
+
+
+@pytest.mark.slow
+def test_converted_modules_are_torchaos():
+    pytest.importorskip("torchao.float8")
+    model = build_hf_model(dict(FAMILIES["llama"], intermediate_size=172), attention="sdpa")
+    names = convert_float8(model, ImplSpec(float8="rowwise"))
+    # q, k, v, o of both layers; the MLP's 172 is not a multiple of 16; the head is filtered
+    assert names == [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Float8Linear"
+
+
+def test_fp8_cast_and_gathered_bytes():
+    assert fp8_cast_bytes("tensorwise", 4096, 4096) == 16_777_220  # 4096·4096·1 + one fp32 scale
+    assert fp8_cast_bytes("rowwise", 4096, 1024) == 4_210_688  # 4096·1024 + 4096·4
+    impl = ImplSpec(float8="tensorwise", float8_all_gather=True)
+    assert gathered_bytes_per_element(impl, "model.layers.0.mlp.up_proj.weight", (176, 64), 2, "llama", 0) == 1
+    assert gathered_bytes_per_element(impl, "model.layers.0.input_layernorm.weight", (64,), 2, "llama", 0) == 2
+    assert gathered_bytes_per_element(impl, "lm_head.weight", (512, 64), 2, "llama", 0) == 2
+
+
+def test_amp_keeps_no_weight_copies_exact():
+    """Under autocast nn.Linear keeps a bf16 copy of its weight; a Float8Linear does not."""
+    cfg = FAMILIES["llama"]
+    plain = _estimated(cfg, "amp-bf16", "sdpa", "none")
+    fp8 = _estimated(cfg, "amp-bf16", "sdpa", "tensorwise")
+    # per layer q, o 64·64, k, v 32·64, gate, up, down 176·64: 4096·2 + 2048·2 + 11264·3 = 46080
+    # elements, 2 bytes each, 2 layers: 184320 bytes
+    assert plain - fp8 == 184_320
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_llama_activations_equal_real_float8(recipe, precision):
+    cfg = FAMILIES["llama"]
+    assert _estimated(cfg, precision, "sdpa", recipe) == _kept_by_forward(cfg, recipe, precision, "sdpa")
+
+
+CASES = [(f, p, a, r) for f in FAMILIES for p in ("fp32", "bf16", "amp-bf16") for a in ("eager", "sdpa")
+         for r in ("tensorwise", "rowwise")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,precision,attention,recipe", CASES)
+def test_activations_equal_real_float8(family, precision, attention, recipe):
+    cfg = FAMILIES[family]
+    assert _estimated(cfg, precision, attention, recipe) == _kept_by_forward(cfg, recipe, precision, attention)
+
+
+TRACE = dict(FAMILIES["llama"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_trace_fake_equals_real_and_estimate_within_one_percent(precision):
+    pytest.importorskip("torchao.float8")
+    step = StepSpec(batch=2, seq=32, precision=precision)
+    impl = ImplSpec(attention="eager", device="cpu", float8="tensorwise", optimizer_impl="foreach")
+    fake, real = trace_step(TRACE, step, impl), trace_step(TRACE, step, impl, real=True)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.totals_at_peak_bytes == real.totals_at_peak_bytes
+    assert len(real.meta["float8"]["converted"]) == 14  # 7 linears x 2 layers
+    est = estimate(spec_from_hf_config(TRACE), step, impl)
+    assert abs(est.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (est.peak_bytes, real.peak_bytes)
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(SpecError, match="float8='fp8'"):
+        ImplSpec(float8="fp8")
+    with pytest.raises(SpecError, match="float8_all_gather=True"):
+        ImplSpec(float8="rowwise", float8_all_gather=True)
+    with pytest.raises(SpecError, match="recompute='op'"):
+        ImplSpec(float8="tensorwise", recompute="op")
+    with pytest.raises(SpecError, match="compile=True"):
+        ImplSpec(float8="tensorwise", compile=True)
+    with pytest.raises(UnsupportedError, match="one device"):
+        trace_step(TRACE, StepSpec(batch=1, seq=16, precision="bf16"),
+                   ImplSpec(float8="tensorwise", float8_all_gather=True))
