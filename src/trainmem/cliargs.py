@@ -22,7 +22,8 @@ DEFAULT_MODEL = "llama-3-8b"
 PRECISION_HELP = (f"{', '.join(PRECISIONS)}: pure bf16/fp16; amp-* autocast over fp32 weights; mixed-* fp32 "
                   "master; fsdp-bf16 needs --fsdp; megatron-bf16 has fp32 grads; aliases hf-bf16 = amp-bf16 "
                   "(HF Trainer bf16=True), torchtune-bf16 = bf16")
-OPTIMIZER_HELP = f"{', '.join(OPTIMIZERS)} (adam8bit: bitsandbytes' 8-bit states)"
+OPTIMIZER_HELP = (f"{', '.join(OPTIMIZERS)} (adam8bit, adamw8bit, paged-*: bitsandbytes; paged states are "
+                  "reported apart from the peak; torchao-*: torchao's low-bit AdamW; docs/optimizers.md)")
 
 
 def spec_default(spec: type, name: str):
@@ -58,7 +59,7 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default=step("precision"), metavar="NAME",
                    help=f"{PRECISION_HELP} (default {step('precision')})")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=step("optimizer"), help=OPTIMIZER_HELP)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME", default=step("optimizer"), help=OPTIMIZER_HELP)
     p.add_argument("--loss", choices=LOSSES, default=step("loss"), help="ce (full fp32 logits), chunked-ce, fused-ce")
     p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"),
                    help="eager (materialized softmax), sdpa (PyTorch picks the kernel), flash, sdpa-math, "

@@ -19,6 +19,9 @@ class Category(str, enum.Enum):
     GRADIENT = "gradient"
     MASTER_WEIGHT = "master_weight"
     OPTIMIZER_STATE = "optimizer_state"
+    PAGED_STATE = "paged_optimizer_state"
+    """bitsandbytes' paged optimizer states: CUDA unified memory (``cudaMallocManaged``), outside
+    PyTorch's caching allocator, so reported as its own figure and never in the allocated peak."""
     ACTIVATION = "activation"
     TRANSIENT = "transient"
     INPUT = "input"

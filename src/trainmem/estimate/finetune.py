@@ -49,7 +49,7 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
 from trainmem.estimate.quant4bit import quantized_weight_items
 from trainmem.estimate.state_items import optimizer_state_items as _states
-from trainmem.estimate.state_items import state_item as _item
+from trainmem.estimate.state_items import shared_state_items, state_item as _item
 from trainmem.families import family_of, output_layers
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.names import is_embedding, is_token_embedding, layer_index
@@ -287,7 +287,7 @@ def finetune_state_items(model: ModelSpec, step: StepSpec, spec: FinetuneSpec) -
             out.append(replace(item, note=FROZEN_NOTE) if train else item)
         for aname, ashape in adapters.get(name, ()):
             out += _adapter_items(aname, ashape, step, spec, train)
-    return out
+    return out + shared_state_items(step, out)
 
 
 def _adapter_items(name: str, shape: tuple[int, int], step: StepSpec, spec: FinetuneSpec,

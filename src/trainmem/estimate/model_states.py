@@ -1,11 +1,7 @@
 """Model states: parameters, gradients, master weights and optimizer states, per parameter.
 
-Optimizer state layouts follow the PyTorch (and bitsandbytes / transformers) implementations:
-AdamW/Adam keep ``exp_avg`` and ``exp_avg_sq`` like the parameter (the ``step`` counter is a CPU
-scalar unless ``capturable``/``fused``, so it takes no device memory); SGD with momentum keeps a
-``momentum_buffer``; Adafactor (transformers) keeps factored row/column second moments for
-matrices and no first moment; bitsandbytes' 8-bit Adam keeps two uint8 states plus one fp32
-absmax per 256-element block, and 32-bit states for tensors under 4096 elements.
+Optimizer state layouts follow the PyTorch, transformers, bitsandbytes and torchao
+implementations, one registered layout per optimizer (``estimate/state_items.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from dataclasses import replace
 
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.state_items import optimizer_state_items as _states
-from trainmem.estimate.state_items import state_item as _item
+from trainmem.estimate.state_items import shared_state_items, state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 from trainmem.names import split_block
 from trainmem.estimate.optimizer_step import Stepped, recipe_transient
@@ -24,37 +20,40 @@ from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 __all__ = ["model_state_items", "optimizer_step_transient_bytes", "optimizer_transient"]
 
 
-def model_state_items(model: ModelSpec, step: StepSpec, finetune=None) -> list[MemoryItem]:
-    """One item per parameter and ledger, named ``<parameter name>[.<state>]``.
+def model_state_items(model: ModelSpec, step: StepSpec, finetune=None, profile: str = "hf") -> list[MemoryItem]:
+    """One item per parameter and ledger, named ``<parameter name>[.<state>]`` (the profile's
+    parameter names: ``estimate/params.py`` ``parameter_shapes``).
 
     ``finetune`` (a FinetuneSpec): frozen parameters carry no gradient, master or optimizer
     items; LoRA adapters and QLoRA's 4-bit storage are added (``estimate/finetune.py``)."""
     if finetune is not None:
         from trainmem.estimate.finetune import finetune_state_items
         return finetune_state_items(model, step, finetune)
-    return _items_for(parameter_shapes(model), step)
+    items = _items_for(parameter_shapes(model, profile), step)
+    return items + shared_state_items(step, items)
 
 
-def model_state_inventory(model: ModelSpec, step: StepSpec) -> Inventory:
+def model_state_inventory(model: ModelSpec, step: StepSpec, profile: str = "hf") -> Inventory:
     """:func:`model_state_items` with identical blocks stored once (block 0 as the template)."""
-    shapes = _two_block_shapes(model)
+    shapes = _two_block_shapes(model, profile)
     prefix, blocks = _block_prefix(shapes)
     if prefix is None or blocks != 2:
-        return Inventory(_items_for(parameter_shapes(model), step))
+        return Inventory(model_state_items(model, step, profile=profile))
     blocks = model.num_layers
     own = [(n, sh) for n, sh in shapes if not n.startswith(prefix)]
     first = [(n, sh) for n, sh in shapes if n.startswith(f"{prefix}0.")]
     template = _items_for(first, step)
-    return Inventory(_items_for(own, step) + template,
+    base = _items_for(own, step)
+    return Inventory(base + shared_state_items(step, base + template) + template,
                      (Repeat(tuple(template), prefix, 0, tuple(range(1, blocks)), shift_previous=False),))
 
 
-def _two_block_shapes(model: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+def _two_block_shapes(model: ModelSpec, profile: str) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter shapes of the same model cut to two blocks: everything outside the blocks and
     one block's worth, whatever the depth (blocks are alike; :func:`_block_prefix` checks)."""
     if model.num_layers <= 2:
-        return parameter_shapes(model)
-    return parameter_shapes(replace(model, num_layers=2))
+        return parameter_shapes(model, profile)
+    return parameter_shapes(replace(model, num_layers=2), profile)
 
 
 def _block_prefix(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[str | None, int]:
@@ -107,17 +106,17 @@ def optimizer_step_transient_bytes(model: ModelSpec, step: StepSpec, impl: ImplS
     the for-loop those of one tensor and its neighbour, fused nothing). With the optimizer in backward
     these are one parameter's (see :func:`stepped_of_model`).
     """
-    stepped = stepped_of_model(model, step)
+    stepped = stepped_of_model(model, step, (impl or ImplSpec()).profile)
     return recipe_transient(step, impl or ImplSpec(), stepped, stepped.total_bytes if step.dtypes.master else 0)
 
 
-def stepped_of_model(model: ModelSpec, step: StepSpec) -> Stepped:
+def stepped_of_model(model: ModelSpec, step: StepSpec, profile: str = "hf") -> Stepped:
     """Total and per-tensor bytes of the tensors the optimizer steps (states' dtype: fp32 masters
     under a master-weight recipe, else the parameters)."""
-    two = _two_block_shapes(model)
+    two = _two_block_shapes(model, profile)
     prefix, blocks = _block_prefix(two)
     if prefix is None or model.num_layers <= 2:
-        sizes = [math.prod(s) for _, s in parameter_shapes(model)]
+        sizes = [math.prod(s) for _, s in parameter_shapes(model, profile)]
         total = sum(sizes)
     else:  # blocks are alike: outside + num_layers × one block; two blocks show every neighbour
         own = sum(math.prod(s) for n, s in two if not n.startswith(prefix))

@@ -97,9 +97,30 @@ def _adafactor(s: Stepped) -> tuple[int, str]:
     return 2 * s.largest_bytes, f"2 × largest tensor (max_numel·{2 * s.elem_bytes:g})"
 
 
-@_rule(("adam8bit",), ("fused",))
+@_rule(("adam8bit", "adamw8bit", "paged-adamw8bit", "paged-adamw32bit"), ("fused",))
 def _bnb(s: Stepped) -> tuple[int, str]:
-    return 0, "bitsandbytes' blockwise 8-bit kernel updates in place"
+    # bitsandbytes/optim/optimizer.py, Optimizer2State.update_step: one kernel per parameter
+    # (optimizer_update_8bit_blockwise / optimizer_update_32bit) updates p, states and absmax in place
+    return 0, "bitsandbytes' kernel updates each tensor in place"
+
+
+def _torchao_rule(block: int, fp32_copies: int, packed: float, index_bytes: int) -> Rule:
+    """torchao 0.18 steps one parameter at a time through ``torch.compile(single_param_adam)``
+    (``torchao/optim/adam.py``, ``_AdamBase.step``). For a quantized tensor inductor keeps, per state,
+    an fp32 copy of it and its new block scales, and for 4-bit states the unpacked codes and int64
+    indices of the code lookup. Read off inductor's generated code on CPU (``TORCH_LOGS=output_code``,
+    torch 2.13): 8-bit ``2·n·4 + 2·n/256·4``; 4-bit ``2·n·1 + 2·n/128·4 + 2·n·4 + 2·n·8``. CUDA's
+    generated code may keep fewer. A tensor torchao does not quantize runs as one fused kernel: nothing."""
+    def rule(s: Stepped) -> tuple[int, str]:
+        per = [int(n * (fp32_copies * 4 + packed + index_bytes)) + 2 * (n // block) * 4
+               for n in (int(b / s.elem_bytes) for b in s.sizes) if n >= 4096 and n % block == 0]
+        return max(per, default=0), (f"the largest quantized tensor's compiled-step buffers "
+                                     f"(numel·{fp32_copies * 4 + packed + index_bytes:g} + 2·⌈numel/{block}⌉·4)")
+    return rule
+
+
+_rule(("torchao-adamw8bit",), ("fused",))(_torchao_rule(256, 2, 0, 0))
+_rule(("torchao-adamw4bit",), ("fused",))(_torchao_rule(128, 2, 2, 16))
 
 
 def optimizer_impl_used(step: StepSpec, impl: ImplSpec) -> str:

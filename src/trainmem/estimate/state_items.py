@@ -1,22 +1,63 @@
 """One parameter's model-state items: the item itself and its optimizer states.
 
 Shared by ``model_states.py`` (every parameter) and ``finetune.py`` (adapters, frozen and
-quantized bases), so that neither imports the other for them.
+quantized bases), so that neither imports the other for them. Each optimizer's state layout is
+one registered function of (name, shape, numel, states' dtype), read off the real implementation:
+
+* torch ``AdamW``/``Adam``: ``exp_avg`` and ``exp_avg_sq`` like the parameter (``step`` is a CPU
+  scalar unless capturable/fused); ``SGD(momentum)``: ``momentum_buffer``; Adafactor (transformers):
+  factored row/column second moments for matrices.
+* bitsandbytes 0.50 (``bitsandbytes/optim/optimizer.py``, ``Optimizer2State.init_state``): a tensor
+  under ``min_8bit_size`` (4096) values keeps fp32 ``state1``/``state2``; a larger one uint8 states
+  plus one fp32 ``absmax`` per 256-value block (``blocks = n // 256 + bool(n % 256)``). The two
+  256-entry fp32 quantization maps (``name2qmap['dynamic']``/``['udynamic']``) are one pair per
+  optimizer, shared by every parameter's ``qmap1``/``qmap2`` (:func:`shared_state_items`). States are
+  fp32 or uint8 whatever the parameter's dtype. Paged optimizers (``is_paged``) take ``state1`` and
+  ``state2`` of tensors of 1e5 values or more from ``F.get_paged`` -- CUDA unified memory, outside
+  PyTorch's allocator (``Optimizer8bit.get_state_buffer``): :data:`Category.PAGED_STATE`; ``absmax``
+  stays a ``torch.zeros`` device tensor.
+* torchao 0.18 (``torchao/optim/adam.py``, ``_AdamBase._new_buffer``): a tensor of 4096 values or more
+  whose size is a multiple of the block is quantized (``OptimState8bit``: uint8 ``codes`` like the
+  tensor, fp32 ``scale`` per 256-value block, its own 256-entry fp32 ``qmap``; ``OptimState4bit``:
+  two 4-bit codes per byte, fp32 ``scale`` per 128-value block, a 16-entry ``qmap``); any other keeps
+  ``torch.zeros_like(p)`` states in the parameter's dtype. Its ``step`` is ``torch.tensor(0.0)``, a
+  CPU scalar, so it takes no device memory.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.specs import StepSpec
 
-__all__ = ["state_item", "optimizer_state_items"]
+__all__ = ["state_item", "optimizer_state_items", "shared_state_items", "BNB_8BIT", "TORCHAO"]
 
-# bitsandbytes' 8-bit optimizers: tensors under min_8bit_size keep fp32 states; larger ones are
-# quantized blockwise, one fp32 absmax per 256 values
-_BNB_BLOCK = 256
-_BNB_MIN_8BIT = 4096
+S, PAGED = Category.OPTIMIZER_STATE, Category.PAGED_STATE
+_BNB_BLOCK = 256  # optimizer.py, Optimizer2State.init_state: blocksize = 256
+_BNB_MIN_8BIT = 4096  # min_8bit_size's default
+_BNB_MIN_PAGED = 100_000  # get_state_buffer: `not self.is_paged or p.numel() < 1e5` -> a plain device tensor
+_BNB_QMAP = 256  # functional.create_dynamic_map: 256 values, fp32
+_TORCHAO_MIN = 4096  # adam.py, _new_buffer: "follow bitsandbytes, only quantize tensors >= 4096 values"
+#: torchao optimizer -> (block size, codes per byte, qmap entries): AdamW8bit(block_size=256) and
+#: AdamW4bit(block_size=128); subclass_8bit.get_qmap_signed: 256 entries, subclass_4bit's: 16
+TORCHAO = {"torchao-adamw8bit": (256, 1, 256), "torchao-adamw4bit": (128, 2, 16)}
+#: bitsandbytes optimizers with 8-bit blockwise states
+BNB_8BIT = ("adam8bit", "adamw8bit", "paged-adamw8bit")
+
+Layout = Callable[[str, tuple, int, str], list[MemoryItem]]
+_LAYOUTS: dict[str, Layout] = {}
+
+
+def _layout(*names: str) -> Callable[[Layout], Layout]:
+    def register(fn: Layout) -> Layout:
+        for n in names:
+            if n in _LAYOUTS:
+                raise ValueError(f"duplicate optimizer state layout for {n!r}")
+            _LAYOUTS[n] = fn
+        return fn
+    return register
 
 
 def state_item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
@@ -25,30 +66,85 @@ def state_item(name, category, shape, dtype, formula, numel=None) -> MemoryItem:
 
 
 def optimizer_state_items(name: str, shape: tuple[int, ...], step: StepSpec, dt: str | None = None) -> list[MemoryItem]:
-    """The optimizer states of parameter ``name``; ``dt`` overrides the states' dtype."""
-    opt, dt = step.optimizer, dt or step.dtypes.state  # dt: LoRA adapters keep states like their weights
-    b = dtype_bytes(dt)
-    n = math.prod(shape)
-    S = Category.OPTIMIZER_STATE
-    if opt in ("adamw", "adam"):
-        return [state_item(f"{name}.exp_avg", S, shape, dt, f"numel·{b:g}"),
-                state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
-    if opt == "sgd-momentum":
-        return [state_item(f"{name}.momentum_buffer", S, shape, dt, f"numel·{b:g}")]
-    if opt == "sgd":
+    """The optimizer states of parameter ``name``; ``dt`` overrides the states' dtype (bitsandbytes
+    keeps fp32 or uint8 states whatever it is)."""
+    dt = dt or step.dtypes.state  # dt: LoRA adapters keep states like their weights
+    return _LAYOUTS[step.optimizer](name, tuple(shape), math.prod(shape), dt)
+
+
+def shared_state_items(step: StepSpec, states: list[MemoryItem]) -> list[MemoryItem]:
+    """States one optimizer keeps once, whatever its parameters: bitsandbytes' two quantization maps
+    (``name2qmap``, moved to the device by the first 8-bit tensor), when any tensor has 8-bit states."""
+    if step.optimizer not in BNB_8BIT or not any(it.dtype == "uint8" and it.category in (S, PAGED) for it in states):
         return []
-    if opt == "adafactor":
-        if len(shape) >= 2:
-            row, col = shape[:-1], shape[:-2] + shape[-1:]
-            return [state_item(f"{name}.exp_avg_sq_row", S, row, dt, f"rows·{b:g}"),
-                    state_item(f"{name}.exp_avg_sq_col", S, col, dt, f"cols·{b:g}")]
-        return [state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
-    # adam8bit
-    if n < _BNB_MIN_8BIT:
-        return [state_item(f"{name}.state1", S, shape, "float32", "numel·4"),
-                state_item(f"{name}.state2", S, shape, "float32", "numel·4")]
+    return [state_item(f"optimizer.{q}", S, (_BNB_QMAP,), "float32", f"{_BNB_QMAP}·4")
+            for q in ("qmap1", "qmap2")]
+
+
+@_layout("adamw", "adam")
+def _adam(name, shape, n, dt):
+    b = dtype_bytes(dt)
+    return [state_item(f"{name}.exp_avg", S, shape, dt, f"numel·{b:g}"),
+            state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
+
+
+@_layout("sgd-momentum")
+def _momentum(name, shape, n, dt):
+    return [state_item(f"{name}.momentum_buffer", S, shape, dt, f"numel·{dtype_bytes(dt):g}")]
+
+
+@_layout("sgd")
+def _sgd(name, shape, n, dt):
+    return []
+
+
+@_layout("adafactor")
+def _adafactor(name, shape, n, dt):
+    b = dtype_bytes(dt)
+    if len(shape) >= 2:
+        row, col = shape[:-1], shape[:-2] + shape[-1:]
+        return [state_item(f"{name}.exp_avg_sq_row", S, row, dt, f"rows·{b:g}"),
+                state_item(f"{name}.exp_avg_sq_col", S, col, dt, f"cols·{b:g}")]
+    return [state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
+
+
+def _bnb(name, shape, n, *, bits: int, paged: bool) -> list[MemoryItem]:
+    where = PAGED if paged and n >= _BNB_MIN_PAGED else S
+    if bits == 32 or n < _BNB_MIN_8BIT:
+        return [state_item(f"{name}.state{i}", where, shape, "float32", "numel·4") for i in (1, 2)]
     blocks = -(-n // _BNB_BLOCK)
-    return [state_item(f"{name}.state1", S, shape, "uint8", "numel·1"),
-            state_item(f"{name}.state2", S, shape, "uint8", "numel·1"),
-            state_item(f"{name}.absmax1", S, (blocks,), "float32", "⌈numel/256⌉·4"),
-            state_item(f"{name}.absmax2", S, (blocks,), "float32", "⌈numel/256⌉·4")]
+    return [*(state_item(f"{name}.state{i}", where, shape, "uint8", "numel·1") for i in (1, 2)),
+            *(state_item(f"{name}.absmax{i}", S, (blocks,), "float32", f"⌈numel/{_BNB_BLOCK}⌉·4") for i in (1, 2))]
+
+
+@_layout("adam8bit", "adamw8bit")
+def _bnb_8bit(name, shape, n, dt):
+    return _bnb(name, shape, n, bits=8, paged=False)
+
+
+@_layout("paged-adamw8bit")
+def _bnb_paged_8bit(name, shape, n, dt):
+    return _bnb(name, shape, n, bits=8, paged=True)
+
+
+@_layout("paged-adamw32bit")
+def _bnb_paged_32bit(name, shape, n, dt):
+    return _bnb(name, shape, n, bits=32, paged=True)
+
+
+def _torchao_layout(block: int, per_byte: int, qmap: int) -> Layout:
+    def layout(name, shape, n, dt):
+        if n < _TORCHAO_MIN or n % block:
+            return _adam(name, shape, n, dt)
+        out = []
+        for s in ("exp_avg", "exp_avg_sq"):
+            codes = (n // per_byte,) if per_byte > 1 else shape
+            out += [state_item(f"{name}.{s}.codes", S, codes, "uint8", f"numel/{per_byte}·1" if per_byte > 1 else "numel·1"),
+                    state_item(f"{name}.{s}.scale", S, (n // block,), "float32", f"numel/{block}·4"),
+                    state_item(f"{name}.{s}.qmap", S, (qmap,), "float32", f"{qmap}·4")]
+        return out
+    return layout
+
+
+for _name, (_block, _per_byte, _qmap) in TORCHAO.items():
+    _layout(_name)(_torchao_layout(_block, _per_byte, _qmap))

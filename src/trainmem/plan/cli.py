@@ -121,7 +121,8 @@ def add_parser(subparsers) -> None:
                    help=f"--gpus auto: most to try (default {DEFAULT_MAX_GPUS})")
     p.add_argument("--precision", choices=PRECISIONS, default=spec_default(StepSpec, "precision"), metavar="NAME",
                    help=f"{PRECISION_HELP} (default {spec_default(StepSpec, 'precision')})")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=spec_default(StepSpec, "optimizer"), help=OPTIMIZER_HELP)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME", default=spec_default(StepSpec, "optimizer"),
+                   help=OPTIMIZER_HELP)
     p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"),
                    help="ce (full fp32 logits), chunked-ce, fused-ce")
     p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"),

@@ -39,7 +39,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
     totals = e.totals_bytes
     for c in LEDGERS:
         lines.append(f"  {c.value:<17} {fmt_bytes(totals.get(c.value, 0)):>12}")
-    for extra in ("kv_cache", "buffer"):
+    for extra in ("kv_cache", "buffer", "paged_optimizer_state"):
         if totals.get(extra):
             lines.append(f"  {extra:<17} {fmt_bytes(totals[extra]):>12}")
     lines.append(f"  {'sum of ledgers':<17} {fmt_bytes(sum(totals.values())):>12}   (not the peak)")
@@ -60,6 +60,12 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         lines.append("")
     where = f" on {e.peak_rank}" if e.ranks else ""
     lines.append(f"Peak: {fmt_bytes(e.peak_bytes)} allocated{where} in phase '{e.peak_phase}' — {peak.note}")
+    if totals.get("paged_optimizer_state"):
+        lines.append(f"Paged optimizer state (CUDA unified memory, outside PyTorch's allocator, not in the peak): "
+                     f"{fmt_bytes(totals['paged_optimizer_state'])}")
+    if e.host is not None:
+        lines.append(f"Offloaded to host (--offload activations, pinned host memory, not in the peak): "
+                     f"{fmt_bytes(e.host.total())} of saved activations")
     lines += [f"Note: {n}" for n in e.notes]
     return "\n".join(lines)
 

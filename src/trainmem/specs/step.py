@@ -22,7 +22,8 @@ PRECISION_ALIASES = {
     "torchtune-bf16": "bf16",
 }
 PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "adamw8bit", "paged-adamw8bit",
+              "paged-adamw32bit", "torchao-adamw8bit", "torchao-adamw4bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce")
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
 DEFAULT_SEQ = 4096  # the sequence length when none is given (StepSpec, estimate(), every command)
@@ -116,7 +117,10 @@ class StepSpec:
     (mixed-bf16 with fp32 main gradients). Aliases, kept as typed and echoed in outputs:
     hf-bf16 (= amp-bf16), torchtune-bf16 (= bf16)."""
     optimizer: str = "adamw"
-    """adamw, adam, sgd, sgd-momentum, adafactor, adam8bit."""
+    """adamw, adam, sgd, sgd-momentum, adafactor; bitsandbytes' adam8bit (Adam8bit), adamw8bit
+    (AdamW8bit), paged-adamw8bit (PagedAdamW8bit) and paged-adamw32bit (PagedAdamW32bit); torchao's
+    torchao-adamw8bit and torchao-adamw4bit (``torchao.optim.AdamW8bit``/``AdamW4bit``).
+    docs/optimizers.md has their state layouts."""
     loss: str = "ce"
     """ce (full fp32 logits), chunked-ce (logits per chunk, recomputed in backward), fused-ce
     (fused linear + cross-entropy, gradient computed in forward)."""

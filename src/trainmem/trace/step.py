@@ -36,8 +36,10 @@ torch 2.13's meta kernel for ``aten._grouped_mm`` accepts bf16 only; the fallbac
 tensors and returns the same shapes.
 
 Known limitations:
-  - ``mem-efficient`` attention and ``adam8bit`` have no CPU implementation; the chunked and
-    fused losses are not Hugging Face options: all raise UnsupportedError.
+  - ``mem-efficient`` attention has no CPU implementation; torchao's optimizers cannot run on fake
+    tensors (:mod:`trainmem.trace.low_bit_optim`); the chunked and fused losses are not Hugging Face
+    options: all raise UnsupportedError. bitsandbytes' optimizers are traced on CPU, where paging
+    falls back to plain tensors.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
     if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(params, lr=1e-2, **kw)
+    from trainmem.trace.low_bit_optim import BNB_CLASSES, make_bnb_optimizer
+    if name in BNB_CLASSES:  # their one implementation: no foreach/fused keywords
+        return make_bnb_optimizer(name, params)
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
 
 
@@ -140,8 +145,10 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError(f"loss={step.loss!r}: Hugging Face models compute the full cross-entropy; use loss='ce'")
     if impl.attention == "mem-efficient":
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
-    if step.optimizer == "adam8bit":
-        raise UnsupportedError("optimizer='adam8bit' needs bitsandbytes on CUDA; it cannot be traced on CPU")
+    if step.optimizer.startswith("torchao-"):
+        raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
+                               "tensor values and steps through inductor-compiled kernels; use estimate "
+                               "(its states are checked against torchao's own optimizer)")
     from trainmem.estimate.optimizer_step import check_optimizer
     check_optimizer(step, impl)
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
