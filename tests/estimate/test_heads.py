@@ -122,3 +122,8 @@ def test_head_refusals():
     spec = replace(spec_from_hf_config(CONFIGS["llama"]), head="seq-cls")
     with pytest.raises(SpecError, match="loss"):
         estimate(spec, StepSpec(batch=B, seq=S, loss="chunked-ce"), ImplSpec())
+    from trainmem.specs.finetune import FinetuneSpec
+    with pytest.raises(SpecError, match="modules_to_save"):
+        estimate(spec, StepSpec(batch=B, seq=S), ImplSpec(), finetune=FinetuneSpec(mode="lora"))
+    full = estimate(spec, StepSpec(batch=B, seq=S), ImplSpec(), finetune=FinetuneSpec(freeze=("embeddings",)))
+    assert full.totals_bytes["gradient"] < estimate(spec, StepSpec(batch=B, seq=S), ImplSpec()).totals_bytes["gradient"]

@@ -112,7 +112,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         # LoRA targets and frozen-parameter patterns are HF module names, so they would match nothing
         raise SpecError("profile", impl.profile, "fine-tuning (LoRA, QLoRA, --freeze) is modelled under "
                                                  "--profile hf only")
-    check_head(model, impl, parallel)
+    check_head(model, impl, parallel, finetune)
     if step.dtypes.gathered and (parallel is None or not parallel.fsdp):
         raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
                                                      "without FSDP torchtitan autocasts: amp-bf16")

@@ -183,11 +183,18 @@ def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> 
                when=logits.requires_grad)
 
 
-def check_head(model: ModelSpec, impl, parallel=None) -> None:
+def check_head(model: ModelSpec, impl, parallel=None, finetune=None) -> None:
     """Refuse what a classification head has not been modelled with, naming the field and value."""
     if model.head in ("lm", "mlm"):
         return
     from trainmem.errors import SpecError
+    if finetune is not None and finetune.adapters:
+        # peft trains the classifier through modules_to_save (task_type SEQ_CLS / TOKEN_CLS), its
+        # all-linear adapts it (no output embeddings to exclude), and transformers' bitsandbytes
+        # integration keeps only the last parameter's module in 16 bits (quantizers/base.py
+        # get_keys_to_not_convert): none of that is modelled
+        raise SpecError("head", model.head, f"LoRA/QLoRA on a {model.head} model is not modelled (peft's "
+                                            "modules_to_save); use --finetune full with --freeze")
     if impl.profile != "hf":
         raise SpecError("profile", impl.profile, f"a {model.head} head is modelled under --profile hf only")
     if impl.compile:
