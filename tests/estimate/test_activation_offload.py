@@ -143,3 +143,30 @@ def test_refused_where_not_modelled():
         estimate(spec, step, ImplSpec(recompute="op"), OFFLOAD)
     with pytest.raises(SpecError, match="offload"):
         estimate(spec, step, ImplSpec(profile="reference"), OFFLOAD)
+
+
+RECIPE = ("model:\n  _component_: torchtune.models.llama2.llama2_7b\ndtype: bf16\nbatch_size: 2\n"
+          "enable_activation_checkpointing: True\nenable_activation_offloading: True\n")
+
+
+def test_torchtune_recipe_offloads_on_one_device(tmp_path):
+    from trainmem.inputs import read_torchtune
+    p = tmp_path / "low_memory.yaml"
+    p.write_text(RECIPE)  # recipes/configs/llama2/7B_full_low_memory.yaml's settings
+    assert read_torchtune(p)["overrides"]["parallel"] == {"offload": ("activations",)}
+    p.write_text(RECIPE.replace("llama2_7b", "lora_llama2_7b\n  lora_attn_modules: ['q_proj']"))
+    a = read_torchtune(p)
+    assert "offload" not in a["overrides"].get("parallel", {})
+    assert any(n.startswith("enable_activation_offloading: modelled on one device") for n in a["notes"])
+
+
+def test_cli_json_has_the_host_figure(capsys):
+    import json
+    from trainmem.cli import main
+    argv = ["estimate", "--model", "llama-2-7b", "--batch", "2", "--seq", "4096", "--precision", "bf16", "--json"]
+    assert main(argv + ["--offload", "activations"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert off["host_bytes"]["offloaded_activations"] > 0 and "host_bytes" not in plain
+    assert off["peak_bytes"] < plain["peak_bytes"]

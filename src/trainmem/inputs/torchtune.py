@@ -14,9 +14,11 @@ supervised fine-tuning recipes are modelled (``recipes/full_finetune_single_devi
   ``dtype`` (torchtune builds the model in it: ``bf16`` is pure bf16), ``device``;
 * ``optimizer._component_`` (and ``fused``/``foreach``), ``optimizer_in_bwd``,
   ``enable_activation_checkpointing``, ``ac_mode``/``ac_option``, ``loss._component_``;
-* the distributed recipes' ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward`` and degrees.
+* the distributed recipes' ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward`` and degrees;
+* ``enable_activation_offloading`` -> ``--offload activations`` on one device (with full or no
+  checkpointing; otherwise a note).
 
-Settings that change memory but are not modelled (activation offloading, compile, paged states,
+Settings that change memory but are not modelled (compile, paged states,
 DoRA...) are listed in the notes; recipes with more than one model (distillation, DPO, PPO,
 GRPO) and quantization-aware training are refused. Keys that do not change memory (logging,
 checkpointing, schedules) are ignored; any other key is an error naming it. Nothing in the file
@@ -56,14 +58,15 @@ _LORA_DEFAULTS = {"apply_lora_to_mlp": False, "apply_lora_to_output": False, "lo
 #: torchtune/training/precision.py, PRECISION_STR_TO_DTYPE: the model is built in this dtype
 _DTYPES = {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
 #: optimizer class path -> (trainmem optimizer, note)
-_PAGED = "paged: bitsandbytes pages the states to host memory only under pressure; estimated as resident"
 _OPTIMIZERS: dict[str, tuple[str, str]] = {
     "torch.optim.AdamW": ("adamw", ""), "torch.optim.Adam": ("adam", ""), "torch.optim.SGD": ("sgd", ""),
-    "bitsandbytes.optim.AdamW8bit": ("adam8bit", ""), "bitsandbytes.optim.Adam8bit": ("adam8bit", ""),
-    "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", _PAGED), "bitsandbytes.optim.PagedAdamW": ("adamw", _PAGED),
-    "bitsandbytes.optim.PagedAdamW32bit": ("adamw", _PAGED),
-    "torchao.optim.AdamW8bit": ("adam8bit", "torchao's AdamW8bit estimated as bitsandbytes' 8-bit Adam "
-                                "(both keep two 8-bit states and one fp32 scale per block)"),
+    "bitsandbytes.optim.AdamW8bit": ("adamw8bit", ""), "bitsandbytes.optim.Adam8bit": ("adam8bit", ""),
+    "bitsandbytes.optim.PagedAdamW8bit": ("paged-adamw8bit", ""),
+    "bitsandbytes.optim.PagedAdamW": ("paged-adamw32bit", ""), "bitsandbytes.optim.PagedAdamW32bit": ("paged-adamw32bit", ""),
+    "torchao.optim.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.optim.AdamW4bit": ("torchao-adamw4bit", ""),
+    # torchao < 0.11 kept them under prototype (transformers' _get_torchao_optimizer imports either)
+    "torchao.prototype.low_bit_optim.AdamW8bit": ("torchao-adamw8bit", ""),
+    "torchao.prototype.low_bit_optim.AdamW4bit": ("torchao-adamw4bit", ""),
 }
 #: loss class path -> (trainmem loss, note)
 _LOSSES: dict[str, tuple[str, str]] = {
@@ -185,6 +188,7 @@ def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
     _loss(get, step, notes, where)
     _checkpointing(get, impl, notes, where)
     _distributed(get, sec["parallel"], notes, where)
+    _offloading(get, impl, sec["parallel"], sec["finetune"], notes)
     if get("compile", (bool, dict)):
         notes.append("compile: torch.compile saves other tensors than eager mode; the estimate is eager")
     if get("enable_fp8_training", bool):
@@ -355,9 +359,18 @@ def _checkpointing(get, impl: dict, notes: list[str], where: str) -> None:
         else:
             raise ConfigError(f"{where}: ac_mode={mode!r} with ac_option={option!r}: expected full, or selective "
                               f"with a positive integer or 'op'")
-    if get("enable_activation_offloading", bool):
-        notes.append("enable_activation_offloading: saved activations move to host memory; not modelled, they are "
-                     "counted on the device")
+
+
+def _offloading(get, impl: dict, par: dict, finetune: dict, notes: list[str]) -> None:
+    # full_finetune_single_device.py, _setup_model: training.get_act_offloading_ctx_manager(model,
+    # enable_activation_offloading) -> OffloadActivations around the forward (estimate/activation_offload.py)
+    if not get("enable_activation_offloading", bool):
+        return
+    if impl.get("recompute", "none") not in ("none", "full") or par or finetune:
+        notes.append("enable_activation_offloading: modelled on one device, full fine-tuning, with full or no "
+                     "activation checkpointing; here the saved activations are counted on the device")
+        return
+    par["offload"] = ("activations",)
 
 
 def _distributed(get, par: dict, notes: list[str], where: str) -> None:
