@@ -29,6 +29,8 @@ def argv(command: str, model: str, tmp) -> list[str]:
         "advise": ["advise", *small, "--gpu", "h100-80gb"],
         "explain": ["explain", *small],
         "snapshot": ["snapshot", str(tmp / "s.pickle")],
+        "variants": ["profile", *small, "--precision", "fp32", "--run-on", "cpu", "--steps", "1",
+                     "--variants", "attention=eager,sdpa"],
     }[command]
 
 

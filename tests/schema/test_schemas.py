@@ -21,7 +21,7 @@ from trainmem.schemas.build import build_all, dumps
 jsonschema = pytest.importorskip("jsonschema")
 
 GOLDEN = Path(__file__).parent / "golden"
-NEEDS_TORCH = {"trace", "compare", "profile", "snapshot"}  # real or fake torch steps: a few seconds each
+NEEDS_TORCH = {"trace", "compare", "profile", "snapshot", "variants"}  # real or fake torch steps: a few seconds each
 
 
 def _values(command: str, d: dict) -> dict:
@@ -45,6 +45,8 @@ def _values(command: str, d: dict) -> dict:
         return {k: d[k] for k in ("start_peak_bytes", "fits")} | {"steps": [s["rung"] for s in d["steps"]]}
     if command == "explain":
         return {"answers": [a["key"] for a in d["answers"]]}
+    if command == "variants":
+        return {"labels": [r["label"] for r in d["rows"]], "status": [r["status"] for r in d["rows"]]}
     return {k: d[k] for k in ("num_segments", "reserved_bytes", "peak_bytes")}  # snapshot
 
 

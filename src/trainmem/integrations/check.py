@@ -138,7 +138,7 @@ class Measured:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "source": self.source, "step_peaks_bytes": list(self.step_peaks_bytes),
-                "peak_bytes": self.peak_bytes, "reserved_peak_bytes": self.reserved_peak_bytes}
+                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.reserved_peak_bytes}  # schemas' name
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,10 @@ def run_profile(args: argparse.Namespace) -> int:
             result = run_variants(source, variants, device=device, seed=args.seed, steps=args.steps,
                                   warmup=max(args.warmup, 1))
             if _is_rank0():
-                _emit(args, result.to_dict(), render_variants(result))
+                from trainmem.schemas import model_input, set_inputs
+                payload = set_inputs(result.to_dict(), model=model_input(source, args.model), step=step, impl=impl,
+                                     gpu=gpu_from_args(args))
+                _emit(args, payload, render_variants(result))
             return 0
         from trainmem.measure.profiling import profile_model
         from trainmem.measure.render import render_profile

@@ -22,7 +22,7 @@ from trainmem.specs import ImplSpec, StepSpec
 
 __all__ = ["parse_variants", "run_variants", "Variant", "VariantRow", "VariantsResult", "AXES", "SCHEMA"]
 
-SCHEMA = "trainmem.variants/1"
+SCHEMA = "trainmem.variants/2"
 AXES = ("attention", "recompute", "precision", "batch")
 _BATCH = re.compile(r"^(\d+)(?:x(\d+))?$")
 
@@ -86,9 +86,11 @@ class VariantRow:
     speed_ratio: float | None = None  # tokens/s ÷ the first variant's
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("label", "peak_allocated_bytes", "peak_reserved_bytes", "tokens_per_s",
-                                             "loss", "grad_norm", "loss_diff", "grad_norm_rel_diff", "status",
-                                             "speed_ratio")}
+        out = {k: getattr(self, k) for k in ("label", "peak_allocated_bytes", "peak_reserved_bytes", "tokens_per_s",
+                                            "loss", "grad_norm", "loss_diff", "grad_norm_rel_diff", "status",
+                                            "speed_ratio")}
+        out["peak_bytes"] = out.pop("peak_allocated_bytes")  # the schemas' name for the allocated peak
+        return out
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ class VariantsResult:
     rows: tuple[VariantRow, ...]
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "device": self.device, "rows": [r.to_dict() for r in self.rows]}
+        from trainmem.schemas import header  # the base step and impl: profile's CLI fills inputs
+        return {**header("variants"), "device": self.device, "rows": [r.to_dict() for r in self.rows]}
 
 
 def run_variants(source, variants: list[Variant], *, device=None, seed: int = 0, steps: int = 2,

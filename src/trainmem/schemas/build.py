@@ -36,6 +36,11 @@ def _array(items: dict) -> dict:
 # that every category follows it, and a /1 plural ("parameters") does not.
 LEDGER = {"type": "string", "pattern": "^[a-z][a-z0-9_]*[a-rt-z0-9_]$"}
 
+# A ledger is an inventory category: singular snake_case. The rule, not the list, is written into the
+# files, so a new category (trainmem.inventory.Category) needs no new schema; tests/schema checks
+# that every category follows it, and a /1 plural ("parameters") does not.
+LEDGER = {"type": "string", "pattern": "^[a-z][a-z0-9_]*[a-rt-z0-9_]$"}
+
 DEFS = {
     "inputs": _obj({"model": {"oneOf": [{"type": "null"}, _obj({"name": {"type": "string"}, "source": {
                        "enum": ["preset", "file", "folder", "hf_cache", "code"]}})]},
@@ -98,6 +103,10 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
                 "skipped": _array(_obj({"rung": {"type": "string"}, "why": {"type": "string"}})),
                 "fits": {"type": "boolean"}}, {}),
     "explain": ({"notes": _array({"type": "string"}), "answers": _array({"type": "object"})}, {}),
+    "variants": ({"device": {"type": "string"},
+                  "rows": _array(_obj({"label": {"type": "string"}, "peak_bytes": BYTES_OR_NULL,
+                                       "peak_reserved_bytes": BYTES_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
+                                       "status": {"type": "string"}}))}, {}),
     "snapshot": ({"num_segments": {"type": "integer"}, "reserved_bytes": BYTES, "allocated_bytes": BYTES,
                   "peak_bytes": BYTES, "num_events": {"type": "integer"},
                   "top_allocations": _array(_obj({"size_bytes": BYTES, "where": {"type": "string"}}))}, {}),
