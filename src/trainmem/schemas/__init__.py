@@ -22,7 +22,7 @@ from typing import Any
 from trainmem.inventory import Category
 
 __all__ = ["VERSION", "COMMANDS", "LEDGERS", "FIGURES", "PHASES", "schema_name", "header", "model_source",
-           "part_key", "figure_key", "set_inputs", "model_input", "model_input", "trainmem_version", "schema_path"]
+           "part_key", "figure_key", "set_inputs", "model_input", "trainmem_version", "schema_path"]
 
 VERSION = 2
 #: Result kinds, one per command, and ``variants``: ``profile --variants`` (one row per variant).
@@ -119,19 +119,6 @@ def model_input(source: Any, name: str) -> Any:
         return name
 
 
-def model_input(source: Any, name: str) -> Any:
-    """The model a command ran, for ``inputs.model``: a ModelSpec as it is, a ``config.json`` dict
-    mapped onto one named ``name``; a model type trainmem does not map keeps the name only."""
-    if not isinstance(source, dict):
-        return source
-    from trainmem.errors import TrainmemError
-    from trainmem.specs.loaders import spec_from_hf_config
-    try:
-        return spec_from_hf_config(source, name=name)
-    except TrainmemError:
-        return name
-
-
 def set_inputs(out: dict, **given: Any) -> dict:
     """Fill inputs a result was built without (the CLI resolves ``--gpu``, knows the model's spec);
     a None leaves the input as it was."""
@@ -140,35 +127,6 @@ def set_inputs(out: dict, **given: Any) -> dict:
             raise ValueError(f"input={key!r}: expected one of {', '.join(_NORMALIZE)}")
         if value is not None:
             out["inputs"][key] = _NORMALIZE[key](value)
-    return out
-
-
-def set_inputs(out: dict, **given: Any) -> dict:
-    """Fill inputs a result was built without (the CLI resolves ``--gpu``, knows the model's spec);
-    a None leaves the input as it was."""
-    for key, value in given.items():
-        if key not in _NORMALIZE:
-            raise ValueError(f"input={key!r}: expected one of {', '.join(_NORMALIZE)}")
-        if value is not None:
-            out["inputs"][key] = _NORMALIZE[key](value)
-    return out
-
-
-def set_inputs(out: dict, **given: Any) -> dict:
-    """Fill inputs a result was built without (the CLI resolves ``--gpu``, knows the model's spec);
-    a None leaves the input as it was."""
-    for key, value in given.items():
-        if key not in _NORMALIZE:
-            raise ValueError(f"input={key!r}: expected one of {', '.join(_NORMALIZE)}")
-        if value is not None:
-            out["inputs"][key] = _NORMALIZE[key](value)
-    return out
-
-
-def set_gpu(out: dict, gpu: Any) -> dict:
-    """Fill ``inputs.gpu`` of a result built without one (the CLI resolves ``--gpu``)."""
-    if gpu is not None:
-        out["inputs"]["gpu"] = _spec(gpu)
     return out
 
 

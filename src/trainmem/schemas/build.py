@@ -36,11 +36,6 @@ def _array(items: dict) -> dict:
 # that every category follows it, and a /1 plural ("parameters") does not.
 LEDGER = {"type": "string", "pattern": "^[a-z][a-z0-9_]*[a-rt-z0-9_]$"}
 
-# A ledger is an inventory category: singular snake_case. The rule, not the list, is written into the
-# files, so a new category (trainmem.inventory.Category) needs no new schema; tests/schema checks
-# that every category follows it, and a /1 plural ("parameters") does not.
-LEDGER = {"type": "string", "pattern": "^[a-z][a-z0-9_]*[a-rt-z0-9_]$"}
-
 DEFS = {
     "inputs": _obj({"model": {"oneOf": [{"type": "null"}, _obj({"name": {"type": "string"}, "source": {
                        "enum": ["preset", "file", "folder", "hf_cache", "code"]}})]},
