@@ -134,3 +134,23 @@ def test_no_family_string_comparisons_outside_the_registry():
             if _FAMILY_TEST.search(line):
                 offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # Llama-like: gated MLP, RMSNorm, rotary, untied
+    dict(family="gpt2", activation="gelu_tanh", norm="layernorm", norm_bias=True, qkv_bias=True, out_bias=True,
+         mlp_bias=True, tied_embeddings=True, max_positions=32),
+    dict(family="qwen2", qkv_bias=True, num_kv_heads=2),
+])
+def test_reference_parameters_are_the_reference_models(kw):
+    """Under --profile reference the parameters are the reference model's own, by name and shape,
+    so they share one naming scheme with its activations (layers.0.attn.q ...)."""
+    torch = pytest.importorskip("torch")
+    from trainmem.models.reference import build_reference_model
+    from trainmem.specs import ImplSpec
+
+    m = ModelSpec(**{"hidden_size": 64, "num_layers": 2, "num_heads": 4, "ffn_size": 96, "vocab_size": 100, **kw})
+    real = [(n, tuple(p.shape)) for n, p in build_reference_model(m, ImplSpec(profile="reference"),
+                                                                   dtype=torch.float32).named_parameters()]
+    assert parameter_shapes(m, "reference") == real
+    assert all(layer_index(n) is not None or is_embedding(n) or is_head(n) for n, _ in real)

@@ -133,7 +133,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         acts, states, plain, traced_transient = traced_parts(model, step, impl)
     elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
         acts = activation_inventory(model, step, impl)
-        states = model_state_inventory(model, step)
+        states = model_state_inventory(model, step, impl.profile)
         plain = activation_inventory(model, step, plain_impl) if impl.recompute != "none" else None
     else:  # fine-tuning may freeze some blocks and not others: every block is its own
         acts = Inventory(activation_items(model, step, impl, finetune))

@@ -257,7 +257,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
     states, state_stage, tp_div = _local_states(model, replace(step, batch=1, grad_accum=1), finetune,
-                                                par.tp, par.ep, par.pp, tuple(stages))
+                                                par.tp, par.ep, par.pp, tuple(stages), impl.profile)
     group = _shard_group(par)
     zero = 3 if par.fsdp else par.zero
     emb_grad = f"{_embedding_name(states)}.grad"
@@ -361,8 +361,8 @@ def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune,
 
 
 @lru_cache(maxsize=16)
-def _states(model: ModelSpec, step: StepSpec, finetune, tied_copy: bool) -> tuple[MemoryItem, ...]:
-    states = model_state_items(model, step, finetune)
+def _states(model: ModelSpec, step: StepSpec, finetune, tied_copy: bool, profile: str) -> tuple[MemoryItem, ...]:
+    states = model_state_items(model, step, finetune, profile)
     if tied_copy:  # the last stage keeps its own copy of the tied head
         states = states + [replace(i, name=i.name.replace(_embedding_name(states), "lm_head.weight", 1))
                            for i in states if i.name.startswith(_embedding_name(states))]
@@ -371,8 +371,8 @@ def _states(model: ModelSpec, step: StepSpec, finetune, tied_copy: bool) -> tupl
 
 @lru_cache(maxsize=64)
 def _local_states(model: ModelSpec, step: StepSpec, finetune, tp: int, ep: int, pp: int,
-                  stages: tuple[tuple[int, int], ...]):
-    states = _states(model, step, finetune, model.tied_embeddings and pp > 1)
+                  stages: tuple[tuple[int, int], ...], profile: str = "hf"):
+    states = _states(model, step, finetune, model.tied_embeddings and pp > 1, profile)
     state_stage = _state_stages(states, stages)
     tp_div = _tp_divisors(states, tp, ep)
     return states, state_stage, tp_div

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from math import prod
 
-from trainmem.families import family_of
+from trainmem.families import family_of, get_scheme
 from trainmem.specs.model import ModelSpec
 
 __all__ = ["Shape", "parameter_shapes", "count_parameters"]
@@ -26,8 +26,12 @@ __all__ = ["Shape", "parameter_shapes", "count_parameters"]
 Shape = tuple[int, ...]
 
 
-def parameter_shapes(model: ModelSpec) -> list[tuple[str, Shape]]:
-    """``(name, shape)`` of every trainable parameter, in ``named_parameters()`` order."""
+def parameter_shapes(model: ModelSpec, profile: str = "hf") -> list[tuple[str, Shape]]:
+    """``(name, shape)`` of every trainable parameter, in ``named_parameters()`` order; under a
+    profile that runs its own model (``reference``), that model's parameters and names."""
+    scheme = get_scheme(profile)
+    if scheme is not None and scheme.parameters is not None:
+        return scheme.parameters(model)
     from trainmem.estimate.heads import head_parameters  # a classification head replaces the LM head
     return head_parameters(model, family_of(model).parameters(model))
 

@@ -8,8 +8,8 @@ layout, block rules, tensor-parallel roles, and embedding and head names live in
 from __future__ import annotations
 
 from trainmem.families.base import (BlockRules, ConfigSchema, Family, NameScheme, TPRoles, config_families,
-                                    embedding_modules, families, family_names, get_family, head_modules,
-                                    layer_containers, register_family, register_scheme, schemes,
+                                    embedding_modules, families, family_names, get_family, get_scheme,
+                                    head_modules, layer_containers, register_family, register_scheme, schemes,
                                     token_embedding_modules, tp_roles)
 
 # registration order is the order of FAMILIES and of the supported model types in messages
@@ -17,7 +17,7 @@ from trainmem.families import gpt2, gpt_neox, llama, mistral, mixtral, qwen2, ge
 from trainmem.families import generic, profiles  # noqa: E402,F401
 
 __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "NameScheme", "register_family", "register_scheme",
-           "get_family", "family_names", "families", "schemes", "config_families", "head_modules",
+           "get_family", "get_scheme", "family_names", "families", "schemes", "config_families", "head_modules",
            "embedding_modules", "token_embedding_modules", "layer_containers", "tp_roles", "output_layers",
            "family_of"]
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
 
 __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "NameScheme", "register_family",
-           "register_scheme", "get_family", "family_names", "config_families", "families", "schemes",
+           "register_scheme", "get_family", "get_scheme", "family_names", "config_families", "families", "schemes",
            "head_modules", "embedding_modules", "token_embedding_modules", "tp_roles", "layer_containers"]
 
 Params = list[tuple[str, tuple[int, ...]]]
@@ -104,6 +104,9 @@ class NameScheme:
     layers: str
     """The block container's path (``model.layers``): block ``i`` is ``{layers}.{i}``."""
     tp: TPRoles = TPRoles()
+    parameters: Callable[["ModelSpec"], Params] | None = None
+    """The scheme's own parameter layout, when its profile runs its own model (``reference``):
+    then parameters and activations share one naming scheme. None: the family's layout."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +157,11 @@ def get_family(name: str) -> Family:
         return _FAMILIES[name]
     except (KeyError, TypeError):
         raise SpecError("family", name, f"must be one of {', '.join(_FAMILIES)}") from None
+
+
+def get_scheme(name: str) -> NameScheme | None:
+    """The naming scheme a profile registered (``reference``, ``megatron``), else None."""
+    return _SCHEMES.get(name)
 
 
 def family_names() -> tuple[str, ...]:

@@ -3,16 +3,45 @@ own way whatever the family (``models/reference.py``, ``estimate/rules_megatron.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from trainmem.families import layout as lay
 from trainmem.families.base import NameScheme, TPRoles, register_scheme
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainmem.specs.model import ModelSpec
+
+
+def reference_parameters(m: "ModelSpec") -> lay.Params:
+    """``named_parameters()`` of trainmem's reference decoder (``models/reference.py`` ``_build``):
+    ``embed``, ``pos_embed``, per block ``attn_norm``, ``attn.{q,k,v,o}``, ``mlp_norm``,
+    ``mlp.{gate,up,down}``; ``norm``; ``lm_head`` unless tied to ``embed``."""
+    H, F = m.hidden_size, m.ffn_size
+    params = lay.embedding("embed", m.vocab_size, H)
+    if m.max_positions:
+        params += lay.embedding("pos_embed", m.max_positions, H)
+    for i in range(m.num_layers):
+        pre = f"layers.{i}"
+        params += lay.norm(m, f"{pre}.attn_norm")
+        params += lay.linear(f"{pre}.attn.q", m.q_size, H, m.qkv_bias)
+        params += lay.linear(f"{pre}.attn.k", m.kv_size, H, m.qkv_bias)
+        params += lay.linear(f"{pre}.attn.v", m.kv_size, H, m.qkv_bias)
+        params += lay.linear(f"{pre}.attn.o", H, m.q_size, m.out_bias)
+        params += lay.norm(m, f"{pre}.mlp_norm")
+        if m.gated:
+            params += lay.linear(f"{pre}.mlp.gate", F, H, m.mlp_bias)
+        params += lay.linear(f"{pre}.mlp.up", F, H, m.mlp_bias)
+        params += lay.linear(f"{pre}.mlp.down", H, F, m.mlp_bias)
+    params += lay.norm(m, "norm")
+    return params + ([] if m.tied_embeddings else lay.linear("lm_head", m.vocab_size, H, False))
 
 
 @register_scheme
 def reference() -> NameScheme:
-    # trainmem/models/reference.py: Reference.embed, pos_embed, layers[i].attn.{q,k,v,o},
-    # layers[i].mlp.{gate,up,down}, norm, lm_head
     return NameScheme(name="reference", embeddings=("embed", "pos_embed"), head=("norm", "lm_head"),
                       layers="layers", tp=TPRoles(column=("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"),
-                                                  row=("attn.o", "mlp.down"), vocab=("embed.weight",)))
+                                                  row=("attn.o", "mlp.down"), vocab=("embed.weight",)),
+                      parameters=reference_parameters)
 
 
 @register_scheme
