@@ -191,3 +191,20 @@ def test_torchao_is_refused_by_the_tracer_in_one_line():
     from trainmem.trace import trace_step
     with pytest.raises(UnsupportedError, match="torchao"):
         trace_step(CFG, StepSpec(batch=B, seq=S, optimizer="torchao-adamw8bit"), ImplSpec(device="cpu"))
+
+
+# what the integrations read off a live optimizer -------------------------------------------------
+
+def test_live_optimizers_are_read_by_what_they_run():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    ao = pytest.importorskip("torchao.optim")
+    from trainmem.integrations.read import optimizer_of
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    built = {  # transformers builds bnb.optim.AdamW(optim_bits=..., is_paged=...) (_get_bitsandbytes_optimizer)
+        "adamw8bit": bnb.optim.AdamW(p, optim_bits=8), "paged-adamw8bit": bnb.optim.AdamW(p, optim_bits=8, is_paged=True),
+        "paged-adamw32bit": bnb.optim.PagedAdamW(p), "adam8bit": bnb.optim.Adam8bit(p),
+        "torchao-adamw8bit": ao.AdamW8bit(p), "torchao-adamw4bit": ao.AdamW4bit(p),
+    }
+    for name, opt in built.items():
+        assert optimizer_of(opt, device="cuda").value == (name, "auto"), type(opt)

@@ -59,10 +59,12 @@ def test_to_dict_of_a_real_run(tmp_path):
 @pytest.mark.parametrize("optim, optimizer, impl, note", [
     ("adamw_torch", "adamw", None, None),  # torch.optim.AdamW with torch's default (foreach on CUDA)
     ("adamw_torch_fused", "adamw", "fused", None),
-    ("adamw_bnb_8bit", "adam8bit", None, None),
-    ("adamw_8bit", "adam8bit", None, None),
-    ("paged_adamw_8bit", "adam8bit", None, "paged"),
-    ("paged_adamw_32bit", "adamw", None, "paged"),
+    ("adamw_bnb_8bit", "adamw8bit", None, None),  # bnb.optim.AdamW(optim_bits=8)
+    ("adamw_8bit", "adamw8bit", None, None),
+    ("paged_adamw_8bit", "paged-adamw8bit", None, None),  # paged states: their own figure, no note needed
+    ("paged_adamw_32bit", "paged-adamw32bit", None, None),
+    ("adamw_torch_8bit", "torchao-adamw8bit", None, None),  # torchao.optim.AdamW8bit
+    ("adamw_torch_4bit", "torchao-adamw4bit", None, None),
     ("adafactor", "adafactor", None, None),
     ("sgd", "sgd", None, None),
 ])

@@ -149,8 +149,12 @@ def test_seq_must_be_readable_or_given():
     ("adamw_torch", "adamw", "for-loop", "foreach", None), ("adamw_torch_fused", "adamw", "fused", "fused", None),
     ("sgd", "sgd", "for-loop", "foreach", None),
     # one implementation (bitsandbytes, transformers' Adafactor): the estimate resolves "auto"
-    ("adamw_bnb_8bit", "adam8bit", "auto", "auto", None), ("adamw_8bit", "adam8bit", "auto", "auto", None),
-    ("paged_adamw_8bit", "adam8bit", "auto", "auto", "paged"), ("paged_adamw_32bit", "adamw", "auto", "auto", "paged"),
+    ("adamw_bnb_8bit", "adamw8bit", "auto", "auto", None), ("adamw_8bit", "adamw8bit", "auto", "auto", None),
+    ("paged_adamw_8bit", "paged-adamw8bit", "auto", "auto", None),
+    ("paged_adamw_32bit", "paged-adamw32bit", "auto", "auto", None),
+    # torchao (trainer_optimizer.py, _get_torchao_optimizer): its compiled per-parameter step
+    ("adamw_torch_8bit", "torchao-adamw8bit", "auto", "auto", None),
+    ("adamw_torch_4bit", "torchao-adamw4bit", "auto", "auto", None),
     ("adafactor", "adafactor", "auto", "auto", None),
 ])
 def test_trainer_optim_names(optim, name, on_cpu, on_cuda, note):

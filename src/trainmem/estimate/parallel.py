@@ -199,7 +199,8 @@ def apply_pp(items, stage_of, stage: int) -> list[MemoryItem]:
     return [it for it, st in zip(items, stage_of) if st == stage]
 
 
-_ZERO_SHARDED = {Category.OPTIMIZER_STATE: 1, Category.MASTER_WEIGHT: 1, Category.GRADIENT: 2, Category.PARAMETER: 3}
+_ZERO_SHARDED = {Category.OPTIMIZER_STATE: 1, Category.PAGED_STATE: 1, Category.MASTER_WEIGHT: 1, Category.GRADIENT: 2,
+                 Category.PARAMETER: 3}
 """The ZeRO stage from which each kind of model state is sharded over the data-parallel group
 (stage 1: optimizer states and master weights, 2: + gradients, 3 / FSDP: + parameters)."""
 
@@ -221,7 +222,7 @@ def apply_offload(states, offload: tuple[str, ...]) -> tuple[list[MemoryItem], i
     master weights (DeepSpeed ZeRO-Offload, FSDP's CPUOffloadPolicy), ``params`` the parameters."""
     moved = set()
     if "optimizer" in offload:
-        moved |= {Category.OPTIMIZER_STATE, Category.MASTER_WEIGHT}
+        moved |= {Category.OPTIMIZER_STATE, Category.PAGED_STATE, Category.MASTER_WEIGHT}
     if "params" in offload:
         moved.add(Category.PARAMETER)
     kept = [it for it in states if it.category not in moved]

@@ -19,22 +19,21 @@ from trainmem.specs import ModelSpec
 from trainmem.specs.finetune import FinetuneSpec
 
 __all__ = ["Read", "base_model", "model_spec_of", "precision_of", "recompute_of", "attention_of", "device_of",
-           "finetune_of", "optimizer_of", "trainer_optim_of", "OPTIMIZER_CLASSES", "TRAINER_OPTIMS"]
+           "finetune_of", "optimizer_of", "optimizer_key", "trainer_optim_of", "OPTIMIZER_CLASSES", "TRAINER_OPTIMS"]
 
 _DTYPE_NAME = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 #: transformers ``config._attn_implementation`` -> trainmem attention kernel.
 _ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash"}
 
-#: optimizer class name -> (trainmem optimizer, note). The class names of torch.optim, transformers'
-#: Adafactor and bitsandbytes' (``bnb.optim``) 8-bit and paged optimizers.
-_PAGED = ("paged: bitsandbytes pages the states to host memory only under pressure; "
-          "they are estimated as resident on the device")
+#: optimizer class -> (trainmem optimizer, note): torch.optim's and transformers' Adafactor by class
+#: name; bitsandbytes' and torchao's qualified by their package (:func:`optimizer_key`), since
+#: ``bitsandbytes.optim.AdamW8bit`` and ``torchao.optim.AdamW8bit`` share a name.
 OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
     "AdamW": ("adamw", ""), "Adam": ("adam", ""), "Adafactor": ("adafactor", ""),
-    "AdamW8bit": ("adam8bit", ""), "Adam8bit": ("adam8bit", ""),
-    "PagedAdamW8bit": ("adam8bit", _PAGED), "PagedAdamW": ("adamw", _PAGED), "PagedAdamW32bit": ("adamw", _PAGED),
-    "AdamW32bit": ("adamw", ""),
+    "bitsandbytes.AdamW8bit": ("adamw8bit", ""), "bitsandbytes.Adam8bit": ("adam8bit", ""),
+    "bitsandbytes.PagedAdamW8bit": ("paged-adamw8bit", ""), "bitsandbytes.PagedAdamW32bit": ("paged-adamw32bit", ""),
+    "torchao.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.AdamW4bit": ("torchao-adamw4bit", ""),
 }
 
 #: torch.optim classes, whose ``defaults`` hold ``foreach``/``fused`` (None: torch chooses).
@@ -43,12 +42,31 @@ OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
 _TORCH_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adafactor")
 
 #: TrainingArguments ``optim`` -> optimizer class name above, for a run whose optimizer is not
-#: built yet (transformers ``trainer_optimizer.py``'s table of optimizer getters).
+#: built yet (transformers ``trainer_optimizer.py``'s table of optimizer getters;
+#: ``_get_bitsandbytes_optimizer`` builds ``bnb.optim.AdamW(optim_bits=8 if "8bit" in optim else 32,
+#: is_paged="paged" in optim)``, ``_get_torchao_optimizer`` ``torchao.optim.AdamW4bit``/``AdamW8bit``).
 TRAINER_OPTIMS = {
     "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adafactor": "Adafactor", "sgd": "SGD",
-    "adamw_bnb_8bit": "AdamW8bit", "adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
-    "paged_adamw_32bit": "PagedAdamW32bit",
+    "adamw_bnb_8bit": "bitsandbytes.AdamW8bit", "adamw_8bit": "bitsandbytes.AdamW8bit",
+    "paged_adamw_8bit": "bitsandbytes.PagedAdamW8bit", "paged_adamw_32bit": "bitsandbytes.PagedAdamW32bit",
+    "adamw_torch_8bit": "torchao.AdamW8bit", "adamw_torch_4bit": "torchao.AdamW4bit",
 }
+
+
+def optimizer_key(optimizer) -> str:
+    """The :data:`OPTIMIZER_CLASSES` key of a live optimizer: its class name, qualified by the
+    package for bitsandbytes and torchao. bitsandbytes' generic classes (``AdamW(optim_bits=8,
+    is_paged=True)``, what transformers builds) are named by what they run: ``args.optim_bits`` and
+    ``is_paged`` (``bitsandbytes/optim/optimizer.py``, ``Optimizer8bit``/``Optimizer2State``)."""
+    cls = type(optimizer)
+    package = cls.__module__.partition(".")[0]
+    if package == "bitsandbytes":
+        bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+        stem = cls.__name__.removeprefix("Paged").removesuffix("8bit").removesuffix("32bit")
+        return f"bitsandbytes.{'Paged' if getattr(optimizer, 'is_paged', False) else ''}{stem}{bits}bit"
+    if package == "torchao":
+        return f"torchao.{cls.__name__}"
+    return cls.__name__
 
 
 @dataclass(frozen=True)
@@ -191,7 +209,7 @@ def optimizer_of(optimizer, *, device: str) -> Read:
     """``(trainmem optimizer, ImplSpec.optimizer_impl)`` of a torch optimizer (unwrapping
     accelerate's ``AcceleratedOptimizer``), the implementation read from its ``defaults``."""
     opt = getattr(optimizer, "optimizer", optimizer)
-    return _optimizer(type(opt).__name__, getattr(opt, "defaults", {}), device=device)
+    return _optimizer(optimizer_key(opt), getattr(opt, "defaults", {}), device=device)
 
 
 def _impl(cls: str, defaults: dict, device: str) -> str:
