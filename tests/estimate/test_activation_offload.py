@@ -170,3 +170,26 @@ def test_cli_json_has_the_host_figure(capsys):
     plain = json.loads(capsys.readouterr().out)
     assert off["host_bytes"]["offloaded_activations"] > 0 and "host_bytes" not in plain
     assert off["peak_bytes"] < plain["peak_bytes"]
+
+
+def test_advise_prices_the_host_figure():
+    """advise's offload choice moves what the estimate sends to host (out and back over PCIe,
+    hidden behind compute where it can be: plan/cost.py step_time)."""
+    from trainmem.plan.advise import _Measure
+    from trainmem.plan.choices import Config
+    from trainmem.plan.cost import step_time
+    from trainmem.plan.hardware import GPU
+    from trainmem.specs.loaders import load_model
+
+    m = load_model("llama-2-7b")
+    step = StepSpec(batch=2, seq=4096, precision="bf16")
+    c = Config(step, ImplSpec(), OFFLOAD)
+    measure = _Measure(m)
+    peak, _ = measure(c)
+    host = measure.host[c]
+    assert host == estimate(m, step, ImplSpec(), OFFLOAD).host.total() and peak < measure(Config(step, ImplSpec(), ParallelSpec()))[0]
+    slow = GPU(name="x", memory_bytes=1 << 36, bf16_flops=1e15, intra_node_bytes_per_s=1e11,
+               inter_node_bytes_per_s=1e10, host_bytes_per_s=1e9, gpus_per_node=8)
+    t = step_time(m, step, ImplSpec(), OFFLOAD, slow, global_batch=2, offloaded_activation_bytes=host)
+    # out and back at 1 GB/s, less the compute it overlaps: 2·host/1e9 - compute
+    assert t.offload_s == pytest.approx(2 * host / 1e9 - t.compute_s)

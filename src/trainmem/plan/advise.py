@@ -149,6 +149,7 @@ class _Measure:
 
     def __init__(self, model: ModelSpec) -> None:
         self.model, self.memo, self.failed = model, {}, {}
+        self.host: dict[Config, int] = {}  # what activation offload sends to host (one device)
 
     def __call__(self, c: Config) -> tuple[int, int] | None:
         if c not in self.memo and c not in self.failed:
@@ -159,6 +160,8 @@ class _Measure:
                 self.failed[c] = str(exc)
                 return None
             self.memo[c] = (e.peak_bytes, e.totals_bytes.get("activation", 0))
+            if e.host is not None:
+                self.host[c] = e.host.total()
         return self.memo.get(c)
 
     @property
@@ -257,7 +260,8 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
             if got is None or got[0] > usable_bytes:
                 continue
             # activation offload moves what the same configuration would keep: priced once measured
-            offloaded = measure(plain)[1] if plain != c and measure(plain) else 0
+            # (the estimate's host figure where it models the offload: estimate/activation_offload.py)
+            offloaded = measure.host.get(c) or (measure(plain)[1] if plain != c and measure(plain) else 0)
             fitting.append(frozenset(made))
             if any(set(o.changes) == set(names) for o in found[changing]):
                 continue  # another variant of the same choices fits already
