@@ -68,7 +68,7 @@ def _qlora(cfg: dict, ft: FinetuneSpec):
 
 QLORA_CASES = [
     pytest.param("all", True, False, ("q_proj", "v_proj"), id="all-dq"),
-    pytest.param("targeted", True, False, ("q_proj", "v_proj"), id="targeted-dq"),
+    pytest.param("targeted", True, False, ("q_proj", "v_proj"), id="targeted-dq", marks=pytest.mark.slow),
     pytest.param("targeted", False, False, ("q_proj", "down_proj"), id="targeted-nodq", marks=pytest.mark.slow),
     pytest.param("all", False, True, ("all-linear",), id="all-nodq-head", marks=pytest.mark.slow),
     pytest.param("targeted", True, True, ("o_proj",), id="targeted-dq-head"),
@@ -155,7 +155,7 @@ FUSED = {
 }
 
 
-@pytest.mark.parametrize("family", list(FUSED))
+@pytest.mark.parametrize("family", [f if f == "phi3" else pytest.param(f, marks=pytest.mark.slow) for f in FUSED])
 def test_lora_on_fused_projections_matches_peft(family):
     cfg, targets = FUSED[family]
     torch.manual_seed(0)
