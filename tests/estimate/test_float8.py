@@ -62,12 +62,15 @@ def _estimated(cfg: dict, precision: str, attention: str, recipe: str) -> int:
 
 
 def test_filter_is_torchtitans_with_the_head_left_out():
-    assert converted("llama", 0, "model.layers.0.mlp.up_proj.weight", (176, 64))  # 176 = 11·16
-    assert not converted("llama", 0, "model.layers.0.mlp.up_proj.weight", (172, 64))
-    assert not converted("llama", 0, "lm_head.weight", (512, 64))
-    assert not converted("gpt2", 0, "transformer.h.0.attn.c_attn.weight", (192, 64))  # Conv1D
-    assert not converted("mixtral", 4, "model.layers.0.mlp.gate.weight", (16, 64))  # the router
-    assert converted("llama", 0, "model.layers.0.mlp.gate_proj.weight", (176, 64))
+    llama, gpt2, mixtral = (spec_from_hf_config(FAMILIES[f]) for f in ("llama", "gpt2", "mixtral"))
+    assert converted(llama, "model.layers.0.mlp.up_proj.weight", (176, 64))  # 176 = 11·16
+    assert not converted(llama, "model.layers.0.mlp.up_proj.weight", (172, 64))
+    assert not converted(llama, "lm_head.weight", (512, 64))
+    assert not converted(llama, "model.embed_tokens.weight", (512, 64))
+    assert not converted(gpt2, "transformer.h.0.attn.c_attn.weight", (192, 64))  # Conv1D
+    assert not converted(mixtral, "model.layers.0.mlp.gate.weight", (16, 64))  # the router
+    assert converted(mixtral, "model.layers.0.self_attn.q_proj.weight", (64, 64))
+    assert converted(None, "model.layers.0.mlp.gate.weight", (16, 64))  # an nn.Linear torchao offers
 
 
 @pytest.mark.slow
@@ -83,10 +86,12 @@ def test_converted_modules_are_torchaos():
 def test_fp8_cast_and_gathered_bytes():
     assert fp8_cast_bytes("tensorwise", 4096, 4096) == 16_777_220  # 4096·4096·1 + one fp32 scale
     assert fp8_cast_bytes("rowwise", 4096, 1024) == 4_210_688  # 4096·1024 + 4096·4
-    impl = ImplSpec(float8="tensorwise", float8_all_gather=True)
-    assert gathered_bytes_per_element(impl, "model.layers.0.mlp.up_proj.weight", (176, 64), 2, "llama", 0) == 1
-    assert gathered_bytes_per_element(impl, "model.layers.0.input_layernorm.weight", (64,), 2, "llama", 0) == 2
-    assert gathered_bytes_per_element(impl, "lm_head.weight", (512, 64), 2, "llama", 0) == 2
+    impl, llama = ImplSpec(float8="tensorwise", float8_all_gather=True), spec_from_hf_config(FAMILIES["llama"])
+    assert gathered_bytes_per_element(impl, llama, "model.layers.0.mlp.up_proj.weight", (176, 64), 2) == 1
+    assert gathered_bytes_per_element(impl, llama, "model.layers.0.input_layernorm.weight", (64,), 2) == 2
+    assert gathered_bytes_per_element(impl, llama, "lm_head.weight", (512, 64), 2) == 2
+    assert gathered_bytes_per_element(ImplSpec(float8="tensorwise"), llama, "model.layers.0.mlp.up_proj.weight",
+                                      (176, 64), 2) == 2
 
 
 def test_amp_keeps_no_weight_copies_exact():
@@ -147,3 +152,24 @@ def test_refusals_name_the_field():
     with pytest.raises(UnsupportedError, match="one device"):
         trace_step(TRACE, StepSpec(batch=1, seq=16, precision="bf16"),
                    ImplSpec(float8="tensorwise", float8_all_gather=True))
+
+
+def test_fsdp_gathers_fp8_linear_weights_exact():
+    """FSDP2 with torchao's fp8 all-gather: converted linear weights travel and stay unsharded in fp8."""
+    from trainmem.specs import ParallelSpec
+    model, step = spec_from_hf_config(FAMILIES["llama"]), StepSpec(batch=2, seq=64, precision="fsdp-bf16")
+
+    def parts(impl, reshard):
+        e = estimate(model, step, impl, ParallelSpec(dp=2, fsdp="full", reshard_after_forward=reshard))
+        return {p.name: p.parts for p in e.phases}
+
+    bf16 = parts(ImplSpec(), True)
+    fp8 = parts(ImplSpec(float8="tensorwise", float8_all_gather=True), True)
+    # one block: linears 46080 elements (q, o 64·64; k, v 32·64; gate, up, down 176·64), norms 2·64
+    assert bf16["forward"]["fsdp_allgather"] == (46080 + 128) * 2 == 92416
+    assert fp8["forward"]["fsdp_allgather"] == 46080 + 128 * 2 == 46336
+    assert fp8["backward"]["fsdp_allgather"] == 2 * 46336  # current + prefetched block
+    # the root (embedding, final norm, head: 512·64·2 + 64 elements) is not converted: bf16, half sharded
+    assert fp8["forward"]["fsdp_root_unsharded"] == bf16["forward"]["fsdp_root_unsharded"] == 65600
+    kept = parts(ImplSpec(float8="tensorwise", float8_all_gather=True), False)
+    assert kept["forward"]["fsdp_unsharded_params"] == (65600 + 2 * 128) * 2 + 2 * 46080 == 223872

@@ -146,7 +146,7 @@ class Ctx:
     def float8_converts(self, weight: tuple[int, int]) -> bool:
         """Whether torchao's conversion (torchtitan's filter) makes this linear a ``Float8Linear``."""
         from trainmem.estimate.float8 import converted
-        return converted(self.model.family, self.model.num_experts, self.graph.path("weight"), weight)
+        return converted(self.model, self.graph.path("weight"), weight)
 
     def dropout(self, x: Sym, p: float, label: str = "dropout", *, module: bool = False) -> Sym:
         """``F.dropout`` in training. CUDA's fused ``native_dropout`` keeps a bool mask;

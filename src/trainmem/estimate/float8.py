@@ -5,7 +5,8 @@ Which linears are converted
   (torchao/float8/float8_linear_utils.py, ``swap_linear_layers``). The filter modelled is
   torchtitan's (torchtitan/components/quantization/utils.py, ``module_filter_fn``): both weight
   dims multiples of 16, and no filtered name; torchtitan's shipped configs filter the output head
-  (``filter_fqns = ["output"]``), here the Hugging Face head modules :data:`HEAD_MODULES`.
+  (``filter_fqns = ["output"]``), here every family's output layer (``trainmem.names.is_head``)
+  and the task heads :data:`TASK_HEADS`.
   Hugging Face modules that are not ``nn.Linear`` are never converted: GPT-2's ``Conv1D``
   blocks and the MoE routers (``MixtralTopKRouter`` holds a bare weight).
 
@@ -39,29 +40,35 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.families import get_family
 
-__all__ = ["HEAD_MODULES", "converted", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
+__all__ = ["TASK_HEADS", "converted", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
            "is_linear_module"]
 
-HEAD_MODULES = ("lm_head", "cls.predictions.decoder", "score", "classifier")
-"""Hugging Face output heads, left in high precision as torchtitan's ``filter_fqns = ["output"]``."""
+TASK_HEADS = ("score", "classifier")
+"""Task heads (sequence/token classification), left in high precision like the output layer."""
 
 
-def is_linear_module(family: str, num_experts: int, weight_path: str) -> bool:
+def is_linear_module(model, weight_path: str) -> bool:
     """Whether the Hugging Face module owning ``weight_path`` is an ``nn.Linear`` (torchao converts
-    only those): not GPT-2's ``Conv1D`` blocks (transformers/pytorch_utils.py ``Conv1D``), not an
-    MoE router (modeling_mixtral.py ``MixtralTopKRouter``: a Parameter read by ``F.linear``)."""
-    fam = get_family(family)
-    if fam.conv1d and weight_path.startswith(fam.layers + "."):
+    only those): not an embedding, not GPT-2's ``Conv1D`` (the family's ``conv1d``:
+    transformers/pytorch_utils.py ``Conv1D``), not an MoE router (modeling_mixtral.py
+    ``MixtralTopKRouter``: a Parameter read by ``F.linear``). ``model``: the ModelSpec, or None for a
+    module torchao offers the filter (an ``nn.Linear`` already)."""
+    if model is None:
+        return True
+    from trainmem.families import family_of
+    from trainmem.names import is_embedding
+    if is_embedding(weight_path) or family_of(model).conv1d:  # GPT-2's only nn.Linear is its head
         return False
-    return not (num_experts and weight_path.endswith(".mlp.gate.weight"))
+    return not (model.num_experts and weight_path.endswith(".mlp.gate.weight"))
 
 
-def converted(family: str, num_experts: int, weight_path: str, weight: tuple[int, int]) -> bool:
+def converted(model, weight_path: str, weight: tuple[int, ...]) -> bool:
     """torchtitan's ``module_filter_fn`` with the head filtered: an ``nn.Linear`` whose
-    ``(out, in)`` are both multiples of 16 and which is not a head."""
-    if any(weight_path == h + ".weight" or weight_path.startswith(h + ".") for h in HEAD_MODULES):
+    ``(out, in)`` are both multiples of 16 and which is not an output or task head."""
+    from trainmem.names import is_head, under
+    if len(weight) != 2 or is_head(weight_path) or under(weight_path, TASK_HEADS):
         return False
-    if not is_linear_module(family, num_experts, weight_path):
+    if not is_linear_module(model, weight_path):
         return False
     return weight[0] % 16 == 0 and weight[1] % 16 == 0
 
@@ -92,11 +99,10 @@ def fp8_cast_bytes(recipe: str, rows: int, cols: int) -> int:
     raise UnsupportedError(f"float8 recipe {recipe!r} has no fp8 cast (tensorwise or rowwise)")
 
 
-def gathered_bytes_per_element(impl, weight_path: str, weight: tuple[int, ...], compute_bytes: int,
-                               family: str, num_experts: int) -> int:
+def gathered_bytes_per_element(impl, model, weight_path: str, weight: tuple[int, ...], compute_bytes: int) -> int:
     """Bytes per element FSDP2 all-gathers for one parameter: 1 for a converted linear weight
     under ``float8_all_gather`` (the fp8 payload; its scale is one fp32 per tensor), else
     ``compute_bytes`` (``MixedPrecisionPolicy.param_dtype``)."""
-    if impl.float8_all_gather and len(weight) == 2 and converted(family, num_experts, weight_path, weight):
+    if impl.float8_all_gather and converted(model, weight_path, weight):
         return 1
     return compute_bytes

@@ -30,6 +30,7 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -107,6 +108,9 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("zero", par.zero, f"choose ZeRO or FSDP, not both (fsdp={par.fsdp})")
     if "params" in par.offload and not (par.zero == 3 or par.fsdp):
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
+    if impl.float8 != "none" and par.tp > 1:  # torchao/float8/float8_tensor_parallel.py: not modelled
+        raise SpecError("float8", impl.float8, f"with tp={par.tp} is not modelled (torchao's Float8 tensor-parallel "
+                        "styles); use tp=1")
 
 
 def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
@@ -440,13 +444,15 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             working[p][name] = working[p].get(name, 0) + int(value)
 
     stage_params = [i for i in stage_states if i.category is Category.PARAMETER]
-    local_numel = sum(math.prod(i.shape) / tp_div[i.name] for i in stage_params)
     # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
     # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
     grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
     train_grad_bytes = sum(grad_bytes.get(i.name, 0) / tp_div[i.name] for i in stage_params)
     # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
     gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
+
+    def gathered(i: MemoryItem) -> float:  # fp8 for Float8 linears under torchao's fp8 all-gather
+        return gathered_bytes_per_element(impl, model, i.name, i.shape, pb)
     if par.dp * par.cp > 1 and zero == 0:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
         # Megatron's DDP keeps gradients in the contiguous buffer itself
@@ -455,29 +461,29 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
     elif zero in (1, 2):
         persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET * gb, train_grad_bytes))
     elif zero == 3:
-        per_layer: dict[int, float] = {}
+        per_layer: dict[int, float] = {}  # gathered bytes
         per_layer_grad: dict[int, float] = {}
         root = 0.0
         for i in stage_params:
             li = layer_index(i.name)
             numel = math.prod(i.shape) / tp_div[i.name]
             if li is not None:
-                per_layer[li] = per_layer.get(li, 0) + numel
+                per_layer[li] = per_layer.get(li, 0) + numel * gathered(i)
                 per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
             else:
-                root += numel
+                root += numel * gathered(i)
         big = max(per_layer.values(), default=0)
         big_grad = max(per_layer_grad.values(), default=0)
         if par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
             # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
-            every("fsdp_root_unsharded", root * pb * (1 - 1 / group))
-            every("fsdp_allgather", big * pb, ("forward", "backward_start"))
-            every("fsdp_allgather", 2 * big * pb, ("backward",))
+            every("fsdp_root_unsharded", root * (1 - 1 / group))
+            every("fsdp_allgather", big, ("forward", "backward_start"))
+            every("fsdp_allgather", 2 * big, ("backward",))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
         else:
             # gathered parameters stay from forward to backward, next to their shards
-            every("fsdp_unsharded_params", local_numel * pb)
+            every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
     if par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b

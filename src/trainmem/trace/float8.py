@@ -54,7 +54,7 @@ def convert_float8(model, impl) -> list[str]:
 
     def accept(module, fqn: str) -> bool:
         weight = tuple(module.weight.shape)
-        ok = converted("generic", 0, f"{fqn}.weight", weight)
+        ok = converted(None, f"{fqn}.weight", weight)
         if ok:
             names.append(fqn)
         return ok
