@@ -208,3 +208,25 @@ def test_live_optimizers_are_read_by_what_they_run():
     }
     for name, opt in built.items():
         assert optimizer_of(opt, device="cuda").value == (name, "auto"), type(opt)
+
+
+# plan / advise -----------------------------------------------------------------------------------
+
+def test_advise_offers_the_low_bit_optimizers():
+    from trainmem.plan.choices import CHOICES, Config, Context
+    from trainmem.specs import ParallelSpec
+    start = Config(StepSpec(optimizer="adamw"), ImplSpec(), ParallelSpec())
+    got = [v.step.optimizer for v, _ in CHOICES["optimizer_8bit"].variants(start, Context(MODEL, 1, 8))]
+    assert got == ["adamw8bit", "paged-adamw8bit", "torchao-adamw8bit", "torchao-adamw4bit"]
+
+
+@pytest.mark.parametrize("opt,per_param", [("paged-adamw8bit", 2), ("paged-adamw32bit", 8), ("adamw8bit", 0)])
+def test_paged_states_are_priced_out_and_back_over_pcie(opt, per_param):
+    from trainmem.plan.cost import matmul_parameters, step_time
+    from trainmem.plan.hardware import GPU
+    from trainmem.specs import ParallelSpec
+    gpu = GPU(name="x", memory_bytes=1 << 36, bf16_flops=1e15, intra_node_bytes_per_s=1e11,
+              inter_node_bytes_per_s=1e10, host_bytes_per_s=1e10)
+    t = step_time(MODEL, StepSpec(batch=1, seq=S, optimizer=opt), ImplSpec(), ParallelSpec(), gpu, global_batch=1)
+    n = matmul_parameters(MODEL)[1]  # every parameter trains
+    assert t.offload_s == 2 * n * per_param / 1e10

@@ -203,11 +203,19 @@ def _optimizer_in_backward(c: Config, ctx: Context):
         yield replace(c, impl=replace(c.impl, optimizer_in_backward=True)), "optimizer step in backward"
 
 
+#: low-bit optimizers offered for AdamW / Adam (docs/optimizers.md): bitsandbytes' 8-bit, its paged
+#: 8-bit (states in unified memory, outside the allocated peak, priced as paged over PCIe each step:
+#: plan/cost.py), torchao's 8-bit and 4-bit
+_LOW_BIT = {"adamw": ("adamw8bit", "paged-adamw8bit", "torchao-adamw8bit", "torchao-adamw4bit"),
+            "adam": ("adam8bit",)}
+
+
 @choice("optimizer_8bit", ("step.optimizer",),
-        note="bitsandbytes 8-bit Adam: block-quantized states (close to Adam, not bit-identical)")
+        note="block-quantized optimizer states (bitsandbytes 8-bit, paged 8-bit, torchao 8/4-bit): close to "
+             "Adam, not bit-identical; paged states leave the allocated peak but cross PCIe under pressure")
 def _optimizer_8bit(c: Config, ctx: Context):
-    if c.step.optimizer in ("adamw", "adam"):
-        yield replace(c, step=replace(c.step, optimizer="adam8bit")), f"optimizer {c.step.optimizer} → adam8bit"
+    for low in _LOW_BIT.get(c.step.optimizer, ()):
+        yield replace(c, step=replace(c.step, optimizer=low)), f"optimizer {c.step.optimizer} → {low}"
 
 
 @choice("shard", ("parallel.zero", "parallel.fsdp"), note="shards model states over the data-parallel ranks")

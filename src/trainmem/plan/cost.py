@@ -22,6 +22,10 @@ A first-order model for *ranking* configurations, not a performance prediction:
   This traffic overlaps with backward compute; only what exceeds the compute time counts;
 * optimizer offload: gradients to host and parameters back over PCIe each step, plus a CPU Adam
   at ``cpu_adam_params_per_s``;
+* bitsandbytes' paged optimizers (``paged-adamw8bit``, ``paged-adamw32bit``): their states sit in
+  CUDA unified memory, which the driver pages to the host only when the device runs short -- the
+  reason to page. Priced as that case: every paged state byte out and back over PCIe each step
+  (2 bytes per trainable parameter for 8-bit states, 8 for 32-bit), an upper bound;
 * activation offload (torchtune's ``OffloadActivations``: saved tensors to pinned host memory on a
   side stream, back before their backward): the offloaded bytes out and back over PCIe per
   micro-batch, overlapped with compute; only what exceeds the compute time counts;
@@ -30,7 +34,7 @@ A first-order model for *ranking* configurations, not a performance prediction:
   gradients, their all-reduce and the optimizer step cover the trainable parameters only.
 
 Not modelled (zero cost here): the loss kernel (chunked or fused CE), the optimizer step on the GPU
-(fused or foreach, 8-bit states), and QLoRA's 4-bit dequantization before each matmul.
+(fused or foreach, 8-bit or 4-bit states), and QLoRA's 4-bit dequantization before each matmul.
 
 A group whose ranks fit in one node uses the intra-node bandwidth, else the inter-node one.
 Ranks are laid out tp (innermost), cp, dp, pp (outermost), as Megatron-LM does.
@@ -160,6 +164,10 @@ def op_recomputed_parameters(model: ModelSpec) -> int:
     return experts + sum(w for w, bias in block if not policy.save("addmm" if bias else "mm"))
 
 
+#: paged state bytes per trainable parameter (estimate/state_items.py: two uint8 or two fp32 states)
+_PAGED_STATE_BYTES = {"paged-adamw8bit": 2, "paged-adamw32bit": 8}
+
+
 def _bw(gpu: GPU, group: int, inner: int) -> float:
     """Bandwidth of a group of ``group`` ranks spaced ``inner`` apart."""
     return gpu.intra_node_bytes_per_s if group * inner <= gpu.gpus_per_node else gpu.inter_node_bytes_per_s
@@ -246,6 +254,9 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
     if "optimizer" in p.offload:
         shard = shard_train / (d if zero >= 1 else 1)
         offload = shard * (gb + pb) / gpu.host_bytes_per_s + shard / cost.cpu_adam_params_per_s
+    paged = _PAGED_STATE_BYTES.get(step.optimizer, 0)
+    if paged:
+        offload += 2 * shard_train / (d if zero >= 1 else 1) * paged / gpu.host_bytes_per_s
     if "params" in p.offload:
         shard = shard_params / (d if zero >= 3 else 1)
         offload += 2 * micro * shard * pb / gpu.host_bytes_per_s
