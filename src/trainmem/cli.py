@@ -29,8 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import (_int, add_compile_arg, add_finetune_args, add_head_args, add_inference_args,
-                                  add_model_step_args,
+    from trainmem.cliargs import (_int, add_compile_arg, add_finetune_args, add_float8_args, add_head_args,
+                                  add_inference_args, add_model_step_args,
                                   add_optimizer_args, add_parallel_args, add_routing_arg)
     from trainmem.fitargs import add_fit_args
     from trainmem.inputs import add_input_args
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_arg(est)
     add_optimizer_args(est)
     add_compile_arg(est)
+    add_float8_args(est)
     add_fit_args(est)
     add_finetune_args(est)  # before add_input_args: a torchtune file sets the fine-tuning too
     add_input_args(est)  # last: it marks the other options' defaults

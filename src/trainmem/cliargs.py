@@ -102,6 +102,18 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "backward, not what eager autograd keeps (docs/compile.md)")
 
 
+def add_float8_args(p: argparse.ArgumentParser) -> None:
+    """--float8, --float8-all-gather: torchao Float8 training (``ImplSpec.float8``, docs/float8.md)."""
+    from trainmem.specs.impl import FLOAT8S
+
+    p.add_argument("--float8", choices=FLOAT8S, default=spec_default(ImplSpec, "float8"),
+                   help="torchao Float8 training (convert_to_float8_training): linears with dims multiple of 16 "
+                        "run fp8 matmuls, the head stays bf16; tensorwise or rowwise scales (default none)")
+    p.add_argument("--float8-all-gather", action="store_true",
+                   help="with --fsdp and --float8 tensorwise: all-gather the converted weights in fp8 "
+                        "(torchtitan's enable_fsdp_float8_all_gather)")
+
+
 def add_head_args(p: argparse.ArgumentParser, heads: tuple[str, ...] | None = None) -> None:
     """--head, --num-labels: the task head (``ModelSpec.head``; ``estimate/heads.py``)."""
     from trainmem.specs.model import HEADS
@@ -152,8 +164,9 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
-    # add_optimizer_args, add_compile_arg
-    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile") if hasattr(args, k)}
+    # add_optimizer_args, add_compile_arg, add_float8_args
+    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "float8",
+                                           "float8_all_gather") if hasattr(args, k)}
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device,
                     **{**routing, **optim, **spec_fields(args, "impl")})

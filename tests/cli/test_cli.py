@@ -87,7 +87,8 @@ def test_commands_and_estimate_flags_are_frozen():
     assert flags == [
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--config", "--context", "--cp",
         "--cp-style",
-        "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--freeze",
+        "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--float8",
+        "--float8-all-gather", "--freeze",
         "--fsdp", "--fsdp-group", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--head", "--help",
         "--hf-args", "--html", "--json",
         "--kv-dtype", "--layer-split",

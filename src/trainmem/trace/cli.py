@@ -10,7 +10,8 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from trainmem.cliargs import add_compile_arg, add_model_step_args, add_optimizer_args, add_routing_arg
+    from trainmem.cliargs import (add_compile_arg, add_float8_args, add_model_step_args, add_optimizer_args,
+                                  add_routing_arg)
 
     p = subparsers.add_parser("trace", help="run one training step on fake tensors and record every byte")
     add_model_step_args(p)
@@ -19,6 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_routing_arg(p)
     add_optimizer_args(p)
     add_compile_arg(p)
+    add_float8_args(p)
     p.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), default=None,
                    help="transformers' experts_implementation for MoE models (default grouped_mm; eager is "
                         "the per-expert loop, whose memory depends on --routing)")
