@@ -240,6 +240,8 @@ def finetune_from_args(args: argparse.Namespace):
     from trainmem.specs.finetune import FinetuneSpec
 
     given = {f: getattr(args, f) for f in (*_LORA_FLAGS, *_QLORA_FLAGS, "freeze") if getattr(args, f, None) is not None}
+    from trainmem.inputs import spec_fields
+    given.update({k: v for k, v in spec_fields(args, "finetune").items() if k not in given})  # file fields, no flag
     if getattr(args, "finetune", None):
         given["mode"] = args.finetune
     preset = getattr(args, "finetune_preset", None)

@@ -16,7 +16,9 @@ Checked against transformers 5.24 (``transformers/training_args.py``, ``trainer.
 * ``deepspeed`` (a path or an inline config) -> the DeepSpeed reader; ``fsdp``/``fsdp_config`` ->
   FSDP, ``reshard_after_forward`` and CPU offload; ``use_cpu`` -> CPU kernels;
 * TRL's ``SFTConfig`` adds ``max_length`` (older: ``max_seq_length``) -> the sequence length;
-  without it the sequence length is not in the arguments, and a note says the default used.
+  without it the sequence length is not in the arguments, and a note says the default used;
+* TRL's ``ModelConfig`` keys (``use_peft``, ``lora_*``, ``load_in_4bit``, ``use_bnb_nested_quant``,
+  ``dtype``, ``attn_implementation``) -> LoRA/QLoRA and the weights' dtype (``inputs/trl_model.py``).
 
 ``torch_compile``, ``use_liger_kernel``, ``label_smoothing_factor``, ``auto_find_batch_size`` and
 activation offload are noted as not modelled. The other arguments (logging, saving, evaluation,
@@ -31,6 +33,7 @@ from typing import Any
 
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_json, merge_overrides, positive_int, typed, unknown_key
+from trainmem.inputs.trl_model import TRL_MODEL_KEYS, trl_model_overrides
 from trainmem.specs.step import DEFAULT_SEQ
 
 __all__ = ["read_hf_args", "hf_args_overrides", "TRAINING_ARGUMENTS"]
@@ -81,13 +84,13 @@ def read_hf_args(path: str | Path) -> dict:
 
 
 def hf_args_overrides(cfg: dict, where: str = "hf-args") -> dict:
-    known = (*TRAINING_ARGUMENTS, *TRL_KEYS)
+    known = (*TRAINING_ARGUMENTS, *TRL_KEYS, *TRL_MODEL_KEYS)
     for key in cfg:
         if key not in known:
             raise unknown_key(where, key, known)
     raw: dict[str, Any] = {}
     notes: list[str] = []
-    sec: dict[str, dict[str, Any]] = {"step": {}, "impl": {}, "parallel": {}}
+    sec: dict[str, dict[str, Any]] = {"step": {}, "impl": {}, "parallel": {}, "finetune": {}}
     step, impl = sec["step"], sec["impl"]
 
     def get(key: str, kind) -> Any:
@@ -107,7 +110,11 @@ def hf_args_overrides(cfg: dict, where: str = "hf-args") -> dict:
     if get("use_cpu", bool):
         impl["device"] = "cpu"
     deepspeed = _deepspeed(get, where)
+    weights = trl_model_overrides(get, sec, notes, where)  # TRL's ModelConfig: LoRA, 4-bit base, dtype
     step["precision"] = _precision(get, deepspeed, notes, where)
+    if weights and deepspeed is None:  # the model is loaded in 16 bits: autocast or not, it computes in them
+        step["precision"] = {"bfloat16": "bf16", "float16": "fp16"}[weights]
+        notes[-1] = f"dtype={weights}: 16-bit weights, gradients and optimizer states ({step['precision']})"
     _fsdp(get, sec["parallel"], notes, where)
     if deepspeed is not None:
         # the Trainer hands its values to DeepSpeed (integrations/deepspeed.py, HfTrainerDeepSpeedConfig.
