@@ -16,6 +16,7 @@ what changed from ``/1``.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ def schema_path(command: str) -> Path:
     return Path(__file__).with_name(f"{command}.json")
 
 
+@lru_cache(maxsize=1)
 def trainmem_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -88,7 +90,8 @@ def model_source(name: str) -> str:
         return "folder"
     if path.is_file():
         return "file"
-    return "hf_cache" if name.count("/") == 1 and not name.startswith((".", "/", "~")) else "code"
+    org_name = name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".json")
+    return "hf_cache" if org_name else "code"
 
 
 def _model(model: Any) -> dict | None:
