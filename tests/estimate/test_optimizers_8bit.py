@@ -230,3 +230,13 @@ def test_paged_states_are_priced_out_and_back_over_pcie(opt, per_param):
     t = step_time(MODEL, StepSpec(batch=1, seq=S, optimizer=opt), ImplSpec(), ParallelSpec(), gpu, global_batch=1)
     n = matmul_parameters(MODEL)[1]  # every parameter trains
     assert t.offload_s == 2 * n * per_param / 1e10
+
+
+def test_explain_counts_paged_bytes_per_parameter():
+    from trainmem.plan.explain import mixed_precision
+    step = StepSpec(batch=B, seq=S, optimizer="paged-adamw8bit")
+    a = mixed_precision(MODEL, step, estimate(MODEL, step))
+    # embed_tokens and lm_head page their uint8 states: 4 · 128000 bytes over every parameter
+    n = a.numbers["parameters"]
+    assert a.numbers["bytes_per_parameter"]["paged_optimizer_state"] == 4 * 128000 / n
+    assert "paged optimizer state" in a.answer and "docs/optimizers.md" in a.answer

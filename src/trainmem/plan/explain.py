@@ -197,14 +197,22 @@ def sum_vs_peak(e: Estimate) -> Answer:
     return Answer("sum_vs_peak", QUESTIONS["sum_vs_peak"], text, nums)
 
 
+def _low_bit(step) -> bool:
+    from trainmem.estimate.state_items import BNB_8BIT, TORCHAO
+    return step.optimizer in BNB_8BIT or step.optimizer in TORCHAO or step.optimizer == "paged-adamw32bit"
+
+
 def mixed_precision(model, step, e: Estimate) -> Answer:
     n = count_parameters(model)
     t = e.totals_bytes
     per = {k: t[k] / n for k in ("parameter", "gradient", "master_weight", "optimizer_state")}
+    if t.get("paged_optimizer_state"):  # bitsandbytes' paged states: unified memory, outside the peak
+        per["paged_optimizer_state"] = t["paged_optimizer_state"] / n
     nums = {"parameters": n, "bytes_per_parameter": per, "precision": step.precision, "optimizer": step.optimizer}
     text = (f"With {step.precision} and {step.optimizer}, each of the {n:,} parameters costs "
             + ", ".join(f"{per[k]:g} B of {k.replace('_', ' ')}" for k in per)
             + f": {sum(per.values()):g} bytes in all. " + (
+                f"{step.optimizer} lays its states out as its library does (docs/optimizers.md)." if _low_bit(step) else
                 "Master weights and optimizer states stay fp32 here." if step.dtypes.master else
                 "This recipe keeps no fp32 master copy; " + (
                     "states are fp32 (autocast keeps fp32 parameters)." if step.dtypes.autocast else
