@@ -398,7 +398,7 @@ def _trace(d: dict, page: _Page) -> None:
         page.section("Step", f"<pre>{_e(json.dumps(shown, indent=1, default=str))}</pre>")
 
 
-_PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea"}
+_PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "step_in_backward": "#eaf7ea"}
 
 
 # sweep -------------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def _estimate_figure(result: Any, scaling: dict | None = None):
 
 # trace -------------------------------------------------------------------------------------------
 
-_PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea"}
+_PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "step_in_backward": "#eaf7ea"}
 TIMELINE_POINTS = 1500
 
 

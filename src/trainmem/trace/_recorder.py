@@ -80,6 +80,12 @@ def _short_op(func) -> str:
         return getattr(func, "__name__", str(func))
 
 
+def _optimizer_phase() -> str:
+    """``optimizer``, or ``step_in_backward`` for a step that runs inside backward (a gradient hook,
+    ``--optimizer-in-backward``): the estimate's phase names (trainmem.schemas.PHASES)."""
+    return "step_in_backward" if torch._C._current_graph_task_id() != -1 else "optimizer"
+
+
 class _Recorder(TorchDispatchMode):
     """Records allocations of every op output; see the module docstring."""
 
@@ -169,7 +175,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self._in_opt:
-            phase = "optimizer"
+            phase = _optimizer_phase()
         elif torch._C._current_graph_task_id() != -1:
             phase = "backward"
         else:
@@ -296,7 +302,7 @@ class _Recorder(TorchDispatchMode):
 
     def _opt_pre(self, opt, args, kwargs) -> None:
         self._in_opt += 1
-        self._set_phase("optimizer")
+        self._set_phase(_optimizer_phase())
 
     def _opt_post(self, opt, args, kwargs) -> None:
         self._in_opt -= 1

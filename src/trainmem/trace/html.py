@@ -14,7 +14,8 @@ from trainmem.trace.result import TraceResult, _downsample
 __all__ = ["to_html", "write_html"]
 
 WIDTH, HEIGHT, PAD = 960, 320, 50
-PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "other": "#f4f4f4"}
+PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "step_in_backward": "#eaf7ea",
+                "other": "#f4f4f4"}
 
 
 def _mib(n: int) -> str:

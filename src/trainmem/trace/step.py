@@ -76,9 +76,11 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
     if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(params, lr=1e-2, **kw)
-    from trainmem.trace.low_bit_optim import BNB_CLASSES, make_bnb_optimizer
-    if name in BNB_CLASSES:  # their one implementation: no foreach/fused keywords
-        return make_bnb_optimizer(name, params)
+    from trainmem.trace import low_bit_optim as low
+    if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
+        return low.make_bnb_optimizer(name, params)
+    if name in low.TORCHAO_CLASSES:  # real tensors only: trace_step refuses torchao
+        return low.make_torchao_optimizer(name, params)
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
 
 
@@ -145,10 +147,6 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError(f"loss={step.loss!r}: Hugging Face models compute the full cross-entropy; use loss='ce'")
     if impl.attention == "mem-efficient":
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
-    if step.optimizer.startswith("torchao-"):
-        raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
-                               "tensor values and steps through inductor-compiled kernels; use estimate "
-                               "(its states are checked against torchao's own optimizer)")
     from trainmem.estimate.optimizer_step import check_optimizer
     check_optimizer(step, impl)
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
@@ -340,6 +338,10 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     step = step or StepSpec()
     impl = impl or ImplSpec()
     _check(step, impl)
+    if step.optimizer.startswith("torchao-"):  # profile measures it on real tensors (trace/low_bit_optim.py)
+        raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
+                               "tensor values and steps through inductor-compiled kernels the tracer cannot "
+                               "see; use estimate (its states are checked against torchao's own optimizer)")
     try:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
