@@ -429,12 +429,16 @@ def _bert(ctx: Ctx) -> None:
     # position ids are a slice of a registered buffer (no allocation); token-type ids are
     # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
     pos = _embedding(ctx, "bert.embeddings.position_embeddings", positions=True)
-    g.saved.pop(next(k for k, t in g.saved.items() if t.name == "bert.embeddings.position_embeddings.indices"), None)
+    # (a frozen position embedding keeps no indices: nothing to drop)
+    g.saved.pop(next((k for k, t in g.saved.items() if t.name == "bert.embeddings.position_embeddings.indices"),
+                     None), None)
     x = ctx.add(x, pos, "bert.embeddings.sum")
     if m.type_vocab_size:
+        # embedding backward keeps the ids only for the weight's gradient (frozen under LoRA)
+        wt = ctx.trainable("bert.embeddings.token_type_embeddings.weight")
         with g.module("bert.embeddings"):
-            g.save(g.new("token_type_ids", (1, ctx.S), ("1", "S"), "int64", False))
-        tt = g.new("bert.embeddings.token_type_embeddings.out", x.shape, x.dims, ctx.param)
+            g.save(g.new("token_type_ids", (1, ctx.S), ("1", "S"), "int64", False), when=wt)
+        tt = g.new("bert.embeddings.token_type_embeddings.out", x.shape, x.dims, ctx.param, wt)
         x = ctx.add(x, tt, "bert.embeddings.sum_tt")
     x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
     x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout", module=True)
