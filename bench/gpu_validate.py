@@ -5,7 +5,10 @@
 
 Runs trainmem's reference model and a Hugging Face Llama, two layers each (Llama-2-7B widths),
 over eager vs flash attention at sequence 1k, 2k, 4k and 8k (bf16, no recompute), then
-recompute full and AMP bf16 at 4k. For each run: the estimate (``ImplSpec(device="cuda")``),
+recompute full and AMP bf16 at 4k, then the low-bit optimizers on the Hugging Face model at 4k
+(flash, bf16: adamw8bit, paged-adamw8bit, torchao-adamw8bit/4bit; docs/optimizers.md). For the paged
+one the allocated peak must leave its paged states out (``estimate_paged_bytes`` beside it); torchao's
+rows have no trace (the tracer refuses it). For each run: the estimate (``ImplSpec(device="cuda")``),
 the trace (fake tensors), the measured allocated and reserved peaks (the allocator's own
 statistics after a warm-up step), their errors in percent, tokens/s, and the memory in use
 outside the caching allocator (CUDA context, cuBLAS/cuDNN workspaces). A run that runs out of
@@ -32,6 +35,8 @@ from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
 from trainmem.specs.loaders import load_config_dict, spec_from_hf_config  # noqa: E402
 
 GPU_SEQS = (1024, 2048, 4096, 8192)
+GPU_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "torchao-adamw8bit", "torchao-adamw4bit")
+CPU_OPTIMIZERS = ("adamw8bit",)  # torchao's compiled step would build C++ kernels on CPU
 CPU_SEQS = (64, 128)
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=4096)
@@ -52,6 +57,9 @@ def plan(cpu: bool) -> list[dict]:
                 runs.append(dict(model=model, attention=attention, recompute="none", precision="bf16", seq=seq))
             runs.append(dict(model=model, attention=attention, recompute="full", precision="bf16", seq=toggle_seq))
             runs.append(dict(model=model, attention=attention, recompute="none", precision="amp-bf16", seq=toggle_seq))
+    for optimizer in CPU_OPTIMIZERS if cpu else GPU_OPTIMIZERS:
+        runs.append(dict(model="hf", attention="sdpa" if cpu else "flash", recompute="none", precision="bf16",
+                         seq=toggle_seq, optimizer=optimizer))
     for r in runs:
         r["config"] = config
     return runs
@@ -63,16 +71,19 @@ def run_one(r: dict, device: str) -> dict:
     from trainmem.trace import trace_step
 
     spec = spec_from_hf_config(r["config"], name="llama-2-7b-2L" if r["config"]["vocab_size"] > 1000 else "tiny")
-    step = StepSpec(batch=1, seq=r["seq"], precision=r["precision"])
+    step = StepSpec(batch=1, seq=r["seq"], precision=r["precision"], optimizer=r.get("optimizer", "adamw"))
     # the kernels modelled are the device's own (the brief's GPU rows: device="cuda")
     impl = ImplSpec(profile=r["model"], attention=r["attention"], recompute=r["recompute"], device=device)
     source = spec if r["model"] == "reference" else r["config"]
     row = {k: v for k, v in r.items() if k != "config"}
-    row["estimate_bytes"] = estimate(spec, step, impl).peak_bytes
-    t0 = time.perf_counter()
-    tr = trace_step(source, step, impl)
-    row["trace_bytes"], row["trace_reserved_bytes"] = tr.peak_bytes, tr.reserved_peak_bytes
-    row["trace_s"] = round(time.perf_counter() - t0, 2)
+    e = estimate(spec, step, impl)
+    row["estimate_bytes"], row["estimate_paged_bytes"] = e.peak_bytes, e.totals_bytes.get("paged_optimizer_state", 0)
+    row["trace_bytes"] = row["trace_reserved_bytes"] = None
+    if not step.optimizer.startswith("torchao-"):
+        t0 = time.perf_counter()
+        tr = trace_step(source, step, impl)
+        row["trace_bytes"], row["trace_reserved_bytes"] = tr.peak_bytes, tr.reserved_peak_bytes
+        row["trace_s"] = round(time.perf_counter() - t0, 2)
     try:
         m = profile_model(source, step, impl, device=device, steps=2, warmup=1,
                           modules=False).ranks[0]
@@ -82,9 +93,13 @@ def run_one(r: dict, device: str) -> dict:
     row.update(status="ok", allocated_bytes=m.peak_allocated_bytes, reserved_bytes=m.peak_reserved_bytes,
                tokens_per_s=m.tokens_per_s, context_bytes=m.context_bytes,
                estimate_error_pct=error_pct(row["estimate_bytes"], m.peak_allocated_bytes),
-               trace_error_pct=error_pct(row["trace_bytes"], m.peak_allocated_bytes),
-               trace_reserved_error_pct=error_pct(row["trace_reserved_bytes"], m.peak_reserved_bytes))
+               trace_error_pct=_pct(row["trace_bytes"], m.peak_allocated_bytes),
+               trace_reserved_error_pct=_pct(row["trace_reserved_bytes"], m.peak_reserved_bytes))
     return row
+
+
+def _pct(predicted, measured):
+    return None if predicted is None else error_pct(predicted, measured)
 
 
 def render(rows: list[dict], header: dict) -> str:
@@ -96,7 +111,8 @@ def render(rows: list[dict], header: dict) -> str:
 
     out = ["# Estimate vs trace vs measurement" + (" (CPU dry run)" if header["cpu"] else ""), "",
            f"- device: {header['device']}", f"- torch {header['torch']}, python {header['python']}",
-           f"- model: {header['model']}; batch 1; AdamW; errors are (predicted − measured) / measured",
+           f"- model: {header['model']}; batch 1; AdamW unless the row names another optimizer; errors are "
+           "(predicted − measured) / measured",
            f"- wall time: {header['wall_s']:.0f} s", ""]
     if header["cpu"]:
         out += ["CPU dry run: peaks are live-set bytes, reserved is n/a; only checks that the script works.", ""]
@@ -105,8 +121,12 @@ def render(rows: list[dict], header: dict) -> str:
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
-        out.append(f"| {r['model']} | {r['attention']} | {r['recompute']} | {r['precision']} | {r['seq']} | "
-                   f"{b(r.get('estimate_bytes'))} | {b(r.get('trace_bytes'))} | {b(r.get('allocated_bytes'))} | "
+        name = r.get("optimizer", "adamw")
+        suffix = "" if name == "adamw" else f" {name}"
+        paged = f" (+{b(r['estimate_paged_bytes'])} paged)" if r.get("estimate_paged_bytes") else ""
+        out.append(f"| {r['model']} | {r['attention']} | {r['recompute']} | {r['precision']}"
+                   f"{suffix} | {r['seq']} | "
+                   f"{b(r.get('estimate_bytes'))}{paged} | {b(r.get('trace_bytes'))} | {b(r.get('allocated_bytes'))} | "
                    f"{b(r.get('reserved_bytes'))} | {p(r.get('estimate_error_pct'))} | {p(r.get('trace_error_pct'))} | "
                    f"{p(r.get('trace_reserved_error_pct'))} | {tps} | {b(r.get('context_bytes'))} | {r['status']} |")
     return "\n".join(out) + "\n"

@@ -22,11 +22,9 @@ Rules, per saved tensor (one estimator item, one storage), in the order applied:
   keyword arguments (position embeddings, position ids, mask) live in the recompute closure;
 * everything else: offloaded. Under full recompute that is each block's input hidden state.
 
-With streams, the device copy of each offloaded tensor is kept in a forward stash; each new
-offloaded pack releases the entries five or more packs older. At the end of forward the stash holds
-the offloaded packs among the last five ending at the last offloaded one. For an RMSNorm (six packs:
-x, its rsqrt, x and rsqrt again, the weight, the normalized x) and for a LayerNorm whose mean and
-rstd are offloaded (input, weight, bias, mean, rstd) those five are the final norm's own, so
+With streams, the device copy of each offloaded tensor is kept in a forward stash until five
+later tensors have been packed; at the end of forward the stash holds the last five packs, all
+inside the final norm for Llama's RMSNorm and GPT-2's LayerNorm (a norm packs 5-6 tensors), so
 ``stash`` is the final norm's offloaded tensors. They stay through the loss backward until the
 first node that brings a tensor back runs.
 
@@ -46,9 +44,6 @@ Known limitations:
   - ``host_bytes`` counts each offloaded storage once; torchtune copies every pack (a tensor
     saved by three projections three times, and the weights' views): the tracer's host figure
     is larger (both are reported).
-  - a LayerNorm whose mean and rstd stay (under 1024 bytes each: B·S < 256 rows in fp32, < 512
-    in bf16) leaves room in the window for the last block's last packs, which the stash then
-    holds too and the estimate does not count (GPT-2 bf16, B·S = 256: 196608 bytes, not 32768);
   - profiles other than ``hf`` are not modelled (their head and checkpoint naming differ).
 """
 

@@ -6,9 +6,9 @@ micro-batch, then ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``. W
 batches come from a fixed seed, so two workloads that differ only in kernels, recompute or
 precision see the same numbers (what :mod:`trainmem.measure.variants` compares).
 
-Known limitations: MoE routing, ``adam8bit`` and the chunked/fused losses are not built here
-(the same limits as the tracer); data parallelism wraps the model in DDP only when a process
-group is already initialised.
+Known limitations: MoE routing and the chunked/fused losses are not built here (the same limits
+as the tracer; bitsandbytes' and torchao's optimizers are, :mod:`trainmem.trace.low_bit_optim`);
+data parallelism wraps the model in DDP only when a process group is already initialised.
 """
 
 from __future__ import annotations

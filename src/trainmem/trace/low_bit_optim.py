@@ -11,19 +11,22 @@ Known limitations:
     trace counts paged states as optimizer state; the estimate reports them apart
     (``Category.PAGED_STATE``).
   - torchao's AdamW8bit/AdamW4bit are not traced: their quantization reads tensor values (no fake
-    tensors) and their step runs inductor-generated kernels; tests/estimate/test_optimizers_8bit.py
-    checks their states against the real optimizer instead.
+    tensors) and their step runs inductor-generated kernels the tracer does not see;
+    tests/estimate/test_optimizers_8bit.py checks their states against the real optimizer instead.
+    :func:`make_torchao_optimizer` builds them for real measurements (``trainmem profile``).
 """
 
 from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
 
-__all__ = ["BNB_CLASSES", "make_bnb_optimizer"]
+__all__ = ["BNB_CLASSES", "TORCHAO_CLASSES", "make_bnb_optimizer", "make_torchao_optimizer"]
 
 #: trainmem optimizer -> bitsandbytes.optim class
 BNB_CLASSES = {"adam8bit": "Adam8bit", "adamw8bit": "AdamW8bit", "paged-adamw8bit": "PagedAdamW8bit",
                "paged-adamw32bit": "PagedAdamW32bit"}
+#: trainmem optimizer -> torchao.optim class
+TORCHAO_CLASSES = {"torchao-adamw8bit": "AdamW8bit", "torchao-adamw4bit": "AdamW4bit"}
 
 
 def make_bnb_optimizer(name: str, params, lr: float = 1e-4):
@@ -43,3 +46,12 @@ def make_bnb_optimizer(name: str, params, lr: float = 1e-4):
     # get_state_buffer warns once that paging falls back on CPU: Known limitations say so instead
     opt._cpu_paged_warned = True
     return opt
+
+
+def make_torchao_optimizer(name: str, params, lr: float = 1e-4):
+    """torchao's ``name`` over real ``params`` (a measured step; the tracer refuses torchao)."""
+    try:
+        import torchao.optim as ao
+    except ImportError:
+        raise UnsupportedError(f"optimizer={name!r} is torchao's: pip install torchao") from None
+    return getattr(ao, TORCHAO_CLASSES[name])(list(params), lr=lr)
