@@ -39,7 +39,7 @@ from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import as_block, is_head, is_token_embedding, layer_index
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
-__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight", "local_model",
+__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight",
            "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload"]
 
 _ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
@@ -244,9 +244,6 @@ def apply_tp(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
                    head_dim=model.head_dim, ffn_size=model.ffn_size // t,
                    vocab_size=-(-model.vocab_size // t),
                    expert_ffn_size=model.expert_ffn_size // t if model.is_moe and par.ep == 1 else model.expert_ffn_size)
-
-
-local_model = apply_tp
 
 
 def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
