@@ -35,6 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     from trainmem.fitargs import add_fit_args
     add_fit_args(p)
+    from trainmem.cliargs import add_finetune_args, add_parallel_args
+    add_finetune_args(p)  # lora and freeze traced (peft on the fake model); qlora refused in one line
+    add_parallel_args(p)  # refused in one line: the trace runs one device (see refuse_parallel)
     p.set_defaults(func=run)
     return p
 
@@ -75,6 +78,32 @@ def compile_line(c: dict) -> str:
             f"in {c['regions']} region(s), backend {c['backend']}")
 
 
+#: Parallel flags and the value that means "one device" (what the trace runs).
+_ONE_DEVICE = {"dp": None, "tp": None, "cp": None, "ep": None, "pp": None, "virtual_stages": None,
+               "microbatches": None, "fsdp_group": None, "sp": False, "cp_style": "ring", "schedule": "1f1b",
+               "layer_split": None, "zero": 0, "fsdp": None, "no_reshard_after_forward": False}
+
+
+def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
+    """One line naming the first parallel flag given: the tracer runs one process on one device,
+    so no sharding or pipeline can happen in it (a degree of 1 is that device). Returns what
+    ``--offload`` asks, activations only."""
+    from trainmem.errors import UnsupportedError
+    for name, single in _ONE_DEVICE.items():
+        value = getattr(args, name, single)
+        if value != single and not (single is None and value == 1):
+            flag = "--" + name.replace("_", "-")
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise UnsupportedError(f"{flag}{shown}: trace runs one device and cannot shard or offload a step; "
+                                   f"estimate {flag}{shown} gives the per-rank memory")
+    offload = tuple(x for x in (getattr(args, "offload", "") or "").split(",") if x)
+    for what in offload:
+        if what != "activations":  # torchtune's activation offloading runs in the trace (trace/offload.py)
+            raise UnsupportedError(f"--offload {what}: trace offloads activations only (one device, no optimizer "
+                                   f"or parameter offload); estimate --offload {what} gives the per-rank memory")
+    return offload
+
+
 def run(args: argparse.Namespace) -> int:
     from trainmem.errors import SpecError
     from trainmem.specs import ImplSpec, StepSpec
@@ -83,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
 
     from trainmem.specs.step import default_seq
     from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+    from trainmem.cliargs import finetune_from_args
+    from trainmem.trace.finetune import check_finetune
+
+    offload = refuse_parallel(args)
+    finetune = finetune_from_args(args)
+    check_finetune(finetune, recompute=args.recompute)
+    if finetune is not None and args.profile == "reference":
+        raise SpecError("profile", "reference", "fine-tuning is traced on Hugging Face models (peft); use --profile hf")
 
     if args.profile == "reference":
         from trainmem.specs.loaders import load_model
@@ -117,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     gpu_from_args(args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
-                        head=args.head, experts=args.experts)
+                        head=args.head, experts=args.experts, finetune=finetune, offload=offload)
     from trainmem.report.output import say_wrote
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot

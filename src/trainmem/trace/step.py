@@ -321,7 +321,7 @@ def _inputs(model, step: StepSpec, head: str) -> dict:
 
 def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                real: bool = False, progress: Callable[[float, str], None] | None = None,
-               head: str | None = None, experts: str | None = None,
+               head: str | None = None, experts: str | None = None, finetune=None,
                offload: tuple[str, ...] = ()) -> TraceResult:
     """Trace one training step of a Hugging Face model.
 
@@ -334,6 +334,8 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     ``progress`` is called with (fraction done, phase) as modules run.
     ``offload=("activations",)``: torchtune's activation offloading (:mod:`trainmem.trace.offload`);
     the host copies are not device memory and ``meta["offload"]`` reports them.
+    ``finetune`` (a :class:`~trainmem.specs.finetune.FinetuneSpec`) freezes parameters or adds
+    peft LoRA adapters to a config's model (:mod:`trainmem.trace.finetune`).
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
@@ -342,6 +344,11 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
         raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
                                "tensor values and steps through inductor-compiled kernels the tracer cannot "
                                "see; use estimate (its states are checked against torchao's own optimizer)")
+    from trainmem.trace.finetune import check_finetune
+    check_finetune(finetune, recompute=impl.recompute)
+    if finetune is not None and not isinstance(model_or_config, Mapping):
+        raise UnsupportedError("fine-tuning is traced on a config's Hugging Face model; apply peft to your own "
+                               "model before trace_step, or use --profile hf")
     try:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -354,7 +361,8 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     try:
         with _quiet_fake_tensor_log(), mode, _attention_context(impl):
-            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, offload=offload)
+            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
+                        offload=offload)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -388,8 +396,14 @@ def _routing(model, impl: ImplSpec, *, fake: bool):
     return stack, meta
 
 
+def _model_spec_or_none(config: Mapping):
+    """The ModelSpec trainmem reads from ``config`` (for the freeze patterns), or None for a type it does not map."""
+    from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+    return spec_from_hf_config(dict(config)) if config.get("model_type") in SUPPORTED_MODEL_TYPES else None
+
+
 def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None,
-         offload: tuple[str, ...] = ()) -> TraceResult:
+         finetune=None, offload: tuple[str, ...] = ()) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
@@ -422,6 +436,10 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if impl.float8 != "none":  # trace/float8.py: torchao's own conversion, filtered as torchtitan does
         from trainmem.trace.float8 import convert_float8
         float8_names = convert_float8(model, impl)
+    built = type(model).__name__
+    if finetune is not None:  # after checkpointing is enabled, as peft's recipes do
+        from trainmem.trace.finetune import apply_finetune
+        model = apply_finetune(model, finetune, _model_spec_or_none(model_or_config))
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
@@ -463,12 +481,14 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     from trainmem.estimate.optimizer_step import optimizer_impl_used
     used = {"optimizer_impl": optimizer_impl_used(step, impl)}  # the implementation auto resolved to
     meta = {"step": step.to_dict(), "impl": {**impl.to_dict(), **used}, "fake": bool(is_fake(ids)),
-            "model": type(model).__name__,
+            "model": built,
             "head": head, "torch": torch.__version__}
     if moe_meta:
         meta["moe"] = moe_meta
     if float8_names is not None:
         meta["float8"] = {"recipe": impl.float8, "converted": float8_names}
+    if finetune is not None:
+        meta["finetune"] = finetune.to_dict()
     runs = model
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report

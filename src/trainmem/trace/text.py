@@ -11,16 +11,45 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:10.3f} GiB"
 
 
+def _finetune_words(ft: dict) -> str:
+    words = f"finetune {ft['mode']}"
+    if "lora_rank" in ft:
+        words += f" r={ft['lora_rank']} on {','.join(ft['lora_targets'])}"
+    return words + (f", frozen {','.join(ft['freeze'])}" if ft.get("freeze") else "")
+
+
+def _header_lines(meta: dict) -> list[str]:
+    """What was traced, naming only what the result records: ``trace_model`` results carry no
+    batch, sequence, attention or recompute (your step decides them), so none is shown as ``?``."""
+    step, impl, ft = meta.get("step", {}), meta.get("impl", {}), meta.get("finetune")
+    optimizer = step.get("optimizer") or meta.get("optimizer")
+    if optimizer and impl.get("optimizer_impl"):
+        optimizer += f" ({impl['optimizer_impl']}{', in backward' if impl.get('optimizer_in_backward') else ''})"
+    parts = [f"trace: {meta.get('model', 'model')}",
+             *([f"batch {step['batch']}", f"seq {step['seq']}"] if "batch" in step and "seq" in step else []),
+             *([step.get("precision") or meta.get("dtype")] if step.get("precision") or meta.get("dtype") else []),
+             *([optimizer] if optimizer else []),
+             *([f"attention {impl['attention']}"] if "attention" in impl else []),
+             *([f"recompute {impl['recompute']}"] if "recompute" in impl else []),
+             *([_finetune_words(ft)] if ft else []),
+             *(["activations offloaded"] if meta.get("offload") else []),
+             f"{'fake' if meta.get('fake', True) else 'real'} tensors"]
+    lines, line = [], ""
+    for part in parts:  # wrapped at 120 columns
+        if line and len(line) + 2 + len(part) > 120:
+            lines.append(line + ",")
+            line = "  " + part
+        else:
+            line = f"{line}, {part}" if line else part
+    lines.append(line)
+    if "precision_description" in step:
+        lines.append(f"precision: {step['precision_description']}")
+    return lines
+
+
 def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
-    step = r.meta.get("step", {})
-    impl = r.meta.get("impl", {})
-    head = (f"trace: {r.meta.get('model', 'model')}, batch {step.get('batch', '?')}, seq {step.get('seq', '?')}, "
-            f"{step.get('precision', '?')}, {step.get('optimizer', '?')} ({impl.get('optimizer_impl', '?')}"
-            f"{', in backward' if impl.get('optimizer_in_backward') else ''}), attention {impl.get('attention', '?')}, "
-            f"recompute {impl.get('recompute', '?')}, {'fake' if r.meta.get('fake', True) else 'real'} tensors")
     lines = [
-        head,
-        *([f"precision: {step['precision_description']}"] if "precision_description" in step else []),
+        *_header_lines(r.meta),
         f"peak allocated   {_gib(r.peak_bytes)}  at {r.peak_phase} / {r.peak_module or '<root>'} / {r.peak_op}",
         f"reserved (model) {_gib(r.reserved_peak_bytes)}  expandable_segments: {_gib(r.reserved_peak_expandable_bytes).strip()}"
         f", fragmentation at peak {r.fragmentation:.1%}",
