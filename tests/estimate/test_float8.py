@@ -25,6 +25,7 @@ from trainmem.specs.loaders import spec_from_hf_config
 from trainmem.trace import trace_step
 from trainmem.trace.float8 import convert_float8, cuda_autocast_state
 from trainmem.trace.live import LiveStorages
+from trainmem.trace.step import op_sac_context
 from trainmem.trace.storages import storage_key
 
 B, S = 2, 64
@@ -38,12 +39,16 @@ FAMILIES = {
 }
 
 
-def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str) -> int:
+def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str, op_sac: bool = False) -> int:
     """Bytes the forward leaves alive (the loss excluded, the ids counted once), as in
-    tests/estimate/test_op_recompute.py, with torchao's conversion applied."""
+    tests/estimate/test_op_recompute.py, with torchao's conversion applied (and ``op_sac``:
+    every block under torchtitan's op-level policy)."""
     pytest.importorskip("torchao.float8")
     torch.manual_seed(0)
     model = build_hf_model(cfg, attention=attention, dtype=torch.bfloat16 if precision == "bf16" else None)
+    if op_sac:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": op_sac_context})
     convert_float8(model, ImplSpec(float8=recipe))
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
@@ -55,9 +60,9 @@ def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str) -> 
     return live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
 
 
-def _estimated(cfg: dict, precision: str, attention: str, recipe: str) -> int:
+def _estimated(cfg: dict, precision: str, attention: str, recipe: str, recompute: str = "none") -> int:
     items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
-                             ImplSpec(attention=attention, device="cpu", float8=recipe))
+                             ImplSpec(attention=attention, device="cpu", float8=recipe, recompute=recompute))
     return sum(i.bytes for i in items)
 
 
@@ -123,6 +128,28 @@ def test_activations_equal_real_float8(family, precision, attention, recipe):
     assert _estimated(cfg, precision, attention, recipe) == _kept_by_forward(cfg, recipe, precision, attention)
 
 
+def test_op_policy_keeps_tensorwise_amax_scalars_exact():
+    """torchtitan's policy keeps aten.max outputs: tensorwise's amax of each input and weight."""
+    cfg = FAMILIES["llama"]
+    rowwise = _estimated(cfg, "amp-bf16", "sdpa", "rowwise", "op")
+    # 14 linears, each a bf16 input amax (2 bytes) and an fp32 weight amax (4 bytes): 14·6 = 84
+    assert _estimated(cfg, "amp-bf16", "sdpa", "tensorwise", "op") - rowwise == 84
+
+
+OP_CASES = [(f, p, r) for f in ("llama", "qwen2") for p in ("fp32", "bf16", "amp-bf16")
+            for r in ("tensorwise", "rowwise")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,precision,recipe", OP_CASES)
+def test_op_checkpointing_equals_real_float8(family, precision, recipe):
+    """Op-level checkpointing (torchtitan's policy) over torchao's Float8Linear: the fp8 mm counts as
+    an mm (qwen2's biased q/k/v too: mm + add, not addmm), tensorwise's amax scalars are kept."""
+    cfg = FAMILIES[family]
+    assert (_estimated(cfg, precision, "sdpa", recipe, "op")
+            == _kept_by_forward(cfg, recipe, precision, "sdpa", op_sac=True))
+
+
 TRACE = dict(FAMILIES["llama"])
 
 
@@ -145,8 +172,6 @@ def test_refusals_name_the_field():
         ImplSpec(float8="fp8")
     with pytest.raises(SpecError, match="float8_all_gather=True"):
         ImplSpec(float8="rowwise", float8_all_gather=True)
-    with pytest.raises(SpecError, match="recompute='op'"):
-        ImplSpec(float8="tensorwise", recompute="op")
     with pytest.raises(SpecError, match="compile=True"):
         ImplSpec(float8="tensorwise", compile=True)
     with pytest.raises(UnsupportedError, match="one device"):

@@ -19,6 +19,9 @@ What a Float8Linear keeps for backward (eager)
   ``torch.is_autocast_enabled()``); the weight reaches the fp8 cast as stored, so the per-linear
   weight copy autocast's ``F.linear`` keeps (:meth:`Ctx.plain_linear`) is not kept. A bias is added
   after the fp8 matmul (``output + bias.to(output.dtype)``), which keeps nothing.
+  Under op-level checkpointing the policy's dispatch mode sees the ``aten.mm`` on torchao's fp8
+  subclass tensors (counted like any mm) and, with ``tensorwise``, the ``aten.max`` of each amax
+  (a scalar of the input's and of the weight's dtype), which torchtitan's policy keeps.
 
 The fp8 copies themselves (input and weight in forward; grad_output, weight and input again in
 backward, each 1 byte per element plus an fp32 scale: one per tensor for ``tensorwise``, one per
@@ -30,7 +33,6 @@ local shard is cast, the fp8 bytes travel and are kept unsharded): :func:`gather
 Known limitations:
   - torch.compile changes this: the partitioner may keep the fp8 casts instead of the bf16
     input (torchtitan runs Float8 compiled); compile with float8 is refused (``ImplSpec``).
-  - op-level checkpointing's policy sees ``_scaled_mm``, not ``mm``: refused.
   - a real CPU run without CUDA's autocast state does not cast the input; the tracer sets CUDA's
     autocast state beside CPU's so that the CPU run takes the CUDA path.
 """
@@ -81,10 +83,17 @@ def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int,
     rg = x.requires_grad or wt
     xin = ctx.cast(x, ctx.low, "input_cast") if ctx.low else x
     g.save(xin, when=rg)  # autograd.Function.save_for_backward: no requires-grad condition per operand
+    if ctx.impl.float8 == "tensorwise":
+        # float8_utils.py tensor_to_amax: torch.max(torch.abs(x)), an aten.max an op-level policy
+        # keeps (a scalar); an fp8 all-gathered weight arrives cast, its amax taken before the gather
+        g.new("input_amax", (), (), xin.dtype, False, op="max")
+        if not ctx.impl.float8_all_gather:
+            g.new("weight_amax", (), (), ctx.param, False, op="max")
     shape, dims = x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,)
+    # torch.mm on the fp8 subclass tensors: a dispatch mode (the op-level policy) sees aten.mm
     if not bias:
-        return g.new(label, shape, dims, xin.dtype, rg, op="scaled_mm")
-    g.new("scaled_mm", shape, dims, xin.dtype, rg, op="scaled_mm")
+        return g.new(label, shape, dims, xin.dtype, rg, op="mm")
+    g.new("fp8_mm", shape, dims, xin.dtype, rg, op="mm")
     return g.new(label, shape, dims, xin.dtype, rg)
 
 
