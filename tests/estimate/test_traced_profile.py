@@ -66,6 +66,9 @@ UNRULED = {  # no hand-written rules: only the trace knows them
     "starcoder2": dict(model_type="starcoder2", **SMALL),
     "qwen3_moe": dict(model_type="qwen3_moe", **{**SMALL, "moe_intermediate_size": 32}, num_experts=4,
                       num_experts_per_tok=2, head_dim=16),
+    # layer kinds: five local (sliding) blocks, a global one, and the last block; 9 blocks, 8 traced
+    "gemma3_text": dict(model_type="gemma3_text", **{**SMALL, "num_hidden_layers": 9}, head_dim=16,
+                        sliding_window=16),
 }
 
 
@@ -118,9 +121,11 @@ def _measured(cfg, precision, attention, batch=B, routing="balanced"):
     from trainmem.specs.impl import routing_hot_fraction
     from trainmem.trace.routing import experts_modules, force_routing
 
+    from trainmem.trace.step import _default_dtype
+
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if precision == "bf16" else None
-    model = build_hf_model(cfg, attention=attention, dtype=dtype)
+    with _default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):  # as trace_step builds it
+        model = build_hf_model(cfg, attention=attention)
     ids = torch.randint(0, cfg["vocab_size"], (batch, S))
     ctx = force_routing(model, routing_hot_fraction(routing)) if experts_modules(model) else contextlib.nullcontext()
     with ctx:
@@ -147,6 +152,19 @@ def test_batch_one_is_its_own_fit(tmp_path):
     e = estimate(_model(tmp_path, cfg), StepSpec(batch=1, seq=S, precision="fp32"),
                  ImplSpec(profile="traced", device="cpu", attention="eager"))
     assert _activations(e) == _measured(cfg, "fp32", "eager", batch=1)
+
+
+@pytest.mark.slow
+def test_layer_kinds_and_tp_plan(tmp_path):
+    from trainmem.estimate.traced import traced_template
+    cfg = UNRULED["gemma3_text"]
+    step, impl = StepSpec(batch=B, seq=S, precision="bf16"), ImplSpec(profile="traced", device="cpu")
+    tpl = traced_template(cfg, step, impl)
+    # layer_types: every 6th block global (index 5); the last block (8) is its own template
+    assert [k.layers for k in tpl.kinds] == [(0, 1, 2, 3, 4, 6, 7), (5,), (8,)]
+    assert tpl.traced_layers == 8
+    assert tpl.num_parameters() == sum(p.numel() for p in build_hf_model(cfg).parameters())
+    assert tpl.tp_plan["model.layers.*.self_attn.q_proj"] == "colwise"  # transformers' base_model_tp_plan
 
 
 def test_refusals_name_the_field(tmp_path):

@@ -5,7 +5,7 @@ run once per point: forward and loss under trainmem's recorder (``trace/_recorde
 ``trace_step`` runs them (``trace/step.py``: precision, autocast, attention kernel, recompute,
 MoE routing). What the step keeps for backward is every storage an op made during forward that
 is still alive when forward returns -- saved by autograd, or held by a checkpoint region -- plus
-the inputs autograd saved (the token ids, by the embedding), less the loss itself.
+the inputs and buffers autograd saved (the token ids, by the embedding), less the loss itself.
 
 Known limitations: CPU kernels only (``--device cpu``); the saved set is that of transformers'
 modules as installed.
@@ -67,7 +67,7 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 
 def _one(model, step: StepSpec, torch) -> list[Saved]:
     from trainmem.trace import step as ts
-    from trainmem.trace._recorder import ORIGIN_INPUT, ORIGIN_OP, _Recorder
+    from trainmem.trace._recorder import ORIGIN_BUFFER, ORIGIN_INPUT, ORIGIN_OP, _Recorder
 
     ts._check_positions(model, step.seq)
     inputs = ts._inputs(model, step, ts._head_of(model))
@@ -87,6 +87,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
                 if b.free_at is None and b.phase == "forward" and b is not loss_block
                 and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
+        # a buffer autograd saves as it is (Gemma's embed_scale) is kept by the graph too
+        kept[:0] = [b for b in rec.rec.blocks[:rec.rec.baseline] if b.origin == ORIGIN_BUFFER and b.saved]
         del loss
     seen: dict[str, int] = {}
     out = []
