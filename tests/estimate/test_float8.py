@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainmem.errors import SpecError, UnsupportedError
+from trainmem.errors import ConfigError, SpecError, UnsupportedError
 from trainmem.estimate import estimate
 from trainmem.estimate.activations import activation_items
 from trainmem.estimate.float8 import converted, fp8_cast_bytes, gathered_bytes_per_element
@@ -198,3 +198,27 @@ def test_fsdp_gathers_fp8_linear_weights_exact():
     assert fp8["forward"]["fsdp_root_unsharded"] == bf16["forward"]["fsdp_root_unsharded"] == 65600
     kept = parts(ImplSpec(float8="tensorwise", float8_all_gather=True), False)
     assert kept["forward"]["fsdp_unsharded_params"] == (65600 + 2 * 128) * 2 + 2 * 46080 == 223872
+
+
+def _titan(float8: dict, table: str = "float8", shard: int = 8) -> dict:
+    from trainmem.inputs.torchtitan import torchtitan_overrides
+    cfg = {"model": {"name": "llama3", "flavor": "8b", "converters": [table]},
+           "parallelism": {"data_parallel_shard_degree": shard}}
+    section = cfg
+    for part in table.split("."):
+        section = section.setdefault(part, {})
+    section.update(float8)
+    return torchtitan_overrides(cfg)
+
+
+def test_torchtitan_float8_tables():
+    a = _titan({"enable_fsdp_float8_all_gather": True, "filter_fqns": ["output"]})
+    assert a["overrides"]["impl"]["float8"] == "tensorwise" and a["overrides"]["impl"]["float8_all_gather"]
+    assert not any("filter_fqns" in n for n in a["notes"])
+    b = _titan({"recipe_name": "rowwise"}, table="quantize.linear.float8")
+    assert b["overrides"]["impl"]["float8"] == "rowwise" and "float8_all_gather" not in b["overrides"]["impl"]
+    assert any("converts the output layer too" in n for n in b["notes"])
+    c = _titan({"enable_fsdp_float8_all_gather": True, "filter_fqns": "output"}, shard=1)
+    assert "float8_all_gather" not in c["overrides"]["impl"] and any("no FSDP" in n for n in c["notes"])
+    with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather"):
+        _titan({"recipe_name": "rowwise", "enable_fsdp_float8_all_gather": True})

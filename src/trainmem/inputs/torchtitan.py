@@ -21,6 +21,9 @@ lists which defaults were used.
 * ``[activation_checkpoint] mode`` and ``selective_ac_option`` (``op`` -> selective, an integer
   k -> every k-th block); ``[optimizer] name``; ``[training] enable_cpu_offload`` (with FSDP:
   parameters and optimizer on the host); ``[compile] enable`` (noted: the estimate is eager).
+* ``[model] converters = ["float8"]`` with ``[float8]`` (newer: ``quantize.linear.float8`` with
+  ``[quantize.linear.float8]``): ``recipe_name`` (none: tensorwise), ``enable_fsdp_float8_all_gather``
+  (under FSDP), ``filter_fqns`` (``output`` is the modelled one) -> ``--float8``.
 
 Other tables and keys (job, metrics, checkpoint, ...) do not change memory and are ignored.
 """
@@ -102,6 +105,7 @@ def torchtitan_overrides(cfg: dict, where: str = "torchtitan") -> dict:
         step["grad_accum"] = accum
     _checkpoint(get, sec["impl"], notes, where)
     _host_and_compile(get, par, dims, notes)
+    _float8(cfg, raw, sec["impl"], dims, notes, where)
     if defaulted:
         notes.append("torchtitan's defaults for keys the file leaves out: " + ", ".join(defaulted))
     return answer("torchtitan", where, raw, sec, notes)
@@ -265,6 +269,55 @@ def _host_and_compile(get, par: dict, d: dict[str, int], notes: list[str]) -> No
                      "also on the host under CPUOffloadPolicy, are still counted on the device")
     if get("compile", "enable", bool, default=False):
         notes.append("[compile] enable: torch.compile saves other tensors than eager mode; the estimate is eager")
+
+
+_FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # the table the converter reads is named alike
+
+
+def _float8(cfg: dict, raw: dict, impl: dict, d: dict[str, int], notes: list[str], where: str) -> None:
+    """``[model] converters`` with ``float8`` (its ``[float8]`` table) or ``quantize.linear.float8``
+    (``[quantize.linear.float8]``), read as torchtitan's ``Float8Converter.__init__``
+    (torchtitan/components/quantization/float8.py at 238fa99): no ``recipe_name`` is tensorwise
+    (``Float8LinearConfig()``), whose fp8 all-gather runs only under FSDP (``dp_shard_enabled``); a
+    recipe with ``enable_fsdp_float8_all_gather`` is refused as torchtitan asserts."""
+    converters = table(cfg, "model", where).get("converters", [])
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",")]
+    name = next((c for c in typed(where, "[model] converters", converters, list) if c in _FLOAT8_CONVERTERS), None)
+    if name is None:
+        return
+    raw["model.converters"] = converters
+    section = cfg
+    for part in name.split("."):
+        section = table(section, part, where)
+
+    def key(k: str, kind, default):
+        if section.get(k) is None:
+            return default
+        raw[f"{name}.{k}"] = section[k]
+        return typed(where, f"[{name}] {k}", section[k], kind)
+
+    recipe = key("recipe_name", str, None)
+    all_gather = key("enable_fsdp_float8_all_gather", bool, False)
+    filters = key("filter_fqns", (list, str), [])
+    filters = [f.strip() for f in filters.split(",")] if isinstance(filters, str) else filters
+    if recipe is not None and all_gather:
+        raise ConfigError(f"{where}: [{name}] enable_fsdp_float8_all_gather = true with recipe_name={recipe!r}: "
+                          "torchtitan refuses the pair (the fp8 all-gather is the tensorwise default's)")
+    if recipe not in (None, "tensorwise", "rowwise"):
+        notes.append(f"[{name}] recipe_name={recipe!r} is not modelled: estimated without Float8")
+        return
+    impl["float8"] = recipe or "tensorwise"
+    if all_gather and d["fsdp"]:
+        impl["float8_all_gather"] = True
+    elif all_gather:
+        notes.append(f"[{name}] enable_fsdp_float8_all_gather: no FSDP here, so torchtitan does not enable it")
+    if "output" not in filters:
+        notes.append(f"[{name}] filter_fqns does not name 'output': torchtitan converts the output layer too; "
+                     "the estimate keeps it in high precision")
+    others = [f for f in filters if f != "output"]
+    if others:
+        notes.append(f"[{name}] filter_fqns {others}: not modelled (only the output layer is left out)")
 
 
 def _checkpoint(get, impl: dict, notes: list[str], where: str) -> None:
