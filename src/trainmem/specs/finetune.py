@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from trainmem.errors import SpecError
+from trainmem.families import layer_containers
 from trainmem.specs import _validate as v
 
 __all__ = ["FinetuneSpec", "MODES", "ADAPTER_DTYPES", "parse_layer_range"]
@@ -24,13 +25,14 @@ QUANT_TYPES = ("nf4", "fp4")
 QLORA_SCOPES = ("all", "targeted")
 QUANT_IMPLS = ("bnb", "torchao-nf4")
 
-_RANGE = re.compile(r"^(?:layers|h|layer)\.(\d+)(?:-(\d+))?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
 
 
 def parse_layer_range(pattern: str) -> range | None:
-    """``layers.0-11`` -> range(0, 12); ``layers.5`` -> range(5, 6); anything else -> None."""
-    m = _RANGE.match(pattern)
+    """``layers.0-11`` -> range(0, 12); ``layers.5`` -> range(5, 6); anything else -> None.
+    Any family's block container names a range (``h.0-3`` for GPT-2, ``layer.2`` for BERT)."""
+    alt = "|".join(map(re.escape, layer_containers()))
+    m = re.match(rf"^(?:{alt})\.(\d+)(?:-(\d+))?$", pattern)
     if not m:
         return None
     lo = int(m.group(1))
