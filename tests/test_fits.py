@@ -112,14 +112,14 @@ def test_estimate_verdict_text_and_json(capsys):
     # device: need = allocated + int(0.05 * 80 GiB) + 1 GiB context; usable = capacity
     assert f["need_bytes"] == data["peak_bytes"] + int(0.05 * 80 * GIB) + GIB and f["usable_bytes"] == 80 * GIB
     assert f["headroom_bytes"] == f["usable_bytes"] - f["need_bytes"]
-    assert data["memory_figure"] == {"figure": "device", "peak_bytes": f["need_bytes"]}
+    assert data["memory_figure"] == {"figure": "device", "peak_device_bytes": f["need_bytes"]}
 
 
 def test_json_without_gpu_or_figure_is_unchanged(capsys):
     data = json.loads(_run(capsys, "estimate", "--model", "gpt2", "--json"))
     assert "fits" not in data and "memory_figure" not in data
     data = json.loads(_run(capsys, "estimate", "--model", "gpt2", "--memory-figure", "active", "--json"))
-    assert data["memory_figure"] == {"figure": "active", "peak_bytes": data["peak_bytes"]} and "fits" not in data
+    assert data["memory_figure"] == {"figure": "active", "peak_active_bytes": data["peak_bytes"]} and "fits" not in data
 
 
 def test_estimate_per_rank_verdict_counts_nccl(capsys):

@@ -92,14 +92,20 @@ def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None,
     if gpu is not None:
         v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
                     reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled)
-        return {"memory_figure": {"figure": figure, "peak_bytes": v.need_bytes}, "fits": v.to_dict()}, \
+        return {"memory_figure": _figure_json(figure, v.need_bytes), "fits": v.to_dict()}, \
             "\n".join([*size_readings(args), render_verdict(v, label=label)])
     if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
         return {}, ""
     nbytes = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
               "reserved": reserved_bytes}[figure]
     note = {"active": active_note if active_bytes is None else "", "reserved": reserved_source}.get(figure, "")
-    return {"memory_figure": {"figure": figure, "peak_bytes": nbytes}}, label + render_figure(figure, nbytes, note)
+    return {"memory_figure": _figure_json(figure, nbytes)}, label + render_figure(figure, nbytes, note)
+
+
+def _figure_json(figure: str, nbytes: int | None) -> dict:
+    """``{"figure": "reserved", "peak_reserved_bytes": n}``: the peak named as in every result (trainmem.schemas)."""
+    from trainmem.schemas import figure_key
+    return {"figure": figure, figure_key(figure): nbytes}
 
 
 def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
