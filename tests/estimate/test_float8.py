@@ -222,3 +222,30 @@ def test_torchtitan_float8_tables():
     assert "float8_all_gather" not in c["overrides"]["impl"] and any("no FSDP" in n for n in c["notes"])
     with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather"):
         _titan({"recipe_name": "rowwise", "enable_fsdp_float8_all_gather": True})
+
+
+def test_advise_offers_float8_only_where_the_gpu_has_fp8():
+    from trainmem.plan.choices import CHOICES, Config, Context
+    from trainmem.plan.hardware import load_gpu
+    from trainmem.specs import ParallelSpec
+    model = spec_from_hf_config(FAMILIES["llama"])
+    start = Config(StepSpec(batch=1, seq=64, precision="fsdp-bf16"), ImplSpec(), ParallelSpec(dp=8, fsdp="full"))
+    offered = {g: [c.impl for c, _ in CHOICES["float8"].variants(
+        start, Context(model, 8, 8, fp8=load_gpu(g).fp8_flops is not None))] for g in ("h100-80gb", "a100-80gb")}
+    assert offered["a100-80gb"] == []
+    assert [(i.float8, i.float8_all_gather) for i in offered["h100-80gb"]] == [("tensorwise", True), ("rowwise", False)]
+    assert "--float8 tensorwise --float8-all-gather" in Config(start.step, offered["h100-80gb"][0], start.par).command("m")
+
+
+def test_step_time_runs_converted_matmuls_at_the_fp8_rate():
+    from trainmem.estimate.float8 import converted_parameters
+    from trainmem.plan.cost import matmul_parameters, step_time
+    from trainmem.plan.hardware import load_gpu
+    from trainmem.specs import ParallelSpec
+    model, step, par = spec_from_hf_config(FAMILIES["llama"]), StepSpec(batch=1, seq=64, precision="bf16"), ParallelSpec()
+    assert converted_parameters(model) == 2 * 46080  # every block linear; embedding and head stay bf16
+    h100, a100 = load_gpu("h100-80gb"), load_gpu("a100-80gb")
+    t = {(g.name, f): step_time(model, step, ImplSpec(float8=f), par, g, global_batch=1).compute_s
+         for g in (h100, a100) for f in ("none", "tensorwise")}
+    assert t[("A100-80GB", "tensorwise")] == t[("A100-80GB", "none")]  # no FP8 rate: nothing changes
+    assert t[("H100-80GB", "tensorwise")] < t[("H100-80GB", "none")]

@@ -39,10 +39,13 @@ Known limitations:
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 from trainmem.errors import UnsupportedError
 from trainmem.families import get_family
 
-__all__ = ["TASK_HEADS", "converted", "describe", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
+__all__ = ["TASK_HEADS", "converted", "converted_parameters", "describe", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
            "is_linear_module"]
 
 TASK_HEADS = ("score", "classifier")
@@ -122,3 +125,11 @@ def describe(impl) -> str:
     if impl.float8 == "none":
         return ""
     return f" float8={impl.float8}" + (" (fp8 all-gather)" if impl.float8_all_gather else "")
+
+
+@lru_cache(maxsize=64)
+def converted_parameters(model) -> int:
+    """Weights in the linears torchao converts (:func:`converted` over the model's parameters):
+    their matmuls are the FLOPs that run at the FP8 rate (``plan/cost.py``)."""
+    from trainmem.estimate.params import parameter_shapes
+    return sum(math.prod(shape) for name, shape in parameter_shapes(model) if converted(model, name, shape))

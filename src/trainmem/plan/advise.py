@@ -222,7 +222,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
                f"more than the usable {fmt_bytes(usable_bytes)}")
         return (), SearchStats(0, measure.runs, budget, max_changes, True, {}, tuple(CHOICES), why)
     clock = _Clock(model, start, gpu, cost)
-    ctx = Context(model, gpus, gpu.gpus_per_node)
+    ctx = Context(model, gpus, gpu.gpus_per_node, fp8=gpu.fp8_flops is not None)
     start_activation_bytes = (measure(start) or (0, 0))[1]
 
     def price(c: Config) -> float:

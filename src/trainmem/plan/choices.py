@@ -64,6 +64,8 @@ class Config:
             parts.append(f"--optimizer-impl {i.optimizer_impl}")
         if getattr(i, "optimizer_in_backward", False):
             parts.append("--optimizer-in-backward")
+        if getattr(i, "float8", "none") != "none":
+            parts.append(f"--float8 {i.float8}" + (" --float8-all-gather" if i.float8_all_gather else ""))
         if not p.is_single:
             parts.append(f"--dp {p.dp}")
             if p.tp > 1:
@@ -94,6 +96,8 @@ class Context:
     model: ModelSpec
     gpus: int
     gpus_per_node: int
+    fp8: bool = False
+    """The GPU preset states an FP8 rate (H100, H200, B200): Float8 training is offered."""
 
 
 Variants = Callable[[Config, Context], Iterator[tuple[Config, str]]]
@@ -114,7 +118,7 @@ class Choice:
 CHOICES: dict[str, Choice] = {}
 
 _SPECS = {"step": StepSpec, "impl": ImplSpec, "parallel": ParallelSpec, "finetune": FinetuneSpec}
-_OPTIONAL_IMPL = tuple(n for n in ("optimizer_impl", "optimizer_in_backward")
+_OPTIONAL_IMPL = tuple(n for n in ("optimizer_impl", "optimizer_in_backward", "float8", "float8_all_gather")
                        if n in {f.name for f in fields(ImplSpec)})
 
 
@@ -201,6 +205,21 @@ def _optimizer_impl(c: Config, ctx: Context):
 def _optimizer_in_backward(c: Config, ctx: Context):
     if not c.impl.optimizer_in_backward and c.step.grad_accum == 1 and c.par.is_single:
         yield replace(c, impl=replace(c.impl, optimizer_in_backward=True)), "optimizer step in backward"
+
+
+@choice("float8", ("impl.float8", "impl.float8_all_gather"),
+        note="torchao Float8 linears (docs/float8.md): fp8 matmuls at the GPU's FP8 rate; numerics differ from bf16")
+def _float8(c: Config, ctx: Context):
+    i = c.impl
+    if (not ctx.fp8 or i.float8 != "none" or i.profile != "hf" or i.compile or c.finetune is not None
+            or c.par.tp > 1):
+        return
+    if c.par.fsdp:
+        yield (replace(c, impl=replace(i, float8="tensorwise", float8_all_gather=True)),
+               "Float8 linears, tensorwise, fp8 all-gather")
+    else:
+        yield replace(c, impl=replace(i, float8="tensorwise")), "Float8 linears, tensorwise"
+    yield replace(c, impl=replace(i, float8="rowwise")), "Float8 linears, rowwise"
 
 
 #: low-bit optimizers offered for AdamW / Adam (docs/optimizers.md): bitsandbytes' 8-bit, its paged

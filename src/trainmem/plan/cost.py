@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from trainmem.errors import SpecError
+from trainmem.estimate.float8 import converted_parameters
 from trainmem.estimate.params import parameter_shapes
 from trainmem.inventory import dtype_bytes
 from trainmem.names import is_embedding
@@ -211,6 +212,10 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
     rows = B * S / p.cp
     eff = min(1.0, rows / cost.min_gemm_rows)
     attn_slow = cost.eager_attention_slowdown if impl.attention in ("eager", "sdpa-math") else 1.0
+    # Float8 (estimate/float8.py): the converted linears' matmuls run at the preset's FP8 rate, same MFU;
+    # the casts to fp8 are not priced (torchtitan compiles them into the neighbouring kernels)
+    fp8_share = (converted_parameters(model) / N if impl.float8 != "none" and gpu.fp8_flops and N else 0.0)
+    mm_flops *= 1 - fp8_share + fp8_share * gpu.bf16_flops / (gpu.fp8_flops or gpu.bf16_flops)
     compute = (mm_flops / eff + attn_flops * attn_slow) / (world * rate)
 
     act_b = dtype_bytes(step.dtypes.activation)

@@ -35,6 +35,9 @@ class GPU:
     bf16_flops: float | None
     """Dense BF16 tensor-core rate, FLOP/s (datasheet peak, no sparsity); None for a custom GPU
     asked memory-only questions (``plan`` needs it)."""
+    fp8_flops: float | None = None
+    """Dense FP8 tensor-core rate, FLOP/s (datasheet peak, no sparsity); None where the preset
+    states none (A100: no fp8 tensor cores): Float8 training is offered only where it is set."""
     intra_node_bytes_per_s: float
     """Per-GPU, per-direction bandwidth to peers in the node (NVLink, Infinity Fabric, PCIe)."""
     inter_node_bytes_per_s: float
@@ -55,9 +58,9 @@ class GPU:
         v.positive("memory_bytes", self.memory_bytes, maximum=1 << 50)
         v.positive("gpus_per_node", self.gpus_per_node, maximum=1024)
         v.non_negative("context_bytes", self.context_bytes, maximum=self.memory_bytes)
-        for name in ("bf16_flops", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_bytes_per_s"):
+        for name in ("bf16_flops", "fp8_flops", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_bytes_per_s"):
             value = getattr(self, name)
-            if name == "bf16_flops" and value is None:
+            if name in ("bf16_flops", "fp8_flops") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise SpecError(name, value, "must be a positive number")
