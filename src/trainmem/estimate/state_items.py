@@ -22,6 +22,10 @@ one registered function of (name, shape, numel, states' dtype), read off the rea
   two 4-bit codes per byte, fp32 ``scale`` per 128-value block, a 16-entry ``qmap``); any other keeps
   ``torch.zeros_like(p)`` states in the parameter's dtype. Its ``step`` is ``torch.tensor(0.0)``, a
   CPU scalar, so it takes no device memory.
+
+Known limitations: one optimizer is assumed (with the optimizer in backward every parameter has its
+own bitsandbytes optimizer and maps: 2 KiB more per 8-bit tensor); sharded states (TP, ZeRO, FSDP)
+are divided, not re-laid out per shard.
 """
 
 from __future__ import annotations
