@@ -230,7 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return args.func(args)
+        if getattr(args, "json", False) is True:  # (estimate marks defaults given on the command line)
+            return args.func(args)
+        from trainmem.report.wrap import WrappingWriter
+        out, sys.stdout = sys.stdout, WrappingWriter(sys.stdout)  # text output fits 120 columns
+        try:
+            return args.func(args)
+        finally:
+            sys.stdout.flush()
+            sys.stdout = out
     except TrainmemError as exc:
         sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
         return 2

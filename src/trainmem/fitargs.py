@@ -68,8 +68,8 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
     if v.figure in ("allocated", "active"):
         need += f" ({'' if v.reserve_modelled else '≈ '}{fmt_bytes(v.reserved_bytes)} reserved)"
     room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.fits else f"short by {fmt_bytes(-v.headroom_bytes)}"
-    parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} context"
-             + (" and NCCL" if v.gpus > 1 else "")]
+    parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} CUDA context"
+             + (" and NCCL" if v.gpus > 1 else "") + " (an estimate: the GPU preset's)"]
     if v.figure in ("allocated", "active"):  # what the figure leaves out of reserved
         parts.append(f"{fmt_bytes(v.capacity_bytes - v.context_bytes - v.usable_bytes)} {v.why}")
     usable = " − ".join(parts) if v.figure != "device" else f"{fmt_bytes(v.capacity_bytes)} capacity"

@@ -38,9 +38,10 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
     lines.append("")
     fits = any(c.fits for c in plan.candidates)
     lines.append("Fastest configurations that fit" if fits else "Nothing fits; the configurations closest to fitting")
-    lines.append(f"  {'configuration':<92} {'peak/rank':>11} {'step s':>8} {'tokens/s':>11}")
+    w = max([len(_cfg(c.config)) for c in plan.candidates] + [len("configuration")])  # as wide as the widest row
+    lines.append(f"  {'configuration':<{w}} {'peak/rank':>11} {'step s':>8} {'tokens/s':>11}")
     for c in plan.candidates:
-        lines.append(f"  {_cfg(c.config):<92} {fmt_bytes(c.peak_bytes):>11} {c.step_time_s:>8.2f} {c.tokens_per_s:>11,.0f}")
+        lines.append(f"  {_cfg(c.config):<{w}} {fmt_bytes(c.peak_bytes):>11} {c.step_time_s:>8.2f} {c.tokens_per_s:>11,.0f}")
     if plan.candidates:
         t = plan.candidates[0].time_parts
         parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items() if v and k != "total_s")
@@ -61,7 +62,7 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         for reason, n in kinds.most_common(12):
             lines.append(f"  {n:>7,} × {reason}")
         for cfg, reason in plan.rejected[:max_rejected]:
-            lines.append(f"  {_cfg_or_partial(cfg):<92} {reason}")
+            lines.append(f"  {_cfg_or_partial(cfg):<{w}} {reason}")
         if len(plan.rejected) > max_rejected:
             lines.append(f"  ... {len(plan.rejected) - max_rejected:,} more (--json lists every one)")
     return "\n".join(lines)
