@@ -127,3 +127,19 @@ def test_head_refusals():
         estimate(spec, StepSpec(batch=B, seq=S), ImplSpec(), finetune=FinetuneSpec(mode="lora"))
     full = estimate(spec, StepSpec(batch=B, seq=S), ImplSpec(), finetune=FinetuneSpec(freeze=("embeddings",)))
     assert full.totals_bytes["gradient"] < estimate(spec, StepSpec(batch=B, seq=S), ImplSpec()).totals_bytes["gradient"]
+
+
+def test_config_names_its_head_as_the_trace_builds_it():
+    """``architectures`` and ``id2label`` choose the head and its classes for the estimate as for
+    the built model (models/hf.py choose_head); ``classifier_dropout`` is read too."""
+    cfg = {**CONFIGS["bert"], "architectures": ["BertForTokenClassification"], "classifier_dropout": 0.2,
+           "id2label": {"0": "O", "1": "B-PER", "2": "I-PER", "3": "B-LOC"}}
+    spec = spec_from_hf_config(cfg)
+    assert (spec.head, spec.num_labels, spec.classifier_dropout) == ("token-cls", 4, 0.2)
+    torch.manual_seed(0)
+    model = build_hf_model(cfg)
+    assert type(model).__name__ == "BertForTokenClassification" and model.dropout.p == 0.2
+    ids, labels = torch.randint(1, 500, (B, S)), torch.randint(0, 4, (B, S))
+    saved, loss = saved_tensors(_StateOf(model), lambda: model(input_ids=ids, labels=labels).loss)
+    acts = activation_items(spec, StepSpec(batch=B, seq=S, precision="fp32"), ImplSpec(device="cpu"))
+    assert sum(i.bytes for i in acts) == sum(s.nbytes for s in saved)

@@ -200,7 +200,31 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str = "custom") -> ModelSp
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fields = family.config.read(ConfigReader(cfg, model_type, family.config))
-    return ModelSpec(name=name, family=family.name, **fields)
+    return ModelSpec(name=name, family=family.name, **fields, **_task_head(cfg))
+
+
+#: ``architectures[0]`` suffix -> ModelSpec.head (transformers' Auto classes; models/hf.py HEADS)
+_HEAD_SUFFIXES = {"ForSequenceClassification": "seq-cls", "ForTokenClassification": "token-cls"}
+
+
+def _task_head(cfg: Mapping[str, Any]) -> dict:
+    """A classifier's config names its head in ``architectures`` and its classes in ``num_labels`` or
+    ``id2label`` (``PretrainedConfig``: num_labels = len(id2label), default 2); the trace builds the
+    same head from the same keys (``models/hf.py`` ``choose_head``)."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    head = next((h for suffix, h in _HEAD_SUFFIXES.items() if arch.endswith(suffix)), None)
+    if head is None:
+        return {}
+    out: dict[str, Any] = {"head": head}
+    labels = cfg.get("num_labels")
+    if labels is None and isinstance(cfg.get("id2label"), Mapping):
+        labels = len(cfg["id2label"])
+    if labels is not None:
+        out["num_labels"] = labels
+    if cfg.get("classifier_dropout") is not None:
+        out["classifier_dropout"] = cfg["classifier_dropout"]
+    return out
 
 
 def load_model(name_or_path: str) -> ModelSpec:
