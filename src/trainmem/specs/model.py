@@ -153,7 +153,8 @@ class ModelSpec:
             object.__setattr__(self, "head", "mlm" if self.arch == "encoder" else "lm")
         v.one_of("head", self.head, HEADS)
         if (self.head, self.arch) in (("lm", "encoder"), ("mlm", "decoder")):
-            raise SpecError("head", self.head, f"is not a head of an {self.arch} model "
+            article = "an" if self.arch == "encoder" else "a"
+            raise SpecError("head", self.head, f"is not a head of {article} {self.arch} model "
                                                f"(use {'mlm' if self.arch == 'encoder' else 'lm'}, seq-cls or token-cls)")
         v.positive("num_labels", self.num_labels, maximum=1 << 20)
         if self.classifier_dropout is not None:
