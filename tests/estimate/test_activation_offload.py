@@ -31,14 +31,14 @@ FAMILIES = {"llama": dict(model_type="llama", **SMALL), "qwen2": dict(model_type
 OFFLOAD = ParallelSpec(offload=("activations",))
 
 
-def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool):
+def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool, batch: int = B, seq: int = S):
     """(bytes the forward leaves on the device, the offload hooks) for one real forward + loss:
     the storages alive after it (the loss excluded) plus the input ids, which the embedding keeps."""
     torch.manual_seed(0)
     model = build_hf_model(cfg, attention="sdpa", dtype=torch.bfloat16 if precision == "bf16" else None)
     if recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(0, cfg["vocab_size"], (B, S))
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
     skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
     with offload_activations(model, use_streams=use_streams) as off:
         with LiveStorages(skip_keys=skip) as live:
@@ -94,6 +94,22 @@ def test_device_set_equals_real_offload(family, precision, recompute):
     assert sp.host_bytes == off.offloaded_storage_bytes
     kept_streams, _ = _forward_with_offload(cfg, precision, recompute, use_streams=True)
     assert sp.device.total() + sp.stash_bytes == kept_streams
+
+
+GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt2_layernorm_stash(precision):
+    """GPT-2's final LayerNorm packs input, weight, bias, mean, rstd: with mean and rstd of 1024
+    bytes or more (B·S = 4·128 = 512 rows) the last five packs are the norm's own."""
+    sp = activation_offload(spec_from_hf_config(GPT2), StepSpec(batch=4, seq=128, precision=precision),
+                            ImplSpec(attention="sdpa", device="cpu"))
+    kept, off = _forward_with_offload(GPT2, precision, "none", use_streams=False, batch=4, seq=128)
+    kept_streams, _ = _forward_with_offload(GPT2, precision, "none", use_streams=True, batch=4, seq=128)
+    assert (sp.device.total(), sp.host_bytes, sp.stash_bytes) == (kept, off.offloaded_storage_bytes,
+                                                                   kept_streams - kept)
 
 
 LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,

@@ -22,9 +22,11 @@ Rules, per saved tensor (one estimator item, one storage), in the order applied:
   keyword arguments (position embeddings, position ids, mask) live in the recompute closure;
 * everything else: offloaded. Under full recompute that is each block's input hidden state.
 
-With streams, the device copy of each offloaded tensor is kept in a forward stash until five
-later tensors have been packed; at the end of forward the stash holds the last five packs, all
-inside the final norm for Llama's RMSNorm and GPT-2's LayerNorm (a norm packs 5-6 tensors), so
+With streams, the device copy of each offloaded tensor is kept in a forward stash; each new
+offloaded pack releases the entries five or more packs older. At the end of forward the stash holds
+the offloaded packs among the last five ending at the last offloaded one. For an RMSNorm (six packs:
+x, its rsqrt, x and rsqrt again, the weight, the normalized x) and for a LayerNorm whose mean and
+rstd are offloaded (input, weight, bias, mean, rstd) those five are the final norm's own, so
 ``stash`` is the final norm's offloaded tensors. They stay through the loss backward until the
 first node that brings a tensor back runs.
 
@@ -32,11 +34,14 @@ In backward each node's offloaded tensors come back as new device tensors and st
 next such node has run (``in_flight``, with ``X`` the block's largest offloaded tensor and ``W`` its
 largest weight):
 
-* without recompute, the MLP product's backward (``act_fn(gate) * up``) is the widest moment: its
-  two saved inputs and the down projection's (``3·X``) are on the device with the product's input
-  gradient and its two output gradients (``3·X``, one of which the phases' work term already
+* without recompute, a gated MLP's product backward (``act_fn(gate) * up``) is the widest moment:
+  its two saved inputs and the down projection's (``3·X``) are on the device with the product's
+  input gradient and its two output gradients (``3·X``, one of which the phases' work term already
   counts), plus a weight copy ``W`` (a linear layer saves ``weight.t()``, a view that is not an
-  ``nn.Parameter``, so torchtune copies it out and back too): ``5·X + W``;
+  ``nn.Parameter``, so torchtune copies it out and back too): ``5·X + W``. A two-matrix MLP's
+  activation backward has one saved input beside the down projection's and two gradients:
+  ``3·X + W``, with ``W = 0`` for GPT-2's ``Conv1D``, whose ``addmm`` saves the Parameter itself
+  (under autocast it saves a cast copy, which is copied);
 * under full recompute only each block's input hidden state is packed (the recompute's own hooks
   take the block's saves): this block's and the previous block's, ``2·X``.
 
@@ -44,6 +49,9 @@ Known limitations:
   - ``host_bytes`` counts each offloaded storage once; torchtune copies every pack (a tensor
     saved by three projections three times, and the weights' views): the tracer's host figure
     is larger (both are reported).
+  - a LayerNorm whose mean and rstd stay (under 1024 bytes each: B·S < 256 rows in fp32, < 512
+    in bf16) leaves room in the window for the last block's last packs, which the stash then
+    holds too and the estimate does not count (GPT-2 bf16, B·S = 256: 196608 bytes, not 32768);
   - profiles other than ``hf`` are not modelled (their head and checkpoint naming differ).
 """
 
@@ -97,7 +105,7 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tu
 
 
 def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *, B: int, S: int,
-                  largest_block_weight_bytes: int, checkpointed: bool = False,
+                  largest_block_weight_bytes: int, checkpointed: bool = False, gated: bool = True,
                   use_streams: bool = True) -> OffloadSplit:
     """Split ``acts`` (an activation inventory, templates per block) by torchtune's policy.
     ``keepers``: item name -> (scope that kept it, position among a checkpoint's inputs)."""
@@ -128,8 +136,10 @@ def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *
         (it.bytes for it in out_base), default=0)
     if checkpointed:  # a block's input comes back; the previous block's stays until this one's hook
         in_flight = 2 * block
-    else:  # the MLP product's node: its two saved inputs and the down projection's, three gradients
+    elif gated:  # the MLP product's node: its two saved inputs and the down projection's, three gradients
         in_flight = 5 * block + largest_block_weight_bytes  # (one is the phases' work) and a weight copy
+    else:  # the activation's node: its saved input and the down projection's, two gradients
+        in_flight = 3 * block + largest_block_weight_bytes
     return OffloadSplit(Inventory(dev_base, dev_reps), host, stash, in_flight, reasons)
 
 
@@ -145,6 +155,7 @@ def activation_offload(model, step, impl, *, use_streams: bool = True) -> Offloa
     from trainmem.estimate.ctx import Ctx
     from trainmem.estimate.graph import Graph
     from trainmem.estimate.params import parameter_shapes
+    from trainmem.families import family_of
     from trainmem.inventory import dtype_bytes
     from trainmem.names import layer_of
 
@@ -160,8 +171,11 @@ def activation_offload(model, step, impl, *, use_streams: bool = True) -> Offloa
     size = dtype_bytes(step.dtypes.activation if step.dtypes.autocast else step.dtypes.param)
     weight = max((int(math.prod(shape) * size) for name, shape in parameter_shapes(model)
                   if layer_of(name) is not None and len(shape) == 2), default=0)
+    if family_of(model).conv1d and not step.dtypes.autocast:
+        weight = 0  # Conv1D's addmm saves the Parameter itself, which torchtune never copies
     return offload_split(ctx.graph.inventory(), keepers, B=step.batch, S=step.seq,
                          largest_block_weight_bytes=weight, checkpointed=impl.recompute == "full",
+                         gated=model.gated,
                          use_streams=use_streams)
 
 
