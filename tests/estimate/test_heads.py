@@ -30,6 +30,9 @@ CONFIGS = {
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=64),
     "gpt_neox": dict(model_type="gpt_neox", **SMALL),
     "bert": dict(model_type="bert", max_position_embeddings=64, **SMALL),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, **SMALL),
+    "phi3": dict(model_type="phi3", num_key_value_heads=2, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, **SMALL),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **SMALL),
 }
 DTYPES = {"bf16": torch.bfloat16}
 
