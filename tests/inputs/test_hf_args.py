@@ -46,14 +46,14 @@ def test_to_dict_of_a_real_run(tmp_path):
     assert a["overrides"] == {
         "step": {"batch": 4, "grad_accum": 8,
                  "optimizer": "adamw",
-                 "precision": "amp-bf16"},  # Trainer: accelerate autocast over the model's fp32 weights
+                 "precision": "hf-bf16"},  # Trainer: accelerate autocast over the model's fp32 weights (amp-bf16)
         # __post_init__: gradient_checkpointing is activation_checkpointing's alias -> every layer
         "impl": {"recompute": "full", "optimizer_impl": "fused",  # trainer_optimizer.py: AdamW(fused=True)
                  "device": "cpu"},  # use_cpu
     }
     notes = "\n".join(a["notes"])
     assert f"--seq (default {DEFAULT_SEQ}" in notes  # the sequence length is not an argument
-    assert "bf16=True: autocast over fp32 weights assumed (amp-bf16)" in notes and "--precision bf16" in notes
+    assert "bf16=True: autocast over fp32 weights assumed (hf-bf16 = amp-bf16)" in notes and "--precision bf16" in notes
 
 
 @pytest.mark.parametrize("optim, optimizer, impl, note", [
@@ -139,10 +139,12 @@ def test_cli_precedence_and_notes(tmp_path, capsys):
     assert main(["estimate", "--model", "gpt2", "--hf-args", path, "--batch", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["files"]["overridden_by_command_line"] == ["step.batch"]
-    assert out["inputs"]["step"]["batch"] == 2 and out["inputs"]["step"]["precision"] == "amp-bf16"
+    assert out["inputs"]["step"]["batch"] == 2 and out["inputs"]["step"]["precision"] == "hf-bf16"
+    assert out["inputs"]["step"]["precision_recipe"] == "amp-bf16"
     assert main(["estimate", "--model", "gpt2", "--hf-args", path, "--summary"]) == 0
     text = capsys.readouterr().out
-    assert f"from {path}:" in text and "bf16=True: autocast over fp32 weights assumed" in text
+    assert f"from {path}:" in text and "bf16=True: autocast over fp32 weights assumed (hf-bf16 = amp-bf16)" in text
+    assert " hf-bf16 " in text.splitlines()[0]  # the summary's header names the alias the note explains
     assert "--seq (default 4096" in text
 
 

@@ -50,4 +50,7 @@ def test_summary_fits_one_screen():
     e = tiny_estimate()
     text = render_summary(e)
     assert len(text.splitlines()) <= 30 and max(map(len, text.splitlines())) <= 120
-    assert "← peak" in text and "█" in text and text.splitlines()[-1].startswith("peak 35.78 KiB in phase 'optimizer'")
+    assert "← peak" in text and "█" in text
+    assert [x for x in text.splitlines() if x.startswith("peak ")] == [  # the figure named, wrapped at 120 columns
+        "peak 35.78 KiB allocated in phase 'optimizer' — optimizer.step(): foreach: sqrt(exp_avg_sq) of every tensor at "
+        "once"]

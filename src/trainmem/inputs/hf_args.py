@@ -34,7 +34,7 @@ from typing import Any
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_json, merge_overrides, positive_int, typed, unknown_key
 from trainmem.inputs.trl_model import TRL_MODEL_KEYS, trl_model_overrides
-from trainmem.specs.step import DEFAULT_SEQ
+from trainmem.specs.step import DEFAULT_SEQ, PRECISION_ALIASES
 
 __all__ = ["read_hf_args", "hf_args_overrides", "TRAINING_ARGUMENTS"]
 
@@ -214,10 +214,13 @@ def _precision(get, deepspeed: dict | None, notes: list[str], where: str) -> str
         return f"mixed-{half}" if half else "fp32"
     # trainer.py, Trainer.create_accelerator_and_postprocess: mixed_precision=bf16/fp16 -> accelerate's
     # autocast; the parameters keep the dtype the model was loaded in
+    # bf16 is read as the alias users know (hf-bf16, HF Trainer's bf16=True) that names its recipe (amp-bf16)
+    name = {"bf16": "hf-bf16", "fp16": "amp-fp16", None: "fp32"}[half]
+    shown = f"{name} = {PRECISION_ALIASES[name]}" if name in PRECISION_ALIASES else name
     notes.append(f"{'bf16=True: autocast' if bf16 else 'fp16=True: autocast' if fp16 else 'no bf16/fp16: no autocast'}"
-                 f" over fp32 weights assumed ({'amp-' + half if half else 'fp32'}); TrainingArguments do not say "
+                 f" over fp32 weights assumed ({shown}); TrainingArguments do not say "
                  f"the weights' dtype: for a model loaded in bfloat16 give --precision bf16")
-    return f"amp-{half}" if half else "fp32"
+    return name
 
 
 def _fsdp(get, par: dict, notes: list[str], where: str) -> None:

@@ -114,7 +114,7 @@ def render_tree(e: Estimate, depth: int = 3, *, detail: bool = False, top: int =
                 more = f"… {len(rest)} more"
                 lines.append(f"{stem}└─ {more:<38} {fmt_bytes(sum(i.bytes for i in rest)):>12}")
     lines.append(f"{'sum of ledgers (not the peak)':<44} {fmt_bytes(sum(e.totals_bytes.values())):>12}")
-    lines.append(f"peak {fmt_bytes(e.peak_bytes)} in phase '{e.peak_phase}'")
+    lines.append(f"peak {fmt_bytes(e.peak_bytes)} allocated in phase '{e.peak_phase}'")
     return "\n".join(lines)
 
 
@@ -159,7 +159,8 @@ def render_summary(e: Estimate) -> str:
                       f"({fmt_bytes(g.bytes_each)} per block)"]
         for it in sorted(g.items, key=lambda i: -i.bytes)[:5]:
             lines.append(f"  {_tensor(it)}")
-    lines += ["", f"peak {fmt_bytes(e.peak_bytes)} in phase '{e.peak_phase}' — {e.peak.note}"]
+    from trainmem.report.wrap import wrap_line
+    lines += ["", wrap_line(f"peak {fmt_bytes(e.peak_bytes)} allocated in phase '{e.peak_phase}' — {e.peak.note}")]
     return "\n".join(lines)
 
 
