@@ -209,3 +209,16 @@ def test_advise_prices_the_host_figure():
     t = step_time(m, step, ImplSpec(), OFFLOAD, slow, global_batch=2, offloaded_activation_bytes=host)
     # out and back at 1 GB/s, less the compute it overlaps: 2·host/1e9 - compute
     assert t.offload_s == pytest.approx(2 * host / 1e9 - t.compute_s)
+
+
+@pytest.mark.slow
+def test_trace_cli_prints_the_host_figure(tmp_path, capsys):
+    import json
+    from trainmem.cli import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    assert main(["trace", "--model", str(cfg), "--batch", "2", "--seq", "64", "--offload", "activations"]) == 0
+    out = capsys.readouterr().out
+    assert "activations offloaded" in out and "offloaded to host (not in the peak)" in out
+    assert main(["trace", "--model", str(cfg), "--offload", "optimizer"]) == 2
+    assert "--offload optimizer" in capsys.readouterr().err

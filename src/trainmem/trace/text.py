@@ -47,6 +47,11 @@ def _header_lines(meta: dict) -> list[str]:
     return lines
 
 
+def torchtune_note(off: dict) -> str:
+    return (f"min_offload_size {off['min_offload_size']} B, "
+            + ("streams, forward stash " + str(off["max_fwd_stash_size"]) if off["use_streams"] else "no streams"))
+
+
 def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
     lines = [
         *_header_lines(r.meta),
@@ -60,6 +65,11 @@ def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
         f"largest {top} tensors at the peak:",
         *(f"  {t.bytes / 2**20:12.2f} MiB  {t.category.value:<15} {t.name}" for t in r.top_at_peak[:top]),
     ]
+    off = r.meta.get("offload")
+    if off:  # trace/offload.py: torchtune's host copies, never in the device figures above
+        lines += ["", f"offloaded to host (not in the peak): {_gib(off['host_peak_bytes']).strip()} at most at once, "
+                      f"one copy per pack ({torchtune_note(off)}); "
+                      f"{_gib(off['offloaded_storage_bytes']).strip()} of distinct device storages"]
     if modules:
         biggest = sorted(r.modules, key=lambda m: -m.backward_peak_bytes)[:modules]
         lines += ["", f"module peaks (top {modules} by backward peak):  forward / backward",
