@@ -249,3 +249,19 @@ def test_step_time_runs_converted_matmuls_at_the_fp8_rate():
          for g in (h100, a100) for f in ("none", "tensorwise")}
     assert t[("A100-80GB", "tensorwise")] == t[("A100-80GB", "none")]  # no FP8 rate: nothing changes
     assert t[("H100-80GB", "tensorwise")] < t[("H100-80GB", "none")]
+
+
+@pytest.mark.parametrize("extra,impl", [
+    ("", {"float8": "tensorwise", "float8_all_gather": True}),  # torchtune's default: tensorwise + fp8 all-gather
+    ("fp8_recipe_name: rowwise\n", {"float8": "rowwise"}),
+])
+def test_torchtune_enable_fp8_training(tmp_path, extra, impl):
+    from trainmem.inputs import read_torchtune
+    p = tmp_path / "recipe.yaml"
+    p.write_text("model:\n  _component_: torchtune.models.llama3.llama3_8b\ndtype: bf16\ndata_parallel_shard_dim: 8\n"
+                 f"enable_fp8_training: true\n{extra}")
+    assert read_torchtune(p)["overrides"]["impl"] == impl
+    single = tmp_path / "single.yaml"  # no FSDP keys: a single-device recipe, which does not read it
+    single.write_text("model:\n  _component_: torchtune.models.llama3.llama3_8b\nenable_fp8_training: true\n")
+    a = read_torchtune(single)
+    assert "float8" not in a["overrides"].get("impl", {}) and any("only full_finetune_distributed" in n for n in a["notes"])

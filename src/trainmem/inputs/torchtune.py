@@ -91,14 +91,14 @@ _READ = {"model", "tokenizer", "dataset", "batch_size", "gradient_accumulation_s
          "optimizer", "optimizer_in_bwd", "enable_activation_checkpointing", "enable_activation_offloading",
          "ac_mode", "ac_option", "compile", "loss", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
          "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "context_parallel_dim",
-         "data_parallel_shard_dim", "data_parallel_replicate_dim", "enable_fp8_training"}
+         "data_parallel_shard_dim", "data_parallel_replicate_dim", "enable_fp8_training", "fp8_recipe_name"}
 #: keys that do not change a training step's memory
 _IGNORED = {"output_dir", "seed", "shuffle", "epochs", "max_steps_per_epoch", "checkpointer", "resume_from_checkpoint",
             "save_adapter_weights_only", "lr_scheduler", "metric_logger", "log_every_n_steps", "log_level",
             "log_peak_memory_stats", "profiler", "low_cpu_ram", "run_val_every_n_steps", "dataset_val",
             "batch_size_val", "collate_fn", "clip_grad_norm", "save_every_n_steps", "save_every_n_epochs",
             "enable_async_checkpointing", "cudnn_deterministic_mode", "profile_memory", "use_distributed_state_dict",
-            "context_parallel_rotate_method", "fp8_recipe_name"}
+            "context_parallel_rotate_method"}
 #: keys of recipes that hold more than one model or change the step: refused, with the reason
 _OTHER_RECIPES = {
     "teacher_model": "knowledge distillation (a teacher model)", "kd_loss": "knowledge distillation",
@@ -191,8 +191,7 @@ def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
     _offloading(get, impl, sec["parallel"], sec["finetune"], notes)
     if get("compile", (bool, dict)):
         notes.append("compile: torch.compile saves other tensors than eager mode; the estimate is eager")
-    if get("enable_fp8_training", bool):
-        notes.append("enable_fp8_training: float8 linears are not modelled; estimated in the file's dtype")
+    _float8(get, impl, sec["parallel"], sec["finetune"], notes)
     out = answer("torchtune", where, raw, sec, notes)
     if needs_model:
         out["needs_model"] = needs_model
@@ -232,6 +231,24 @@ def _model(get, model_cfg: Any, sec: dict, notes: list[str], where: str) -> str 
     else:
         _lora(get, sec["finetune"], mode, notes, where)
     return needs_model
+
+
+def _float8(get, impl: dict, par: dict, ft: dict, notes: list[str]) -> None:
+    """enable_fp8_training, fp8_recipe_name: full_finetune_distributed.py (_setup_model) converts with
+    torchtune/training/quantization.py convert_to_float8_training (bd2a0fc): no recipe name is
+    tensorwise with enable_fsdp_float8_all_gather=True, every nn.Linear but ``output`` (trainmem's
+    filter also skips dims not multiples of 16, which torchtune's does not). Only that recipe reads it."""
+    if not get("enable_fp8_training", bool):
+        return
+    recipe = get("fp8_recipe_name", str)
+    if ft.get("mode", "full") != "full" or not par.get("fsdp"):
+        notes.append("enable_fp8_training: only full_finetune_distributed reads it; ignored here")
+    elif recipe not in (None, "tensorwise", "rowwise"):
+        notes.append(f"fp8_recipe_name={recipe!r} is not modelled: estimated without Float8")
+    else:
+        impl["float8"] = recipe or "tensorwise"
+        if recipe is None:
+            impl["float8_all_gather"] = True
 
 
 def _lora(get, ft: dict, mode: str, notes: list[str], where: str) -> None:
