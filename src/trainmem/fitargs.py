@@ -132,7 +132,7 @@ def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:
             raise SpecError("budget", None, "needs --budget SIZE or --gpu NAME")
         return parse_size(args.budget, field="budget"), "\n".join(size_readings(args))
     budget = budget_bytes(gpu, reserve_modelled=reserve_modelled)
-    parts = f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(context_bytes(gpu))} context"
+    parts = f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(context_bytes(gpu))} CUDA context (an estimate)"
     if reserve_modelled:
         what = "reserved, from the back-end's allocator"
     else:

@@ -70,11 +70,13 @@ def _gpu(args):
     )
 
 
-def _reserve(args):
+def _reserve(args, gpu=None):
+    """``--reserve``, else the GPU preset's own CUDA context figure (``context_bytes``, an estimate)."""
     from trainmem.plan.hardware import Reserve, parse_size
 
     if args.reserve is None:
-        return Reserve(fraction=args.reserve_fraction)
+        return Reserve(fraction=args.reserve_fraction) if gpu is None else \
+            Reserve(fixed_bytes=gpu.context_bytes, fraction=args.reserve_fraction)
     fixed = 0 if args.reserve.strip() in ("0", "0B") else parse_size(args.reserve, field="reserve")
     return Reserve(fixed_bytes=fixed, fraction=args.reserve_fraction)
 
@@ -198,7 +200,7 @@ def run_plan(args) -> int:
     seq = default_seq(model.max_positions) if args.seq is None else args.seq
     global_batch, note = (args.global_batch, "") if args.global_batch else default_global_batch(seq)
     common = dict(seq=seq, global_batch=global_batch, gpu=gpu, precision=args.precision, optimizer=args.optimizer,
-                  loss=args.loss, profile=args.profile, reserve=_reserve(args), cost=cost, space=space, top=args.top,
+                  loss=args.loss, profile=args.profile, reserve=_reserve(args, gpu), cost=cost, space=space, top=args.top,
                   keep_rejected=args.rejected, finetune=finetune_from_args(args))
     if args.gpus == "auto":
         result = smallest_fit(model, min_gpus=args.min_gpus, max_gpus=args.max_gpus, **common)
@@ -225,7 +227,7 @@ def run_advise(args) -> int:
     parallel = parallel_from_args(args)
     _check_gpus(gpu, args.gpus or (parallel.world_size if parallel else 1))
     result = advise(model, step, impl, gpu, gpus=args.gpus, parallel=parallel, finetune=finetune_from_args(args),
-                    reserve=_reserve(args), top=args.top, budget=args.max_estimates, max_changes=args.max_changes,
+                    reserve=_reserve(args, gpu), top=args.top, budget=args.max_estimates, max_changes=args.max_changes,
                     model_name=args.model)
     if args.json:
         print(json.dumps(result.to_dict()))

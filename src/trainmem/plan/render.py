@@ -26,7 +26,7 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         f"precision: {plan.step.precision_description}",
         f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
         f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} after reserving "
-        f"{fmt_bytes(plan.reserve.fixed_bytes)} + {plan.reserve.fraction:.0%}",
+        f"{fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate) + {plan.reserve.fraction:.0%}",
         f"{screen_line(st)}; {st['checked']} checked with the per-rank estimate, which gives every peak shown; "
         f"{st['seconds']:.2f} s",
     ]
