@@ -92,6 +92,21 @@ def test_qlora_scope_double_quant_and_head_match_bitsandbytes(scope, double_quan
     assert n4 == sum(1 for i in est.inventory if i.dtype == "nf4")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [dict(), dict(qlora_scope="targeted", quantize_head=True), dict(double_quant=False)])
+def test_real_trace_of_a_qlora_step_saves_what_the_estimate_says(variant):
+    """trace_step on the bitsandbytes + peft model itself (real CPU tensors: Params4bit cannot be
+    fake): what it records as saved for backward equals the estimate's activations to the byte."""
+    from trainmem.trace import trace_step
+
+    ft = FinetuneSpec(mode="qlora", lora_rank=8, lora_alpha=16, lora_targets=("q_proj", "v_proj"), **variant)
+    step = StepSpec(batch=B, seq=S, precision="bf16")
+    result = trace_step(_qlora(LLAMA, ft), step, ImplSpec(device="cpu"), real=True)
+    saved = sum(i.bytes for i in result.items if i.category.value == "activation" and i.note == "saved for backward")
+    est = estimate(spec_from_hf_config(LLAMA), step, ImplSpec(device="cpu"), finetune=ft)
+    assert saved == est.totals_bytes["activation"]
+
+
 def test_scope_and_double_quant_change_the_estimate_exactly():
     spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=B, seq=S, precision="bf16")
 
