@@ -66,6 +66,9 @@ UNRULED = {  # no hand-written rules: only the trace knows them
     "starcoder2": dict(model_type="starcoder2", **SMALL),
     "qwen3_moe": dict(model_type="qwen3_moe", **{**SMALL, "moe_intermediate_size": 32}, num_experts=4,
                       num_experts_per_tok=2, head_dim=16),
+    # layer kinds: dense blocks 0 and 3 (mlp_only_layers), MoE blocks 1, 2, 4, the last block 5
+    "qwen3_moe_mixed": dict(model_type="qwen3_moe", **{**SMALL, "moe_intermediate_size": 32, "num_hidden_layers": 6},
+                            num_experts=4, num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0, 3]),
     # layer kinds: five local (sliding) blocks, a global one, and the last block; 9 blocks, 8 traced
     "gemma3_text": dict(model_type="gemma3_text", **{**SMALL, "num_hidden_layers": 9}, head_dim=16,
                         sliding_window=16),
@@ -102,6 +105,7 @@ def _compare_with_hf(tmp_path, family, precision, attention):
     assert traced.peak_bytes == ruled.peak_bytes
 
 
+@pytest.mark.slow  # ~10 s alone, most of it transformers' first model build and fake-tensor warm-up
 def test_traced_equals_hf_rules_llama_bf16_sdpa(tmp_path):
     _compare_with_hf(tmp_path, "llama", "bf16", "sdpa")
 
