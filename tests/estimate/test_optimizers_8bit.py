@@ -151,7 +151,8 @@ def _real_states(opt_name: str, precision: str) -> tuple[dict[str, int], int]:
     return own, sum(distinct.values())
 
 
-_FAST = {("adamw8bit", "fp32"), ("paged-adamw8bit", "bf16"), ("torchao-adamw8bit", "fp32"), ("torchao-adamw4bit", "bf16")}
+_FAST = {("adamw8bit", "fp32"), ("paged-adamw8bit", "bf16"), ("torchao-adamw8bit", "fp32"),
+         ("torchao-adamw4bit", "bf16")}
 
 
 @pytest.mark.parametrize("opt,precision", [
@@ -202,7 +203,8 @@ def test_live_optimizers_are_read_by_what_they_run():
     from trainmem.integrations.read import optimizer_of
     p = [torch.nn.Parameter(torch.zeros(8))]
     built = {  # transformers builds bnb.optim.AdamW(optim_bits=..., is_paged=...) (_get_bitsandbytes_optimizer)
-        "adamw8bit": bnb.optim.AdamW(p, optim_bits=8), "paged-adamw8bit": bnb.optim.AdamW(p, optim_bits=8, is_paged=True),
+        "adamw8bit": bnb.optim.AdamW(p, optim_bits=8),
+        "paged-adamw8bit": bnb.optim.AdamW(p, optim_bits=8, is_paged=True),
         "paged-adamw32bit": bnb.optim.PagedAdamW(p), "adam8bit": bnb.optim.Adam8bit(p),
         "torchao-adamw8bit": ao.AdamW8bit(p), "torchao-adamw4bit": ao.AdamW4bit(p),
     }
@@ -240,3 +242,9 @@ def test_explain_counts_paged_bytes_per_parameter():
     n = a.numbers["parameters"]
     assert a.numbers["bytes_per_parameter"]["paged_optimizer_state"] == 4 * 128000 / n
     assert "paged optimizer state" in a.answer and "docs/optimizers.md" in a.answer
+
+
+def test_precision_line_names_the_low_bit_states():
+    assert StepSpec(optimizer="adamw").precision_description.count("bf16 optimizer states") == 1
+    line = StepSpec(optimizer="paged-adamw8bit", precision="mixed-bf16").precision_description
+    assert "paged 8-bit blockwise optimizer states (paged-adamw8bit)" in line and "fp32 master" in line

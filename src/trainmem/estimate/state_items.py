@@ -143,7 +143,8 @@ def _torchao_layout(block: int, per_byte: int, qmap: int) -> Layout:
         out = []
         for s in ("exp_avg", "exp_avg_sq"):
             codes = (n // per_byte,) if per_byte > 1 else shape
-            out += [state_item(f"{name}.{s}.codes", S, codes, "uint8", f"numel/{per_byte}·1" if per_byte > 1 else "numel·1"),
+            packed = f"numel/{per_byte}·1" if per_byte > 1 else "numel·1"
+            out += [state_item(f"{name}.{s}.codes", S, codes, "uint8", packed),
                     state_item(f"{name}.{s}.scale", S, (n // block,), "float32", f"numel/{block}·4"),
                     state_item(f"{name}.{s}.qmap", S, (qmap,), "float32", f"{qmap}·4")]
         return out

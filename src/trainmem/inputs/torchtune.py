@@ -62,7 +62,8 @@ _OPTIMIZERS: dict[str, tuple[str, str]] = {
     "torch.optim.AdamW": ("adamw", ""), "torch.optim.Adam": ("adam", ""), "torch.optim.SGD": ("sgd", ""),
     "bitsandbytes.optim.AdamW8bit": ("adamw8bit", ""), "bitsandbytes.optim.Adam8bit": ("adam8bit", ""),
     "bitsandbytes.optim.PagedAdamW8bit": ("paged-adamw8bit", ""),
-    "bitsandbytes.optim.PagedAdamW": ("paged-adamw32bit", ""), "bitsandbytes.optim.PagedAdamW32bit": ("paged-adamw32bit", ""),
+    "bitsandbytes.optim.PagedAdamW": ("paged-adamw32bit", ""),
+    "bitsandbytes.optim.PagedAdamW32bit": ("paged-adamw32bit", ""),
     "torchao.optim.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.optim.AdamW4bit": ("torchao-adamw4bit", ""),
     # torchao < 0.11 kept them under prototype (transformers' _get_torchao_optimizer imports either)
     "torchao.prototype.low_bit_optim.AdamW8bit": ("torchao-adamw8bit", ""),

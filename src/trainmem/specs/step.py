@@ -83,6 +83,10 @@ _PRECISION = {
 }
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+#: optimizer -> its states, for tensors large enough to quantize (estimate/state_items.py)
+_LOW_BIT_STATES = {"adam8bit": "8-bit blockwise", "adamw8bit": "8-bit blockwise",
+                   "paged-adamw8bit": "paged 8-bit blockwise", "paged-adamw32bit": "paged fp32", "torchao-adamw8bit": "8-bit blockwise",
+                   "torchao-adamw4bit": "4-bit blockwise"}
 
 
 def describe_precision(name: str) -> str:
@@ -145,7 +149,14 @@ class StepSpec:
 
     @property
     def precision_description(self) -> str:
-        return describe_precision(self.precision)
+        """:func:`describe_precision`, with a low-bit optimizer's own state layout in place of the
+        recipe's state dtype (bitsandbytes and torchao keep their states whatever the recipe says)."""
+        text = describe_precision(self.precision)
+        states = _LOW_BIT_STATES.get(self.optimizer)
+        if states is None:
+            return text
+        return text.replace(f"{_SHORT[self.dtypes.state]} optimizer states",
+                            f"{states} optimizer states ({self.optimizer})")
 
     @property
     def dtypes(self) -> Precision:
