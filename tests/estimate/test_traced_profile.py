@@ -56,6 +56,8 @@ RULED = {  # families with hand-written hf rules
     "llama": dict(model_type="llama", **SMALL),
     "qwen2": dict(model_type="qwen2", **SMALL),
     "mistral": dict(model_type="mistral", **SMALL),
+    # S=32 past a 16-token window: fitted at S = 24, 32, 40 (held out 56), the regime past the window
+    "mistral_swa": dict(model_type="mistral", **SMALL, sliding_window=16),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=500, n_positions=128,
                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
 }
