@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainmem.errors import SpecError
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.graph import Graph
 from trainmem.inventory import Inventory, MemoryItem
@@ -43,8 +44,11 @@ def _forward(impl: ImplSpec):
         from trainmem.estimate.rules_hf import hf_forward as forward
     elif impl.profile == "reference":
         from trainmem.estimate.rules_reference import reference_forward as forward
-    else:
+    elif impl.profile == "megatron":
         from trainmem.estimate.rules_megatron import megatron_forward as forward
+    else:  # traced: no rules to run; estimate() reads the saved set off the trace (estimate/traced)
+        raise SpecError("profile", impl.profile, "has no per-block rules: its activations come from "
+                                                 "estimate() on one device (estimate/traced)")
     return forward
 
 
