@@ -174,6 +174,10 @@ def test_refusals_name_the_field():
         ImplSpec(float8="rowwise", float8_all_gather=True)
     with pytest.raises(SpecError, match="compile=True"):
         ImplSpec(float8="tensorwise", compile=True)
+
+
+@pytest.mark.slow  # builds a Hugging Face model (seconds)
+def test_trace_refuses_the_fp8_all_gather():
     with pytest.raises(UnsupportedError, match="one device"):
         trace_step(TRACE, StepSpec(batch=1, seq=16, precision="bf16"),
                    ImplSpec(float8="tensorwise", float8_all_gather=True))
