@@ -10,15 +10,30 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
+from trainmem.specs.layer_kind import LayerKind
 
-__all__ = ["resolve_kernel", "attention_core"]
+__all__ = ["resolve_kernel", "attention_core", "window_mask"]
 
 
-def resolve_kernel(ctx: Ctx) -> str:
+def window_mask(ctx: Ctx, kind: LayerKind) -> bool:
+    """Whether transformers hands SDPA an explicit (B, 1, S, S) mask for a block of this kind.
+
+    A sliding or chunked layer gets one once the keys reach the window
+    (``masking_utils._ignore_causal_mask_sdpa``: no skip when ``kv_length >= local_attention_size``);
+    a full layer relies on ``is_causal``. FlashAttention-2 (``--attention flash`` on CUDA) takes the
+    window as ``window_size`` and no mask (``modeling_flash_attention_utils``)."""
+    if kind.attention not in ("sliding", "chunked") or ctx.S < kind.window:
+        return False
+    return ctx.impl.attention != "flash" or ctx.impl.device == "cpu"
+
+
+def resolve_kernel(ctx: Ctx, masked: bool = False) -> str:
     """Which kernel ``impl.attention`` runs on ``impl.device`` for this model and precision.
 
     Follows PyTorch's SDPA dispatcher: on CUDA, flash for 16-bit inputs and memory-efficient
     for fp32; on CPU, the CPU flash kernel, except with dropout, where only math supports it.
+    ``masked``: an explicit mask (:func:`window_mask`); CUDA's flash kernel takes none
+    (``sdp_utils.cpp`` ``check_for_attn_mask``), so SDPA picks memory-efficient there.
     """
     kind, impl, m = ctx.impl.attention, ctx.impl, ctx.model
     if kind == "eager":
@@ -33,14 +48,14 @@ def resolve_kernel(ctx: Ctx) -> str:
     if impl.device == "cpu":
         return "math" if m.attn_dropout > 0 else "flash"
     compute = ctx.low or ctx.param
-    if compute == "float32" or m.head_dim > 256:
+    if compute == "float32" or m.head_dim > 256 or masked:
         return "efficient"
     return "flash"
 
 
 def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
                    softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False,
-                   q_copy: bool = False) -> Sym:
+                   q_copy: bool = False, masked: bool = False) -> Sym:
     """Run one attention core inside the current module scope.
 
     ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
@@ -51,7 +66,13 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     made contiguous (RoPE by ``torch.cat``), so ``transpose(1, 2).contiguous()`` copies it.
     ``q_copy``: ``q`` is a strided view (GPT-2's split of the fused QKV output); bmm reshapes it
     into a heads-wide copy, which is what eager attention keeps.
+    ``masked``: SDPA gets an explicit mask (:func:`window_mask`). transformers then repeats K/V
+    (``sdpa_attention.use_gqa_in_sdpa`` is False with a mask), and SDPA turns the boolean mask into
+    an additive one in the query's dtype on every call (``attention.cpp``
+    ``convert_boolean_attn_mask``), which the fused kernels keep for backward: (B, 1, S, S) per layer.
     """
+    if masked:
+        gqa_native = False
     g, m = ctx.graph, ctx.model
     B, S, A, hd = ctx.B, ctx.S, m.num_heads, m.head_dim
     rg = q.requires_grad or k.requires_grad or v.requires_grad
@@ -78,6 +99,8 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
             s32 = -(-S // 32) * 32
             lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32", op=op)
         g.save(q, k, v, out, lse, when=rg)
+        if masked:
+            g.save(g.new("attn_mask", (B, 1, S, S), ("B", "1", "S", "S"), q.dtype, False, op=op), when=rg)
         if m.attn_dropout > 0 and ctx.impl.device == "cuda":
             g.save(g.new("rng_state", (2,), ("2",), "int64", False, op=op), when=rg)
         if out_copy:

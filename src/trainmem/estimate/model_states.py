@@ -51,9 +51,9 @@ def model_state_inventory(model: ModelSpec, step: StepSpec, profile: str = "hf")
 def _two_block_shapes(model: ModelSpec, profile: str) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter shapes of the same model cut to two blocks: everything outside the blocks and
     one block's worth, whatever the depth (blocks are alike; :func:`_block_prefix` checks)."""
-    if model.num_layers <= 2:
+    if model.num_layers <= 2 or not model.uniform:  # blocks of several kinds: every block's own
         return parameter_shapes(model, profile)
-    return parameter_shapes(replace(model, num_layers=2), profile)
+    return parameter_shapes(replace(model, num_layers=2, layer_kinds=model.layer_kinds[:2]), profile)
 
 
 def _block_prefix(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[str | None, int]:

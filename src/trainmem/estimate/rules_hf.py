@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from trainmem.estimate.attention import attention_core, resolve_kernel
+from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.families import BlockRules, family_of, token_embedding_modules
@@ -33,22 +33,31 @@ def _rules(ctx: Ctx) -> BlockRules:
 
 
 def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
-    """Run the blocks ``{prefix}0``, ``{prefix}1``, ... When every block is alike (same
-    recompute), blocks 2.. repeat block 1 -- which, unlike block 0, reads another block's output --
-    and are recorded as a template instead of being simulated again."""
-    g, n = ctx.graph, ctx.model.num_layers
-    uniform = ctx.replicate and ctx.impl.recompute != "every-k" and n > 3
-    template: list[Sym] = []
+    """Run the blocks ``{prefix}0``, ``{prefix}1``, ... keeping ONE template per layer kind
+    (``ModelSpec.kinds``): the first block of a kind after block 0 (which, unlike block 0, reads
+    another block's output) is simulated; later blocks of that kind (same recompute) repeat it
+    instead of being simulated again."""
+    g, m = ctx.graph, ctx.model
+    n = m.num_layers
+    replicate = ctx.replicate and ctx.impl.recompute != "every-k" and n > 3
+    templates: dict = {}  # kind -> (source block, kept tensors, its output)
+    copies: dict = {}  # kind -> blocks that repeat its template
     for i in range(n):
-        if uniform and i == 2:
-            g.repeat(template, prefix, 1, range(2, n))
-            name = x.name.replace(f"{prefix}1.", f"{prefix}{n - 1}.", 1)
-            return Sym(name, x.shape, x.dims, x.dtype, x.requires_grad)
+        kind = m.kind(i)
+        if replicate and kind in templates:
+            src, _, out = templates[kind]
+            copies.setdefault(kind, []).append(i)
+            x = Sym(out.name.replace(f"{prefix}{src}.", f"{prefix}{i}.", 1), out.shape, out.dims, out.dtype,
+                    out.requires_grad)
+            continue
         mark = g.mark()
         with g.module(f"{prefix}{i}"):
             x = layer(i, x)
-        if i == 1:
-            template = g.since(mark)
+        if i >= 1:
+            templates[kind] = (i, g.since(mark), x)
+    for kind, dsts in copies.items():
+        src, template, _ = templates[kind]
+        g.repeat(template, prefix, src, dsts)
     return x
 
 
@@ -190,6 +199,8 @@ def _llama(ctx: Ctx) -> None:
     gemma = rules.unit_offset_norm
     x = _embedding(ctx, "model.embed_tokens")
     if rules.scaled_embedding:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
+        # (GemmaTextScaledWordEmbedding.forward: `* self.embed_scale.to(self.weight.dtype)`, a 0-d tensor)
+        g.save(g.new("model.embed_tokens.embed_scale", (), (), x.dtype, False), when=x.requires_grad)
         x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.requires_grad)
     with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
         x = ctx.sp_scatter(x, "out_sp")
@@ -199,11 +210,18 @@ def _llama(ctx: Ctx) -> None:
         sin = g.new("sin", rot, ("1", "S", "hd"), x.dtype, False)
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
+    if ctx.impl.recompute not in ("none", "selective") and kernel != "eager" and any(
+            window_mask(ctx, k) for k in set(m.kinds)):
+        # checkpointed blocks hold the model's boolean sliding-window mask (one, expanded over B:
+        # masking_utils.sdpa_mask builds it from (1, 1, S, S) index arithmetic)
+        held.append(g.new("model.sliding_window_mask", (1, 1, ctx.S, ctx.S), ("1", "1", "S", "S"), "bool", False))
     def layer(i: int, x: Sym) -> Sym:
+        masked = kernel != "eager" and window_mask(ctx, m.kind(i))  # eager adds its mask: nothing kept
+        k_i = resolve_kernel(ctx, masked) if masked else kernel
         if ctx.impl.checkpointed(i):
             with g.checkpoint(x, cos, sin, *held, policy=_policy(ctx)):
-                return _llama_layer(ctx, x, cos, sin, kernel)
-        return _llama_layer(ctx, x, cos, sin, kernel, held)
+                return _llama_layer(ctx, x, cos, sin, k_i, masked=masked)
+        return _llama_layer(ctx, x, cos, sin, k_i, held, masked=masked)
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
@@ -213,7 +231,8 @@ def _llama(ctx: Ctx) -> None:
     _loss(ctx, logits)
 
 
-def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = ()) -> Sym:
+def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
+                 masked: bool = False) -> Sym:
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
@@ -244,7 +263,7 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
         gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
-                               softcap=m.attn_softcap, out_copy=rules.fused_qkv)
+                               softcap=m.attn_softcap, out_copy=rules.fused_qkv, masked=masked)
         with g.module("o_proj"):
             a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
     if rules.sandwich_norms:

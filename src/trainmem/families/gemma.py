@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
 from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import from_layer_types
 from trainmem.families.llama import llama_family, llama_parameters
 
 
@@ -12,8 +13,18 @@ def _read_gemma(c: ConfigReader) -> dict:
     return llama_like(c)
 
 
+def _alternating(c: ConfigReader) -> list[str]:
+    """``layer_types``, else Gemma2Config.__post_init__'s default: sliding, full, sliding, ..."""
+    types = c("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(c("num_hidden_layers"))]
+    return types
+
+
 def _read_gemma2(c: ConfigReader) -> dict:
-    return {**llama_like(c, act_key="hidden_activation"),
+    window = c("sliding_window")
+    kinds = from_layer_types(c, _alternating(c), window=window) if window else ()
+    return {**llama_like(c, act_key="hidden_activation"), "layer_kinds": kinds,
             "attn_softcap": float(c("attn_logit_softcapping") or 0.0),
             "logit_softcap": float(c("final_logit_softcapping") or 0.0)}
 
@@ -37,6 +48,7 @@ def gemma2() -> Family:
         defaults={"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
-                  "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+                  "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                  "sliding_window": 4096, "layer_types": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True),
         parameters=lambda m: llama_parameters(m, sandwich_norms=True))

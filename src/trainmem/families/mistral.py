@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
 from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import llama_family
 
 __all__ = ["MISTRAL_DEFAULTS"]
@@ -17,9 +18,11 @@ MISTRAL_DEFAULTS = {
 
 
 def _read(c: ConfigReader) -> dict:
-    return llama_like(c, bias_key=None)
+    return {**llama_like(c, bias_key=None), "layer_kinds": uniform_window(c)}
 
 
 @register_family
 def mistral() -> Family:
-    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", defaults=MISTRAL_DEFAULTS, read=_read))
+    # MistralConfig's sliding_window defaults to 4096 (MixtralConfig's to None)
+    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", read=_read,
+                                                defaults={**MISTRAL_DEFAULTS, "sliding_window": 4096}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
 from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import llama_family
 from trainmem.families.mistral import MISTRAL_DEFAULTS
 
@@ -16,6 +17,7 @@ def _read(c: ConfigReader) -> dict:
         **llama_like(c, bias_key=None),
         "num_experts": c("num_local_experts"), "top_k": c("num_experts_per_tok"),
         "expert_ffn_size": c("intermediate_size"),
+        "layer_kinds": tuple({**k, "mlp": "moe"} for k in uniform_window(c)),
     }
 
 
@@ -23,6 +25,6 @@ def _read(c: ConfigReader) -> dict:
 def mixtral() -> Family:
     return llama_family("mixtral", ConfigSchema(
         config_class="MixtralConfig", read=_read,
-        defaults={**MISTRAL_DEFAULTS, "num_experts_per_tok": 2, "num_local_experts": 8},
+        defaults={**MISTRAL_DEFAULTS, "num_experts_per_tok": 2, "num_local_experts": 8, "sliding_window": None},
         aliases={"num_local_experts": "num_experts"},
         required=(*_SIZES, "num_local_experts", "num_experts_per_tok")))

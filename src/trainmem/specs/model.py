@@ -8,8 +8,9 @@ from typing import Literal
 from trainmem.errors import SpecError
 from trainmem.families import family_names, get_family
 from trainmem.specs import _validate as v
+from trainmem.specs.layer_kind import LayerKind, as_layer_kind, fit_kinds
 
-__all__ = ["ModelSpec", "FAMILIES", "ACTIVATIONS", "NORMS", "HEADS"]
+__all__ = ["ModelSpec", "LayerKind", "FAMILIES", "ACTIVATIONS", "NORMS", "HEADS"]
 
 #: Code families whose module structure (and so saved set) the ``hf`` profile knows: the
 #: registered ones (``trainmem/families/``, one module each).
@@ -96,6 +97,22 @@ class ModelSpec:
     classifier_dropout: float | None = None
     """Dropout before a classification head (``classifier_dropout``); None: transformers' default
     for the family (BERT: ``hidden_dropout``, decoders' token classifiers: 0.1)."""
+    layer_kinds: tuple[LayerKind, ...] = ()
+    """One :class:`LayerKind` per block where blocks differ (attention full/sliding/chunked/linear
+    with its window, RoPE or not, dense or MoE MLP); empty: every block is :attr:`default_kind`.
+    A list of another length is cut to ``num_layers`` or grown by its last period (``fit_kinds``)."""
+    q_lora_rank: int = 0
+    """MLA (DeepSeek-V2/V3): rank of the query's low-rank down-projection; 0: a full ``q_proj``."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the joint key/value down-projection; 0: not MLA."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key dims with RoPE (the key's are shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value dims (``head_dim`` is then the q/k head: nope + rope)."""
+    attn_sinks: bool = False
+    """A learned per-head sink logit joins each softmax (gpt-oss ``self_attn.sinks``)."""
 
     def __post_init__(self) -> None:
         v.one_of("family", self.family, family_names())  # the registry now, with families added since import
@@ -159,6 +176,22 @@ class ModelSpec:
         v.positive("num_labels", self.num_labels, maximum=1 << 20)
         if self.classifier_dropout is not None:
             v.probability("classifier_dropout", self.classifier_dropout)
+        self._check_kinds()
+
+    def _check_kinds(self) -> None:
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            v.non_negative(name, getattr(self, name))
+        if self.kv_lora_rank and self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise SpecError("head_dim", self.head_dim, f"must be qk_nope_head_dim + qk_rope_head_dim = "
+                                                       f"{self.qk_nope_head_dim + self.qk_rope_head_dim} under MLA")
+        v.boolean("attn_sinks", self.attn_sinks)
+        if isinstance(self.layer_kinds, (str, bytes)) or not isinstance(self.layer_kinds, (tuple, list)):
+            raise SpecError("layer_kinds", self.layer_kinds, "must be a list of layer kinds, one per block")
+        # a spec cut or grown with replace(num_layers=...) keeps its pattern (fit_kinds)
+        kinds = fit_kinds(tuple(as_layer_kind(k) for k in self.layer_kinds), self.num_layers)
+        object.__setattr__(self, "layer_kinds", kinds)
+        if any(k.mlp == "moe" for k in kinds) and not self.is_moe:
+            raise SpecError("layer_kinds", "moe", "needs num_experts > 0")
 
     # derived sizes ---------------------------------------------------------
     @property
@@ -177,8 +210,29 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def default_kind(self) -> LayerKind:
+        """The kind of every block when :attr:`layer_kinds` is empty: full attention, the spec's MLP."""
+        return LayerKind(mlp="moe" if self.is_moe else "dense")
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """One kind per block (:attr:`layer_kinds`, or :attr:`default_kind` for each)."""
+        return self.layer_kinds or (self.default_kind,) * self.num_layers
+
+    def kind(self, i: int) -> LayerKind:
+        """The kind of block ``i``."""
+        return self.layer_kinds[i] if self.layer_kinds else self.default_kind
+
+    @property
+    def uniform(self) -> bool:
+        """Every block is of one kind."""
+        return len(set(self.layer_kinds)) <= 1
+
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["layer_kinds"] = [k.to_dict() for k in self.layer_kinds]
+        return d
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -1,0 +1,59 @@
+"""Layer kinds from a ``config.json``: which blocks are sliding, chunked or linear, dense or MoE.
+
+Readers return kinds as dicts of :class:`~trainmem.specs.layer_kind.LayerKind` fields (the specs
+import the registry, so the registry does not import the specs); ``ModelSpec`` validates them.
+"""
+
+from __future__ import annotations
+
+from trainmem.errors import UnsupportedError
+from trainmem.families.config import ConfigReader
+
+__all__ = ["uniform_window", "from_layer_types", "kinds_or_empty"]
+
+#: transformers' ``layer_types`` names -> LayerKind.attention
+_ATTENTION = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+              "linear_attention": "linear"}
+
+
+def kinds_or_empty(kinds: list[dict]) -> tuple[dict, ...]:
+    """Kinds that are all the default (full attention, RoPE, the spec's MLP) need not be written."""
+    plain = all(k.get("attention", "full") == "full" and k.get("rope", True) for k in kinds)
+    return () if plain and len({k.get("mlp") for k in kinds}) <= 1 else tuple(kinds)
+
+
+def uniform_window(c: ConfigReader, key: str = "sliding_window") -> tuple[dict, ...]:
+    """Every block slides over ``config[key]`` keys (Mistral, Mixtral, Phi-3: one mask for all
+    blocks, ``create_sliding_window_causal_mask`` when the key is not None); none when it is None."""
+    window = c(key)
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedError(f"{c.model_type} {key}={window!r}: expected a positive number of tokens or null")
+    return tuple({"attention": "sliding", "window": window} for _ in range(c("num_hidden_layers")))
+
+
+def from_layer_types(c: ConfigReader, types: list, *, window: int | None, chunk: int | None = None,
+                     moe: list[bool] | None = None, rope: list[bool] | None = None) -> tuple[dict, ...]:
+    """Kinds from transformers' per-block ``layer_types`` (``full_attention``, ``sliding_attention``,
+    ``chunked_attention``, ``linear_attention``), with each block's MLP and RoPE where they differ."""
+    L = c("num_hidden_layers")
+    if not isinstance(types, (list, tuple)) or len(types) < L:
+        raise UnsupportedError(f"{c.model_type} layer_types={types!r}: expected one entry per block ({L})")
+    out = []
+    for i, t in enumerate(types[:L]):
+        att = _ATTENTION.get(t)
+        if att is None:
+            raise UnsupportedError(f"{c.model_type} layer_types[{i}]={t!r} is not modelled "
+                                   f"(supported: {', '.join(_ATTENTION)})")
+        kind: dict = {"attention": att}
+        if att == "sliding":
+            kind["window"] = window
+        elif att == "chunked":
+            kind["window"] = chunk
+        if moe is not None:
+            kind["mlp"] = "moe" if moe[i] else "dense"
+        if rope is not None:
+            kind["rope"] = rope[i]
+        out.append(kind)
+    return tuple(out)
