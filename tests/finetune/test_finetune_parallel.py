@@ -71,8 +71,8 @@ def test_qlora_dequant_temporary_kept_on_every_rank():
     ft = FinetuneSpec(mode="qlora", lora_rank=16)
     nbytes, _ = dequant_transient(model, ft)
     e = estimate(model, STEP, ImplSpec(), ParallelSpec(dp=2), finetune=ft)
-    fwd = next(p for p in e.phases if p.name == "forward")
-    assert fwd.parts.get("dequant_temporary") == nbytes
+    bwd = next(p for p in e.phases if p.name == "backward")
+    assert bwd.parts.get("dequant_temporary") == nbytes
 
 
 @pytest.mark.parametrize("profile", ["reference", "megatron"])

@@ -203,3 +203,17 @@ def test_variant_refusals():
     odd = spec_from_hf_config({**LLAMA, "num_key_value_heads": 2})  # k_proj: 64·128 weights
     with pytest.raises(SpecError, match="torchao-nf4"):
         estimate(odd, step, ImplSpec(), finetune=FinetuneSpec(mode="qlora", quant_impl="torchao-nf4"))
+
+
+def test_dequantized_weights_sit_where_the_4bit_matmuls_run():
+    """Blocks' 4-bit matmuls run in their backward; a 4-bit head's next to the bf16 logits (or their
+    gradient), after the fp32 copies the phase counts are freed or before they exist."""
+    spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=B, seq=S, precision="bf16")
+    e = estimate(spec, step, ImplSpec(device="cpu"), finetune=FinetuneSpec(mode="qlora", quantize_head=True))
+    parts = {p.name: p.parts for p in e.phases}
+    # largest block weight: gate/up/down 256·128·2 = 65536; head 512·128·2 = 131072; logits 2·16·512·2 = 32768
+    assert parts["backward"]["dequant_temporary"] == 65536
+    # forward: head + bf16 logits - (bf16 logits + their fp32 copy) = 131072 + 32768 - 98304
+    assert parts["forward"]["dequant_temporary"] == 65536
+    # loss backward: head + bf16 logits grad - the two fp32 grads (2·2·16·512·4) = 131072 + 32768 - 131072
+    assert parts["backward_start"]["dequant_temporary"] == 32768

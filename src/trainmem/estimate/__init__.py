@@ -16,7 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
-from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.notes import estimate_notes
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
@@ -159,6 +159,6 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         optimizer_in_backward=impl.optimizer_in_backward, working=working,
     )
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
-        ph = with_dequant_transient(ph, *dequant_transient(model, finetune))
+        ph = with_dequant_transient(ph, *dequant_transient(model, finetune), *head_dequant(model, step, finetune))
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,
                     **({"parallel": parallel, "host": host} if offload else {}))

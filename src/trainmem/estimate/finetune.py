@@ -58,7 +58,8 @@ from trainmem.specs.finetune import FinetuneSpec, parse_layer_range
 
 __all__ = [
     "trainable_predicate", "FinetuneLinear", "finetune_state_items", "finetune_optimizer_transient",
-    "adapter_parameters", "dequant_transient", "with_dequant_transient", "load_preset", "list_presets",
+    "adapter_parameters", "dequant_transient", "head_dequant", "with_dequant_transient", "load_preset",
+    "list_presets",
 ]
 
 _ADAPTER = (".lora_A.", ".lora_B.")
@@ -332,25 +333,58 @@ def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec, impl=N
 # QLoRA's dequantization temporaries -------------------------------------------------------------------
 
 def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int, str]:
-    """One dequantized base weight at a time (forward, and again for the input gradient in backward):
-    the largest quantized weight in the compute dtype. Zero unless qlora."""
+    """One dequantized base weight at a time, in the compute dtype, while a 4-bit matmul runs in a
+    block (forward, and again for the input gradient in backward): the largest 4-bit block weight.
+    Zero unless qlora. The output head's, when it is 4-bit, is :func:`head_dequant`."""
     if spec is None or spec.mode != "qlora":
         return 0, ""
-    sizes = [(math.prod(s), n) for n, s in parameter_shapes(model) if is_quantized_weight(model, n, s, spec)]
+    sizes = [(math.prod(s), n) for n, s in parameter_shapes(model)
+             if is_quantized_weight(model, n, s, spec) and not _output_layer(_module(n))]
+    if not sizes:
+        return 0, ""
     numel, name = max(sizes)
     b = dtype_bytes(spec.compute_dtype)
     return int(numel * b), f"dequantized {name} (largest 4-bit weight, numel·{b:g})"
 
 
-def with_dequant_transient(phases: list[Phase], nbytes: int, why: str) -> list[Phase]:
-    """Add the dequantization temporary to every phase that runs 4-bit matmuls (forward, backward)."""
-    if not nbytes:
+def head_dequant(model: ModelSpec, step: StepSpec, spec: FinetuneSpec | None) -> tuple[int, int]:
+    """(the 4-bit output head dequantized, the logits it makes): with ``quantize_head`` the head's
+    weight in the compute dtype is alive while the logits (B·S·V in the logits' dtype) are made, and
+    again while their gradient flows back into the hidden state; (0, 0) otherwise."""
+    if spec is None or not spec.quantize_head:
+        return 0, 0
+    head = sum(int(math.prod(s) * dtype_bytes(spec.compute_dtype)) for n, s in parameter_shapes(model)
+               if _output_layer(_module(n)) and is_quantized_weight(model, n, s, spec))
+    d = step.dtypes
+    logits = step.batch * step.seq * model.vocab_size * dtype_bytes(d.activation if d.autocast else d.compute)
+    return head, int(logits) if head else 0
+
+
+def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_bytes: int = 0,
+                           logits_bytes: int = 0) -> list[Phase]:
+    """Add the dequantized weight to the phases that run a 4-bit matmul. Each block's backward
+    holds the largest block weight's (``nbytes``). The end of forward and the loss backward run
+    only the head: with a 4-bit head (``head_bytes``, :func:`head_dequant`) its matmul holds the
+    dequantized head next to the logits or their gradient in the logits' dtype (``logits_bytes``),
+    not next to the fp32 copies the phase counts, which come before or after it; with a 16-bit head
+    the forward phase is at least the largest block matmul's moment (the activations so far, at most
+    all of them, plus ``nbytes``)."""
+    if not nbytes and not head_bytes:
         return phases
     out = []
     for p in phases:
-        if p.name.startswith(("forward", "backward")) and p.name != "backward_end":
-            parts = {**p.parts, "dequant_temporary": nbytes}
-            p = Phase(p.name, p.bytes + nbytes, parts, f"{p.note}; + {why}")
+        if p.name == "forward":
+            add = (max(0, head_bytes + logits_bytes - p.parts.get("logits", 0)) if head_bytes
+                   else max(0, nbytes - p.parts.get("logits", 0)))
+        elif p.name == "backward_start":
+            add = max(0, head_bytes + logits_bytes - p.parts.get("logits_grad", 0)) if head_bytes else 0
+        elif p.name.startswith("backward") and p.name != "backward_end":
+            add = nbytes
+        else:
+            add = 0
+        if add:
+            what = "the dequantized 4-bit head" if p.name in ("forward", "backward_start") and head_bytes else why
+            p = Phase(p.name, p.bytes + add, {**p.parts, "dequant_temporary": add}, f"{p.note}; + {what}")
         out.append(p)
     return out
 
