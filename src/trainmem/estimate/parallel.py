@@ -31,6 +31,7 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
+from trainmem.estimate.fsdp import pp_unsharded_working
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -319,8 +320,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             items, B=lstep.batch, S=lstep.seq, vocab=logits_width(lm),
             logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
-            grad_accum=(step.grad_accum if par.schedule == "gpipe" and par.pp > 1
-                        else max(step.grad_accum, par.microbatches)),
+            grad_accum=(step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3)) and par.pp > 1
+                        else max(step.grad_accum, par.microbatches)),  # FSDP2 under PP: estimate/fsdp.py
             recompute_bytes=recompute,
             optimizer_transient=(tb, rule),
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
@@ -483,6 +484,9 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             # gathered parameters stay from forward to backward, next to their shards
             every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+        if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
+            _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
+                          gpipe=par.schedule == "gpipe")
     if par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
         every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
@@ -496,3 +500,30 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         if r.stage < r.last:
             every("pp_recv_gradients", count * one)
     return persistent, working
+
+
+def _pp_unsharded(working: dict[str, dict[str, int]], stage_params: list[MemoryItem], grad_bytes: dict[str, int],
+                  tp_div: dict[str, int], gathered, reshard_after_forward: bool, *, gpipe: bool) -> None:
+    """FSDP2 under torch.distributed.pipelining (estimate/fsdp.py): no reduce-scatter until the
+    last micro-batch's backward is done; unsharded gradients (and gathered blocks) kept until then."""
+    block_grads: dict[int, float] = {}
+    block_params: dict[int, float] = {}
+    root = first = 0.0
+    for i in stage_params:
+        li = layer_index(i.name)
+        g = grad_bytes.get(i.name, 0) / tp_div[i.name]
+        if li is None:
+            root += g
+            first += g if is_token_embedding(i.name) else 0
+        else:
+            block_grads[li] = block_grads.get(li, 0) + g
+            block_params[li] = block_params.get(li, 0) + math.prod(i.shape) / tp_div[i.name] * gathered(i)
+    working["backward_first_block"] = dict(working["backward"])
+    for ph in ("backward", "backward_first_block"):
+        working[ph].pop("fsdp_reduce_scatter", None)
+    extra = pp_unsharded_working(block_grads=block_grads, root_grads=root, first_grads=first,
+                                 block_params=block_params, gpipe=gpipe, reshard_after_forward=reshard_after_forward)
+    for ph, parts in extra.items():
+        if "fsdp_pp_unsharded_params" in parts:
+            working[ph].pop("fsdp_allgather", None)
+        working[ph].update({k: int(v) for k, v in parts.items()})

@@ -89,9 +89,11 @@ def add_parser(subparsers) -> None:
                    help="values are multiples of this (seq 64, batch 1)")
     s.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     s.add_argument("--plot", metavar="FILE", help="memory against the swept value with the fits (.png or .svg)")
-    from trainmem.cliargs import add_finetune_args, add_optimizer_args, add_parallel_args, add_routing_arg
+    from trainmem.cliargs import (add_finetune_args, add_float8_args, add_optimizer_args, add_parallel_args,
+                                  add_routing_arg)
     add_routing_arg(s)
     add_optimizer_args(s)
+    add_float8_args(s)
     add_parallel_args(s)  # the estimate back-end: per-rank peaks, as estimate reports them
     add_finetune_args(s)
     s.set_defaults(func=run_sweep)

@@ -15,7 +15,9 @@ three steps (AdamW ``foreach=True``, ``zero_grad(set_to_none=True)``) and measur
 
 Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer and root),
 ``tp`` (DTensor ``parallelize_module``, optional sequence parallel), ``pp``
-(``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B).
+(``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B; with ``pp_dp`` > 1 the
+ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
+PP + FSDP: the schedule keeps unsharded gradients until the last micro-batch).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 reshard_after_forward=True,     # fsdp
                 mp_param_dtype=None,            # fsdp: "bf16" -> MixedPrecisionPolicy(bf16, reduce fp32)
                 sp=False,                       # tp
-                schedule="gpipe", microbatches=4)  # pp; batch is the micro-batch size
+                schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
+                pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
 
 
 def _dtype(precision: str):
@@ -149,7 +152,8 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     loss_fn = lambda logits, labels: hf_loss(logits, labels, vocab_size=V)  # noqa: E731
     extra: dict = {}
     buckets: dict[int, object] = {}
-    data_rank = rank if strategy in ("ddp", "fsdp") else 0
+    pp_dp = sc["pp_dp"] if strategy == "pp" else 1
+    data_rank = rank if strategy in ("ddp", "fsdp") else rank % pp_dp
     gen = torch.Generator().manual_seed(1000 + data_rank)
     nmb = sc["microbatches"] if strategy == "pp" else 1
     ids = torch.randint(0, V, (B * nmb, S), generator=gen)
@@ -191,16 +195,26 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     if strategy == "pp":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage_mod = _pipeline_stage_module(model, rank, world)
+        npp, pp_rank, pp_group = world // pp_dp, rank // pp_dp, None
+        stage_mod = _pipeline_stage_module(model, pp_rank, npp)
         del model
         model = stage_mod
-        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+        if pp_dp > 1:  # torchtitan's apply_fsdp on each stage: every block, then the stage as root
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (npp, pp_dp), mesh_dim_names=("pp", "dp"))
+            pp_group = mesh["pp"].get_group()
+            for layer in stage_mod.layers:
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
+            fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
+        stage = PipelineStage(stage_mod, pp_rank, npp, torch.device("cpu"), group=pp_group)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sc["schedule"]]
         sched = cls(stage, n_microbatches=nmb, loss_fn=loss_fn)
-        last = rank == world - 1
+        last = pp_rank == npp - 1
 
         def forward_backward():
-            if rank == 0:
+            if pp_rank == 0:
                 sched.step(ids)
             elif last:
                 sched.step(target=ids, losses=[])
@@ -281,11 +295,11 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     # saved activations of one micro-batch forward + loss, outside the schedule
     if strategy == "pp":
         mb = ids[:B].clone()  # the schedule's micro-batches are views of ``ids``: count one micro-batch
-        if rank == 0:
+        if pp_rank == 0:
             fwd = lambda: stage_mod(mb)  # noqa: E731
         else:
             h = torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
-            fwd = (lambda: loss_fn(stage_mod(h), mb)) if rank == world - 1 else (lambda: stage_mod(h))
+            fwd = (lambda: loss_fn(stage_mod(h), mb)) if last else (lambda: stage_mod(h))
     else:
         fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
     with loss_context():
@@ -298,6 +312,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
     return {
         "rank": rank, "world_size": world, "scenario": sc,
+        "pp_stage": rank // pp_dp if strategy == "pp" else None,
         "activation_bytes": saved.total_bytes,
         "activation_items": sorted(saved.items, key=lambda i: -i["nbytes"]),
         "states_bytes": states,

@@ -159,9 +159,11 @@ def add_parser(subparsers) -> None:
     a.add_argument("--max-changes", type=_positive_int("--max-changes"), default=DEFAULT_MAX_CHANGES,
                    help=f"changes combined in one configuration (default {DEFAULT_MAX_CHANGES})")
     a.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.advise/2)")
-    from trainmem.cliargs import add_finetune_args, add_optimizer_args, add_parallel_args, add_routing_arg
+    from trainmem.cliargs import (add_finetune_args, add_float8_args, add_optimizer_args, add_parallel_args,
+                                  add_routing_arg)
     add_routing_arg(a)
     add_optimizer_args(a)
+    add_float8_args(a)
     add_parallel_args(a)
     add_finetune_args(a)
     a.set_defaults(func=run_advise)
