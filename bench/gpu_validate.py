@@ -6,7 +6,8 @@
 Runs trainmem's reference model and a Hugging Face Llama, two layers each (Llama-2-7B widths),
 over eager vs flash attention at sequence 1k, 2k, 4k and 8k (bf16, no recompute), then
 recompute full and AMP bf16 at 4k, then the low-bit optimizers on the Hugging Face model at 4k
-(flash, bf16: adamw8bit, paged-adamw8bit, torchao-adamw8bit/4bit; docs/optimizers.md). For the paged
+(flash, bf16: adamw8bit, paged-adamw8bit, torchao-adamw8bit/4bit; docs/optimizers.md), then torchao
+Float8 training at 4k (bf16 and amp-bf16 x tensorwise and rowwise; docs/float8.md). For the paged
 one the allocated peak must leave its paged states out (``estimate_paged_bytes`` beside it); torchao's
 rows have no trace (the tracer refuses it). For each run: the estimate (``ImplSpec(device="cuda")``),
 the trace (fake tensors), the measured allocated and reserved peaks (the allocator's own
@@ -60,6 +61,12 @@ def plan(cpu: bool) -> list[dict]:
     for optimizer in CPU_OPTIMIZERS if cpu else GPU_OPTIMIZERS:
         runs.append(dict(model="hf", attention="sdpa" if cpu else "flash", recompute="none", precision="bf16",
                          seq=toggle_seq, optimizer=optimizer))
+    # Float8 (docs/float8.md): torchao's conversion on the Hugging Face model; on CPU bf16 only (CPU
+    # autocast alone does not make Float8Linear cast its input, CUDA's does)
+    for precision in ("bf16",) if cpu else ("bf16", "amp-bf16"):
+        for recipe in ("tensorwise",) if cpu else ("tensorwise", "rowwise"):
+            runs.append(dict(model="hf", attention="sdpa" if cpu else "flash", recompute="none",
+                             precision=precision, seq=toggle_seq, float8=recipe))
     for r in runs:
         r["config"] = config
     return runs
@@ -73,7 +80,8 @@ def run_one(r: dict, device: str) -> dict:
     spec = spec_from_hf_config(r["config"], name="llama-2-7b-2L" if r["config"]["vocab_size"] > 1000 else "tiny")
     step = StepSpec(batch=1, seq=r["seq"], precision=r["precision"], optimizer=r.get("optimizer", "adamw"))
     # the kernels modelled are the device's own (the brief's GPU rows: device="cuda")
-    impl = ImplSpec(profile=r["model"], attention=r["attention"], recompute=r["recompute"], device=device)
+    impl = ImplSpec(profile=r["model"], attention=r["attention"], recompute=r["recompute"], device=device,
+                    float8=r.get("float8", "none"))
     source = spec if r["model"] == "reference" else r["config"]
     row = {k: v for k, v in r.items() if k != "config"}
     e = estimate(spec, step, impl)
@@ -122,7 +130,7 @@ def render(rows: list[dict], header: dict) -> str:
     for r in rows:
         tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
         name = r.get("optimizer", "adamw")
-        suffix = "" if name == "adamw" else f" {name}"
+        suffix = ("" if name == "adamw" else f" {name}") + (f" float8 {r['float8']}" if r.get("float8") else "")
         paged = f" (+{b(r['estimate_paged_bytes'])} paged)" if r.get("estimate_paged_bytes") else ""
         out.append(f"| {r['model']} | {r['attention']} | {r['recompute']} | {r['precision']}"
                    f"{suffix} | {r['seq']} | "

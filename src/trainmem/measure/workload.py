@@ -205,6 +205,9 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
     model.train()
     if not reference:
         _enable_recompute(model, impl)
+    if impl.float8 != "none":  # torchao's conversion, as the tracer applies it (trace/float8.py)
+        from trainmem.trace.float8 import convert_float8
+        convert_float8(model, impl)
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
