@@ -45,7 +45,7 @@ from functools import lru_cache
 from trainmem.errors import UnsupportedError
 from trainmem.families import get_family
 
-__all__ = ["TASK_HEADS", "converted", "converted_parameters", "describe", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
+__all__ = ["TASK_HEADS", "converted", "converted_parameters", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
            "is_linear_module"]
 
 TASK_HEADS = ("score", "classifier")
@@ -118,13 +118,6 @@ def gathered_bytes_per_element(impl, model, weight_path: str, weight: tuple[int,
     if impl.float8_all_gather and converted(model, weight_path, weight):
         return 1
     return compute_bytes
-
-
-def describe(impl) -> str:
-    """The headers' words for Float8 (empty without it), e.g. `` float8=tensorwise (fp8 all-gather)``."""
-    if impl.float8 == "none":
-        return ""
-    return f" float8={impl.float8}" + (" (fp8 all-gather)" if impl.float8_all_gather else "")
 
 
 @lru_cache(maxsize=64)

@@ -19,7 +19,6 @@ _IDX = re.compile(r"\.(\d+)\.")
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
-    from trainmem.estimate.float8 import describe as describe_float8
     from trainmem.report.tree import head_note
     if getattr(e, "serving", None) is not None:  # --mode inference: serving settings only
         from trainmem.report.inference_text import render_inference
@@ -32,7 +31,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         f"optimizer={s.optimizer} loss={s.loss}",
         f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "
         f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}"
-        f"{' torch.compile (saved set: docs/compile.md)' if im.compile else ''}{describe_float8(im)}",
+        f"{' torch.compile (saved set: docs/compile.md)' if im.compile else ''}{im.float8_words()}",
         f"precision: {s.precision_description}",
         "",
         "Ledgers (logical bytes)",

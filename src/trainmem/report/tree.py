@@ -130,14 +130,13 @@ def head_note(m) -> str:
 
 
 def _headline(e: Estimate) -> str:
-    from trainmem.estimate.float8 import describe as describe_float8
     m, s, im = e.model, e.step, e.impl
     if getattr(e, "serving", None) is not None:
         from trainmem.report.inference_text import serving_settings
         return f"{m.name}: L={m.num_layers} H={m.hidden_size} · {serving_settings(e)}"
     return (f"{m.name}: L={m.num_layers} H={m.hidden_size}{head_note(m)} · B={s.batch} S={s.seq} {s.precision} "
             f"{s.optimizer}"
-            f" · attention={im.attention} recompute={im.recompute} profile={im.profile}{describe_float8(im)}")
+            f" · attention={im.attention} recompute={im.recompute} profile={im.profile}{im.float8_words()}")
 
 
 def render_summary(e: Estimate) -> str:

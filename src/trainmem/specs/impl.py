@@ -127,6 +127,12 @@ class ImplSpec:
             raise SpecError("float8", self.float8, "with compile=True is not modelled: Float8 is modelled in "
                             "eager mode")
 
+    def float8_words(self) -> str:
+        """The headers' words for Float8 (empty without it), e.g. `` float8=tensorwise (fp8 all-gather)``."""
+        if self.float8 == "none":
+            return ""
+        return f" float8={self.float8}" + (" (fp8 all-gather)" if self.float8_all_gather else "")
+
     def checkpointed(self, layer: int) -> bool:
         """Whether block ``layer`` runs under activation checkpointing (under ``op`` with a policy
         that keeps some op outputs)."""
