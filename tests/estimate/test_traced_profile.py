@@ -68,6 +68,11 @@ UNRULED = {  # no hand-written rules: only the trace knows them
     "starcoder2": dict(model_type="starcoder2", **SMALL),
     "qwen3_moe": dict(model_type="qwen3_moe", **{**SMALL, "moe_intermediate_size": 32}, num_experts=4,
                       num_experts_per_tok=2, head_dim=16),
+    "phi": dict(model_type="phi", **{k: v for k, v in SMALL.items() if k != "num_key_value_heads"}, resid_pdrop=0.0,
+                embd_pdrop=0.0),
+    "falcon": dict(model_type="falcon", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=500),
+    "roberta": dict(model_type="roberta", **{k: v for k, v in SMALL.items() if k != "num_key_value_heads"},
+                    max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),  # MLM
     # layer kinds: dense blocks 0 and 3 (mlp_only_layers), MoE blocks 1, 2, 4, the last block 5
     "qwen3_moe_mixed": dict(model_type="qwen3_moe", **{**SMALL, "moe_intermediate_size": 32, "num_hidden_layers": 6},
                             num_experts=4, num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0, 3]),
