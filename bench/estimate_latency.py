@@ -14,7 +14,8 @@ from pathlib import Path
 
 from trainmem.estimate import estimate
 from trainmem.specs import ImplSpec, StepSpec
-from trainmem.specs.loaders import list_presets, load_model
+from trainmem.specs.loaders import load_model
+from trainmem.specs.presets import estimated_presets
 
 
 def median_ms(fn, repeat: int = 21) -> float:
@@ -30,7 +31,7 @@ def median_ms(fn, repeat: int = 21) -> float:
 def main() -> int:
     impl = ImplSpec()
     rows = []
-    for name in list_presets():
+    for name in estimated_presets():  # the hf rules; --profile traced: bench/traced_profile.py
         model = load_model(name)
         step = StepSpec(batch=1, seq=min(4096, model.max_positions or 4096), precision="bf16")
         rows.append((name, model.num_layers, median_ms(lambda: estimate(model, step, impl)),

@@ -72,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     snp.add_argument("--top", type=_int("top"), default=10, help="largest allocations to list (default 10)")
     snp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.snapshot/2)")
     snp.set_defaults(func=_snapshot)
-    pre = sub.add_parser("presets", help="list bundled model presets")
+    pre = sub.add_parser("presets", help="list bundled model presets: engine, parameters (total, active per token)")
+    pre.add_argument("--count", action="store_true",
+                     help="also count presets the estimator does not map, from transformers' model on the meta "
+                          "device (needs torch and transformers; seconds)")
+    pre.add_argument("--sources", action="store_true",
+                     help="also print where each preset's config.json was read from (its _source)")
     pre.set_defaults(func=_presets)
     for name in PLUGGED:
         try:
@@ -214,9 +219,10 @@ def _render_snapshot(path: str, s) -> str:
 
 
 def _presets(args) -> int:
-    from trainmem.specs.loaders import list_presets
+    from trainmem.report.presets_text import render_presets
+    from trainmem.specs.presets import preset_infos
 
-    print("\n".join(list_presets()))
+    print(render_presets(preset_infos(count_meta=args.count), sources=args.sources))
     return 0
 
 

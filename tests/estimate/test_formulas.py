@@ -21,7 +21,8 @@ from trainmem.estimate.symbols import evaluate, symbol_values
 from trainmem.inventory import Category, dtype_bytes
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
-from trainmem.specs.loaders import list_presets, load_model
+from trainmem.specs.loaders import load_model
+from trainmem.specs.presets import estimated_presets
 
 B, S = 2, 48  # S not a multiple of 32: the padded log-sum-exp (⌈S/32⌉·32) is exercised
 CHECKED = (Category.ACTIVATION, Category.KV_CACHE)
@@ -77,7 +78,7 @@ def _assert_all(items, values) -> None:
     assert not bad, f"{len(bad)} items disagree, e.g.\n" + "\n".join(bad[:15])
 
 
-@pytest.mark.parametrize("preset", list_presets())
+@pytest.mark.parametrize("preset", estimated_presets())  # the rest: --profile traced (test_presets.py)
 @pytest.mark.parametrize("profile", list(IMPLS))
 def test_every_formula_is_its_items_bytes(preset, profile):
     model = load_model(preset)

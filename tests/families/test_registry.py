@@ -14,7 +14,8 @@ from trainmem.estimate.params import parameter_shapes
 from trainmem.families import base
 from trainmem.names import as_block, is_embedding, is_head, is_token_embedding, layer_index, layer_of, split_block
 from trainmem.specs import ModelSpec
-from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, list_presets, load_model, spec_from_hf_config
+from trainmem.specs.loaders import SUPPORTED_MODEL_TYPES, load_model, spec_from_hf_config
+from trainmem.specs.presets import estimated_presets
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "trainmem"
 
@@ -47,7 +48,7 @@ def test_an_unknown_family_names_the_known_ones():
         ModelSpec(family="gpt5", hidden_size=64, num_layers=2, num_heads=4, ffn_size=128, vocab_size=100)
 
 
-@pytest.mark.parametrize("preset", list_presets())
+@pytest.mark.parametrize("preset", estimated_presets())  # the presets the estimator maps
 def test_every_preset_resolves_through_the_registry(preset):
     m = load_model(preset)
     fam = F.family_of(m)

@@ -196,8 +196,9 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str = "custom") -> ModelSp
     if family is None:
         remote = " (it has auto_map, but trainmem never runs remote code)" if "auto_map" in cfg else ""
         raise UnsupportedError(
-            f"{name}: model_type={model_type!r} is not supported{remote}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{name}: model_type={model_type!r} is not supported{remote} by the estimator's hf rules "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); `trainmem estimate --profile traced` (one device) "
+            f"and `trainmem trace` build it from transformers instead"
         )
     fields = family.config.read(ConfigReader(cfg, model_type, family.config))
     return ModelSpec(name=name, family=family.name, **fields, **_task_head(cfg))
