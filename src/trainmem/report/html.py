@@ -36,16 +36,31 @@ COLORS = {
     "master_weight": "#b07aa1", "master_weights": "#b07aa1",
     "optimizer_state": "#e15759", "optimizer_states": "#e15759",
     "activation": "#59a14f", "activations": "#59a14f",
-    "logits": "#edc948", "logits_grad": "#edc948",
+    "logits": "#edc948", "logits_grad": "#b6992d",
     "transient": "#bab0ac", "input": "#9c755f", "kv_cache": "#76b7b2",
     "unattributed": "#333333", "host": "#d4a6c8",
 }
-_EXTRA = ("#76b7b2", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#8cd17d", "#f1ce63", "#a0cbe8")
+_EXTRA = ("#76b7b2", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#8cd17d", "#f1ce63", "#a0cbe8", "#ffbe7d",
+          "#d37295", "#499894", "#79706e", "#d7b5a6", "#fabfd2", "#17becf", "#bcbd22")
 FONT = 'font-family="system-ui, sans-serif"'
 
 
 def color_of(name: str, i: int = 0) -> str:
     return COLORS.get(name, _EXTRA[i % len(_EXTRA)])
+
+
+def palette(names: Sequence[str]) -> dict[str, str]:
+    """One colour per name, no two alike within a chart: a ledger keeps its own colour (``COLORS``),
+    every other name takes the next colour no name uses yet."""
+    out: dict[str, str] = {}
+    for name in names:
+        if name in COLORS and COLORS[name] not in out.values():
+            out[name] = COLORS[name]
+    spare = iter([c for c in (*_EXTRA, *COLORS.values()) if c not in out.values()])
+    for name in names:
+        if name not in out:
+            out[name] = next(spare, "#999999")
+    return out
 
 
 def nice_max(v: float) -> float:
@@ -75,6 +90,7 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], *, mark: str | None
     for _, d in rows:
         parts += [k for k, v in d.items() if v and k not in parts]
     top = nice_max(max([sum(d.values()) for _, d in rows] + [1]))
+    colors = palette(parts)
     left, right, tpad, bottom = 74, 150, 24, 46
     plot_w, plot_h = width - left - right, height - tpad - bottom
     n = max(len(rows), 1)
@@ -99,7 +115,7 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], *, mark: str | None
             h = plot_h * v / top
             y -= h
             out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw:.1f}" height="{max(h, 0.5):.1f}" '
-                       f'fill="{color_of(p, j)}"><title>{_e(label)} · {_e(p)}: {_e(fmt_bytes(v))}</title></rect>')
+                       f'fill="{colors[p]}"><title>{_e(label)} · {_e(p)}: {_e(fmt_bytes(v))}</title></rect>')
         total = sum(d.values())
         ty = tpad + plot_h - plot_h * total / top
         if label == mark:
@@ -109,12 +125,13 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], *, mark: str | None
                        f'font-weight="bold">{_e(mark_label)} {_e(fmt_bytes(total if mark_value is None else mark_value))}</text>')
         if i % label_every:
             continue
-        short = label if len(label) <= 16 else label[:15] + "…"
+        room = max(4, int(slot * label_every // 6.5))  # characters that fit under the bar at 11 px
+        short = label if len(label) <= room else label[:room - 1] + "…"
         out.append(f'<text x="{x + bw / 2:.1f}" y="{tpad + plot_h + 16}" text-anchor="middle">{_e(short)}'
                    f'<title>{_e(label)}: {_e(fmt_bytes(total))}</title></text>')
     for j, p in enumerate(parts):
         y = tpad + 14 * j
-        out.append(f'<rect x="{width - right + 12}" y="{y}" width="10" height="10" fill="{color_of(p, j)}"/>'
+        out.append(f'<rect x="{width - right + 12}" y="{y}" width="10" height="10" fill="{colors[p]}"/>'
                    f'<text x="{width - right + 27}" y="{y + 9}">{_e(p)}</text>')
     out.append("</svg>")
     return "".join(out)
@@ -290,6 +307,20 @@ def _shape(shape) -> str:
     return "×".join(map(str, shape)) if shape else "scalar"
 
 
+def _layout(inputs: dict) -> str:
+    """The parallel layout and the fine-tuning in words: ``tp2 dp4 zero1 · lora r=16``; ``one GPU``."""
+    par, ft = inputs.get("parallel") or {}, inputs.get("finetune") or {}
+    parts = [f"{k}{par[k]}" for k in ("tp", "cp", "ep", "pp", "dp") if (par.get(k) or 1) > 1]
+    parts += [word for key, word in (("sp", "sp"), ("zero", f"zero{par.get('zero')}"), ("fsdp", f"fsdp {par.get('fsdp')}"),
+                                     ("offload", f"offload {','.join(par.get('offload') or ())}")) if par.get(key)]
+    words = " ".join(parts) or "one GPU"
+    if ft.get("mode") in ("lora", "qlora"):
+        words += f" · {ft['mode']} r={ft.get('lora_rank')}"
+    elif ft.get("freeze"):
+        words += f" · frozen {','.join(ft['freeze'])}"
+    return words
+
+
 # estimate -----------------------------------------------------------------------------------------
 
 def _estimate(d: dict, page: _Page) -> None:
@@ -297,7 +328,8 @@ def _estimate(d: dict, page: _Page) -> None:
     m, s, im = inputs.get("model", {}), inputs.get("step", {}), inputs.get("impl", {})
     page.subtitle = (f"{m.get('name', 'model')} · L={m.get('num_layers')} H={m.get('hidden_size')} · "
                      f"B={s.get('batch')} S={s.get('seq')} · {s.get('precision')} · {s.get('optimizer')} · "
-                     f"attention {im.get('attention')} · recompute {im.get('recompute')} · profile {d.get('profile')}")
+                     f"attention {im.get('attention')} · recompute {im.get('recompute')} · profile {d.get('profile')} · "
+                     f"{_layout(inputs)}")
     totals = d.get("totals_bytes", {})
     phases = d.get("phases", [])
     page.card(f"peak ({d.get('peak_phase')})", fmt_bytes(d.get("peak_bytes", 0)), peak=True)
@@ -444,7 +476,8 @@ def _sweep(d: dict, page: _Page) -> None:
     points = sorted((p for p in d.get("points", []) if p.get("peak_bytes") is not None), key=lambda p: p["value"])
     model = ((d.get("inputs") or {}).get("model") or {}).get("name")
     page.subtitle = " · ".join(str(x) for x in (model, f"memory against {over}",
-                                                 d.get("backend") and f"backend {d['backend']}") if x)
+                                                 d.get("backend") and f"backend {d['backend']}",
+                                                 _layout(d.get("inputs") or {})) if x)
     if d.get("max_fit") is not None:
         page.card(f"largest {over} that fits", f"{d['max_fit']:,}", peak=True)
     if d.get("budget_bytes"):
@@ -456,20 +489,27 @@ def _sweep(d: dict, page: _Page) -> None:
     fits = d.get("fit") or {}
     if points:
         xs = [p["value"] for p in points]
-        grid = [xs[0] + (xs[-1] - xs[0]) * k / 60 for k in range(61)]
+        grid = sorted({xs[0] + (xs[-1] - xs[0]) * k / 60 for k in range(61)} | set(xs))  # the points are vertices
         series = []
         ledgers = [k for k in dict.fromkeys(k for p in points for k, v in p.get("totals_bytes", {}).items() if v)]
+        colors = palette(ledgers)
         for j, (name, ys, fit) in enumerate(
                 [("peak", [p["peak_bytes"] for p in points], fits.get("peak"))] +
                 [(k, [p.get("totals_bytes", {}).get(k, 0) for p in points], fits.get("ledgers", {}).get(k))
                  for k in ledgers]):
-            color = "#c00" if name == "peak" else color_of(name, j)
-            a, b, c = _curve(fit, xs, ys)
+            color = "#111" if name == "peak" else colors[name]  # black: no ledger's colour
             exp = f" ~{over}^{fit['exponent']:.2f}" if fit and fit.get("exponent") is not None else ""
             series.append((f"{name}{exp}", xs, ys, color, "points"))
-            series.append(("", grid, [a + b * x + c * x * x for x in grid], color, "dash"))
+            a, b, c = _curve(fit, xs, ys)
+            curve = [a + b * x + c * x * x for x in grid]
+            if name == "peak" or not _through(curve, grid, xs, ys):
+                # the peak is the largest phase, a maximum of polynomials, not one: joined point to point,
+                # as is a ledger its quadratic does not pass through
+                series.append(("", xs, ys, color, "line"))
+            else:
+                series.append(("", grid, curve, color, "dash"))
         if d.get("budget_bytes"):
-            series.append(("budget", [xs[0], xs[-1]], [d["budget_bytes"]] * 2, "#222", "line"))
+            series.append(("budget", [xs[0], xs[-1]], [d["budget_bytes"]] * 2, "#c00", "line"))
         page.section(f"Memory against {over} (points and fitted curves)", line_chart(series, xlabel=over, height=340))
         page.section("Points", table(
             [over, "peak", *ledgers, "fits"],
@@ -486,6 +526,13 @@ def _sweep(d: dict, page: _Page) -> None:
             [[name, "—" if f.get("exponent") is None else f"{f['exponent']:.3f}", _num(f.get("constant")),
               _num(f.get("linear_coef")), _num(f.get("quadratic_coef")), f.get("num_points", "")] for name, f in rows],
             numeric=(1, 2, 3, 4, 5)))
+
+
+def _through(curve: Sequence[float], grid: Sequence[float], xs: Sequence[float], ys: Sequence[float]) -> bool:
+    """Whether the fitted curve passes within 0.5% of the largest value through every point."""
+    at = dict(zip(grid, curve))
+    tol = 0.005 * max(max(ys), 1)
+    return all(abs(at[x] - y) <= tol for x, y in zip(xs, ys))
 
 
 def _num(x: object) -> str:
@@ -565,7 +612,11 @@ def _plan(d: dict, page: _Page) -> None:
 
 def _compare(d: dict, page: _Page) -> None:
     peak, acts = d.get("peak", {}), d.get("activations", {})
-    page.subtitle = "estimate against trace, joined by module"
+    inputs = d.get("inputs") or {}
+    s = inputs.get("step") or {}
+    page.subtitle = " · ".join(str(x) for x in ((inputs.get("model") or {}).get("name"),
+                                                 s.get("batch") and f"B={s['batch']} S={s.get('seq')}", s.get("precision"),
+                                                 "estimate against trace, joined by module", _layout(inputs)) if x)
     for label, side in (("peak", peak), ("activations", acts)):
         if side:
             ratio = side.get("ratio")

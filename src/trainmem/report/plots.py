@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from trainmem.atomic import atomic_path
 from trainmem.errors import ConfigError, PlotDependencyError
 from trainmem.names import layer_of
-from trainmem.report.html import COLORS, as_dict, color_of, fit_quadratic, kind_of
+from trainmem.report.html import COLORS, as_dict, fit_quadratic, kind_of, palette
 from trainmem.report.units import fmt_bytes
 
 __all__ = ["save_plot", "figure_for", "plot_phases", "plot_blocks", "plot_ranks", "plot_scaling",
@@ -59,9 +59,10 @@ def _gib_axis(ax, label: str = "GiB") -> None:
 def _stack(ax, labels: Sequence[str], rows: Sequence[dict[str, int]]) -> None:
     parts = list(dict.fromkeys(k for r in rows for k, v in r.items() if v))
     bottom = [0.0] * len(rows)
-    for j, p in enumerate(parts):
+    colors = palette(parts)
+    for p in parts:
         vals = [r.get(p, 0) / GIB for r in rows]
-        ax.bar(labels, vals, bottom=bottom, color=color_of(p, j), label=p)
+        ax.bar(labels, vals, bottom=bottom, color=colors[p], label=p)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
@@ -130,9 +131,10 @@ def plot_scaling(sweep: Any, ax=None):
     grid = [xs[0] + (xs[-1] - xs[0]) * k / 100 for k in range(101)]
     fits = d.get("fit") or {}
     ledgers = list(dict.fromkeys(k for p in pts for k, v in p.get("totals_bytes", {}).items() if v))
-    curves = [("peak", [p["peak_bytes"] for p in pts], fits.get("peak"), "#c00")]
-    curves += [(k, [p["totals_bytes"].get(k, 0) for p in pts], fits.get("ledgers", {}).get(k), color_of(k, j))
-               for j, k in enumerate(ledgers)]
+    colors = palette(ledgers)
+    curves = [("peak", [p["peak_bytes"] for p in pts], fits.get("peak"), "#111")]  # black: no ledger's colour
+    curves += [(k, [p["totals_bytes"].get(k, 0) for p in pts], fits.get("ledgers", {}).get(k), colors[k])
+               for k in ledgers]
     for name, ys, fit, color in curves:
         if fit and fit.get("constant") is not None and fit.get("linear_coef") is not None:
             a, b, c = fit["constant"], fit["linear_coef"], fit.get("quadratic_coef") or 0.0
@@ -142,9 +144,12 @@ def plot_scaling(sweep: Any, ax=None):
         label = f"{name} ({'quadratic' if quad else 'linear'}"
         label += f", exponent {fit['exponent']:.2f})" if fit and fit.get("exponent") is not None else ")"
         ax.plot(xs, [y / GIB for y in ys], "o", color=color, label=label, markersize=4)
-        ax.plot(grid, [(a + b * x + c * x * x) / GIB for x in grid], "--", color=color, linewidth=1)
+        if name == "peak":  # the largest phase, a maximum of polynomials: joined point to point (report/html.py)
+            ax.plot(xs, [y / GIB for y in ys], "-", color=color, linewidth=1)
+        else:
+            ax.plot(grid, [(a + b * x + c * x * x) / GIB for x in grid], "--", color=color, linewidth=1)
     if d.get("budget_bytes"):
-        ax.axhline(d["budget_bytes"] / GIB, color="#222", linewidth=1, label=f"budget {fmt_bytes(d['budget_bytes'])}")
+        ax.axhline(d["budget_bytes"] / GIB, color="#c00", linewidth=1, label=f"budget {fmt_bytes(d['budget_bytes'])}")
     if d.get("max_fit"):
         ax.axvline(d["max_fit"], color="#2a7f3f", linewidth=1, linestyle=":", label=f"largest that fits: {d['max_fit']:,}")
     ax.set_xlabel({"seq": "sequence length", "batch": "micro-batch"}.get(over, over))
@@ -205,7 +210,7 @@ def plot_timeline(trace: Any, ax=None):
         cx, ys = by_cat
         names = [n for n in COLORS if n in ys] + [n for n in ys if n not in COLORS]
         ax.stackplot(cx, *[[v / GIB for v in ys[n]] for n in names], labels=names,
-                     colors=[color_of(n, j) for j, n in enumerate(names)], alpha=0.85)
+                     colors=[palette(names)[n] for n in names], alpha=0.85)
     elif xs:
         ax.plot(xs, [v / GIB for v in tl["allocated_bytes"]], color="#1f5fbf", label="allocated")
     if xs and tl.get("reserved_bytes"):

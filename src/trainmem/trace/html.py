@@ -9,11 +9,13 @@ import html
 import json
 from pathlib import Path
 
+from trainmem.report.units import fmt_bytes
 from trainmem.trace.result import TraceResult, _downsample
 
 __all__ = ["to_html", "write_html"]
 
 WIDTH, HEIGHT, PAD = 960, 320, 50
+LEFT = 80  # room for the y-axis labels ("123.45 GiB" at 10 px) inside the svg
 PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "step_in_backward": "#eaf7ea",
                 "other": "#f4f4f4"}
 
@@ -29,7 +31,7 @@ def _svg(result: TraceResult) -> str:
     idx = _downsample(alloc, WIDTH)
 
     def x(i: int) -> float:
-        return PAD + (WIDTH - 2 * PAD) * (i / max(n - 1, 1))
+        return LEFT + (WIDTH - LEFT - PAD) * (i / max(n - 1, 1))
 
     def y(v: int) -> float:
         return HEIGHT - PAD + (v / top) * -(HEIGHT - 2 * PAD)
@@ -41,6 +43,9 @@ def _svg(result: TraceResult) -> str:
             parts.append(f'<rect x="{x(start):.1f}" y="{PAD}" width="{max(x(end) - x(start), 0.5):.1f}" '
                          f'height="{HEIGHT - 2 * PAD}" fill="{PHASE_COLORS.get(phase, "#fff")}">'
                          f'<title>{html.escape(phase)}</title></rect>')
+            if x(end) - x(start) >= 8 * len(phase):  # a label only where it fits over its band
+                parts.append(f'<text class="phase" x="{(x(start) + x(end)) / 2:.1f}" y="{PAD - 6}" font-size="11" '
+                             f'text-anchor="middle" fill="#555">{html.escape(phase)}</text>')
     for series, color, name in ((reserved, "#888", "reserved (allocator model)"), (alloc, "#1f5fbf", "allocated")):
         pts = " ".join(f"{x(i):.1f},{y(series[i]):.1f}" for i in idx)
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}">'
@@ -50,8 +55,14 @@ def _svg(result: TraceResult) -> str:
                  f'<title>peak {_mib(result.peak_bytes)} MiB</title></circle>')
     for k in range(5):
         v = top * k / 4
-        parts.append(f'<text x="{PAD - 4}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">'
-                     f'{v / 2**30:.2f} GiB</text>')
+        parts.append(f'<text class="ylabel" x="{LEFT - 6}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">'
+                     f'{fmt_bytes(int(v))}</text>')  # binary units that suit the size
+    kx = LEFT  # a key of the phases, every band named even where its own label does not fit
+    for phase in dict.fromkeys(p for _, p in result.phases):
+        parts.append(f'<rect x="{kx}" y="{HEIGHT - 38}" width="10" height="10" fill="{PHASE_COLORS.get(phase, "#fff")}" '
+                     f'stroke="#bbb"/><text class="phase-key" x="{kx + 14}" y="{HEIGHT - 29}" font-size="11">'
+                     f'{html.escape(phase)}</text>')
+        kx += 14 + 7 * len(phase) + 16
     parts.append(f'<text x="{WIDTH / 2}" y="{HEIGHT - 12}" font-size="11" text-anchor="middle">'
                  f'allocation events (blue: allocated, grey: reserved; bands: phases)</text></svg>')
     return "".join(parts)
@@ -80,6 +91,10 @@ def to_html(result: TraceResult, *, title: str = "trainmem trace") -> str:
     mods = sorted(r.modules, key=lambda m: -max(m.forward_peak_bytes, m.backward_peak_bytes))[:40]
     modrows = [[m.name or "<root>", _mib(m.forward_peak_bytes), _mib(m.backward_peak_bytes)] for m in mods]
     meta = html.escape(json.dumps(r.meta, indent=1, default=str))
+    from trainmem.trace.text import _header_lines
+    header = _header_lines(r.meta)  # what was traced, as the text output says it
+    subtitle = " · ".join([" ".join(x.strip() for x in header if not x.startswith("precision:")).removeprefix("trace: "),
+                           *(x for x in header if x.startswith("precision:"))])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -88,9 +103,11 @@ table {{ border-collapse: collapse; margin: 8px 0 24px; font-size: 13px; }}
 td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; }}
 td:nth-child(n+2) {{ font-variant-numeric: tabular-nums; }}
 pre {{ background: #f6f6f6; padding: 8px; font-size: 12px; }}
+.sub {{ color: #555; margin-top: -8px; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
-{_table(["", ""], summary)}
+<p class="sub">{html.escape(subtitle)}</p>
+{_table(["figure", "value"], summary)}
 <h2>Timeline</h2>
 {_svg(r)}
 <h2>Alive at the peak, by category (MiB)</h2>
