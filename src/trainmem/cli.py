@@ -226,6 +226,19 @@ def _presets(args) -> int:
     return 0
 
 
+def _forget_unhandled_interrupt() -> None:
+    """Let ``python -m trainmem.cli`` exit with 130, not by SIGINT, after a handled Ctrl-C.
+
+    CPython marks a KeyboardInterrupt that leaves code run from a string (builtin exec/eval ->
+    PyRun_StringFlags -> Python/pythonrun.c, run_eval_code_obj) as unhandled, even when a caller
+    catches it later; under ``-m``, Py_RunMain (Modules/main.c) then ends the process by raising
+    SIGINT again (exit_sigint) whatever main() returned. dataclasses and namedtuple build their
+    methods with exec of a string, hundreds of times while torch imports, so a Ctrl-C during the
+    imports ended as exit -2 after the "interrupted" line. Every string exec clears the mark first.
+    """
+    exec("pass", {})  # noqa: S102 - a constant string: resets the mark described above
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:  # Ctrl-C while the parser imports the command modules (torch, transformers) exits cleanly too
@@ -252,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting already: a late Ctrl-C must not kill cleanup
         sys.stderr.write("interrupted\n")
+        _forget_unhandled_interrupt()
         return 130
     except BrokenPipeError:
         return 0
