@@ -82,7 +82,7 @@ class Template:
     model_type: str
     prefix: str  # the blocks' names: "model.layers."
     num_layers: int
-    regime: tuple[int, int | None]  # S range the fit holds for: (lo, hi], hi None for no bound
+    regime: tuple[int, int | None]  # S range the fit holds for: lo <= S < hi, hi None for no bound
     batch_one: bool  # fitted at B = 1 only (see poly.py), else for B >= 2
     base_items: tuple[TracedItem, ...]  # outside the blocks (embedding, final norm, loss, inputs)
     kinds: tuple[Kind, ...]
@@ -95,9 +95,9 @@ class Template:
     def activations(self, B: int, S: int) -> Inventory:
         """The kept tensors at (B, S), each kind's block stored once as a template."""
         lo, hi = self.regime
-        if not (S > lo and (hi is None or S <= hi)) or self.batch_one != (B == 1):
+        if not (S >= max(lo, 1) and (hi is None or S < hi)) or self.batch_one != (B == 1):
             raise UnsupportedError(f"--profile traced: B={B}, S={S} is outside the fitted range "
-                                   f"(B {'= 1' if self.batch_one else '>= 2'}, S in ({lo}, {hi}])")
+                                   f"(B {'= 1' if self.batch_one else '>= 2'}, {lo} <= S < {hi})")
         base = [i.at(B, S) for i in self.base_items]
         reps = []
         for k in self.kinds:
@@ -140,12 +140,13 @@ class Template:
 
 
 def regime_of(config: Mapping[str, Any], seq: int) -> tuple[int, int | None]:
-    """The S range around ``seq`` in which no window of the config is crossed: masks and kernels
-    change when S passes a sliding window or an attention chunk, so each side is fitted apart."""
+    """The S range ``lo <= S < hi`` around ``seq`` in which no window of the config is reached:
+    masks and kernels change there (transformers' ``masking_utils.py`` ``_ignore_causal_mask_sdpa``
+    materializes the mask once ``kv_length >= local_attention_size``), so each side is fitted apart."""
     edges = sorted({v for k in _WINDOW_KEYS if isinstance(v := config.get(k), int) and not isinstance(v, bool)
                     and v > 0})
-    lo = max((e for e in edges if e < seq), default=0)
-    hi = min((e for e in edges if e >= seq), default=None)
+    lo = max((e for e in edges if e <= seq), default=0)
+    hi = min((e for e in edges if e > seq), default=None)
     return lo, hi
 
 
@@ -167,7 +168,7 @@ def _fit_points(config: Mapping[str, Any], regime: tuple[int, int | None],
     u = _unit(config)
     grid = list(P.grid_points((lo + u, lo + 2 * u, lo + 3 * u), (1,) if batch_one else (2, 3)))
     held = (1 if batch_one else 4, lo + 5 * u)
-    if hi is not None and held[1] > hi:
+    if hi is not None and held[1] >= hi:
         raise UnsupportedError(f"--profile traced: the window at S={hi} is too close to the one at S={lo} "
                                f"to fit between them (it needs S up to {held[1]})")
     return grid, held
