@@ -93,3 +93,15 @@ def test_trace_cli_lora_json_and_text(tmp_path, capsys):
     rc = main(["trace", "--model", str(cfg), "--seq", "32", "--freeze", "embeddings", "--tp", "1"])
     out, _ = capsys.readouterr()
     assert rc == 0 and out.startswith("trace: LlamaForCausalLM, batch 1, seq 32") and "finetune full" in out
+
+
+def test_advise_takes_the_finetuning_flags(capsys):
+    # advise starts from estimate's own peak for the same flags, and its reproduce line keeps them
+    argv = ["--model", "llama-3-8b", "--seq", "8192", "--finetune", "lora", "--lora-rank", "16"]
+    assert main(["advise", *argv, "--gpu", "H100-80GB", "--json"]) == 0
+    advised = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *argv, "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert advised["inputs"]["finetune"]["lora_rank"] == 16
+    assert advised["start_peak_bytes"] == estimated["peak_bytes"]
+    assert "--finetune lora" in advised["start_command"] and "--lora-rank 16" in advised["start_command"]
