@@ -8,6 +8,7 @@ parsed options builds the specs, whose validation names any bad value (exit code
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import fields, replace
 
 from trainmem.errors import SpecError
@@ -15,7 +16,8 @@ from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
-__all__ = ["add_model_step_args", "specs_from_args", "step_impl_from_args", "DEFAULT_MODEL",
+__all__ = ["positive_int", "positive_float", "add_model_step_args", "specs_from_args", "step_impl_from_args",
+           "DEFAULT_MODEL",
            "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args", "add_head_args"]
 
 DEFAULT_MODEL = "llama-3-8b"
@@ -31,7 +33,9 @@ def spec_default(spec: type, name: str):
     return next(f.default for f in fields(spec) if f.name == name)
 
 
-def _int(field: str):
+def positive_int(field: str):
+    """An argparse type for ``--field``: a positive integer (``_`` separators allowed), else the
+    one-line ``--field=value: must be ...`` error."""
     def parse(text: str) -> int:
         try:
             value = int(text.replace("_", ""))
@@ -39,6 +43,25 @@ def _int(field: str):
             raise argparse.ArgumentTypeError(f"--{field}={text!r}: must be an integer") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"--{field}={value}: must be positive")
+        return value
+    parse.__name__ = field
+    return parse
+
+
+_int = positive_int  # the earlier private name (cli.py, measure/cli.py import it)
+
+
+def positive_float(field: str):
+    """An argparse type for ``--field``: a finite positive number, else a one-line error."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: must be a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"--{field}={value}: must be positive")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: must be a finite number")
         return value
     parse.__name__ = field
     return parse

@@ -3,82 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import math
 import json
 
-from trainmem.units import SIZE_RULE
+from trainmem.cliargs import positive_float, positive_int
+from trainmem.plan.gpu_args import add_gpu_args, check_gpus, gpu_from_args, reserve_from_args
 
 __all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
 
 
 def _positive_int(flag: str):
-    from trainmem.cliargs import _int  # the shared "--flag=value: must be ..." integer parser
-
-    return _int(flag.lstrip("-"))
+    return positive_int(flag.lstrip("-"))
 
 
 def _positive_float(flag: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{flag}={value}: must be positive")
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be a finite number")
-        return value
-    return parse
-
-
-def _add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from trainmem.plan.hardware import Reserve, list_gpus
-
-    p.add_argument("--gpu", required=required, metavar="NAME",
-                   help=f"accelerator preset ({', '.join(list_gpus())}) or custom")
-    p.add_argument("--gpu-memory", metavar="SIZE",
-                   help=f"override or set (custom) device memory, e.g. 80GiB ({SIZE_RULE})")
-    p.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), metavar="T",
-                   help="override or set (custom) dense bf16 TFLOP/s")
-    p.add_argument("--gpu-intra-bw", metavar="SIZE", help="per-GPU intra-node bandwidth per second, e.g. 450GB "
-                                                          "(GB = 10^9 bytes, G = 2^30)")
-    p.add_argument("--gpu-inter-bw", metavar="SIZE", help="per-GPU inter-node bandwidth per second, e.g. 50GB "
-                                                          "(GB = 10^9 bytes, G = 2^30)")
-    p.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), metavar="N",
-                   help="override or set (custom) the GPUs in one node")
-    r = Reserve()
-    p.add_argument("--reserve", default=None, metavar="SIZE",
-                   help=f"memory per rank kept for the CUDA context and workspaces "
-                        f"(default {r.fixed_bytes >> 30}GiB; {SIZE_RULE})")
-    p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
-                   help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
-
-
-def _gpu(args):
-    from trainmem.plan.hardware import load_gpu, parse_size
-
-    def size(flag, value):
-        return None if value is None else parse_size(value, field=flag)
-
-    return load_gpu(
-        args.gpu,
-        memory_bytes=size("gpu_memory", args.gpu_memory),
-        bf16_flops=None if args.gpu_tflops is None else args.gpu_tflops * 1e12,
-        intra_node_bytes_per_s=size("gpu_intra_bw", args.gpu_intra_bw),
-        inter_node_bytes_per_s=size("gpu_inter_bw", args.gpu_inter_bw),
-        gpus_per_node=args.gpus_per_node,
-    )
-
-
-def _reserve(args, gpu=None):
-    """``--reserve``, else the GPU preset's own CUDA context figure (``context_bytes``, an estimate)."""
-    from trainmem.plan.hardware import Reserve, parse_size
-
-    if args.reserve is None:
-        return Reserve(fraction=args.reserve_fraction) if gpu is None else \
-            Reserve(fixed_bytes=gpu.context_bytes, fraction=args.reserve_fraction)
-    fixed = 0 if args.reserve.strip() in ("0", "0B") else parse_size(args.reserve, field="reserve")
-    return Reserve(fixed_bytes=fixed, fraction=args.reserve_fraction)
+    return positive_float(flag.lstrip("-"))
 
 
 def _gpus_arg(text: str) -> int | str:
@@ -91,14 +29,6 @@ def _gpus_arg(text: str) -> int | str:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"--gpus={value}: must be a positive integer or auto")
     return value
-
-
-def _check_gpus(gpu, gpus: int) -> None:
-    from trainmem.errors import SpecError
-
-    if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
-        raise SpecError("gpus", gpus, f"must be a multiple of {gpu.gpus_per_node} (GPUs per {gpu.name} node) "
-                                      "beyond one node")
 
 
 def add_parser(subparsers) -> None:
@@ -139,7 +69,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/2)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--plot", metavar="FILE", help="memory against step time, the Pareto front marked (.png or .svg)")
-    _add_gpu_args(p, required=True)
+    add_gpu_args(p, required=True)
     from trainmem.cliargs import add_finetune_args
     add_finetune_args(p)
     p.set_defaults(func=run_plan)
@@ -149,7 +79,7 @@ def add_parser(subparsers) -> None:
     a = subparsers.add_parser("advise", help="the cheapest changes that fit, ranked by throughput cost; and the "
                                              "usual fixes applied one by one, as the explanation")
     add_model_step_args(a)
-    _add_gpu_args(a, required=True)
+    add_gpu_args(a, required=True)
     a.add_argument("--gpus", type=_positive_int("--gpus"), default=None,
                    help="GPUs available, data parallel to start with (default 1, or the world size of --dp/--tp/...)")
     a.add_argument("--top", type=_positive_int("--top"), default=5,
@@ -189,9 +119,9 @@ def run_plan(args) -> int:
 
     from trainmem.plan.count import default_global_batch, smallest_fit
 
-    gpu = _gpu(args)
+    gpu = gpu_from_args(args)
     if args.gpus != "auto":
-        _check_gpus(gpu, args.gpus)
+        check_gpus(gpu, args.gpus)
     space = SearchSpace()
     if args.attention:
         space = replace(space, attention=tuple(dict.fromkeys(args.attention)))
@@ -202,7 +132,8 @@ def run_plan(args) -> int:
     seq = default_seq(model.max_positions) if args.seq is None else args.seq
     global_batch, note = (args.global_batch, "") if args.global_batch else default_global_batch(seq)
     common = dict(seq=seq, global_batch=global_batch, gpu=gpu, precision=args.precision, optimizer=args.optimizer,
-                  loss=args.loss, profile=args.profile, reserve=_reserve(args, gpu), cost=cost, space=space, top=args.top,
+                  loss=args.loss, profile=args.profile, reserve=reserve_from_args(args, gpu),
+                  cost=cost, space=space, top=args.top,
                   keep_rejected=args.rejected, finetune=finetune_from_args(args))
     if args.gpus == "auto":
         result = smallest_fit(model, min_gpus=args.min_gpus, max_gpus=args.max_gpus, **common)
@@ -225,11 +156,12 @@ def run_advise(args) -> int:
     from trainmem.plan.advise import advise
 
     model, step, impl = specs_from_args(args)
-    gpu = _gpu(args)
+    gpu = gpu_from_args(args)
     parallel = parallel_from_args(args)
-    _check_gpus(gpu, args.gpus or (parallel.world_size if parallel else 1))
+    check_gpus(gpu, args.gpus or (parallel.world_size if parallel else 1))
     result = advise(model, step, impl, gpu, gpus=args.gpus, parallel=parallel, finetune=finetune_from_args(args),
-                    reserve=_reserve(args, gpu), top=args.top, budget=args.max_estimates, max_changes=args.max_changes,
+                    reserve=reserve_from_args(args, gpu), top=args.top, budget=args.max_estimates,
+                    max_changes=args.max_changes,
                     model_name=args.model)
     if args.json:
         print(json.dumps(result.to_dict()))

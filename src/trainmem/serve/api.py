@@ -33,11 +33,11 @@ def _specs(req: Request):
 
 
 def _hardware(req: Request):
-    from trainmem.plan.cli import _check_gpus, _gpu, _reserve
+    from trainmem.plan.gpu_args import check_gpus, gpu_from_args, reserve_from_args
 
-    gpu = _gpu(req.args)
-    _check_gpus(gpu, req.args.gpus)
-    return gpu, _reserve(req.args)
+    gpu = gpu_from_args(req.args)
+    check_gpus(gpu, req.args.gpus)
+    return gpu, reserve_from_args(req.args)
 
 
 def options() -> dict:

@@ -38,8 +38,8 @@ class _Parser:
 
 
 def _build() -> _Parser:
-    from trainmem.cliargs import _int, add_finetune_args, add_model_step_args, add_parallel_args
-    from trainmem.plan.cli import _add_gpu_args
+    from trainmem.cliargs import add_finetune_args, add_model_step_args, add_parallel_args, positive_int
+    from trainmem.plan.gpu_args import add_gpu_args
 
     p = _Refusing(prog="trainmem serve", add_help=False)
     group_of: dict[str, str] = {}
@@ -53,8 +53,8 @@ def _build() -> _Parser:
     add_parallel_args(p)
     add_finetune_args(p)
     added("estimate")
-    _add_gpu_args(p, required=False)
-    p.add_argument("--gpus", type=_int("gpus"), default=1, help="GPUs (data parallel = gpus / (tp × cp × pp))")
+    add_gpu_args(p, required=False)
+    p.add_argument("--gpus", type=positive_int("gpus"), default=1, help="GPUs (data parallel = gpus / (tp × cp × pp))")
     p.set_defaults(gpu=DEFAULT_GPU)
     added("gpu")
     actions = {a.dest: a for a in p._actions if a.option_strings and a.dest != "dp"}

@@ -90,11 +90,11 @@ def trace_model(model_factory: Callable[[], Any], step_fn: Callable[..., Any], *
         raise UnsupportedError(f"model_factory={type(model_factory).__name__} object: pass a function that builds "
                                "the model (lambda: MyModel(cfg)), so that it is built on fake tensors")
     from trainmem.trace.api import Tracer
-    from trainmem.trace.step import _default_dtype, _quiet_fake_tensor_log
+    from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
 
     mode = contextlib.nullcontext() if real else FakeTensorMode()
-    with _quiet_fake_tensor_log(), mode:
-        with _refusals("model_factory"), _default_dtype(getattr(torch, dtype)):
+    with quiet_fake_tensor_log(), mode:
+        with _refusals("model_factory"), default_dtype(getattr(torch, dtype)):
             model = model_factory()
             batch = batch_factory() if batch_factory is not None else None
             optimizer = (optimizer_factory(model) if optimizer_factory is not None

@@ -51,6 +51,9 @@ from typing import Any, Callable, Mapping
 from trainmem.errors import UnsupportedError
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.trace.result import TraceResult
+# the older private names, still imported by estimate/traced, measure/workload, bench and tests
+from trainmem.trace.torch_state import default_dtype as _default_dtype  # noqa: F401
+from trainmem.trace.torch_state import quiet_fake_tensor_log as _quiet_fake_tensor_log
 
 __all__ = ["trace_step"]
 
@@ -125,7 +128,7 @@ def make_optimizer_for(model, step: StepSpec, impl: ImplSpec | None = None):
     backward when ``impl.optimizer_in_backward`` (an :class:`OptimizerInBackward`)."""
     from functools import partial
 
-    from trainmem.estimate.optimizer_step import check_optimizer, optimizer_impl_used
+    from trainmem.specs.optimizer_impl import check_optimizer, optimizer_impl_used
 
     impl = impl or ImplSpec()
     check_optimizer(step, impl)
@@ -147,7 +150,7 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError(f"loss={step.loss!r}: Hugging Face models compute the full cross-entropy; use loss='ce'")
     if impl.attention == "mem-efficient":
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
-    from trainmem.estimate.optimizer_step import check_optimizer
+    from trainmem.specs.optimizer_impl import check_optimizer
     check_optimizer(step, impl)
     if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
         raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
@@ -253,17 +256,6 @@ def _attention_context(impl: ImplSpec):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype):
-    import torch
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@contextlib.contextmanager
 def _grouped_mm_fallback_unless_bf16():
     """Send non-bf16 grouped_mm experts to transformers' fallback op (see the module docstring)."""
     from transformers.integrations import moe
@@ -278,19 +270,6 @@ def _grouped_mm_fallback_unless_bf16():
         yield
     finally:
         moe._can_use_grouped_mm = original
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    """FakeTensorMode logs a traceback before raising; our one-line error is enough."""
-    import logging
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _check_positions(model, seq: int) -> None:
@@ -478,7 +457,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
                 for m, p in zip(masters, params):
                     p.copy_(m)
 
-    from trainmem.estimate.optimizer_step import optimizer_impl_used
+    from trainmem.specs.optimizer_impl import optimizer_impl_used
     used = {"optimizer_impl": optimizer_impl_used(step, impl)}  # the implementation auto resolved to
     meta = {"step": step.to_dict(), "impl": {**impl.to_dict(), **used}, "fake": bool(is_fake(ids)),
             "model": built,
