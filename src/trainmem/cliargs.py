@@ -333,7 +333,7 @@ def serving_from_args(args: argparse.Namespace, seq: int) -> dict:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """--dp --tp --sp --cp --cp-style --ep --pp --schedule --virtual-stages --microbatches
-    --layer-split --zero --fsdp --fsdp-group --no-reshard-after-forward --offload."""
+    --layer-split --zero --fsdp --fsdp-group --fsdp-version --no-reshard-after-forward --offload."""
     from trainmem.specs.parallel import OFFLOADS, SCHEDULES
 
     g = p.add_argument_group("parallelism (per-rank results)")
@@ -351,6 +351,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     g.add_argument("--fsdp", choices=("full", "hybrid"), default=None,
                    help="FSDP sharding: full (= ZeRO-3) or hybrid (shard within a node, replicate across)")
+    g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2,
+                   help="2: fully_shard, per-parameter shards (default); 1: FullyShardedDataParallel with "
+                        "use_orig_params, one padded flat parameter per block (its gradient covers frozen weights)")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps gathered parameters from forward to backward")
     g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",
@@ -374,6 +377,6 @@ def parallel_from_args(args: argparse.Namespace):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(spec_fields(args, "parallel"))
     par = ParallelSpec(**kwargs, sp=args.sp, cp_style=args.cp_style, schedule=args.schedule,
-                       layer_split=split, zero=args.zero, fsdp=args.fsdp,
+                       layer_split=split, zero=args.zero, fsdp=args.fsdp, fsdp_version=args.fsdp_version,
                        reshard_after_forward=not args.no_reshard_after_forward, offload=offload)
     return None if par.is_single and par.pp == 1 else par

@@ -31,7 +31,7 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
-from trainmem.estimate.fsdp import pp_unsharded_working
+from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -109,6 +109,8 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("zero", par.zero, f"choose ZeRO or FSDP, not both (fsdp={par.fsdp})")
     if "params" in par.offload and not (par.zero == 3 or par.fsdp):
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
+    if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp.py: one flat shard
+        raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     if impl.float8 != "none" and par.tp > 1:  # torchao/float8/float8_tensor_parallel.py: not modelled
         raise SpecError("float8", impl.float8, f"with tp={par.tp} is not modelled (torchao's Float8 tensor-parallel "
                         "styles); use tp=1")
@@ -279,7 +281,9 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         divisors = {it.name: tp_div[it.name] for it in stage_states}
         if torch_engine and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
             divisors[emb_grad] //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
-        items, host = apply_offload(apply_zero(stage_states, divisors, zero=zero, group=group), par.offload)
+        sharded = (fsdp1_states(stage_states, world=group) if par.fsdp and par.fsdp_version == 1
+                   else apply_zero(stage_states, divisors, zero=zero, group=group))
+        items, host = apply_offload(sharded, par.offload)
         # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
         many = [] if par.schedule != "gpipe" else head_acts
         body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
@@ -446,6 +450,8 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
     # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
     # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
     grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
+    if par.fsdp and par.fsdp_version == 1:  # the flat parameter's gradient covers its frozen parameters
+        grad_bytes = fsdp1_grad_bytes(states)
     train_grad_bytes = sum(grad_bytes.get(i.name, 0) / tp_div[i.name] for i in stage_params)
     # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
     gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)

@@ -244,6 +244,16 @@ def _fsdp(get, par: dict, notes: list[str], where: str) -> None:
     if isinstance(reshard, str):  # FSDP1 writes the strategy name here
         reshard = reshard.lower() not in ("shard_grad_op", "false")
     par["reshard_after_forward"] = bool(reshard)
+    # training_args.py _process_fsdp_args: fsdp_config["version"] (default 2); accelerate's key is fsdp_version
+    version = config.get("version", config.get("fsdp_version", 2))
+    if str(version) not in ("1", "2"):
+        raise ConfigError(f"{where}: fsdp_config version={version!r} must be 1 or 2")
+    if int(version) == 1:  # 2 is the spec's default
+        par["fsdp_version"] = 1
+        if str(config.get("use_orig_params", "true")).lower() != "true":
+            raise ConfigError(f"{where}: fsdp_config use_orig_params={config['use_orig_params']!r}: FSDP1 is "
+                              "modelled with use_orig_params=true (the Trainer's default)")
+        notes.append("fsdp version 1: one flat parameter per decoder block, its gradient covering frozen weights")
     if "offload" in items or config.get("cpu_offload"):
         par["offload"] = ("optimizer", "params")
         notes.append("fsdp offload: parameters and optimizer states on the host; gradient shards still counted "

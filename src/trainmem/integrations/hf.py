@@ -78,6 +78,8 @@ def parallel_from_trainer(*, world_size: int, deepspeed=None, fsdp: bool = False
                                    "`trainmem estimate --fsdp hybrid --fsdp-group N`")
         fields["fsdp"] = "full"
         fields["reshard_after_forward"] = reshard not in ("false", "shard_grad_op")
+        # training_args.py _process_fsdp_args: fsdp_config["version"], default 2 (FSDP1 flat parameters)
+        fields["fsdp_version"] = int(cfg.get("version", cfg.get("fsdp_version", 2)))
         if str(cfg.get("cpu_offload", False)).lower() == "true":
             fields["offload"] = ("params", "optimizer")
             notes.append("fsdp cpu_offload: parameters, gradients and optimizer states estimated on the host")

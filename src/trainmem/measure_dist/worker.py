@@ -14,6 +14,8 @@ three steps (AdamW ``foreach=True``, ``zero_grad(set_to_none=True)``) and measur
   activation bytes alive at once; several micro-batches under pipelining).
 
 Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer and root),
+``fsdp1`` (``FullyShardedDataParallel``, ``use_orig_params=True``, one unit per decoder layer as
+HF/accelerate's transformer auto-wrap),
 ``tp`` (DTensor ``parallelize_module``, optional sequence parallel), ``pp``
 (``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B; with ``pp_dp`` > 1 the
 ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
@@ -33,7 +35,7 @@ from trainmem.measure_dist.tracking import (
 
 __all__ = ["DEFAULTS", "STRATEGIES", "main", "run"]
 
-STRATEGIES = ("single", "ddp", "fsdp", "tp", "pp")
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp1", "tp", "pp")
 
 #: Tiny Llama: every sharded dimension divides by 4, so FSDP2 shards carry no padding.
 DEFAULT_CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=4,
@@ -45,6 +47,7 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 gradient_as_bucket_view=False,  # ddp
                 reshard_after_forward=True,     # fsdp
                 mp_param_dtype=None,            # fsdp: "bf16" -> MixedPrecisionPolicy(bf16, reduce fp32)
+                freeze=(),                      # parameter-name substrings set requires_grad=False
                 sp=False,                       # tp
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
@@ -153,7 +156,10 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     extra: dict = {}
     buckets: dict[int, object] = {}
     pp_dp = sc["pp_dp"] if strategy == "pp" else 1
-    data_rank = rank if strategy in ("ddp", "fsdp") else rank % pp_dp
+    data_rank = rank if strategy in ("ddp", "fsdp", "fsdp1") else rank % pp_dp
+    for name, p in model.named_parameters():
+        if any(f in name for f in sc["freeze"]):
+            p.requires_grad_(False)
     gen = torch.Generator().manual_seed(1000 + data_rank)
     nmb = sc["microbatches"] if strategy == "pp" else 1
     ids = torch.randint(0, V, (B * nmb, S), generator=gen)
@@ -178,6 +184,13 @@ def run(scenario: dict, rank: int, world: int) -> dict:
             fully_shard(layer, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
         fully_shard(model, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
         net = model
+    elif strategy == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        block = type(model.model.layers[0])
+        net = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), use_orig_params=True,
+                   device_id=torch.device("cpu"))
     elif strategy == "tp":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -304,7 +317,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
     with loss_context():
         saved, out = saved_activations(model, fwd)
-        if strategy in ("ddp", "fsdp", "tp"):
+        if strategy in ("ddp", "fsdp", "fsdp1", "tp"):
             out.backward()  # collectives in backward must run on every rank
         del out
     opt.zero_grad(set_to_none=True)

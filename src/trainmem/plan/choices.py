@@ -76,7 +76,7 @@ class Config:
             if p.zero:
                 parts.append(f"--zero {p.zero}")
             if p.fsdp:
-                parts.append(f"--fsdp {p.fsdp}")
+                parts.append(f"--fsdp {p.fsdp}" + (" --fsdp-version 1" if p.fsdp_version == 1 else ""))
             if p.offload:
                 parts.append(f"--offload {','.join(p.offload)}")
         f = self.finetune

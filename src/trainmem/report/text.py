@@ -73,10 +73,12 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
 def _ranks(e: Estimate) -> list[str]:
     par = e.parallel
     out = [f"Per rank (dp={par.dp} tp={par.tp}{' +sp' if par.sp else ''} cp={par.cp} ep={par.ep} pp={par.pp} "
-           f"{par.schedule if par.pp > 1 else ''} zero={par.zero} fsdp={par.fsdp or '-'} "
+           f"{par.schedule if par.pp > 1 else ''} zero={par.zero} fsdp={par.fsdp or '-'}"
+           f"{' v1' if par.fsdp and par.fsdp_version == 1 else ''} "
            f"offload={','.join(par.offload) or '-'}; ledgers above are the peak rank's)",
            f"  {'rank class':<12} {'ranks':>6} {'layers':>9} {'params':>11} {'grads':>11} {'optim':>11} "
            f"{'acts':>11} {'buffers':>10} {'peak':>11} {'host':>10}"]
+    out[1:1] = [f"  {line}" for line in _fsdp_modelled(par, e.impl.profile)]
     for r in e.ranks:
         t = r.totals_bytes
         opt = t.get("optimizer_state", 0) + t.get("master_weight", 0)
@@ -85,6 +87,17 @@ def _ranks(e: Estimate) -> list[str]:
                    f"{fmt_bytes(opt):>11} {fmt_bytes(t.get('activation', 0)):>11} "
                    f"{fmt_bytes(t.get('buffer', 0)):>10} {fmt_bytes(r.peak_bytes):>11} {fmt_bytes(r.host_bytes):>10}")
     return out
+
+
+def _fsdp_modelled(par, profile: str) -> list[str]:
+    """What the estimate modelled for FSDP beyond per-tensor shards (estimate/fsdp.py), one line each."""
+    if par.fsdp and par.fsdp_version == 1:
+        return [f"FSDP1 (use_orig_params): one flat parameter per block, padded to a multiple of {par.dp * par.cp} ranks;",
+                "  its gradient shard covers frozen weights; optimizer states: the rank holding most trainable weights"]
+    if par.fsdp and par.pp > 1 and profile != "megatron":
+        return [f"FSDP2 under pipelining: unsharded gradients kept across the {par.microbatches} micro-batches, "
+                "reduce-scattered after the last"]
+    return []
 
 
 def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:

@@ -46,6 +46,9 @@ class ParallelSpec:
     """Ranks per shard group for hybrid sharding."""
     reshard_after_forward: bool = True
     """FSDP frees gathered parameters after forward (False keeps them until backward)."""
+    fsdp_version: int = 2
+    """FSDP2 (``fully_shard``: per-parameter shards) or FSDP1 (``FullyShardedDataParallel`` with
+    ``use_orig_params=True``: one padded FlatParameter per wrapped block, estimate/fsdp.py)."""
     offload: tuple[str, ...] = ()
     """What lives in host memory: optimizer, params, activations."""
     layer_split: tuple[int, ...] = ()
@@ -62,6 +65,10 @@ class ParallelSpec:
             raise SpecError("zero", self.zero, "must be 0, 1, 2 or 3")
         if self.fsdp is not None:
             v.one_of("fsdp", self.fsdp, ("full", "hybrid"))
+        if self.fsdp_version not in (1, 2) or isinstance(self.fsdp_version, bool):
+            raise SpecError("fsdp_version", self.fsdp_version, "must be 1 or 2")
+        if self.fsdp_version == 1 and self.fsdp is None:
+            raise SpecError("fsdp_version", 1, "needs fsdp (full or hybrid)")
         object.__setattr__(self, "offload", tuple(self.offload))
         for o in self.offload:
             v.one_of("offload", o, OFFLOADS)
