@@ -47,6 +47,9 @@ TINY_CONFIGS = {
     "bert-tied": {"model_type": "bert", **_MHA_DIMS, "type_vocab_size": 3, **_SPECIAL},
     "bert-untied": {"model_type": "bert", **_MHA_DIMS, "tie_word_embeddings": False, **_SPECIAL},
 }
+# the families whose blocks differ (layer kinds): their tiny configs, with each kind present
+from kinds_configs import CONFIGS as _KINDS_CONFIGS  # noqa: E402
+TINY_CONFIGS.update({f"{k}-kinds": v for k, v in _KINDS_CONFIGS.items()})
 
 #: Exact ``sum(p.numel() for p in model.parameters())`` of each preset's HF model (transformers 5.x).
 PRESET_COUNTS = {

@@ -12,13 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainmem.estimate.activations import activation_items
-from trainmem.models.hf import build_hf_model
-from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
-from trainmem.trace.saved import explain_difference, retained_bytes, saved_tensors
 
-B, S = 2, 64
+from kinds_configs import B, S, check_against_autograd
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=500)
 CONFIGS = {
@@ -26,41 +22,12 @@ CONFIGS = {
     # Gemma-2: local (sliding) and global blocks alternate
     "gemma2": dict(model_type="gemma2", head_dim=16, **SMALL),
 }
-DTYPES = {"bf16": torch.bfloat16}
-
-
-def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none") -> tuple[int, list]:
-    torch.manual_seed(0)
-    model = build_hf_model(cfg, attention=attention, dtype=DTYPES.get(precision))
-    if recompute == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(0, cfg["vocab_size"], (B, S))
-    amp = torch.bfloat16 if precision == "amp-bf16" else None
-
-    def forward():
-        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-            return model(ids, labels=ids).loss
-
-    saved, loss = saved_tensors(model, forward)
-    if recompute == "none":
-        return sum(s.nbytes for s in saved), saved
-    retained, loss = retained_bytes(model, forward)
-    return retained + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes(), saved
-
-
-def _check(cfg, precision, attention, recompute="none"):
-    measured, saved = _measured(cfg, precision, attention, recompute)
-    items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
-                             ImplSpec(attention=attention, recompute=recompute, device="cpu"))
-    estimated = sum(i.bytes for i in items)
-    assert estimated == measured, f"estimate {estimated} vs measured {measured}; {explain_difference(items, saved)}"
-    return items
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_mistral_window_shorter_than_sequence(precision, attention):
-    items = _check({**CONFIGS["mistral"], "sliding_window": 16}, precision, attention)
+    items = check_against_autograd({**CONFIGS["mistral"], "sliding_window": 16}, precision, attention)
     masks = [i for i in items if i.name.endswith("attn_mask")]
     assert len(masks) == (2 if attention == "sdpa" else 0)
     if masks:  # SDPA's additive mask in the query's dtype, one per layer
@@ -70,7 +37,7 @@ def test_mistral_window_shorter_than_sequence(precision, attention):
 @pytest.mark.parametrize("window,masked", [(S, True), (S + 1, False)])
 def test_mistral_window_edge(window, masked):
     # a mask from window == S on (kv_length >= local_attention_size), none past it
-    items = _check({**CONFIGS["mistral"], "sliding_window": window}, "fp32", "sdpa")
+    items = check_against_autograd({**CONFIGS["mistral"], "sliding_window": window}, "fp32", "sdpa")
     assert any(i.name.endswith("attn_mask") for i in items) is masked
 
 
@@ -78,12 +45,12 @@ def test_mistral_window_edge(window, masked):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_mistral_window_math_kernel_with_dropout(precision):
     # dropout sends CPU SDPA to the math kernel, which materializes the scores
-    _check({**CONFIGS["mistral"], "sliding_window": 16, "attention_dropout": 0.1}, precision, "sdpa")
+    check_against_autograd({**CONFIGS["mistral"], "sliding_window": 16, "attention_dropout": 0.1}, precision, "sdpa")
 
 
 @pytest.mark.slow
 def test_mistral_window_full_recompute():
-    _check({**CONFIGS["mistral"], "sliding_window": 16}, "fp32", "sdpa", "full")
+    check_against_autograd({**CONFIGS["mistral"], "sliding_window": 16}, "fp32", "sdpa", "full")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -92,5 +59,5 @@ def test_gemma2_local_layers(precision):
     cfg = {**CONFIGS["gemma2"], "sliding_window": 16}
     spec = spec_from_hf_config(cfg)
     assert [k.attention for k in spec.kinds] == ["sliding", "full"]
-    items = _check(cfg, precision, "eager")
+    items = check_against_autograd(cfg, precision, "eager")
     assert not [i.name for i in items if i.name.endswith("attn_mask")]

@@ -268,8 +268,8 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 def test_auto_map_is_data_only():
-    remote = {"model_type": "deepseek_v3",
-              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    remote = {"model_type": "internlm2",
+              "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}}
     with pytest.raises(UnsupportedError, match="never runs remote code"):
         spec_from_hf_config(remote)
     known = {"model_type": "phi3", "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"}}

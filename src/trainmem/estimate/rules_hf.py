@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import OpPolicy, Sym
-from trainmem.estimate.heads import task_head
 from trainmem.families import BlockRules, family_of, token_embedding_modules
 
 __all__ = ["hf_forward"]
@@ -21,6 +21,11 @@ __all__ = ["hf_forward"]
 
 def hf_forward(ctx: Ctx) -> None:
     """The model forward the family's :class:`~trainmem.families.BlockRules` name (``trainmem/families/``)."""
+    if _rules(ctx).forward == "traced":  # no hand-written rules: the traced profile covers it
+        m = ctx.model
+        kinds = ", ".join(dict.fromkeys(k.label for k in m.kinds))
+        raise UnsupportedError(f"{m.name}: the hf profile has no hand-written rules for {m.family} blocks "
+                               f"({kinds}); estimate it with --profile traced")
     if ctx.model.arch == "encoder":
         _bert(ctx)
     elif _rules(ctx).forward == "gpt":
@@ -35,14 +40,16 @@ def _rules(ctx: Ctx) -> BlockRules:
 
 def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
     """Run the blocks ``{prefix}0``, ``{prefix}1``, ... keeping ONE template per layer kind
-    (``ModelSpec.kinds``): the first block of a kind after block 0 (which, unlike block 0, reads
-    another block's output) is simulated; later blocks of that kind (same recompute) repeat it
-    instead of being simulated again."""
+    (``ModelSpec.kinds``): a kind's second block (which, unlike block 0, reads another block's
+    output, and which finds the tensors shared by the blocks of its kind, such as its rotary
+    table, already kept by the first) is the template; later blocks of that kind (same recompute)
+    repeat it instead of being simulated again."""
     g, m = ctx.graph, ctx.model
     n = m.num_layers
     replicate = ctx.replicate and ctx.impl.recompute != "every-k" and n > 3
     templates: dict = {}  # kind -> (source block, kept tensors, its output)
     copies: dict = {}  # kind -> blocks that repeat its template
+    seen: set = set()
     for i in range(n):
         kind = m.kind(i)
         if replicate and kind in templates:
@@ -54,8 +61,9 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
         mark = g.mark()
         with g.module(f"{prefix}{i}"):
             x = layer(i, x)
-        if i >= 1:
+        if kind in seen:
             templates[kind] = (i, g.since(mark), x)
+        seen.add(kind)
     for kind, dsts in copies.items():
         src, template, _ = templates[kind]
         g.repeat(template, prefix, src, dsts)
@@ -205,10 +213,13 @@ def _llama(ctx: Ctx) -> None:
         x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.requires_grad)
     with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
         x = ctx.sp_scatter(x, "out_sp")
+    tables = {}  # one cos/sin pair, or one per attention type (Gemma3RotaryEmbedding.forward(layer_type))
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
-        cos = g.new("cos", rot, ("1", "S", "hd"), x.dtype, False)
-        sin = g.new("sin", rot, ("1", "S", "hd"), x.dtype, False)
+        for att in sorted({k.attention for k in m.kinds}) if rules.rope_per_layer_type else ("",):
+            suffix = f"_{att}" if att else ""
+            tables[att] = (g.new(f"cos{suffix}", rot, ("1", "S", "hd"), x.dtype, False),
+                           g.new(f"sin{suffix}", rot, ("1", "S", "hd"), x.dtype, False))
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
     if ctx.impl.recompute not in ("none", "selective") and kernel != "eager" and any(
@@ -219,6 +230,7 @@ def _llama(ctx: Ctx) -> None:
     def layer(i: int, x: Sym) -> Sym:
         masked = kernel != "eager" and window_mask(ctx, m.kind(i))  # eager adds its mask: nothing kept
         k_i = resolve_kernel(ctx, masked) if masked else kernel
+        cos, sin = tables[m.kind(i).attention if rules.rope_per_layer_type else ""]
         if ctx.impl.checkpointed(i):
             with g.checkpoint(x, cos, sin, *held, policy=_policy(ctx)):
                 return _llama_layer(ctx, x, cos, sin, k_i, masked=masked)
@@ -226,8 +238,6 @@ def _llama(ctx: Ctx) -> None:
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
-    if m.head != "lm":
-        return task_head(ctx, h)
     with g.module("lm_head"):
         h = ctx.sp_gather(h, "input_gathered")
     logits = _head(ctx, h, "lm_head")
@@ -256,8 +266,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
             with g.module("v_proj"):
                 v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
         if m.qk_norm:
-            q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm")
-            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm")
+            q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm", gemma=gemma)
+            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm", gemma=gemma)
         q = _rope(ctx, q, cos, sin, "q_rope")
         k = _rope(ctx, k, cos, sin, "k_rope")
         # the KV cache's torch.cat hands attention fresh copies of K and V
@@ -397,8 +407,6 @@ def _gpt(ctx: Ctx) -> None:
 
     x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
-    if m.head != "lm":
-        return task_head(ctx, h)
     logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
 
@@ -472,8 +480,6 @@ def _bert(ctx: Ctx) -> None:
             return _bert_layer(ctx, x, kernel)
 
     x = _layers(ctx, "bert.encoder.layer.", x, layer)
-    if m.head != "mlm":
-        return task_head(ctx, x)
     with g.module("cls.predictions.transform"):
         with g.module("dense"):
             t = ctx.linear(x, H, "H", weight=(H, H))

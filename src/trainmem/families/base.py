@@ -60,7 +60,8 @@ class BlockRules:
 
     forward: str
     """The model forward of ``rules_hf``: ``llama`` (pre-norm RMSNorm decoder with RoPE),
-    ``gpt`` (GPT-2 / GPT-NeoX LayerNorm decoder) or ``bert`` (post-norm encoder)."""
+    ``gpt`` (GPT-2 / GPT-NeoX LayerNorm decoder), ``bert`` (post-norm encoder), or ``traced``: no
+    hand-written rules (MLA, MoE interleave, sinks, linear attention), ``--profile traced`` estimates it."""
     unit_offset_norm: bool = False
     """Gemma's RMSNorm: ``normed * (1 + w)`` in fp32, cast last (``GemmaRMSNorm``)."""
     scaled_embedding: bool = False
@@ -73,6 +74,8 @@ class BlockRules:
     """Phi-3: one ``gate_up_proj``, and the activation module is ``activation_fn``."""
     neox: bool = False
     """GPT-NeoX module names, rotary embeddings and fp32 softmax, rather than GPT-2's."""
+    rope_per_layer_type: bool = False
+    """Gemma-3: one cos/sin table per layer type (local blocks rotate with another base)."""
 
 
 @dataclass(frozen=True, kw_only=True)

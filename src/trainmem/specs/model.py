@@ -113,6 +113,19 @@ class ModelSpec:
     """MLA: per-head value dims (``head_dim`` is then the q/k head: nope + rope)."""
     attn_sinks: bool = False
     """A learned per-head sink logit joins each softmax (gpt-oss ``self_attn.sinks``)."""
+    shared_expert_ffn_size: int = 0
+    """Width of the shared-expert MLP when it is not ``num_shared_experts * expert_ffn_size``
+    (qwen3_next's ``shared_expert_intermediate_size``); 0: that product."""
+    linear_num_key_heads: int = 0
+    """Linear-attention (gated DeltaNet, qwen3_next) key heads; 0 without linear-attention blocks."""
+    linear_num_value_heads: int = 0
+    """Linear-attention value heads."""
+    linear_key_head_dim: int = 0
+    """Linear-attention per-head key dims."""
+    linear_value_head_dim: int = 0
+    """Linear-attention per-head value dims."""
+    linear_conv_kernel: int = 0
+    """Linear-attention short depthwise convolution's kernel width."""
 
     def __post_init__(self) -> None:
         v.one_of("family", self.family, family_names())  # the registry now, with families added since import
@@ -179,7 +192,9 @@ class ModelSpec:
         self._check_kinds()
 
     def _check_kinds(self) -> None:
-        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "shared_expert_ffn_size", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"):
             v.non_negative(name, getattr(self, name))
         if self.kv_lora_rank and self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise SpecError("head_dim", self.head_dim, f"must be qk_nope_head_dim + qk_rope_head_dim = "
@@ -192,6 +207,14 @@ class ModelSpec:
         object.__setattr__(self, "layer_kinds", kinds)
         if any(k.mlp == "moe" for k in kinds) and not self.is_moe:
             raise SpecError("layer_kinds", "moe", "needs num_experts > 0")
+        if any(k.attention == "linear" for k in kinds) and not (self.linear_num_key_heads and self.linear_num_value_heads
+                                                               and self.linear_key_head_dim and self.linear_value_head_dim
+                                                               and self.linear_conv_kernel):
+            raise SpecError("layer_kinds", "linear", "needs the linear-attention sizes (linear_num_key_heads, "
+                                                     "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim, "
+                                                     "linear_conv_kernel)")
+        if self.shared_expert_ffn_size and not self.num_shared_experts:
+            raise SpecError("shared_expert_ffn_size", self.shared_expert_ffn_size, "needs num_shared_experts > 0")
 
     # derived sizes ---------------------------------------------------------
     @property
@@ -209,6 +232,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """Width of the shared-expert MLP (0 without one)."""
+        return self.shared_expert_ffn_size or self.num_shared_experts * self.expert_ffn_size
 
     @property
     def default_kind(self) -> LayerKind:

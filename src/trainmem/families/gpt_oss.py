@@ -1,0 +1,56 @@
+"""gpt-oss (``modeling_gpt_oss.py``): sliding and full attention blocks alternating (``layer_types``),
+a learned sink logit per head (``self_attn.sinks``), biased q/k/v/o, and an MoE MLP in every block
+(a biased ``router``, fused ``(E, H, 2F)`` experts with biases). The ``hf`` profile has no
+hand-written rules for it: ``--profile traced``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainmem.families import layout as lay
+from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
+from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import from_layer_types
+from trainmem.families.llama import LLAMA_NAMES
+from trainmem.families.moe_layout import experts, kind_blocks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainmem.specs.layer_kind import LayerKind
+    from trainmem.specs.model import ModelSpec
+
+
+def _read(c: ConfigReader) -> dict:
+    L = c("num_hidden_layers")
+    types = c("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    return {**llama_like(c), "mlp_bias": True, "attn_sinks": True,
+            "num_experts": c("num_local_experts"), "top_k": c("num_experts_per_tok"),
+            "expert_ffn_size": c("intermediate_size"),
+            "layer_kinds": from_layer_types(c, types, window=c("sliding_window"), moe=[True] * L)}
+
+
+def _parameters(m: "ModelSpec") -> lay.Params:
+    H = m.hidden_size
+
+    def block(pre: str, kind: "LayerKind") -> lay.Params:
+        at = f"{pre}.self_attn"
+        p: lay.Params = [(f"{at}.sinks", (m.num_heads,))]
+        p += lay.linear(f"{at}.q_proj", m.q_size, H, m.qkv_bias) + lay.linear(f"{at}.k_proj", m.kv_size, H, m.qkv_bias)
+        p += lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias) + lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias)
+        return p + lay.linear(f"{pre}.mlp.router", m.num_experts, H, True) + experts(f"{pre}.mlp.experts", m,
+                                                                                    in_major=True, bias=True)
+
+    return kind_blocks(m, block)
+
+
+@register_family
+def gpt_oss() -> Family:
+    return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+                  config=ConfigSchema(
+                      config_class="GptOssConfig", read=_read,
+                      required=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                "intermediate_size", "num_local_experts", "num_experts_per_tok"),
+                      defaults={"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                                "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                                "head_dim": 64, "hidden_act": "silu", "tie_word_embeddings": False,
+                                "attention_bias": True, "attention_dropout": 0.0, "sliding_window": 128,
+                                "layer_types": None, "num_local_experts": 128, "num_experts_per_tok": 4}))
