@@ -73,7 +73,10 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
     if v.figure in ("allocated", "active"):  # what the figure leaves out of reserved
         parts.append(f"{fmt_bytes(v.capacity_bytes - v.context_bytes - v.usable_bytes)} {v.why}")
     usable = " − ".join(parts) if v.figure != "device" else f"{fmt_bytes(v.capacity_bytes)} capacity"
-    return f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
+    out = f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
+    if v.figure in ("reserved", "device"):  # say where the reserve in the need comes from
+        out += f"\n  reserved = {fmt_bytes(v.allocated_bytes)} allocated + {fmt_bytes(v.reserve_bytes)} {v.why}"
+    return out
 
 
 def render_figure(figure: str, nbytes: int, note: str = "") -> str:
@@ -109,10 +112,22 @@ def _figure_json(figure: str, nbytes: int | None) -> dict:
 
 
 def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
-    """``estimate``: the peak rank's allocated bytes; reserved is the stated share of capacity."""
+    """``estimate``: the peak rank's allocated bytes; reserved from the estimate's allocation order
+    replayed through the caching-allocator model (:mod:`trainmem.estimate.allocation_order`), only
+    when a GPU or the reserved/device figure asks for it; the stated share of capacity where that
+    model cannot run (an inference estimate, which has no training step's order)."""
     par = getattr(result, "parallel", None)
+    reserved, source, unmodelled = None, "", "not modelled for estimates"
+    if args.gpu is not None or args.memory_figure in ("reserved", "device"):
+        from trainmem.estimate.inference import InferenceEstimate
+        if not isinstance(result, InferenceEstimate):
+            from trainmem.estimate.allocation_order import estimate_reserved
+            model = estimate_reserved(result)
+            reserved, source = model.reserved_bytes, model.source
+        else:
+            unmodelled = "no allocation order for an inference estimate"
     return fit_report(args, allocated_bytes=result.peak_bytes, gpus=par.world_size if par is not None else 1,
-                      label=label,
+                      label=label, reserved_bytes=reserved, reserved_source=source, unmodelled=unmodelled,
                       active_note="equals allocated: the estimator has no freed blocks still in use by another stream")
 
 

@@ -11,9 +11,10 @@ The model, per rank::
   buffers when more than one rank runs (:data:`NCCL_BYTES`).
 * ``allocator reserve``: bytes the caching allocator holds beyond its allocated blocks. A trace
   knows it (``reserved − allocated`` from :mod:`trainmem.trace.allocator`'s replay), a CUDA
-  profile measures it; for an estimate it is a stated share of the capacity
-  (:data:`ESTIMATE_RESERVE_FRACTION`, plan's and advise's 5%), because the estimator has phases,
-  not an allocation order, and fragmentation comes from the order.
+  profile measures it; a training estimate replays its own tensors in allocation order through the
+  same allocator model (:mod:`trainmem.estimate.allocation_order`, used by ``fitargs.estimate_fit``);
+  where no order is modelled (an inference estimate, ``sweep``'s estimate back-end, plan and
+  advise) it is a stated share of the capacity (:data:`ESTIMATE_RESERVE_FRACTION`, 5%).
 
 The headroom is the same whatever the figure; the figure only says which number the verdict
 quotes as the need, and the usable memory is the capacity less what that figure leaves out.
@@ -31,7 +32,8 @@ Figures (``--memory-figure``):
 Known limitations:
   - ``context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
     by trainmem; ``trainmem profile`` on a GPU measures the context (``context_bytes``).
-  - The estimate's 5% is a share, not a model of the allocator; the trace's reserved figure is.
+  - The 5% share is not a model of the allocator; the trace's and the training estimate's reserved
+    figures are (the allocator model has unlimited memory: no free-and-retry near capacity).
 """
 
 from __future__ import annotations

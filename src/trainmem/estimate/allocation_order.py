@@ -1,0 +1,303 @@
+"""Reserved memory for an estimate: the estimate's tensors allocated and freed in the order a
+training step makes them, replayed through the caching-allocator model the trace uses
+(:mod:`trainmem.trace.allocator`).
+
+The estimator has per-tensor items and phases, not an allocation order; fragmentation comes from
+the order. This module writes one, per tensor, in the order eager PyTorch runs a steady-state step
+(optimizer state exists, ``zero_grad(set_to_none=True)`` freed the gradients):
+
+1. **before the step** (the trace's baseline): parameters, master weights, optimizer states, in
+   parameter order (``torch.optim.Adam._init_group`` creates ``exp_avg`` then ``exp_avg_sq`` per
+   parameter); gradients too under gradient accumulation.
+2. **forward**: each saved activation in forward order, embedding, then block 0, 1, ..., then the
+   head's and the loss's (``torch.autograd`` keeps what the forward saved until its backward node
+   runs); then the logits (and their upcast copy) the output holds (the ``forward`` phase's
+   ``logits`` part).
+3. **loss backward**: the log-softmax's and the logits' gradients (``logits_grad``), the logits
+   freed, then the head's saved tensors freed and its weight gradients allocated
+   (``torch/csrc/autograd/engine.cpp`` frees a node's saved variables after it runs,
+   ``AccumulateGrad`` allocates ``.grad`` on first accumulation), the gradient of the hidden state
+   (one residual-sized tensor) allocated.
+4. **backward of block L-1, ..., 0**: the block's recomputed activations (under checkpointing),
+   the new residual gradient and the gradient of the block's largest saved tensor (the ``backward``
+   phase's working set), the block's weight gradients in reverse, its saved activations freed in
+   reverse, then the working set.
+5. **after the blocks**: the embedding's gradient, the remaining activations freed.
+6. **optimizer step**: the temporaries (``optimizer_temporaries``), one per gradient and in
+   proportion to it (foreach's per-tensor lists, ``torch/optim/adam.py _multi_tensor_adam``), freed.
+
+Parts of a phase this order does not place per tensor (FSDP all-gathers, DDP buckets, offload
+windows, a dequantized 4-bit weight) are one block each, allocated where the phase starts and
+freed after the phase that last holds them.
+
+The reserve is ``reserved peak − logical peak`` of this stream (block rounding, segment rounding
+and fragmentation); the estimate's reserved figure is its own allocated peak plus that reserve,
+so the allocated peak stays the estimator's.
+
+Known limitations:
+  - Forward and backward temporaries that are not saved (an op's intermediate outputs, autograd's
+    per-op gradient buffers beyond the working set above) are not in the stream, so a segment the
+    real step cuts for them and later reuses is missing: the trace's reserve is usually larger
+    (tests/estimate/test_estimate_reserved.py states the measured ratios).
+  - One stream; no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
+    inventories under parallelism are replayed as one device's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trainmem.inventory import Category, MemoryItem
+from trainmem.names import is_head, layer_of
+
+__all__ = ["ReservedModel", "allocation_events", "estimate_reserved", "SOURCE"]
+
+#: Named in every output that uses the model.
+SOURCE = "from the estimate's allocation order replayed through the caching-allocator model"
+
+_STATIC = (Category.PARAMETER, Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE)
+#: Phase parts this order places per tensor; any other part is one block (see the module docstring).
+_PLACED = {"parameters", "master_weights", "optimizer_states", "gradients", "activations", "logits",
+           "logits_grad", "recompute_and_work", "work", "optimizer_temporaries"}
+
+
+@dataclass(frozen=True)
+class ReservedModel:
+    reserved_bytes: int
+    """The estimate's reserved peak: its allocated peak plus :attr:`reserve_bytes`."""
+    reserve_bytes: int
+    """Reserved peak of the replay less the logical peak of the same stream."""
+    stream_peak_bytes: int
+    """Logical peak of the stream (the estimate's phases bound it)."""
+    replay_reserved_bytes: int
+    events: int
+    source: str = SOURCE
+
+
+def _order(items: list[MemoryItem]) -> tuple[list[MemoryItem], dict[int, list[MemoryItem]], list[MemoryItem]]:
+    """Activations split into (before the blocks, per block in order, head and loss)."""
+    pre, blocks, head = [], {}, []
+    for it in items:
+        li = layer_of(it.name)
+        if li is not None:
+            blocks.setdefault(li, []).append(it)
+        elif is_head(it.name):
+            head.append(it)
+        else:
+            pre.append(it)
+    return pre, dict(sorted(blocks.items())), head
+
+
+def allocation_events(est) -> list[tuple]:
+    """``("alloc", key, nbytes)`` / ``("free", key)`` for one steady-state step of ``est``
+    (an :class:`~trainmem.estimate.Estimate`), in the order of the module docstring."""
+    items = list(est.inventory)
+    phases = {p.name: p for p in est.phases}
+    ev: list[tuple] = []
+    live: set = set()
+
+    def alloc(key, n: int) -> None:
+        if n > 0 and key not in live:
+            live.add(key)
+            ev.append(("alloc", key, int(n)))
+
+    def free(key) -> None:
+        if key in live:
+            live.discard(key)
+            ev.append(("free", key))
+
+    grads = [it for it in items if it.category is Category.GRADIENT]
+    accum = est.step.grad_accum > 1
+    for it in items:
+        if it.category in _STATIC or (accum and it.category is Category.GRADIENT):
+            alloc(it.name, it.bytes)
+    # parts placed as one block each: allocated when the first phase holding them starts
+    names = [p.name for p in est.phases]
+    extra: dict[str, tuple[int, str]] = {}  # part -> (largest bytes, last phase holding it)
+    for p in est.phases:
+        for k, v in p.parts.items():
+            if k not in _PLACED and v > 0:
+                extra[k] = (max(v, extra.get(k, (0, ""))[0]), p.name)
+    first = {k: next(p.name for p in est.phases if p.parts.get(k, 0) > 0) for k in extra}
+
+    def phase_start(name: str) -> None:
+        for k, (n, _) in extra.items():
+            if first[k] == name:
+                alloc(("part", k), n)
+
+    def phase_end(name: str) -> None:
+        for k, (_, last) in extra.items():
+            if last == name:
+                free(("part", k))
+
+    acts = [it for it in items if it.category is Category.ACTIVATION]
+    pre, blocks, head = _order(acts)
+    phase_start("forward")
+    loss = [it for it in head if it.name.startswith("loss.")]
+    head = [it for it in head if not it.name.startswith("loss.")]
+    for it in pre + [it for b in blocks.values() for it in b] + head:
+        alloc(it.name, it.bytes)
+    # the head's output, its upcast copy for the loss, then what the loss saves; the output object
+    # is dropped when forward returns (only .loss is kept)
+    fwd = phases.get("forward")
+    held = fwd.parts.get("logits", 0) if fwd else 0
+    low = min(held, _logits_bytes(est))
+    alloc("logits", low)
+    alloc("logits_upcast", held - low)
+    for it in loss:
+        alloc(it.name, it.bytes)
+    free("logits_upcast")
+    free("logits")
+    phase_end("forward")
+    by_layer: dict[int | None, list[MemoryItem]] = {}
+    for g in grads:
+        by_layer.setdefault(layer_of(g.name), []).append(g)
+    outside = by_layer.pop(None, [])
+    head_grads = [g for g in outside if is_head(g.name)]
+    late = [g for g in outside if not is_head(g.name)]
+    phase_start("backward_start")
+    # nll_loss backward makes the log-softmax output's gradient, log_softmax backward the logits'
+    # (loss dtype), the upcast's backward casts it to the logits' dtype; each input freed after use
+    lg = phases["backward_start"].parts.get("logits_grad", 0) if "backward_start" in phases else 0
+    alloc("logits_grad.0", lg // 2)
+    alloc("logits_grad.1", lg - lg // 2)
+    free("logits_grad.0")
+    for it in reversed(loss):
+        free(it.name)
+    alloc("logits_grad.low", low if held > low else 0)
+    if held > low:
+        free("logits_grad.1")
+    phase_end("backward_start")
+    resid = _residual(est)
+    for g in head_grads:
+        alloc(g.name, g.bytes)
+    alloc(("dx", "head"), resid)
+    for it in reversed(head):
+        free(it.name)
+    free("logits_grad.1")
+    free("logits_grad.low")
+    prev = ("dx", "head")
+    bwd = phases.get("backward")
+    rec = _recompute(bwd, resid, blocks)
+    phase_start("backward")
+    for li in sorted(set(blocks) | set(by_layer), reverse=True):  # a checkpointed block may keep nothing
+        saved = blocks.get(li, [])
+        alloc(("recompute", li), rec)
+        dx = ("dx", li)
+        alloc(dx, resid)
+        alloc(("dlargest", li), max((it.bytes for it in saved), default=0))
+        for g in reversed(by_layer.get(li, [])):
+            alloc(g.name, g.bytes)
+        for it in reversed(saved):
+            free(it.name)
+        free(("dlargest", li))
+        free(("recompute", li))
+        free(prev)
+        prev = dx
+    phase_end("backward")
+    phase_end("backward_first_block")
+    phase_start("backward_end")
+    for g in late:
+        alloc(g.name, g.bytes)
+    for it in reversed(pre):
+        free(it.name)
+    free(prev)
+    phase_end("backward_end")
+    opt = phases.get("optimizer")
+    if opt is not None:
+        phase_start("optimizer")
+        _optimizer(est, opt.parts.get("optimizer_temporaries", 0), grads, items, alloc, free)
+        phase_end("optimizer")
+    return ev
+
+
+def _optimizer(est, tb: int, grads: list[MemoryItem], items: list[MemoryItem], alloc, free) -> None:
+    """``optimizer.step()``: a master-weight recipe's fp32 gradient copies (one per master, the
+    16-bit gradient freed as each is made: trace/step.py's order), then the step's temporaries by
+    implementation (:mod:`trainmem.estimate.optimizer_step`): foreach holds one per stepped tensor
+    at once, in proportion to it; the for-loop two like the tensor, one tensor at a time (the square
+    root and the quotient of ``_single_tensor_adam``); fused none."""
+    masters = [it for it in items if it.category is Category.MASTER_WEIGHT]
+    copies = sum(m.bytes for m in masters)
+    if copies and tb >= copies:
+        for m, g in zip(masters, grads):
+            alloc(("master_grad", m.name), m.bytes)
+            free(g.name)
+        tb -= copies
+        grads = [replace(g, bytes=m.bytes) for m, g in zip(masters, grads)]
+    if not tb or not grads:
+        return
+    if est.optimizer_impl == "for-loop":
+        for g in grads:
+            n = g.bytes
+            alloc(("sqrt", g.name), n)
+            alloc(("quotient", g.name), n)
+            free(("sqrt", g.name))
+            free(("quotient", g.name))
+        return
+    total = sum(g.bytes for g in grads)
+    for g in grads:
+        alloc(("tmp", g.name), g.bytes * tb // total)
+    for g in grads:
+        free(("tmp", g.name))
+
+
+def _logits_bytes(est) -> int:
+    """B·S·V in the logits' dtype (the head's matmul output), as the estimate counts it."""
+    from trainmem.estimate.heads import logits_width
+    from trainmem.inventory import dtype_bytes
+    d = est.step.dtypes
+    return int(est.step.batch * est.step.seq * logits_width(est.model)
+               * dtype_bytes(d.activation if d.autocast else d.compute))
+
+
+def _residual(est) -> int:
+    from trainmem.inventory import dtype_bytes
+    step = est.step
+    return int(step.batch * step.seq * est.model.hidden_size * dtype_bytes(step.dtypes.compute))
+
+
+def _recompute(bwd, resid: int, blocks: dict[int, list[MemoryItem]]) -> int:
+    """Bytes a checkpointed block re-materializes: the ``backward`` phase's working set less the
+    residual gradient and the largest saved tensor's gradient (0 without recompute)."""
+    if bwd is None or not blocks:
+        return 0
+    last = blocks[max(blocks)]
+    return max(0, bwd.parts.get("recompute_and_work", 0) - resid - max((it.bytes for it in last), default=0))
+
+
+def estimate_reserved(est, *, expandable_segments: bool = False) -> ReservedModel:
+    """The estimate's reserved peak from its allocation order (see the module docstring). Cached per
+    estimate object, so the verdict and the figure line share one replay."""
+    key = (id(est), expandable_segments)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not est:
+        if len(_CACHE) >= 8:
+            _CACHE.pop(next(iter(_CACHE)))
+        hit = _CACHE[key] = (est, _replay(est, expandable_segments))
+    return hit[1]
+
+
+_CACHE: dict[tuple[int, bool], tuple[object, ReservedModel]] = {}
+
+
+def _replay(est, expandable_segments: bool) -> ReservedModel:
+    from trainmem.trace.allocator import CachingAllocator
+
+    ev = allocation_events(est)
+    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    sizes: dict = {}
+    logical = top = reserved = 0
+    for e in ev:
+        if e[0] == "alloc":
+            alloc.malloc(e[1], e[2])
+            sizes[e[1]] = e[2]
+            logical += e[2]
+            top = max(top, logical)
+            reserved = max(reserved, alloc.reserved_bytes)
+        else:
+            alloc.free(e[1])
+            logical -= sizes.pop(e[1])
+    reserve = max(0, reserved - top)
+    return ReservedModel(reserved_bytes=est.peak_bytes + reserve, reserve_bytes=reserve, stream_peak_bytes=top,
+                         replay_reserved_bytes=reserved, events=len(ev))
