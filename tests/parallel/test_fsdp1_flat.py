@@ -30,16 +30,18 @@ STEP = StepSpec(batch=DEFAULTS["batch"], seq=DEFAULTS["seq"], precision="fp32", 
 IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")
 FROZEN = ("self_attn",)  # attention frozen, MLP and norms train: every block's flat parameter mixes both
 FT = FinetuneSpec(mode="full", freeze=FROZEN)
+LORA = FinetuneSpec(mode="lora")  # peft LoRA r=8 on q_proj and v_proj, fp32 adapters on the fp32 base
 MODEL = spec_from_hf_config(DEFAULTS["config"])
 LEDGERS = ("parameter", "gradient", "optimizer_state")
 
 
 @functools.lru_cache(maxsize=None)
-def _launch() -> dict[int, list[dict]]:
+def _launch() -> dict:
     from trainmem.measure_dist.launch import run_torchrun_many
 
-    scenarios = [dict(strategy="fsdp1", freeze=list(FROZEN)), dict(strategy="fsdp", freeze=list(FROZEN))]
-    return dict(zip((1, 2), run_torchrun_many(2, scenarios, timeout=300)))
+    scenarios = [dict(strategy="fsdp1", freeze=list(FROZEN)), dict(strategy="fsdp", freeze=list(FROZEN)),
+                 dict(strategy="fsdp1", lora=True)]
+    return dict(zip((1, 2, "lora"), run_torchrun_many(2, scenarios, timeout=400)))
 
 
 def _dist():
@@ -49,14 +51,28 @@ def _dist():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_every_rank_states_exact():
-    """Each rank's parameter and gradient shards and optimizer states, to the byte."""
+@pytest.mark.parametrize("case,ft", [(1, FT), ("lora", LORA)], ids=["frozen-attention", "peft-lora"])
+def test_every_rank_states_exact(case, ft):
+    """Each rank's parameter chunks, FlatParameter gradients and optimizer states, to the byte."""
     _dist()
-    states = model_state_items(MODEL, STEP, FT, "hf")
-    for r in _launch()[1]:
+    states = model_state_items(MODEL, STEP, ft, "hf")
+    for r in _launch()[case]:
         mine = fsdp1_rank_states(states, world=2, rank=r["rank"])
         got = {k: sum(i.bytes for i in mine if i.category.value == k) for k in LEDGERS}
-        assert got == {k: r["states_bytes"][k] for k in LEDGERS}, r["rank"]
+        measured = {**{k: r["states_bytes"][k] for k in LEDGERS}, "gradient": r["fsdp1_flat_grad_bytes"]}
+        assert got == measured, r["rank"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_rank_without_adapters_still_holds_a_gradient():
+    """peft LoRA under FSDP1: rank 1's chunks hold only frozen weights (the adapters sit in the first
+    half of each block), so no original parameter has a gradient there, yet the FlatParameters'
+    gradients (reduce-scattered for every rank) are allocated: the whole chunk, as on rank 0."""
+    _dist()
+    r0, r1 = _launch()["lora"]
+    assert r1["states_bytes"]["gradient"] == 0 and r1["states_bytes"]["optimizer_state"] == 0
+    assert r1["fsdp1_flat_grad_bytes"] == r0["fsdp1_flat_grad_bytes"] == r0["states_bytes"]["gradient"] > 0
 
 
 @pytest.mark.slow

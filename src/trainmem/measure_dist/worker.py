@@ -48,6 +48,7 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 reshard_after_forward=True,     # fsdp
                 mp_param_dtype=None,            # fsdp: "bf16" -> MixedPrecisionPolicy(bf16, reduce fp32)
                 freeze=(),                      # parameter-name substrings set requires_grad=False
+                lora=False,                     # peft LoRA r=8 on q_proj, v_proj (the base frozen)
                 sp=False,                       # tp
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
@@ -160,6 +161,10 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     for name, p in model.named_parameters():
         if any(f in name for f in sc["freeze"]):
             p.requires_grad_(False)
+    if sc["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     gen = torch.Generator().manual_seed(1000 + data_rank)
     nmb = sc["microbatches"] if strategy == "pp" else 1
     ids = torch.randint(0, V, (B * nmb, S), generator=gen)
@@ -188,7 +193,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        block = type(model.model.layers[0])
+        block = type(next(m for n, m in model.named_modules() if n.endswith("layers.0")))
         net = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), use_orig_params=True,
                    device_id=torch.device("cpu"))
     elif strategy == "tp":
@@ -257,6 +262,12 @@ def run(scenario: dict, rank: int, world: int) -> dict:
                                         for p in model.parameters() if p.grad is not None)
             grads_seen["keys"] = {local(p.grad).untyped_storage()._cdata
                                   for p in model.parameters() if p.grad is not None}
+            if strategy == "fsdp1":  # the FlatParameters' own gradients (a rank whose chunk holds no
+                # trainable weight still gets one; _reset_flat_param_grad_info_if_needed frees it next forward)
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+                flats = [m._handle.flat_param for m in FSDP.fsdp_modules(net) if m._handle is not None]
+                extra["fsdp1_flat_grad_bytes"] = storage_bytes(fp.grad for fp in flats)
             grads_seen["items"] = [
                 {"name": n, "shape": list(local(p).shape), "param_bytes": local(p).untyped_storage().nbytes(),
                  "grad_bytes": local(p.grad).untyped_storage().nbytes() if p.grad is not None else 0,
