@@ -203,4 +203,3 @@ def fsdp1_grad_bytes(states: list) -> dict[str, int]:
             for p in ps:
                 out[p.name] = int(p.bytes / dtype_bytes(p.dtype) * dtype_bytes(g.dtype))
     return out
-
