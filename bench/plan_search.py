@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainmem.estimate.parallel import clear_caches
 from trainmem.plan import load_gpu, plan
+from trainmem.plan.shard import clear_cache as shard_states_cache_clear
 from trainmem.specs.loaders import load_model
 
 CASES = (  # model, seq, global batch, gpu, gpus
@@ -35,6 +36,7 @@ def main(repeat: int = 5) -> int:
         times, cpu, result = [], [], None
         for _ in range(repeat):
             clear_caches()  # cold: the per-rank estimate's memoized activations and states go too
+            shard_states_cache_clear()  # and the screen's per-stage model states
             t0, c0 = time.perf_counter(), time.process_time()
             result = plan(model, seq=seq, global_batch=gb, gpu=gpu, gpus=gpus, precision="mixed-bf16")
             times.append(time.perf_counter() - t0)

@@ -41,7 +41,7 @@ from trainmem.names import as_block, is_head, is_token_embedding, layer_index
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight",
-           "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload"]
+           "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload", "shard_group"]
 
 _ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
 
@@ -165,7 +165,8 @@ def _tp_factor(name: str, *, tp: int, ep: int) -> int:
     return 1
 
 
-def _shard_group(par: ParallelSpec) -> int:
+def shard_group(par: ParallelSpec) -> int:
+    """Ranks that share one copy of the sharded model states: dp × cp, or FSDP's hybrid group."""
     group = par.dp * par.cp
     if par.fsdp == "hybrid":
         group = min(group, par.fsdp_group)
@@ -263,7 +264,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
     states, state_stage, tp_div = _local_states(model, replace(step, batch=1, grad_accum=1), finetune,
                                                 par.tp, par.ep, par.pp, tuple(stages), impl.profile)
-    group = _shard_group(par)
+    group = shard_group(par)
     zero = 3 if par.fsdp else par.zero
     emb_grad = f"{_embedding_name(states)}.grad"
     torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining

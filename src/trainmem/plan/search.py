@@ -115,12 +115,14 @@ class Plan:
 class _P:
     """A ParallelSpec-shaped record without validation, for the inner loop."""
 
-    __slots__ = ("dp", "tp", "sp", "cp", "pp", "microbatches", "zero", "fsdp", "fsdp_group", "offload")
+    __slots__ = ("dp", "tp", "sp", "cp", "pp", "microbatches", "zero", "fsdp", "fsdp_group", "offload",
+                 "schedule", "virtual_stages", "layer_split")
 
     def __init__(self, dp, tp, sp, cp, pp, microbatches, zero, offload):
         self.dp, self.tp, self.sp, self.cp, self.pp = dp, tp, sp, cp, pp
         self.microbatches, self.zero, self.offload = microbatches, zero, offload
         self.fsdp, self.fsdp_group = None, 8
+        self.schedule, self.virtual_stages, self.layer_split = "1f1b", 1, ()  # ParallelSpec's defaults
 
     @property
     def world_size(self) -> int:

@@ -2,45 +2,48 @@
 
 :func:`breakdown` reads one :class:`~trainmem.estimate.Estimate` (one micro-batch on one device)
 into the few sums the peak depends on; :func:`rank_peak` spreads them over a
-:class:`~trainmem.specs.ParallelSpec` with first-order sharding rules and rebuilds the estimator's
-phases (forward, backward_start, backward, backward_end, optimizer) per pipeline stage:
+:class:`~trainmem.specs.ParallelSpec` and rebuilds the estimator's phases (forward,
+backward_start, backward, backward_end, optimizer) per pipeline stage. The model states go
+through the estimator's own pipeline steps (:mod:`trainmem.estimate.parallel`), over category
+totals instead of tensors: ``stage_layers`` and ``apply_pp`` give each stage its blocks (the
+embedding on the first, final norm and head on the last), ``apply_zero`` divides each total by
+``tp`` and, by ZeRO stage, by the sharding group (``shard_group``), ``apply_offload`` moves
+offloaded states to host; ``in_flight`` is the schedule's count of held micro-batches. The
+activations are split to first order:
 
-* model states: block states split by TP and over PP stages (embedding on the first stage, final
-  norm and head on the last); ZeRO-1 shards optimizer states and master weights over dp·cp,
-  ZeRO-2 adds gradients, ZeRO-3/FSDP parameters (plus two gathered blocks: the current and the
-  prefetched one); ``offload=("optimizer",)`` moves optimizer states, master weights and the
-  optimizer's temporaries to host, ``("params",)`` the sharded parameters;
-* activations: a block tensor with a head or FFN axis (A, Akv, F, Fe in its dims) is split
-  by TP; the rest (norm inputs, residuals: the ``10sbh`` of Korthikanti et al. 2022, §4.2.2) only
-  with sequence parallelism; CP divides every activation (the sequence is split); the head's
-  activations and logits are vocab-parallel (÷tp) and split by CP;
-* pipeline: the first 1F1B stage holds ``min(pp, microbatches)`` micro-batches of its
-  ``⌈L/pp⌉`` blocks (Narayanan et al. 2021, §2.2), the last stage one micro-batch plus the head.
+* a block tensor with a head or FFN axis (A, Akv, F, Fe in its dims) is split by TP; the rest
+  (norm inputs, residuals: the ``10sbh`` of Korthikanti et al. 2022, §4.2.2) only with sequence
+  parallelism; CP divides every activation (the sequence is split); the head's activations and
+  logits are vocab-parallel (÷tp) and split by CP;
+* ZeRO-3/FSDP holds two gathered blocks (the current and the prefetched one).
 
 With every degree 1 this reproduces the estimator's phases exactly (a test checks it).
 
 Known limitations:
-  - Rules are first order: no TP all-gather buffers, NCCL buckets, uneven vocab shards, or
-    expert parallelism; ZeRO-3 gathers are two whole blocks.
-  - Only the 1F1B schedule's in-flight count is modelled (gpipe holds all micro-batches).
+  - Rules are first order: every state is divided by tp (norms too), no TP all-gather buffers,
+    NCCL buckets, uneven vocab shards, or expert parallelism; ZeRO-3 gathers are two whole blocks.
+  - Only the first and the last pipeline stage are evaluated (the first holds the most
+    micro-batches, the last the head).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import NamedTuple
 
 from trainmem.estimate import Estimate
+from trainmem.estimate.parallel import apply_offload, apply_pp, apply_zero, in_flight, shard_group, stage_layers
 from trainmem.estimate.peak import layer_of
 from trainmem.estimate.symbols import names
-from trainmem.inventory import Category
+from trainmem.inventory import Category, MemoryItem
 from trainmem.names import is_embedding, is_head
 from trainmem.specs import ParallelSpec
 
-__all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak"]
+__all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak", "clear_cache"]
 
 _TP_DIMS = frozenset({"A", "Akv", "F", "Fe"})
-_LEDGERS = ("parameter", "gradient", "master_weight", "optimizer_state")
+_CATEGORIES = (Category.PARAMETER, Category.GRADIENT, Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE)
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,7 @@ def breakdown(e: Estimate) -> Breakdown:
     head = [0, 0, 0, 0]
     layer_params: dict[int, int] = {}
     act_split = act_rep = act_first = act_head = 0
-    index = {c.value: i for i, c in enumerate((Category.PARAMETER, Category.GRADIENT,
-                                                 Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE))}
+    index = {c.value: i for i, c in enumerate(_CATEGORIES)}
     for it in e.inventory:
         li = layer_of(it.name)
         if it.category is Category.ACTIVATION:
@@ -167,16 +169,67 @@ class StagePeak:
     host_bytes: int
 
 
-def _shard_group(p: ParallelSpec) -> int:
-    """Ranks that share one copy of the model states (ZeRO/FSDP): dp·cp, or the hybrid group."""
-    group = p.dp * p.cp
-    if p.fsdp == "hybrid":
-        group = min(group, p.fsdp_group)
-    return group
+_TEMPORARIES = "optimizer_temporaries"
 
 
-def _zero(p: ParallelSpec) -> int:
-    return 3 if p.fsdp is not None else p.zero
+class _Depth(NamedTuple):
+    """What :func:`~trainmem.estimate.parallel.stage_layers` reads of a model: its depth."""
+
+    num_layers: int
+
+
+def _totals(prefix: str, ledgers: tuple, fraction: float = 1.0) -> list[MemoryItem]:
+    """One item per ledger: the category total as a byte array (a shard's ceiling is in bytes)."""
+    out = []
+    for cat, value in zip(_CATEGORIES, ledgers):
+        n = int(round(value * fraction))
+        if n:
+            out.append(MemoryItem.make(f"{prefix}.{cat.value}", cat, (n,), "uint8", n))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _stage_states(states: tuple, tp: int, pp: int, layer_split: tuple, zero: int, group: int,
+                  offload: tuple, stage: int) -> tuple[float, float, float, float, float, float]:
+    """(parameters, gradients, master weights, optimizer states, optimizer temporaries, host
+    bytes) of pipeline stage ``stage``, through the estimator's own pipeline steps."""
+    num_layers, block, embed, head, temporaries = states
+    stages = stage_layers(_Depth(num_layers), _Layout(pp, layer_split))
+    items, stage_of = [], []
+    for s, (a, b) in enumerate(stages):
+        here = _totals(f"stage{s}.blocks", block, (b - a) / num_layers)
+        if temporaries:  # sharded with the optimizer states (ZeRO-1 steps on its shard), offloaded with them
+            n = int(round(temporaries * (b - a) / num_layers))
+            here.append(MemoryItem.make(f"stage{s}.{_TEMPORARIES}", Category.OPTIMIZER_STATE, (n,), "uint8", n))
+        items += here
+        stage_of += [s] * len(here)
+    for prefix, ledgers, s in (("embedding", embed, 0), ("head", head, len(stages) - 1)):
+        here = _totals(prefix, ledgers)
+        items += here
+        stage_of += [s] * len(here)
+    kept = apply_pp(items, stage_of, stage)
+    sharded = apply_zero(kept, {it.name: tp for it in kept}, zero=zero, group=group)
+    on_device, host = apply_offload(sharded, offload)
+    sums = dict.fromkeys(_CATEGORIES, 0)
+    temps = 0
+    for it in on_device:
+        if it.name.endswith(_TEMPORARIES):
+            temps += it.bytes
+        else:
+            sums[it.category] += it.bytes
+    return (*(sums[c] for c in _CATEGORIES), temps, host)
+
+
+def clear_cache() -> None:
+    """Forget the memoized per-stage model states (benchmarks time cold runs with it)."""
+    _stage_states.cache_clear()
+
+
+class _Layout(NamedTuple):
+    """What :func:`~trainmem.estimate.parallel.stage_layers` reads of a ParallelSpec."""
+
+    pp: int
+    layer_split: tuple
 
 
 def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool = True) -> list[StagePeak]:
@@ -184,48 +237,26 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
     ``accumulate``: gradients persist across micro-batches (grad_accum or pipeline micro-batches > 1).
     ``detail=False`` leaves ``parts`` empty (the planner's inner loop)."""
     L = b.num_layers
-    per_stage = math.ceil(L / p.pp)
-    zero = _zero(p)
-    shard = _shard_group(p)
-    off_opt = "optimizer" in p.offload
-    off_par = "params" in p.offload
+    zero = 3 if p.fsdp is not None else p.zero
+    group = shard_group(p)
     rep = p.tp if p.sp else 1
     block_act = (b.act_split / p.tp + b.act_replicated / rep) / L / p.cp  # one block, one micro-batch
-    stages = [("first", True, p.pp == 1, min(p.pp, max(p.microbatches, 1)))]
-    if p.pp > 1:
-        stages.append(("last", False, True, 1))
+    states = (L, b.block_states, b.embed_states, b.head_states, b.optimizer_temporaries)
+    layers = stage_layers(_Depth(L), p)
+    stages = [("first", 0)] + ([("last", p.pp - 1)] if p.pp > 1 else [])
     out = []
-    for name, first, last, in_flight in stages:
-        frac = per_stage / L
-        st = [frac * blk / p.tp for blk in b.block_states]
-        for k in range(4):
-            if first:
-                st[k] += b.embed_states[k] / p.tp
-            if last:
-                st[k] += b.head_states[k] / p.tp
-        P, G, M, O = st
-        host = 0.0
-        if zero >= 1:
-            M, O = M / shard, O / shard
-        if zero >= 2:
-            G = G / shard
-        if zero >= 3:
-            P = P / shard
-        temps = frac * b.optimizer_temporaries / p.tp / (shard if zero >= 1 else 1)
-        if off_opt:
-            host += M + O + temps
-            M = O = temps = 0.0
-        if off_par and zero >= 3:
-            host += P
-            P = 0.0
+    for name, s in stages:
+        first, last = s == 0, s == p.pp - 1
+        P, G, M, O, temps, host = _stage_states(states, p.tp, p.pp, tuple(p.layer_split), zero, group,
+                                                tuple(p.offload), s)
         gathered = 2 * b.largest_block_params / p.tp if zero >= 3 else 0.0
-        A_blocks = in_flight * per_stage * block_act
+        A_blocks = in_flight(p, s) * (layers[s][1] - layers[s][0]) * block_act
         A_first = b.act_first / p.cp if first else 0.0
         A_head = b.act_head / (p.tp * p.cp) if last else 0.0
         A = A_blocks + A_first + A_head
         g_acc = G if accumulate else 0.0
         lg = 1 / (p.tp * p.cp)
-        head_g = b.head_grads / p.tp / (shard if zero >= 2 else 1) if last else 0.0
+        head_g = b.head_grads / p.tp / (group if zero >= 2 else 1) if last else 0.0
         values = (  # in the order of _PARTS
             (A, g_acc, gathered, b.logits * lg if b.ce_phases and last else 0.0),
             (A, g_acc, gathered, b.logits_grad * lg if last else 0.0) if b.ce_phases else None,
@@ -245,5 +276,5 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
         if detail:
             full = {"parameters": P, "master_weights": M, "optimizer_states": O, **dict(zip(names, values[best]))}
             parts = {k: int(round(v)) for k, v in full.items() if v}
-        out.append(StagePeak(name, int(round(best_total)), ph, parts, int(round(host))))
+        out.append(StagePeak(name, int(round(best_total)), ph, parts, host))
     return out
