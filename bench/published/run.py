@@ -6,14 +6,16 @@
 Each case is a figure someone measured on a GPU and published with its setup. The case's
 trainmem arguments reproduce that setup as closely as trainmem can today; `unmodelled` lists
 what trainmem cannot express yet. This script runs `trainmem estimate --json` in-process per
-case and compares its allocated peak with the figure. Nothing here is tuned to a case: the
+case and compares its peak with the figure: the allocated peak, or the figure the case's args
+name with --memory-figure (reserved for torchtitan's max reserved: the estimate's allocation order
+replayed through the caching-allocator model, trainmem/estimate/allocation_order.py). Nothing here is tuned to a case: the
 arguments follow the source, and where the source is silent the case says what was assumed.
 
 Comparison kinds (figure.compare): "allocated" when the figure is max_memory_allocated or
 torchtune's peak active (both count live blocks); "reserved" when it is the caching allocator's
-reserved peak (torchtitan), which exceeds the allocated peak by cached and fragmented blocks
-that trainmem estimate does not model; "unclear" when the source does not say which counter.
-All three are compared with trainmem's allocated peak. A case with a `doubt` has a figure that
+reserved peak (torchtitan), compared with trainmem's reserved figure (its args carry
+--memory-figure reserved); "unclear" when the source does not say which counter, compared with
+the allocated peak. A case with a `doubt` has a figure that
 contradicts its own stated setup; it is run and shown, and summarized apart.
 """
 
@@ -113,7 +115,17 @@ def run_case(case: dict) -> Outcome:
             rc = e.code
     if rc not in (0, None):
         return Outcome(case, "refused", None, (err.getvalue().strip().splitlines() or [f"exit {rc}"])[-1])
-    return Outcome(case, "ok", int(json.loads(out.getvalue())["peak_bytes"]))
+    return Outcome(case, "ok", predicted_bytes(json.loads(out.getvalue())))
+
+
+def predicted_bytes(result: dict) -> int:
+    """The peak in the figure the case asked for (``memory_figure: {figure, peak_<figure>_bytes}``,
+    schema /2, docs/schema.md), else the allocated peak (``peak_bytes``)."""
+    fig = result.get("memory_figure")
+    if not fig:
+        return int(result["peak_bytes"])
+    key = "peak_bytes" if fig["figure"] == "allocated" else f"peak_{fig['figure']}_bytes"
+    return int(fig[key])
 
 
 def summarize(outcomes: list[Outcome]) -> dict:
@@ -168,7 +180,8 @@ def render(outcomes: list[Outcome], summaries: dict, ranking, stamp: str) -> str
         "",
         stamp,
         "",
-        "ratio = trainmem estimate's allocated peak / the published figure (1.00 = exact). Cases and sources: "
+        "ratio = trainmem estimate's peak (allocated; reserved where the case's args say --memory-figure "
+        "reserved) / the published figure (1.00 = exact). Cases and sources: "
         "`bench/published/cases.json`; how to read them: `bench/published/README.md`.",
         "",
         "| id | model | setup | published | kind | published GiB | trainmem GiB | ratio | clarity | unmodelled |",

@@ -67,3 +67,16 @@ def test_only_prints_without_writing(capsys):
     assert run.main(["--only", "litgpt-rt-stablelm3b-lora-mb1"]) == 0
     assert "litgpt-rt-stablelm3b-lora-mb1" in capsys.readouterr().out
     assert run.main(["--only", "no-such-case"]) == 2
+
+
+def test_a_reserved_kind_case_reads_the_reserved_figure():
+    """Schema /2 (docs/schema.md): a figure other than allocated is memory_figure.peak_<figure>_bytes."""
+    assert run.predicted_bytes({"peak_bytes": 5}) == 5
+    assert run.predicted_bytes({"peak_bytes": 5, "memory_figure": {"figure": "allocated", "peak_bytes": 5}}) == 5
+    assert run.predicted_bytes({"peak_bytes": 5, "memory_figure": {"figure": "reserved",
+                                                                   "peak_reserved_bytes": 7}}) == 7
+    case = {c["id"]: c for c in run.load_cases()}["torchtitan-llama3.1-8b-fsdp8-fsdp"]
+    assert case["figure"]["compare"] == "reserved" and "--memory-figure" in case["args"]
+    out = run.run_case(case)
+    allocated = run.run_case({**case, "args": [a for a in case["args"] if a not in ("--memory-figure", "reserved")]})
+    assert out.status == "ok" and out.predicted_bytes > allocated.predicted_bytes  # the allocator's reserve on top
