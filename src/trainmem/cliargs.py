@@ -93,7 +93,8 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-every", type=_int("recompute-every"), default=None,
                    help="k for --recompute every-k")
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
-                   help="whose saved set is modelled: hf, reference, megatron")
+                   help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
+                        "trace; --device cpu)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=impl("device"),
                    help=f"kernels modelled (default {impl('device')}; compare: cpu only, its trace runs CPU kernels)")
 

@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"),
                    help="ce (full fp32 logits), chunked-ce, fused-ce")
     p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"),
-                   help="whose saved set is modelled: hf, reference, megatron")
+                   help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
+                        "trace; --device cpu)")
     p.add_argument("--attention", choices=ATTENTIONS, action="append",
                    help="only these attention kernels (repeatable; default flash, mem-efficient, eager)")
     p.add_argument("--recompute", choices=RECOMPUTES[:3], action="append",
