@@ -241,6 +241,8 @@ def _forget_unhandled_interrupt() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from trainmem.dependency_logs import silence_dependency_noise
+    loud_again = silence_dependency_noise()  # torchao's CPU-build warnings (dependency_logs.py)
     try:  # Ctrl-C while the parser imports the command modules (torch, transformers) exits cleanly too
         parser = build_parser()
         if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"trainmem: internal error: {type(exc).__name__}: {exc} "
                          "(set TRAINMEM_DEBUG=1 for the traceback, and please report it)\n")
         return 1
+    finally:
+        loud_again()
 
 
 if __name__ == "__main__":  # pragma: no cover
