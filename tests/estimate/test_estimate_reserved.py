@@ -4,14 +4,15 @@ trace replays its recorded allocations through (trace/allocator.py). Checked aga
 the same config on CPU kernels (the trace records every allocation, saved or not).
 
 Measured (estimate reserved / trace reserved, CPU kernels, this file's configs and the slow set):
-Llama h256 L2 fp32 B2 S128 1.006, bf16 B4 S512 1.000; Llama h1024 L4 V32000 bf16 B1 S512 0.998,
-fp32 B2 S1024 0.999, amp-bf16 B1 S512 0.999, bf16 B2 S1024 with full recompute 0.970, selective
-0.991, op-level 0.978, bf16 with two micro-batches and foreach AdamW 0.986; h256 mixed-bf16 with
-two micro-batches 1.000; Llama-3-8B bf16 B1 S4096 (CUDA kernels, foreach AdamW; trace on fake tensors, ~1 min, not in the suite) 81.13 GiB
-against 81.30 GiB, 0.998. The residual: temporaries that are not saved (an op's intermediate
-output freed by the next op, a recomputed block's forward) are not in the estimate's stream, so a
-segment the real step cuts for them is missing (the recompute case's recomputed block is one
-block in the stream, not its tensors); block rounding counts in the reserve either way.
+Llama h256 L2 fp32 B2 S128 1.006, bf16 B4 S512 1.000; Llama h1024 L4 V32000 bf16 B1 S512 0.998, fp32
+B2 S1024 0.999, amp-bf16 B1 S512 0.999, bf16 B2 S1024 with full recompute 0.970, selective 0.991,
+op-level 0.978, bf16 with two micro-batches and foreach AdamW 0.986; h256 mixed-bf16 with two micro-
+batches 1.000; Llama-3-8B bf16 B1 S4096 (CUDA kernels, foreach AdamW; trace on fake tensors, ~1 min,
+not in the suite) 81.13 GiB against 81.30 GiB, 0.998. The residual: temporaries that are not saved
+(an op's intermediate output freed by the next op, a recomputed block's forward) are not in the
+estimate's stream, so a segment the real step cuts for them is missing (the recompute case's
+recomputed block is one block in the stream, not its tensors); block rounding counts in the reserve
+either way.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def test_cli_reserved_without_gpu_names_the_model(capsys, tmp_path):
                            "--memory-figure", "reserved", "--json"))
     f = data["fits"]
     assert f["reserve_modelled"] is True and SOURCE in f["why"]
-    assert data["memory_figure"]["peak_reserved_bytes"] == f["reserved_bytes"] == f["allocated_bytes"] + f["reserve_bytes"]
+    figure = data["memory_figure"]["peak_reserved_bytes"]
+    assert figure == f["reserved_bytes"] == f["allocated_bytes"] + f["reserve_bytes"]
 
 
 def test_cli_inference_keeps_the_share_and_says_why(capsys):
