@@ -210,3 +210,14 @@ def test_cli_refuses_in_one_line(args, needle):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_every_optimizer_implementation_has_one_step_rule():
+    """specs/optimizer_impl.py names the implementations (the tracer reads it); the estimator keeps
+    one temporaries rule for each pair, and none for a pair the table lacks."""
+    from trainmem.estimate.optimizer_step import _RULES
+    from trainmem.specs.optimizer_impl import IMPLEMENTATIONS
+    from trainmem.specs.step import OPTIMIZERS
+
+    assert set(IMPLEMENTATIONS) == set(OPTIMIZERS)
+    assert set(_RULES) == {(o, i) for o, impls in IMPLEMENTATIONS.items() for i in impls}

@@ -147,7 +147,7 @@ def test_advise_finetune_and_parallel_flags(capsys):
     # a parallel layout is the start; --gpus defaults to its world size
     assert main(base + ["--dp", "2", "--zero", "1"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["gpus"] == 2
+    assert d["inputs"]["gpus"] == 2  # schema /2: the question asked lives under inputs
     assert d["start_peak_bytes"] == estimate(GPT2, StepSpec(batch=8, seq=1024), ImplSpec(),
                                              ParallelSpec(dp=2, zero=1)).peak_bytes
 
@@ -170,8 +170,10 @@ def test_shared_option_groups_are_identical():
 
     for title in ("fine-tuning", "parallelism (per-rank results)"):
         assert group("advise", title) == group("estimate", title) == group("sweep", title)
-    assert group("estimate", "fine-tuning") == ["--adapter-dtype", "--finetune", "--finetune-preset", "--freeze",
-                                                "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets"]
+    assert group("estimate", "fine-tuning") == ["--adapter-dtype", "--double-quant", "--finetune", "--finetune-preset",
+                                                "--freeze", "--lora-alpha", "--lora-dropout", "--lora-rank",
+                                                "--lora-targets", "--no-double-quant", "--qlora-scope", "--quant-impl",
+                                                "--quantize-head"]
     flags = sorted(o for a in sub.choices["advise"]._actions for o in a.option_strings if o.startswith("--"))
     assert {"--top", "--max-estimates", "--max-changes", "--optimizer-impl", "--routing", "--tp", "--finetune"} <= set(flags)
 

@@ -50,11 +50,15 @@ from trainmem.estimate.peak import Phase
 from trainmem.estimate.quant4bit import quantized_weight_items
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import shared_state_items, state_item as _item
-from trainmem.families import family_of, output_layers
+from trainmem.families import family_of
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
-from trainmem.names import is_embedding, is_token_embedding, layer_index
+from trainmem.names import is_token_embedding
 from trainmem.specs import ModelSpec, StepSpec
-from trainmem.specs.finetune import FinetuneSpec, parse_layer_range
+from trainmem.specs.finetune import ADAPTER_MARKERS as _ADAPTER
+from trainmem.specs.finetune import FinetuneSpec, trainable_by_name
+from trainmem.specs.finetune import is_embedding_weight as _embedding_weight
+from trainmem.specs.finetune import is_output_layer as _output_layer
+from trainmem.specs.finetune import module_of as _module
 
 __all__ = [
     "trainable_predicate", "FinetuneLinear", "finetune_state_items", "finetune_optimizer_transient",
@@ -62,64 +66,16 @@ __all__ = [
     "list_presets",
 ]
 
-_ADAPTER = (".lora_A.", ".lora_B.")
 FROZEN_NOTE = "frozen: no gradient, master weight or optimizer state"
 
 
 # which parameters train -------------------------------------------------------------------------
 
-def _module(param: str) -> str:
-    return param.rpartition(".")[0]
-
-
-def _embedding_weight(name: str) -> bool:
-    """An input embedding table (token, position, token-type) of any family."""
-    return name.endswith(".weight") and is_embedding(_module(name))
-
-
-def _output_layer(module: str) -> bool:
-    """A family's output layer (``lm_head``, ``cls.predictions.decoder``): never adapted, never quantized."""
-    return module in output_layers()
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """A freeze pattern: ``embeddings``, a layer range, or a module name / dotted prefix."""
-    if pattern == "embeddings":
-        return _embedding_weight(name)
-    layers = parse_layer_range(pattern)
-    if layers is not None:
-        li = layer_index(name)
-        return li is not None and li in layers
-    return name == pattern or name.startswith(pattern + ".") or f".{pattern}." in f".{name}"
-
-
-def _tied_embedding(model: ModelSpec) -> str | None:
-    if not model.tied_embeddings:
-        return None
-    return next((n for n, _ in parameter_shapes(model) if _embedding_weight(n)), None)
-
-
 def trainable_predicate(model: ModelSpec, spec: FinetuneSpec) -> Callable[[str], bool]:
-    """``name -> bool`` over HF parameter names (adapters: ``<module>.lora_A.default.weight``)."""
-    tied = _tied_embedding(model)
-    if spec.freeze:  # a pattern that freezes nothing is a typo, not a no-op
-        from trainmem.estimate.params import parameter_shapes
-        names = [n for n, _ in parameter_shapes(model)]
-        for p in spec.freeze:
-            if not any(_matches(n, p) for n in names):
-                raise SpecError("freeze", p, f"matches no parameter of {model.name} "
-                                             "(use embeddings, layers.A-B or a module name such as model.layers.0)")
-
-    def trainable(name: str) -> bool:
-        if any(a in name for a in _ADAPTER):
-            return spec.adapters
-        if spec.adapters:
-            return False  # peft freezes the whole base (bias="none")
-        if tied and _output_layer(_module(name)):
-            name = tied  # one tensor: frozen together
-        return not any(_matches(name, p) for p in spec.freeze)
-
-    return trainable
+    """``name -> bool`` over HF parameter names (adapters: ``<module>.lora_A.default.weight``),
+    :func:`trainmem.specs.finetune.trainable_by_name` over the spec's parameters."""
+    names = [n for n, _ in parameter_shapes(model)] if spec.freeze or model.tied_embeddings else []
+    return trainable_by_name(spec, names, tied_embeddings=model.tied_embeddings, model_name=model.name)
 
 
 def is_linear_weight(model: ModelSpec, name: str, shape: tuple[int, ...]) -> bool:

@@ -29,16 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.optimizer_impl import DEFAULT_IMPL, IMPLEMENTATIONS, check_optimizer, optimizer_impl_used
 
 __all__ = ["Stepped", "optimizer_impl_used", "check_optimizer", "step_temporaries", "in_backward_temporaries",
            "recipe_transient", "DEFAULT_IMPL"]
-
-DEFAULT_IMPL = {"cuda": "foreach", "cpu": "for-loop"}
-"""torch's default when neither ``foreach`` nor ``fused`` is given (``optimizer.py``
-``_default_to_fused_or_foreach``: foreach only on devices with foreach kernels, i.e. not CPU)."""
-
 
 @dataclass(frozen=True)
 class Stepped:
@@ -64,6 +59,8 @@ def _rule(optimizers: tuple[str, ...], impls: tuple[str, ...]) -> Callable[[Rule
         for key in ((o, i) for o in optimizers for i in impls):
             if key in _RULES:
                 raise ValueError(f"duplicate optimizer-step rule for {key}")
+            if key[1] not in IMPLEMENTATIONS.get(key[0], ()):
+                raise ValueError(f"optimizer-step rule for {key}, an implementation specs/optimizer_impl.py lacks")
             _RULES[key] = fn
         return fn
     return register
@@ -121,33 +118,6 @@ def _torchao_rule(block: int, fp32_copies: int, packed: float, index_bytes: int)
 
 _rule(("torchao-adamw8bit",), ("fused",))(_torchao_rule(256, 2, 0, 0))
 _rule(("torchao-adamw4bit",), ("fused",))(_torchao_rule(128, 2, 2, 16))
-
-
-def optimizer_impl_used(step: StepSpec, impl: ImplSpec) -> str:
-    """The implementation ``optimizer.step()`` runs: the one asked for, or torch's default on the
-    device; an optimizer with a single implementation (bitsandbytes) has that one."""
-    if impl.optimizer_impl != "auto":
-        return impl.optimizer_impl
-    default = DEFAULT_IMPL[impl.device]
-    if (step.optimizer, default) in _RULES:
-        return default
-    return next(i for o, i in _RULES if o == step.optimizer)
-
-
-def check_optimizer(step: StepSpec, impl: ImplSpec) -> None:
-    """SpecError unless the optimizer has the implementation and placement asked for."""
-    used = optimizer_impl_used(step, impl)
-    if (step.optimizer, used) not in _RULES:
-        have = ", ".join(i for o, i in _RULES if o == step.optimizer)
-        raise SpecError("optimizer_impl", used, f"{step.optimizer} has no such implementation (it has {have})")
-    if not impl.optimizer_in_backward:
-        return
-    if step.grad_accum > 1:  # torchtune's recipes refuse it: the hook steps before accumulation ends
-        raise SpecError("grad_accum", step.grad_accum, "must be 1 with optimizer_in_backward "
-                                                        "(each parameter steps as soon as its gradient exists)")
-    if step.dtypes.master:
-        raise SpecError("precision", step.precision, "keeps fp32 master weights; optimizer_in_backward "
-                                                     "steps the parameters themselves (use fp32, bf16 or amp-*)")
 
 
 def step_temporaries(step: StepSpec, impl: ImplSpec, stepped: Stepped) -> tuple[int, str]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 from trainmem.errors import SpecError
-from trainmem.families import layer_containers
+from trainmem.families import layer_containers, output_layers
+from trainmem.names import is_embedding, layer_index
 from trainmem.specs import _validate as v
 
-__all__ = ["FinetuneSpec", "MODES", "ADAPTER_DTYPES", "parse_layer_range"]
+__all__ = ["FinetuneSpec", "MODES", "ADAPTER_DTYPES", "parse_layer_range", "trainable_by_name"]
 
 MODES = ("full", "lora", "qlora")
 ADAPTER_DTYPES = ("float32", "param", "bfloat16", "float16")
@@ -149,3 +150,57 @@ class FinetuneSpec:
             if key not in known:
                 raise SpecError(key, data[key], f"unknown fine-tuning field; known: {', '.join(sorted(known))}")
         return cls(**{k: tuple(val) if isinstance(val, list) else val for k, val in data.items()})
+
+
+# which parameters train: the spec's meaning over parameter names, below the estimator (which
+# reads the names off the spec's model) and the tracer (which reads them off the built model) --
+
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
+
+
+def module_of(param: str) -> str:
+    return param.rpartition(".")[0]
+
+
+def is_embedding_weight(name: str) -> bool:
+    """An input embedding table (token, position, token-type) of any family."""
+    return name.endswith(".weight") and is_embedding(module_of(name))
+
+
+def is_output_layer(module: str) -> bool:
+    """A family's output layer (``lm_head``, ``cls.predictions.decoder``): never adapted, never quantized."""
+    return module in output_layers()
+
+
+def matches_freeze(name: str, pattern: str) -> bool:
+    """A freeze pattern: ``embeddings``, a layer range, or a module name / dotted prefix."""
+    if pattern == "embeddings":
+        return is_embedding_weight(name)
+    layers = parse_layer_range(pattern)
+    if layers is not None:
+        li = layer_index(name)
+        return li is not None and li in layers
+    return name == pattern or name.startswith(pattern + ".") or f".{pattern}." in f".{name}"
+
+
+def trainable_by_name(spec: FinetuneSpec, names: Sequence[str], *, tied_embeddings: bool,
+                      model_name: str) -> Callable[[str], bool]:
+    """``name -> bool`` over HF parameter names (adapters: ``<module>.lora_A.default.weight``);
+    ``names``: the model's parameters, which every freeze pattern must match (a pattern that
+    freezes nothing is a typo, not a no-op) and whose first embedding is a tied head's tensor."""
+    tied = next((n for n in names if is_embedding_weight(n)), None) if tied_embeddings else None
+    for p in spec.freeze:
+        if not any(matches_freeze(n, p) for n in names):
+            raise SpecError("freeze", p, f"matches no parameter of {model_name} "
+                                         "(use embeddings, layers.A-B or a module name such as model.layers.0)")
+
+    def trainable(name: str) -> bool:
+        if any(a in name for a in ADAPTER_MARKERS):
+            return spec.adapters
+        if spec.adapters:
+            return False  # peft freezes the whole base (bias="none")
+        if tied and is_output_layer(module_of(name)):
+            name = tied  # one tensor: frozen together
+        return not any(matches_freeze(name, p) for p in spec.freeze)
+
+    return trainable

@@ -3,7 +3,7 @@
 ``apply_finetune(model, spec, model_spec)`` does to the built Hugging Face model what a user's
 script does before training:
   - ``full`` with ``freeze``: ``requires_grad_(False)`` on every parameter the patterns name,
-    read by the estimator's own pattern reader (``trainmem.estimate.finetune.trainable_predicate``:
+    read by the estimator's own pattern reader (``trainmem.specs.finetune.trainable_by_name``:
     the same words mean the same parameters in both);
   - ``lora``: ``peft.get_peft_model`` with a ``LoraConfig`` of the spec's rank, alpha, targets and
     dropout (``fan_in_fan_out`` for GPT-2's Conv1D layers), which freezes the base and adds
@@ -51,8 +51,10 @@ def apply_finetune(model, spec: FinetuneSpec | None, model_spec=None):
     if not spec.adapters:
         if model_spec is None:
             raise UnsupportedError("--freeze needs a model trainmem reads (a preset or a config.json of a supported type)")
-        from trainmem.estimate.finetune import trainable_predicate
-        trainable = trainable_predicate(model_spec, spec)  # refuses a pattern that matches nothing
+        from trainmem.specs.finetune import trainable_by_name
+        names = [n for n, _ in model.named_parameters()]  # the estimate's names (a tied head is its embedding)
+        trainable = trainable_by_name(spec, names, tied_embeddings=model_spec.tied_embeddings,
+                                      model_name=model_spec.name)  # refuses a pattern that matches nothing
         for name, p in model.named_parameters():
             p.requires_grad_(trainable(name))
         return model

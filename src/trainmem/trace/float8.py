@@ -47,7 +47,7 @@ def convert_float8(model, impl) -> list[str]:
     if impl.float8_all_gather:
         raise UnsupportedError("float8_all_gather is FSDP2's fp8 all-gather; the tracer runs one device "
                                "without FSDP: trace without it")
-    from trainmem.estimate.float8 import converted
+    from trainmem.specs.float8_filter import converted
 
     f8 = _torchao_float8()
     names: list[str] = []
