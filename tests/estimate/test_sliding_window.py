@@ -21,6 +21,10 @@ CONFIGS = {
     "mistral": dict(model_type="mistral", **SMALL),
     # Gemma-2: local (sliding) and global blocks alternate
     "gemma2": dict(model_type="gemma2", head_dim=16, **SMALL),
+    "phi3": dict(model_type="phi3", pad_token_id=0, **SMALL),  # fused qkv_proj: K and V are views of its output
+    # Qwen2/Qwen3: blocks from max_window_layers on slide, only with use_sliding_window
+    "qwen2": dict(model_type="qwen2", use_sliding_window=True, max_window_layers=1, **SMALL),
+    "qwen3": dict(model_type="qwen3", use_sliding_window=True, max_window_layers=1, head_dim=16, **SMALL),
 }
 
 
@@ -61,3 +65,14 @@ def test_gemma2_local_layers(precision):
     assert [k.attention for k in spec.kinds] == ["sliding", "full"]
     items = check_against_autograd(cfg, precision, "eager")
     assert not [i.name for i in items if i.name.endswith("attn_mask")]
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_other_windowed_families(family, precision):
+    cfg = {**CONFIGS[family], "sliding_window": 16}
+    items = check_against_autograd(cfg, precision, "sdpa")
+    masked = [i.name for i in items if i.name.endswith("attn_mask")]
+    assert masked == (["model.layers.1.self_attn.attn_mask"] if family != "phi3" else
+                      ["model.layers.0.self_attn.attn_mask", "model.layers.1.self_attn.attn_mask"])
+    assert not spec_from_hf_config({**cfg, "use_sliding_window": False}).layer_kinds or family == "phi3"

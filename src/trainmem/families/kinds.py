@@ -9,7 +9,7 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.families.config import ConfigReader
 
-__all__ = ["uniform_window", "from_layer_types", "kinds_or_empty"]
+__all__ = ["uniform_window", "from_layer_types", "kinds_or_empty", "qwen_windows"]
 
 #: transformers' ``layer_types`` names -> LayerKind.attention
 _ATTENTION = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
@@ -57,3 +57,15 @@ def from_layer_types(c: ConfigReader, types: list, *, window: int | None, chunk:
             kind["rope"] = rope[i]
         out.append(kind)
     return tuple(out)
+
+
+def qwen_windows(c: ConfigReader) -> tuple[dict, ...]:
+    """Qwen2/Qwen3: sliding blocks from ``max_window_layers`` on, only with ``use_sliding_window``
+    (``Qwen2Config.__post_init__``: the window is None otherwise, and so is every block's)."""
+    window = c("sliding_window") if c("use_sliding_window") else None
+    if window is None:
+        return ()
+    L = c("num_hidden_layers")
+    types = c("layer_types") or ["sliding_attention" if i >= c("max_window_layers") else "full_attention"
+                                 for i in range(L)]
+    return kinds_or_empty(list(from_layer_types(c, types, window=window)))

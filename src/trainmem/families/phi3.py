@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
 from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import LLAMA_NAMES, llama_family
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,7 +32,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 
 def _read(c: ConfigReader) -> dict:
-    return {**llama_like(c, bias_key=None), "hidden_dropout": c("resid_pdrop")}
+    return {**llama_like(c, bias_key=None), "hidden_dropout": c("resid_pdrop"), "layer_kinds": uniform_window(c)}
 
 
 @register_family
@@ -41,6 +42,7 @@ def phi3() -> Family:
         config_class="Phi3Config", read=_read,
         defaults={"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
-                  "tie_word_embeddings": False, "attention_dropout": 0.0, "resid_pdrop": 0.0}),
+                  "tie_word_embeddings": False, "attention_dropout": 0.0, "resid_pdrop": 0.0,
+                  "sliding_window": None}),
         parameters=_parameters, rules=BlockRules(forward="llama", fused_qkv=True, fused_gate_up=True),
         tp=TPRoles(column=("qkv_proj", "gate_up_proj"), row=LLAMA_NAMES["tp"].row, vocab=LLAMA_NAMES["tp"].vocab))

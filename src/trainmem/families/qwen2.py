@@ -5,21 +5,24 @@ from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
 from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.kinds import qwen_windows
 from trainmem.families.llama import llama_family
 
 _QWEN2_DEFAULTS = {  # Qwen2Config
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": None, "hidden_act": "silu",
     "tie_word_embeddings": False, "attention_dropout": 0.0,
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
 }
 
 
 def _read_qwen2(c: ConfigReader) -> dict:
-    return {**llama_like(c, bias_key=None), "qkv_bias": True}  # q, k, v carry a bias; o_proj does not
+    # q, k, v carry a bias; o_proj does not
+    return {**llama_like(c, bias_key=None), "qkv_bias": True, "layer_kinds": qwen_windows(c)}
 
 
 def _read_qwen3(c: ConfigReader) -> dict:
-    return {**llama_like(c), "qk_norm": True}
+    return {**llama_like(c), "qk_norm": True, "layer_kinds": qwen_windows(c)}
 
 
 @register_family
