@@ -14,6 +14,7 @@ from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import OpPolicy, Sym
+from trainmem.estimate.heads import task_head
 from trainmem.families import BlockRules, family_of, token_embedding_modules
 
 __all__ = ["hf_forward"]
@@ -238,6 +239,8 @@ def _llama(ctx: Ctx) -> None:
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
+    if m.head != "lm":
+        return task_head(ctx, h)
     with g.module("lm_head"):
         h = ctx.sp_gather(h, "input_gathered")
     logits = _head(ctx, h, "lm_head")
@@ -407,6 +410,8 @@ def _gpt(ctx: Ctx) -> None:
 
     x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
+    if m.head != "lm":
+        return task_head(ctx, h)
     logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
 
@@ -480,6 +485,8 @@ def _bert(ctx: Ctx) -> None:
             return _bert_layer(ctx, x, kernel)
 
     x = _layers(ctx, "bert.encoder.layer.", x, layer)
+    if m.head != "mlm":
+        return task_head(ctx, x)
     with g.module("cls.predictions.transform"):
         with g.module("dense"):
             t = ctx.linear(x, H, "H", weight=(H, H))
