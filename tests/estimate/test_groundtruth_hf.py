@@ -1,8 +1,9 @@
 """The estimator against what PyTorch really saves, on real Hugging Face models built from config.
 
 Measured: saved_tensors_hooks (distinct storages, parameters excluded) without checkpointing,
-live-storage tracking with it (hooks cannot see inside checkpointed regions). Tolerance: 2% for
-activations, 3% for the step peak (issue #2). Failures name the tensors that differ.
+live-storage tracking with it (hooks cannot see inside checkpointed regions). Activations agree to
+the byte in every case; each step peak has its own measured window, with the reason beside it
+(PEAK_CASES). Failures name the tensors that differ.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from trainmem.estimate.activations import activation_items
 from trainmem.models.hf import build_hf_model
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
-from trainmem.trace.saved import explain_difference, retained_bytes, saved_tensors, step_peak_bytes
+from trainmem.trace.live import LiveStorages
+from trainmem.trace.saved import explain_difference, saved_tensors, step_peak_bytes
+from trainmem.trace.storages import storage_key
 
 B, S = 2, 32
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -59,9 +62,13 @@ def _measure(cfg: dict, precision: str, attention: str, recompute: str) -> tuple
     del loss
     if recompute == "none":
         return sum(s.nbytes for s in saved), saved
-    retained, loss = retained_bytes(model, forward)
-    # the input ids are saved (by the embedding) but were created outside; the loss is not saved
-    return retained + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes(), saved
+    # live storages created by the forward: the input ids are skipped there (GPT-2 views them, so
+    # their storage is an op's output and was counted twice) and added once: the embedding saves
+    # them; the loss is not saved
+    skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
+    with LiveStorages(skip_keys=skip) as live:
+        loss = forward()
+    return live.now + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes(), saved
 
 
 CASES = [
@@ -84,23 +91,32 @@ def test_activations_match_pytorch(family, precision, attention, recompute, drop
         ImplSpec(attention=attention, recompute=recompute, device="cpu"),
     )
     estimated = sum(i.bytes for i in items)
-    assert abs(estimated - measured) <= 0.02 * measured, (
+    assert estimated == measured, (
         f"estimate {estimated} vs measured {measured} ({estimated / measured:.4f}); {explain_difference(items, saved)}"
     )
 
 
+# Measured on torch 2.13.0 (CPU live set, every storage to the byte); (lo, hi) bounds estimate − measured:
 PEAK_CASES = [
-    # (config overrides, B, S, precision, attention, recompute)
-    (dict(vocab_size=8000), 2, 256, "fp32", "sdpa", "none"),        # peak at the loss backward
-    (dict(vocab_size=8000), 2, 256, "amp-bf16", "sdpa", "none"),
-    (dict(vocab_size=8000), 2, 256, "bf16", "eager", "full"),
-    (dict(vocab_size=256), 2, 256, "fp32", "eager", "none"),        # peak inside a block's backward
-    (dict(vocab_size=256), 1, 64, "fp32", "sdpa", "full"),          # peak in the optimizer step
+    # (config overrides, B, S, precision, attention, recompute, (lo, hi) in bytes)
+    # peak at the loss backward (backward_start): the estimate is 7,940 B over (8,004 B in bf16), under
+    # 0.01%: it still counts the loss's saved target and total weight (4,100 B), which nll_loss's backward
+    # has freed when log_softmax's backward allocates; the other ~3.9 kB are not identified yet
+    (dict(vocab_size=8000), 2, 256, "fp32", "sdpa", "none", (0, 8192)),
+    (dict(vocab_size=8000), 2, 256, "amp-bf16", "sdpa", "none", (0, 8192)),
+    (dict(vocab_size=8000), 2, 256, "bf16", "eager", "full", (0, 8192)),
+    # peak inside a block's backward: 256,240 B over (0.79%), less than one B×S×H fp32 tensor
+    # (262,144 B): the phase's "recompute_and_work" is the block's whole backward working set at once,
+    # while autograd frees some of its tensors before the largest gradient is allocated
+    (dict(vocab_size=256), 2, 256, "fp32", "eager", "none", (0, 262144)),
+    # peak in the optimizer step: 252 B under: small tensors foreach AdamW creates during step()
+    # (per-parameter scalars) that the estimator does not list
+    (dict(vocab_size=256), 1, 64, "fp32", "sdpa", "full", (-256, 0)),
 ]
 
 
-@pytest.mark.parametrize("over,b,s,precision,attention,recompute", PEAK_CASES)
-def test_step_peak_matches_pytorch(over, b, s, precision, attention, recompute):
+@pytest.mark.parametrize("over,b,s,precision,attention,recompute,window", PEAK_CASES)
+def test_step_peak_matches_pytorch(over, b, s, precision, attention, recompute, window):
     cfg = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
     cfg.update(over)
@@ -124,7 +140,8 @@ def test_step_peak_matches_pytorch(over, b, s, precision, attention, recompute):
     measured = step_peak_bytes(model, opt, step)
     est = estimate(spec_from_hf_config(cfg), StepSpec(batch=b, seq=s, precision=precision),
                    ImplSpec(attention=attention, recompute=recompute, device="cpu", optimizer_impl="foreach"))
-    assert abs(est.peak_bytes - measured) <= 0.03 * measured, (
+    lo, hi = window
+    assert lo <= est.peak_bytes - measured <= hi, (
         f"peak estimate {est.peak_bytes} ({est.peak_phase}) vs measured {measured}: "
         + ", ".join(f"{p.name}={p.bytes}" for p in est.phases)
     )
