@@ -115,7 +115,9 @@ def test_layer_kind_validation():
     assert fit_kinds((d, m, d, m), 3) == (d, m, d)
 
 
-GEMMA3_CASES = [(a, p) for a in ("sdpa", "eager") for p in ("fp32", "bf16", "amp-bf16")]
+# two cases by default, the rest slow (each builds and runs a model)
+GEMMA3_CASES = [(a, p) if (a, p) in (("sdpa", "fp32"), ("eager", "bf16")) else pytest.param(a, p, marks=pytest.mark.slow)
+                for a in ("sdpa", "eager") for p in ("fp32", "bf16", "amp-bf16")]
 
 
 @pytest.mark.parametrize("attention,precision", GEMMA3_CASES)

@@ -28,8 +28,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+SLOW = pytest.mark.slow  # each case builds and runs a model: a few by default, the rest slow
+
+
+@pytest.mark.parametrize("attention,precision", [
+    ("sdpa", "fp32"), ("sdpa", "bf16"), pytest.param("sdpa", "amp-bf16", marks=SLOW),
+    pytest.param("eager", "fp32", marks=SLOW), pytest.param("eager", "bf16", marks=SLOW),
+    pytest.param("eager", "amp-bf16", marks=SLOW)])
 def test_mistral_window_shorter_than_sequence(precision, attention):
     items = check_against_autograd({**CONFIGS["mistral"], "sliding_window": 16}, precision, attention)
     masks = [i for i in items if i.name.endswith("attn_mask")]
@@ -38,7 +43,7 @@ def test_mistral_window_shorter_than_sequence(precision, attention):
         assert masks[0].shape == (B, 1, S, S)
 
 
-@pytest.mark.parametrize("window,masked", [(S, True), (S + 1, False)])
+@pytest.mark.parametrize("window,masked", [(S, True), pytest.param(S + 1, False, marks=SLOW)])
 def test_mistral_window_edge(window, masked):
     # a mask from window == S on (kv_length >= local_attention_size), none past it
     items = check_against_autograd({**CONFIGS["mistral"], "sliding_window": window}, "fp32", "sdpa")
@@ -57,7 +62,7 @@ def test_mistral_window_full_recompute():
     check_against_autograd({**CONFIGS["mistral"], "sliding_window": 16}, "fp32", "sdpa", "full")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=SLOW)])
 def test_gemma2_local_layers(precision):
     # transformers 5 gives Gemma-2 no SDPA (soft-capping): eager adds either mask and keeps neither
     cfg = {**CONFIGS["gemma2"], "sliding_window": 16}
@@ -67,8 +72,9 @@ def test_gemma2_local_layers(precision):
     assert not [i.name for i in items if i.name.endswith("attn_mask")]
 
 
-@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family,precision", [("phi3", "fp32"), ("qwen3", "bf16")] + [
+    pytest.param(f, p, marks=SLOW) for f, p in (("phi3", "bf16"), ("qwen2", "fp32"), ("qwen2", "bf16"),
+                                                ("qwen3", "fp32"))])
 def test_other_windowed_families(family, precision):
     cfg = {**CONFIGS[family], "sliding_window": 16}
     items = check_against_autograd(cfg, precision, "sdpa")
