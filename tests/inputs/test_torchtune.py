@@ -153,8 +153,8 @@ def test_nothing_in_the_file_runs(tmp_path):
 
 
 @pytest.mark.parametrize("body, message", [
-    (b"", "expected a YAML mapping, got NoneType"),
-    (b"- a\n- b\n", "expected a YAML mapping, got list"),
+    (b"", "expected a YAML mapping, got a NoneType"),
+    (b"- a\n- b\n", "expected a YAML mapping, got a list"),
     (b"model: {_component_: x\n", "invalid YAML"),
     (b"\xff\xfe\x00", "not UTF-8 text"),
     (b"a: &x [1, 2]\nb: [*x, *x]\n", "aliases (*name) are not read"),

@@ -16,7 +16,7 @@ import json
 import stat
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainmem.errors import ConfigError
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -102,17 +102,29 @@ def load_toml(path: str | Path, what: str) -> dict:
         raise ConfigError(f"{path}: TOML nested too deeply") from None
 
 
-def load_json(path: str | Path, what: str) -> dict:
+def load_mapping(path: str | Path, what: str, fmt: str, parse: Callable[[str], Any]) -> dict:
+    """The one shape of every config reader: the file read whole (:func:`read_text`), parsed by
+    ``parse`` (which raises ConfigError naming the position of a syntax error), a nesting that
+    exhausts the parser refused, and anything but a mapping at the top refused."""
     text = read_text(path, what)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        data = parse(text)
     except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply") from None
+        raise ConfigError(f"{path}: {fmt} nested too deeply") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+        noun = "object" if fmt == "JSON" else "mapping"
+        raise ConfigError(f"{path}: expected a {fmt} {noun}, got a {type(data).__name__}")
     return data
+
+
+def load_json(path: str | Path, what: str) -> dict:
+    """A JSON object from ``path`` (:func:`load_mapping`)."""
+    def parse(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return load_mapping(path, what, "JSON", parse)
 
 
 def table(data: dict, key: str, where: str) -> dict:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmem.errors import ConfigError
-from trainmem.inputs._common import answer, positive_int, read_text, typed, unknown_key
+from trainmem.inputs._common import answer, load_mapping, positive_int, typed, unknown_key
 from trainmem.specs.step import DEFAULT_SEQ
 
 __all__ = ["read_torchtune", "torchtune_overrides"]
@@ -128,18 +128,14 @@ def load_yaml(path: str | Path, what: str) -> dict:
                                                   self.peek_event().start_mark)
             return super().compose_node(parent, index)
 
-    text = read_text(path, what)
-    try:
-        data = yaml.load(text, Loader=NoAliases)  # noqa: S506 - a SafeLoader
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: YAML nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
-    return data
+    def parse(text: str) -> Any:
+        try:
+            return yaml.load(text, Loader=NoAliases)  # noqa: S506 - a SafeLoader
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    return load_mapping(path, what, "YAML", parse)
 
 
 def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
