@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--real", action="store_true", help="trace on real CPU tensors (small configs)")
     cmp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.compare/2)")
     cmp.add_argument("--detail", action="store_true", help="list modules that agree too")
+    cmp.add_argument("--per-tensor", action="store_true",
+                     help="also join activations tensor by tensor (by key) and list those that differ")
     _add_output_args(cmp)
     add_optimizer_args(cmp)
     add_fit_args(cmp)
@@ -185,6 +187,9 @@ def _compare(args) -> int:
         from trainmem.report.text import render_comparison
         print(f"precision: {step.precision_description}")
         print(render_comparison(result, detail=args.detail))
+        if args.per_tensor:
+            from trainmem.report.text import render_tensors
+            print("\n".join(["", *render_tensors(result, detail=args.detail)]))
         print("\n".join(t for t in (etext, ttext) if t))
     return 0
 

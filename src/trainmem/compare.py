@@ -3,6 +3,7 @@
 Estimate items are named ``<module path>.<label>`` and trace items ``<module path>.<aten op>``;
 both sides are summed per module so the join does not depend on how a module's tensors are
 labelled. The estimator's ``loss.*`` items live in the root module, where the loss is computed.
+Activations also join tensor by tensor on their keys (``trainmem.join``): ``tensors``.
 The trace runs CPU kernels, so the estimate it is compared with models ``device='cpu'``.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainmem.inventory import Category, Inventory
+from trainmem.join import JoinRow, join_items, module_of
 
 __all__ = ["Comparison", "CompareRow", "compare", "SCHEMA"]
 
@@ -51,6 +53,7 @@ class Comparison:
     model: Any = None  # the estimate's specs, echoed in the header's inputs
     step: Any = None
     impl: Any = None
+    tensors: tuple[JoinRow, ...] = ()  # activations joined per tensor by key
 
 
     def _repr_html_(self) -> str:  # Jupyter
@@ -72,25 +75,14 @@ class Comparison:
         return {
             **header("compare", model=self.model, step=self.step, impl=self.impl),
             "rows": [r.to_dict() for r in self.rows],
+            "tensors": [r.to_dict() for r in self.tensors],
             "activations": side(self.activation_estimate_bytes, self.activation_trace_bytes),
             "peak": {**side(self.estimate_peak_bytes, self.trace_peak_bytes),
                      "estimate_phase": self.estimate_peak_phase, "trace_phase": self.trace_peak_phase},
         }
 
 
-#: Modules the tracer sees that are not part of the model tree: the loss is the root's.
-_ROOT_ALIASES = ("CrossEntropyLoss",)
-
-
-def _module(name: str, *, estimate: bool) -> str:
-    if estimate and name.startswith("loss."):
-        return "(root)"
-    if not estimate and name.split(".", 1)[0] in _ROOT_ALIASES:
-        return "(root)"
-    if estimate and name == "input_ids":
-        return "(inputs)"
-    head, dot, _ = name.rpartition(".")
-    return head if dot and head else "(root)"
+_module = module_of  # the name up to its last dot; the loss is the root's (trainmem.join)
 
 
 def _per_module(inv: Inventory, *, estimate: bool) -> dict[str, int]:
@@ -113,4 +105,5 @@ def compare(estimate, trace) -> Comparison:
     rows = tuple(CompareRow(n, e.get(n, 0), t.get(n, 0)) for n in names)
     return Comparison(rows, estimate.peak_bytes, estimate.peak_phase,
                       trace.peak_logical_bytes, trace.peak_phase,
-                      model=estimate.model, step=estimate.step, impl=estimate.impl)
+                      model=estimate.model, step=estimate.step, impl=estimate.impl,
+                      tensors=tuple(join_items(estimate.inventory, trace.items)))

@@ -75,19 +75,23 @@ class MemoryItem:
     formula: str = ""
     note: str = ""
     dims: tuple[str, ...] = ()
+    key: str = ""
+    """The join key where it differs from ``name``: ``<module path>:<k>`` for activations
+    (``trainmem.join``); empty means the name is the key."""
 
     @classmethod
     def make(cls, name: str, category: Category, shape: tuple[int, ...], dtype: str, nbytes: int,
-             formula: str = "", dims: tuple[str, ...] = ()) -> "MemoryItem":
+             formula: str = "", dims: tuple[str, ...] = (), key: str = "") -> "MemoryItem":
         """Fast constructor for trusted callers (estimators build thousands of items)."""
         item = object.__new__(cls)
         item.__dict__.update(name=name, category=category, shape=shape, dtype=dtype, bytes=nbytes,
-                             formula=formula, note="", dims=dims)
+                             formula=formula, note="", dims=dims, key=key)
         return item
 
     def to_dict(self) -> dict:
         return {
             "name": self.name,
+            "key": self.key or self.name,
             "category": self.category.value,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -117,13 +121,20 @@ class Repeat:
         prev = f"{self.prefix}{self.src - 1}."
         for d in self.dsts:
             new_own, new_prev = f"{self.prefix}{d}.", f"{self.prefix}{d - 1}."
-            for it in self.items:
-                n = it.name
+
+            def rename(n: str) -> str:
                 if n.startswith(own):
-                    n = new_own + n[len(own):]
-                elif self.shift_previous and n.startswith(prev):
-                    n = new_prev + n[len(prev):]
-                yield MemoryItem.make(n, it.category, it.shape, it.dtype, it.bytes, it.formula, it.dims)
+                    return new_own + n[len(own):]
+                if self.shift_previous and n.startswith(prev):
+                    return new_prev + n[len(prev):]
+                return n
+
+            def rename_key(k: str) -> str:  # ``<module>:<k>``: the module renamed as a name prefix
+                mod, colon, rank = k.rpartition(":")
+                return rename(mod + ".")[:-1] + colon + rank if colon else rename(k)
+            for it in self.items:
+                yield MemoryItem.make(rename(it.name), it.category, it.shape, it.dtype, it.bytes, it.formula, it.dims,
+                                      rename_key(it.key) if it.key else "")
 
     def __len__(self) -> int:
         return len(self.items) * len(self.dsts)

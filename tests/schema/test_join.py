@@ -1,10 +1,10 @@
-"""estimate and trace join by item name on a tiny Llama (hidden 64, 2 layers, S=32, bf16, sdpa).
+"""estimate and trace join item by item on tiny models (hidden 64, 2 layers, S=32).
 
-Model states join per tensor: the same name (``model.layers.0.mlp.up_proj.weight.exp_avg``) holds
-the same bytes on both sides. Activations join per module (the name up to the last dot): the
-estimator labels a saved tensor by its role (``q_rope``, ``sdpa_out``) and the trace by the aten op
-that made it (``cat``, ``cat:1``), so within a module they pair by dtype and size, and every block
-module pairs exactly. Trace item names are unique (``:k`` marks the k-th repeat).
+Model states join per tensor by name (``model.layers.0.mlp.up_proj.weight.exp_avg``). Activations
+join per tensor by key (``trainmem.join``): ``<module path>:<k>``, the k-th tensor the module made
+(creation order) among those backward keeps. The estimator labels a saved tensor by its role
+(``q_rope``, ``sdpa_out``) and the trace by the aten op that made it (``cat``, ``cat:1``); the keys
+are the same on both sides. Trace item names are unique (``:k`` marks the k-th repeat).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from schema_runs import TINY_LLAMA
-from trainmem.compare import _module
+from trainmem.join import join_items, module_of as _module
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -78,3 +78,85 @@ def test_activations_join_per_module_and_pair_by_size(both):
     assert est["model.embed_tokens"] == Counter({("int64", 256): 1}) and "model.embed_tokens" not in tr
     root_e, root_t = sum(b * n for (_, b), n in est["(root)"].items()), sum(b * n for (_, b), n in tr["(root)"].items())
     assert root_t - root_e == (264 - 256) + 2 * 4
+
+
+# tests/trace/tiny_models.py's shapes; vocabulary 1000
+TINY = {
+    "llama": TINY_LLAMA,
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256,
+                 attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
+                    num_local_experts=4, num_experts_per_tok=2),
+}
+CASES = [(f, p, a) for f in TINY for p in ("fp32", "bf16") for a in ("eager", "sdpa") if f != "mixtral" or p == "bf16"]
+
+
+def _unequal(family: str, precision: str, attention: str) -> dict:
+    from trainmem.estimate import estimate
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.specs.loaders import spec_from_hf_config
+    from trainmem.trace import trace_step
+
+    cfg = TINY[family]
+    step, impl = StepSpec(batch=1, seq=32, precision=precision), ImplSpec(device="cpu", attention=attention)
+    # Mixtral routes real tokens (which experts get how many is data-dependent), as in tests/test_compare.py
+    rows = join_items(estimate(spec_from_hf_config(cfg, name="tiny"), step, impl).inventory,
+                      trace_step(cfg, step, impl, real=family == "mixtral").items)
+    assert sum(r.equal for r in rows) > 20
+    return {r.key: (r.estimate and (r.estimate.dtype, r.estimate.bytes), r.trace and (r.trace.dtype, r.trace.bytes))
+            for r in rows if not r.equal}
+
+
+def _order_only(diff: dict, suffix: str) -> set[str]:
+    """Keys of modules ending ``suffix`` whose tensors differ only in creation order: the same
+    (dtype, bytes) multiset on both sides of the module."""
+    keys = {k for k in diff if k.rpartition(":")[0].endswith(suffix)}
+    for mod in {k.rpartition(":")[0] for k in keys}:
+        mine = [v for k, v in diff.items() if k.rpartition(":")[0] == mod]
+        assert Counter(e for e, _ in mine if e) == Counter(t for _, t in mine if t), mod
+    return keys
+
+
+@pytest.mark.parametrize("family,precision,attention", CASES)
+def test_activations_join_per_tensor_by_key(family, precision, attention):
+    """Every activation key has one partner on the other side with the same dtype and bytes, except
+    the stated differences below, each named with its bytes."""
+    diff = _unequal(family, precision, attention)
+    # Creation order only (the same tensors per module, other ranks): eager attention, where the
+    # estimator makes v's repeat_kv after the softmax (transformers' eager_attention_forward repeats
+    # k and v first), and Mixtral's grouped-mm experts, whose routing indices the estimator makes in
+    # another order than transformers' grouped_mm path
+    if attention == "eager" and family != "gpt2":
+        for k in _order_only(diff, ".self_attn"):
+            diff.pop(k)
+    if family == "mixtral":
+        for k in _order_only(diff, ".mlp.experts"):
+            diff.pop(k)
+    B, S, H = 1, 32, 64
+    itemsize = 4 if precision == "fp32" else 2
+    # the token ids the embedding keeps are an input to the trace, not an op output (B·S·8 = 256 B);
+    # the loss keeps the labels padded to S+1 (B·33·8 = 264 B, the estimate the shifted B·S·8 = 256 B)
+    # and the trace two more fp32 scalars (nll_loss's second output and backward's seed, ones_like)
+    expected = {
+        "(inputs):0": (("int64", B * S * 8), None),
+        "(root):0": (("int64", B * S * 8), ("int64", B * (S + 1) * 8)),
+        "(root):3": (None, ("float32", 4)),
+        "(root):4": (None, ("float32", 4)),
+    }
+    if family == "gpt2":
+        dt = "float32" if precision == "fp32" else "bfloat16"
+        # position ids: the estimator names them transformer.wpe's, the trace sees GPT2Model make them
+        # (arange) in `transformer`; so `transformer`'s ranks shift by one (ids, then wte + wpe)
+        expected.update({"transformer.wpe:0": (("int64", S * 8), None),
+                         "transformer:0": ((dt, B * S * H * itemsize), ("int64", S * 8)),
+                         "transformer:1": (None, (dt, B * S * H * itemsize))})
+        if attention == "eager":
+            # the estimator keeps v (B·S·H) in attn; the trace keeps all of c_attn's output (q, k, v
+            # are views of one B·S·3H storage): the estimate is 2·B·S·H·itemsize low per layer here
+            for li in range(2):
+                expected[f"transformer.h.{li}.attn:4"] = ((dt, B * S * H * itemsize), None)
+                expected[f"transformer.h.{li}.attn.c_attn:0"] = (None, (dt, 3 * B * S * H * itemsize))
+    assert diff == expected

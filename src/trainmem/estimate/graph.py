@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from trainmem.estimate.symbols import formula, substitute
+from trainmem.join import activation_keys
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
 __all__ = ["Sym", "Graph", "OpPolicy", "SAVED_OPS"]
@@ -39,6 +40,8 @@ class Sym:
     dtype: str
     requires_grad: bool = True  # whether autograd must carry a gradient to it
     op: str | None = None  # the aten op whose output this is, where a checkpoint policy asks ("mm", "bmm", ...)
+    seq: int = -1  # creation order (Graph.new), for the join key; -1 for a view made outside the graph
+    input: bool = False  # a model input (token ids), not an op's output: keyed ``(inputs):<k>``
 
     @property
     def numel(self) -> int:
@@ -85,6 +88,7 @@ class Graph:
     subs: dict[str, str] = field(default_factory=dict)
     """Rank-local symbols as global ones (``A`` -> ``A/tp``), applied when items are rendered."""
     _rendered: dict[tuple, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    _seq: dict[str, int] = field(default_factory=dict)  # creation order by name (views made outside share it)
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -99,11 +103,13 @@ class Graph:
         return ".".join([*self.scope, label]) if self.scope else label
 
     def new(self, label: str, shape: tuple[int, ...], dims: tuple[str, ...], dtype: str, requires_grad: bool = True,
-            op: str | None = None) -> Sym:
+            op: str | None = None, input: bool = False) -> Sym:
         """A new storage; ``op`` names the aten op that produced it, for the policy of the
-        innermost checkpoint region (:meth:`checkpoint`), which may keep it."""
+        innermost checkpoint region (:meth:`checkpoint`), which may keep it; ``input``: a model input."""
         assert len(dims) == len(shape), (label, shape, dims)
-        t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, requires_grad, op)
+        t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, requires_grad, op, len(self._seq),
+                input)
+        self._seq.setdefault(t.name, t.seq)
         if op is not None and self._policies and self._policies[-1] is not None and self._policies[-1].save(op):
             self._cached[-1].setdefault(id(t), t)
             self.saver.setdefault(id(t), ".".join(self.scope))
@@ -168,7 +174,8 @@ class Graph:
 
     def repeat(self, template: list[Sym], prefix: str, src: int, dsts: range) -> None:
         """Blocks ``dsts`` keep what block ``src`` kept (``template``), renamed."""
-        self.repeats.append(Repeat(tuple(self._item(t) for t in template), prefix, src, tuple(dsts)))
+        keys = self._keys()
+        self.repeats.append(Repeat(tuple(self._item(t, keys[id(t)]) for t in template), prefix, src, tuple(dsts)))
 
     def inventory(self) -> Inventory:
         return Inventory(self.items(), self.repeats)
@@ -182,9 +189,18 @@ class Graph:
             out = self._rendered[key] = (dims, formula(dims, dtype_bytes(t.dtype)))
         return out
 
-    def _item(self, t: Sym) -> MemoryItem:
+    def _item(self, t: Sym, key: str = "") -> MemoryItem:
         dims, text = self.render(t)
-        return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, text, dims)
+        return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, text, dims, key)
+
+    def _keys(self) -> dict[int, str]:
+        """The join key (``trainmem.join``) of every kept tensor: its module and its rank in
+        creation order among the module's kept tensors. A Sym made outside :meth:`new` (a view, a
+        repeated block's output) takes the order of the tensor of its name, else comes last."""
+        syms = list(self.saved.values())
+        order = [t.seq if t.seq >= 0 else self._seq.get(t.name, len(self._seq)) for t in syms]
+        keys = activation_keys(["input_ids" if t.input else t.name for t in syms], order, estimate=True)
+        return {id(t): k for t, k in zip(syms, keys)}
 
     def savers(self) -> list[str]:
         """The module scope that kept each item of :meth:`items`, in the same order."""
@@ -195,4 +211,5 @@ class Graph:
         return [self.keeper.get(k, ("", None)) for k in self.saved]
 
     def items(self) -> list[MemoryItem]:
-        return [self._item(t) for t in self.saved.values()]
+        keys = self._keys()
+        return [self._item(t, keys[id(t)]) for t in self.saved.values()]

@@ -80,7 +80,8 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
     with g.module(name):
         shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
         wt = ctx.weight_trainable()
-        g.save(g.new("indices", shape, dims, "int64", False), when=wt)  # only the weight's gradient needs them
+        # only the weight's gradient needs them; token ids are the model's input (not made by an op)
+        g.save(g.new("indices", shape, dims, "int64", False, input=not positions), when=wt)
         out = g.new("out", shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
         if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
@@ -122,9 +123,11 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
         # CUDA keeps fp32 statistics; the CPU kernel keeps them in the input's dtype
         stat = "float32" if ctx.impl.device == "cuda" else x.dtype
         rg = x.requires_grad or ctx.weight_trainable()
+        # aten/src/ATen/native/layer_norm.cpp layer_norm_cpu allocates the output, then mean and rstd
+        out = g.new("out", x.shape, x.dims, x.dtype, rg)
         g.save(x, g.new("mean", stat_shape, stat_dims, stat, False), g.new("rstd", stat_shape, stat_dims, stat, False),
                when=rg)
-        return g.new("out", x.shape, x.dims, x.dtype, rg)
+        return out
 
 
 def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
@@ -155,6 +158,8 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     g = ctx.graph
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
+        # ForCausalLMLoss pads and shifts the labels before cross_entropy: the targets come first
+        target = g.new("target", (B * S,), ("B·S",), "int64", False)
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
             dtype = "float32" if upcast or ctx.low else logits.dtype
@@ -162,8 +167,7 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
-        g.save(g.new("target", (B * S,), ("B·S",), "int64", False), g.new("total_weight", (), (), "float32", False),
-               when=logits.requires_grad)
+        g.save(target, g.new("total_weight", (), (), "float32", False), when=logits.requires_grad)
 
 
 def _head(ctx: Ctx, h: Sym, name: str) -> Sym:

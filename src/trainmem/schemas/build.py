@@ -44,7 +44,9 @@ DEFS = {
                      "additionalProperties": BYTES},
     "item": _obj({"name": {"type": "string"}, "category": LEDGER, "bytes": BYTES},
                  {"shape": _array({"type": "integer", "minimum": 0}), "dtype": {"type": "string"},
-                  "formula": {"type": "string"}}),
+                  "formula": {"type": "string"},
+                  # the join key (trainmem.join): the name for model states, <module>:<k> for activations
+                  "key": {"type": "string"}}),
     "phase": _obj({"name": {"enum": list(PHASES)}, "bytes": BYTES,
                    "parts": {"type": "object", "additionalProperties": {"type": "integer"}}},
                   {"note": {"type": "string"}}),
@@ -53,6 +55,8 @@ DEFS = {
 REF = {k: {"$ref": f"#/$defs/{k}"} for k in DEFS}
 
 _PEAK = {"peak_bytes": BYTES, "peak_phase": REF["phase_name"]}
+_TENSOR_SIDE = {"oneOf": [{"type": "null"}, _obj({"name": {"type": "string"}, "dtype": {"type": "string"},
+                                                  "bytes": BYTES})]}  # compare's per-tensor join, one side
 
 BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
     "estimate": ({"profile": {"type": "string"}, "totals_bytes": REF["ledger_bytes"], **_PEAK,
@@ -76,7 +80,9 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
                                       "ratio": NUMBER_OR_NULL})),
                  "activations": _obj({"estimate_bytes": BYTES, "trace_bytes": BYTES, "ratio": NUMBER_OR_NULL}),
                  "peak": _obj({"estimate_bytes": BYTES, "trace_bytes": BYTES, "ratio": NUMBER_OR_NULL,
-                               "estimate_phase": REF["phase_name"], "trace_phase": {"enum": [*PHASES, ""]}})}, {}),
+                               "estimate_phase": REF["phase_name"], "trace_phase": {"enum": [*PHASES, ""]}})},
+                {"tensors": _array(_obj({"key": {"type": "string"}, "estimate": _TENSOR_SIDE, "trace": _TENSOR_SIDE,
+                                         "equal": {"type": "boolean"}}))}),
     "profile": ({"meta": {"type": "object"}, "device": {"type": "string"}, "peak_bytes": BYTES,
                  "peak_reserved_bytes": BYTES_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
                  "totals_bytes": {"type": "object", "additionalProperties": {"type": "integer"}},

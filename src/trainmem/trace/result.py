@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.join import activation_keys
 from trainmem.trace import _recorder as R
 from trainmem.trace.allocator import replay
 
@@ -266,8 +267,12 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
 
 
 def _items(rec: R.Recording, cats: list[Category], names: list[str]) -> Inventory:
-    """Activations saved for backward (as alive when backward starts) and model states."""
+    """Activations saved for backward (as alive when backward starts) and model states. An
+    activation's key (``trainmem.join``) ranks it in allocation order among its module's."""
     out = []
+    kept = [b for b, cat in zip(rec.blocks, cats) if cat is Category.ACTIVATION and b.origin != R.ORIGIN_RECOMPUTE]
+    keys = dict(zip((b.id for b in kept), activation_keys([item_name(b) for b in kept], [b.id for b in kept],
+                                                          estimate=False)))
     for b, cat in zip(rec.blocks, cats):
         if cat is Category.TRANSIENT or (cat is Category.ACTIVATION and b.origin == R.ORIGIN_RECOMPUTE):
             continue
@@ -276,5 +281,5 @@ def _items(rec: R.Recording, cats: list[Category], names: list[str]) -> Inventor
         else:
             note = "buffer" if b.origin == R.ORIGIN_BUFFER else ""
         out.append(MemoryItem(name=names[b.id], category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
-                              formula=f"aten.{b.op}" if b.op else "", note=note))
+                              formula=f"aten.{b.op}" if b.op else "", note=note, key=keys.get(b.id, "")))
     return Inventory.of(out)

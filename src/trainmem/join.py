@@ -1,0 +1,83 @@
+"""Stable join keys for activation items, and the per-tensor join of an estimate with a trace.
+
+An activation's key is ``<module path>:<k>``: the module that made the tensor (the name up to its
+last dot, :func:`module_of`) and ``k``, its rank (from 0) in creation order among that module's
+activations. Both engines can compute it: the estimator's :class:`~trainmem.estimate.graph.Graph`
+numbers every tensor it creates (``Sym.seq``), the trace numbers every storage in allocation order
+(``Block.id``). The key names neither the estimator's role label (``q_rope``) nor the aten op
+(``cat:2``), so it is the same on both sides whenever the two make the same tensors in the same
+order in each module -- which is what a per-tensor join then checks (equal dtype and bytes).
+Model states keep their names as keys (``model.layers.0.mlp.up_proj.weight.exp_avg``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from trainmem.inventory import Category, MemoryItem
+
+__all__ = ["ROOT", "INPUTS", "module_of", "activation_keys", "item_key", "JoinRow", "join_items"]
+
+ROOT, INPUTS = "(root)", "(inputs)"
+
+#: Modules the tracer sees that are not part of the model tree: the loss is the root's.
+_ROOT_ALIASES = ("CrossEntropyLoss",)
+
+
+def module_of(name: str, *, estimate: bool) -> str:
+    """The module an item name belongs to: the name up to its last dot; the estimator's ``loss.*``
+    and the trace's ``CrossEntropyLoss.*`` are the root's, the estimator's ``input_ids`` an input."""
+    if estimate and name.startswith("loss."):
+        return ROOT
+    if not estimate and name.split(".", 1)[0] in _ROOT_ALIASES:
+        return ROOT
+    if estimate and name == "input_ids":
+        return INPUTS
+    head, dot, _ = name.rpartition(".")
+    return head if dot and head else ROOT
+
+
+def activation_keys(names: Sequence[str], order: Sequence[float], *, estimate: bool) -> list[str]:
+    """``<module>:<k>`` for each name: ``k`` ranks it by ``order`` (creation) within its module."""
+    by_module: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        by_module.setdefault(module_of(n, estimate=estimate), []).append(i)
+    keys = [""] * len(names)
+    for mod, idx in by_module.items():
+        for k, i in enumerate(sorted(idx, key=lambda j: (order[j], j))):
+            keys[i] = f"{mod}:{k}"
+    return keys
+
+
+def item_key(item: MemoryItem) -> str:
+    return item.key or item.name
+
+
+@dataclass(frozen=True)
+class JoinRow:
+    """One key and the item each side holds under it (None where a side has none)."""
+
+    key: str
+    estimate: MemoryItem | None
+    trace: MemoryItem | None
+
+    @property
+    def equal(self) -> bool:
+        e, t = self.estimate, self.trace
+        return e is not None and t is not None and (e.dtype, e.bytes) == (t.dtype, t.bytes)
+
+    def to_dict(self) -> dict:
+        def side(i: MemoryItem | None) -> dict | None:
+            return None if i is None else {"name": i.name, "dtype": i.dtype, "bytes": i.bytes}
+        return {"key": self.key, "estimate": side(self.estimate), "trace": side(self.trace), "equal": self.equal}
+
+
+def join_items(estimate: Iterable[MemoryItem], trace: Iterable[MemoryItem],
+               categories: tuple[Category, ...] = (Category.ACTIVATION,)) -> list[JoinRow]:
+    """Pair the items of ``categories`` by key (estimate order, then the trace's unpaired ones).
+    Zero-byte estimate items (notes such as "not saved") are left out."""
+    est = {item_key(i): i for i in estimate if i.category in categories and i.bytes}
+    tr = {item_key(i): i for i in trace if i.category in categories}
+    rows = [JoinRow(k, i, tr.get(k)) for k, i in est.items()]
+    return rows + [JoinRow(k, None, i) for k, i in tr.items() if k not in est]
