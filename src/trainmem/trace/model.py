@@ -90,10 +90,11 @@ def trace_model(model_factory: Callable[[], Any], step_fn: Callable[..., Any], *
         raise UnsupportedError(f"model_factory={type(model_factory).__name__} object: pass a function that builds "
                                "the model (lambda: MyModel(cfg)), so that it is built on fake tensors")
     from trainmem.trace.api import Tracer
+    from trainmem.trace.hf_masks import masks_as_on_real_tensors
     from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
 
     mode = contextlib.nullcontext() if real else FakeTensorMode()
-    with quiet_fake_tensor_log(), mode:
+    with quiet_fake_tensor_log(), mode, masks_as_on_real_tensors():
         with _refusals("model_factory"), default_dtype(getattr(torch, dtype)):
             model = model_factory()
             batch = batch_factory() if batch_factory is not None else None

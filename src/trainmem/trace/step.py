@@ -334,12 +334,13 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     except ImportError:  # pragma: no cover
         raise UnsupportedError("tracing needs torch: pip install 'trainmem[torch]'") from None
     from torch._subclasses import fake_tensor as ft
+    from trainmem.trace.hf_masks import masks_as_on_real_tensors
 
     dt = step.dtypes
     fake = not real
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     try:
-        with _quiet_fake_tensor_log(), mode, _attention_context(impl):
+        with _quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
                         offload=offload)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:

@@ -42,6 +42,7 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trainmem.trace import step as ts
+    from trainmem.trace.hf_masks import masks_as_on_real_tensors
 
     ts._check(step, impl)
     try:
@@ -54,7 +55,7 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
             routing, _ = ts._routing(model, impl, fake=True)
             selective = (ts._selective_recompute(model, impl.attention) if impl.recompute == "selective"
                          else contextlib.nullcontext())
-            with routing, selective, _masks_as_on_real_tensors():
+            with routing, selective, masks_as_on_real_tensors():
                 return [_one(model, replace(step, batch=b, seq=s), torch) for b, s in points]
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"--profile traced: op {exc.func} has a data-dependent output on fake tensors") from None
@@ -63,30 +64,6 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
     except (RuntimeError, IndexError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise UnsupportedError(f"--profile traced: the model cannot run on fake tensors: {first}") from None
-
-
-@contextlib.contextmanager
-def _masks_as_on_real_tensors():
-    """Without a KV cache (under activation checkpointing transformers turns ``use_cache`` off),
-    ``masking_utils.py`` ``_preprocess_mask_arguments`` asks ``find_packed_sequence_indices``
-    whether the position ids pack several sequences; it reads them, except when ``is_tracing`` --
-    which counts a FakeTensor -- and then returns them as packed, so the fake run materializes a
-    (B, 1, S, S) mask (a bool and a 16-bit copy kept per block) where the real run passes
-    ``is_causal``. The step traced here has positions 0..S-1 in every row (nothing packed): the
-    answer the real run reads, given without reading."""
-    from torch._subclasses.fake_tensor import is_fake
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-
-    def find_packed_sequence_indices(position_ids):
-        return None if is_fake(position_ids) else original(position_ids)
-
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 def _one(model, step: StepSpec, torch) -> list[Saved]:

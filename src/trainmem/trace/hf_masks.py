@@ -1,0 +1,60 @@
+"""Transformers' attention-mask builder on fake tensors, made to take the branch the real run takes.
+
+``transformers/masking_utils.py`` ``_preprocess_mask_arguments`` asks
+``find_packed_sequence_indices`` whether the position ids pack several sequences when there is no
+KV cache (activation checkpointing turns ``use_cache`` off). That function computes the packed
+sequence ids and returns None when nothing is packed -- unless ``is_tracing(...)``, which counts a
+FakeTensor: then it returns them as packed, and the fake run materializes a (B, 1, S, S) mask (a
+bool and a 16-bit copy, kept per checkpointed block) where the real run passes ``is_causal``.
+
+:func:`masks_as_on_real_tensors` sends fake ids to :func:`_unpacked`, which makes the
+function's allocations in its order (and frees them in its order) and gives the answer the real
+run reads for positions 0..S-1 in every row (what trace_step and the traced profile feed):
+nothing packed. Real tensors go through the original unchanged.
+Known limitation: a ``trace_model`` step that passes packed position ids itself is traced as not
+packed on fake tensors (fake tensors hold no positions to read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["masks_as_on_real_tensors"]
+
+
+@contextlib.contextmanager
+def masks_as_on_real_tensors():
+    """Patch ``masking_utils.find_packed_sequence_indices`` for the block (see the module docstring)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # a custom model without transformers: nothing to patch
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # a transformers without packed-sequence detection
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        return _unpacked(position_ids) if is_fake(position_ids) else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _unpacked(position_ids):
+    """``find_packed_sequence_indices`` (transformers/masking_utils.py) on ids whose values cannot
+    be read: the same ops, alive and freed in the same order as there (the packed-sequence ids,
+    the all-zero check on their last column, then the locals at return), answering "not packed"."""
+    import torch
+
+    before_first = position_ids[:, :1] - 1
+    steps = torch.diff(position_ids, prepend=before_first, dim=-1)
+    sequence_ids = (steps != 1).cumsum(-1)
+    (sequence_ids[:, -1] == 0).all()  # the check whose answer (True: one sequence per row) is given
+    return None
