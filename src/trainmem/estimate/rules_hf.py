@@ -159,7 +159,7 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
         # ForCausalLMLoss pads and shifts the labels before cross_entropy: the targets come first
-        target = g.new("target", (B * S,), ("B·S",), "int64", False)
+        target = g.new("target", *_target_shape(B, S), "int64", False)
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
             dtype = "float32" if upcast or ctx.low else logits.dtype
@@ -168,6 +168,14 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
         g.save(target, g.new("total_weight", (), (), "float32", False), when=logits.requires_grad)
+
+
+def _target_shape(B: int, S: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The storage of the targets nll_loss keeps. ForCausalLMLoss (transformers/loss/loss_utils.py)
+    pads the labels to (B, S+1) and takes ``labels[..., 1:].contiguous()``: at B=1 that slice is
+    already contiguous (a size-1 dim's stride does not count), so the padded (1, S+1) storage is
+    kept; from B=2 on ``contiguous()`` copies it into B·S."""
+    return ((S + 1,), ("S+1",)) if B == 1 else ((B * S,), ("B·S",))
 
 
 def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
