@@ -20,8 +20,9 @@ set), against the eager rules of ``rules_hf``:
 
 Scope: what was checked (``tests/estimate/test_compiled_rules.py``): dense Llama-family models
 (Qwen2's q/k/v biases and grouped K/V heads included; no q/k norms), one device, pure fp32/bf16/fp16,
-fused attention kernels, no activation checkpointing, no fine-tuning. Anything else is refused by
-name (:func:`check_compiled`).
+fused attention kernels, no activation checkpointing or ``--recompute full``
+(:func:`_checkpointed_layers`), no fine-tuning. Anything else is refused by name
+(:func:`check_compiled`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def check_compiled(ctx: Ctx) -> None:
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16"),
          "compiled rules cover pure fp32/bf16/fp16"),
         ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
-        ("recompute", impl.recompute, impl.recompute != "none", "compiled rules have no activation checkpointing"),
+        ("recompute", impl.recompute, impl.recompute not in ("none", "full"),
+         "compiled rules cover --recompute none and full (op: trace --compile)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
         ("parallel", "sharded", ctx.shard != Shard(), "compiled rules are for one device"),
@@ -74,6 +76,9 @@ def compiled_forward(ctx: Ctx) -> None:
     with g.module("model.rotary_emb"):
         g.save(g.new("inv_freq", (hd // 2,), ("hd/2",), "float32", False))
     kernel = resolve_kernel(ctx)
+    if ctx.impl.recompute == "full":
+        _checkpointed_layers(ctx, x)
+        return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)
 
     def layer(_i: int, x: Sym) -> Sym:
         _rmsnorm(ctx, x, "input_layernorm")
@@ -95,8 +100,14 @@ def compiled_forward(ctx: Ctx) -> None:
             g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
         return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
 
-    x = _layers(ctx, "model.layers.", x, layer)
-    _rmsnorm(ctx, x, "model.norm")
+    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, layer))
+
+
+def _head_and_loss(ctx: Ctx, x: Sym, *, keep_input: bool = True) -> None:
+    """The final norm, ``lm_head``'s output and what the compiled cross-entropy keeps."""
+    g = ctx.graph
+    B, S, V, a = ctx.B, ctx.S, ctx.model.vocab_size, ctx.param
+    _rmsnorm(ctx, x, "model.norm", keep_input=keep_input)
     with g.module("lm_head"):
         g.save(g.new("out", (B, S, V), ("B", "S", "V"), a))
     with g.module("loss"):
@@ -104,6 +115,29 @@ def compiled_forward(ctx: Ctx) -> None:
                g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
                g.new("labels_padded", (B, S + 1), ("B", "S+1"), "int64", False),
                g.new("total_weight", (), (), "float32", False))
+
+
+def _checkpointed_layers(ctx: Ctx, x: Sym) -> None:
+    """``--recompute full`` (transformers' non-reentrant checkpoint of each decoder layer) inside
+    the compiled region. Dynamo turns each checkpoint into a ``tag_activation_checkpoint`` region
+    whose nodes the partitioner must recompute (``torch/_functorch/partitioners.py``
+    ``must_recompute``); what crosses into backward is each block's input, the causal mask the
+    blocks read (materialized under compile: B·1·S·S in the activation dtype, one tensor for all
+    blocks) and, for each block, the generator state its recomputed SDPA replays (the CPU kernel
+    is tagged ``nondeterministic_seeded``: ``functionalize_rng_ops`` saves
+    ``torch.get_rng_state()``, 5056 bytes of host memory no allocator sees, not counted here;
+    ``torch.cuda.get_rng_state()`` is a host tensor too).
+    The last block's output, the final norm's input, is recomputed with that block."""
+    g, m = ctx.graph, ctx.model
+    B, S, H, a = ctx.B, ctx.S, m.hidden_size, ctx.param
+    with g.module("model"):
+        g.save(g.new("causal_mask", (B, 1, S, S), ("B", "1", "S", "S"), a, False))
+
+    def layer(_i: int, x: Sym) -> Sym:
+        g.save(x)
+        return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
+
+    _layers(ctx, "model.layers.", x, layer)
 
 
 def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True) -> Sym:

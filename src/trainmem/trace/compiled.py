@@ -35,9 +35,12 @@ Known limitations:
   - The whole model is compiled as one ``torch.compile(model)`` (Dynamo splits it where it
     graph-breaks; each region is partitioned alone). Per-block compilation (torchtitan) gives
     one region per block and can save a different set at block boundaries.
-  - Not with activation checkpointing (``ImplSpec.recompute``): Dynamo turns a checkpointed
-    region into a higher-order op that replays the CPU generator's state, a real tensor that
-    fake tensors refuse.
+  - Activation checkpointing (``ImplSpec.recompute``, applied by the tracer before compiling, as
+    transformers' gradient checkpointing is under the HF Trainer's ``torch_compile``): Dynamo turns
+    each checkpoint into a ``tag_activation_checkpoint`` region that the partitioner recomputes.
+    A random op in it (SDPA's CPU kernel) replays the generator state saved in forward; the
+    partition's rng higher-order ops run as plain ops (:func:`_plain_rng_ops`), a fake state on
+    fake tensors. Per-block compilation (torchtitan, torchtune) is not what is traced.
 """
 
 from __future__ import annotations
@@ -88,6 +91,62 @@ def saved_values(backward_graph) -> tuple[SavedValue, ...]:
                  if n.op == "placeholder" and not n.name.startswith("tangents"))
 
 
+def _save_rng_state(op, *args, **kwargs):
+    """``run_and_save_rng_state`` as plain ops: the generator's state, then the op.
+
+    ``torch.get_rng_state()`` is no dispatched op: a real step's live-storage meter never sees the
+    state (host memory; on CUDA too, ``torch.cuda.get_rng_state()`` is a CPU tensor). On fake
+    tensors it is converted to a fake one by the fake mode (no op either, so the tracer does not
+    count it, as the meter does not), which the fake backward takes; ``saved_tensors_hooks`` see
+    both."""
+    import torch
+    from torch._guards import detect_fake_mode
+
+    state = torch.get_rng_state()
+    mode = detect_fake_mode(args)
+    if mode is not None:
+        state = mode.from_tensor(state)
+    return state, op(*args, **kwargs)
+
+
+def _with_rng_state(state, op, *args, **kwargs):
+    """``run_with_rng_state`` as plain ops: the op under the saved state (a fake state: the op
+    alone, as the fake-tensor rule of ``torch/_prims/rng_prims.py`` does)."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(state):
+        return op(*args, **kwargs)
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch.set_rng_state(current)
+
+
+def _plain_rng_ops(gm) -> None:
+    """Replace the partition's rng higher-order ops by :func:`_save_rng_state` and
+    :func:`_with_rng_state`, so the ops they wrap dispatch through the tracer's modes like any other.
+
+    A random op recomputed in a checkpointed region (SDPA's CPU kernel is tagged
+    ``nondeterministic_seeded`` for its dropout) is wrapped by the partitioner in
+    ``run_and_save_rng_state`` in forward and ``run_with_rng_state`` in backward
+    (``torch/_functorch/partitioners.py`` ``functionalize_rng_ops``); the forward saves the
+    generator's state for the backward. Higher-order ops refuse dispatch modes that do not register
+    a rule for them, and their fake rule returns the real state (``torch/_prims/rng_prims.py``)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    swap = {run_and_save_rng_state: _save_rng_state, run_with_rng_state: _with_rng_state}
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in swap:
+            node.target = swap[node.target]
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def partitioning_backend(record: Compiled):
     """The ``trainmem_partition`` backend: inductor's decompositions and partition, no codegen."""
     from torch._dynamo.backends.common import aot_autograd
@@ -97,6 +156,8 @@ def partitioning_backend(record: Compiled):
 
     def partition(joint, joint_inputs, **kwargs):
         fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        _plain_rng_ops(fw)
+        _plain_rng_ops(bw)
         record.regions.append(saved_values(bw))
         return fw, bw
 
@@ -105,18 +166,13 @@ def partitioning_backend(record: Compiled):
 
 
 def compile_model(model, impl):
-    """Refuses what is not traced under compile yet (activation checkpointing: see the module
-    docstring); else ``(torch.compile(model, backend=trainmem_partition, dynamic=False), record)``: shapes are
+    """``(torch.compile(model, backend=trainmem_partition, dynamic=False), record)``: shapes are
     static (one compilation per step shape); the record fills as regions are partitioned. The
     wrapper, not ``model.compile()``: module hooks (the tracer's ModTracker) stand aside inside an
     ``OptimizedModule`` (``torch/distributed/_tools/mod_tracker.py`` ``_fw_pre_hook``), so they
     add nothing to the compiled graphs."""
     import torch
 
-    if impl.recompute != "none":
-        raise UnsupportedError(f"compile with recompute={impl.recompute!r} is not traced: checkpointed regions "
-                               "replay the CPU generator's state, a real tensor, on fake ones; trace --compile "
-                               "with --recompute none")
     torch._dynamo.reset()  # a fresh cache: a model built before must not count toward the recompile limit
     record = Compiled()
     return torch.compile(model, backend=partitioning_backend(record), dynamic=False), record

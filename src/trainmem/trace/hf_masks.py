@@ -30,6 +30,7 @@ def masks_as_on_real_tensors():
     except ImportError:  # a custom model without transformers: nothing to patch
         yield
         return
+    import torch
     from torch._subclasses.fake_tensor import is_fake
 
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
@@ -38,7 +39,11 @@ def masks_as_on_real_tensors():
         return
 
     def find_packed_sequence_indices(position_ids):
-        return _unpacked(position_ids) if is_fake(position_ids) else original(position_ids)
+        # under torch.compile the real run takes the packed branch too (is_tracing counts Dynamo) and
+        # the compiled model keeps the materialized mask (trace/compiled.py, docs/compile.md)
+        if not torch.compiler.is_compiling() and is_fake(position_ids):
+            return _unpacked(position_ids)
+        return original(position_ids)
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     try:
