@@ -66,3 +66,5 @@ def test_wrap_keeps_indent_words_and_shell_continuations():
     lines = wrap_line(cmd).split("\n")
     assert all(x.endswith(" \\") for x in lines[:-1]) and all(len(x) <= WIDTH for x in lines)
     assert wrap_line("short") == "short"
+    title = "trainmem plan — llama-3-8b, seq 2048, " + "words " * 30  # a report's title is prose
+    assert " \\" not in wrap_line(title) and wrap_line(title).split("\n")[1].startswith("  w")

@@ -80,7 +80,8 @@ def test_gpus_auto_end_to_end(capsys, tmp_path):
     assert main([*args, "--html", str(html)]) == 0
     text = capsys.readouterr().out
     # default global batch: 2^20 / 2048 = 512 sequences, stated
-    assert "global batch 512 sequences (1,048,576 tokens/step; default: the smallest power of two" in text
+    one_line = " ".join(text.split())  # the title wraps at 120 columns
+    assert "global batch 512 sequences (1,048,576 tokens/step; default: the smallest power of two" in one_line
     m = re.search(r"Smallest GPU count that fits: (\d+) × L4 \(tried (.*)\)", text)
     assert m, text
     n = int(m.group(1))

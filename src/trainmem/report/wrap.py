@@ -9,11 +9,13 @@ narrow; this only catches prose.
 from __future__ import annotations
 
 import io
+import re
 import textwrap
 
 __all__ = ["WIDTH", "wrap_line", "wrap_text", "WrappingWriter"]
 
 WIDTH = 120
+_COMMAND = re.compile(r"(\$ )?trainmem [\w-]+ (?!—)")  # not a report's title ("trainmem plan — ...")
 
 
 def _hang(body: str) -> int:
@@ -26,7 +28,7 @@ def wrap_line(line: str, width: int = WIDTH) -> str:
         return line
     indent = line[: len(line) - len(line.lstrip(" "))]
     body = line[len(indent):]
-    command = body.startswith(("trainmem ", "$ trainmem "))
+    command = _COMMAND.match(body) is not None
     rest = indent + " " * (4 if command else _hang(body))
     parts = textwrap.wrap(body, width=width - (2 if command else 0), initial_indent=indent, subsequent_indent=rest,
                           break_long_words=False, break_on_hyphens=False)
