@@ -3,6 +3,7 @@
 2. ForCausalLMLoss pads the labels to (B, S+1); at B=1 ``labels[..., 1:].contiguous()`` is already
    contiguous and nll_loss keeps the padded storage, (S+1)·8 bytes, not B·S·8 (tiny Llama, S=32:
    estimate 470,660 vs real 470,668 bytes before the fix).
+3. Under selective recompute the checkpointed attention function holds the position ids.
 """
 
 import pytest
@@ -31,3 +32,32 @@ def test_loss_targets_as_autograd_keeps_them(batch):
     estimated, measured = sum(i.bytes for i in items), sum(s.nbytes for s in saved)
     assert estimated == measured, explain_difference(items, saved)
     assert [i.bytes for i in items if i.name == "loss.target"] == [(33 if batch == 1 else 64) * 8]
+
+
+def _retained(cfg, impl, batch=2, seq=32):
+    """Bytes a real bf16 forward makes and still holds when it returns (checkpoint regions included),
+    with the ids and less the loss, as test_groundtruth_hf.py measures under checkpointing."""
+    import contextlib
+
+    from trainmem.trace import step as ts
+    from trainmem.trace.saved import retained_bytes
+
+    torch.manual_seed(0)
+    with ts._default_dtype(torch.bfloat16):
+        model = build_hf_model(cfg, attention=impl.attention)
+    model.train()
+    ts._enable_recompute(model, impl)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    core = ts._selective_recompute(model, impl.attention) if impl.recompute == "selective" else contextlib.nullcontext()
+    with core:
+        kept, loss = retained_bytes(model, lambda: model(ids, labels=ids).loss)
+    return kept + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes()
+
+
+def test_selective_recompute_holds_the_position_ids():
+    # 3. the checkpointed attention function gets position_ids in **kwargs: 256 B (1 x S int64)
+    # under before the fix (1,067,780 vs 1,068,036 bytes)
+    cfg = {**LLAMA, "num_hidden_layers": 5}
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="selective")
+    items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=2, seq=32, precision="bf16"), impl)
+    assert sum(i.bytes for i in items) == _retained(cfg, impl)

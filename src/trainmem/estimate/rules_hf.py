@@ -207,8 +207,10 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
         return []
     g = ctx.graph
     held = []
-    if ctx.impl.recompute != "selective":  # selective checkpoints only the attention function
-        held.append(positions or g.new("model.position_ids", (1, ctx.S), ("1", "S"), "int64", False))
+    # selective checkpoints only the attention function, which still gets the position ids: the
+    # decoder layer passes position_ids=... on and LlamaAttention.forward (modeling_llama.py) has no
+    # such parameter, so they reach attention_interface in **kwargs, held by each checkpoint
+    held.append(positions or g.new("model.position_ids", (1, ctx.S), ("1", "S"), "int64", False))
     if kernel == "eager":
         held.append(g.new(f"{root}.causal_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"), dtype, False))
     return held
