@@ -8,7 +8,7 @@ import json
 from trainmem.cli import main
 from trainmem.plan.advise import advise
 from trainmem.plan.hardware import load_gpu
-from trainmem.plan.render import render_advice
+from trainmem.report.plan_text import render_advice
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import load_model
 

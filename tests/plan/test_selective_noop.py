@@ -12,7 +12,7 @@ from trainmem.estimate import estimate
 from trainmem.plan.advise import advise
 from trainmem.plan.explain import explain
 from trainmem.plan.hardware import load_gpu
-from trainmem.plan.render import render_advice, render_explanation
+from trainmem.report.plan_text import render_advice, render_explanation
 from trainmem.report.text import render_estimate
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import load_model

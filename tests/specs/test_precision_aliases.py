@@ -81,7 +81,7 @@ def test_cli_text_and_json_show_the_typed_alias_and_its_description(capsys):
 
 def test_trace_text_shows_the_description(capsys):
     from trainmem.trace import trace_step
-    from trainmem.trace.text import render_trace
+    from trainmem.report.trace_text import render_trace
     r = trace_step(TINY_CONFIG, StepSpec(batch=1, seq=16, precision="torchtune-bf16"))
     assert f"precision: {describe_precision('torchtune-bf16')}" in render_trace(r)
     b = trace_step(TINY_CONFIG, StepSpec(batch=1, seq=16, precision="bf16"))

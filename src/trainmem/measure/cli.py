@@ -170,7 +170,7 @@ def run_profile(args: argparse.Namespace) -> int:
         device = resolve_device(None if args.run_on == "auto" else args.run_on)
         impl = replace(impl, device=device.type)
         if variants is not None:
-            from trainmem.measure.render import render_variants
+            from trainmem.report.measure_text import render_variants
             from trainmem.measure.variants import run_variants
             variants = [replace(v, impl=replace(v.impl, device=device.type)) for v in variants]
             result = run_variants(source, variants, device=device, seed=args.seed, steps=args.steps,
@@ -182,7 +182,7 @@ def run_profile(args: argparse.Namespace) -> int:
                 _emit(args, payload, render_variants(result))
             return 0
         from trainmem.measure.profiling import profile_model
-        from trainmem.measure.render import render_profile
+        from trainmem.report.measure_text import render_profile
         kwargs = dict(steps=args.steps, warmup=args.warmup, snapshot=args.snapshot, modules=not args.no_modules,
                       categories=args.categories)
         result = profile_model(source, step, impl, device=device, seed=args.seed, **kwargs)
@@ -195,7 +195,7 @@ def run_profile(args: argparse.Namespace) -> int:
         text += f"\n{fit_text}" if fit_text else ""
         if args.compare:
             from trainmem.measure.compare import compare_run
-            from trainmem.measure.render import render_compare
+            from trainmem.report.measure_text import render_compare
             table, _ = compare_run(source, step, impl, measured=result)
             payload["compare"] = table.to_dict()
             text += "\n\nestimate vs trace vs measurement:\n" + render_compare(table)
@@ -207,7 +207,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from trainmem.measure.render import render_sweep
+    from trainmem.report.measure_text import render_sweep
     from trainmem.measure.sweeps import sweep
     from trainmem.fitargs import sweep_budget, sweep_fit
 

@@ -147,7 +147,7 @@ def run_plan(args) -> int:
         print(json.dumps(result.to_dict(rejected=args.rejected)))
     else:
         from trainmem.fitargs import size_readings
-        from trainmem.plan.render import render_plan
+        from trainmem.report.plan_text import render_plan
         print("\n".join([*size_readings(args), render_plan(result, rejected=args.rejected)]))
     return 0
 
@@ -168,7 +168,7 @@ def run_advise(args) -> int:
         print(json.dumps(result.to_dict()))
     else:
         from trainmem.fitargs import size_readings
-        from trainmem.plan.render import render_advice
+        from trainmem.report.plan_text import render_advice
         print("\n".join([*size_readings(args), render_advice(result)]))
     return 0
 
@@ -184,6 +184,6 @@ def run_explain(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        from trainmem.plan.render import render_explanation
+        from trainmem.report.plan_text import render_explanation
         print(render_explanation(result))
     return 0

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
         say_wrote(save_plot(result, args.plot))
     if args.html:
-        from trainmem.trace.html import write_html
+        from trainmem.report.trace_page import write_html
         say_wrote(write_html(result, args.html, title=f"trainmem trace: {args.model}"))
     fit, fit_text = trace_fit(args, result)
     if args.json:
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         out.update(fit)
         print(json.dumps(out))
     else:
-        from trainmem.trace.text import render_trace
+        from trainmem.report.trace_text import render_trace
         print(render_trace(result))
         if "moe" in result.meta:
             print(routing_line(result.meta["moe"]))

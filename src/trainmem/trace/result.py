@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.join import activation_keys
+from trainmem.report.units import downsample as _downsample
 from trainmem.trace import _recorder as R
 from trainmem.trace.allocator import replay
 
@@ -147,21 +148,6 @@ class TraceResult:
                 "phases": [[i, p] for i, p in self.phases],
             }
         return out
-
-
-def _downsample(values, points: int) -> list[int]:
-    """Indices keeping the first, last and each bucket's maximum."""
-    n = len(values)
-    if n <= points:
-        return list(range(n))
-    step = -(-n // points)
-    idx = []
-    for start in range(0, n, step):
-        end = min(start + step, n)
-        idx.append(max(range(start, end), key=values.__getitem__))
-    if idx[-1] != n - 1:
-        idx.append(n - 1)
-    return idx
 
 
 def item_name(b: R.Block) -> str:

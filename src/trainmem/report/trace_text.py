@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from trainmem.trace.result import TraceResult
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # report never imports the tracer back (tests/test_import_cycles.py)
+    from trainmem.trace.result import TraceResult
 
 __all__ = ["render_trace"]
 

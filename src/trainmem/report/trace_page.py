@@ -8,9 +8,12 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainmem.report.units import fmt_bytes
-from trainmem.trace.result import TraceResult, _downsample
+from trainmem.report.units import downsample, fmt_bytes
+
+if TYPE_CHECKING:  # report never imports the tracer back (tests/test_import_cycles.py)
+    from trainmem.trace.result import TraceResult
 
 __all__ = ["to_html", "write_html"]
 
@@ -28,7 +31,7 @@ def _svg(result: TraceResult) -> str:
     alloc, reserved = result.timeline_allocated_bytes, result.timeline_reserved_bytes
     n = len(alloc)
     top = max(max(reserved), max(alloc), 1)
-    idx = _downsample(alloc, WIDTH)
+    idx = downsample(alloc, WIDTH)
 
     def x(i: int) -> float:
         return LEFT + (WIDTH - LEFT - PAD) * (i / max(n - 1, 1))
@@ -91,7 +94,7 @@ def to_html(result: TraceResult, *, title: str = "trainmem trace") -> str:
     mods = sorted(r.modules, key=lambda m: -max(m.forward_peak_bytes, m.backward_peak_bytes))[:40]
     modrows = [[m.name or "<root>", _mib(m.forward_peak_bytes), _mib(m.backward_peak_bytes)] for m in mods]
     meta = html.escape(json.dumps(r.meta, indent=1, default=str))
-    from trainmem.trace.text import _header_lines
+    from trainmem.report.trace_text import _header_lines
     header = _header_lines(r.meta)  # what was traced, as the text output says it
     subtitle = " · ".join([" ".join(x.strip() for x in header if not x.startswith("precision:")).removeprefix("trace: "),
                            *(x for x in header if x.startswith("precision:"))])
