@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests" / "trace"))  # tiny_families: the configs 
 from tiny_families import FAMILIES  # noqa: E402
 
 B, S = 2, 256
-EAGER_ONLY = {"gpt_oss", "deberta-v2"}  # transformers 5.x gives them no SDPA path
+EAGER_ONLY = {"gpt_oss", "deberta-v2", "gemma2"}  # transformers 5.x gives them no SDPA path
 
 #: families with hand-written hf rules (tiny configs; widened below like the rest)
 _DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +47,7 @@ _DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 RULED = {
     "llama": dict(_DENSE), "qwen2": dict(_DENSE), "qwen3": dict(_DENSE, head_dim=16), "mistral": dict(_DENSE),
     "mixtral": dict(_DENSE, num_local_experts=4, num_experts_per_tok=2), "gemma": dict(_DENSE, head_dim=16),
-    "gemma2": dict(_DENSE, head_dim=16), "phi3": dict(_DENSE),
+    "gemma2": dict(_DENSE, head_dim=16), "phi3": dict(_DENSE, pad_token_id=0),  # Phi3Config pads with id 32000
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512),
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      vocab_size=512, max_position_embeddings=512),
@@ -71,6 +71,8 @@ def widen(cfg: dict) -> dict:
     out = {k: WIDEN.get(k, v) for k, v in cfg.items()}
     if cfg["model_type"] == "falcon":
         out["hidden_size"] = 256
+    if "qk_rope_head_dim" in cfg and "head_dim" in cfg:  # DeepSeek-V3's head_dim is its rope width
+        out["head_dim"] = out["qk_rope_head_dim"]
     for k in DROPOUT:
         out[k] = 0.0
     return out
@@ -162,6 +164,13 @@ def measure(name: str, cfg: dict, precision: str, real: bool, tmp: Path) -> dict
     return row
 
 
+def _cell(text: str) -> str:
+    """A refusal as the table shows it: what is missing, without the family's name again."""
+    text = re.sub(r"^UnsupportedError: [\w-]+: the hf profile has no hand-written rules for [\w-]+ blocks \((.*)\)(; .*)?$",
+                  r"no hf rules for its layer kinds (\1)", text)
+    return text.replace("UnsupportedError: --profile traced: ", "refused: ").replace("UnsupportedError: ", "refused: ")
+
+
 def render(rows: list[dict]) -> str:
     lines = ["# Model families: engine and measured agreement", "",
              f"machine: {platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} CPUs (shared)",
@@ -172,7 +181,7 @@ def render(rows: list[dict]) -> str:
              "| family | engine | precision | trace / real peak | hf rules / autograd | traced / autograd |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [r.get(k, "not measured") for k in ("trace", "hf", "traced")]
+        cells = [_cell(r.get(k, "not measured")) for k in ("trace", "hf", "traced")]
         lines.append(f"| {r['family']} | {r['engine']} | {r['precision']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -183,13 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--no-real", action="store_true", help="skip the real-tensor runs (engines only)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "families.md"))
+    ap.add_argument("--update", action="store_true",
+                    help="keep the rows of --out's .json and replace those measured again (family, precision)")
     args = ap.parse_args(argv)
     all_cfgs = configs()
     names = [n for n in args.families.split(",") if n] or list(all_cfgs)
     unknown = [n for n in names if n not in all_cfgs]
     if unknown:
         ap.error(f"--families: unknown {', '.join(unknown)} (known: {', '.join(all_cfgs)})")
-    rows = []
+    rows, kept = [], []
+    old = Path(args.out).with_suffix(".json")
+    if args.update and old.is_file():
+        kept = json.loads(old.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("TRAINMEM_CACHE", str(Path(tmp) / "cache"))
         for precision in args.precisions.split(","):  # one precision for every family first
@@ -197,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(name, all_cfgs[name], precision, not args.no_real, Path(tmp))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                _write(Path(args.out), rows)  # after every row: a long run leaves what it measured
+                done = {(r["family"], r["precision"]) for r in rows}
+                _write(Path(args.out), [r for r in kept if (r["family"], r["precision"]) not in done] + rows)
     return 0
 
 
 def _write(out: Path, rows: list[dict]) -> None:
+    order = {name: i for i, name in enumerate(configs())}
+    rows = sorted(rows, key=lambda r: (r["precision"] != "bf16", order.get(r["family"], len(order))))
     out.write_text(render(rows))
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
 
