@@ -246,10 +246,11 @@ def _llama(ctx: Ctx) -> None:
         masked = kernel != "eager" and window_mask(ctx, m.kind(i))  # eager adds its mask: nothing kept
         k_i = resolve_kernel(ctx, masked) if masked else kernel
         cos, sin = tables[m.kind(i).attention if rules.rope_per_layer_type else ""]
+        moe = m.kind(i).mlp == "moe"  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense blocks
         if ctx.impl.checkpointed(i):
             with g.checkpoint(x, cos, sin, *held, policy=_policy(ctx)):
-                return _llama_layer(ctx, x, cos, sin, k_i, masked=masked)
-        return _llama_layer(ctx, x, cos, sin, k_i, held, masked=masked)
+                return _llama_layer(ctx, x, cos, sin, k_i, masked=masked, moe=moe)
+        return _llama_layer(ctx, x, cos, sin, k_i, held, masked=masked, moe=moe)
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
@@ -262,7 +263,7 @@ def _llama(ctx: Ctx) -> None:
 
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
-                 masked: bool = False) -> Sym:
+                 masked: bool = False, moe: bool = False) -> Sym:
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
@@ -303,7 +304,7 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     h = _rmsnorm(ctx, x, norm2, gemma=gemma)
     with g.module("mlp"):
         h = ctx.sp_gather(h, "input_gathered")
-        y = _moe(ctx, h) if m.is_moe else _gated_mlp(ctx, h)
+        y = _moe(ctx, h) if moe else _gated_mlp(ctx, h)
         y = ctx.sp_scatter(y, "out_sp")
     if rules.sandwich_norms:
         y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=gemma)
@@ -363,9 +364,12 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     with g.module("gate"):
         logits = ctx.linear(h, E, "E", weight=(E, H))
         g.save(g.new("probs", (T, E), ("B·S", "E"), "float32"),
-               g.new("top_idx", (T, k), ("B·S", "k"), "int64"),
-               g.new("top_sum", (T, 1), ("B·S", "1"), "float32"),
-               g.new("top_val", (T, k), ("B·S", "k"), "float32"))
+               g.new("top_idx", (T, k), ("B·S", "k"), "int64"))
+        # the in-place renormalization keeps the sum and the top-k values (Qwen3-MoE may skip it)
+        g.save(g.new("top_sum", (T, 1), ("B·S", "1"), "float32"),
+               g.new("top_val", (T, k), ("B·S", "k"), "float32"), when=m.router_norm_topk)
+        # Qwen3MoeTopKRouter.forward casts the weights to the logits' dtype; Mixtral's stay fp32
+        w_dtype = logits.dtype if _rules(ctx).router_cast else "float32"
         del logits
     Tk = (T * k,)
     with g.module("experts"):
@@ -377,7 +381,7 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
         with g.module("act_fn"):
             a = g.new("out", (T * k, F), Tks + ("Fe",), act)
         p = g.new("act_mul_up", (T * k, F), Tks + ("Fe",), act)
-        w = g.new("weights", (T * k, 1), Tks + ("1",), "float32")
+        w = g.new("weights", (T * k, 1), Tks + ("1",), w_dtype)
         d = g.new("down", (T * k, H), Tks + ("H",), act)
         g.save(x_in, gu, a, p, w, d)
         if low:

@@ -76,6 +76,9 @@ class BlockRules:
     """GPT-NeoX module names, rotary embeddings and fp32 softmax, rather than GPT-2's."""
     rope_per_layer_type: bool = False
     """Gemma-3: one cos/sin table per layer type (local blocks rotate with another base)."""
+    router_cast: bool = False
+    """Qwen3-MoE: the router casts its top-k weights back to the logits' dtype
+    (``Qwen3MoeTopKRouter.forward``), so the experts keep them in that dtype, not fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
