@@ -26,9 +26,10 @@ CONFIGS = {
     "qwen3_moe_step": dict(model_type="qwen3_moe", intermediate_size=128, moe_intermediate_size=32,
                            num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                            num_experts_per_tok=2, decoder_sparse_step=2, **TINY),
+    "olmo2": dict(model_type="olmo2", intermediate_size=128, num_hidden_layers=3, num_key_value_heads=2, **TINY),
 }
 KINDS = {"qwen3_moe": ["full", "full+moe", "full+moe", "full", "full+moe"],
-         "qwen3_moe_step": ["full", "full+moe", "full", "full+moe"]}
+         "qwen3_moe_step": ["full", "full+moe", "full", "full+moe"], "olmo2": ["full"] * 3}
 
 
 
@@ -39,7 +40,7 @@ def test_kinds_and_parameters_equal_the_real_model(name):
     assert parameter_shapes(spec) == _meta_parameters(CONFIGS[name])
 
 
-DEFAULT = (("qwen3_moe", "bf16", "sdpa"), ("qwen3_moe_step", "fp32", "eager"))
+DEFAULT = (("qwen3_moe", "bf16", "sdpa"), ("qwen3_moe_step", "fp32", "eager"), ("olmo2", "bf16", "sdpa"))
 CASES = list(DEFAULT) + [
     pytest.param(n, p, a, marks=pytest.mark.slow) for n in CONFIGS for p in ("fp32", "bf16", "amp-bf16")
     for a in ("sdpa", "eager") if (n, p, a) not in DEFAULT]

@@ -108,6 +108,9 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
             g.save(normed, when=wt)
             g.save(g.new("one_plus_w", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.requires_grad)
             return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
+        if _rules(ctx).post_norms:  # Olmo2RMSNorm: (w * normed).to(dtype): keeps normed in fp32, casts last
+            g.save(normed, when=wt)
+            return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
         g.save(nc, when=wt)
         return g.new("out", x.shape, x.dims, promote(ctx.param, x.dtype), x.requires_grad or wt)
@@ -130,10 +133,12 @@ def _layernorm(ctx: Ctx, x: Sym, name: str) -> Sym:
         return out
 
 
-def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str) -> Sym:
-    """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not)."""
+def _rope(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, label: str, *, cast_back: bool = False) -> Sym:
+    """``x*cos + rotate_half(x)*sin``: keeps cos and sin (x needs grad, they do not).
+    ``cast_back``: OLMo-2 rotates in the table's fp32 and casts to x's dtype (``apply_rotary_pos_emb``)."""
     ctx.graph.save(cos, sin, when=x.requires_grad)
-    return ctx.graph.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype), x.requires_grad)
+    out = ctx.graph.new(label, x.shape, x.dims, promote(x.dtype, cos.dtype), x.requires_grad)
+    return ctx.cast(out, x.dtype, f"{label}_cast") if cast_back else out
 
 
 def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
@@ -233,8 +238,9 @@ def _llama(ctx: Ctx) -> None:
         rot = (1, ctx.S, m.head_dim)
         for att in sorted({k.attention for k in m.kinds}) if rules.rope_per_layer_type else ("",):
             suffix = f"_{att}" if att else ""
-            tables[att] = (g.new(f"cos{suffix}", rot, ("1", "S", "hd"), x.dtype, False),
-                           g.new(f"sin{suffix}", rot, ("1", "S", "hd"), x.dtype, False))
+            dt = "float32" if rules.rope_fp32 else x.dtype
+            tables[att] = (g.new(f"cos{suffix}", rot, ("1", "S", "hd"), dt, False),
+                           g.new(f"sin{suffix}", rot, ("1", "S", "hd"), dt, False))
     kernel = resolve_kernel(ctx)
     held = _checkpoint_extras(ctx, kernel, x.dtype)
     if ctx.impl.recompute not in ("none", "selective") and kernel != "eager" and any(
@@ -267,7 +273,8 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
-    h = _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
+    post = rules.post_norms  # OLMo-2: no norm before attention or the MLP, one after each
+    h = x if post else _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
     with g.module("self_attn"):
         h = ctx.sp_gather(h, "input_gathered")
         if rules.fused_qkv:
@@ -283,11 +290,13 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
                 k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
             with g.module("v_proj"):
                 v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
-        if m.qk_norm:
+        if m.qk_norm and post:  # Olmo2Attention: q_norm/k_norm over the whole projection
+            q, k = _rmsnorm(ctx, q, "q_norm"), _rmsnorm(ctx, k, "k_norm")
+        elif m.qk_norm:
             q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm", gemma=gemma)
             k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm", gemma=gemma)
-        q = _rope(ctx, q, cos, sin, "q_rope")
-        k = _rope(ctx, k, cos, sin, "k_rope")
+        q = _rope(ctx, q, cos, sin, "q_rope", cast_back=rules.rope_fp32)
+        k = _rope(ctx, k, cos, sin, "k_rope", cast_back=rules.rope_fp32)
         # the KV cache's torch.cat hands attention fresh copies of K and V
         k = g.new("k_cache", k.shape, k.dims, k.dtype, k.requires_grad)
         v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
@@ -297,16 +306,16 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
                                softcap=m.attn_softcap, out_copy=rules.fused_qkv, masked=masked)
         with g.module("o_proj"):
             a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
-    if rules.sandwich_norms:
+    if rules.sandwich_norms or post:
         a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=gemma)
     x = ctx.add(x, a, "residual_attn")
     norm2 = "pre_feedforward_layernorm" if rules.sandwich_norms else "post_attention_layernorm"
-    h = _rmsnorm(ctx, x, norm2, gemma=gemma)
+    h = x if post else _rmsnorm(ctx, x, norm2, gemma=gemma)
     with g.module("mlp"):
         h = ctx.sp_gather(h, "input_gathered")
         y = _moe(ctx, h) if moe else _gated_mlp(ctx, h)
         y = ctx.sp_scatter(y, "out_sp")
-    if rules.sandwich_norms:
+    if rules.sandwich_norms or post:
         y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=gemma)
     return ctx.add(x, y, "residual_mlp")
 

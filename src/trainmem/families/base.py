@@ -76,6 +76,12 @@ class BlockRules:
     """GPT-NeoX module names, rotary embeddings and fp32 softmax, rather than GPT-2's."""
     rope_per_layer_type: bool = False
     """Gemma-3: one cos/sin table per layer type (local blocks rotate with another base)."""
+    post_norms: bool = False
+    """OLMo-2: RMSNorm after attention and after the MLP, none before; q/k norms over the whole
+    projection; ``Olmo2RMSNorm`` multiplies by ``w`` in fp32 and casts last."""
+    rope_fp32: bool = False
+    """OLMo-2: the rotary table stays fp32 (``Olmo2RotaryEmbedding``); q and k rotate in fp32 and
+    are cast back (``apply_rotary_pos_emb``)."""
     router_cast: bool = False
     """Qwen3-MoE: the router casts its top-k weights back to the logits' dtype
     (``Qwen3MoeTopKRouter.forward``), so the experts keep them in that dtype, not fp32."""
