@@ -61,3 +61,26 @@ def test_selective_recompute_holds_the_position_ids():
     impl = ImplSpec(attention="sdpa", device="cpu", recompute="selective")
     items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=2, seq=32, precision="bf16"), impl)
     assert sum(i.bytes for i in items) == _retained(cfg, impl)
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 128), (2, 64)])
+def test_gpt2_full_recompute_keeps_what_the_rules_count(batch, seq):
+    # 5. GPT-2 views its ids (input_ids.view(-1, S)), so a live-storage count that does not skip them
+    # counts their storage twice: 1 x 128 x 8 = 1,024 B at B=1, S=128 -- the "missing position-id
+    # tensor" reported. Skipping the ids and adding them once, as test_groundtruth_hf.py does: ==.
+    from trainmem.trace.live import LiveStorages
+    from trainmem.trace.storages import storage_key
+
+    cfg = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=256)
+    torch.manual_seed(0)
+    model = build_hf_model(cfg, attention="sdpa")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
+    with LiveStorages(skip_keys=skip) as live:
+        loss = model(ids, labels=ids).loss
+    measured = live.now + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes()
+    items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=batch, seq=seq, precision="fp32"),
+                             ImplSpec(attention="sdpa", device="cpu", recompute="full"))
+    assert sum(i.bytes for i in items) == measured
