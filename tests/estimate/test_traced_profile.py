@@ -192,8 +192,8 @@ def _retained(cfg, impl):
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["full", "selective", "op", "every-k"])
 def test_traced_recompute_equals_what_is_retained(tmp_path, recompute):
-    # on fake tensors transformers would materialize the causal mask without a KV cache (record.py
-    # _masks_as_on_real_tensors): full, op and every-k were 2-26 KiB over before that
+    # on fake tensors transformers would materialize the causal mask without a KV cache
+    # (trace/hf_masks.py): full, op and every-k were 2-26 KiB over before that
     cfg = {**RULED["llama"], "num_hidden_layers": 5}
     impl = ImplSpec(profile="traced", device="cpu", attention="sdpa", recompute=recompute,
                     recompute_every=2 if recompute == "every-k" else 1)
