@@ -39,7 +39,7 @@ OUTPUTS = {"--html", "--plot", "--snapshot", "--out"}
 
 
 def _float_like(action) -> bool:
-    return getattr(action.type, "__name__", "") in ("float", "lora-alpha", "lora-dropout", "parse") \
+    return getattr(action.type, "__name__", "") in ("float", "lora-alpha", "lora-dropout", "parse", "gpu-tflops") \
         or action.dest in ("mfu", "reserve_fraction")
 
 
