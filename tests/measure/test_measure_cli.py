@@ -149,5 +149,8 @@ def test_public_api_and_flags_are_frozen():
                       "--lora-rank", "--lora-targets", "--microbatches", "--no-reshard-after-forward", "--offload",
                       "--optimizer-impl", "--optimizer-in-backward", "--pp", "--routing", "--schedule", "--sp", "--tp",
                       "--virtual-stages", "--zero"]  # the estimate back-end's parallel and fine-tuning (b93b473)
+    # public since: the QLoRA variants (c78fb78), Float8 (8ef72ba), FSDP1 (0782ea6)
+    estimate_flags += ["--double-quant", "--no-double-quant", "--qlora-scope", "--quant-impl", "--quantize-head",
+                       "--float8", "--float8-all-gather", "--fsdp-version"]
     assert flags["sweep"] == sorted(shared + estimate_flags + ["--backend", "--budget", "--html", "--max",
                                                                "--multiple", "--over", "--plot", "--start"])
