@@ -46,6 +46,10 @@ TINY_CONFIGS = {
     "phi3-mha-headdim": {"model_type": "phi3", **_MHA_DIMS, "head_dim": 16, **_SPECIAL},
     "bert-tied": {"model_type": "bert", **_MHA_DIMS, "type_vocab_size": 3, **_SPECIAL},
     "bert-untied": {"model_type": "bert", **_MHA_DIMS, "tie_word_embeddings": False, **_SPECIAL},
+    "qwen3_moe-sparse-step": {"model_type": "qwen3_moe", **_LLAMA_DIMS, "head_dim": 8, "num_experts": 4,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 24, "decoder_sparse_step": 2,
+                              "mlp_only_layers": [0], **_SPECIAL},
+    "olmo2": {"model_type": "olmo2", **_LLAMA_DIMS, **_SPECIAL},
 }
 # the families whose blocks differ (layer kinds): their tiny configs, with each kind present
 from kinds_configs import CONFIGS as _KINDS_CONFIGS  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 from measure_tiny import LLAMA
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a 2-rank torchrun, ~25 s
 ROOT = Path(__file__).resolve().parents[2]
 
 

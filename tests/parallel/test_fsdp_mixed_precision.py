@@ -37,6 +37,7 @@ def _launch(nproc: int) -> dict[bool, list[dict]]:
     return dict(zip(modes, run_torchrun_many(nproc, scenarios, timeout=240)))
 
 
+@pytest.mark.slow  # torchrun on 2 and 4 ranks: ~70 s of the default run's budget; CI runs -m slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc,reshard", CASES, ids=[f"fsdp{n}-{'reshard' if r else 'keep'}" for n, r in CASES])
 def test_each_rank_within_5_percent(nproc, reshard):
@@ -53,6 +54,7 @@ def test_each_rank_within_5_percent(nproc, reshard):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_run_is_what_the_recipe_says():
     """The measured run itself: fp32 parameter and gradient shards, and saved activations whose

@@ -67,7 +67,8 @@ def test_ddp_replicates_states_and_activations(name):
 
 
 @pytest.mark.parametrize("name,world", [("fsdp2-reshard", 2), ("fsdp2-keep", 2),
-                                        ("fsdp4-reshard", 4), ("fsdp4-keep", 4)])
+                                        pytest.param("fsdp4-reshard", 4, marks=pytest.mark.slow),  # 4 ranks: ~40 s
+                                        pytest.param("fsdp4-keep", 4, marks=pytest.mark.slow)])
 def test_fsdp2_shards_states_not_activations(name, world):
     single = measured("single")[0]
     for r in measured(name):
@@ -79,7 +80,7 @@ def test_fsdp2_shards_states_not_activations(name, world):
         assert r["peak_bytes"] < single["peak_bytes"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_keeping_parameters_after_forward_raises_the_peak(world):
     keep = measured(f"fsdp{world}-keep")[0]["peak_bytes"]
     reshard = measured(f"fsdp{world}-reshard")[0]["peak_bytes"]
