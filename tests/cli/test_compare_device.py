@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from trainmem.cli import main
 
 
@@ -16,6 +18,7 @@ def test_compare_refuses_cuda_in_one_line(capsys):
     assert err.startswith("SpecError: device='cuda': compare traces CPU kernels") and "estimate --device cuda" in err
 
 
+@pytest.mark.slow  # 8-13 s: in the slow set so the default run stays under 10 minutes
 def test_compare_default_is_cpu_and_says_so(capsys):
     base = ["compare", "--model", "gpt2", "--batch", "1", "--seq", "64", "--json"]
     assert main(base) == 0

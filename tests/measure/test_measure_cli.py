@@ -82,6 +82,7 @@ def test_out_of_memory_leaves_no_file(monkeypatch, tiny_config, tmp_path, capsys
     assert not out.exists() and os.listdir(tmp_path) == ["tiny.json"]
 
 
+@pytest.mark.slow  # 8-13 s: in the slow set so the default run stays under 10 minutes
 def test_sweep_device_backend_continues_after_oom(monkeypatch):
     """OOM at a value is a point that does not fit; the search goes on below it."""
     from trainmem.measure import profiling, sweeps as sweep_mod
@@ -118,6 +119,7 @@ def test_ctrl_c_stops_cleanly_without_partial_output(tmp_path, tiny_config):
     assert not out.exists() and os.listdir(tmp_path) == ["tiny.json"]
 
 
+@pytest.mark.slow  # 8-13 s: in the slow set so the default run stays under 10 minutes
 def test_cpu_refuses_a_step_larger_than_the_host():
     r = _cli("profile", "--model", "llama-3-8b", "--seq", "4096", "--run-on", "cpu")
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 8-13 s: in the slow set so the default run stays under 10 minutes
 def test_gpu_validate_cpu_dry_run(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_validate", ROOT / "bench" / "gpu_validate.py")
     bench = importlib.util.module_from_spec(spec)

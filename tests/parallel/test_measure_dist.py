@@ -25,6 +25,7 @@ NORMS = 9 * 64 * 4  # 2 per layer × 4 layers + the final norm
 H = CONFIG["hidden_size"]
 
 
+@pytest.mark.slow  # 8-13 s: in the slow set so the default run stays under 10 minutes
 def test_launcher_fails_loudly_with_the_workers_error():
     with pytest.raises(DistributedRunError) as err:
         run_torchrun(2, {"strategy": "nonsense"}, timeout=120)
