@@ -212,3 +212,29 @@ def test_bad_fit_flags_are_one_line_exit_2(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+# -- bitsandbytes' paged optimizer state (unified memory) in the device figure ----------------
+@pytest.mark.parametrize("paged_gib, resident_gib", [(3, 3), (4, 4), (10, 4)])
+def test_paged_state_is_resident_as_far_as_the_room_allows(paged_gib, resident_gib):
+    # reserved 95 GiB, context 1 GiB: 4 GiB of room; unified memory fills it, the rest stays on host
+    v = verdict(GPU100, allocated_bytes=90 * GIB, figure="device", paged_bytes=paged_gib * GIB)
+    assert (v.paged_bytes, v.paged_resident_bytes) == (paged_gib * GIB, resident_gib * GIB)
+    assert v.need_bytes == (96 + resident_gib) * GIB and v.usable_bytes == 100 * GIB and v.fits
+    # the other figures leave it out: paging never makes a step OOM
+    a = verdict(GPU100, allocated_bytes=90 * GIB, paged_bytes=paged_gib * GIB)
+    assert (a.need_bytes, a.headroom_bytes, a.fits) == (90 * GIB, 4 * GIB, True)
+
+
+def test_paged_state_on_a_full_gpu_is_all_on_host():
+    v = verdict(GPU100, allocated_bytes=98 * GIB, figure="device", paged_bytes=5 * GIB)
+    assert v.paged_resident_bytes == 0 and not v.fits
+
+
+def test_estimate_device_figure_counts_resident_paged_state(capsys):
+    data = json.loads(_run(capsys, "estimate", "--model", "gpt2", "--seq", "512", "--optimizer", "paged-adamw8bit",
+                           "--gpu", "custom", "--gpu-memory", "80GiB", "--memory-figure", "device", "--json"))
+    f, paged = data["fits"], data["totals_bytes"]["paged_optimizer_state"]
+    assert paged > 0 and f["paged_bytes"] == paged and f["paged_resident_bytes"] == paged
+    assert f["need_bytes"] == data["peak_bytes"] + f["reserve_bytes"] + GIB + paged
+    assert f["usable_bytes"] == 80 * GIB and f["headroom_bytes"] == f["usable_bytes"] - f["need_bytes"]

@@ -76,6 +76,10 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
     out = f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
     if v.figure in ("reserved", "device"):  # say where the reserve in the need comes from
         out += f"\n  reserved = {fmt_bytes(v.allocated_bytes)} allocated + {fmt_bytes(v.reserve_bytes)} {v.why}"
+    if v.paged_bytes:
+        out += (f"\n  paged optimizer state {fmt_bytes(v.paged_bytes)} (CUDA unified memory, outside the allocator: "
+                f"never the cause of an OOM), {fmt_bytes(v.paged_resident_bytes)} of it resident on the device"
+                + (" and counted in the device figure" if v.figure == "device" else ""))
     return out
 
 
@@ -86,15 +90,17 @@ def render_figure(figure: str, nbytes: int, note: str = "") -> str:
 
 def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
                reserved_source: str = "", active_note: str = "", gpus: int = 1, label: str = "",
-               unmodelled: str = "not modelled for estimates") -> tuple[dict, str]:
-    """The JSON fields (``fits``, ``memory_figure``) and the text lines for one peak."""
+               unmodelled: str = "not modelled for estimates", paged_bytes: int = 0) -> tuple[dict, str]:
+    """The JSON fields (``fits``, ``memory_figure``) and the text lines for one peak. ``paged_bytes``:
+    bitsandbytes' paged optimizer state, in the ``device`` figure as far as it stays resident."""
     from trainmem.fits import verdict
 
     check_figure_args(args, reserved_known=reserved_bytes is not None, unmodelled=unmodelled)
     figure, gpu = args.memory_figure, gpu_from_args(args)
     if gpu is not None:
         v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
-                    reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled)
+                    reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled,
+                    paged_bytes=paged_bytes)
         return {"memory_figure": _figure_json(figure, v.need_bytes), "fits": v.to_dict()}, \
             "\n".join([*size_readings(args), render_verdict(v, label=label)])
     if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
@@ -128,7 +134,13 @@ def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
             unmodelled = "no allocation order for an inference estimate"
     return fit_report(args, allocated_bytes=result.peak_bytes, gpus=par.world_size if par is not None else 1,
                       label=label, reserved_bytes=reserved, reserved_source=source, unmodelled=unmodelled,
-                      active_note="equals allocated: the estimator has no freed blocks still in use by another stream")
+                      active_note="equals allocated: the estimator has no freed blocks still in use by another stream",
+                      paged_bytes=_paged_bytes(result))
+
+
+def _paged_bytes(result) -> int:
+    """The peak rank's paged optimizer state (``Category.PAGED_STATE``), 0 where there is none."""
+    return int(getattr(result, "totals_bytes", {}).get("paged_optimizer_state", 0))
 
 
 def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:

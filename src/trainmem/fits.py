@@ -27,7 +27,12 @@ Figures (``--memory-figure``):
   use by another stream. The estimator and the one-stream trace have no such blocks: there it
   equals allocated.
 * ``reserved``: ``torch.cuda.max_memory_reserved()``.
-* ``device``: what nvidia-smi shows, reserved plus context.
+* ``device``: what nvidia-smi shows, reserved plus context, plus bitsandbytes' paged optimizer
+  state that is resident on the device. Paged states live in CUDA unified memory outside the
+  caching allocator (bitsandbytes/functional.py ``get_paged``: ``cget_managed_ptr``, i.e.
+  ``cudaMallocManaged``): the driver keeps their pages on the device while there is room and
+  evicts them to host under pressure, so they never make a step OOM. The resident part is taken as
+  ``min(paged, headroom)``: all of it when it fits beside the step, none when the step fills the GPU.
 
 Known limitations:
   - ``context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
     from trainmem.plan.hardware import GPU
 
 __all__ = ["FIGURES", "Verdict", "verdict", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
-           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES"]
+           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident"]
 
 FIGURES = ("allocated", "active", "reserved", "device")
 
@@ -94,7 +99,8 @@ class Verdict:
     usable_bytes: int
     """Capacity less what ``figure`` leaves out (context, NCCL, allocator reserve)."""
     headroom_bytes: int
-    """``usable − need``: capacity − context − reserved, the same for every figure."""
+    """``usable − need``: capacity − context − reserved, the same for every figure, except that the
+    ``device`` figure also takes off the resident paged optimizer state."""
     fits: bool
     gpu: str
     gpus: int
@@ -109,6 +115,10 @@ class Verdict:
     """Where the allocator reserve comes from."""
     reserve_modelled: bool
     """Whether the reserve comes from the allocator model or a measurement (else a share)."""
+    paged_bytes: int = 0
+    """bitsandbytes' paged optimizer state (CUDA unified memory, outside the allocator)."""
+    paged_resident_bytes: int = 0
+    """The part of it counted on the device in the ``device`` figure: ``min(paged, headroom)``."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,10 +126,12 @@ class Verdict:
 
 def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
             reserved_source: str = "", figure: str = "allocated", gpus: int = 1,
-            fraction: float = ESTIMATE_RESERVE_FRACTION, unmodelled: str = "not modelled for estimates") -> Verdict:
+            fraction: float = ESTIMATE_RESERVE_FRACTION, unmodelled: str = "not modelled for estimates",
+            paged_bytes: int = 0) -> Verdict:
     """The verdict for one rank's peak. ``reserved_bytes`` from a trace or a measurement (named in
     ``reserved_source``); without it the reserve is ``fraction`` of the capacity (``unmodelled``
-    says why)."""
+    says why). ``paged_bytes`` (unified memory) never changes whether the step fits; the ``device``
+    figure counts the part of it that stays resident (:func:`paged_resident`)."""
     check_figure(figure)
     capacity = gpu.memory_bytes
     context = context_bytes(gpu, gpus)
@@ -132,10 +144,23 @@ def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None
         modelled = True
         reserve = reserved_bytes - allocated_bytes
         why = f"allocator reserve {reserved_source or 'given'}"
-    need = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
-            "reserved": reserved_bytes, "device": reserved_bytes + context}[figure]
     headroom = capacity - context - reserved_bytes
+    resident = paged_resident(paged_bytes, headroom)
+    need = {"allocated": allocated_bytes, "active": allocated_bytes if active_bytes is None else active_bytes,
+            "reserved": reserved_bytes, "device": reserved_bytes + context + resident}[figure]
+    if figure == "device":  # the resident pages use the room they sit in: the headroom stays capacity − need
+        headroom -= resident
     return Verdict(figure=figure, need_bytes=need, usable_bytes=need + headroom, headroom_bytes=headroom,
                    fits=headroom >= 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
                    allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, reserve_bytes=reserve, why=why,
-                   reserve_modelled=modelled)
+                   reserve_modelled=modelled, paged_bytes=paged_bytes, paged_resident_bytes=resident)
+
+
+def paged_resident(paged_bytes: int, headroom_bytes: int) -> int:
+    """How much of a paged (unified-memory) optimizer state nvidia-smi counts on the device: the
+    driver migrates its pages to the GPU when the optimizer touches them (bitsandbytes
+    ``prefetch_tensor`` / ``cprefetch``) and evicts them only when device memory runs out, so the
+    resident part is what fits in the room the step leaves."""
+    if paged_bytes < 0:
+        raise SpecError("paged_bytes", paged_bytes, "must be >= 0")
+    return max(0, min(paged_bytes, headroom_bytes))
