@@ -203,3 +203,18 @@ def test_no_search_when_even_4bit_weights_cannot_fit():
     a = advise(model, StepSpec(seq=1024), ImplSpec(), H100)
     assert a.options == () and a.stats.evaluated == 1  # the start alone
     assert "4-bit weights" in a.stats.why and "1 GPU" in a.stats.why
+
+
+def test_compile_is_offered_where_the_compiled_rules_apply(capsys):
+    # llama has compiled rules (estimate/rules_compiled.py): the variant's command reproduces its estimate
+    ctx = Context(model=LLAMA3, gpus=1, gpus_per_node=8)
+    start = Config(StepSpec(seq=2048), ImplSpec(), ParallelSpec())
+    (compiled, what), = list(CHOICES["compile"].variants(start, ctx))
+    assert compiled.impl.compile and what == "torch.compile"
+    assert "--compile" in compiled.command("llama-3-8b")
+    e = estimate(LLAMA3, compiled.step, compiled.impl)
+    main(shlex.split(compiled.command("llama-3-8b"))[1:] + ["--json"])
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] == e.peak_bytes
+    # Float8 is modelled eager only: compile is not offered on top of it
+    f8 = replace(start, impl=replace(start.impl, float8="tensorwise"))
+    assert list(CHOICES["compile"].variants(f8, ctx)) == []

@@ -9,7 +9,9 @@ set. A choice whose spec field does not exist is not registered: adding a mechan
 and one entry here is all the search needs.
 
 Known limitations:
-  - Only mechanisms the estimator models are offered; ``--compile`` is not (yet) a spec field.
+  - Only mechanisms the estimator models are offered; ``--compile`` only where the compiled rules
+    cover the family and combination (elsewhere the estimator refuses it and the search drops it),
+    and its speed-up is not priced.
     Op-level recompute is offered under the hf profile without fine-tuning adapters only.
   - Selective recompute is never offered with a fused attention kernel: it is a no-op there
     (:func:`trainmem.estimate.notes.selective_recompute_noop`).
@@ -64,6 +66,9 @@ class Config:
             parts.append(f"--optimizer-impl {i.optimizer_impl}")
         if getattr(i, "optimizer_in_backward", False):
             parts.append("--optimizer-in-backward")
+        if getattr(i, "compile", False):
+            parts.append("--compile" + (f" --compile-scope {i.compile_scope}"
+                                        if getattr(i, "compile_scope", "model") != "model" else ""))
         if getattr(i, "float8", "none") != "none":
             parts.append(f"--float8 {i.float8}" + (" --float8-all-gather" if i.float8_all_gather else ""))
         if not p.is_single:
@@ -118,7 +123,8 @@ class Choice:
 CHOICES: dict[str, Choice] = {}
 
 _SPECS = {"step": StepSpec, "impl": ImplSpec, "parallel": ParallelSpec, "finetune": FinetuneSpec}
-_OPTIONAL_IMPL = tuple(n for n in ("optimizer_impl", "optimizer_in_backward", "float8", "float8_all_gather")
+_OPTIONAL_IMPL = tuple(n for n in ("optimizer_impl", "optimizer_in_backward", "compile", "compile_scope", "float8",
+                                    "float8_all_gather")
                        if n in {f.name for f in fields(ImplSpec)})
 
 
@@ -220,6 +226,16 @@ def _float8(c: Config, ctx: Context):
     else:
         yield replace(c, impl=replace(i, float8="tensorwise")), "Float8 linears, tensorwise"
     yield replace(c, impl=replace(i, float8="rowwise")), "Float8 linears, rowwise"
+
+
+@choice("compile", ("impl.compile",),
+        note="torch.compile: inductor's min-cut partition saves less for backward (docs/compile.md); "
+             "its speed-up is not priced (the throughput cost model has no compile term)")
+def _compile(c: Config, ctx: Context):
+    # only where the estimator has compiled rules: a refused family or combination fails in the search
+    # (advise's _Measure keeps it out), never a silent eager number
+    if not c.impl.compile and c.impl.profile == "hf" and c.impl.float8 == "none":  # Float8 is modelled eager only
+        yield replace(c, impl=replace(c.impl, compile=True)), "torch.compile"
 
 
 #: low-bit optimizers offered for AdamW / Adam (docs/optimizers.md): bitsandbytes' 8-bit, its paged
