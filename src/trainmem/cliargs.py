@@ -255,8 +255,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize-head", action="store_true", default=None,
                    help="qlora: the (untied) output head is 4-bit too (llm_int8_skip_modules=[])")
     g.add_argument("--quant-impl", choices=QUANT_IMPLS, default=None,
-                   help="qlora: storage of a 4-bit weight: bnb (bitsandbytes, default) or torchao-nf4 "
-                        "(torchao's NF4Tensor, as torchtune uses)")
+                   help="qlora: storage of a 4-bit weight: bnb (bitsandbytes, default), bnb-legacy (bitsandbytes "
+                        "< 0.43.2, whose MatMul4Bit holds each 4-bit linear's input until the graph is freed) "
+                        "or torchao-nf4 (torchao's NF4Tensor, as torchtune uses)")
 
 
 def finetune_from_args(args: argparse.Namespace):

@@ -120,6 +120,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.traced import check_traced
         check_traced(step, impl, parallel, finetune)
     offload = offloads_activations(parallel)  # --offload activations alone runs one device
+    if finetune is not None and finetune.mode == "qlora" and finetune.quant_impl == "bnb-legacy" and (
+            offload or (parallel is not None and not parallel.is_single)):
+        raise SpecError("quant_impl", "bnb-legacy", "is modelled on one device without offload only")
     if parallel is not None and not parallel.is_single and not offload:
         if impl.optimizer_in_backward:
             raise SpecError("optimizer_in_backward", True, "is modelled on one device only (no --dp/--tp/--pp/--zero/--fsdp)")
@@ -158,6 +161,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working,
     )
+    if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
+        from trainmem.estimate.bnb_legacy import with_held_inputs
+        ph = with_held_inputs(ph, acts)
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune), *head_dequant(model, step, finetune))
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,

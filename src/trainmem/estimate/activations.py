@@ -67,4 +67,8 @@ def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpe
     if hook is None:
         return ctx.graph.items(), ctx.graph.savers()
     hook.embedding_notes(ctx, model)
-    return ctx.graph.items() + hook.notes, ctx.graph.savers() + [""] * len(hook.notes)
+    items = ctx.graph.items()
+    if hook.held:  # bitsandbytes < 0.43.2: say which inputs MatMul4Bit holds (estimate/bnb_legacy.py)
+        from trainmem.estimate.bnb_legacy import mark_held
+        items = mark_held(items, list(ctx.graph.saved), hook.held)
+    return items + hook.notes, ctx.graph.savers() + [""] * len(hook.notes)

@@ -149,6 +149,7 @@ class FinetuneLinear:
         self.spec = spec
         self.adapter_dtype = _adapter_dtype(spec, step)
         self.notes: list[MemoryItem] = []
+        self.held: dict[int, Sym] = {}  # inputs bitsandbytes < 0.43.2 holds (estimate/bnb_legacy.py)
 
     def __call__(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                  label: str = "out") -> Sym:
@@ -175,8 +176,12 @@ class FinetuneLinear:
     def _linear4bit(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight, label: str) -> Sym:
         """bitsandbytes ``Linear4bit.forward``: ``x.to(compute_dtype)``, ``MatMul4Bit`` (keeps only the
         packed weight; dequantizes one weight at a time as a temporary), result cast back to x's dtype."""
-        ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved
-        self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
+        a = ctx.cast(x, self.spec.compute_dtype, "input_cast")  # a temporary, not saved (bnb >= 0.43.2)
+        if self.spec.quant_impl == "bnb-legacy":
+            from trainmem.estimate.bnb_legacy import hold_input
+            hold_input(ctx, a, self.held)
+        else:
+            self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
         return ctx.graph.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.requires_grad)
 
     def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:

@@ -75,7 +75,8 @@ def _torchao_nf4(name: str, shape: tuple[int, ...], spec, weight_dtype: str) -> 
 
 
 #: quant_impl -> ``(name, shape, spec, weight dtype) -> items`` of one quantized weight.
-QUANT_LAYOUTS: dict[str, Callable[..., list[MemoryItem]]] = {"bnb": _bnb, "torchao-nf4": _torchao_nf4}
+QUANT_LAYOUTS: dict[str, Callable[..., list[MemoryItem]]] = {"bnb": _bnb, "bnb-legacy": _bnb,  # same Params4bit
+                                                              "torchao-nf4": _torchao_nf4}
 
 
 def quantized_weight_items(name: str, shape: tuple[int, ...], spec, weight_dtype: str) -> list[MemoryItem]:

@@ -24,7 +24,7 @@ ADAPTER_DTYPES = ("float32", "param", "bfloat16", "float16")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 QUANT_TYPES = ("nf4", "fp4")
 QLORA_SCOPES = ("all", "targeted")
-QUANT_IMPLS = ("bnb", "torchao-nf4")
+QUANT_IMPLS = ("bnb", "bnb-legacy", "torchao-nf4")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
 
@@ -85,7 +85,9 @@ class FinetuneSpec:
     """The output head is 4-bit too (bitsandbytes ``llm_int8_skip_modules=[]``); untied heads only."""
     quant_impl: str = "bnb"
     """Storage of a 4-bit weight: ``bnb`` (bitsandbytes Params4bit) or ``torchao-nf4`` (torchao
-    NF4Tensor, what torchtune uses: int8 block scalers, constants in the weight's dtype)."""
+    NF4Tensor, what torchtune uses: int8 block scalers, constants in the weight's dtype);
+    ``bnb-legacy`` stores like ``bnb`` but its ``MatMul4Bit`` (bitsandbytes < 0.43.2) holds each
+    4-bit linear's input until the graph is freed (:mod:`trainmem.estimate.bnb_legacy`)."""
 
     def __post_init__(self) -> None:
         v.one_of("mode", self.mode, MODES)
