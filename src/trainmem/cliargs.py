@@ -13,7 +13,7 @@ from dataclasses import fields, replace
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
-from trainmem.specs.impl import ATTENTIONS, PROFILES, RECOMPUTES
+from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["positive_int", "positive_float", "add_model_step_args", "specs_from_args", "step_impl_from_args",
@@ -124,6 +124,10 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="the model runs under torch.compile: what inductor's min-cut partition keeps for "
                         "backward, not what eager autograd keeps (docs/compile.md)")
+    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=spec_default(ImplSpec, "compile_scope"),
+                   help="with --compile: model (one torch.compile of the whole model, default), block (each "
+                        "decoder block compiled alone; embedding, final norm, head and loss eager: torchtitan) or "
+                        "block-loss (the blocks and the loss compiled alone: torchtune)")
 
 
 def add_float8_args(p: argparse.ArgumentParser) -> None:
@@ -189,8 +193,8 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
     # add_optimizer_args, add_compile_arg, add_float8_args
-    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "float8",
-                                           "float8_all_gather") if hasattr(args, k)}
+    optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "compile_scope",
+                                           "float8", "float8_all_gather") if hasattr(args, k)}
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device,
                     **{**routing, **optim, **spec_fields(args, "impl")})

@@ -31,7 +31,8 @@ from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.graph import Sym
-from trainmem.estimate.rules_hf import _layers
+from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
+from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
 
 __all__ = ["compiled_forward", "check_compiled"]
 
@@ -67,40 +68,74 @@ def check_compiled(ctx: Ctx) -> None:
 
 def compiled_forward(ctx: Ctx) -> None:
     check_compiled(ctx)
+    if ctx.impl.compile_scope != "model":
+        return _per_block(ctx)
     g, m = ctx.graph, ctx.model
-    B, S, H, V, hd = ctx.B, ctx.S, m.hidden_size, m.vocab_size, m.head_dim
+    B, S, H, hd = ctx.B, ctx.S, m.hidden_size, m.head_dim
     a = ctx.param  # pure precisions: weights and activations in one dtype
     with g.module("model.embed_tokens"):
         g.save(g.new("indices", (B, S), ("B", "S"), "int64", False))
         x = g.new("out", (B, S, H), ("B", "S", "H"), a)
     with g.module("model.rotary_emb"):
         g.save(g.new("inv_freq", (hd // 2,), ("hd/2",), "float32", False))
-    kernel = resolve_kernel(ctx)
     if ctx.impl.recompute == "full":
         _checkpointed_layers(ctx, x)
         return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)
+    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, lambda _i, x: _compiled_block(ctx, x)))
 
-    def layer(_i: int, x: Sym) -> Sym:
-        _rmsnorm(ctx, x, "input_layernorm")
-        with g.module("self_attn"):
-            q = g.new("q_rope", (B, S, m.q_size), ("B", "S", "A·hd"), a)
-            k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
-            with g.module("v_proj"):
-                v = g.new("out", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
-            attention_core(ctx, q, k, v, kernel=kernel, gqa_native=m.head_dim <= 256)  # keeps o_proj's input
-            with g.module("o_proj"):
-                g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
-        residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), a)
-        _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False)
-        with g.module("mlp"):
-            F = m.ffn_size
-            for name in ("gate_proj", "up_proj"):
-                with g.module(name):
-                    g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
-            g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
-        return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
 
-    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, layer))
+def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
+    """One decoder block's saved set inside a compiled region (its input ``x`` included)."""
+    g, m = ctx.graph, ctx.model
+    B, S, H, a = ctx.B, ctx.S, m.hidden_size, ctx.param
+    _rmsnorm(ctx, x, "input_layernorm")
+    with g.module("self_attn"):
+        q = g.new("q_rope", (B, S, m.q_size), ("B", "S", "A·hd"), a)
+        k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+        with g.module("v_proj"):
+            v = g.new("out", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+        attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
+        with g.module("o_proj"):
+            g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
+    residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), a)
+    _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False)
+    with g.module("mlp"):
+        F = m.ffn_size
+        for name in ("gate_proj", "up_proj"):
+            with g.module(name):
+                g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
+        g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
+    return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
+
+
+def _per_block(ctx: Ctx) -> None:
+    """``compile_scope='block'`` (torchtitan's ``apply_compile``, torchtune's ``compile_model``;
+    ``trace/compiled.py`` ``_compile_blocks``): each decoder block is its own compiled region and
+    keeps what :func:`_compiled_block` keeps; the embedding, rotary table, final norm, head and loss
+    run eager and keep what the eager rules keep (``rules_hf``). The eager rotary ``cos``/``sin``
+    (computed under ``no_grad`` in ``LlamaRotaryEmbedding.forward``, in the activation dtype)
+    enter every block as inputs and are kept once (one storage each); ``inv_freq`` is not kept.
+    Under ``--recompute full`` each block keeps its input only (:func:`_checkpointed_block`)."""
+    g, m = ctx.graph, ctx.model
+    x = _embedding(ctx, "model.embed_tokens")
+    with g.module("model.rotary_emb"):
+        rot = (1, ctx.S, m.head_dim)
+        g.save(g.new("cos", rot, ("1", "S", "hd"), x.dtype, False), g.new("sin", rot, ("1", "S", "hd"), x.dtype, False))
+    block = _checkpointed_block if ctx.impl.recompute == "full" else _compiled_block
+    x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
+    logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm"), "lm_head")
+    if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
+        return _compiled_loss(ctx, logits)
+    _loss(ctx, logits)
+
+
+def _checkpointed_block(ctx: Ctx, x: Sym) -> Sym:
+    """A block compiled alone around its checkpoint (torchtitan: ``apply_ac`` wraps the block, then
+    ``apply_compile`` compiles the wrapper): the region keeps its input (and the CPU generator state
+    its recomputed SDPA replays, host memory, left out as in :func:`_checkpointed_layers`); the
+    rotary table it also reads is the eager one, kept once."""
+    ctx.graph.save(x)
+    return ctx.graph.new("residual_mlp", x.shape, x.dims, x.dtype)
 
 
 def _head_and_loss(ctx: Ctx, x: Sym, *, keep_input: bool = True) -> None:
@@ -109,7 +144,15 @@ def _head_and_loss(ctx: Ctx, x: Sym, *, keep_input: bool = True) -> None:
     B, S, V, a = ctx.B, ctx.S, ctx.model.vocab_size, ctx.param
     _rmsnorm(ctx, x, "model.norm", keep_input=keep_input)
     with g.module("lm_head"):
-        g.save(g.new("out", (B, S, V), ("B", "S", "V"), a))
+        _compiled_loss(ctx, g.new("out", (B, S, V), ("B", "S", "V"), a))
+
+
+def _compiled_loss(ctx: Ctx, logits: Sym) -> None:
+    """What a compiled ``ForCausalLMLoss`` keeps: the logits in their own dtype (not the fp32
+    ``log_softmax`` output), the row max and log-sum-exp, the labels padded to S+1, the count."""
+    g = ctx.graph
+    B, S = ctx.B, ctx.S
+    g.save(logits)
     with g.module("loss"):
         g.save(g.new("row_max", (B * S, 1), ("B·S", "1"), "float32", False),
                g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),

@@ -31,7 +31,7 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         f"optimizer={s.optimizer} loss={s.loss}",
         f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "
         f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}"
-        f"{' torch.compile (saved set: docs/compile.md)' if im.compile else ''}{im.float8_words()}",
+        f"{im.compile_words()}{im.float8_words()}",
         f"precision: {s.precision_description}",
         "",
         "Ledgers (logical bytes)",

@@ -8,7 +8,7 @@ from trainmem.errors import SpecError
 from trainmem.specs import _validate as v
 
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
-           "routing_hot_fraction"]
+           "COMPILE_SCOPES", "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron", "traced")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
@@ -16,6 +16,7 @@ RECOMPUTES = ("none", "selective", "full", "every-k", "op")
 DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 FLOAT8S = ("none", "tensorwise", "rowwise")
+COMPILE_SCOPES = ("model", "block", "block-loss")
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
 
 
@@ -81,6 +82,11 @@ class ImplSpec:
     compile: bool = False
     """The model runs under ``torch.compile``: what each region saves for backward is what
     inductor's min-cut partitioner keeps (``trainmem.trace.compiled``), not eager autograd's."""
+    compile_scope: str = "model"
+    """What ``compile`` compiles: ``model`` (one ``torch.compile(model)``, as the HF Trainer's
+    ``torch_compile``), ``block`` (each decoder block compiled alone; the embedding, final norm,
+    head and loss eager: torchtitan's ``apply_compile``) or ``block-loss`` (the blocks and, alone,
+    the loss function: torchtune's ``compile_model`` and ``compile_loss``)."""
     float8: str = "none"
     """Float8 training as torchao's ``convert_to_float8_training`` does it (``estimate/float8.py``):
     ``none``, ``tensorwise`` or ``rowwise`` (``Float8LinearConfig.from_recipe_name``). Every
@@ -109,6 +115,9 @@ class ImplSpec:
         v.boolean("optimizer_in_backward", self.optimizer_in_backward)
         routing_hot_fraction(self.routing)
         v.boolean("compile", self.compile)
+        v.one_of("compile_scope", self.compile_scope, COMPILE_SCOPES)
+        if self.compile_scope != "model" and not self.compile:
+            raise SpecError("compile_scope", self.compile_scope, "needs compile=True (--compile)")
         self._check_float8()
 
     def _check_float8(self) -> None:
@@ -126,6 +135,13 @@ class ImplSpec:
         if self.compile:  # the partitioner decides what is saved around torchao's casts: not modelled yet
             raise SpecError("float8", self.float8, "with compile=True is not modelled: Float8 is modelled in "
                             "eager mode")
+
+    def compile_words(self) -> str:
+        """The headers' words for ``compile`` (empty without it), e.g. `` torch.compile per block (saved set: ...)``."""
+        if not self.compile:
+            return ""
+        scope = {"model": "", "block": " per block", "block-loss": " per block and loss"}[self.compile_scope]
+        return f" torch.compile{scope} (saved set: docs/compile.md)"
 
     def float8_words(self) -> str:
         """The headers' words for Float8 (empty without it), e.g. `` float8=tensorwise (fp8 all-gather)``."""

@@ -45,6 +45,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from trainmem.errors import UnsupportedError
@@ -71,6 +72,9 @@ class Compiled:
     (a region that needs no gradient is not partitioned and not listed)."""
 
     regions: list[tuple[SavedValue, ...]] = field(default_factory=list)
+    blocks: list = field(default_factory=list)  # per-block scope: (parent, name, block, compiled)
+    scope: str = "model"
+    loss: tuple | None = None  # block-loss scope: (model, its own loss_function override or None)
 
 
 def _value(node) -> SavedValue:
@@ -166,16 +170,77 @@ def partitioning_backend(record: Compiled):
 
 
 def compile_model(model, impl):
-    """``(torch.compile(model, backend=trainmem_partition, dynamic=False), record)``: shapes are
-    static (one compilation per step shape); the record fills as regions are partitioned. The
-    wrapper, not ``model.compile()``: module hooks (the tracer's ModTracker) stand aside inside an
-    ``OptimizedModule`` (``torch/distributed/_tools/mod_tracker.py`` ``_fw_pre_hook``), so they
-    add nothing to the compiled graphs."""
+    """``(runs, record)``: the module the step calls and the record that fills as regions are
+    partitioned. Shapes are static (``dynamic=False``: one compilation per step shape).
+
+    ``impl.compile_scope == "model"``: ``runs = torch.compile(model)``, the wrapper, not
+    ``model.compile()``: module hooks (the tracer's ModTracker) stand aside inside an
+    ``OptimizedModule`` (``torch/distributed/_tools/mod_tracker.py`` ``_fw_pre_hook``), so they add
+    nothing to the compiled graphs. ``"block"``: each decoder block is replaced in its parent by
+    ``torch.compile(block)`` and ``runs = model``, the rest eager (:func:`_compile_blocks`)."""
     import torch
 
     torch._dynamo.reset()  # a fresh cache: a model built before must not count toward the recompile limit
     record = Compiled()
-    return torch.compile(model, backend=partitioning_backend(record), dynamic=False), record
+    backend = partitioning_backend(record)
+    record.scope = scope = getattr(impl, "compile_scope", "model")
+    if scope in ("block", "block-loss"):
+        record.blocks = _compile_blocks(model, lambda block: torch.compile(block, backend=backend, dynamic=False))
+        if scope == "block-loss":  # torchtune's compile_loss: the loss function compiled alone
+            record.loss = (model, model.__dict__.get("_loss_function"))
+            model.loss_function = torch.compile(model.loss_function, backend=backend, dynamic=False)
+        return model, record
+    return torch.compile(model, backend=backend, dynamic=False), record
+
+
+def decoder_blocks(model) -> list[tuple[object, str, object]]:
+    """``(parent, name, block)`` for each repeated block: transformers' ``GradientCheckpointingLayer``
+    children of a ``ModuleList`` (``transformers/modeling_layers.py``: every decoder layer class)."""
+    from torch import nn
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [(parent, name, child) for parent in model.modules() if isinstance(parent, nn.ModuleList)
+            for name, child in parent.named_children() if isinstance(child, GradientCheckpointingLayer)]
+
+
+def _compile_blocks(model, compile_one) -> list[tuple[object, str, object, object]]:
+    """Per-block compilation, as torchtitan's ``apply_compile``
+    (``torchtitan/models/llama3/infra/parallelize.py``: each ``TransformerBlock`` of
+    ``model.layers`` replaced by ``torch.compile(block, fullgraph=True)`` with ``register_module``,
+    after activation checkpointing wrapped it, so a checkpoint runs inside the compiled region)
+    and torchtune's ``compile_model`` (``torchtune/training/_compile.py``: ``m.compile()`` on each
+    ``TransformerSelfAttentionLayer``). The embedding, final norm, head and loss run eager here
+    (torchtitan's; torchtune also compiles its loss function alone: ``compile_loss``). Blocks of
+    one class share one Dynamo cache entry: the record may hold fewer regions than blocks.
+    Returns ``(parent, name, block, compiled)`` for :func:`_eager_blocks`."""
+    swaps = []
+    for parent, name, block in decoder_blocks(model):
+        compiled = compile_one(block)
+        parent.register_module(name, compiled)
+        swaps.append((parent, name, block, compiled))
+    if not swaps:
+        raise UnsupportedError(f"compile_scope='block': {type(model).__name__} has no decoder blocks to compile")
+    return swaps
+
+
+@contextlib.contextmanager
+def _eager_blocks(record: Compiled):
+    """The per-block compiled model with its blocks eager again, for the eager saved set."""
+    for parent, name, block, _ in record.blocks:
+        parent.register_module(name, block)
+    compiled_loss = None
+    if record.loss is not None:  # the loss too (transformers' PreTrainedModel.loss_function reads _loss_function)
+        model, own = record.loss
+        compiled_loss = model.__dict__.pop("_loss_function")
+        if own is not None:
+            model._loss_function = own
+    try:
+        yield
+    finally:
+        for parent, name, _, compiled in record.blocks:
+            parent.register_module(name, compiled)
+        if record.loss is not None:
+            record.loss[0]._loss_function = compiled_loss
 
 
 def report(model, compiled_model, record: Compiled, forward) -> dict:
@@ -188,11 +253,12 @@ def report(model, compiled_model, record: Compiled, forward) -> dict:
     if not record.regions:
         raise UnsupportedError("torch.compile partitioned no region (Dynamo ran the whole step eagerly); "
                                "nothing compiled to trace")
-    eager, out = saved_tensors(model, lambda: forward(model))
+    with _eager_blocks(record) if record.blocks else contextlib.nullcontext():
+        eager, out = saved_tensors(model, lambda: forward(model))
     del out
     compiled, out = saved_tensors(model, lambda: forward(compiled_model))
     del out
-    return {"backend": BACKEND_NAME, "regions": len(record.regions),
+    return {"backend": BACKEND_NAME, "scope": record.scope, "regions": len(record.regions),
             "saved_values": [len(r) for r in record.regions],
             "saved_eager_bytes": sum(t.nbytes for t in eager), "saved_eager_tensors": len(eager),
             "saved_compiled_bytes": sum(t.nbytes for t in compiled), "saved_compiled_tensors": len(compiled)}

@@ -1,0 +1,115 @@
+"""``--compile-scope block`` (``ImplSpec.compile_scope``): each decoder block compiled alone, as
+torchtitan's ``apply_compile`` and torchtune's ``compile_model`` do; the embedding, rotary table,
+final norm, head and loss eager (``estimate/rules_compiled.py`` ``_per_block``, traced by
+``trace/compiled.py`` ``_compile_blocks``)."""
+
+import pytest
+
+from trainmem.errors import SpecError, UnsupportedError
+from trainmem.estimate import estimate
+from trainmem.estimate.activations import activation_items
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256)
+QWEN2 = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+BLOCK = ImplSpec(device="cpu", compile=True, compile_scope="block")
+FULL = ImplSpec(device="cpu", compile=True, compile_scope="block", recompute="full")
+
+
+def _saved(config, precision, impl=BLOCK, batch=2, seq=64):
+    items = activation_items(spec_from_hf_config(config), StepSpec(batch=batch, seq=seq, precision=precision), impl)
+    return sum(i.bytes for i in items), len(items)
+
+
+def test_llama_fp32_per_block_exact():
+    # B=2, S=64, H=64, F=176, A=4, hd=16, V=1000, 2 layers, fp32. Each block keeps what it keeps in the
+    # whole-model region (test_compiled_rules.py): 8*B*S*H*4 + 3*B*S*F*4 + 2*B*S*4 + B*A*S*4 = 535552.
+    # Eager around them: ids B*S*8 = 1024; the rotary cos and sin, block inputs, 2 x S*hd*4 = 8192
+    # (no inv_freq); the final RMSNorm keeps its input, rsqrt and normed product (32768 + 512 + 32768),
+    # lm_head its input (32768), the loss the fp32 log_softmax B*S*V*4 = 512000, the shifted targets
+    # B*S*8 = 1024 and the count 4 (no padded labels, no row max / log-sum-exp)
+    head = 32768 + 512 + 32768 + 32768 + 512000 + 1024 + 4
+    assert _saved(LLAMA, "fp32") == (2 * 535552 + 1024 + 8192 + head, 38)  # 1692164 (trace: test_compiled_blocks.py)
+    assert _saved(LLAMA, "fp32", ImplSpec(device="cpu", compile=True)) == (1652276, 38)  # whole model: 39888 fewer
+
+
+def test_llama_bf16_per_block_exact():
+    # per block 269312 (test_compiled_rules.py); cos, sin in bf16 2 x 2048; the eager norm keeps the
+    # fp32 copy of its input 32768, rsqrt 512, the bf16 normed 16384; lm_head's input 16384; the loss
+    # upcasts: fp32 log_softmax 512000, targets 1024, count 4
+    head = 32768 + 512 + 16384 + 16384 + 512000 + 1024 + 4
+    assert _saved(LLAMA, "bf16") == (2 * 269312 + 1024 + 4096 + head, 38)  # 1122820
+
+
+def test_llama_bf16_blocks_and_loss_exact():
+    # block-loss (torchtune's compile_model + compile_loss): the blocks and the eager norm as above; the
+    # eager lm_head keeps its input (16384) and the loss, compiled alone, the bf16 logits B*S*V*2 = 256000
+    # (its input), row max and log-sum-exp 2 x B*S*4, the labels padded to S+1 B*65*8 = 1040, count 4
+    head = 32768 + 512 + 16384 + 16384 + 256000 + 512 + 512 + 1040 + 4
+    impl = ImplSpec(device="cpu", compile=True, compile_scope="block-loss")
+    assert _saved(LLAMA, "bf16", impl) == (2 * 269312 + 1024 + 4096 + head, 40)  # 867860 (the real step's too)
+
+
+def test_llama_full_recompute_per_block_exact():
+    # torchtitan's order (checkpoint inside each compiled block): each block keeps its input, 2 x B*S*H*4;
+    # ids 1024, cos and sin 8192 and the eager head and loss as above; autograd also keeps one CPU
+    # generator state (5056 bytes, host memory) per block, left out as under whole-model compile
+    head = 32768 + 512 + 32768 + 32768 + 512000 + 1024 + 4
+    assert _saved(LLAMA, "fp32", FULL) == (2 * 32768 + 1024 + 8192 + head, 12)  # 686596
+
+
+def test_scope_is_validated():
+    with pytest.raises(SpecError, match="compile_scope"):
+        ImplSpec(compile=True, compile_scope="layer")
+    assert ImplSpec(compile=True, compile_scope="block-loss").compile_words() == (
+        " torch.compile per block and loss (saved set: docs/compile.md)")
+    with pytest.raises(SpecError, match="compile_scope='block'.*needs compile=True"):
+        ImplSpec(compile_scope="block")
+
+
+def test_header_says_per_block():
+    from trainmem.report.text import render_estimate
+
+    e = estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="bf16"), BLOCK)
+    line = next(l for l in render_estimate(e).splitlines() if l.startswith("implementation:"))
+    assert line.endswith("torch.compile per block (saved set: docs/compile.md)")
+
+
+def test_cli_flag_reaches_the_spec():
+    import argparse
+
+    from trainmem.cliargs import add_compile_arg
+
+    p = argparse.ArgumentParser()
+    add_compile_arg(p)
+    assert p.parse_args(["--compile", "--compile-scope", "block"]).compile_scope == "block"
+    assert p.parse_args([]).compile_scope == "model"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--compile-scope", "layer"])
+
+
+def test_unmodelled_recompute_is_refused_in_one_line():
+    impl = ImplSpec(device="cpu", compile=True, compile_scope="block", recompute="op")
+    with pytest.raises(UnsupportedError, match="recompute='op'") as info:
+        estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="bf16"), impl)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,precision,impl,batch,seq", [
+    (QWEN2, "fp32", BLOCK, 1, 96), (LLAMA, "bf16", BLOCK, 3, 40), (QWEN2, "bf16", FULL, 3, 40),
+    (QWEN2, "bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 2, 48)])
+def test_per_block_estimate_equals_the_compiled_trace(config, precision, impl, batch, seq):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    traced = trace_step(config, StepSpec(batch=batch, seq=seq, precision=precision), impl).meta["compile"]
+    assert traced["scope"] == impl.compile_scope
+    # under full recompute autograd also keeps a CPU generator state (5056 bytes of host memory) per
+    # block for the recomputed SDPA (trace/compiled.py _save_rng_state); the estimate leaves it out
+    states = config["num_hidden_layers"] if impl.recompute == "full" else 0
+    assert _saved(config, precision, impl, batch, seq) == (traced["saved_compiled_bytes"] - states * 5056,
+                                                           traced["saved_compiled_tensors"] - states)
