@@ -9,6 +9,7 @@ Names are the real module paths, so estimates join with traces.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from importlib import import_module
 
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
@@ -27,12 +28,19 @@ def hf_forward(ctx: Ctx) -> None:
         kinds = ", ".join(dict.fromkeys(k.label for k in m.kinds))
         raise UnsupportedError(f"{m.name}: the hf profile has no hand-written rules for {m.family} blocks "
                                f"({kinds}); estimate it with --profile traced")
-    if ctx.model.arch == "encoder":
+    if _rules(ctx).forward in _FORWARDS:  # a family's own module (a registry, imported on use)
+        module, fn = _FORWARDS[_rules(ctx).forward]
+        getattr(import_module(f"trainmem.estimate.{module}"), fn)(ctx)
+    elif ctx.model.arch == "encoder":
         _bert(ctx)
     elif _rules(ctx).forward == "gpt":
         _gpt(ctx)
     else:
         _llama(ctx)
+
+
+#: BlockRules.forward -> (module under trainmem.estimate, function): families whose rules live apart
+_FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward")}
 
 
 def _rules(ctx: Ctx) -> BlockRules:
@@ -91,7 +99,7 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
         return out
 
 
-def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
+def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False, cast_last: bool = False) -> Sym:
     """HF ``LlamaRMSNorm``: ``w * (x.float() * rsqrt(mean(x²)+eps)).to(dtype)``.
 
     Keeps the fp32 input (pow and mul), rsqrt (mul), and the normalized tensor (mul by w).
@@ -108,7 +116,8 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False) -> Sym:
             g.save(normed, when=wt)
             g.save(g.new("one_plus_w", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.requires_grad)
             return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
-        if _rules(ctx).post_norms:  # Olmo2RMSNorm: (w * normed).to(dtype): keeps normed in fp32, casts last
+        if cast_last or _rules(ctx).post_norms:  # Olmo2RMSNorm, GptOssRMSNorm: (w * normed).to(dtype): keeps
+            # normed in fp32, casts last
             g.save(normed, when=wt)
             return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
         nc = ctx.cast(normed, x.dtype, "normed_cast")
@@ -284,12 +293,7 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
             k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.requires_grad)
             v = qkv  # a view of the fused output
         else:
-            with g.module("q_proj"):
-                q = ctx.linear(h, qs, "A·hd", weight=(qs, H), bias=m.qkv_bias)
-            with g.module("k_proj"):
-                k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
-            with g.module("v_proj"):
-                v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
+            q, k, v = _qkv_proj(ctx, h)
         if m.qk_norm and post:  # Olmo2Attention: q_norm/k_norm over the whole projection
             q, k = _rmsnorm(ctx, q, "q_norm"), _rmsnorm(ctx, k, "k_norm")
         elif m.qk_norm:
@@ -318,6 +322,19 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     if rules.sandwich_norms or post:
         y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=gemma)
     return ctx.add(x, y, "residual_mlp")
+
+
+def _qkv_proj(ctx: Ctx, h: Sym) -> tuple[Sym, Sym, Sym]:
+    """Separate ``q_proj``, ``k_proj``, ``v_proj`` linears (biased with ``qkv_bias``); each keeps ``h``."""
+    g, m = ctx.graph, ctx.model
+    H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
+    with g.module("q_proj"):
+        q = ctx.linear(h, qs, "A·hd", weight=(qs, H), bias=m.qkv_bias)
+    with g.module("k_proj"):
+        k = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
+    with g.module("v_proj"):
+        v = ctx.linear(h, kvs, "Akv·hd", weight=(kvs, H), bias=m.qkv_bias)
+    return q, k, v
 
 
 def _heads(x: Sym, heads: int, heads_sym: str, hd: int) -> Sym:

@@ -1,7 +1,7 @@
 """gpt-oss (``modeling_gpt_oss.py``): sliding and full attention blocks alternating (``layer_types``),
 a learned sink logit per head (``self_attn.sinks``), biased q/k/v/o, and an MoE MLP in every block
-(a biased ``router``, fused ``(E, H, 2F)`` experts with biases). The ``hf`` profile has no
-hand-written rules for it: ``--profile traced``."""
+(a biased ``router``, fused ``(E, H, 2F)`` experts with biases). Its ``hf`` rules live in
+``estimate/rules_gpt_oss.py`` (eager attention only: transformers gives gpt-oss no SDPA path)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 @register_family
 def gpt_oss() -> Family:
-    return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+    return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="gpt_oss"), **LLAMA_NAMES,
                   config=ConfigSchema(
                       config_class="GptOssConfig", read=_read,
                       required=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -1,0 +1,67 @@
+"""Hand-written hf rules for gpt-oss (``estimate/rules_gpt_oss.py``) and Llama-4 text: the estimate's
+activations equal autograd's saved set to the byte on tiny configs (CPU), and equal ``--profile traced``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainmem.errors import UnsupportedError  # noqa: E402
+from trainmem.estimate import estimate  # noqa: E402
+from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
+from trainmem.specs.loaders import load_model, spec_from_hf_config  # noqa: E402
+
+from kinds_configs import CONFIGS, check_against_autograd  # noqa: E402
+
+# (family, precision, attention, recompute); gpt-oss has no SDPA path in transformers. Each builds and
+# runs a real model (> 3 s on 2 busy cores): slow; test_gpt_oss_block_items pins the numbers by default
+CASES = [("gpt_oss", p, "eager", r) for p in ("fp32", "bf16", "amp-bf16") for r in ("none", "full")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,precision,attention,recompute", CASES)
+def test_activations_equal_autograd(name, precision, attention, recompute):
+    check_against_autograd(CONFIGS[name], precision, attention, recompute)
+
+
+def test_gpt_oss_block_items():
+    """B=2, S=64, H=64, A=4, Akv=2, hd=16, E=4, k=2, Fe=32, bf16, eager (kinds_configs.CONFIGS)."""
+    from trainmem.estimate.activations import activation_items
+
+    items = activation_items(spec_from_hf_config(CONFIGS["gpt_oss"]), StepSpec(batch=2, seq=64, precision="bf16"),
+                             ImplSpec(attention="eager", device="cpu"))
+    got = {i.name.removeprefix("model.layers.1."): i.bytes for i in items if i.name.startswith("model.layers.1.")}
+    assert got["self_attn.softmax"] == 2 * 4 * 64 * 65 * 2  # B·A·S·(S+1)·2 = 66,560: the sink column
+    assert got["self_attn.max_idx"] == 2 * 4 * 64 * 8  # B·A·S·8 = 4,096: amax's int64 indices
+    assert got["input_layernorm.normed"] == 2 * 64 * 64 * 4  # fp32, multiplied by w before the cast
+    assert got["mlp.router.scores"] == 2 * 64 * 2 * 2  # softmax over the k top values, B·S·k·2
+    assert got["mlp.experts.gate_up"] == 2 * 64 * 2 * 64 * 2  # B·S·k·2Fe·2: both clamps keep views of it
+    # sigmoid, clamped gate, up + 1, glu, (up + 1)·glu: five B·S·k·Fe tensors of 2·64·2·32·2 = 16,384
+    assert sum(v for n, v in got.items() if n.split(".")[-1] in
+               ("sigmoid", "gate_clamped", "up_plus_one", "glu", "gated")) == 5 * 16384
+    # what autograd's saved-tensor hooks measured on the real model (test_activations_equal_autograd)
+    assert sum(i.bytes for i in items) == 1_327_652
+
+
+def test_gpt_oss_refuses_sdpa_in_one_line():
+    # GptOssPreTrainedModel._supports_sdpa is False: transformers refuses to build it with SDPA
+    model = spec_from_hf_config(CONFIGS["gpt_oss"])
+    with pytest.raises(UnsupportedError, match="no sdpa attention.*--attention eager"):
+        estimate(model, StepSpec(batch=2, seq=64), ImplSpec(device="cpu", attention="sdpa"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,attention", [("gpt_oss", "eager")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hf_rules_equal_the_traced_profile(tmp_path, monkeypatch, name, attention, precision):
+    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS[name]))
+    model, step = load_model(str(path)), StepSpec(batch=2, seq=64, precision=precision)
+    traced = estimate(model, step, ImplSpec(profile="traced", device="cpu", attention=attention))
+    ruled = estimate(model, step, ImplSpec(profile="hf", device="cpu", attention=attention))
+    assert traced.totals_bytes == ruled.totals_bytes
+    assert traced.peak_bytes == ruled.peak_bytes
