@@ -80,7 +80,7 @@ def test_adding_a_family_touches_one_place(scratch_registry):
 
     def toy() -> F.Family:
         return replace(llama, name="toy", layers="model.blocks", config=replace(
-            llama.config, config_class="ToyConfig", read=lambda c: {**llama.config.read(c), "qk_norm": True}),
+            llama.config, config_class="ToyConfig", fixed={"qk_norm": True}),
             parameters=lambda m: [(n.replace("model.layers.", "model.blocks."), s) for n, s in llama.parameters(m)])
 
     F.register_family(toy)

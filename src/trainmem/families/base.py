@@ -95,13 +95,32 @@ class ConfigSchema:
     """The transformers config class (named in messages)."""
     defaults: dict[str, Any]
     """The config class's defaults, for keys a file leaves out (only keys a ModelSpec reads)."""
-    read: Callable[["ConfigReader"], dict]
-    """The reader: a :class:`~trainmem.families.config.ConfigReader` -> ModelSpec fields."""
+    read: Callable[["ConfigReader"], dict] | None = None
+    """The family's own fields beyond the declared ones (layer kinds, MoE, MLA): a
+    :class:`~trainmem.families.config.ConfigReader` -> ModelSpec fields, merged last.
+    :func:`~trainmem.families.config.read_fields` is the one reader that runs it."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Keys the class also accepts under another name (``PretrainedConfig.attribute_map``)."""
     required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                  "intermediate_size")
     """Keys a file must write (or their alias): the sizes."""
+    base: str = "llama"
+    """The fields a style of config writes alike: ``llama`` (``LlamaConfig``'s keys, RMSNorm, a
+    gated MLP, ``num_key_value_heads`` and ``head_dim``) or ``layernorm`` (BERT, GPT-NeoX, GPT-2:
+    LayerNorm with biases, a two-matrix MLP, ``num_attention_heads`` heads)."""
+    act_key: str = "hidden_act"
+    """The ``ACT2FN`` name's key (Gemma-2/3: ``hidden_activation``; GPT-2: ``activation_function``)."""
+    bias: str | bool = "attention_bias"
+    """q/k/v and o projection biases: a key to read, or the class's constant."""
+    keys: dict[str, str | None] = field(default_factory=dict)
+    """ModelSpec field -> the config key it is copied from, over the base's (None: not read here,
+    the family's ``read`` gives it)."""
+    off_when_null: dict[str, str] = field(default_factory=dict)
+    """ModelSpec float field -> a key whose null means off (0.0): Gemma's soft-capping."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """ModelSpec fields every config of this class has (``qk_norm``, ``arch``)."""
+    refuse: dict[str, str] = field(default_factory=dict)
+    """Keys whose true value is not modelled -> why (checked before anything is read)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
-from trainmem.families.config import ConfigReader
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
@@ -42,27 +41,17 @@ def _parameters(m: "ModelSpec") -> lay.Params:
     return params
 
 
-def _read(c: ConfigReader) -> dict:
-    c.refuse_if("add_cross_attention", "cross-attention layers are not modelled")
-    return {
-        "arch": "encoder", "hidden_size": c("hidden_size"), "num_layers": c("num_hidden_layers"),
-        "num_heads": c("num_attention_heads"), "ffn_size": c("intermediate_size"),
-        "activation": c.activation("hidden_act", gated=False),
-        "norm": "layernorm", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
-        "tied_embeddings": c("tie_word_embeddings"), "vocab_size": c("vocab_size"),
-        "max_positions": c("max_position_embeddings"), "type_vocab_size": c("type_vocab_size"),
-        # BertEmbeddings, BertSelfOutput and BertOutput all drop out with hidden_dropout_prob
-        "attn_dropout": c("attention_probs_dropout_prob"), "hidden_dropout": c("hidden_dropout_prob"),
-        "embd_dropout": c("hidden_dropout_prob"),
-    }
-
-
 @register_family
 def bert() -> Family:
     return Family(
         name="bert",
         config=ConfigSchema(
-            config_class="BertConfig", read=_read,
+            config_class="BertConfig", base="layernorm", bias=True, fixed={"arch": "encoder"},
+            refuse={"add_cross_attention": "cross-attention layers are not modelled"},
+            # BertEmbeddings, BertSelfOutput and BertOutput all drop out with hidden_dropout_prob
+            keys={"max_positions": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
+                  "attn_dropout": "attention_probs_dropout_prob", "hidden_dropout": "hidden_dropout_prob",
+                  "embd_dropout": "hidden_dropout_prob"},
             defaults={"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                       "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
                       "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,

@@ -4,35 +4,26 @@ Gemma-2 (``modeling_gemma2.py``: also sandwich norms and tanh soft-capping)."""
 from __future__ import annotations
 
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
-from trainmem.families.kinds import from_layer_types
+from trainmem.families.config import ConfigReader
+from trainmem.families.kinds import from_layer_types, pattern_types
 from trainmem.families.llama import llama_family, llama_parameters
 
 
-def _read_gemma(c: ConfigReader) -> dict:
-    return llama_like(c)
-
-
-def _alternating(c: ConfigReader) -> list[str]:
-    """``layer_types``, else Gemma2Config.__post_init__'s default: sliding, full, sliding, ..."""
-    types = c("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(c("num_hidden_layers"))]
-    return types
+#: Gemma-2 and Gemma-3 read ``hidden_activation`` (not ``hidden_act``) and tanh soft-capping, null meaning off
+GEMMA2_KEYS = dict(act_key="hidden_activation", off_when_null={"attn_softcap": "attn_logit_softcapping",
+                                                              "logit_softcap": "final_logit_softcapping"})
 
 
 def _read_gemma2(c: ConfigReader) -> dict:
+    # layer_types, else Gemma2Config.__post_init__'s default: sliding, full, sliding, ...
     window = c("sliding_window")
-    kinds = from_layer_types(c, _alternating(c), window=window) if window else ()
-    return {**llama_like(c, act_key="hidden_activation"), "layer_kinds": kinds,
-            "attn_softcap": float(c("attn_logit_softcapping") or 0.0),
-            "logit_softcap": float(c("final_logit_softcapping") or 0.0)}
+    return {"layer_kinds": from_layer_types(c, pattern_types(c, 2), window=window) if window else ()}
 
 
 @register_family
 def gemma() -> Family:
     return llama_family("gemma", ConfigSchema(
-        config_class="GemmaConfig", read=_read_gemma,
+        config_class="GemmaConfig",
         defaults={"vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
                   "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
                   "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
@@ -43,8 +34,7 @@ def gemma() -> Family:
 @register_family
 def gemma2() -> Family:
     return llama_family("gemma2", ConfigSchema(
-        # Gemma2Config reads ``hidden_activation``, not ``hidden_act``
-        config_class="Gemma2Config", read=_read_gemma2,
+        config_class="Gemma2Config", read=_read_gemma2, **GEMMA2_KEYS,
         defaults={"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,

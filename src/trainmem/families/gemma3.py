@@ -7,30 +7,25 @@ from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
-from trainmem.families.kinds import from_layer_types
+from trainmem.families.config import ConfigReader
+from trainmem.families.gemma import GEMMA2_KEYS
+from trainmem.families.kinds import from_layer_types, pattern_types
 from trainmem.families.llama import llama_family, llama_parameters
 
 
 def _read(c: ConfigReader) -> dict:
-    c.refuse_if("use_bidirectional_attention", "bidirectional attention is not modelled")
-    types = c("layer_types")
-    if types is None:  # Gemma3TextConfig.__post_init__
-        pattern = c("sliding_window_pattern")
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(c("num_hidden_layers"))]
+    types = pattern_types(c, c("sliding_window_pattern"))  # Gemma3TextConfig.__post_init__
     window = c("sliding_window")
     if window is None and "sliding_attention" in types:
         raise UnsupportedError(f"{c.model_type} sliding_window=None with sliding_attention layers")
-    return {**llama_like(c, act_key="hidden_activation"), "qk_norm": True,
-            "layer_kinds": from_layer_types(c, types, window=window),
-            "attn_softcap": float(c("attn_logit_softcapping") or 0.0),
-            "logit_softcap": float(c("final_logit_softcapping") or 0.0)}
+    return {"layer_kinds": from_layer_types(c, types, window=window)}
 
 
 @register_family
 def gemma3_text() -> Family:
     return llama_family("gemma3_text", ConfigSchema(
-        config_class="Gemma3TextConfig", read=_read,
+        config_class="Gemma3TextConfig", read=_read, **GEMMA2_KEYS, fixed={"qk_norm": True},
+        refuse={"use_bidirectional_attention": "bidirectional attention is not modelled"},
         defaults={"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,

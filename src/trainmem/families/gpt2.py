@@ -32,18 +32,8 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 
 def _read(c: ConfigReader) -> dict:
-    c.refuse_if("add_cross_attention", "cross-attention layers are not modelled")
-    hidden = c("n_embd")
     inner = c("n_inner")
-    return {
-        "hidden_size": hidden, "num_layers": c("n_layer"), "num_heads": c("n_head"),
-        "ffn_size": 4 * hidden if inner is None else inner,
-        "activation": c.activation("activation_function", gated=False),
-        "norm": "layernorm", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
-        "tied_embeddings": c("tie_word_embeddings"), "vocab_size": c("vocab_size"),
-        "max_positions": c("n_positions"),
-        "attn_dropout": c("attn_pdrop"), "hidden_dropout": c("resid_pdrop"), "embd_dropout": c("embd_pdrop"),
-    }
+    return {"ffn_size": 4 * c("n_embd") if inner is None else inner}
 
 
 @register_family
@@ -51,7 +41,11 @@ def gpt2() -> Family:
     return Family(
         name="gpt2",
         config=ConfigSchema(
-            config_class="GPT2Config", read=_read,
+            config_class="GPT2Config", read=_read, base="layernorm", act_key="activation_function", bias=True,
+            refuse={"add_cross_attention": "cross-attention layers are not modelled"},
+            keys={"hidden_size": "n_embd", "num_layers": "n_layer", "num_heads": "n_head", "ffn_size": None,
+                  "max_positions": "n_positions", "attn_dropout": "attn_pdrop", "hidden_dropout": "resid_pdrop",
+                  "embd_dropout": "embd_pdrop"},
             defaults={"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                       "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
                       "attn_pdrop": 0.1, "tie_word_embeddings": True, "add_cross_attention": False},

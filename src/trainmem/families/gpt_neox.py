@@ -39,19 +39,7 @@ def _rotary_fraction(c: ConfigReader) -> float:
 
 
 def _read(c: ConfigReader) -> dict:
-    attention_bias = c("attention_bias")
-    return {
-        "hidden_size": c("hidden_size"), "num_layers": c("num_hidden_layers"),
-        "num_heads": c("num_attention_heads"), "ffn_size": c("intermediate_size"),
-        "activation": c.activation("hidden_act", gated=False),
-        "norm": "layernorm", "qkv_bias": attention_bias, "out_bias": attention_bias, "mlp_bias": True,
-        "norm_bias": True, "tied_embeddings": c("tie_word_embeddings"), "vocab_size": c("vocab_size"),
-        # emb_dropout, post_attention_dropout and post_mlp_dropout all use hidden_dropout
-        "attn_dropout": c("attention_dropout"), "hidden_dropout": c("hidden_dropout"),
-        "embd_dropout": c("hidden_dropout"),
-        "parallel_residual": c("use_parallel_residual"),
-        "rotary_dim": int(c("hidden_size") // c("num_attention_heads") * _rotary_fraction(c)),
-    }
+    return {"rotary_dim": int(c("hidden_size") // c("num_attention_heads") * _rotary_fraction(c))}
 
 
 @register_family
@@ -59,7 +47,10 @@ def gpt_neox() -> Family:
     return Family(
         name="gpt_neox",
         config=ConfigSchema(
-            config_class="GPTNeoXConfig", read=_read,
+            config_class="GPTNeoXConfig", read=_read, base="layernorm",
+            # emb_dropout, post_attention_dropout and post_mlp_dropout all use hidden_dropout
+            keys={"attn_dropout": "attention_dropout", "hidden_dropout": "hidden_dropout",
+                  "embd_dropout": "hidden_dropout", "parallel_residual": "use_parallel_residual"},
             defaults={"vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
                       "intermediate_size": 24576, "hidden_act": "gelu", "attention_dropout": 0.0,
                       "hidden_dropout": 0.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,

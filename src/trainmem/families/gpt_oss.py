@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
-from trainmem.families.kinds import from_layer_types
+from trainmem.families.config import MOE_KEYS, ConfigReader
+from trainmem.families.kinds import from_layer_types, pattern_types
 from trainmem.families.llama import LLAMA_NAMES
-from trainmem.families.moe_layout import experts, kind_blocks
+from trainmem.families.moe_layout import attention, experts, kind_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.layer_kind import LayerKind
@@ -21,11 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _read(c: ConfigReader) -> dict:
     L = c("num_hidden_layers")
-    types = c("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
-    return {**llama_like(c), "mlp_bias": True, "attn_sinks": True,
-            "num_experts": c("num_local_experts"), "top_k": c("num_experts_per_tok"),
-            "expert_ffn_size": c("intermediate_size"),
-            "layer_kinds": from_layer_types(c, types, window=c("sliding_window"), moe=[True] * L)}
+    return {"layer_kinds": from_layer_types(c, pattern_types(c, 2), window=c("sliding_window"), moe=[True] * L)}
 
 
 def _parameters(m: "ModelSpec") -> lay.Params:
@@ -33,9 +29,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
     def block(pre: str, kind: "LayerKind") -> lay.Params:
         at = f"{pre}.self_attn"
-        p: lay.Params = [(f"{at}.sinks", (m.num_heads,))]
-        p += lay.linear(f"{at}.q_proj", m.q_size, H, m.qkv_bias) + lay.linear(f"{at}.k_proj", m.kv_size, H, m.qkv_bias)
-        p += lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias) + lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias)
+        p: lay.Params = [(f"{at}.sinks", (m.num_heads,))] + attention(at, m)
         return p + lay.linear(f"{pre}.mlp.router", m.num_experts, H, True) + experts(f"{pre}.mlp.experts", m,
                                                                                     in_major=True, bias=True)
 
@@ -46,7 +40,8 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def gpt_oss() -> Family:
     return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="gpt_oss"), **LLAMA_NAMES,
                   config=ConfigSchema(
-                      config_class="GptOssConfig", read=_read,
+                      config_class="GptOssConfig", read=_read, keys=MOE_KEYS,
+                      fixed={"mlp_bias": True, "attn_sinks": True},
                       required=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                 "intermediate_size", "num_local_experts", "num_experts_per_tok"),
                       defaults={"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,

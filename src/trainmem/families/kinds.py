@@ -9,7 +9,7 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.families.config import ConfigReader
 
-__all__ = ["uniform_window", "from_layer_types", "kinds_or_empty", "qwen_windows"]
+__all__ = ["uniform_window", "from_layer_types", "kinds_or_empty", "qwen_windows", "pattern_types"]
 
 #: transformers' ``layer_types`` names -> LayerKind.attention
 _ATTENTION = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
@@ -57,6 +57,16 @@ def from_layer_types(c: ConfigReader, types: list, *, window: int | None, chunk:
             kind["rope"] = rope[i]
         out.append(kind)
     return tuple(out)
+
+
+def pattern_types(c: ConfigReader, every: int) -> list:
+    """``layer_types``, else the config class's default: a full-attention block every ``every``-th,
+    sliding ones between (Gemma2Config and GptOssConfig: every 2nd; Gemma3TextConfig: its
+    ``sliding_window_pattern``, default 6)."""
+    types = c("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(c("num_hidden_layers"))]
+    return types
 
 
 def qwen_windows(c: ConfigReader) -> tuple[dict, ...]:

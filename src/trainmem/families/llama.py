@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
-from trainmem.families.config import ConfigReader, llama_like
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
@@ -89,14 +88,10 @@ def llama_family(name: str, config: ConfigSchema | None, **kw) -> Family:
                                                "rules": BlockRules(forward="llama"), **LLAMA_NAMES, **kw})
 
 
-def _read(c: ConfigReader) -> dict:
-    return {**llama_like(c), "mlp_bias": c("mlp_bias")}
-
-
 @register_family
 def llama() -> Family:
     return llama_family("llama", ConfigSchema(
-        config_class="LlamaConfig (Llama-2-7B)", read=_read,
+        config_class="LlamaConfig (Llama-2-7B)", keys={"mlp_bias": "mlp_bias"},
         defaults={"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
                   "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,

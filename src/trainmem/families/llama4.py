@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import MOE_KEYS, ConfigReader
 from trainmem.families.kinds import from_layer_types
 from trainmem.families.llama import LLAMA_NAMES
-from trainmem.families.moe_layout import dense_mlp, experts, kind_blocks
+from trainmem.families.moe_layout import attention, dense_mlp, experts, kind_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.layer_kind import LayerKind
@@ -30,10 +30,7 @@ def _read(c: ConfigReader) -> dict:
     chunk = c("attention_chunk_size")
     types = c("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
                                  for r in no_rope]
-    return {**llama_like(c), "ffn_size": c("intermediate_size_mlp"),
-            "num_experts": c("num_local_experts"), "top_k": c("num_experts_per_tok"),
-            "expert_ffn_size": c("intermediate_size"), "num_shared_experts": 1,
-            "layer_kinds": from_layer_types(c, types, window=None, chunk=chunk,
+    return {"layer_kinds": from_layer_types(c, types, window=None, chunk=chunk,
                                             moe=[i in moe_layers for i in range(L)],
                                             rope=[bool(r) for r in no_rope[:L]])}
 
@@ -42,9 +39,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
     H = m.hidden_size
 
     def block(pre: str, kind: "LayerKind") -> lay.Params:
-        at = f"{pre}.self_attn"
-        p = lay.linear(f"{at}.q_proj", m.q_size, H, m.qkv_bias) + lay.linear(f"{at}.k_proj", m.kv_size, H, m.qkv_bias)
-        p += lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias) + lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias)
+        p = attention(f"{pre}.self_attn", m)
         ff = f"{pre}.feed_forward"
         if kind.mlp == "dense":
             return p + dense_mlp(ff, m.ffn_size, H)
@@ -60,6 +55,7 @@ def llama4_text() -> Family:
     return Family(name="llama4_text", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
                   config=ConfigSchema(
                       config_class="Llama4TextConfig", read=_read,
+                      keys={**MOE_KEYS, "ffn_size": "intermediate_size_mlp"}, fixed={"num_shared_experts": 1},
                       required=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                 "intermediate_size", "intermediate_size_mlp"),
                       defaults={"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import llama_family
 
@@ -18,11 +18,11 @@ MISTRAL_DEFAULTS = {
 
 
 def _read(c: ConfigReader) -> dict:
-    return {**llama_like(c, bias_key=None), "layer_kinds": uniform_window(c)}
+    return {"layer_kinds": uniform_window(c)}
 
 
 @register_family
 def mistral() -> Family:
     # MistralConfig's sliding_window defaults to 4096 (MixtralConfig's to None)
-    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", read=_read,
+    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", read=_read, bias=False,
                                                 defaults={**MISTRAL_DEFAULTS, "sliding_window": 4096}))

@@ -4,7 +4,7 @@ fused 3-D ``experts.gate_up_proj`` / ``experts.down_proj``, transformers 5.x).""
 from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import MOE_KEYS, ConfigReader
 from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import llama_family
 from trainmem.families.mistral import MISTRAL_DEFAULTS
@@ -13,18 +13,13 @@ _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads
 
 
 def _read(c: ConfigReader) -> dict:
-    return {
-        **llama_like(c, bias_key=None),
-        "num_experts": c("num_local_experts"), "top_k": c("num_experts_per_tok"),
-        "expert_ffn_size": c("intermediate_size"),
-        "layer_kinds": tuple({**k, "mlp": "moe"} for k in uniform_window(c)),
-    }
+    return {"layer_kinds": tuple({**k, "mlp": "moe"} for k in uniform_window(c))}
 
 
 @register_family
 def mixtral() -> Family:
     return llama_family("mixtral", ConfigSchema(
-        config_class="MixtralConfig", read=_read,
+        config_class="MixtralConfig", read=_read, bias=False, keys=MOE_KEYS,
         defaults={**MISTRAL_DEFAULTS, "num_experts_per_tok": 2, "num_local_experts": 8, "sliding_window": None},
         aliases={"num_local_experts": "num_experts"},
         required=(*_SIZES, "num_local_experts", "num_experts_per_tok")))

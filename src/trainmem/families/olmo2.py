@@ -8,16 +8,11 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
 from trainmem.families.llama import LLAMA_NAMES
 from trainmem.families.moe_layout import dense_mlp
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
-
-
-def _read(c: ConfigReader) -> dict:
-    return {**llama_like(c), "qk_norm": True}
 
 
 def _parameters(m: "ModelSpec") -> lay.Params:
@@ -41,7 +36,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def olmo2() -> Family:
     return Family(name="olmo2", parameters=_parameters, rules=BlockRules(forward="llama", post_norms=True, rope_fp32=True),
                   **LLAMA_NAMES, config=ConfigSchema(
-                      config_class="Olmo2Config", read=_read,
+                      config_class="Olmo2Config", fixed={"qk_norm": True},
                       defaults={"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
                                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
                                 "head_dim": None, "hidden_act": "silu", "tie_word_embeddings": False,

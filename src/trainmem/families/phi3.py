@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import uniform_window
 from trainmem.families.llama import LLAMA_NAMES, llama_family
 
@@ -32,14 +32,14 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 
 def _read(c: ConfigReader) -> dict:
-    return {**llama_like(c, bias_key=None), "hidden_dropout": c("resid_pdrop"), "layer_kinds": uniform_window(c)}
+    return {"layer_kinds": uniform_window(c)}
 
 
 @register_family
 def phi3() -> Family:
     return llama_family("phi3", ConfigSchema(
         # ``embd_pdrop`` exists but Phi3Model applies no embedding dropout
-        config_class="Phi3Config", read=_read,
+        config_class="Phi3Config", read=_read, bias=False, keys={"hidden_dropout": "resid_pdrop"},
         defaults={"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
                   "tie_word_embeddings": False, "attention_dropout": 0.0, "resid_pdrop": 0.0,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from trainmem.families.base import ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
 from trainmem.families.kinds import qwen_windows
 from trainmem.families.llama import llama_family
 
@@ -16,23 +15,19 @@ _QWEN2_DEFAULTS = {  # Qwen2Config
 }
 
 
-def _read_qwen2(c: ConfigReader) -> dict:
-    # q, k, v carry a bias; o_proj does not
-    return {**llama_like(c, bias_key=None), "qkv_bias": True, "layer_kinds": qwen_windows(c)}
-
-
-def _read_qwen3(c: ConfigReader) -> dict:
-    return {**llama_like(c), "qk_norm": True, "layer_kinds": qwen_windows(c)}
+def _windows(c) -> dict:
+    return {"layer_kinds": qwen_windows(c)}
 
 
 @register_family
 def qwen2() -> Family:
+    # q, k, v carry a bias; o_proj does not
     return llama_family("qwen2", ConfigSchema(config_class="Qwen2Config", defaults=_QWEN2_DEFAULTS,
-                                              read=_read_qwen2))
+                                              read=_windows, bias=False, fixed={"qkv_bias": True}))
 
 
 @register_family
 def qwen3() -> Family:
     # Qwen3Config shares Qwen2Config's defaults for these keys
-    return llama_family("qwen3", ConfigSchema(config_class="Qwen3Config", read=_read_qwen3,
+    return llama_family("qwen3", ConfigSchema(config_class="Qwen3Config", read=_windows, fixed={"qk_norm": True},
                                               defaults={**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}))

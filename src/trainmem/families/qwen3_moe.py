@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import qwen_windows
 from trainmem.families.llama import LLAMA_NAMES
-from trainmem.families.moe_layout import dense_mlp, experts, kind_blocks
+from trainmem.families.moe_layout import attention, dense_mlp, experts, kind_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.layer_kind import LayerKind
@@ -27,9 +27,7 @@ def _read(c: ConfigReader) -> dict:
     # Qwen3MoeDecoderLayer.__init__: MoE where not mlp_only and (i + 1) % decoder_sparse_step == 0
     moe = [i not in only and c("num_experts") > 0 and (i + 1) % step == 0 for i in range(L)]
     windows = qwen_windows(c) or tuple({} for _ in range(L))
-    return {**llama_like(c), "qk_norm": True, "router_norm_topk": bool(c("norm_topk_prob")),
-            "num_experts": c("num_experts"), "top_k": c("num_experts_per_tok"),
-            "expert_ffn_size": c("moe_intermediate_size"),
+    return {"router_norm_topk": bool(c("norm_topk_prob")),
             "layer_kinds": tuple({**w, "mlp": "moe" if moe[i] else "dense"} for i, w in enumerate(windows))}
 
 
@@ -38,11 +36,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
     def block(pre: str, kind: "LayerKind") -> lay.Params:
         at = f"{pre}.self_attn"
-        p = lay.linear(f"{at}.q_proj", m.q_size, H, m.qkv_bias)
-        p += lay.linear(f"{at}.k_proj", m.kv_size, H, m.qkv_bias)
-        p += lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias)
-        p += lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias)
-        p += lay.norm(m, f"{at}.q_norm", m.head_dim) + lay.norm(m, f"{at}.k_norm", m.head_dim)
+        p = attention(at, m) + lay.norm(m, f"{at}.q_norm", m.head_dim) + lay.norm(m, f"{at}.k_norm", m.head_dim)
         if kind.mlp == "dense":
             return p + dense_mlp(f"{pre}.mlp", m.ffn_size, H)
         # Qwen3MoeSparseMoeBlock: experts, then the router
@@ -56,6 +50,8 @@ def qwen3_moe() -> Family:
     return Family(name="qwen3_moe", parameters=_parameters, rules=BlockRules(forward="llama", router_cast=True),
                   **LLAMA_NAMES, config=ConfigSchema(
                       config_class="Qwen3MoeConfig", read=_read, required=_SIZES, aliases={"num_local_experts": "num_experts"},
+                      fixed={"qk_norm": True}, keys={"num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                                                     "expert_ffn_size": "moe_intermediate_size"},
                       defaults={"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
                                 "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
                                 "head_dim": None, "hidden_act": "silu", "tie_word_embeddings": False,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
-from trainmem.families.config import ConfigReader, llama_like
+from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import from_layer_types
 from trainmem.families.llama import LLAMA_NAMES
 from trainmem.families.moe_layout import dense_mlp, experts, kind_blocks
@@ -28,8 +28,7 @@ def _read(c: ConfigReader) -> dict:
     only = set(c("mlp_only_layers") or ())
     moe = [i not in only and E > 0 and (i + 1) % c("decoder_sparse_step") == 0 for i in range(L)]
     shared = c("shared_expert_intermediate_size")
-    return {**llama_like(c), "qk_norm": True,
-            "num_experts": E, "top_k": c("num_experts_per_tok") if E else 0,
+    return {"num_experts": E, "top_k": c("num_experts_per_tok") if E else 0,
             "expert_ffn_size": c("moe_intermediate_size") if E else 0,
             "num_shared_experts": 1 if E and shared else 0, "shared_expert_ffn_size": shared if E else 0,
             "linear_num_key_heads": c("linear_num_key_heads"), "linear_num_value_heads": c("linear_num_value_heads"),
@@ -74,7 +73,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def qwen3_next() -> Family:
     return Family(name="qwen3_next", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
                   config=ConfigSchema(
-                      config_class="Qwen3NextConfig", read=_read,
+                      config_class="Qwen3NextConfig", read=_read, fixed={"qk_norm": True},
                       defaults={"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
                                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                                 "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,

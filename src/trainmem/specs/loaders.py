@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from trainmem.errors import ConfigError, UnsupportedError
 from trainmem.families import config_families
-from trainmem.families.config import ConfigReader
+from trainmem.families.config import ConfigReader, read_fields
 from trainmem.specs.model import ModelSpec
 
 __all__ = [
@@ -200,7 +200,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str = "custom") -> ModelSp
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); `trainmem estimate --profile traced` (one device) "
             f"and `trainmem trace` build it from transformers instead"
         )
-    fields = family.config.read(ConfigReader(cfg, model_type, family.config))
+    fields = read_fields(ConfigReader(cfg, model_type, family.config))
     return ModelSpec(name=name, family=family.name, **fields, **_task_head(cfg))
 
 
