@@ -15,6 +15,8 @@ Rules, per saved tensor (one estimator item, one storage), in the order applied:
 * ``B·S·8`` int64 token ids (``*.indices``): copied to host, but the caller's tensor stays;
 * fewer than 1024 bytes (``rsqrt`` of a norm at small B·S, scalars): kept on the device;
 * kept by the LM head or the loss (outside the offloaded region): kept;
+* a frozen embedding's output under recompute (fine-tuning): HF's ``enable_input_require_grads``
+  makes it a leaf that requires grad, held by the graph itself (packed copies go to host too): kept;
 * a checkpointed block's input other than the first: Hugging Face's
   ``GradientCheckpointingLayer`` passes only the hidden state positionally
   (transformers/modeling_layers.py: ``checkpoint(partial(forward, **kwargs), *args)``) and
@@ -61,6 +63,7 @@ import math
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.names import is_embedding
 
 __all__ = ["OffloadSplit", "offload_split", "MIN_OFFLOAD_BYTES", "OUTSIDE_REGION"]
 
@@ -101,6 +104,10 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tu
         return True, "kept by the output projection or the loss (outside the offloaded region)"
     if position is not None and position > 0:
         return True, "a checkpointed block's keyword input (held by the recompute closure)"
+    if scope and is_embedding(scope + ".weight"):
+        # a frozen embedding's output under recompute (estimate/rules_hf.py _embedding): HF's
+        # enable_input_require_grads makes it a leaf, which the graph's AccumulateGrad holds itself
+        return True, "a leaf the graph holds (enable_input_require_grads), not a packed tensor"
     return False, ""
 
 
@@ -148,8 +155,10 @@ def _replace_items(r, items):
     return replace(r, items=tuple(items))
 
 
-def activation_offload(model, step, impl, *, use_streams: bool = True) -> OffloadSplit:
-    """:func:`offload_split` of the step's activation inventory (identical blocks stored once)."""
+def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=None) -> OffloadSplit:
+    """:func:`offload_split` of the step's activation inventory (identical blocks stored once;
+    with ``finetune``, every block its own, the frozen, 4-bit and LoRA linears' saves as
+    ``estimate/finetune.py`` has them: torchtune offloads LoRA and QLoRA recipes the same way)."""
     from trainmem.errors import SpecError
     from trainmem.estimate.activations import _forward, _input_ids
     from trainmem.estimate.ctx import Ctx
@@ -163,7 +172,14 @@ def activation_offload(model, step, impl, *, use_streams: bool = True) -> Offloa
         raise SpecError("offload", "activations", f"is modelled under --profile hf only, not {impl.profile!r}")
     if impl.recompute not in ("none", "full") or impl.compile:
         raise SpecError("offload", "activations", "is modelled with --recompute none or full, without --compile")
-    ctx = Ctx(Graph(), model, step, impl, replicate=True)
+    ctx = Ctx(Graph(), model, step, impl, replicate=finetune is None)
+    if finetune is not None:
+        from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
+        if finetune.mode == "qlora" and finetune.quant_impl == "bnb-legacy":
+            raise SpecError("offload", "activations", "is not modelled with quant_impl bnb-legacy (its held "
+                                                      "inputs bypass the saved-tensor hooks)")
+        ctx.trainable = trainable_predicate(model, finetune)
+        ctx.finetune_linear = FinetuneLinear(model, step, finetune)
     _input_ids(ctx)
     _forward(impl)(ctx)
     keepers = {it.name: k for it, k in zip(ctx.graph.items(), ctx.graph.keepers())}
@@ -222,12 +238,9 @@ def apply_offload(model, step, impl, states: Inventory, acts: Inventory,
     """``(inventory, recompute_bytes, working, host)`` for ``estimate.peak.phases`` under activation
     offload: the device inventory, each block's largest saved tensor kept for the gradient it
     still gets in backward, the stash and in-flight buffers, and what went to host."""
-    from trainmem.errors import SpecError
     from trainmem.estimate.peak import layer_stats
 
-    if finetune is not None:
-        raise SpecError("offload", "activations", "is modelled without fine-tuning adapters or frozen weights")
-    split = activation_offload(model, step, impl)
+    split = activation_offload(model, step, impl, finetune=finetune)
     largest = layer_stats(acts).largest
     rec = {li: (recompute.get(li, (0, 0))[0], max(recompute.get(li, (0, 0))[1], big)) for li, big in largest.items()}
     return states + Inventory(device_items(split)), rec, working_bytes(split), split.host
