@@ -83,7 +83,9 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=step("precision"), metavar="NAME",
                    help=f"{PRECISION_HELP} (default {step('precision')})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME", default=step("optimizer"), help=OPTIMIZER_HELP)
-    p.add_argument("--loss", choices=LOSSES, default=step("loss"), help="ce (full fp32 logits), chunked-ce, fused-ce")
+    p.add_argument("--loss", choices=LOSSES, default=step("loss"),
+                   help="ce (full fp32 logits), chunked-ce, fused-ce; torchtune-chunked-ce, "
+                   "litgpt-chunked-ce (the frameworks' own chunked losses: docs/losses.md)")
     p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"),
                    help="eager (materialized softmax), sdpa (PyTorch picks the kernel), flash, sdpa-math, "
                         f"mem-efficient (default {impl('attention')})")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
 from trainmem.names import is_head, layer_of
 
 __all__ = ["Phase", "phases"]
@@ -183,6 +184,14 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             "end of forward: saved activations + logits (and their upcast copy) held by the output")
         add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
+    elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
+        fl = framework_loss_phases(loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype)
+        if fl.held:  # LitGPT's loop keeps its logits bound in every phase
+            persistent["logits_held"] = fl.held
+        add("forward", {"gradients": g_acc, "activations": A, **fl.forward},
+            f"end of forward, inside the last chunk of {loss}: saved activations + the chunks' logits")
+        add("backward_start", {"gradients": g_acc, "activations": A, **fl.backward_start},
+            f"{loss} backward, chunk by chunk: one chunk's log-softmax gradients + the logit gradients so far")
     else:
         add("forward", {"gradients": g_acc, "activations": A},
             "end of forward" + (" (chunked loss)" if loss != "none" else ""))

@@ -14,6 +14,7 @@ from importlib import import_module
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
+from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_items
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.heads import task_head
 from trainmem.families import BlockRules, family_of, token_embedding_modules
@@ -172,6 +173,8 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
     g = ctx.graph
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
+        if ctx.step.loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
+            return framework_loss_items(ctx, logits)
         # ForCausalLMLoss pads and shifts the labels before cross_entropy: the targets come first
         target = g.new("target", *_target_shape(B, S), "int64", False)
         if ctx.step.loss == "ce":
@@ -194,7 +197,7 @@ def _target_shape(B: int, S: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     m = ctx.model
-    if ctx.step.loss != "ce":
+    if ctx.step.loss in ("chunked-ce", "fused-ce"):
         ctx.graph.save(h)  # chunked/fused CE recompute logits from the hidden state
         return ctx.graph.new("logits_chunk", h.shape, h.dims, h.dtype, h.requires_grad or ctx.trainable(f"{name}.weight"))
     with ctx.graph.module(name):

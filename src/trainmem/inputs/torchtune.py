@@ -72,12 +72,10 @@ _OPTIMIZERS: dict[str, tuple[str, str]] = {
 #: loss class path -> (trainmem loss, note)
 _LOSSES: dict[str, tuple[str, str]] = {
     "torch.nn.CrossEntropyLoss": ("ce", ""),
-    # torchtune/modules/loss/ce_chunked_output_loss.py, CEWithChunkedOutputLoss.forward: each chunk's
-    # logits are upcast and passed to F.cross_entropy, and every chunk's log-softmax is kept for
-    # backward (nothing is recomputed): the saved set of plain cross-entropy
-    "torchtune.modules.loss.CEWithChunkedOutputLoss": (
-        "ce", "CEWithChunkedOutputLoss keeps every chunk's fp32 log-softmax for backward: estimated as plain "
-              "cross-entropy (the whole-logits fp32 copy it avoids is counted)"),
+    # torchtune/modules/loss/ce_chunked_output_loss.py, CEWithChunkedOutputLoss.forward, with the
+    # model's set_num_output_chunks(8): every chunk's bf16 logits, one chunk upcast at a time, every
+    # chunk's fp32 log-softmax kept for backward (estimate/losses.py)
+    "torchtune.modules.loss.CEWithChunkedOutputLoss": ("torchtune-chunked-ce", ""),
     # cross_entropy_loss.py, LinearCrossEntropyLoss.compute_cross_entropy: the output projection runs
     # per chunk of unmasked tokens, and each chunk's fp32 log-softmax is kept for backward
     "torchtune.modules.loss.LinearCrossEntropyLoss": (

@@ -196,6 +196,8 @@ def _recompute(c: Config, ctx: Context):
 @choice("loss", ("step.loss",), note="the same loss without the full fp32 logits")
 def _loss(c: Config, ctx: Context):
     order = ("ce", "chunked-ce", "fused-ce")
+    if c.step.loss not in order:  # torchtune's / LitGPT's own loss: the framework's, not a knob here
+        return
     for loss in order[order.index(c.step.loss) + 1:]:
         yield replace(c, step=replace(c.step, loss=loss)), f"loss {c.step.loss} → {loss}"
 

@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME", default=spec_default(StepSpec, "optimizer"),
                    help=OPTIMIZER_HELP)
     p.add_argument("--loss", choices=LOSSES, default=spec_default(StepSpec, "loss"),
-                   help="ce (full fp32 logits), chunked-ce, fused-ce")
+                   help="ce (full fp32 logits), chunked-ce, fused-ce; torchtune-chunked-ce, "
+                   "litgpt-chunked-ce (the frameworks' own chunked losses: docs/losses.md)")
     p.add_argument("--profile", choices=PROFILES, default=spec_default(ImplSpec, "profile"),
                    help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
                         "trace; --device cpu)")

@@ -24,7 +24,7 @@ PRECISION_ALIASES = {
 PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "adamw8bit", "paged-adamw8bit",
               "paged-adamw32bit", "torchao-adamw8bit", "torchao-adamw4bit")
-LOSSES = ("ce", "chunked-ce", "fused-ce")
+LOSSES = ("ce", "chunked-ce", "fused-ce", "torchtune-chunked-ce", "litgpt-chunked-ce")
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
 DEFAULT_SEQ = 4096  # the sequence length when none is given (StepSpec, estimate(), every command)
 
@@ -127,7 +127,11 @@ class StepSpec:
     docs/optimizers.md has their state layouts."""
     loss: str = "ce"
     """ce (full fp32 logits), chunked-ce (logits per chunk, recomputed in backward), fused-ce
-    (fused linear + cross-entropy, gradient computed in forward)."""
+    (fused linear + cross-entropy, gradient computed in forward); the frameworks' own chunked
+    losses: torchtune-chunked-ce (``CEWithChunkedOutputLoss`` with the model's 8 output chunks:
+    bf16 logits, one chunk upcast at a time, every chunk's fp32 log-softmax kept) and
+    litgpt-chunked-ce (``lm_head_chunk_size=128`` + ``chunked_cross_entropy``: CE on the bf16
+    logits, no upcast, the logits held by the loop). docs/losses.md has the formulas."""
     mode: Literal["train", "inference"] = "train"
     """train (forward, backward, optimizer) or inference (prefill + KV cache)."""
 

@@ -37,8 +37,9 @@ tensors and returns the same shapes.
 
 Known limitations:
   - ``mem-efficient`` attention has no CPU implementation; torchao's optimizers cannot run on fake
-    tensors (:mod:`trainmem.trace.low_bit_optim`); the chunked and fused losses are not Hugging Face
-    options: all raise UnsupportedError. bitsandbytes' optimizers are traced on CPU, where paging
+    tensors (:mod:`trainmem.trace.low_bit_optim`); ``chunked-ce`` and ``fused-ce`` are not Hugging Face
+    options (torchtune's and LitGPT's chunked losses are: :mod:`trainmem.trace.losses`): all raise
+    UnsupportedError. bitsandbytes' optimizers are traced on CPU, where paging
     falls back to plain tensors.
 """
 
@@ -146,8 +147,12 @@ def make_optimizer_for(model, step: StepSpec, impl: ImplSpec | None = None):
 def _check(step: StepSpec, impl: ImplSpec) -> None:
     if step.mode != "train":
         raise UnsupportedError(f"mode={step.mode!r}: the tracer runs training steps only")
-    if step.loss != "ce":
-        raise UnsupportedError(f"loss={step.loss!r}: Hugging Face models compute the full cross-entropy; use loss='ce'")
+    from trainmem.trace.losses import FRAMEWORK_LOSSES  # torchtune's and LitGPT's chunked losses (trace/losses.py)
+    if step.loss != "ce" and step.loss not in FRAMEWORK_LOSSES:
+        raise UnsupportedError(f"loss={step.loss!r} is not traced: the tracer runs the model's own cross-entropy "
+                               f"(ce) or a framework's chunked loss ({', '.join(FRAMEWORK_LOSSES)})")
+    if step.loss != "ce" and impl.compile:
+        raise UnsupportedError(f"loss={step.loss!r} with compile is not traced: the tracer compiles the model's own loss")
     if impl.attention == "mem-efficient":
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
     from trainmem.specs.optimizer_impl import check_optimizer
@@ -438,8 +443,17 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     routing, moe_meta = _routing(model, impl, fake=is_fake(ids)) if not reference else (
         contextlib.nullcontext(), None)
 
+    from trainmem.trace.losses import FRAMEWORK_LOSSES, HeldLogits, framework_loss
+    held = HeldLogits()  # LitGPT's loop keeps its logits through backward and the optimizer step
+    # torchtune's recipe makes its ignore_labels_cache (B, 1) once, at setup
+    ignore = torch.full((step.batch, 1), -100, dtype=ids.dtype) if step.loss != "ce" else None
+
     def loss_of(m):
         with autocast:
+            if step.loss in FRAMEWORK_LOSSES:
+                if reference:
+                    raise UnsupportedError(f"loss={step.loss!r} is traced on Hugging Face models")
+                return framework_loss(step.loss, m, ids, ignore_labels=ignore, held=held)
             return m(ids, **{k: v for k, v in inputs.items() if k != "input_ids"}).loss
 
     def one_step() -> None:
@@ -453,6 +467,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
                 p.grad = None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        held.clear()
         if masters is not None:
             with torch.no_grad():
                 for m, p in zip(masters, params):
@@ -480,6 +495,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         if impl.compile:
             meta["compile"] = report(model, runs, compiled, loss_of)
         distinct = list({id(t): t for t in inputs.values()}.values())  # labels are often the ids
+        if ignore is not None:
+            distinct.append(ignore)
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
         with tracer:
             if off is not None:

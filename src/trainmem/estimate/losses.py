@@ -1,0 +1,155 @@
+"""The frameworks' chunked cross-entropy losses: what each keeps for backward and what is alive
+around it (``StepSpec.loss``; the tracer runs the same code paths: :mod:`trainmem.trace.losses`).
+
+``torchtune-chunked-ce`` -- torchtune's ``TransformerDecoder.chunked_output`` +
+``CEWithChunkedOutputLoss`` (torchtune/modules/transformer.py, modules/loss/
+ce_chunked_output_loss.py; recipes/full_finetune_single_device.py ``_loss_step``). The head runs
+once per chunk of ``h.chunk(8, dim=1)`` (each linear keeps a view of h: the one head input).
+Per chunk ``c`` (rows r_c = B·len_c):
+
+* kept: ``log_softmax`` of the upcast chunk, fp32 r_c·V·4 (summed over chunks: B·S·V·4, as
+  plain CE), the chunk's labels (int64; B·S·8 over all chunks), nll_loss's total weight (fp32, 4
+  bytes per chunk) and the token count the mean divides by (int64, 8 bytes);
+* transient in forward: the chunk's fp32 upcast (r_c·V·4; none for fp32 logits), alive while its
+  log-softmax is made. Every chunk's logits (B·S·V in the compute dtype) are alive until the
+  recipe's ``del logits``, so the forward peak is at the last chunk:
+  ``logits B·S·V·d + upcast r_last·V·4`` over the kept set (plus, from B=2, the shifted label
+  tensor ``hstack`` made, B·S·8: its chunks were copied by ``reshape``);
+* backward: autograd runs every chunk's loss backward before any head matmul (higher sequence
+  numbers first), newest chunk first. Chunk j's log-softmax backward holds the nll gradient and its
+  own output, fp32 2·r_j·V·4, next to the log-softmax outputs of chunks ≤ j and the logit
+  gradients (compute dtype) of the chunks after j: ``max_j 8·r_j·V + 4·V·Σ_{i<=j} r_i +
+  d·V·Σ_{i>j} r_i`` over the rest, where plain CE holds two whole-logit fp32 tensors.
+
+``litgpt-chunked-ce`` -- LitGPT's ``GPT.forward(lm_head_chunk_size=128)`` + ``chunked_cross_entropy``
+(litgpt/model.py, litgpt/utils.py; litgpt/finetune/lora.py). The head runs per 128-token split;
+the last chunk drops its final row (a view); cross-entropy runs on the logits as they are (bf16
+under ``bf16-true``: no upcast, log-softmax kept in the logits' dtype), ``reduction="none"``:
+
+* kept: ``log_softmax`` d·V per row, B·(S-1) rows; the shifted targets (int64: views of the labels
+  input at B=1, B·(S-1)·8 copied by ``reshape`` from B=2), 4 bytes of total weight per chunk and
+  the clamped token count (int64, 8 bytes);
+* the loop keeps ``logits`` (every chunk, B·S·V·d) bound through backward and the optimizer step:
+  held in every phase of the step. In forward, from B=2 the sliced last chunk's rows are copied by
+  ``reshape`` (r_last·V·d) and the per-row losses (d per row) are alive until the function returns;
+* backward: as above with no upcast, ``max_j 2·r_j·V·d + d·V·Σ_{i<=j} r_i + d·V·Σ_{i>j} r_i``
+  (the logits' own gradients replace their log-softmax, row for row).
+
+Where checked: ``tests/estimate/test_framework_losses.py`` (estimate == trace to the byte in the
+loss phases, tiny Llama and Qwen2, fp32 and bf16, B=1 and 2) and ``tests/trace/
+test_framework_losses.py`` (trace == real CPU step; the tracer's torchtune loss against torchtune's
+own class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmem.inventory import dtype_bytes
+
+__all__ = ["FRAMEWORK_LOSSES", "TORCHTUNE_CHUNKS", "LITGPT_CHUNK", "chunk_lengths", "LossPhases",
+           "framework_loss_phases", "framework_loss_items"]
+
+FRAMEWORK_LOSSES = ("torchtune-chunked-ce", "litgpt-chunked-ce")
+TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss(num_output_chunks=8), every recipe's default
+LITGPT_CHUNK = 128  # lm_head_chunk_size=128 in litgpt/finetune/*.py
+
+
+def chunk_lengths(loss: str, S: int) -> list[int]:
+    """Sequence positions per chunk: ``torch.chunk(S, 8)`` (ceil(S/8) each, the rest last) for
+    torchtune, ``torch.split(S, 128)`` for LitGPT."""
+    size = -(-S // TORCHTUNE_CHUNKS) if loss == "torchtune-chunked-ce" else LITGPT_CHUNK
+    return [min(size, S - i) for i in range(0, S, size)]
+
+
+def _rows(loss: str, B: int, S: int) -> list[int]:
+    """Rows each chunk's cross-entropy sees (LitGPT's last chunk drops its final position)."""
+    rows = [B * n for n in chunk_lengths(loss, S)]
+    if loss == "litgpt-chunked-ce":
+        rows[-1] -= B
+    return rows
+
+
+def _target_bytes(loss: str, B: int, S: int) -> int:
+    """The labels the chunks' nll_loss keeps: torchtune's shifted (B, S) (its chunks' views at B=1,
+    copies from B=2); LitGPT's ``targets[..., 1:]`` chunks, views of the labels input at B=1 (no
+    new storage), copies from B=2."""
+    if loss == "torchtune-chunked-ce":
+        return B * S * 8
+    return B * (S - 1) * 8 if B > 1 else 0
+
+
+def check_framework_loss(ctx) -> None:
+    """Refuse, naming the field, what these rules were not written for."""
+    from trainmem.errors import SpecError
+    loss, m = ctx.step.loss, ctx.model
+    if ctx.step.dtypes.autocast:
+        raise SpecError("precision", ctx.step.precision, f"loss {loss} is modelled for pure fp32/bf16/fp16 and "
+                                                         "mixed precisions (the frameworks run no autocast)")
+    if m.logit_softcap:
+        raise SpecError("loss", loss, "is not modelled with a final logit softcap (Gemma-2): use --loss ce")
+    if ctx.shard.tp > 1 or ctx.shard.cp > 1:
+        raise SpecError("loss", loss, f"is modelled on unsharded logits (tp=1, cp=1; here tp={ctx.shard.tp}, "
+                                      f"cp={ctx.shard.cp}): use --loss ce")
+    if loss == "litgpt-chunked-ce" and ctx.S < 2:
+        raise SpecError("seq", ctx.S, "must be at least 2 for litgpt-chunked-ce (the last position is dropped)")
+
+
+def framework_loss_items(ctx, logits) -> None:
+    """What the chunked loss keeps, on ``ctx.graph`` under module ``loss`` (rules_hf's ``_loss``)."""
+    check_framework_loss(ctx)
+    g, B, S, V = ctx.graph, ctx.B, ctx.S, ctx.model.vocab_size
+    loss, rg = ctx.step.loss, logits.requires_grad
+    rows = _rows(loss, B, S)
+    n = len(rows)
+    # torchtune's compute_cross_entropy upcasts each chunk; LitGPT's CE runs on the logits as they are
+    lsm_dtype = "float32" if loss == "torchtune-chunked-ce" else logits.dtype
+    nt = _target_bytes(loss, B, S) // 8
+    target = g.new("target", (nt,), ("B·S" if loss == "torchtune-chunked-ce" else "B·(S-1)",), "int64",
+                   False) if nt else None
+    g.save(g.new("log_softmax", (sum(rows), V), ("rows", "V"), lsm_dtype), when=rg)
+    g.save(target, g.new("total_weight", (n,), ("chunks",), "float32", False),
+           g.new("token_count", (), (), "int64", False), when=rg)
+
+
+@dataclass(frozen=True)
+class LossPhases:
+    """Bytes beside the kept set: at the end of forward (inside the last chunk), at the loss's
+    backward peak, and held by the training loop in every phase (LitGPT's ``logits``)."""
+
+    forward: dict[str, int]
+    backward_start: dict[str, int]
+    held: int
+
+
+def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str) -> LossPhases:
+    """The pure arithmetic of the module docstring."""
+    d = dtype_bytes(logits_dtype)
+    rows = _rows(loss, B, S)
+    logits = int(B * S * V * d)
+    if loss == "torchtune-chunked-ce":
+        upcast = rows[-1] * V * 4 if logits_dtype != "float32" else 0
+        labels = B * S * 8 if B > 1 else 0  # hstack's (B, S): the kept chunks are copies from B=2
+        # the running sum and the last chunk's summed loss (fp32 scalars)
+        fwd = {"logits": logits, "logits_upcast_chunk": upcast, "labels": labels, "loss_scalars": 8}
+        lsm_b, work, scalar = 4, 8, 4  # fp32 log-softmax; its gradient and the nll gradient: 2 fp32 chunks
+        # chunk i's labels: views of hstack's (B, S) at B=1 (alive until the last one is released)
+        targets = [B * S * 8 if i else 0 for i in range(len(rows))] if B == 1 else [r * 8 for r in rows]
+        held = 0
+    else:
+        last_copy = rows[-1] * V * d if B > 1 else 0  # reshape of the sliced last chunk
+        # after the loop: torch.cat of the per-row losses beside the list it reads
+        fwd = {"logits_copy": int(last_copy), "row_losses": int(2 * sum(rows) * d)}
+        lsm_b, work, scalar = d, 2 * d, d
+        targets = [r * 8 if B > 1 else 0 for r in rows]  # views of the labels input at B=1
+        held = logits
+    # what framework_loss_items keeps: log-softmax, labels, a total weight per chunk, the token count
+    kept = lsm_b * V * sum(rows) + _target_bytes(loss, B, S) + 4 * len(rows) + 8
+    # chunk j's log-softmax backward (newest first): its nll gradient and its own output beside the
+    # log-softmax outputs of chunks <= j, the logit gradients (logits' dtype) of chunks > j, the labels
+    # and total weights of chunks < j, the loss and its gradient seed, and the loss's gradient while a
+    # chunk's nll backward is still to run (j > 0)
+    bwd = max(work * r * V + lsm_b * V * sum(rows[:j + 1]) + d * V * sum(rows[j + 1:])
+              + (targets[j] if B == 1 else sum(targets[:j])) + 4 * j + (3 if j else 2) * scalar
+              for j, r in enumerate(rows)) - kept  # the kept set is counted in the activations
+    return LossPhases({k: int(v) for k, v in fwd.items() if v}, {"logits_grad": int(bwd)}, held)
