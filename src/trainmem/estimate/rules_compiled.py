@@ -21,7 +21,8 @@ set), against the eager rules of ``rules_hf``:
 Scope: what was checked (``tests/estimate/test_compiled_rules.py``): dense Llama-family models
 (Qwen2's q/k/v biases and grouped K/V heads included; no q/k norms), one device, pure fp32/bf16/fp16,
 fused attention kernels, no activation checkpointing or ``--recompute full``
-(:func:`_checkpointed_layers`), no fine-tuning. Anything else is refused by name
+(:func:`_checkpointed_layers`), no fine-tuning but in fully recomputed per-block regions
+(:func:`_recomputed_blocks`). Per-block compilation: :func:`_per_block`. Anything else is refused by name
 (:func:`check_compiled`).
 """
 
@@ -58,12 +59,26 @@ def check_compiled(ctx: Ctx) -> None:
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
         ("parallel", "sharded", ctx.shard != Shard(), "compiled rules are for one device"),
-        ("finetune", "on", ctx.finetune_linear is not None, "compiled rules have no fine-tuning"),
+        ("finetune", _finetune_mode(ctx), _finetune_mode(ctx) not in ("off", "full", "lora") or (
+            ctx.finetune_linear is not None and not _recomputed_blocks(ctx)),
+         "compiled rules cover full and LoRA fine-tuning with --recompute full and --compile-scope block or "
+         "block-loss (QLoRA's 4-bit base cannot be traced)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
     ]
     for field, value, bad, why in refusals:
         if bad:
             raise UnsupportedError(f"compile: {field}={value!r} is not modelled: {why}")
+
+
+def _recomputed_blocks(ctx: Ctx) -> bool:
+    """Blocks compiled alone around a full checkpoint: what runs inside them (LoRA or 4-bit
+    linears) is recomputed, the eager rest follows the eager rules, fine-tuning included."""
+    return ctx.impl.recompute == "full" and ctx.impl.compile_scope != "model"
+
+
+def _finetune_mode(ctx: Ctx) -> str:
+    spec = getattr(ctx.finetune_linear, "spec", None)
+    return "off" if ctx.finetune_linear is None else getattr(spec, "mode", "on")
 
 
 def compiled_forward(ctx: Ctx) -> None:

@@ -187,8 +187,11 @@ def compile_model(model, impl):
     if scope in ("block", "block-loss"):
         record.blocks = _compile_blocks(model, lambda block: torch.compile(block, backend=backend, dynamic=False))
         if scope == "block-loss":  # torchtune's compile_loss: the loss function compiled alone
-            record.loss = (model, model.__dict__.get("_loss_function"))
-            model.loss_function = torch.compile(model.loss_function, backend=backend, dynamic=False)
+            # transformers' PreTrainedModel.loss_function (a property over _loss_function); under peft
+            # the wrapped model's
+            owner = next(m for m in model.modules() if isinstance(getattr(type(m), "loss_function", None), property))
+            record.loss = (owner, owner.__dict__.get("_loss_function"))
+            owner.loss_function = torch.compile(owner.loss_function, backend=backend, dynamic=False)
         return model, record
     return torch.compile(model, backend=backend, dynamic=False), record
 
