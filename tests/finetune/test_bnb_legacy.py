@@ -93,7 +93,25 @@ def test_legacy_saved_set_is_the_real_saved_set_plus_the_4bit_inputs(targets, dr
 
 def test_legacy_under_checkpointing_is_refused():
     spec = spec_from_hf_config(CFG)
-    ft = FinetuneSpec(mode="qlora", quant_impl="bnb-legacy")
+    ft = FinetuneSpec(mode="qlora", lora_targets=("q_proj", "v_proj"), quant_impl="bnb-legacy")
     with pytest.raises(UnsupportedError, match="bnb-legacy"):
         estimate(spec, StepSpec(batch=B, seq=S, precision="bf16"), ImplSpec(device="cpu", recompute="full"),
                  finetune=ft)
+
+
+def test_litgpt_loop_holds_the_previous_graph():
+    """--loss litgpt-chunked-ce is LitGPT's loop, which keeps logits and loss (so the graph) bound into
+    the next forward: the end of forward holds the previous step's held inputs too, the optimizer
+    step this step's."""
+    spec = spec_from_hf_config(CFG)
+    step = StepSpec(batch=B, seq=S, precision="bf16", loss="litgpt-chunked-ce")
+    impl = ImplSpec(device="cpu")
+    now = FinetuneSpec(mode="qlora", lora_targets=("q_proj", "v_proj"))
+    legacy = FinetuneSpec(mode="qlora", lora_targets=("q_proj", "v_proj"), quant_impl="bnb-legacy")
+    acts = activation_items(spec, step, impl, legacy)
+    held = sum(i.bytes for i in acts if i.note == HELD_NOTE)  # some (SDPA's output) are kept anyway
+    added = sum(i.bytes for i in acts) - sum(i.bytes for i in activation_items(spec, step, impl, now))
+    a, b = ({p.name: p.bytes for p in estimate(spec, step, impl, finetune=f).phases} for f in (now, legacy))
+    assert held > added > 0
+    assert b["forward"] - a["forward"] == added + held
+    assert b["optimizer"] - a["optimizer"] == held

@@ -163,7 +163,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs
-        ph = with_held_inputs(ph, acts)
+        ph = with_held_inputs(ph, acts, loop_holds_graph=step.loss == "litgpt-chunked-ce")
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune), *head_dequant(model, step, finetune))
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,

@@ -21,10 +21,11 @@ Two consequences, both modelled here:
 * ``ctx.tensors`` is a plain attribute, not ``save_for_backward``: backward does not release it,
   so these inputs stay alive through the whole backward, until the graph itself is freed.
   :func:`with_held_inputs` adds back, in each backward phase, the held inputs the phase model
-  would otherwise drain block by block. The graph is taken as freed after backward (the loop drops
-  ``loss``): a loop that keeps ``loss`` (and so the graph) into the next step's forward -- LitGPT's
-  ``finetune/lora.py`` rebinds ``loss`` only after the next forward -- holds a second set; that is a
-  property of the loop and is not modelled.
+  would otherwise drain block by block. The graph is taken as freed after backward (a loop that
+  drops ``loss``, as HF Trainer's ``training_step`` does), except under ``--loss litgpt-chunked-ce``,
+  which models LitGPT's loop: ``finetune/lora.py`` keeps ``logits`` and ``loss`` bound (both hold
+  the graph) through the optimizer step and rebinds ``loss`` only after the next forward, so the
+  previous step's held set is alive at the end of the next forward -- the bug's effect doubles.
 
 Refused: under activation checkpointing (the attribute escapes the checkpoint's saved-tensor
 hooks, so the held input would survive the region; not modelled), and with more than one device.
@@ -82,25 +83,33 @@ def _held_bytes(inv: Inventory) -> tuple[dict[int, int], int]:
     return per_layer, head
 
 
-def with_held_inputs(phases: list[Phase], inv: Inventory) -> list[Phase]:
+def with_held_inputs(phases: list[Phase], inv: Inventory, *, loop_holds_graph: bool = False) -> list[Phase]:
     """Add back, in the backward phases, the held inputs that :func:`trainmem.estimate.peak.phases`
     drains: ``backward`` drops the head's activations, ``backward_first_block`` every block's but
     the first, ``backward_end`` all. The forward phases count them already (they are activations);
-    the optimizer runs after the graph is freed."""
+    the optimizer runs after the graph is freed -- unless ``loop_holds_graph``: LitGPT's loop
+    (``litgpt-chunked-ce``: ``logits`` and ``loss`` stay bound) holds the graph through the optimizer
+    step and into the next step's forward, until the new ``loss`` is bound, so the optimizer phase
+    holds this step's set and the end of forward (inside the loss) the previous step's too, taken
+    at the same B and S (the steady state; a longer previous batch holds more, a shorter one less)."""
     per_layer, head = _held_bytes(inv)
     if not per_layer and not head:
         return phases
     first = min(layer_stats(inv).act_layer, default=None)  # the block phases() calls first
+    total = head + sum(per_layer.values())
     add_by_phase = {
         "backward": head,
         "backward_first_block": head + sum(b for li, b in per_layer.items() if li != first),
-        "backward_end": head + sum(per_layer.values()),
+        "backward_end": total,
     }
+    if loop_holds_graph:
+        add_by_phase.update(forward=total, optimizer=total)
     out = []
     for p in phases:
         add = add_by_phase.get(p.name, 0)
         if add:
             p = Phase(p.name, p.bytes + add, {**p.parts, "activations": p.parts.get("activations", 0) + add},
-                      f"{p.note}; + 4-bit linear inputs bitsandbytes < 0.43.2 holds until the graph is freed")
+                      f"{p.note}; + 4-bit linear inputs bitsandbytes < 0.43.2 holds until the graph is freed"
+                      + (" (the previous step's: the loop still holds its graph)" if p.name == "forward" else ""))
         out.append(p)
     return out
