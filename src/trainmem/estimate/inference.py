@@ -31,8 +31,15 @@ the fewest over the ranks (the executor takes the minimum over its workers), and
 sequences ``blocks // ⌈context/block⌉``. ``gpu_memory_utilization`` defaults to vLLM's 0.9
 (vllm/engine/arg_utils.py, EngineArgs.gpu_memory_utilization).
 
+Sliding-window and chunked-attention blocks (``ModelSpec.kind(i)``, window W) keep at most W tokens,
+as transformers' ``DynamicCache(config=...)`` does (cache_utils.py ``DynamicSlidingWindowLayer.update``):
+each step keeps the last W − 1 tokens as a view of ``cat(kept, new)``, so once a token is decoded
+the storage is W tokens; right after the prefill it is still the whole prompt's (``min(S, W − 1 +
+chunk)`` tokens with chunked prefill), which the prefill phases add (``kv_prompt_past_window``).
+
 Known limitations:
-  - No sliding-window or cross-layer cache sharing, no MLA; encoders have no cache.
+  - No cross-layer cache sharing, no MLA; encoders have no cache; linear-attention blocks are
+    counted as full attention. The KV pool's capacity counts every block at the full context.
   - The prefill live set is an upper-bound heuristic from the saved set, not a trace; chunked
     prefill is modelled for SDPA/flash attention (eager scores over chunk × context are refused).
 """
@@ -146,6 +153,12 @@ def kv_cache_bytes(model: ModelSpec, *, batch: int, context: int, dtype: str = "
     return int(2 * L * batch * tokens * kv_heads_per_rank(model, tp) * model.head_dim * dtype_bytes(dtype))
 
 
+def _window(model: ModelSpec, i: int) -> int:
+    """Block ``i``'s attention window (0: full), the tokens its cache keeps while decoding."""
+    kind = model.kind(i)
+    return kind.window if kind.attention in ("sliding", "chunked") else 0
+
+
 def _block_live_set(items: list[MemoryItem], layer: int) -> tuple[int, list[str]]:
     """Largest sum of three consecutive saved tensors of block ``layer`` (execution order)."""
     block = [it for it in items if layer_of(it.name) == layer]
@@ -244,7 +257,6 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
     tokens = min(prefill_chunk or step.seq, step.seq)
     acts = activation_items(lm, replace(step, mode="train", seq=tokens),
                             replace(impl, recompute="none", recompute_every=1))
-    rounded = -(-context // block_size) * block_size
     prefix = family_of(model).layers  # the KV cache items live in the model's blocks
     kv_axis = "1" if tp > model.num_kv_heads else ("Akv" if tp == 1 else "Akv/tp")
     dims = ("2", "B", kv_axis, f"⌈ctx/{block_size}⌉·{block_size}", "hd")
@@ -253,13 +265,22 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
         last = s == len(stages) - 1
         weights_s = [it for it in params if _stage_of(it.name, stages) == s]
         cache: list[MemoryItem] = []
+        past_window = 0  # a sliding block's prompt tokens past its window, held until the first decode step
         if model.arch == "decoder":
-            per_layer = kv_cache_bytes(model, batch=B, context=context, dtype=kv_dt, block_size=block_size, tp=tp,
-                                       layers=1)
-            text = formula(dims, dtype_bytes(kv_dt))
-            cache = [MemoryItem.make(f"{prefix}.{i}.self_attn.kv_cache", Category.KV_CACHE,
-                                     (2, B, kv_local, rounded, model.head_dim), kv_dt, per_layer, text, dims)
-                     for i in range(a, b)]
+            for i in range(a, b):
+                w = _window(model, i)
+                kept, d = (min(context, w), dims[:3] + (f"⌈min(ctx,{w})/{block_size}⌉·{block_size}", "hd")) \
+                    if w else (context, dims)
+                per_layer = kv_cache_bytes(model, batch=B, context=kept, dtype=kv_dt, block_size=block_size, tp=tp,
+                                           layers=1)
+                shape = (2, B, kv_local, -(-kept // block_size) * block_size, model.head_dim)
+                cache.append(MemoryItem.make(f"{prefix}.{i}.self_attn.kv_cache", Category.KV_CACHE, shape, kv_dt,
+                                             per_layer, formula(d, dtype_bytes(kv_dt)), d))
+                if w:
+                    held = min(step.seq, w - 1 + tokens)
+                    past_window += max(0, kv_cache_bytes(model, batch=B, context=held, dtype=kv_dt,
+                                                         block_size=block_size, tp=tp, layers=1) - per_layer)
+        past = {"kv_prompt_past_window": past_window} if past_window else {}
         live, names = _block_live_set(acts, a)
         resid = int(B * tokens * model.hidden_size * dtype_bytes(dt))
         rows = B * step.seq if all_logits else B
@@ -268,12 +289,13 @@ def inference_estimate(model: ModelSpec, step: StepSpec, impl: ImplSpec | None =
         K = sum(it.bytes for it in cache)
         decode_live = int(B * max(model.hidden_size, lm.ffn_size) * 3 * dtype_bytes(dt))
         over = f"a chunk of {tokens} prompt tokens" if prefill_chunk else "the prompt"
-        ph = [Phase("prefill", P + K + resid + live, {"parameters": P, "kv_cache": K, "residual": resid,
-                                                      "block_live": live},
+        ph = [Phase("prefill", P + K + past_window + resid + live,
+                    {"parameters": P, "kv_cache": K, **past, "residual": resid, "block_live": live},
                     f"one block's forward over {over}: residual stream + "
                     f"{', '.join(n.rsplit('.', 2)[-2] + '.' + n.rsplit('.', 1)[-1] for n in names)}")]
         if last:
-            ph.append(Phase("prefill_logits", P + K + logits, {"parameters": P, "kv_cache": K, "logits": logits},
+            ph.append(Phase("prefill_logits", P + K + past_window + logits,
+                            {"parameters": P, "kv_cache": K, **past, "logits": logits},
                             f"fp32 logits of {'every prompt position' if all_logits else 'the last position'} "
                             f"(B·{'S·' if all_logits else ''}{'⌈V/tp⌉' if tp > 1 else 'V'}·4)"))
         ph.append(Phase("decode", P + K + decode_live, {"parameters": P, "kv_cache": K, "token_live": decode_live},

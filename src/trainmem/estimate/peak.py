@@ -195,27 +195,30 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     else:
         add("forward", {"gradients": g_acc, "activations": A},
             "end of forward" + (" (chunked loss)" if loss != "none" else ""))
-    last = max(act_layer) if act_layer else None
+    # a checkpointed block may keep nothing under its own name (--profile traced names the held
+    # input by the op that made it, in the block before): it still runs a backward, recomputing
+    blocks = set(act_layer) | set(recompute_bytes)
+    last = max(blocks) if blocks else None
     if last is not None:
         # the gradient of the block output, plus the gradient of the largest saved tensor
         # while that tensor is still held (e.g. dP next to P in eager attention)
         rec, rec_big = recompute_bytes.get(last, (0, 0))
-        big = max(largest[last], rec_big)
+        big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
         g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else 0
         add("backward", {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work},
             "backward of the last block: head gradients, remaining activations, recomputed "
             "block activations, the output gradient and the gradient of its largest tensor")
-        first = min(act_layer)
+        first = min(blocks)
         if first != last and not optimizer_in_backward:
             # the first block's backward runs last: every later block's gradients exist next to its
             # recomputed activations and working set. Live bytes are linear in the block index between
             # the two ends (gradients accumulate, activations drain), so the ends bound every block.
             rec0, rec_big0 = recompute_bytes.get(first, (0, 0))
-            work0 = rec0 + residual_bytes + max(largest[first], rec_big0)
+            work0 = rec0 + residual_bytes + max(largest.get(first, 0), rec_big0)
             g_first = G if grad_accum > 1 else G - grad_layer.get(first, 0) - st.late_grad
             add("backward_first_block",
-                {"gradients": g_first, "activations": A - head_act - sum(act_layer.values()) + act_layer[first],
+                {"gradients": g_first, "activations": A - head_act - sum(act_layer.values()) + act_layer.get(first, 0),
                  "recompute_and_work": work0},
                 "backward of the first block, the last to run: every later gradient exists, its "
                 "recomputed block activations, the output gradient and the gradient of its largest tensor")
@@ -254,8 +257,26 @@ def _only_in(kept: "Inventory | list[MemoryItem]", plain: "Inventory | list[Memo
     """``kept``'s activations whose names ``plain`` lacks (block templates compared as templates)."""
     kept = kept if isinstance(kept, Inventory) else Inventory(kept)  # the per-rank path passes lists
     plain = plain if isinstance(plain, Inventory) else Inventory(plain)
-    names = {i.name for i in plain.base} | {i.name for r in plain.repeats for i in r.items}
+    names = {i.name for i in plain.base} | _block_names(plain)
     new = [i for i in kept.base if i.category is Category.ACTIVATION and i.name not in names]
     reps = [replace(r, items=tuple(i for i in r.items if i.category is Category.ACTIVATION and i.name not in names))
             for r in kept.repeats]
     return Inventory(new, reps)
+
+def _block_names(inv: Inventory) -> set[str]:
+    """Every block's item names, each repeat's template named for each of its blocks: under
+    ``--recompute every-k`` the kept and the plain inventories group blocks into other repeats
+    (``model.layers.1.x`` is a template of its own when block 1 is not checkpointed, a copy of
+    ``model.layers.0.x`` without recompute)."""
+    out: set[str] = set()
+    for r in inv.repeats:
+        own, prev = f"{r.prefix}{r.src}.", f"{r.prefix}{r.src - 1}."
+        for i in r.items:
+            for d in r.dsts:
+                if i.name.startswith(own):
+                    out.add(f"{r.prefix}{d}." + i.name[len(own):])
+                elif r.shift_previous and i.name.startswith(prev):
+                    out.add(f"{r.prefix}{d - 1}." + i.name[len(prev):])
+                else:
+                    out.add(i.name)
+    return out

@@ -54,15 +54,16 @@ def _lagrange(xs: Sequence[int], values: Sequence[Fraction]) -> list[Fraction]:
 def fit(points: Sequence[tuple[int, int]], values: Sequence[int]) -> Poly:
     """The coefficients (in :data:`TERMS` order) of the polynomial through ``values`` at
     :func:`grid_points`: along S at each batch size, then linear in B (B terms are 0 when the
-    grid has one batch size)."""
+    grid has one batch size). Points at one S give a fit in B alone, valid at that S only (its
+    constant term holds the S-dependence there)."""
     by_b: dict[int, dict[int, int]] = {}
     for (b, s), v in zip(points, values):
         by_b.setdefault(b, {})[s] = v
     rows = list(by_b.values())
-    if len(rows) not in (1, 2) or any(len(r) != 3 or r.keys() != rows[0].keys() for r in rows):
-        raise ValueError(f"points must be grid_points(...), got {tuple(points)}")
+    if len(rows) not in (1, 2) or any(len(r) not in (1, 3) or r.keys() != rows[0].keys() for r in rows):
+        raise ValueError(f"points must be grid_points(...) or batch sizes at one S, got {tuple(points)}")
     ss = sorted(rows[0])
-    along = {b: _lagrange(ss, [Fraction(row[s]) for s in ss]) for b, row in by_b.items()}
+    along = {b: (_lagrange(ss, [Fraction(row[s]) for s in ss]) + [Fraction(0)] * 2)[:3] for b, row in by_b.items()}
     if len(along) == 1:
         (b1, y1), = along.items()
         slope, const = [Fraction(0)] * 3, y1

@@ -22,7 +22,7 @@ from trainmem.estimate.symbols import formula
 from trainmem.estimate.traced import poly as P
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
-__all__ = ["TracedItem", "Kind", "Template", "build_template", "regime_of"]
+__all__ = ["TracedItem", "Kind", "Template", "build_template", "regime_of", "seq_loops"]
 
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "window_size", "local_window_size")
 
@@ -143,11 +143,30 @@ def regime_of(config: Mapping[str, Any], seq: int) -> tuple[int, int | None]:
     """The S range ``lo <= S < hi`` around ``seq`` in which no window of the config is reached:
     masks and kernels change there (transformers' ``masking_utils.py`` ``_ignore_causal_mask_sdpa``
     materializes the mask once ``kv_length >= local_attention_size``), so each side is fitted apart."""
-    edges = sorted({v for k in _WINDOW_KEYS if isinstance(v := config.get(k), int) and not isinstance(v, bool)
-                    and v > 0})
+    if seq_loops(config):
+        return seq, seq + 1
+    sizes = {k: config.get(k) for k in _WINDOW_KEYS}
+    if config.get("model_type") == "modernbert" and isinstance(config.get("local_attention"), int):
+        # ModernBertConfig.sliding_window is a property, local_attention // 2, and it is the mask's
+        # local size (configuration_modernbert.py; masking_utils.py create_bidirectional_sliding_window_mask)
+        sizes["sliding_window"] = config["local_attention"] // 2
+    edges = sorted({v for v in sizes.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0})
     lo = max((e for e in edges if e <= seq), default=0)
     hi = min((e for e in edges if e > seq), default=None)
     return lo, hi
+
+
+def seq_loops(config: Mapping[str, Any]) -> str | None:
+    """The layer type whose forward loops over chunks of the sequence, or None. Chunked linear
+    attention pads S to a multiple of its chunk and runs one Python iteration per chunk, each
+    keeping its own tensors: qwen3_next's gated delta rule (transformers ``modeling_qwen3_next.py``
+    ``torch_chunk_gated_delta_rule``, ``chunk_size=64``) and MiniMax's lightning attention
+    (``modeling_minimax.py`` ``MiniMaxLightningAttention.forward``, ``config.block_size``). What
+    they keep is not a polynomial in S, so such a model is traced at the estimate's own S."""
+    kinds = config.get("layer_types")
+    if isinstance(kinds, (list, tuple)):
+        return next((k for k in kinds if isinstance(k, str) and "linear" in k), None)
+    return None
 
 
 def _unit(config: Mapping[str, Any]) -> int:
@@ -165,6 +184,9 @@ def _unit(config: Mapping[str, Any]) -> int:
 def _fit_points(config: Mapping[str, Any], regime: tuple[int, int | None],
                 batch_one: bool) -> tuple[list, tuple[int, int]]:
     lo, hi = regime
+    if hi == lo + 1:  # one S (seq_loops): traced there, fitted in B alone
+        bs = (1,) if batch_one else (2, 3)
+        return [(b, lo) for b in bs], (1 if batch_one else 4, lo)
     u = _unit(config)
     grid = list(P.grid_points((lo + u, lo + 2 * u, lo + 3 * u), (1,) if batch_one else (2, 3)))
     held = (1 if batch_one else 4, lo + 5 * u)
