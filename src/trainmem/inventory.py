@@ -46,6 +46,8 @@ DTYPE_BYTES: Mapping[str, float] = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
     "float8": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
     "nf4": 0.5, "int4": 0.5,
+    # DeepSeek-V2's rotary table is complex64 (``torch.polar``, modeling_deepseek_v2.py)
+    "complex64": 8, "complex128": 16,
 }
 
 

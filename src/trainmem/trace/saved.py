@@ -4,7 +4,8 @@ Two measurements, used by the tests that hold the estimator to account (single-p
 per rank in ``trainmem.measure_dist``):
 
 * :func:`saved_tensors` -- ``saved_tensors_hooks`` during a forward: the distinct local storages
-  packed for backward (a DTensor is read through its local shard), parameters excluded (their
+  packed for backward and still held when forward returns (a DTensor is read through its local
+  shard), parameters excluded (their
   storages, FSDP2's unsharded copies, and views of either), de-duplicated by storage identity,
   with shape, dtype and the ``grad_fn`` of the tensor that was saved.
 * :func:`retained_bytes` -- live-storage tracking: bytes created during a forward that are
@@ -38,21 +39,36 @@ def saved_tensors(model, fn: Callable[[], Any]) -> tuple[list[SavedTensor], Any]
     """Run ``fn()`` (a forward + loss) and list the distinct local storages autograd saved."""
     import torch
 
+    import weakref
+
     params = parameter_storage_keys(model)
-    seen: dict[int, SavedTensor] = {}
+    # storage key -> (what was saved, weak references to every tensor packed on that storage).
+    # A tensor packed by a graph branch that forward then drops (DeepSeek's group-limited router:
+    # the group top-k and the masked_fill mask feed only integer indices) dies before forward ends,
+    # and its storage's address (the key) can be reused by a later saved tensor: a key whose
+    # tensors are all dead is a new storage, and only storages still held at the end count.
+    seen: dict[int, tuple[SavedTensor, list]] = {}
+
+    def alive(refs: list) -> bool:
+        return any(r() is not None for r in refs)
 
     def pack(t):
         lt = local(t)
         st = lt.untyped_storage()
         key = st._cdata
-        if key not in params and key not in seen and not is_parameter(t) and not is_parameter(lt):
-            seen[key] = SavedTensor(tuple(lt.shape), str(lt.dtype).removeprefix("torch."), st.nbytes(),
-                                    t.grad_fn.name() if t.grad_fn is not None else None, lt is not t)
+        if key in seen and not alive(seen[key][1]):
+            del seen[key]
+        if key in seen:
+            seen[key][1].append(weakref.ref(t))
+        elif key not in params and not is_parameter(t) and not is_parameter(lt):
+            seen[key] = (SavedTensor(tuple(lt.shape), str(lt.dtype).removeprefix("torch."), st.nbytes(),
+                                     t.grad_fn.name() if t.grad_fn is not None else None, lt is not t),
+                         [weakref.ref(t)])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return list(seen.values()), out
+    return [s for s, refs in seen.values() if alive(refs)], out
 
 
 def retained_bytes(model, fn: Callable[[], Any]) -> tuple[int, Any]:
