@@ -247,7 +247,8 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", type=_int("lora-rank"), default=None, help="adapter rank r (default 8)")
     g.add_argument("--lora-alpha", type=_float("lora-alpha"), default=None, help="peft lora_alpha (default 8)")
     g.add_argument("--lora-targets", type=_names("lora-targets"), default=None, metavar="NAMES",
-                   help="comma-separated module names, or all-linear (default q_proj,v_proj)")
+                   help="comma-separated module names, or all-linear (default: peft's default for the "
+                        "model type: q_proj,v_proj for Llama-style models, c_attn for GPT-2, query,value for BERT)")
     g.add_argument("--lora-dropout", type=_float("lora-dropout"), default=None, help="adapter input dropout (default 0)")
     g.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default=None,
                    help="adapter weights' dtype (default float32: peft upcasts 16-bit adapters)")

@@ -41,7 +41,7 @@ def test_bad_spec_names_field_and_value(kwargs, needle):
 def test_to_dict_keeps_only_fields_of_the_mode():
     assert FinetuneSpec(freeze=("embeddings",)).to_dict() == {"mode": "full", "freeze": ["embeddings"]}
     d = FinetuneSpec(mode="lora").to_dict()
-    assert d["lora_targets"] == ["q_proj", "v_proj"] and "quant_block" not in d
+    assert d["lora_targets"] is None and "quant_block" not in d  # None: the family's default (families/)
     q = FinetuneSpec(mode="qlora").to_dict()
     assert q["quant_type"] == "nf4" and q["double_quant"] is True
     assert FinetuneSpec.from_dict(q) == FinetuneSpec(mode="qlora")

@@ -18,7 +18,7 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
-from trainmem.estimate.notes import estimate_notes
+from trainmem.estimate.notes import estimate_notes, lora_targets_note
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.optimizer_step import optimizer_impl_used
 from trainmem.estimate.parallel import RankClass, rank_classes
@@ -66,7 +66,7 @@ class Estimate(PhasedResult):
     @cached_property
     def notes(self) -> tuple[str, ...]:
         """Settings that change next to nothing here, and why (:mod:`trainmem.estimate.notes`)."""
-        return estimate_notes(self.model, self.step, self.impl)
+        return estimate_notes(self.model, self.step, self.impl) + lora_targets_note(self.model, self.finetune)
 
     @property
     def peak_rank(self) -> str | None:
@@ -104,6 +104,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
     step = step or StepSpec(seq=default_seq(model.max_positions))
     impl = impl or ImplSpec()
+    finetune = finetune.for_model(model) if finetune is not None else None  # LoRA targets: the family's default
     if model.max_positions and step.seq > model.max_positions:
         raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "
                                          f"(max_positions={model.max_positions})")

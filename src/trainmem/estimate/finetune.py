@@ -119,6 +119,7 @@ def _linear_in_out(model: ModelSpec, shape: tuple[int, int]) -> tuple[int, int]:
 
 def adapter_parameters(model: ModelSpec, spec: FinetuneSpec) -> list[tuple[str, tuple[int, int], str]]:
     """``(name, shape, after)``: each adapter weight and the base parameter it follows."""
+    spec = spec.for_model(model)  # lora_targets None: the family's default
     out = []
     for name, shape in parameter_shapes(model):
         module = _module(name)

@@ -33,9 +33,8 @@ Known limitations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from trainmem.estimate.graph import Sym
+from trainmem.families import TaskHeads, family_of, output_layers
 from trainmem.specs import ModelSpec
 
 __all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_width", "classifier_dropout", "check_head"]
@@ -43,36 +42,15 @@ __all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_wi
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class TaskHead:
-    """Where a family's transformers classes put their classification heads."""
-
-    seq_module: str
-    """The sequence classifier's linear (``score`` or ``classifier``)."""
-    seq_bias: bool
-    tok_module: str
-    """The token classifier's linear."""
-    tok_bias: bool
-    tok_upcast: bool
-    """The token-classification loss casts the logits to fp32 first (``ForTokenClassification``)."""
-    pooler: str | None = None
-    """BERT's pooler (first token, dense, tanh) in front of the sequence classifier; decoders pool
-    the last token's logits instead."""
+TaskHead = TaskHeads  # each family declares its heads (``Family.task_heads``, trainmem/families/)
 
 
-#: family -> its heads (a family not listed uses transformers' Generic* classes).
-_LAYOUTS: dict[str, TaskHead] = {
-    "generic": TaskHead("score", False, "score", True, True),
-    "gpt2": TaskHead("score", False, "classifier", True, False),
-    "gpt_neox": TaskHead("score", False, "classifier", True, True),
-    "bert": TaskHead("classifier", True, "classifier", True, False, pooler="bert.pooler"),
-}
-
-
-def head_layout(model: ModelSpec) -> TaskHead:
-    if model.arch == "encoder":
-        return _LAYOUTS["bert"]
-    return _LAYOUTS.get(model.family, _LAYOUTS["generic"])
+def head_layout(model: ModelSpec) -> TaskHeads:
+    """The model's classification heads, as its family declares them (an encoder spec's may differ)."""
+    fam = family_of(model)
+    if model.arch == "encoder" and fam.encoder_task_heads is not None:
+        return fam.encoder_task_heads
+    return fam.task_heads
 
 
 def classifier_dropout(model: ModelSpec) -> float:
@@ -92,15 +70,13 @@ def logits_width(model: ModelSpec) -> int:
     return model.vocab_size if model.head in ("lm", "mlm") else model.num_labels
 
 
-_LM_HEAD = ("lm_head.", "cls.")
-
-
 def head_parameters(model: ModelSpec, params: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
     """The LM-head layout ``params`` with its head swapped for ``model.head``'s."""
     if model.head in ("lm", "mlm"):
         return params
     lay, H, nl = head_layout(model), model.hidden_size, model.num_labels
-    out = [(n, s) for n, s in params if not n.startswith(_LM_HEAD)]
+    lm_head = tuple(dict.fromkeys(layer.partition(".")[0] + "." for layer in output_layers()))  # lm_head., cls.
+    out = [(n, s) for n, s in params if not n.startswith(lm_head)]
     seq = model.head == "seq-cls"
     if seq and lay.pooler:
         out += [(f"{lay.pooler}.dense.weight", (H, H)), (f"{lay.pooler}.dense.bias", (H,))]

@@ -16,7 +16,8 @@ Only the linears of the blocks are quantized: embeddings, the LM head and norms 
 quantizes neither by default: VocabParallelEmbedding/ParallelLMHead take no quant_method unless
 the checkpoint says so).
 
-Tensor parallelism (vLLM, model_executor/layers/linear.py): q/gate/up are column-parallel (output
+Tensor parallelism (vLLM, model_executor/layers/linear.py; which module is which: the family's
+``Family.tp`` roles in ``trainmem/families/``): q/gate/up are column-parallel (output
 rows ÷ tp), o/down row-parallel (input columns ÷ tp), embeddings and head vocab-parallel (⌈V/tp⌉
 rows; vLLM also pads V to a multiple of 64, not modelled). K and V heads: QKVParallelLinear keeps
 ``Akv/tp`` heads per rank when ``tp ≤ Akv`` and replicates them when ``tp > Akv`` (each rank one KV
@@ -33,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from trainmem.errors import SpecError
+from trainmem.families import family_of
 from trainmem.inventory import Category, MemoryItem
 from trainmem.specs import ModelSpec
 
@@ -78,10 +80,6 @@ KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8"}
 """--kv-dtype: vLLM's kv_cache_dtype (fp8 = fp8_e4m3, one byte per element; its per-layer k/v scales
 are two fp32 scalars, not counted)."""
 
-_COLUMN = ("q_proj", "gate_proj", "up_proj")
-_KV = ("k_proj", "v_proj")
-_ROW = ("o_proj", "down_proj")
-_VOCAB = ("embed_tokens", "lm_head")
 
 
 def linear_bytes(fmt: str, out: int, inp: int, group: int = 128) -> int:
@@ -108,10 +106,18 @@ def check_tp(model: ModelSpec, tp: int) -> None:
         raise SpecError("tp", tp, f"must divide kv_heads, or be a multiple of it (heads replicated) {what}")
 
 
-def _kind(name: str) -> str:
-    module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # model.layers.0.self_attn.q_proj.weight -> q_proj
-    for kind, names in (("column", _COLUMN), ("kv", _KV), ("row", _ROW), ("vocab", _VOCAB)):
-        if module in names:
+def _kind(model: ModelSpec, name: str) -> str:
+    """The vLLM layer a parameter belongs to, by its family's TP roles (``Family.tp``): ``kv``
+    (QKVParallelLinear's K/V heads), ``column``, ``row``, ``vocab``; ``other`` for packed projections
+    and GPT-2's ``Conv1D`` (stored ``[in, out]``), whose per-rank split is not modelled."""
+    fam = family_of(model)
+    if fam.conv1d:
+        return "other"
+    module = name.rsplit(".", 1)[0]  # model.layers.0.self_attn.q_proj.weight -> ...q_proj
+    roles = fam.tp
+    for kind, names in (("other", roles.packed), ("kv", roles.kv), ("column", roles.column), ("row", roles.row),
+                        ("vocab", roles.vocab)):
+        if any(module == n or module.endswith("." + n) for n in names):
             return kind
     return "other"
 
@@ -129,7 +135,7 @@ def rank_weight_items(model: ModelSpec, params: list[MemoryItem], *, tp: int, we
         if simple:
             out_items.append(it)
             continue
-        kind = _kind(it.name)
+        kind = _kind(model, it.name)
         if kind == "other" and len(it.shape) > 1:
             raise SpecError("weights" if weights else "tp", weights or tp,
                             f"{it.name} is not a Llama-style projection (q/k/v/o, gate/up/down): not modelled")

@@ -15,7 +15,7 @@ from trainmem.inventory import Category, Inventory
 from trainmem.report.units import fmt_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["selective_recompute_noop", "estimate_notes"]
+__all__ = ["selective_recompute_noop", "estimate_notes", "lora_targets_note"]
 
 
 def _has_score_matrix(inv: Inventory, seq: int) -> bool:
@@ -45,6 +45,18 @@ def selective_recompute_noop(model: ModelSpec, step: StepSpec, impl: ImplSpec) -
     return (f"selective recompute changes next to nothing here: it exists to drop the attention core's S×S "
             f"scores and probabilities, which the {impl.attention} attention kernel never saves; it saves "
             f"{fmt_bytes(saved)}{share}, and still runs the attention forward again in backward")
+
+
+def lora_targets_note(model: ModelSpec, finetune) -> tuple[str, ...]:
+    """LoRA on the family's default targets where peft has none for its ``model_type``: real
+    ``get_peft_model`` without ``target_modules`` raises there (``LoraModel._prepare_adapter_config``)."""
+    from trainmem.families import PEFT_VERSION, family_of
+    fam = family_of(model)
+    if finetune is None or not finetune.adapters or fam.peft_default or finetune.lora_targets != fam.lora_targets:
+        return ()
+    return (f"peft {PEFT_VERSION} has no default target_modules for model_type {fam.name} (get_peft_model raises "
+            f"without them); the adapters are on {','.join(fam.lora_targets)}, this family's choice: pass "
+            f"--lora-targets to match your LoraConfig",)
 
 
 def estimate_notes(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> tuple[str, ...]:

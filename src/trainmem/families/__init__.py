@@ -1,26 +1,28 @@
 """Architecture families: one module per family, registered with :func:`register_family`.
 
-Adding a family is adding a module here (and importing it below): its config reader, parameter
-layout, block rules, tensor-parallel roles, and embedding and head names live in its
-:class:`Family`. See ``base.py`` for the registry and the layer-kind hook, ``docs/families.md``.
+Adding a family is adding a module here (and importing it below): its config keys, parameter
+layout, block rules, tensor-parallel roles, embedding and head names, classification heads and
+default LoRA targets live in its :class:`Family`. See ``base.py`` for the registry and the
+layer-kind hook, ``docs/families.md``.
 """
 
 from __future__ import annotations
 
-from trainmem.families.base import (BlockRules, ConfigSchema, Family, NameScheme, TPRoles, config_families,
-                                    embedding_modules, families, family_names, get_family, get_scheme,
-                                    head_modules, layer_containers, register_family, register_scheme, schemes,
-                                    token_embedding_modules, tp_roles)
+from trainmem.families.base import (PEFT_VERSION, BlockRules, ConfigSchema, Family, NameScheme, TaskHeads, TPRoles,
+                                    config_families, embedding_modules, families, family_names, get_family,
+                                    get_scheme, head_modules, layer_containers, register_family, register_scheme,
+                                    schemes, task_head_modules, token_embedding_modules, tp_roles)
 
 # registration order is the order of FAMILIES and of the supported model types in messages
 from trainmem.families import gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma, phi3, bert  # noqa: E402,F401
 from trainmem.families import gemma3, deepseek, llama4, gpt_oss, qwen3_next, qwen3_moe, olmo2  # noqa: E402,F401
 from trainmem.families import generic, profiles  # noqa: E402,F401
 
-__all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "NameScheme", "register_family", "register_scheme",
+__all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "NameScheme", "PEFT_VERSION",
+           "register_family", "register_scheme",
            "get_family", "get_scheme", "family_names", "families", "schemes", "config_families", "head_modules",
            "embedding_modules", "token_embedding_modules", "layer_containers", "tp_roles", "output_layers",
-           "family_of"]
+           "family_of", "task_head_modules"]
 
 
 def family_of(model) -> Family:

@@ -32,9 +32,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainmem.families.config import ConfigReader
     from trainmem.specs.model import ModelSpec
 
-__all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "NameScheme", "register_family",
+__all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "NameScheme", "register_family",
            "register_scheme", "get_family", "get_scheme", "family_names", "config_families", "families", "schemes",
-           "head_modules", "embedding_modules", "token_embedding_modules", "tp_roles", "layer_containers"]
+           "head_modules", "embedding_modules", "token_embedding_modules", "tp_roles", "layer_containers",
+           "task_head_modules", "GENERIC_TASK_HEADS", "PEFT_VERSION"]
 
 Params = list[tuple[str, tuple[int, ...]]]
 
@@ -52,6 +53,39 @@ class TPRoles:
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
     vocab: tuple[str, ...] = ()
+    kv: tuple[str, ...] = ()
+    """The K and V projections among ``column``: serving (vLLM ``QKVParallelLinear``) keeps their
+    heads per rank and replicates them when tp > KV heads (``estimate/inference_weights.py``)."""
+    packed: tuple[str, ...] = ()
+    """Column linears that pack several projections (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``):
+    serving weights per rank are not modelled for them."""
+
+
+@dataclass(frozen=True)
+class TaskHeads:
+    """Where a family's transformers classes put their classification heads (``estimate/heads.py``)."""
+
+    seq_module: str
+    """The sequence classifier's linear (``score`` or ``classifier``)."""
+    seq_bias: bool
+    tok_module: str
+    """The token classifier's linear."""
+    tok_bias: bool
+    tok_upcast: bool
+    """The token-classification loss casts the logits to fp32 first (``ForTokenClassification``)."""
+    pooler: str | None = None
+    """BERT's pooler (first token, dense, tanh) in front of the sequence classifier; decoders pool
+    the last token's logits instead."""
+
+
+#: transformers' Generic*ForSequenceClassification (``score``, no bias) and
+#: Generic*ForTokenClassification (``score`` with bias, ``ForTokenClassification`` upcasts):
+#: ``transformers/modeling_layers.py``, the heads of every Llama-style family.
+GENERIC_TASK_HEADS = TaskHeads("score", False, "score", True, True)
+
+#: The peft release whose ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``
+#: (``peft/utils/constants.py``) the families' ``lora_targets`` follow.
+PEFT_VERSION = "0.21.2"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +191,20 @@ class Family(NameScheme):
     """Linears are GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
     layer_kinds: Callable[["ModelSpec"], tuple[str, ...]] | None = None
     """The hook for families whose blocks differ (see the module docstring); None: all alike."""
+    task_heads: TaskHeads = GENERIC_TASK_HEADS
+    """Its ``AutoModelFor{Sequence,Token}Classification`` heads (``--head seq-cls/token-cls``)."""
+    encoder_task_heads: TaskHeads | None = None
+    """The heads of its ``arch="encoder"`` specs when they differ (``generic``: BERT's)."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """``--finetune lora`` without ``--lora-targets``: peft's default ``target_modules`` for this
+    ``model_type`` (``peft/utils/constants.py`` ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``,
+    applied by ``LoraModel._prepare_adapter_config``), where :attr:`peft_default` says peft has one."""
+    peft_default: bool = True
+    """peft maps this ``model_type`` to :attr:`lora_targets`. False: peft has no entry and raises
+    "Please specify ``target_modules``"; trainmem then adapts :attr:`lora_targets` (the attention's
+    query and value projections, peft's usual pair) and says so in a note."""
+    compiled_rules: bool = False
+    """The estimator's compiled rules (``estimate/rules_compiled.py``) cover this family."""
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -249,6 +297,14 @@ def token_embedding_modules() -> tuple[str, ...]:
 def layer_containers() -> tuple[str, ...]:
     """The last component of each scheme's block container (``layers``, ``h``, ``layer``)."""
     return _union("layers", lambda s: (s.layers.rpartition(".")[2],))
+
+
+def task_head_modules() -> tuple[str, ...]:
+    """Every family's classification-head linears (``score``, ``classifier``)."""
+    def pick(s: NameScheme) -> tuple[str, ...]:
+        heads = [h for h in (getattr(s, "task_heads", None), getattr(s, "encoder_task_heads", None)) if h]
+        return tuple(m for h in heads for m in (h.seq_module, h.tok_module))
+    return _union("task", pick)
 
 
 def tp_roles() -> TPRoles:

@@ -6,10 +6,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
-from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
+from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
+
+#: BertForSequenceClassification (BertPooler: dense + tanh on the first token, then ``classifier``
+#: with a bias) and BertForTokenClassification (``classifier``), both with an inline CrossEntropyLoss
+BERT_TASK_HEADS = TaskHeads("classifier", True, "classifier", True, False, pooler="bert.pooler")
 
 
 def _parameters(m: "ModelSpec") -> lay.Params:
@@ -61,4 +65,5 @@ def bert() -> Family:
                     "bert.embeddings.token_type_embeddings"),
         head=("cls",), layers="bert.encoder.layer", output_layer="cls.predictions.decoder",
         tp=TPRoles(column=("query", "key", "value", "intermediate.dense"), row=("output.dense",),
-                   vocab=("word_embeddings", "decoder")))
+                   vocab=("word_embeddings", "decoder"), kv=("key", "value")),
+        task_heads=BERT_TASK_HEADS, lora_targets=("query", "value"))  # peft: "bert": ["query", "value"]

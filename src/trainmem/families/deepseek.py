@@ -68,7 +68,10 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 
 def _family(name: str, config_class: str, defaults: dict) -> Family:
+    # peft 0.21.2 maps no deepseek_v2/v3; MLA has no v_proj: the query projection (q_proj, or q_b_proj
+    # after the low-rank q_a_proj) and kv_b_proj (which makes K's no-rope part and V) are adapted, with a note
     return Family(name=name, parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+                  peft_default=False, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
                   config=ConfigSchema(config_class=config_class, read=_read, defaults=defaults, required=_SIZES))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
-from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
+from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
 from trainmem.families.config import ConfigReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,5 +55,10 @@ def gpt2() -> Family:
             required=("vocab_size", "n_embd", "n_layer", "n_head")),
         parameters=_parameters, rules=BlockRules(forward="gpt"),
         embeddings=("transformer.wte", "transformer.wpe"), head=("transformer.ln_f", "lm_head"),
-        layers="transformer.h", tp=TPRoles(column=("c_attn", "c_fc"), row=("c_proj",), vocab=("wte",)),
-        conv1d=True)
+        layers="transformer.h",
+        tp=TPRoles(column=("c_attn", "c_fc"), row=("c_proj",), vocab=("wte",), packed=("c_attn",)),
+        conv1d=True,
+        # GPT2ForSequenceClassification: score (no bias); GPT2ForTokenClassification: classifier, with an
+        # inline CrossEntropyLoss (no upcast)
+        task_heads=TaskHeads("score", False, "classifier", True, False),
+        lora_targets=("c_attn",))  # peft: "gpt2": ["c_attn"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
-from trainmem.families.base import BlockRules, ConfigSchema, Family, TPRoles, register_family
+from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
 from trainmem.families.config import ConfigReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,4 +59,8 @@ def gpt_neox() -> Family:
         embeddings=("gpt_neox.embed_in",), head=("gpt_neox.final_layer_norm", "lm_head"),
         layers="gpt_neox.layers",
         tp=TPRoles(column=("query_key_value", "dense_h_to_4h"), row=("attention.dense", "dense_4h_to_h"),
-                   vocab=("embed_in", "embed_out")))
+                   vocab=("embed_in", "embed_out"), packed=("query_key_value",)),
+        # GPTNeoXForSequenceClassification: score (no bias); GPTNeoXForTokenClassification: classifier
+        # and ForTokenClassification's loss (fp32 logits)
+        task_heads=TaskHeads("score", False, "classifier", True, True),
+        lora_targets=("query_key_value",))  # peft: "gpt_neox": ["query_key_value"]

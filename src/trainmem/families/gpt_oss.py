@@ -38,7 +38,9 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 @register_family
 def gpt_oss() -> Family:
+    # peft 0.21.2 maps no "gpt_oss": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="gpt_oss"), **LLAMA_NAMES,
+                  peft_default=False,
                   config=ConfigSchema(
                       config_class="GptOssConfig", read=_read, keys=MOE_KEYS,
                       fixed={"mlp_bias": True, "attn_sinks": True},

@@ -19,7 +19,7 @@ LLAMA_NAMES = dict(
     head=("model.norm", "lm_head"),
     layers="model.layers",
     tp=TPRoles(column=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), row=("o_proj", "down_proj"),
-               vocab=("embed_tokens", "lm_head")),
+               vocab=("embed_tokens", "lm_head"), kv=("k_proj", "v_proj")),
 )
 
 
@@ -90,7 +90,8 @@ def llama_family(name: str, config: ConfigSchema | None, **kw) -> Family:
 
 @register_family
 def llama() -> Family:
-    return llama_family("llama", ConfigSchema(
+    # peft's default: "llama": ["q_proj", "v_proj"] (the Family default)
+    return llama_family("llama", compiled_rules=True, config=ConfigSchema(
         config_class="LlamaConfig (Llama-2-7B)", keys={"mlp_bias": "mlp_bias"},
         defaults={"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",

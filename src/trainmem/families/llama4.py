@@ -52,7 +52,9 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 @register_family
 def llama4_text() -> Family:
+    # peft 0.21.2 maps no "llama4_text": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="llama4_text", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+                  peft_default=False,
                   config=ConfigSchema(
                       config_class="Llama4TextConfig", read=_read,
                       keys={**MOE_KEYS, "ffn_size": "intermediate_size_mlp"}, fixed={"num_shared_experts": 1},

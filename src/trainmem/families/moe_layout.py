@@ -13,10 +13,12 @@ __all__ = ["attention", "dense_mlp", "experts", "kind_blocks"]
 
 
 def attention(at: str, m: "ModelSpec") -> lay.Params:
-    """Llama-style attention projections: ``q_proj``, ``k_proj``, ``v_proj`` (``qkv_bias``), ``o_proj`` (``out_bias``)."""
+    """Llama-style attention projections: ``q_proj``, ``k_proj``, ``v_proj`` (``qkv_bias``) and
+    ``o_proj`` (``out_bias``)."""
     H = m.hidden_size
     return (lay.linear(f"{at}.q_proj", m.q_size, H, m.qkv_bias) + lay.linear(f"{at}.k_proj", m.kv_size, H, m.qkv_bias)
-            + lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias) + lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias))
+            + lay.linear(f"{at}.v_proj", m.kv_size, H, m.qkv_bias)
+            + lay.linear(f"{at}.o_proj", H, m.q_size, m.out_bias))
 
 
 def dense_mlp(pre: str, F: int, H: int, bias: bool = False) -> lay.Params:

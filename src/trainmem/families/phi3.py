@@ -45,4 +45,7 @@ def phi3() -> Family:
                   "tie_word_embeddings": False, "attention_dropout": 0.0, "resid_pdrop": 0.0,
                   "sliding_window": None}),
         parameters=_parameters, rules=BlockRules(forward="llama", fused_qkv=True, fused_gate_up=True),
-        tp=TPRoles(column=("qkv_proj", "gate_up_proj"), row=LLAMA_NAMES["tp"].row, vocab=LLAMA_NAMES["tp"].vocab))
+        tp=TPRoles(column=("qkv_proj", "gate_up_proj"), row=LLAMA_NAMES["tp"].row, vocab=LLAMA_NAMES["tp"].vocab,
+                   packed=("qkv_proj", "gate_up_proj")),
+        # peft 0.21.2 maps no "phi3" (only "phi"); the fused projection holding q and v is adapted
+        lora_targets=("qkv_proj",), peft_default=False)

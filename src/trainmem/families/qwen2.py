@@ -22,8 +22,9 @@ def _windows(c) -> dict:
 @register_family
 def qwen2() -> Family:
     # q, k, v carry a bias; o_proj does not
-    return llama_family("qwen2", ConfigSchema(config_class="Qwen2Config", defaults=_QWEN2_DEFAULTS,
-                                              read=_windows, bias=False, fixed={"qkv_bias": True}))
+    return llama_family("qwen2", compiled_rules=True,
+                        config=ConfigSchema(config_class="Qwen2Config", defaults=_QWEN2_DEFAULTS, read=_windows,
+                                            bias=False, fixed={"qkv_bias": True}))
 
 
 @register_family

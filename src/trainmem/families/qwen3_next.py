@@ -71,7 +71,9 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 
 @register_family
 def qwen3_next() -> Family:
+    # peft 0.21.2 maps no "qwen3_next": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="qwen3_next", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+                  peft_default=False,
                   config=ConfigSchema(
                       config_class="Qwen3NextConfig", read=_read, fixed={"qk_norm": True},
                       defaults={"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,

@@ -88,7 +88,9 @@ class Config:
         if f is not None:
             parts.append(f"--finetune {f.mode}")
             if f.adapters:
-                parts += [f"--lora-rank {f.lora_rank}", f"--lora-targets {','.join(f.lora_targets)}"]
+                parts.append(f"--lora-rank {f.lora_rank}")
+                if f.lora_targets is not None:  # None: the family's default, no flag
+                    parts.append(f"--lora-targets {','.join(f.lora_targets)}")
             if f.freeze:
                 parts.append(f"--freeze {','.join(f.freeze)}")
         return " ".join(parts)

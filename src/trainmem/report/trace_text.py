@@ -17,7 +17,7 @@ def _gib(n: int) -> str:
 def _finetune_words(ft: dict) -> str:
     words = f"finetune {ft['mode']}"
     if "lora_rank" in ft:
-        words += f" r={ft['lora_rank']} on {','.join(ft['lora_targets'])}"
+        words += f" r={ft['lora_rank']} on {','.join(ft['lora_targets'] or ['peft default'])}"
     return words + (f", frozen {','.join(ft['freeze'])}" if ft.get("freeze") else "")
 
 

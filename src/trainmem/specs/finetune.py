@@ -9,11 +9,11 @@ recipe of Dettmers et al. 2023 as configured through transformers' ``BitsAndByte
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Literal, Sequence
 
 from trainmem.errors import SpecError
-from trainmem.families import layer_containers, output_layers
+from trainmem.families import family_of, layer_containers, output_layers
 from trainmem.names import is_embedding, layer_index
 from trainmem.specs import _validate as v
 
@@ -58,9 +58,12 @@ class FinetuneSpec:
     """Adapter rank r (peft ``r``)."""
     lora_alpha: float = 8
     """peft ``lora_alpha``; the adapter output is scaled by alpha / r (a Python float: keeps nothing)."""
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_targets: tuple[str, ...] | None = None
     """Module names that get adapters, matched like peft's ``target_modules`` (exact name or
-    ``.name`` suffix); ``all-linear`` means every linear layer except the output head."""
+    ``.name`` suffix); ``all-linear`` means every linear layer except the output head. None: the
+    model family's default, peft's per-model ``target_modules`` (``Family.lora_targets``:
+    ``q_proj, v_proj`` for Llama-style families, ``c_attn`` for GPT-2, ``query, value`` for BERT);
+    :meth:`for_model` fills it in."""
     lora_dropout: float = 0.0
     """Dropout on the adapter input (peft ``lora_dropout``); > 0 keeps a mask and a copy of the input."""
     adapter_dtype: str = "float32"
@@ -93,6 +96,8 @@ class FinetuneSpec:
         v.one_of("mode", self.mode, MODES)
         for name in ("freeze", "lora_targets"):
             value = getattr(self, name)
+            if value is None and name == "lora_targets":  # the family's default, filled in by for_model
+                continue
             if isinstance(value, str):
                 raise SpecError(name, value, "must be a list of names, not one string")
             object.__setattr__(self, name, tuple(value))
@@ -104,7 +109,7 @@ class FinetuneSpec:
         v.positive("lora_rank", self.lora_rank, maximum=1 << 16)
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise SpecError("lora_alpha", self.lora_alpha, "must be a positive number")
-        if not self.lora_targets:
+        if self.lora_targets is not None and not self.lora_targets:
             raise SpecError("lora_targets", self.lora_targets, "must name at least one module (or all-linear)")
         v.probability("lora_dropout", self.lora_dropout)
         v.one_of("adapter_dtype", self.adapter_dtype, ADAPTER_DTYPES)
@@ -126,6 +131,13 @@ class FinetuneSpec:
     @property
     def adapters(self) -> bool:
         return self.mode in ("lora", "qlora")
+
+    def for_model(self, model) -> "FinetuneSpec":
+        """This spec with ``lora_targets`` filled in from ``model``'s family (peft's default
+        ``target_modules`` for its ``model_type``) when left None; ``model`` None: unchanged."""
+        if self.lora_targets is not None or model is None:
+            return self
+        return replace(self, lora_targets=family_of(model).lora_targets)
 
     @property
     def scaling(self) -> float:

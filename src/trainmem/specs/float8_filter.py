@@ -6,10 +6,13 @@ what a converted linear keeps) and the tracer (``trace/float8.py``: the filter i
 
 from __future__ import annotations
 
+from trainmem.families import task_head_modules
+
 __all__ = ["TASK_HEADS", "converted", "is_linear_module"]
 
-TASK_HEADS = ("score", "classifier")
-"""Task heads (sequence/token classification), left in high precision like the output layer."""
+TASK_HEADS = task_head_modules()
+"""Task heads (sequence/token classification: every family's ``task_heads``), left in high
+precision like the output layer."""
 
 
 def is_linear_module(model, weight_path: str) -> bool:
@@ -31,7 +34,7 @@ def converted(model, weight_path: str, weight: tuple[int, ...]) -> bool:
     """torchtitan's ``module_filter_fn`` with the head filtered: an ``nn.Linear`` whose
     ``(out, in)`` are both multiples of 16 and which is not an output or task head."""
     from trainmem.names import is_head, under
-    if len(weight) != 2 or is_head(weight_path) or under(weight_path, TASK_HEADS):
+    if len(weight) != 2 or is_head(weight_path) or under(weight_path, task_head_modules()):
         return False
     if not is_linear_module(model, weight_path):
         return False

@@ -69,7 +69,10 @@ def _lora(model, spec: FinetuneSpec):
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    targets = "all-linear" if "all-linear" in spec.lora_targets else list(spec.lora_targets)
+    # None (no model spec to take the family's default from): peft's own default for the model_type
+    # (LoraModel._prepare_adapter_config, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+    targets = (None if spec.lora_targets is None
+               else "all-linear" if "all-linear" in spec.lora_targets else list(spec.lora_targets))
     conv1d = any(isinstance(m, Conv1D) for m in model.modules())  # GPT-2 stores weights (in, out)
     config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=targets,
                              lora_dropout=spec.lora_dropout, fan_in_fan_out=conv1d)
@@ -78,7 +81,7 @@ def _lora(model, spec: FinetuneSpec):
             warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers' deprecated is_gradient_checkpointing
             wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=spec.adapter_dtype == "float32")
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
-        raise SpecError("lora_targets", ",".join(spec.lora_targets), str(exc).splitlines()[0][:200]) from None
+        raise SpecError("lora_targets", ",".join(spec.lora_targets or ()), str(exc).splitlines()[0][:200]) from None
     if spec.adapter_dtype in ("bfloat16", "float16"):
         dtype = getattr(torch, spec.adapter_dtype)
         for name, p in wrapped.named_parameters():

@@ -424,7 +424,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     built = type(model).__name__
     if finetune is not None:  # after checkpointing is enabled, as peft's recipes do
         from trainmem.trace.finetune import apply_finetune
-        model = apply_finetune(model, finetune, _model_spec_or_none(model_or_config))
+        model_spec = _model_spec_or_none(model_or_config)
+        finetune = finetune.for_model(model_spec)  # LoRA targets: the family's default
+        model = apply_finetune(model, finetune, model_spec)
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
