@@ -28,8 +28,8 @@ def uniform_window(c: ConfigReader, key: str = "sliding_window") -> tuple[dict, 
     window = c(key)
     if window is None:
         return ()
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise UnsupportedError(f"{c.model_type} {key}={window!r}: expected a positive number of tokens or null")
+    from trainmem.specs import _validate as v  # the spec's own check (LayerKind.window), naming the config key
+    v.positive(key, window)
     return tuple({"attention": "sliding", "window": window} for _ in range(c("num_hidden_layers")))
 
 
