@@ -46,6 +46,9 @@ FIGURE_KEYS = ("value", "unit", "bytes", "measures", "compare")
 COMPARE_KINDS = ("allocated", "reserved", "unclear")
 UNIT_BYTES = {"GiB": 2**30, "GB": 10**9, "bytes": 1}
 CLARITIES = ("clear", "partial")
+ENGINES = ("estimate", "trace")
+"""A case's optional ``engine``: ``estimate`` (default) or ``trace``, the fake-tensor trace of the
+real Hugging Face model, for a family the estimator has no rules for (its peak_bytes, the allocated peak)."""
 
 
 def load_cases(path: Path = CASES) -> list[dict]:
@@ -71,6 +74,8 @@ def load_cases(path: Path = CASES) -> list[dict]:
             raise ValueError(f"case {cid}: figure.bytes={fig['bytes']} is not {fig['value']} {fig['unit']}")
         if fig["compare"] not in COMPARE_KINDS:
             raise ValueError(f"case {cid}: figure.compare={fig['compare']!r} must be one of {COMPARE_KINDS}")
+        if c.get("engine", "estimate") not in ENGINES:
+            raise ValueError(f"case {cid}: engine={c['engine']!r} must be one of {ENGINES}")
         if not isinstance(c.get("doubt", ""), str):
             raise ValueError(f"case {cid}: doubt must be a string")
         if c["clarity"] not in CLARITIES:
@@ -102,10 +107,11 @@ class Outcome:
 
 
 def run_case(case: dict) -> Outcome:
-    """trainmem estimate --json for the case, in-process; trainmem's refusal (exit 2) is an outcome."""
+    """trainmem estimate --json (or the case's engine) for the case, in-process; trainmem's refusal
+    (exit 2) is an outcome."""
     from trainmem.cli import main
 
-    argv = ["estimate", "--model", str(ROOT / case["model_arg"]) if "/" in case["model_arg"] else case["model_arg"],
+    argv = [case.get("engine", "estimate"), "--model", str(ROOT / case["model_arg"]) if "/" in case["model_arg"] else case["model_arg"],
             *case["args"], "--json"]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -181,7 +187,8 @@ def render(outcomes: list[Outcome], summaries: dict, ranking, stamp: str) -> str
         stamp,
         "",
         "ratio = trainmem estimate's peak (allocated; reserved where the case's args say --memory-figure "
-        "reserved) / the published figure (1.00 = exact). Cases and sources: "
+        "reserved; `(trace)`: trainmem trace's allocated peak, for a family without estimator rules) / the "
+        "published figure (1.00 = exact). Cases and sources: "
         "`bench/published/cases.json`; how to read them: `bench/published/README.md`.",
         "",
         "| id | model | setup | published | kind | published GiB | trainmem GiB | ratio | clarity | unmodelled |",
@@ -190,7 +197,8 @@ def render(outcomes: list[Outcome], summaries: dict, ranking, stamp: str) -> str
     for o in outcomes:
         c = o.case
         fig = f"{c['figure']['value']} {c['figure']['unit']}"
-        ratio = f"{o.ratio:.3f}" if o.status == "ok" else f"refused: {o.reason}"
+        engine = f" ({c['engine']})" if c.get("engine", "estimate") != "estimate" else ""
+        ratio = f"{o.ratio:.3f}{engine}" if o.status == "ok" else f"refused: {o.reason}"
         lines.append(f"| {c['id']} | {c['model']} | {_setup(c)} | {fig} | {comparison_kind(c)} | "
                      f"{_gib(c['figure']['bytes'])} | {_gib(o.predicted_bytes)} | {ratio} | "
                      f"{c['clarity']}{' (doubt)' if c.get('doubt') else ''} | "
@@ -257,7 +265,7 @@ def main(argv=None) -> int:
             "mechanisms": [{"mechanism": m, "cases": n, "median_ratio": r} for m, n, r in ranking],
             "cases": [{"id": o.case["id"], "status": o.status, "reason": o.reason, "kind": comparison_kind(o.case),
                        "published_bytes": o.case["figure"]["bytes"], "trainmem_bytes": o.predicted_bytes,
-                       "doubt": o.case.get("doubt", ""),
+                       "doubt": o.case.get("doubt", ""), "engine": o.case.get("engine", "estimate"),
                        "ratio": o.ratio, "clarity": o.case["clarity"], "unmodelled": o.case["unmodelled"]}
                       for o in outcomes]}, indent=1) + "\n")
     return 0

@@ -86,7 +86,9 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         if len(par.layer_split) != par.pp or sum(par.layer_split) != model.num_layers or min(par.layer_split) < 1:
             raise SpecError("layer_split", par.layer_split,
                             f"needs pp={par.pp} positive entries summing to {model.num_layers} layers")
-    if par.schedule == "interleaved" and model.num_layers % (par.pp * par.virtual_stages):
+    # an explicit --layer-split gives each rank's layers over all its virtual stages (torchtitan's
+    # generate_split_points splits unevenly: 126 layers over 16 stages as 7, 8 x 14, 7)
+    if par.schedule == "interleaved" and not par.layer_split and model.num_layers % (par.pp * par.virtual_stages):
         raise SpecError("virtual_stages", par.virtual_stages,
                         f"pp × virtual_stages must divide the layers: {degrees}")
     if step.seq % par.cp:
