@@ -53,6 +53,21 @@ def test_llama_bf16_blocks_and_loss_exact():
     assert _saved(LLAMA, "bf16", impl) == (2 * 269312 + 1024 + 4096 + head, 40)  # 867860 (the real step's too)
 
 
+def test_llama_amp_bf16_per_block_exact():
+    # amp-bf16 (fp32 weights, CPU autocast to bf16) per block: the block input stays fp32 (B*S*H*4 = 32768),
+    # rsqrt fp32 2 x 512, lse 2048; the two norms' outputs (the linears' bf16 inputs), roped q and k, v,
+    # the SDPA and o_proj outputs 7 x B*S*H*2 = 7 x 16384; gate, up, act*up 3 x B*S*F*2 = 3 x 45056; and
+    # autocast's bf16 weight copies, which the backward's mms read: 4 x H*H*2 + 3 x F*H*2 = 32768 + 67584
+    block = 32768 + 2 * 512 + 2048 + 7 * 16384 + 3 * 45056 + 4 * 8192 + 3 * 22528  # 388096
+    # eager: ids 1024, fp32 cos/sin 2 x 4096; the final norm keeps its input (fp32 already: no copy),
+    # rsqrt and the fp32 normed product 32768 + 512 + 32768, lm_head its bf16 input and weight copies
+    # 16384 + V*H*2 = 128000, the loss the fp32 log_softmax 512000, targets 1024, count 4
+    head = 32768 + 512 + 32768 + 16384 + 128000 + 512000 + 1024 + 4
+    assert _saved(LLAMA, "amp-bf16") == (2 * block + 1024 + 8192 + head, 53)  # 1504772, the trace's too
+    with pytest.raises(UnsupportedError, match="precision='amp-bf16'"):  # whole-model: not modelled
+        _saved(LLAMA, "amp-bf16", ImplSpec(device="cpu", compile=True))
+
+
 def test_llama_full_recompute_per_block_exact():
     # torchtitan's order (checkpoint inside each compiled block): each block keeps its input, 2 x B*S*H*4;
     # ids 1024, cos and sin 8192 and the eager head and loss as above; autograd also keeps one CPU
@@ -130,7 +145,9 @@ def test_unmodelled_recompute_is_refused_in_one_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("config,precision,impl,batch,seq", [
     (QWEN2, "fp32", BLOCK, 1, 96), (LLAMA, "bf16", BLOCK, 3, 40), (QWEN2, "bf16", FULL, 3, 40),
-    (QWEN2, "bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 2, 48)])
+    (QWEN2, "bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 2, 48),
+    (QWEN2, "amp-bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 3, 40),
+    (LLAMA, "amp-bf16", FULL, 2, 48)])
 def test_per_block_estimate_equals_the_compiled_trace(config, precision, impl, batch, seq):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step

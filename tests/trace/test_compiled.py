@@ -139,3 +139,32 @@ def test_per_block_compiled_trace_equals_a_real_compiled_step(precision, recompu
     assert fake.peak_logical_bytes - step.batch * step.seq * 8 + host_steps == peak_bytes
     if precision == "fp32":  # the arithmetic: tests/estimate/test_compiled_scope.py
         assert (c["saved_compiled_bytes"], c["saved_compiled_tensors"]) == (1692164, 38)
+
+
+@pytest.mark.slow
+def test_per_block_amp_bf16_trace_equals_a_real_compiled_forward():
+    # amp-bf16 (fp32 weights, CPU autocast to bf16 around the step) with each block compiled alone:
+    # the fake trace's compiled saved set == what autograd keeps in the same compiled model on real
+    # tensors under torch.autocast (1504772 bytes, 53 tensors: tests/estimate/test_compiled_scope.py)
+    from trainmem.models.hf import build_hf_model
+    from trainmem.trace.compiled import compile_model
+    from trainmem.trace.saved import saved_tensors
+
+    step = StepSpec(batch=2, seq=64, precision="amp-bf16")
+    impl = ImplSpec(device="cpu", compile=True, compile_scope="block")
+    c = trace_step(LLAMA, step, impl).meta["compile"]
+    torch.manual_seed(0)
+    model = build_hf_model(LLAMA, attention="sdpa")
+    model.train()
+    runs, _ = compile_model(model, impl)
+    ids = torch.randint(0, 1000, (2, 64))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return runs(ids, labels=ids).loss
+
+    forward().backward()
+    saved, out = saved_tensors(model, forward)
+    del out
+    assert (c["saved_compiled_bytes"], c["saved_compiled_tensors"]) == (sum(t.nbytes for t in saved), len(saved))
+    assert (c["saved_compiled_bytes"], c["saved_compiled_tensors"]) == (1504772, 53)

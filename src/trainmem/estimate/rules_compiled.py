@@ -51,8 +51,9 @@ def check_compiled(ctx: Ctx) -> None:
         ("model", m.family, (m.family not in FAMILIES or m.is_moe or m.qk_norm or m.activation != "swiglu"
                              or m.out_bias or m.mlp_bias or m.norm_bias),
          f"compiled rules cover dense {'/'.join(FAMILIES)} SwiGLU models (q/k/v biases at most, no q/k norms)"),
-        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16"),
-         "compiled rules cover pure fp32/bf16/fp16"),
+        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
+            step.recipe == "amp-bf16" and impl.compile_scope != "model"),
+         "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
         ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
         ("recompute", impl.recompute, impl.recompute not in ("none", "full"),
          "compiled rules cover --recompute none and full (op: trace --compile)"),
@@ -100,27 +101,41 @@ def compiled_forward(ctx: Ctx) -> None:
 
 
 def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
-    """One decoder block's saved set inside a compiled region (its input ``x`` included)."""
+    """One decoder block's saved set inside a compiled region (its input ``x`` included). Under
+    autocast (amp-bf16, per-block scopes only) the block's input stays in the weights' dtype and
+    everything the linears make or read is in autocast's dtype, plus the 16-bit weight copies."""
     g, m = ctx.graph, ctx.model
-    B, S, H, a = ctx.B, ctx.S, m.hidden_size, ctx.param
+    B, S, H, A, Akv, F = ctx.B, ctx.S, m.hidden_size, "A·hd", "Akv·hd", m.ffn_size
+    a = ctx.low or ctx.param  # the activations' dtype (pure precisions: the weights')
     _rmsnorm(ctx, x, "input_layernorm")
     with g.module("self_attn"):
-        q = g.new("q_rope", (B, S, m.q_size), ("B", "S", "A·hd"), a)
-        k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+        _weight_copies(ctx, ("q_proj", m.q_size, A, H, "H"), ("k_proj", m.kv_size, Akv, H, "H"),
+                       ("v_proj", m.kv_size, Akv, H, "H"), ("o_proj", H, "H", m.q_size, A))
+        q = g.new("q_rope", (B, S, m.q_size), ("B", "S", A), a)
+        k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", Akv), a)
         with g.module("v_proj"):
-            v = g.new("out", (B, S, m.kv_size), ("B", "S", "Akv·hd"), a)
+            v = g.new("out", (B, S, m.kv_size), ("B", "S", Akv), a)
         attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
         with g.module("o_proj"):
             g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
-    residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), a)
+    residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), x.dtype)
     _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False)
     with g.module("mlp"):
-        F = m.ffn_size
+        _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
         for name in ("gate_proj", "up_proj"):
             with g.module(name):
                 g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
         g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
-    return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a)
+    return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+
+
+def _weight_copies(ctx: Ctx, *linears: tuple) -> None:
+    """Autocast's 16-bit copy of each linear's weight, ``(name, out, out_sym, in, in_sym)``: the
+    partitioned backward's mm reads it (eager autograd keeps it too: ``Ctx.plain_linear``)."""
+    g = ctx.graph
+    for name, out, out_sym, inp, in_sym in linears if ctx.low else ():
+        with g.module(name):
+            g.save(g.new("weight_cast", (out, inp), (out_sym, in_sym), ctx.low, False))
 
 
 def _per_block(ctx: Ctx) -> None:
@@ -205,6 +220,6 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True) -> Sym:
     g.save(x, when=keep_input)
     with g.module(name):
         g.save(g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", False))
-        out = g.new("out", x.shape, x.dims, x.dtype)
+        out = g.new("out", x.shape, x.dims, ctx.low or x.dtype)  # under autocast: the linears' 16-bit input
         g.save(out)
     return out
