@@ -1,5 +1,6 @@
-"""Hand-written hf rules for gpt-oss (``estimate/rules_gpt_oss.py``) and Llama-4 text: the estimate's
-activations equal autograd's saved set to the byte on tiny configs (CPU), and equal ``--profile traced``."""
+"""Hand-written hf rules for gpt-oss (``estimate/rules_gpt_oss.py``) and Llama-4 text
+(``estimate/rules_llama4.py``): the estimate's activations equal autograd's saved set to the byte on
+tiny configs (CPU), and equal ``--profile traced``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from kinds_configs import CONFIGS, check_against_autograd  # noqa: E402
 # (family, precision, attention, recompute); gpt-oss has no SDPA path in transformers. Each builds and
 # runs a real model (> 3 s on 2 busy cores): slow; test_gpt_oss_block_items pins the numbers by default
 CASES = [("gpt_oss", p, "eager", r) for p in ("fp32", "bf16", "amp-bf16") for r in ("none", "full")]
+CASES += [("llama4_text", p, a, "none") for p in ("fp32", "bf16", "amp-bf16") for a in ("sdpa", "eager")]
+CASES += [("llama4_text", p, "sdpa", "full") for p in ("fp32", "bf16")]
 
 
 @pytest.mark.slow
@@ -53,8 +56,29 @@ def test_gpt_oss_refuses_sdpa_in_one_line():
         estimate(model, StepSpec(batch=2, seq=64), ImplSpec(device="cpu", attention="sdpa"))
 
 
+def test_llama4_block_items():
+    """B=2, S=64, H=64, A=4, Akv=2, hd=16, E=4, k=1, Fe=32, chunks of 16, bf16, SDPA (kinds_configs.CONFIGS):
+    blocks chunked/dense, chunked/MoE, chunked/dense, full NoPE/MoE."""
+    from trainmem.estimate.activations import activation_items
+
+    items = activation_items(spec_from_hf_config(CONFIGS["llama4_text"]), StepSpec(batch=2, seq=64, precision="bf16"),
+                             ImplSpec(attention="sdpa", device="cpu"))
+    got = {i.name: i.bytes for i in items}
+    assert got["model.rotary_emb.freqs_cis"] == 64 * 8 * 8  # S·hd/2 complex64 = 4,096, kept once
+    at1, at3 = "model.layers.1.self_attn.", "model.layers.3.self_attn."
+    assert got[at1 + "q_norm.x_fp32"] == 2 * 64 * 4 * 16 * 4  # the L2 norm's fp32 input, B·S·A·hd·4
+    assert got[at1 + "attn_mask"] == 2 * 64 * 64 * 2  # S >= chunk: SDPA's additive mask, B·S·S·2
+    assert at3 + "attn_mask" not in got and at3 + "q_norm.x_fp32" not in got  # NoPE: causal, no qk norm
+    assert got[at3 + "attn_scales"] == 64 * 4  # temperature tuning's (1, S, 1, 1) fp32 scales
+    ff = "model.layers.3.feed_forward."
+    assert got[ff + "router.sigmoid"] == 2 * 64 * 4 * 4  # fp32 (B·S, E)
+    assert got[ff + "experts.gate_up"] == 4 * 128 * 64 * 2  # every token through every expert: E·B·S·2Fe·2
+    # what autograd's saved-tensor hooks measured on the real model (test_activations_equal_autograd)
+    assert sum(i.bytes for i in items) == 2_176_772
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,attention", [("gpt_oss", "eager")])
+@pytest.mark.parametrize("name,attention", [("gpt_oss", "eager"), ("llama4_text", "sdpa"), ("llama4_text", "eager")])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_hf_rules_equal_the_traced_profile(tmp_path, monkeypatch, name, attention, precision):
     monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path / "cache"))

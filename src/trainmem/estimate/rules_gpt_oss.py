@@ -33,15 +33,15 @@ def gpt_oss_forward(ctx: Ctx) -> None:
     if ctx.impl.attention != "eager":
         raise UnsupportedError(f"{m.name}: gpt_oss has no {ctx.impl.attention} attention in transformers "
                                "(no SDPA path); estimate it with --attention eager")
-    if ctx.impl.recompute not in ("none", "full"):
+    if ctx.impl.recompute not in ("none", "full", "every-k"):
         raise UnsupportedError(f"{m.name}: recompute={ctx.impl.recompute!r} is not modelled for gpt_oss "
-                               "(none or full)")
+                               "(none, full or every-k); --profile traced estimates it")
     x = _embedding(ctx, "model.embed_tokens")
     with g.module("model.rotary_emb"):  # GptOssRotaryEmbedding: cos/sin of hd/2 frequencies, in x's dtype
         rot, dims = (1, 1, ctx.S, m.head_dim // 2), ("1", "1", "S", "hd/2")
         cos, sin = g.new("cos", rot, dims, x.dtype, False), g.new("sin", rot, dims, x.dtype, False)
     held = _checkpoint_extras(ctx, "eager", x.dtype)  # position ids and the eager causal mask
-    if ctx.impl.recompute == "full" and any(k.attention == "sliding" for k in m.kinds):
+    if any(k.attention == "sliding" for k in m.kinds):
         # sliding blocks get (and their checkpoints hold) create_sliding_window_causal_mask's mask instead
         sliding = held[:-1] + [g.new("model.sliding_window_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"),
                                      x.dtype, False)]

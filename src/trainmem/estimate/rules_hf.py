@@ -41,7 +41,8 @@ def hf_forward(ctx: Ctx) -> None:
 
 
 #: BlockRules.forward -> (module under trainmem.estimate, function): families whose rules live apart
-_FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward")}
+_FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward"),
+             "llama4": ("rules_llama4", "llama4_forward")}
 
 
 def _rules(ctx: Ctx) -> BlockRules:

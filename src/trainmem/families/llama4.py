@@ -2,7 +2,7 @@
 (``intermediate_size_mlp``) interleaved with MoE blocks (``moe_layers``, default every
 ``interleave_moe_layer_step``-th: routed experts as fused ``(E, H, 2F)`` tensors, a ``router``, one
 shared expert), chunked attention on RoPE blocks and global NoPE blocks (``no_rope_layers``). The
-``hf`` profile has no hand-written rules for them: ``--profile traced``."""
+``hf`` profile's rules for them are in ``estimate/rules_llama4.py``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _read(c: ConfigReader) -> dict:
     chunk = c("attention_chunk_size")
     types = c("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
                                  for r in no_rope]
-    return {"layer_kinds": from_layer_types(c, types, window=None, chunk=chunk,
+    return {"qk_norm": bool(c("use_qk_norm")), "attn_temperature_tuning": bool(c("attn_temperature_tuning")),
+            "layer_kinds": from_layer_types(c, types, window=None, chunk=chunk,
                                             moe=[i in moe_layers for i in range(L)],
                                             rope=[bool(r) for r in no_rope[:L]])}
 
@@ -53,7 +54,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 @register_family
 def llama4_text() -> Family:
     # peft 0.21.2 maps no "llama4_text": q_proj, v_proj (peft's usual pair) are adapted, with a note
-    return Family(name="llama4_text", parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+    return Family(name="llama4_text", parameters=_parameters, rules=BlockRules(forward="llama4"), **LLAMA_NAMES,
                   peft_default=False,
                   config=ConfigSchema(
                       config_class="Llama4TextConfig", read=_read,
@@ -66,4 +67,5 @@ def llama4_text() -> Family:
                                 "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
                                 "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
                                 "moe_layers": None, "no_rope_layers": None, "no_rope_layer_interval": 4,
-                                "attention_chunk_size": 8192, "layer_types": None}))
+                                "attention_chunk_size": 8192, "layer_types": None,
+                                "use_qk_norm": True, "attn_temperature_tuning": True}))

@@ -113,6 +113,9 @@ class ModelSpec:
     """MLA: per-head value dims (``head_dim`` is then the q/k head: nope + rope)."""
     attn_sinks: bool = False
     """A learned per-head sink logit joins each softmax (gpt-oss ``self_attn.sinks``)."""
+    attn_temperature_tuning: bool = False
+    """Llama-4's NoPE blocks scale q by ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1``
+    (``attn_temperature_tuning``)."""
     router_norm_topk: bool = True
     """The router renormalizes its top-k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``;
     Mixtral always does)."""
@@ -203,6 +206,7 @@ class ModelSpec:
             raise SpecError("head_dim", self.head_dim, f"must be qk_nope_head_dim + qk_rope_head_dim = "
                                                        f"{self.qk_nope_head_dim + self.qk_rope_head_dim} under MLA")
         v.boolean("attn_sinks", self.attn_sinks)
+        v.boolean("attn_temperature_tuning", self.attn_temperature_tuning)
         v.boolean("router_norm_topk", self.router_norm_topk)
         if isinstance(self.layer_kinds, (str, bytes)) or not isinstance(self.layer_kinds, (tuple, list)):
             raise SpecError("layer_kinds", self.layer_kinds, "must be a list of layer kinds, one per block")
