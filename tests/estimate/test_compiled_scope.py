@@ -105,6 +105,29 @@ def test_lora_elsewhere_is_refused_in_one_line(impl):
     assert "\n" not in str(info.value)
 
 
+MISTRAL = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
+               sliding_window=256)
+
+
+def test_mistral_with_a_window_not_shorter_than_s_is_qwen2_without_biases():
+    # window 256 >= S = 64: transformers passes SDPA no mask (masking_utils), so the compiled blocks are
+    # Llama's with grouped K/V heads: Qwen2's tiny shapes, whose biases keep nothing (test_compiled_rules.py)
+    for impl in (ImplSpec(device="cpu", compile=True), BLOCK):
+        assert _saved(MISTRAL, "bf16", impl) == _saved(QWEN2, "bf16", impl)
+    assert _saved(MISTRAL, "bf16", ImplSpec(device="cpu", compile=True)) == (724532, 38)  # the trace's too
+    with pytest.raises(UnsupportedError, match="model='mistral'.*no sliding window shorter than S"):
+        _saved(dict(MISTRAL, sliding_window=32), "bf16")
+
+
+def test_the_family_set_is_the_registry_s():
+    from trainmem.estimate.rules_compiled import compiled_families
+    from trainmem.families import families
+
+    assert {"llama", "qwen2", "mistral"} <= set(compiled_families())
+    assert set(compiled_families()) == {f.name for f in families() if f.compiled_rules}
+
+
 def test_scope_is_validated():
     with pytest.raises(SpecError, match="compile_scope"):
         ImplSpec(compile=True, compile_scope="layer")
@@ -147,7 +170,7 @@ def test_unmodelled_recompute_is_refused_in_one_line():
     (QWEN2, "fp32", BLOCK, 1, 96), (LLAMA, "bf16", BLOCK, 3, 40), (QWEN2, "bf16", FULL, 3, 40),
     (QWEN2, "bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 2, 48),
     (QWEN2, "amp-bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 3, 40),
-    (LLAMA, "amp-bf16", FULL, 2, 48)])
+    (LLAMA, "amp-bf16", FULL, 2, 48), (MISTRAL, "fp32", BLOCK, 2, 40)])
 def test_per_block_estimate_equals_the_compiled_trace(config, precision, impl, batch, seq):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step

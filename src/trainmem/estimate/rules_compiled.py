@@ -29,18 +29,18 @@ fused attention kernels, no activation checkpointing or ``--recompute full``
 from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
-from trainmem.estimate.attention import attention_core, resolve_kernel
+from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
+from trainmem.families import families, family_of
 
 __all__ = ["compiled_forward", "check_compiled"]
 
-# not mistral: with a sliding window shorter than S the compiled step keeps a mask and another
-# kernel's set (a tiny Mistral, window 32, S=64: 1685044 bytes traced, 1586740 by these rules),
-# and ModelSpec does not carry the window
-FAMILIES = ("llama", "qwen2")
+# the families with Family.compiled_rules (families/); a sliding window shorter than S is refused:
+# there the compiled step keeps a mask and another kernel's set (a tiny Mistral, window 32, S=64:
+# 1685044 bytes traced, 1586740 by these rules)
 
 
 def check_compiled(ctx: Ctx) -> None:
@@ -48,9 +48,11 @@ def check_compiled(ctx: Ctx) -> None:
     m, step, impl = ctx.model, ctx.step, ctx.impl
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (m.family not in FAMILIES or m.is_moe or m.qk_norm or m.activation != "swiglu"
-                             or m.out_bias or m.mlp_bias or m.norm_bias),
-         f"compiled rules cover dense {'/'.join(FAMILIES)} SwiGLU models (q/k/v biases at most, no q/k norms)"),
+        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe or m.qk_norm or m.activation != "swiglu"
+                             or m.out_bias or m.mlp_bias or m.norm_bias
+                             or any(window_mask(ctx, k) for k in set(m.kinds))),
+         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU models (q/k/v biases at most, no q/k "
+         "norms, no sliding window shorter than S)"),
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
          "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
@@ -69,6 +71,11 @@ def check_compiled(ctx: Ctx) -> None:
     for field, value, bad, why in refusals:
         if bad:
             raise UnsupportedError(f"compile: {field}={value!r} is not modelled: {why}")
+
+
+def compiled_families() -> list[str]:
+    """The families the compiled rules cover (``Family.compiled_rules``)."""
+    return [f.name for f in families() if f.compiled_rules]
 
 
 def _recomputed_blocks(ctx: Ctx) -> bool:

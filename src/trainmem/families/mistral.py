@@ -24,5 +24,7 @@ def _read(c: ConfigReader) -> dict:
 @register_family
 def mistral() -> Family:
     # MistralConfig's sliding_window defaults to 4096 (MixtralConfig's to None)
-    return llama_family("mistral", ConfigSchema(config_class="MistralConfig", read=_read, bias=False,
-                                                defaults={**MISTRAL_DEFAULTS, "sliding_window": 4096}))
+    # compiled_rules: those of Llama while the window is not shorter than S (estimate/rules_compiled.py)
+    return llama_family("mistral", compiled_rules=True,
+                        config=ConfigSchema(config_class="MistralConfig", read=_read, bias=False,
+                                            defaults={**MISTRAL_DEFAULTS, "sliding_window": 4096}))
