@@ -70,7 +70,7 @@ def run_one(cfg: dict, step: StepSpec, impl: ImplSpec, cuda: bool) -> dict:
 
         gpu_est = estimate(spec, step, replace(impl, device="cuda"))
         m = profile_model(cfg, step, replace(impl, device="cuda"), device="cuda", steps=1, warmup=1, modules=False)
-        row.update(gpu_est_peak=gpu_est.peak_bytes, measured_peak=m.peak_allocated_bytes)
+        row.update(gpu_est_peak=gpu_est.peak_bytes, measured_peak=m.peak_bytes)
     return row
 
 

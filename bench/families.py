@@ -102,10 +102,10 @@ def saved_bytes(cfg: dict, precision: str, attention: str) -> int:
     from trainmem.specs.impl import routing_hot_fraction
     from trainmem.trace.routing import experts_modules, force_routing
     from trainmem.trace.saved import saved_tensors
-    from trainmem.trace.step import _default_dtype
+    from trainmem.trace.torch_state import default_dtype
 
     torch.manual_seed(0)
-    with _default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
+    with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
         model = build_hf_model(cfg, attention=attention)
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     forced = force_routing(model, routing_hot_fraction("balanced")) if experts_modules(model) else None

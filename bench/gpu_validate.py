@@ -90,7 +90,7 @@ def run_one(r: dict, device: str) -> dict:
     if not step.optimizer.startswith("torchao-"):
         t0 = time.perf_counter()
         tr = trace_step(source, step, impl)
-        row["trace_bytes"], row["trace_reserved_bytes"] = tr.peak_bytes, tr.reserved_peak_bytes
+        row["trace_bytes"], row["trace_reserved_bytes"] = tr.peak_bytes, tr.peak_reserved_bytes
         row["trace_s"] = round(time.perf_counter() - t0, 2)
     try:
         m = profile_model(source, step, impl, device=device, steps=2, warmup=1,
@@ -98,10 +98,10 @@ def run_one(r: dict, device: str) -> dict:
     except OutOfMemory as exc:
         row["status"] = f"out of memory ({str(exc)[:80]})"
         return row
-    row.update(status="ok", allocated_bytes=m.peak_allocated_bytes, reserved_bytes=m.peak_reserved_bytes,
+    row.update(status="ok", allocated_bytes=m.peak_bytes, reserved_bytes=m.peak_reserved_bytes,
                tokens_per_s=m.tokens_per_s, context_bytes=m.context_bytes,
-               estimate_error_pct=error_pct(row["estimate_bytes"], m.peak_allocated_bytes),
-               trace_error_pct=_pct(row["trace_bytes"], m.peak_allocated_bytes),
+               estimate_error_pct=error_pct(row["estimate_bytes"], m.peak_bytes),
+               trace_error_pct=_pct(row["trace_bytes"], m.peak_bytes),
                trace_reserved_error_pct=_pct(row["trace_reserved_bytes"], m.peak_reserved_bytes))
     return row
 

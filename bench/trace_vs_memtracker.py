@@ -151,8 +151,8 @@ def main() -> int:
         "",
         f"Peak difference (trainmem - MemTracker): {(tr_logical - mt_peak) / mt_peak:+.4%}. "
         f"trainmem 512-byte-rounded peak: {tr_peak / MiB:.2f} MiB; predicted reserved (caching allocator "
-        f"model): {r.reserved_peak_bytes / MiB:.2f} MiB, with expandable_segments "
-        f"{r.reserved_peak_expandable_bytes / MiB:.2f} MiB; peak at {r.peak_phase} / {r.peak_module or '<root>'} / "
+        f"model): {r.peak_reserved_bytes / MiB:.2f} MiB, with expandable_segments "
+        f"{r.peak_reserved_expandable_bytes / MiB:.2f} MiB; peak at {r.peak_phase} / {r.peak_module or '<root>'} / "
         f"{r.peak_op}; {r.num_allocations} allocations.",
     ]
     if args.rss:

@@ -29,9 +29,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import (_int, add_compile_arg, add_finetune_args, add_float8_args, add_head_args,
+    from trainmem.cliargs import (add_compile_arg, add_finetune_args, add_float8_args, add_head_args,
                                   add_inference_args, add_model_step_args,
-                                  add_optimizer_args, add_parallel_args, add_routing_arg)
+                                  add_optimizer_args, add_parallel_args, add_routing_arg, positive_int)
     from trainmem.fitargs import add_fit_args
     from trainmem.inputs import add_input_args
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(func=_compare, device=None)  # CPU kernels only: a typed --device cuda is refused
     snp = sub.add_parser("snapshot", help="summarize a CUDA memory snapshot pickle (read safely: no code runs)")
     snp.add_argument("file", help="a torch.cuda.memory._dump_snapshot() pickle or trainmem trace --snapshot")
-    snp.add_argument("--top", type=_int("top"), default=10, help="largest allocations to list (default 10)")
+    snp.add_argument("--top", type=positive_int("top"), default=10, help="largest allocations to list (default 10)")
     snp.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.snapshot/2)")
     snp.set_defaults(func=_snapshot)
     pre = sub.add_parser("presets", help="list bundled model presets: engine, parameters (total, active per token)")
@@ -211,7 +211,7 @@ def _render_snapshot(path: str, s) -> str:
     """A SnapshotSummary as sizes a person reads (the JSON keeps the integers)."""
     from trainmem.report.units import fmt_bytes
 
-    peak = (f"peak allocated   {fmt_bytes(s.peak_allocated_bytes)} (replaying {s.num_events:,} trace events)"
+    peak = (f"peak allocated   {fmt_bytes(s.peak_bytes)} (replaying {s.num_events:,} trace events)"
             if s.num_events else "peak allocated   n/a (no device trace in the snapshot)")
     lines = [f"snapshot {path}",
              f"reserved         {fmt_bytes(s.reserved_bytes)} in {s.num_segments:,} segment(s)",

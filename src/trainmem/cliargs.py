@@ -48,9 +48,6 @@ def positive_int(field: str):
     return parse
 
 
-_int = positive_int  # the earlier private name (cli.py, measure/cli.py import it)
-
-
 def positive_float(field: str):
     """An argparse type for ``--field``: a finite positive number, else a one-line error."""
     def parse(text: str) -> float:
@@ -75,10 +72,10 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     from functools import partial
 
     step, impl = partial(spec_default, StepSpec), partial(spec_default, ImplSpec)
-    p.add_argument("--batch", type=_int("batch"), default=step("batch"), help=f"micro-batch size B (default {step('batch')})")
-    p.add_argument("--seq", type=_int("seq"), default=None,
+    p.add_argument("--batch", type=positive_int("batch"), default=step("batch"), help=f"micro-batch size B (default {step('batch')})")
+    p.add_argument("--seq", type=positive_int("seq"), default=None,
                    help=f"sequence length S (default {DEFAULT_SEQ}, or the model's learned positions if fewer)")
-    p.add_argument("--grad-accum", type=_int("grad-accum"), default=step("grad_accum"),
+    p.add_argument("--grad-accum", type=positive_int("grad-accum"), default=step("grad_accum"),
                    help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default=step("precision"), metavar="NAME",
                    help=f"{PRECISION_HELP} (default {step('precision')})")
@@ -92,7 +89,7 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTES, default=impl("recompute"),
                    help="activation checkpointing: none, selective (attention core), full (every block), "
                         "every-k (every k-th block), op (torchtitan's op-level policy)")
-    p.add_argument("--recompute-every", type=_int("recompute-every"), default=None,
+    p.add_argument("--recompute-every", type=positive_int("recompute-every"), default=None,
                    help="k for --recompute every-k")
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
                    help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
@@ -152,7 +149,7 @@ def add_head_args(p: argparse.ArgumentParser, heads: tuple[str, ...] | None = No
     p.add_argument("--head", choices=heads or HEADS, default=None,
                    help="the model's head: lm (causal LM), mlm (masked LM), seq-cls (sequence classification), "
                         f"token-cls (token classification){more} lm for decoders, mlm for encoders")
-    p.add_argument("--num-labels", type=_int("num-labels"), default=None,
+    p.add_argument("--num-labels", type=positive_int("num-labels"), default=None,
                    help="classes of a seq-cls or token-cls head (default 2)")
 
 
@@ -244,7 +241,7 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="full (with --freeze), lora (frozen base + adapters), qlora (4-bit NF4 base + adapters)")
     g.add_argument("--finetune-preset", default=None, metavar="NAME",
                    help="a bundled recipe, e.g. lora-r16-all, lora-r8-attn, qlora-r64-all (flags override it)")
-    g.add_argument("--lora-rank", type=_int("lora-rank"), default=None, help="adapter rank r (default 8)")
+    g.add_argument("--lora-rank", type=positive_int("lora-rank"), default=None, help="adapter rank r (default 8)")
     g.add_argument("--lora-alpha", type=_float("lora-alpha"), default=None, help="peft lora_alpha (default 8)")
     g.add_argument("--lora-targets", type=_names("lora-targets"), default=None, metavar="NAMES",
                    help="comma-separated module names, or all-linear (default: peft's default for the "
@@ -302,17 +299,17 @@ def add_inference_args(p: argparse.ArgumentParser) -> None:
     from trainmem.estimate.inference_weights import KV_DTYPES, WEIGHT_FORMATS
 
     g = p.add_argument_group("serving (--mode inference; per rank under --tp/--pp)")
-    g.add_argument("--context", type=_int("context"), default=None,
+    g.add_argument("--context", type=positive_int("context"), default=None,
                    help="tokens each sequence's KV cache holds (default --seq)")
-    g.add_argument("--block-size", type=_int("block-size"), default=16,
+    g.add_argument("--block-size", type=positive_int("block-size"), default=16,
                    help="paged KV-cache block in tokens (default 16; 1 = unpaged)")
     g.add_argument("--weights", choices=tuple(WEIGHT_FORMATS), default=None,
                    help="weight format of the block linears (default: as --precision stores them); "
                         "int4 = AWQ packing with fp16 group scales")
-    g.add_argument("--weight-group", type=_int("weight-group"), default=None, help="int4: group size (default 128)")
+    g.add_argument("--weight-group", type=positive_int("weight-group"), default=None, help="int4: group size (default 128)")
     g.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=None,
                    help="KV-cache dtype (default: the activation dtype)")
-    g.add_argument("--prefill-chunk", type=_int("prefill-chunk"), default=None,
+    g.add_argument("--prefill-chunk", type=positive_int("prefill-chunk"), default=None,
                    help="chunked prefill: prompt tokens per forward")
     g.add_argument("--gpu-memory-utilization", type=_float("gpu-memory-utilization"), default=None,
                    help=f"with --gpu: share of capacity the server may use (vLLM's default "
@@ -351,7 +348,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                        ("pp", "pipeline stages"), ("virtual-stages", "chunks per pipeline rank (interleaved)"),
                        ("microbatches", "micro-batches per pipeline flush"),
                        ("fsdp-group", "ranks per shard group for --fsdp hybrid")):
-        g.add_argument(f"--{flag}", type=_int(flag), default=None, help=what)
+        g.add_argument(f"--{flag}", type=positive_int(flag), default=None, help=what)
     g.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
     g.add_argument("--cp-style", choices=("ring", "allgather"), default="ring",
                    help="context parallel: ring (K/V blocks passed around) or allgather (K/V gathered once)")

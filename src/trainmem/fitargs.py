@@ -191,8 +191,8 @@ def sweep_fit(args, result, *, reserve_modelled: bool) -> tuple[dict, str]:
 
 def profile_fit(args, result) -> tuple[dict, str]:
     """``profile``: measured allocated, active and (CUDA) reserved bytes of the rank with the highest peak."""
-    r = max(result.ranks, key=lambda r: r.peak_allocated_bytes)
-    return fit_report(args, allocated_bytes=r.peak_allocated_bytes, reserved_bytes=r.peak_reserved_bytes,
+    r = max(result.ranks, key=lambda r: r.peak_bytes)
+    return fit_report(args, allocated_bytes=r.peak_bytes, reserved_bytes=r.peak_reserved_bytes,
                       active_bytes=r.peak_active_bytes, gpus=len(result.ranks),
                       reserved_source="measured (max_memory_reserved)", unmodelled="not measured on CPU",
                       active_note="equals allocated: no CUDA stream, no freed blocks still in use")

@@ -1,13 +1,16 @@
 """Stable join keys for activation items, and the per-tensor join of an estimate with a trace.
 
-An activation's key is ``<module path>:<k>``: the module that made the tensor (the name up to its
-last dot, :func:`module_of`) and ``k``, its rank (from 0) in creation order among that module's
-activations. Both engines can compute it: the estimator's :class:`~trainmem.estimate.graph.Graph`
-numbers every tensor it creates (``Sym.seq``), the trace numbers every storage in allocation order
-(``Block.id``). The key names neither the estimator's role label (``q_rope``) nor the aten op
-(``cat:2``), so it is the same on both sides whenever the two make the same tensors in the same
-order in each module -- which is what a per-tensor join then checks (equal dtype and bytes).
-Model states keep their names as keys (``model.layers.0.mlp.up_proj.weight.exp_avg``).
+An activation's key is ``<module path>:<bytes>B:<k>``: the module that made the tensor (the name up
+to its last dot, :func:`module_of`), its size in bytes, and ``k``, its rank (from 0) in creation
+order among that module's activations of that size. Both engines can compute it: the estimator's
+:class:`~trainmem.estimate.graph.Graph` numbers every tensor it creates (``Sym.seq``), the trace
+numbers every storage in allocation order (``Block.id``). The key names neither the estimator's
+role label (``q_rope``) nor the aten op (``cat:2``), and the size makes it independent of the
+order in which a module makes tensors of different sizes (eager attention's ``repeat_kv`` of v
+before or after the softmax; Mixtral's routing indices and expert outputs): only tensors of one
+size in one module must come in the same order on both sides. A tensor whose size differs between
+the sides shows as two unpaired keys, one per side. Model states keep their names as keys
+(``model.layers.0.mlp.up_proj.weight.exp_avg``).
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ def module_of(name: str, *, estimate: bool) -> str:
     return head if dot and head else ROOT
 
 
-def activation_keys(names: Sequence[str], order: Sequence[float], *, estimate: bool) -> list[str]:
-    """``<module>:<k>`` for each name: ``k`` ranks it by ``order`` (creation) within its module."""
-    by_module: dict[str, list[int]] = {}
+def activation_keys(names: Sequence[str], order: Sequence[float], nbytes: Sequence[int], *,
+                    estimate: bool) -> list[str]:
+    """``<module>:<bytes>B:<k>`` for each name: ``k`` ranks it by ``order`` (creation) among its
+    module's tensors of ``nbytes``."""
+    groups: dict[tuple[str, int], list[int]] = {}
     for i, n in enumerate(names):
-        by_module.setdefault(module_of(n, estimate=estimate), []).append(i)
+        groups.setdefault((module_of(n, estimate=estimate), int(nbytes[i])), []).append(i)
     keys = [""] * len(names)
-    for mod, idx in by_module.items():
+    for (mod, size), idx in groups.items():
         for k, i in enumerate(sorted(idx, key=lambda j: (order[j], j))):
-            keys[i] = f"{mod}:{k}"
+            keys[i] = f"{mod}:{size}B:{k}"
     return keys
 
 

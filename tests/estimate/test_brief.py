@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from trainmem.estimate import estimate
 from trainmem.estimate.activations import activation_items
+from trainmem.estimate.symbols import scaling, symbol_values
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
 MiB, GiB = 2**20, 2**30
@@ -47,18 +48,17 @@ def test_doubling_sequence_doubles_linear_terms_and_quadruples_scores():
     a = _items(LLAMA_7B_SHAPE, step, impl)
     b = _items(LLAMA_7B_SHAPE, replace(step, seq=2048), impl)
     assert a.keys() == b.keys()
+    values = symbol_values(LLAMA_7B_SHAPE, step)
+    scales = {}
     for name, item in a.items():
-        ratio = b[name].bytes / item.bytes
-        quadratic = "S·S" in item.formula
-        linear = "S" in item.formula and not quadratic
-        if "S+1" in item.formula:  # the loss's padded labels at B=1: (S+1)·8, affine in S
-            assert (item.bytes, b[name].bytes) == ((1024 + 1) * 8, (2048 + 1) * 8), name
-        elif quadratic:
-            assert ratio == 4, name
-        elif linear:
-            assert ratio == 2, name
-        else:
-            assert ratio == 1, name
+        # each axis at 2S over S: S doubles, S·S quadruples, the padded labels' S+1 at B=1 (affine) go to 2S+1
+        scales[name] = scale = scaling(item.dims, "S", 2, values)
+        assert b[name].bytes == item.bytes * scale, name
+        if "S·S" in item.formula:
+            assert scale == 4, name
+        elif "S" not in item.formula:
+            assert scale == 1, name
+    assert scales["model.layers.0.self_attn.softmax"] == 4 and scales["model.layers.0.mlp.up_proj.out"] == 2
 
 
 def test_gradient_accumulation_does_not_raise_activation_peak():

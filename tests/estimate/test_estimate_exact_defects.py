@@ -40,10 +40,11 @@ def _retained(cfg, impl, batch=2, seq=32):
     import contextlib
 
     from trainmem.trace import step as ts
+    from trainmem.trace.torch_state import default_dtype
     from trainmem.trace.saved import retained_bytes
 
     torch.manual_seed(0)
-    with ts._default_dtype(torch.bfloat16):
+    with default_dtype(torch.bfloat16):
         model = build_hf_model(cfg, attention=impl.attention)
     model.train()
     ts._enable_recompute(model, impl)

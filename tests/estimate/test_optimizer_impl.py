@@ -26,7 +26,8 @@ from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
 from trainmem.trace import trace_step
 from trainmem.trace.live import LiveStorages
-from trainmem.trace.step import _default_dtype, make_optimizer_for
+from trainmem.trace.step import make_optimizer_for
+from trainmem.trace.torch_state import default_dtype
 
 CFG = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
@@ -124,7 +125,7 @@ def _not_estimated(result) -> int:
 def _real_step(step, impl) -> tuple[int, int, int]:
     """(whole-step peak, optimizer.step() peak, host step counters) of a real CPU step, steady state."""
     torch.manual_seed(0)
-    with _default_dtype(torch.bfloat16 if step.precision == "bf16" else torch.float32):  # as trace_step builds it
+    with default_dtype(torch.bfloat16 if step.precision == "bf16" else torch.float32):  # as trace_step builds it
         model = build_hf_model(CFG, attention="sdpa")
     model.train()
     _, _, opt = make_optimizer_for(model, step, impl)

@@ -113,12 +113,13 @@ def _real_states(opt_name: str, precision: str) -> tuple[dict[str, int], int]:
     """(bytes per parameter name excluding shared storages and step counters, all distinct bytes)."""
     torch = pytest.importorskip("torch")
     from trainmem.models.hf import build_hf_model
-    from trainmem.trace.step import _default_dtype, make_optimizer_for
+    from trainmem.trace.step import make_optimizer_for
+    from trainmem.trace.torch_state import default_dtype
     if opt_name in TORCHAO:
         pytest.importorskip("torchao")
         import torchao.optim as ao
         step = StepSpec(optimizer=opt_name, precision=precision)
-        with _default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
+        with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
             model = build_hf_model(CFG, attention="sdpa")
         cls = ao.AdamW8bit if opt_name.endswith("8bit") else ao.AdamW4bit
         opt = cls(list(model.parameters()), lr=1e-4)
@@ -126,7 +127,7 @@ def _real_states(opt_name: str, precision: str) -> tuple[dict[str, int], int]:
     else:
         pytest.importorskip("bitsandbytes")
         step = StepSpec(optimizer=opt_name, precision=precision)
-        with _default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
+        with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):
             model = build_hf_model(CFG, attention="sdpa")
         _, _, opt = make_optimizer_for(model, step, ImplSpec(device="cpu"))
         import contextlib

@@ -136,10 +136,10 @@ def _measured(cfg, precision, attention, batch=B, routing="balanced"):
     from trainmem.specs.impl import routing_hot_fraction
     from trainmem.trace.routing import experts_modules, force_routing
 
-    from trainmem.trace.step import _default_dtype
+    from trainmem.trace.torch_state import default_dtype
 
     torch.manual_seed(0)
-    with _default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):  # as trace_step builds it
+    with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):  # as trace_step builds it
         model = build_hf_model(cfg, attention=attention)
     ids = torch.randint(0, cfg["vocab_size"], (batch, S))
     ctx = force_routing(model, routing_hot_fraction(routing)) if experts_modules(model) else contextlib.nullcontext()
@@ -175,10 +175,11 @@ def _retained(cfg, impl):
     import contextlib
 
     from trainmem.trace import step as ts
+    from trainmem.trace.torch_state import default_dtype
     from trainmem.trace.saved import retained_bytes
 
     torch.manual_seed(0)
-    with ts._default_dtype(torch.bfloat16):
+    with default_dtype(torch.bfloat16):
         model = build_hf_model(cfg, attention=impl.attention)
     model.train()
     ts._enable_recompute(model, impl)

@@ -24,5 +24,5 @@ def test_callback_on_cuda(tmp_path):
     assert check.run.impl.device == "cuda" and check.run.step.precision == "amp-bf16"
     assert check.budget.gpu.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert check.fits is True
-    assert measured.reserved_peak_bytes >= measured.peak_bytes > 0
+    assert measured.peak_reserved_bytes >= measured.peak_bytes > 0
     assert cb.report.agrees, f"measured/predicted = {cb.report.ratio:.3f}"

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from prop_strategies import est, impls, ledgers, model_states, models, steps
-from trainmem.estimate.symbols import names
+from trainmem.estimate.symbols import scaling, symbol_values
 from trainmem.inventory import Category
 from trainmem.specs import ImplSpec, ParallelSpec
 
@@ -144,14 +144,17 @@ def test_doubling_the_sequence_doubles_linear_and_quadruples_quadratic_items(mod
     b = {i.name: i for i in two.inventory if i.category is Category.ACTIVATION}
     assert set(a) == set(b)
     checked = 0
+    values = symbol_values(model, step)
     for name, item in a.items():
-        # per-axis dims where the item has them: S's power is the number of axes that depend on S
-        if item.dims == ("S+1",):  # the loss's padded labels at B=1 ((S+1)·8): affine, not a power of S
-            assert (item.bytes, b[name].bytes) == ((step.seq + 1) * 8, (2 * step.seq + 1) * 8), name
-            continue
-        power = sum("S" in names(d) for d in item.dims) if item.dims else _seq_power(item.formula)
-        assert power is not None, f"{name}: formula {item.formula!r} is not a product"
-        assert b[name].bytes == item.bytes * 2 ** power, (name, item.formula, item.bytes, b[name].bytes)
+        # per-axis dims where the item has them: each axis scales by its own value at 2S over S (S and
+        # S·S double and quadruple, the padded labels' S+1 at B=1 goes to 2S+1: no special case)
+        if item.dims:
+            scale = scaling(item.dims, "S", 2, values)
+        else:
+            power = _seq_power(item.formula)
+            assert power is not None, f"{name}: formula {item.formula!r} is not a product"
+            scale = 2 ** power
+        assert b[name].bytes == item.bytes * scale, (name, item.formula, item.bytes, b[name].bytes)
         checked += 1
     assert checked
     # the quadratic marker is honest: eager attention keeps at least one S·S item per block

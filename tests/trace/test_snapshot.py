@@ -43,4 +43,4 @@ def test_snapshot_accounts_like_the_trace(result):
             live -= e["size"]
     assert peak == result.peak_bytes
     reserved = sum(s["total_size"] for s in data["segments"])
-    assert reserved == result.reserved_peak_bytes  # segments are never released
+    assert reserved == result.peak_reserved_bytes  # segments are never released

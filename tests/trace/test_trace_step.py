@@ -41,7 +41,7 @@ def test_fake_and_real_agree():
     assert fake.meta["fake"] and not real.meta["fake"]
     assert fake.peak_bytes == real.peak_bytes
     assert fake.totals_at_peak_bytes == real.totals_at_peak_bytes
-    assert fake.reserved_peak_bytes == real.reserved_peak_bytes
+    assert fake.peak_reserved_bytes == real.peak_reserved_bytes
 
 
 def test_mixtral_moe_fake_equals_real():

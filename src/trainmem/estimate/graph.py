@@ -41,7 +41,7 @@ class Sym:
     requires_grad: bool = True  # whether autograd must carry a gradient to it
     op: str | None = None  # the aten op whose output this is, where a checkpoint policy asks ("mm", "bmm", ...)
     seq: int = -1  # creation order (Graph.new), for the join key; -1 for a view made outside the graph
-    input: bool = False  # a model input (token ids), not an op's output: keyed ``(inputs):<k>``
+    input: bool = False  # a model input (token ids), not an op's output: keyed ``(inputs):<bytes>B:<k>``
 
     @property
     def numel(self) -> int:
@@ -194,12 +194,14 @@ class Graph:
         return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, text, dims, key)
 
     def _keys(self) -> dict[int, str]:
-        """The join key (``trainmem.join``) of every kept tensor: its module and its rank in
-        creation order among the module's kept tensors. A Sym made outside :meth:`new` (a view, a
-        repeated block's output) takes the order of the tensor of its name, else comes last."""
+        """The join key (``trainmem.join``) of every kept tensor: its module, its bytes and its rank
+        in creation order among the module's kept tensors of that size. A Sym made outside
+        :meth:`new` (a view, a repeated block's output) takes the order of the tensor of its name,
+        else comes last."""
         syms = list(self.saved.values())
         order = [t.seq if t.seq >= 0 else self._seq.get(t.name, len(self._seq)) for t in syms]
-        keys = activation_keys(["input_ids" if t.input else t.name for t in syms], order, estimate=True)
+        keys = activation_keys(["input_ids" if t.input else t.name for t in syms], order, [t.nbytes for t in syms],
+                               estimate=True)
         return {id(t): k for t, k in zip(syms, keys)}
 
     def savers(self) -> list[str]:

@@ -107,8 +107,12 @@ def framework_loss_items(ctx, logits) -> None:
     nt = _target_bytes(loss, B, S) // 8
     target = g.new("target", (nt,), ("B·S" if loss == "torchtune-chunked-ce" else "B·(S-1)",), "int64",
                    False) if nt else None
-    g.save(g.new("log_softmax", (sum(rows), V), ("rows", "V"), lsm_dtype), when=rg)
-    g.save(target, g.new("total_weight", (n,), ("chunks",), "float32", False),
+    # dims in S, so the doubling rule (symbols.scaling) sees how they scale: B·S rows (torchtune) or
+    # B·(S-1) (LitGPT drops the last position); torch.chunk(S, 8) makes ⌈S/⌈S/8⌉⌉ chunks, split(S, 128) ⌈S/128⌉
+    tt = loss == "torchtune-chunked-ce"
+    g.save(g.new("log_softmax", (sum(rows), V), ("B·S" if tt else "B·(S-1)", "V"), lsm_dtype), when=rg)
+    chunks = f"⌈S/⌈S/{TORCHTUNE_CHUNKS}⌉⌉" if tt else f"⌈S/{LITGPT_CHUNK}⌉"
+    g.save(target, g.new("total_weight", (n,), (chunks,), "float32", False),
            g.new("token_count", (), (), "int64", False), when=rg)
 
 

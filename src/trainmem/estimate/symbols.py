@@ -26,7 +26,7 @@ import re
 from fractions import Fraction
 from typing import Mapping
 
-__all__ = ["formula", "render", "substitute", "names", "evaluate", "symbol_values"]
+__all__ = ["formula", "render", "substitute", "names", "evaluate", "scaling", "symbol_values"]
 
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|([A-Za-z_][A-Za-z_0-9]*)|(.))")
 
@@ -158,6 +158,21 @@ def evaluate(expr: str, values: Mapping[str, int]) -> Fraction:
     out = total()
     if pos != len(toks):
         raise ValueError(f"trailing {toks[pos][1]!r} in {expr!r}")
+    return out
+
+
+def scaling(dims: tuple[str, ...], symbol: str, factor: int, values: Mapping[str, int]) -> Fraction:
+    """How a tensor's size scales when ``symbol`` is multiplied by ``factor``, every other symbol at
+    ``values``: the product over axes of each axis' value after over before. An axis need not be a
+    power of the symbol: an affine one (``S+1``, the loss's labels padded at B=1) scales by
+    ``(2S+1)/(S+1)``, a padded one (``⌈S/32⌉``) by its own rounding, a quadratic tensor
+    (``("B", "A", "S", "S")``) by ``factor²``; an axis without the symbol by 1 (its own symbols
+    need no value: ``rows``, the routed rows of a MoE block, has none)."""
+    scaled = {symbol: f"{factor}·{symbol}"}
+    out = Fraction(1)
+    for d in dims:
+        if symbol in names(d):
+            out *= evaluate(substitute(d, scaled), values) / evaluate(d, values)
     return out
 
 

@@ -130,7 +130,7 @@ class Measured:
     device: str
     source: str
     step_peaks_bytes: tuple[int, ...]
-    reserved_peak_bytes: int | None = None  # CUDA only
+    peak_reserved_bytes: int | None = None  # CUDA only
 
     @property
     def peak_bytes(self) -> int:
@@ -138,7 +138,7 @@ class Measured:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "source": self.source, "step_peaks_bytes": list(self.step_peaks_bytes),
-                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.reserved_peak_bytes}  # schemas' name
+                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes}  # schemas' name
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ class TrainMemCallback(TrainerCallback):
         log_measured(self.report)
         state.log_history.append({"trainmem/predicted_peak_bytes": self.report.check.predicted_peak_bytes,
                                   "trainmem/measured_peak_bytes": measured.peak_bytes,
-                                  "trainmem/measured_reserved_bytes": measured.reserved_peak_bytes,
+                                  "trainmem/measured_reserved_bytes": measured.peak_reserved_bytes,
                                   "trainmem/ratio": self.report.ratio, "step": state.global_step})
 
 

@@ -65,7 +65,7 @@ def _fix_lines(check: Check) -> list[str]:
 def measured_line(report: GuardReport) -> str:
     m, c = report.measured, report.check
     steps = len(m.step_peaks_bytes)
-    reserved = f", reserved {fmt_bytes(m.reserved_peak_bytes)}" if m.reserved_peak_bytes is not None else ""
+    reserved = f", reserved {fmt_bytes(m.peak_reserved_bytes)}" if m.peak_reserved_bytes is not None else ""
     verdict = "within" if report.agrees else "OUTSIDE"
     return (f"trainmem: step peak predicted {fmt_bytes(c.predicted_peak_bytes)}, measured {fmt_bytes(m.peak_bytes)}"
             f"{reserved} ({m.source} on {m.device}, first {steps} step{'s' if steps > 1 else ''}); "

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import replace
 
-from trainmem.cliargs import _int as _positive  # positive integers, one-line errors
+from trainmem.cliargs import positive_int  # positive integers, one-line errors
 from trainmem.units import SIZE_RULE
 
 __all__ = ["add_parser", "run_profile", "run_sweep"]
@@ -23,7 +23,7 @@ MAX_STEPS = 10**6    # a profile measures a few steps; more is a typo
 
 def _upto(field: str, maximum: int):
     """Positive integers up to ``maximum``, one-line errors."""
-    parse = _positive(field)
+    parse = positive_int(field)
 
     def bounded(text: str) -> int:
         value = parse(text)
@@ -83,9 +83,9 @@ def add_parser(subparsers) -> None:
     add_fit_args(s)
     s.add_argument("--backend", choices=("estimate", "trace", "device"), default="estimate",
                    help="estimate (analytic), trace (fake tensors on CPU) or device (real runs); default estimate")
-    s.add_argument("--start", type=_positive("start"), default=None, help="first value (seq 128, batch 1)")
-    s.add_argument("--max", type=_positive("max"), default=None, dest="stop", help="largest value searched")
-    s.add_argument("--multiple", type=_positive("multiple"), default=None,
+    s.add_argument("--start", type=positive_int("start"), default=None, help="first value (seq 128, batch 1)")
+    s.add_argument("--max", type=positive_int("max"), default=None, dest="stop", help="largest value searched")
+    s.add_argument("--multiple", type=positive_int("multiple"), default=None,
                    help="values are multiples of this (seq 64, batch 1)")
     s.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     s.add_argument("--plot", metavar="FILE", help="memory against the swept value with the fits (.png or .svg)")

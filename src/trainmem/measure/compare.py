@@ -74,8 +74,8 @@ def compare_table(estimate=None, trace=None, measured=None) -> CompareTable:
                        me_tot.get(c.value) if measured is not None else None) for c in LEDGERS]
     rows.append(CompareRow("peak_allocated", estimate.peak_bytes if estimate is not None else None,
                            trace.peak_bytes if trace is not None else None,
-                           measured.peak_allocated_bytes if measured is not None else None))
-    rows.append(CompareRow("peak_reserved", None, trace.reserved_peak_bytes if trace is not None else None,
+                           measured.peak_bytes if measured is not None else None))
+    rows.append(CompareRow("peak_reserved", None, trace.peak_reserved_bytes if trace is not None else None,
                            measured.peak_reserved_bytes if measured is not None else None))
     return CompareTable(tuple(rows), measured.device if measured is not None else "")
 

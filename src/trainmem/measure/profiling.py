@@ -74,7 +74,7 @@ class RankProfile:
 
     rank: int
     device: str
-    peak_allocated_bytes: int
+    peak_bytes: int
     peak_reserved_bytes: int | None
     peak_active_bytes: int | None
     num_alloc_retries: int | None
@@ -95,7 +95,7 @@ class RankProfile:
     def to_dict(self) -> dict:
         return {
             "rank": self.rank, "device": self.device,  # /2: peak_bytes is the allocated peak, as everywhere
-            "peak_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_active_bytes": self.peak_active_bytes, "num_alloc_retries": self.num_alloc_retries,
             "num_ooms": self.num_ooms, "baseline_bytes": self.baseline_bytes, "context_bytes": self.context_bytes,
             "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s,
@@ -108,7 +108,6 @@ class RankProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "RankProfile":
         d = dict(d)
-        d["peak_allocated_bytes"] = d.pop("peak_bytes")
         d["modules"] = tuple(ModulePeak(**m) for m in d.get("modules", ()))
         d["losses"] = tuple(d.get("losses", ()))
         return cls(**d)
@@ -126,8 +125,8 @@ class ProfileResult:
         return self.ranks[0].device
 
     @property
-    def peak_allocated_bytes(self) -> int:
-        return max(r.peak_allocated_bytes for r in self.ranks)
+    def peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.ranks)
 
     @property
     def peak_reserved_bytes(self) -> int | None:
@@ -152,7 +151,7 @@ class ProfileResult:
                 "meta": {("model_class" if k == "model" else k): v for k, v in m.items()
                          if k not in ("step", "impl", "model_name")},
                 "device": self.device,
-                "peak_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
                 "tokens_per_s": self.tokens_per_s, "totals_bytes": dict(self.totals_bytes),
                 "ranks": [r.to_dict() for r in self.ranks]}
 
@@ -319,7 +318,7 @@ def _measure(run: Callable[[Any], Any], *, model, optimizer, tokens_per_step: in
 
     return RankProfile(
         rank=_rank(), device=_device_name(dev),
-        peak_allocated_bytes=int(stats["allocated_bytes.all.peak"]) if cuda else meter.peak_bytes,
+        peak_bytes=int(stats["allocated_bytes.all.peak"]) if cuda else meter.peak_bytes,
         peak_reserved_bytes=int(stats["reserved_bytes.all.peak"]) if cuda else None,
         peak_active_bytes=int(stats["active_bytes.all.peak"]) if cuda else None,
         num_alloc_retries=delta("num_alloc_retries") if cuda else None,

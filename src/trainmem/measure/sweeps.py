@@ -185,7 +185,7 @@ def _trace_backend(source, step: StepSpec, impl: ImplSpec, over: str):
         s = _with(step, over, value)
         r = trace_step(source, s, impl)
         return SweepPoint(value, True, r.peak_bytes, r.items.totals(), _split_terms(r.items, s.seq),
-                          reserved_bytes=r.reserved_peak_bytes)
+                          reserved_bytes=r.peak_reserved_bytes)
     return run
 
 
@@ -217,7 +217,7 @@ class _DeviceBackend:
         except OutOfMemory as exc:
             return SweepPoint(value, False, None, note=str(exc))
         rank = r.ranks[0]
-        peak = rank.peak_allocated_bytes
+        peak = rank.peak_bytes
         held = rank.peak_reserved_bytes if rank.peak_reserved_bytes is not None else peak
         return SweepPoint(value, held <= self.budget, peak, dict(rank.totals_bytes), {},
                           reserved_bytes=rank.peak_reserved_bytes)

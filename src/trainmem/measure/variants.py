@@ -75,7 +75,7 @@ def parse_variants(text: str, step: StepSpec, impl: ImplSpec) -> list[Variant]:
 @dataclass(frozen=True)
 class VariantRow:
     label: str
-    peak_allocated_bytes: int | None
+    peak_bytes: int | None
     peak_reserved_bytes: int | None
     tokens_per_s: float | None
     loss: float | None  # first step (identical weights across variants)
@@ -86,10 +86,9 @@ class VariantRow:
     speed_ratio: float | None = None  # tokens/s ÷ the first variant's
 
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("label", "peak_allocated_bytes", "peak_reserved_bytes", "tokens_per_s",
+        out = {k: getattr(self, k) for k in ("label", "peak_bytes", "peak_reserved_bytes", "tokens_per_s",
                                             "loss", "grad_norm", "loss_diff", "grad_norm_rel_diff", "status",
                                             "speed_ratio")}
-        out["peak_bytes"] = out.pop("peak_allocated_bytes")  # the schemas' name for the allocated peak
         return out
 
 
@@ -122,7 +121,7 @@ def run_variants(source, variants: list[Variant], *, device=None, seed: int = 0,
         rank = r.ranks[0]
         loss = rank.losses[0] if rank.losses else None
         gn = rank.first_grad_norm
-        row = VariantRow(v.label, rank.peak_allocated_bytes, rank.peak_reserved_bytes, rank.tokens_per_s, loss, gn,
+        row = VariantRow(v.label, rank.peak_bytes, rank.peak_reserved_bytes, rank.tokens_per_s, loss, gn,
                          None, None)
         if first is None:
             row = replace(row, loss_diff=0.0 if loss is not None else None, grad_norm_rel_diff=0.0 if gn else None,

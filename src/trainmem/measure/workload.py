@@ -154,14 +154,14 @@ class Workload:
 def _build_model(source, step: StepSpec, impl: ImplSpec, device):
     import torch
 
-    from trainmem.trace.step import _default_dtype
+    from trainmem.trace.torch_state import default_dtype
 
     dt = _dtype(step.dtypes.param)
     if isinstance(source, ModelSpec):
         from trainmem.models.reference import build_reference_model
         if impl.profile != "reference":
             impl = replace(impl, profile="reference")
-        with torch.device(device), _default_dtype(dt):
+        with torch.device(device), default_dtype(dt):
             model = build_reference_model(source, replace(impl, device=device.type))
         return model, source.vocab_size, True
     if isinstance(source, Mapping):
@@ -169,7 +169,7 @@ def _build_model(source, step: StepSpec, impl: ImplSpec, device):
             raise UnsupportedError("profile='megatron' is an accounting model, not code that can run; "
                                    "measure profile 'hf' or 'reference'")
         from trainmem.models.hf import build_hf_model
-        with torch.device(device), _default_dtype(dt):
+        with torch.device(device), default_dtype(dt):
             model = build_hf_model(source, attention=impl.attention)
         return model, model.config.vocab_size, False
     vocab = getattr(getattr(source, "config", None), "vocab_size", None)

@@ -31,7 +31,7 @@ def render_profile(result, *, top_modules: int = 10) -> str:
     desc = (result.meta or {}).get("step", {}).get("precision_description")
     out = [f"device: {result.device}" + ("" if cuda else "  (peaks are live-set bytes; reserved n/a on CPU)"),
            *([f"precision: {desc}"] if desc else []),
-           f"peak allocated: {_b(result.peak_allocated_bytes)}",
+           f"peak allocated: {_b(result.peak_bytes)}",
            f"peak reserved:  {_b(result.peak_reserved_bytes)}" + ("" if cuda else "  (reserved n/a on CPU)"),
            f"tokens/s:       {_rate(result.tokens_per_s)}  (step {r0.step_time_s * 1e3:.1f} ms)"]
     if cuda:
@@ -57,7 +57,7 @@ def render_profile(result, *, top_modules: int = 10) -> str:
         out.append("per rank:")
         out += ["  " + line for line in _table(
             ["rank", "device", "peak allocated", "peak reserved", "tokens/s", "OOMs"],
-            [[str(r.rank), r.device, _b(r.peak_allocated_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
+            [[str(r.rank), r.device, _b(r.peak_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
               "n/a" if r.num_ooms is None else str(r.num_ooms)] for r in result.ranks])]
     if r0.snapshot:
         out.append("")
@@ -108,7 +108,7 @@ def render_sweep(result) -> str:
 def render_variants(result) -> str:
     rows = []
     for r in result.rows:
-        rows.append([r.label, _b(r.peak_allocated_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
+        rows.append([r.label, _b(r.peak_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
                      "" if r.speed_ratio is None else f"{r.speed_ratio:.2f}x",
                      "" if r.loss is None else f"{r.loss:.5f}",
                      "" if r.loss_diff is None else f"{r.loss_diff:+.2e}",

@@ -10,17 +10,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainmem.report.units import downsample, fmt_bytes
+from trainmem.report.html_trace import timeline_svg
 
 if TYPE_CHECKING:  # report never imports the tracer back (tests/test_import_cycles.py)
     from trainmem.trace.result import TraceResult
 
 __all__ = ["to_html", "write_html"]
-
-WIDTH, HEIGHT, PAD = 960, 320, 50
-LEFT = 80  # room for the y-axis labels ("123.45 GiB" at 10 px) inside the svg
-PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#eaf7ea", "step_in_backward": "#eaf7ea",
-                "other": "#f4f4f4"}
 
 
 def _mib(n: int) -> str:
@@ -28,47 +23,9 @@ def _mib(n: int) -> str:
 
 
 def _svg(result: TraceResult) -> str:
-    alloc, reserved = result.timeline_allocated_bytes, result.timeline_reserved_bytes
-    n = len(alloc)
-    top = max(max(reserved), max(alloc), 1)
-    idx = downsample(alloc, WIDTH)
-
-    def x(i: int) -> float:
-        return LEFT + (WIDTH - LEFT - PAD) * (i / max(n - 1, 1))
-
-    def y(v: int) -> float:
-        return HEIGHT - PAD + (v / top) * -(HEIGHT - 2 * PAD)
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img">']
-    marks = list(result.phases) + [(n, "")]
-    for (start, phase), (end, _) in zip(marks, marks[1:]):
-        if end > start:
-            parts.append(f'<rect x="{x(start):.1f}" y="{PAD}" width="{max(x(end) - x(start), 0.5):.1f}" '
-                         f'height="{HEIGHT - 2 * PAD}" fill="{PHASE_COLORS.get(phase, "#fff")}">'
-                         f'<title>{html.escape(phase)}</title></rect>')
-            if x(end) - x(start) >= 8 * len(phase):  # a label only where it fits over its band
-                parts.append(f'<text class="phase" x="{(x(start) + x(end)) / 2:.1f}" y="{PAD - 6}" font-size="11" '
-                             f'text-anchor="middle" fill="#555">{html.escape(phase)}</text>')
-    for series, color, name in ((reserved, "#888", "reserved (allocator model)"), (alloc, "#1f5fbf", "allocated")):
-        pts = " ".join(f"{x(i):.1f},{y(series[i]):.1f}" for i in idx)
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}">'
-                     f'<title>{name}</title></polyline>')
-    peak_i = max(range(n), key=alloc.__getitem__)
-    parts.append(f'<circle cx="{x(peak_i):.1f}" cy="{y(alloc[peak_i]):.1f}" r="4" fill="#c00">'
-                 f'<title>peak {_mib(result.peak_bytes)} MiB</title></circle>')
-    for k in range(5):
-        v = top * k / 4
-        parts.append(f'<text class="ylabel" x="{LEFT - 6}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">'
-                     f'{fmt_bytes(int(v))}</text>')  # binary units that suit the size
-    kx = LEFT  # a key of the phases, every band named even where its own label does not fit
-    for phase in dict.fromkeys(p for _, p in result.phases):
-        parts.append(f'<rect x="{kx}" y="{HEIGHT - 38}" width="10" height="10" fill="{PHASE_COLORS.get(phase, "#fff")}" '
-                     f'stroke="#bbb"/><text class="phase-key" x="{kx + 14}" y="{HEIGHT - 29}" font-size="11">'
-                     f'{html.escape(phase)}</text>')
-        kx += 14 + 7 * len(phase) + 16
-    parts.append(f'<text x="{WIDTH / 2}" y="{HEIGHT - 12}" font-size="11" text-anchor="middle">'
-                 f'allocation events (blue: allocated, grey: reserved; bands: phases)</text></svg>')
-    return "".join(parts)
+    """The trace's timeline chart, drawn by the same function as a trace JSON's page (report/html_trace.py)."""
+    n = len(result.timeline_allocated_bytes)
+    return timeline_svg(range(n), result.timeline_allocated_bytes, result.timeline_reserved_bytes, result.phases)
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -83,8 +40,8 @@ def to_html(result: TraceResult, *, title: str = "trainmem trace") -> str:
     summary = [
         ["peak allocated (512-B rounded)", f"{_mib(r.peak_bytes)} MiB"],
         ["peak where", f"{r.peak_phase} / {r.peak_module or '<root>'} / {r.peak_op}"],
-        ["reserved peak (caching allocator model)", f"{_mib(r.reserved_peak_bytes)} MiB"],
-        ["reserved peak, expandable_segments", f"{_mib(r.reserved_peak_expandable_bytes)} MiB"],
+        ["reserved peak (caching allocator model)", f"{_mib(r.peak_reserved_bytes)} MiB"],
+        ["reserved peak, expandable_segments", f"{_mib(r.peak_reserved_expandable_bytes)} MiB"],
         ["fragmentation at the allocated peak", f"{r.fragmentation:.1%}"],
         ["allocations", r.num_allocations],
     ]

@@ -59,7 +59,7 @@ def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
     lines = [
         *_header_lines(r.meta),
         f"peak allocated   {_gib(r.peak_bytes)}  at {r.peak_phase} / {r.peak_module or '<root>'} / {r.peak_op}",
-        f"reserved (model) {_gib(r.reserved_peak_bytes)}  expandable_segments: {_gib(r.reserved_peak_expandable_bytes).strip()}"
+        f"reserved (model) {_gib(r.peak_reserved_bytes)}  expandable_segments: {_gib(r.peak_reserved_expandable_bytes).strip()}"
         f", fragmentation at peak {r.fragmentation:.1%}",
         "",
         "alive at the peak:",

@@ -62,7 +62,7 @@ def trace_fit(args, result, *, label: str = "") -> tuple[dict, str]:
     from trainmem.fitargs import fit_report
 
     expandable = getattr(args, "expandable_segments", False)
-    reserved = result.reserved_peak_expandable_bytes if expandable else result.reserved_peak_bytes
+    reserved = result.peak_reserved_expandable_bytes if expandable else result.peak_reserved_bytes
     return fit_report(args, allocated_bytes=result.peak_bytes, reserved_bytes=reserved, label=label,
                       reserved_source="from the caching-allocator model's replay of the trace"
                                       + (", expandable_segments" if expandable else ""),

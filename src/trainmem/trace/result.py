@@ -25,7 +25,7 @@ TIMELINE_POINTS = 2000  # the JSON timeline keeps each bucket's maximum
 
 _ORIGIN_CATEGORY = {
     R.ORIGIN_PARAMETER: Category.PARAMETER,
-    R.ORIGIN_BUFFER: Category.PARAMETER,
+    R.ORIGIN_BUFFER: Category.BUFFER,  # module buffers (rotary inv_freq): device memory, not parameters
     R.ORIGIN_GRADIENT: Category.GRADIENT,
     R.ORIGIN_MASTER: Category.MASTER_WEIGHT,
     R.ORIGIN_STATE: Category.OPTIMIZER_STATE,
@@ -74,8 +74,8 @@ class TraceResult:
     peak_phase: str
     peak_op: str
     peak_module: str
-    reserved_peak_bytes: int
-    reserved_peak_expandable_bytes: int
+    peak_reserved_bytes: int
+    peak_reserved_expandable_bytes: int
     fragmentation: float
     totals_at_peak_bytes: dict[str, int]
     modules: tuple[ModulePeak, ...]
@@ -130,8 +130,8 @@ class TraceResult:
             "peak_phase": self.peak_phase,
             "peak_op": self.peak_op,
             "peak_module": self.peak_module,
-            "peak_reserved_bytes": self.reserved_peak_bytes,
-            "peak_reserved_expandable_bytes": self.reserved_peak_expandable_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_reserved_expandable_bytes": self.peak_reserved_expandable_bytes,
             "fragmentation": round(self.fragmentation, 6),
             "num_allocations": self.num_allocations,
             "totals_at_peak_bytes": dict(self.totals_at_peak_bytes),
@@ -235,8 +235,8 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
         peak_phase=peak_block.phase if peak_block else "",
         peak_op=peak_block.op if peak_block else "",
         peak_module=peak_block.module if peak_block else "",
-        reserved_peak_bytes=rep.reserved_peak_bytes,
-        reserved_peak_expandable_bytes=rep_x.reserved_peak_bytes,
+        peak_reserved_bytes=rep.reserved_peak_bytes,
+        peak_reserved_expandable_bytes=rep_x.reserved_peak_bytes,
         fragmentation=rep.fragmentation,
         totals_at_peak_bytes=totals,
         modules=modules,
@@ -254,11 +254,11 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
 
 def _items(rec: R.Recording, cats: list[Category], names: list[str]) -> Inventory:
     """Activations saved for backward (as alive when backward starts) and model states. An
-    activation's key (``trainmem.join``) ranks it in allocation order among its module's."""
+    activation's key (``trainmem.join``) ranks it in allocation order among its module's of its size."""
     out = []
     kept = [b for b, cat in zip(rec.blocks, cats) if cat is Category.ACTIVATION and b.origin != R.ORIGIN_RECOMPUTE]
     keys = dict(zip((b.id for b in kept), activation_keys([item_name(b) for b in kept], [b.id for b in kept],
-                                                          estimate=False)))
+                                                          [b.nbytes for b in kept], estimate=False)))
     for b, cat in zip(rec.blocks, cats):
         if cat is Category.TRANSIENT or (cat is Category.ACTIVATION and b.origin == R.ORIGIN_RECOMPUTE):
             continue

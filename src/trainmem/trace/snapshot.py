@@ -88,7 +88,7 @@ def to_memory_snapshot(result: TraceResult, *, expandable_segments: bool = False
         "allocator_settings": {"expandable_segments": expandable_segments, "PYTORCH_CUDA_ALLOC_CONF": "",
                                "max_split_size": -1},
         "trainmem": {"schema": result.to_dict(timeline=False)["schema"], "peak_bytes": result.peak_bytes,
-                     "peak_reserved_bytes": result.reserved_peak_bytes},
+                     "peak_reserved_bytes": result.peak_reserved_bytes},
     }
 
 

@@ -7,7 +7,7 @@ admits no global at all: those plain types need none, and anything else (``os.sy
 is refused with :class:`~trainmem.errors.ConfigError` before it is looked up.
 
 Known limitations:
-  - ``peak_allocated_bytes`` replays ``device_traces``; torch keeps only the last
+  - ``peak_bytes`` replays ``device_traces``; torch keeps only the last
     ``max_entries`` events, so for a truncated history it is the peak of what was kept.
   - Only the first device's trace is replayed when there are several.
 """
@@ -82,7 +82,7 @@ class SnapshotSummary:
     """Sum of segment sizes at the time of the snapshot."""
     allocated_bytes: int
     """Active allocated blocks at the time of the snapshot."""
-    peak_allocated_bytes: int
+    peak_bytes: int
     """Largest live total while replaying the first device trace (0 without a trace)."""
     num_events: int
     top_allocations: tuple[Allocation, ...] = field(default_factory=tuple)
@@ -92,7 +92,7 @@ class SnapshotSummary:
         from trainmem.schemas import header
         # /2: reserved_bytes and allocated_bytes when the snapshot was taken; peak_bytes the allocated peak
         return {**header("snapshot"), "num_segments": self.num_segments, "reserved_bytes": self.reserved_bytes,
-                "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_allocated_bytes,
+                "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_bytes,
                 "num_events": self.num_events,
                 "top_allocations": [{"size_bytes": a.size_bytes, "where": a.where} for a in self.top_allocations]}
 
@@ -144,4 +144,4 @@ def summarize_snapshot(snapshot: dict, *, top: int = 10) -> SnapshotSummary:
     pool = allocs or live_blocks
     pool.sort(key=lambda a: -a.size_bytes)
     return SnapshotSummary(num_segments=len(segments), reserved_bytes=reserved, allocated_bytes=allocated,
-                           peak_allocated_bytes=peak, num_events=len(events), top_allocations=tuple(pool[:top]))
+                           peak_bytes=peak, num_events=len(events), top_allocations=tuple(pool[:top]))

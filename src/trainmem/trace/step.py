@@ -52,9 +52,7 @@ from typing import Any, Callable, Mapping
 from trainmem.errors import UnsupportedError
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.trace.result import TraceResult
-# the older private names, still imported by estimate/traced, measure/workload, bench and tests
-from trainmem.trace.torch_state import default_dtype as _default_dtype  # noqa: F401
-from trainmem.trace.torch_state import quiet_fake_tensor_log as _quiet_fake_tensor_log
+from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
 
 __all__ = ["trace_step"]
 
@@ -345,7 +343,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     fake = not real
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     try:
-        with _quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
+        with quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
                         offload=offload)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
@@ -398,12 +396,12 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     reference = isinstance(model_or_config, ModelSpec)
     if reference:
         from trainmem.models.reference import build_reference_model
-        with _default_dtype(_dtype(dt.param)):  # model.to() cannot swap fake parameters
+        with default_dtype(_dtype(dt.param)):  # model.to() cannot swap fake parameters
             model = build_reference_model(model_or_config, impl)
         vocab = model_or_config.vocab_size
     elif isinstance(model_or_config, Mapping):
         from trainmem.models.hf import build_hf_model
-        with _default_dtype(_dtype(dt.param)):
+        with default_dtype(_dtype(dt.param)):
             model = build_hf_model(model_or_config, attention=impl.attention, head=head, experts=experts,
                                    init_weights=not is_fake(torch.empty(0)))
     else:

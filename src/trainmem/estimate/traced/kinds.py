@@ -43,9 +43,9 @@ def meta_model(config: Mapping[str, Any], attention: str, dtype=None):
     import torch
 
     from trainmem.models.hf import build_hf_model
-    from trainmem.trace.step import _default_dtype
+    from trainmem.trace.torch_state import default_dtype
 
-    ctx = _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
+    ctx = default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
     with torch.device("meta"), ctx:
         return build_hf_model(config, attention=attention, init_weights=False)
 

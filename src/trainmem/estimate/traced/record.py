@@ -43,12 +43,13 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 
     from trainmem.trace import step as ts
     from trainmem.trace.hf_masks import masks_as_on_real_tensors
+    from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
 
     ts._check(step, impl)
     try:
-        with ts._quiet_fake_tensor_log(), FakeTensorMode(), ts._attention_context(impl):
+        with quiet_fake_tensor_log(), FakeTensorMode(), ts._attention_context(impl):
             from trainmem.models.hf import build_hf_model
-            with ts._default_dtype(ts._dtype(step.dtypes.param)):
+            with default_dtype(ts._dtype(step.dtypes.param)):
                 model = build_hf_model(config, attention=impl.attention, init_weights=False)
             model.train()
             ts._enable_recompute(model, impl)
