@@ -120,11 +120,26 @@ def test_mistral_with_a_window_not_shorter_than_s_is_qwen2_without_biases():
         _saved(dict(MISTRAL, sliding_window=32), "bf16")
 
 
+QWEN3 = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=256)
+
+
+def test_qwen3_q_k_norms_exact():
+    # B=2, S=64, H=64, F=128, A=4, Akv=2, hd=16, bf16, per block. Qwen2's set without biases
+    # (test_compiled_rules.py: 6 x B*S*H*2 + 2 x B*S*Akv*hd*2 + 3 x B*S*F*2 + rsqrt 2 x 512 + lse 2048,
+    # the block input included) plus what the per-head q/k RMSNorms keep: the q and k projections'
+    # outputs (B*S*A*hd*2 = 16384, B*S*Akv*hd*2 = 8192) and their fp32 rsqrt per head (B*S*A*4 = 2048,
+    # B*S*Akv*4 = 1024)
+    block = 6 * 16384 + 2 * 8192 + 3 * 32768 + 2 * 512 + 2048 + 16384 + 8192 + 2048 + 1024  # 243712
+    head = 32768 + 512 + 16384 + 16384 + 512000 + 1024 + 4  # eager, as test_llama_bf16_per_block_exact
+    assert _saved(QWEN3, "bf16") == (2 * block + 1024 + 4096 + head, 46)  # 1071620, the trace's too
+
+
 def test_the_family_set_is_the_registry_s():
     from trainmem.estimate.rules_compiled import compiled_families
     from trainmem.families import families
 
-    assert {"llama", "qwen2", "mistral"} <= set(compiled_families())
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(compiled_families())
     assert set(compiled_families()) == {f.name for f in families() if f.compiled_rules}
 
 
@@ -170,7 +185,8 @@ def test_unmodelled_recompute_is_refused_in_one_line():
     (QWEN2, "fp32", BLOCK, 1, 96), (LLAMA, "bf16", BLOCK, 3, 40), (QWEN2, "bf16", FULL, 3, 40),
     (QWEN2, "bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 2, 48),
     (QWEN2, "amp-bf16", ImplSpec(device="cpu", compile=True, compile_scope="block-loss"), 3, 40),
-    (LLAMA, "amp-bf16", FULL, 2, 48), (MISTRAL, "fp32", BLOCK, 2, 40)])
+    (LLAMA, "amp-bf16", FULL, 2, 48), (MISTRAL, "fp32", BLOCK, 2, 40),
+    (QWEN3, "fp32", ImplSpec(device="cpu", compile=True), 2, 48), (QWEN3, "amp-bf16", BLOCK, 2, 40)])
 def test_per_block_estimate_equals_the_compiled_trace(config, precision, impl, batch, seq):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step

@@ -48,11 +48,11 @@ def check_compiled(ctx: Ctx) -> None:
     m, step, impl = ctx.model, ctx.step, ctx.impl
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe or m.qk_norm or m.activation != "swiglu"
+        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe or m.activation != "swiglu"
                              or m.out_bias or m.mlp_bias or m.norm_bias
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
-         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU models (q/k/v biases at most, no q/k "
-         "norms, no sliding window shorter than S)"),
+         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU models (q/k/v biases at most, no "
+         "sliding window shorter than S)"),
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
          "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
@@ -118,6 +118,9 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
     with g.module("self_attn"):
         _weight_copies(ctx, ("q_proj", m.q_size, A, H, "H"), ("k_proj", m.kv_size, Akv, H, "H"),
                        ("v_proj", m.kv_size, Akv, H, "H"), ("o_proj", H, "H", m.q_size, A))
+        if m.qk_norm:  # Qwen3: per-head RMSNorm of q and k keeps its input (the projection) and rsqrt
+            _head_norm_inputs(ctx, ("q_proj", "q_norm", m.q_size, A, m.num_heads, "A"),
+                              ("k_proj", "k_norm", m.kv_size, Akv, m.num_kv_heads, "Akv"))
         q = g.new("q_rope", (B, S, m.q_size), ("B", "S", A), a)
         k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", Akv), a)
         with g.module("v_proj"):
@@ -134,6 +137,19 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
                 g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
         g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
     return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+
+
+def _head_norm_inputs(ctx: Ctx, *norms: tuple) -> None:
+    """Qwen3's q/k RMSNorm over each head, ``(proj, norm, width, width_sym, heads, heads_sym)``:
+    the compiled block keeps the projection's output and the fp32 ``rsqrt`` per head (B·S·heads);
+    the normalized product is recomputed, as in the block's other norms."""
+    g = ctx.graph
+    B, S, a = ctx.B, ctx.S, ctx.low or ctx.param
+    for proj, norm, width, width_sym, heads, heads_sym in norms:
+        with g.module(proj):
+            g.save(g.new("out", (B, S, width), ("B", "S", width_sym), a))
+        with g.module(norm):
+            g.save(g.new("rsqrt", (B, S, heads, 1), ("B", "S", heads_sym, "1"), "float32", False))
 
 
 def _weight_copies(ctx: Ctx, *linears: tuple) -> None:

@@ -30,5 +30,6 @@ def qwen2() -> Family:
 @register_family
 def qwen3() -> Family:
     # Qwen3Config shares Qwen2Config's defaults for these keys
-    return llama_family("qwen3", ConfigSchema(config_class="Qwen3Config", read=_windows, fixed={"qk_norm": True},
-                                              defaults={**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}))
+    return llama_family("qwen3", compiled_rules=True,
+                        config=ConfigSchema(config_class="Qwen3Config", read=_windows, fixed={"qk_norm": True},
+                                            defaults={**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}))
