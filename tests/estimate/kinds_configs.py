@@ -75,3 +75,21 @@ def check_against_autograd(cfg: dict, precision: str, attention: str, recompute:
     estimated = sum(i.bytes for i in items)
     assert estimated == measured, f"estimate {estimated} vs measured {measured}; {explain_difference(items, saved)}"
     return items
+
+
+def check_against_traced(cfg: dict, tmp_path, precision: str, attention: str, seq: int = 64) -> None:
+    """``--profile traced`` and the hf rules agree to the byte (totals and peak) at B=2; point
+    ``TRAINMEM_CACHE`` at a temporary folder first (``monkeypatch.setenv``)."""
+    import json
+
+    from trainmem.estimate import estimate
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.specs.loaders import load_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    model, step = load_model(str(path)), StepSpec(batch=B, seq=seq, precision=precision)
+    traced = estimate(model, step, ImplSpec(profile="traced", device="cpu", attention=attention))
+    ruled = estimate(model, step, ImplSpec(profile="hf", device="cpu", attention=attention))
+    assert traced.totals_bytes == ruled.totals_bytes
+    assert traced.peak_bytes == ruled.peak_bytes

@@ -79,7 +79,7 @@ def test_mla_head_dims_in_the_spec():
             spec.head_dim) == (1536, 512, 128, 64, 128, 192)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])  # rules_gpt_oss, rules_llama4
+@pytest.mark.parametrize("family", ["qwen3_next"])  # rules_gpt_oss, rules_llama4, rules_mla
 def test_hf_profile_refuses_unwritten_kinds_in_one_line(family):
     with pytest.raises(UnsupportedError) as exc:
         activation_items(spec_from_hf_config(CONFIGS[family]), StepSpec(batch=1, seq=16), ImplSpec())

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from trainmem.trace.saved import saved_tensors  # noqa: E402
 
 
+@pytest.mark.slow  # importing transformers' DeepSeek-V3 modules costs seconds on the shared CPUs
 def test_the_group_limited_router_keeps_only_what_backward_reads():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter

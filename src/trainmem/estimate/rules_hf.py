@@ -41,7 +41,7 @@ def hf_forward(ctx: Ctx) -> None:
 
 
 #: BlockRules.forward -> (module under trainmem.estimate, function): families whose rules live apart
-_FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward"),
+_FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward"), "mla": ("rules_mla", "mla_forward"),
              "llama4": ("rules_llama4", "llama4_forward")}
 
 
@@ -386,11 +386,8 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     tokens spread over experts.
     """
     g, m = ctx.graph, ctx.model
-    H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
+    H, E, k = m.hidden_size, m.num_experts, m.top_k
     T = ctx.B * ctx.S
-    # grouped_mm is on CUDA autocast's lower-precision list, not on CPU's
-    low = ctx.low if ctx.impl.device == "cuda" else None
-    act = low or (ctx.param if ctx.low else h.dtype)
     with g.module("gate"):
         logits = ctx.linear(h, E, "E", weight=(E, H))
         g.save(g.new("probs", (T, E), ("B·S", "E"), "float32"),
@@ -401,6 +398,18 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
         # Qwen3MoeTopKRouter.forward casts the weights to the logits' dtype; Mixtral's stay fp32
         w_dtype = logits.dtype if _rules(ctx).router_cast else "float32"
         del logits
+    return _routed_experts(ctx, h, w_dtype)
+
+
+def _routed_experts(ctx: Ctx, h: Sym, w_dtype: str) -> Sym:
+    """The ``grouped_mm`` experts (``integrations/moe.py``) after a router whose top-k weights are
+    ``w_dtype``, and the shared experts' dense MLP where the model has them."""
+    g, m = ctx.graph, ctx.model
+    H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
+    T = ctx.B * ctx.S
+    # grouped_mm is on CUDA autocast's lower-precision list, not on CPU's
+    low = ctx.low if ctx.impl.device == "cuda" else None
+    act = low or (ctx.param if ctx.low else h.dtype)
     Tk = (T * k,)
     with g.module("experts"):
         Tks = ("B·S·k",)

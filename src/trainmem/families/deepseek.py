@@ -1,7 +1,8 @@
 """DeepSeek-V2 and V3 (``modeling_deepseek_v2.py``, ``modeling_deepseek_v3.py``): multi-head latent
 attention (MLA: low-rank q and joint kv projections, per-axis head dims) and ``first_k_dense_replace``
 dense blocks, then MoE blocks (routed experts as fused 3-D tensors, a router ``gate``, shared experts
-as one dense MLP). The ``hf`` profile has no hand-written rules for them: ``--profile traced``."""
+as one dense MLP). The ``hf`` profile runs their hand-written rules (``estimate/rules_mla.py``);
+``--profile traced`` derives the same from a trace."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ def _read(c: ConfigReader) -> dict:
     if freq not in (None, 1):  # transformers' DeepseekV2/V3DecoderLayer look at first_k_dense_replace only
         raise UnsupportedError(f"{c.model_type} moe_layer_freq={freq!r}: transformers builds MoE in every block "
                                f"from first_k_dense_replace on; other frequencies are not modelled")
+    # DeepseekV2TopkRouter.forward knows two methods; DeepseekV3's router has one (a V3 file's
+    # "topk_method": "noaux_tc" is not read by DeepseekV3Config)
+    method = c("topk_method") if c.model_type == "deepseek_v2" else "noaux_tc"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise UnsupportedError(f"{c.model_type} topk_method={method!r}: transformers' router selects with "
+                               f"greedy or group_limited_greedy only")
     L, dense = c("num_hidden_layers"), c("first_k_dense_replace")
     nope, rope = c("qk_nope_head_dim"), c("qk_rope_head_dim")
     heads = c("num_attention_heads")
@@ -36,6 +43,9 @@ def _read(c: ConfigReader) -> dict:
             "expert_ffn_size": c("moe_intermediate_size"), "num_shared_experts": c("n_shared_experts") or 0,
             "q_lora_rank": c("q_lora_rank") or 0, "kv_lora_rank": c("kv_lora_rank"),
             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": c("v_head_dim"),
+            # DeepseekV3TopkRouter renormalizes with norm_topk_prob; DeepseekV2TopkRouter never does
+            "router_norm_topk": c.model_type == "deepseek_v3" and bool(c("norm_topk_prob")),
+            "router_group_mask": method == "group_limited_greedy",
             "layer_kinds": tuple({"mlp": "dense" if i < dense else "moe"} for i in range(L))}
 
 
@@ -70,13 +80,14 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def _family(name: str, config_class: str, defaults: dict) -> Family:
     # peft 0.21.2 maps no deepseek_v2/v3; MLA has no v_proj: the query projection (q_proj, or q_b_proj
     # after the low-rank q_a_proj) and kv_b_proj (which makes K's no-rope part and V) are adapted, with a note
-    return Family(name=name, parameters=_parameters, rules=BlockRules(forward="traced"), **LLAMA_NAMES,
+    return Family(name=name, parameters=_parameters, rules=BlockRules(forward="mla"), **LLAMA_NAMES,
                   peft_default=False, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
                   config=ConfigSchema(config_class=config_class, read=_read, defaults=defaults, required=_SIZES))
 
 
 _COMMON = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "tie_word_embeddings": False,
-           "attention_bias": False, "attention_dropout": 0.0, "moe_layer_freq": None, "mlp_bias": False}
+           "attention_bias": False, "attention_dropout": 0.0, "moe_layer_freq": None, "mlp_bias": False,
+           "norm_topk_prob": False, "topk_method": "greedy"}
 
 
 @register_family
@@ -96,4 +107,4 @@ def deepseek_v3() -> Family:
         **_COMMON, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
         "num_attention_heads": 128, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
         "n_routed_experts": 256, "n_shared_experts": 1, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 2048})
+        "v_head_dim": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True})

@@ -157,5 +157,24 @@ def build_hf_model(config: Mapping[str, Any], *, attention: str = "sdpa", head: 
         raise ConfigError(f"{model_type} config rejected by transformers: {first[:300]}") from None
     if dtype is not None:
         model = model.to(dtype)
+        _keep_strict_fp32(model, dtype)
     model.train()
     return model
+
+
+def _keep_strict_fp32(model, dtype) -> None:
+    """In fp16/bf16 the parameters and buffers a model's ``_keep_in_fp32_modules_strict`` names stay
+    fp32, as ``from_pretrained(dtype=...)`` loads them (``modeling_utils.PreTrainedModel._get_dtype_plan``,
+    matched as ``core_model_loading`` matches them): DeepSeek's router ``gate.weight`` and
+    ``e_score_correction_bias``, so its ``weight.type(torch.float32)`` makes no copy."""
+    import torch
+    from transformers.core_model_loading import build_glob_alternation
+
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if not strict or dtype not in (torch.float16, torch.bfloat16):
+        return
+    pattern = build_glob_alternation(list(strict))[0]
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            if pattern.search(name):
+                t.data = t.data.float()
