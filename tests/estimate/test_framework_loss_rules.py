@@ -41,6 +41,16 @@ def test_torchtune_rule_bytes():
     # what the activations count (log-softmax 512000 + labels 1024 + 8 weights 32 + count 8 = 513064)
     assert p.backward_start == {"logits_grad": 640936 - 513064}
     assert p.held == 0
+    assert p.head_backward is None  # no trainable head weight given
+    # with one (V·H·2 = 1000·64·2 = 128000): the second chunk matmul's backward holds both chunks' weight
+    # gradients and their sum (3·128000), the logit gradients of chunks 0-5 (6·16·1000·2 = 192000) and the
+    # loss + seed (8); from B=2 the two input-gradient chunks replace the two chunk copies freed
+    h = framework_loss_phases("torchtune-chunked-ce", B=2, S=64, V=1000, logits_dtype="bfloat16",
+                              hidden_row_bytes=64 * 2, head_weight_grad=128000)
+    assert h.head_backward == {"logits_grad": 192000, "head_weight_grads": 384000, "loss_scalars": 8}
+    one = framework_loss_phases("torchtune-chunked-ce", B=1, S=64, V=1000, logits_dtype="bfloat16",
+                                hidden_row_bytes=64 * 2, head_weight_grad=128000)
+    assert one.head_backward["hidden_grads"] == 64 * 2 * (8 + 8)  # B=1: h's views stay, 2 chunk gradients
     fp32 = framework_loss_phases("torchtune-chunked-ce", B=1, S=64, V=1000, logits_dtype="float32")
     assert fp32.forward == {"logits": 256000, "loss_scalars": 8}  # .float() of fp32 is the tensor itself
 
@@ -98,6 +108,25 @@ def _phase_top(result, phase: str) -> int:
         if current == phase:
             top = max(top, live)
     return top
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss,precision,B,S,H,V", [
+    # a hidden state wide against the vocabulary: the head's backward (weight gradients summed) is the top
+    ("torchtune-chunked-ce", "bf16", 1, 256, 512, 1000),
+    ("torchtune-chunked-ce", "fp32", 2, 256, 512, 1000),
+    ("litgpt-chunked-ce", "bf16", 1, 512, 256, 4000),
+])
+def test_head_backward_peak_equals_trace(loss, precision, B, S, H, V):
+    from trainmem.trace import trace_step
+
+    cfg = {**CFG, "hidden_size": H, "intermediate_size": 2 * H, "vocab_size": V}
+    step = StepSpec(batch=B, seq=S, precision=precision, loss=loss)
+    t = trace_step(cfg, step, IMPL)
+    e = estimate(spec_from_hf_config(cfg), step, IMPL)
+    extra = sum(i.bytes for i in t.items if i.note == "buffer" or (i.category is Category.INPUT and i.name != "input.0"))
+    assert e.peak_phase == "head_backward"
+    assert t.peak_logical_bytes == e.peak_bytes + extra
 
 
 @pytest.mark.slow

@@ -101,3 +101,18 @@ def test_chunked_losses_are_lower_than_hf_ce_in_bf16():
 def test_untraceable_losses_are_refused(loss, impl, match):
     with pytest.raises(UnsupportedError, match=match):
         trace_step(CFG, StepSpec(batch=1, seq=16, loss=loss), impl)
+
+
+@pytest.mark.slow
+def test_compiled_chunk_loss_keeps_row_statistics_not_log_softmax():
+    """torchtune's compile_loss (compile_scope='block-loss') compiles compute_cross_entropy alone:
+    each chunk keeps its bf16 logits, labels, row max and log-sum-exp ((rows, 1) fp32), not the
+    fp32 log-softmax the eager loss keeps (the estimate refuses this combination: not modelled)."""
+    step = StepSpec(batch=2, seq=200, precision="bf16", loss="torchtune-chunked-ce")
+    eager = trace_step(CFG, step, ImplSpec(attention="sdpa", device="cpu"))
+    compiled = trace_step(CFG, step, ImplSpec(attention="sdpa", device="cpu", compile=True, compile_scope="block-loss"))
+    names = [t.name for t in compiled.alive_at_peak]
+    assert not any("_log_softmax" in n for n in names)
+    stats = [t for t in compiled.alive_at_peak if t.name.split(":")[0] in ("GraphModule.amax", "GraphModule.log")]
+    assert len(stats) == 16 and {tuple(t.shape) for t in stats} == {(50, 1)}  # 8 chunks × (max, lse), 2·25 rows
+    assert compiled.peak_bytes < eager.peak_bytes

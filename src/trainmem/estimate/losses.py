@@ -35,10 +35,13 @@ under ``bf16-true``: no upcast, log-softmax kept in the logits' dtype), ``reduct
 * backward: as above with no upcast, ``max_j 2·r_j·V·d + d·V·Σ_{i<=j} r_i + d·V·Σ_{i>j} r_i``
   (the logits' own gradients replace their log-softmax, row for row).
 
-Where checked: ``tests/estimate/test_framework_losses.py`` (estimate == trace to the byte in the
-loss phases, tiny Llama and Qwen2, fp32 and bf16, B=1 and 2) and ``tests/trace/
-test_framework_losses.py`` (trace == real CPU step; the tracer's torchtune loss against torchtune's
-own class).
+Both: the head's chunk matmuls run backward after every chunk's loss backward; their weight
+gradients are summed out of place (:func:`_head_backward`, phase ``head_backward``).
+
+Where checked: ``tests/estimate/test_framework_loss_rules.py`` (estimate == trace to the byte in the
+loss phases, tiny Llama and Qwen2, fp32 and bf16, B=1 and 2; wide heads where ``head_backward`` is
+the top) and ``tests/trace/test_trace_framework_losses.py`` (trace == real CPU step; the tracer's
+torchtune loss against torchtune's own class).
 """
 
 from __future__ import annotations
@@ -124,10 +127,15 @@ class LossPhases:
     forward: dict[str, int]
     backward_start: dict[str, int]
     held: int
+    head_backward: dict[str, int] | None = None
+    """Beside the activations less the loss's kept set, while the head's chunk matmuls run backward
+    and their weight gradients are summed (None: one chunk, or no trainable head weight)."""
 
 
-def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str) -> LossPhases:
-    """The pure arithmetic of the module docstring."""
+def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str, hidden_row_bytes: int = 0,
+                          head_weight_grad: int = 0) -> LossPhases:
+    """The pure arithmetic of the module docstring. ``hidden_row_bytes``: H·d (one row of the head's
+    input gradient); ``head_weight_grad``: the bytes of the head weight's gradient (0 if frozen)."""
     d = dtype_bytes(logits_dtype)
     rows = _rows(loss, B, S)
     logits = int(B * S * V * d)
@@ -156,4 +164,22 @@ def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: st
     bwd = max(work * r * V + lsm_b * V * sum(rows[:j + 1]) + d * V * sum(rows[j + 1:])
               + (targets[j] if B == 1 else sum(targets[:j])) + 4 * j + (3 if j else 2) * scalar
               for j, r in enumerate(rows)) - kept  # the kept set is counted in the activations
-    return LossPhases({k: int(v) for k, v in fwd.items() if v}, {"logits_grad": int(bwd)}, held)
+    return LossPhases({k: int(v) for k, v in fwd.items() if v}, {"logits_grad": int(bwd)}, held,
+                      _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad))
+
+
+def _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad) -> dict[str, int] | None:
+    """Every chunk's loss backward runs before the head's matmuls (higher sequence numbers), newest
+    chunk first. The second matmul's weight gradient is summed with the first's out of place
+    (autograd's InputBuffer.accumulate: ``old + new``), so three weight-sized tensors are alive, beside
+    the logit gradients of the chunks still to run (chunks 0..n-3, in the logits' dtype) and the two
+    chunks' input gradients (from B=2 they replace the two chunk copies their matmuls kept and freed).
+    With logits wider than the hidden state this is the stage's top; the loss and its seed are alive."""
+    lens = chunk_lengths(loss, S)
+    if len(lens) < 2 or not head_weight_grad:
+        return None
+    grads = d * V * B * sum(lens[:-2])
+    hidden = hidden_row_bytes * B * (lens[-1] + lens[-2]) if B == 1 else 0
+    parts = {"logits_grad": grads, "head_weight_grads": 3 * head_weight_grad, "hidden_grads": hidden,
+             "loss_scalars": 2 * scalar}
+    return {k: int(v) for k, v in parts.items() if v}

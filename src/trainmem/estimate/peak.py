@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
-from trainmem.names import is_head, layer_of
+from trainmem.names import is_embedding, is_head, layer_of
 
 __all__ = ["Phase", "phases"]
 
@@ -185,13 +185,18 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
-        fl = framework_loss_phases(loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype)
+        fl = framework_loss_phases(loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype,
+                                   hidden_row_bytes=residual_bytes // (B * S), head_weight_grad=_head_weight_grad(items))
         if fl.held:  # LitGPT's loop keeps its logits bound in every phase
             persistent["logits_held"] = fl.held
         add("forward", {"gradients": g_acc, "activations": A, **fl.forward},
             f"end of forward, inside the last chunk of {loss}: saved activations + the chunks' logits")
         add("backward_start", {"gradients": g_acc, "activations": A, **fl.backward_start},
             f"{loss} backward, chunk by chunk: one chunk's log-softmax gradients + the logit gradients so far")
+        if fl.head_backward:
+            add("head_backward", {"gradients": g_acc, "activations": A - st.loss_act, **fl.head_backward},
+                "the head's chunk matmuls backward: two chunks' weight gradients and their sum, the logit "
+                "gradients still to run")
     else:
         add("forward", {"gradients": g_acc, "activations": A},
             "end of forward" + (" (chunked loss)" if loss != "none" else ""))
@@ -240,6 +245,16 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         f"largest parameter stepped in its gradient hook while activations are alive: {rule}; "
         "the larger of its temporaries and the log-softmax gradient that produced it")
     return out
+
+
+def _head_weight_grad(items) -> int:
+    """The output layer's weight gradient (the embedding's when tied: no ``lm_head`` parameter), 0
+    when that weight is frozen."""
+    base = items.base if isinstance(items, Inventory) else items
+    head = [i.bytes for i in base if i.category is Category.GRADIENT and i.name.startswith("lm_head.")]
+    if head or any(i.category is Category.PARAMETER and i.name.startswith("lm_head.") for i in base):
+        return max(head, default=0)
+    return max((i.bytes for i in base if i.category is Category.GRADIENT and is_embedding(i.name)), default=0)
 
 
 def recompute_per_layer(kept, plain) -> dict[int, tuple[int, int]]:

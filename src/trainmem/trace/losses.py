@@ -17,7 +17,7 @@
   ``[..., :-1, :]``, targets ``[..., 1:]``). The training loop keeps ``logits`` bound through
   backward and the optimizer step: the trace holds them there too (:class:`HeldLogits`).
 
-The code is trainmem's own, written from those functions; ``tests/trace/test_framework_losses.py``
+The code is trainmem's own, written from those functions; ``tests/trace/test_trace_framework_losses.py``
 checks it against torchtune's real ``CEWithChunkedOutputLoss`` on CPU where torchtune is installed.
 
 Known limitations: LitGPT's loop also holds the previous step's logits through the next forward
@@ -59,8 +59,17 @@ def _parts(model):
     return hf.base_model, head
 
 
-def framework_loss(name: str, model, ids, *, ignore_labels=None, held: HeldLogits | None = None):
-    """One forward and loss of ``model`` on ``ids`` as the framework ``name`` runs it."""
+def chunk_cross_entropy(logits, labels):
+    """CEWithChunkedOutputLoss.compute_cross_entropy: the upcast, then a summed CE (what torchtune's
+    ``compile_loss`` compiles alone)."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def framework_loss(name: str, model, ids, *, ignore_labels=None, held: HeldLogits | None = None,
+                   chunk_ce=chunk_cross_entropy):
+    """One forward and loss of ``model`` on ``ids`` as the framework ``name`` runs it; ``chunk_ce``:
+    torchtune's per-chunk function (compiled under ``compile_scope='block-loss'``)."""
     decoder, head = _parts(model)
     if name not in FRAMEWORK_LOSSES:
         raise UnsupportedError(f"loss={name!r} is not a framework loss ({', '.join(FRAMEWORK_LOSSES)})")
@@ -70,13 +79,12 @@ def framework_loss(name: str, model, ids, *, ignore_labels=None, held: HeldLogit
         lambda h: h.split(LITGPT_CHUNK, dim=1))
     logits = [head(x) for x in split(decoder(input_ids=ids).last_hidden_state)]
     if name == "torchtune-chunked-ce":  # TransformerDecoder.chunked_output
-        return _torchtune(logits, ids, ignore_labels)
+        return _torchtune(logits, ids, ignore_labels, chunk_ce)
     return _litgpt(logits, ids, held)  # GPT.forward(lm_head_chunk_size=128)
 
 
-def _torchtune(logits, ids, ignore_labels):
+def _torchtune(logits, ids, ignore_labels, chunk_ce):
     import torch
-    import torch.nn.functional as F
 
     if ignore_labels is None:
         ignore_labels = torch.full((ids.shape[0], 1), IGNORE_INDEX, dtype=ids.dtype)
@@ -86,8 +94,8 @@ def _torchtune(logits, ids, ignore_labels):
     label_chunks = [c.reshape(-1) for c in labels.chunk(TORCHTUNE_CHUNKS, dim=1)]
     rows = [lg.reshape(-1, lg.size(-1)) for lg in logits]
     loss = 0.0
-    for lg, lb in zip(rows, label_chunks):  # compute_cross_entropy: the upcast, then a summed CE
-        loss += F.cross_entropy(lg.float(), lb, ignore_index=IGNORE_INDEX, reduction="sum")
+    for lg, lb in zip(rows, label_chunks):
+        loss += chunk_ce(lg, lb)
     del rows, label_chunks
     loss = loss / total
     del logits  # _loss_step: "free logits otherwise it peaks backward memory"

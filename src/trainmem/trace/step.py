@@ -149,8 +149,10 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
     if step.loss != "ce" and step.loss not in FRAMEWORK_LOSSES:
         raise UnsupportedError(f"loss={step.loss!r} is not traced: the tracer runs the model's own cross-entropy "
                                f"(ce) or a framework's chunked loss ({', '.join(FRAMEWORK_LOSSES)})")
-    if step.loss != "ce" and impl.compile:
-        raise UnsupportedError(f"loss={step.loss!r} with compile is not traced: the tracer compiles the model's own loss")
+    if step.loss != "ce" and impl.compile and (step.loss, impl.compile_scope) not in (
+            ("torchtune-chunked-ce", "block-loss"), ("torchtune-chunked-ce", "block")):
+        raise UnsupportedError(f"loss={step.loss!r} with compile_scope={impl.compile_scope!r} is not traced: "
+                               "torchtune's chunked loss is traced with block or block-loss (its compile_loss)")
     if impl.attention == "mem-efficient":
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
     from trainmem.specs.optimizer_impl import check_optimizer
@@ -443,8 +445,12 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     routing, moe_meta = _routing(model, impl, fake=is_fake(ids)) if not reference else (
         contextlib.nullcontext(), None)
 
-    from trainmem.trace.losses import FRAMEWORK_LOSSES, HeldLogits, framework_loss
+    from trainmem.trace.losses import FRAMEWORK_LOSSES, HeldLogits, chunk_cross_entropy, framework_loss
     held = HeldLogits()  # LitGPT's loop keeps its logits through backward and the optimizer step
+    chunk_ce = chunk_cross_entropy
+    if impl.compile and impl.compile_scope == "block-loss":  # torchtune's compile_loss: each chunk's CE
+        from trainmem.trace.compiled import Compiled, partitioning_backend
+        chunk_ce = torch.compile(chunk_cross_entropy, backend=partitioning_backend(Compiled()), dynamic=False)
     # torchtune's recipe makes its ignore_labels_cache (B, 1) once, at setup
     ignore = torch.full((step.batch, 1), -100, dtype=ids.dtype) if step.loss != "ce" else None
 
@@ -453,7 +459,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
             if step.loss in FRAMEWORK_LOSSES:
                 if reference:
                     raise UnsupportedError(f"loss={step.loss!r} is traced on Hugging Face models")
-                return framework_loss(step.loss, m, ids, ignore_labels=ignore, held=held)
+                return framework_loss(step.loss, m, ids, ignore_labels=ignore, held=held, chunk_ce=chunk_ce)
             return m(ids, **{k: v for k, v in inputs.items() if k != "input_ids"}).loss
 
     def one_step() -> None:
