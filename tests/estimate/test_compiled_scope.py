@@ -173,6 +173,17 @@ def test_cli_flag_reaches_the_spec():
         p.parse_args(["--compile-scope", "layer"])
 
 
+def test_trace_line_names_the_scope():
+    pytest.importorskip("torch")
+    from trainmem.trace.cli import compile_line
+
+    c = {"backend": "trainmem_partition", "regions": 2, "saved_eager_bytes": 2003460, "saved_eager_tensors": 44,
+         "saved_compiled_bytes": 1692164, "saved_compiled_tensors": 38, "scope": "block"}
+    # 2003460 / 2**20 = 1.91, 1692164 / 2**20 = 1.61 (the tiny Llama fp32 per block)
+    assert compile_line(c) == ("saved for backward: eager 1.91 MiB (44 tensors), compiled 1.61 MiB (38 tensors) "
+                               "in 2 region(s) (blocks compiled alone), backend trainmem_partition")
+
+
 def test_unmodelled_recompute_is_refused_in_one_line():
     impl = ImplSpec(device="cpu", compile=True, compile_scope="block", recompute="op")
     with pytest.raises(UnsupportedError, match="recompute='op'") as info:

@@ -75,7 +75,11 @@ def compile_line(c: dict) -> str:
         return f"{n / 2**20:.2f} MiB"
     return (f"saved for backward: eager {mib(c['saved_eager_bytes'])} ({c['saved_eager_tensors']} tensors), "
             f"compiled {mib(c['saved_compiled_bytes'])} ({c['saved_compiled_tensors']} tensors) "
-            f"in {c['regions']} region(s), backend {c['backend']}")
+            f"in {c['regions']} region(s){_SCOPE_WORDS.get(c.get('scope', 'model'), '')}, backend {c['backend']}")
+
+
+#: ImplSpec.compile_scope in the trace's compile line (whole-model compile says nothing more)
+_SCOPE_WORDS = {"block": " (blocks compiled alone)", "block-loss": " (blocks and loss compiled alone)"}
 
 
 #: Parallel flags and the value that means "one device" (what the trace runs).
