@@ -2,8 +2,11 @@
 file, and ``serve`` answering one request at defaults: each exits 0 with sane output, or refuses in one
 line with exit 2; never a traceback. In-process on 2 shared cores: trace gpt2 ~12 s, compare gpt2 ~4 s
 and profile on the tiny config ~11 s (slow); trace/compare on the tiny config and serve < 1 s each.
-``profile --model gpt2`` at its defaults runs a real 124M-parameter step at S=1024 on the CPU, past
-2 minutes here, so it is not run."""
+``profile --model gpt2`` at its defaults runs a real 124M-parameter step at S=1024 on the CPU. Measured
+here (2 cores shared by ~8 processes, load ~14): 15 min 23 s wall, 124 s user CPU, one instrumented step
+157.7 s, 4.2 GiB resident; it exits 0 with "device: cpu", "peak allocated: 3.54 GiB", "tokens/s: 6".
+That is far past the ~200 s a slow test may take, so it is not a test: it is left out on purpose, not
+skipped, and the same path runs at defaults on the tiny config (test_profile_on_the_cpu_at_defaults)."""
 
 from __future__ import annotations
 
