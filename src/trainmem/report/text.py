@@ -132,11 +132,11 @@ def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:
 def render_tensors(c, *, detail: bool = False) -> list[str]:
     """Activations joined per tensor by key (``Comparison.tensors``): those that differ, all with ``detail``."""
     rows = [r for r in c.tensors if detail or not r.equal]
-    lines = ["Activations per tensor, joined by key (module : k-th kept tensor it made)",
-             f"  {'key':<34} {'estimate':>10} {'trace':>10}  names (estimate / trace)"]
+    lines = ["Activations per tensor, joined by key (module : bytes : k-th kept tensor of that size it made)",
+             f"  {'key':<40} {'estimate':>10} {'trace':>10}  names (estimate / trace)"]
     for r in rows:
         e, t = r.estimate, r.trace
-        lines.append(f"  {r.key:<34} {fmt_bytes(e.bytes) if e else '-':>10} {fmt_bytes(t.bytes) if t else '-':>10}  "
+        lines.append(f"  {r.key:<40} {fmt_bytes(e.bytes) if e else '-':>10} {fmt_bytes(t.bytes) if t else '-':>10}  "
                      f"{e.name.rpartition('.')[2] if e else '-'} / {t.name.rpartition('.')[2] if t else '-'}")
     same = sum(r.equal for r in c.tensors)
     lines.append(f"  ({same} of {len(c.tensors)} keys hold the same dtype and bytes on both sides)")
