@@ -52,6 +52,9 @@ def mla_forward(ctx: Ctx) -> None:
     if ctx.impl.recompute not in ("none", "full"):
         raise UnsupportedError(f"{m.name}: recompute={ctx.impl.recompute!r} is not modelled for {m.family} "
                                "(none or full); --profile traced estimates it")
+    if ctx.shard.sp or ctx.shard.cp > 1:
+        raise UnsupportedError(f"{m.name}: sequence or context parallelism is not modelled for {m.family}'s MLA "
+                               "(tensor parallelism splits its heads only)")
     kernel = _kernel(ctx)
     x = _embedding(ctx, "model.embed_tokens")
     with g.module("model.rotary_emb"):
