@@ -124,21 +124,24 @@ def test_trace_cli_compile_json(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,recompute,regions", [("fp32", "none", 2), ("bf16", "full", 1)])
-def test_per_block_compiled_trace_equals_a_real_compiled_step(precision, recompute, regions):
-    # --compile-scope block (torchtitan's apply_compile, torchtune's compile_model): each decoder block
-    # compiled alone, the rest eager. Under full recompute the second block reuses the first one's
-    # compiled graph (one partition); without it Dynamo compiles each block (two)
+@pytest.mark.parametrize("precision,recompute,regions,scope", [
+    ("fp32", "none", 2, "block"), ("bf16", "full", 1, "block"), ("bf16", "none", 3, "block-loss")])
+def test_per_block_compiled_trace_equals_a_real_compiled_step(precision, recompute, regions, scope):
+    # --compile-scope block (torchtitan's apply_compile): each decoder block compiled alone, the rest
+    # eager; block-loss (torchtune's compile_model + compile_loss): the loss function compiled alone too.
+    # Under full recompute the second block reuses the first one's compiled graph (one partition);
+    # without it Dynamo compiles each block (two); block-loss adds the loss's region
     step = StepSpec(batch=2, seq=64, precision=precision)
-    impl = ImplSpec(device="cpu", optimizer_impl="foreach", compile=True, compile_scope="block", recompute=recompute)
+    impl = ImplSpec(device="cpu", optimizer_impl="foreach", compile=True, compile_scope=scope, recompute=recompute)
     fake = trace_step(config := LLAMA, step, impl)
     c = fake.meta["compile"]
     saved_bytes, peak_bytes, host_steps, real_regions = _real_compiled_step(config, step, impl)
-    assert c["scope"] == "block" and c["regions"] == real_regions == regions
+    assert c["scope"] == scope and c["regions"] == real_regions == regions
     assert c["saved_compiled_bytes"] == saved_bytes
     assert fake.peak_logical_bytes - step.batch * step.seq * 8 + host_steps == peak_bytes
-    if precision == "fp32":  # the arithmetic: tests/estimate/test_compiled_scope.py
-        assert (c["saved_compiled_bytes"], c["saved_compiled_tensors"]) == (1692164, 38)
+    if precision == "fp32" or scope == "block-loss":  # the arithmetic: tests/estimate/test_compiled_scope.py
+        expected = (1692164, 38) if scope == "block" else (867860, 40)
+        assert (c["saved_compiled_bytes"], c["saved_compiled_tensors"]) == expected
 
 
 @pytest.mark.slow
