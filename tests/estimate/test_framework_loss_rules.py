@@ -78,6 +78,13 @@ def test_refusals_name_the_field(kwargs, field):
     assert err.value.field == field
 
 
+def test_other_profiles_are_refused():
+    with pytest.raises(SpecError) as err:
+        estimate(spec_from_hf_config(CFG), StepSpec(batch=1, seq=64, loss="litgpt-chunked-ce"),
+                 ImplSpec(profile="reference"))
+    assert err.value.field == "loss"
+
+
 def test_tensor_parallel_logits_are_refused():
     model = spec_from_hf_config({**CFG, "num_attention_heads": 4, "num_key_value_heads": 4})
     with pytest.raises(SpecError, match="unsharded logits"):

@@ -18,6 +18,7 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
+from trainmem.estimate.losses import FRAMEWORK_LOSSES
 from trainmem.estimate.notes import estimate_notes, lora_targets_note
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.optimizer_step import optimizer_impl_used
@@ -114,6 +115,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         raise SpecError("profile", impl.profile, "fine-tuning (LoRA, QLoRA, --freeze) is modelled under "
                                                  "--profile hf only")
     check_head(model, impl, parallel, finetune)
+    if step.loss in FRAMEWORK_LOSSES and impl.profile != "hf":  # estimate/losses.py
+        raise SpecError("loss", step.loss, "is modelled on Hugging Face modules (--profile hf): the framework's "
+                                           "loss runs on the model's last hidden state")
     if step.dtypes.gathered and (parallel is None or not parallel.fsdp):
         raise SpecError("precision", step.precision, "is FSDP2's MixedPrecisionPolicy and needs FSDP (--fsdp); "
                                                      "without FSDP torchtitan autocasts: amp-bf16")
