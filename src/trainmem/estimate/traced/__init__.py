@@ -65,7 +65,12 @@ def traced_template(config: Mapping[str, Any], step, impl):
     hit = _MEMO.get(key)
     if hit is not None:
         return hit
-    data, _ = cached(key, lambda: build_template(config, step, impl).to_json())
+    def build() -> dict:
+        from trainmem.estimate.traced.imports import import_transformers_models
+        import_transformers_models()
+        return build_template(config, step, impl).to_json()
+
+    data, _ = cached(key, build)
     tpl = Template.from_json(data)
     _MEMO[key] = tpl
     return tpl
