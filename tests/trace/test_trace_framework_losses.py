@@ -37,7 +37,7 @@ def _torchtune_loss_class():
     return mod.CEWithChunkedOutputLoss
 
 
-@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("B", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_torchtune_loss_matches_torchtunes_own_class(B):
     """Same value, same peak of live storages and same bytes kept for backward, given the same
     model: trainmem's path vs the recipe's ``_loss_step`` calling torchtune's class."""
@@ -96,7 +96,7 @@ def test_chunked_losses_are_lower_than_hf_ce_in_bf16():
 
 @pytest.mark.parametrize("loss,impl,match", [
     ("chunked-ce", ImplSpec(), "is not traced"),
-    ("torchtune-chunked-ce", ImplSpec(compile=True), "with compile is not traced"),
+    ("torchtune-chunked-ce", ImplSpec(compile=True), "compile_scope='model' is not traced"),
 ])
 def test_untraceable_losses_are_refused(loss, impl, match):
     with pytest.raises(UnsupportedError, match=match):
