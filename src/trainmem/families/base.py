@@ -94,8 +94,9 @@ class BlockRules:
 
     forward: str
     """The model forward of ``rules_hf``: ``llama`` (pre-norm RMSNorm decoder with RoPE),
-    ``gpt`` (GPT-2 / GPT-NeoX LayerNorm decoder), ``bert`` (post-norm encoder), or ``traced``: no
-    hand-written rules (MLA, MoE interleave, sinks, linear attention), ``--profile traced`` estimates it."""
+    ``gpt`` (GPT-2 / GPT-NeoX LayerNorm decoder), ``bert`` (post-norm encoder), a family module's
+    (``rules_hf._FORWARDS``: ``gpt_oss``, ``llama4``, ``mla`` for DeepSeek-V2/V3), or ``traced``: no
+    hand-written rules (linear attention), ``--profile traced`` estimates it."""
     unit_offset_norm: bool = False
     """Gemma's RMSNorm: ``normed * (1 + w)`` in fp32, cast last (``GemmaRMSNorm``)."""
     scaled_embedding: bool = False
