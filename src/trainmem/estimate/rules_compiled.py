@@ -31,7 +31,7 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, Shard
-from trainmem.estimate.graph import Sym
+from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
 from trainmem.families import families, family_of
@@ -57,8 +57,11 @@ def check_compiled(ctx: Ctx) -> None:
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
          "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
         ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
-        ("recompute", impl.recompute, impl.recompute not in ("none", "full"),
-         "compiled rules cover --recompute none and full (op: trace --compile)"),
+        ("recompute", impl.recompute, impl.recompute not in ("none", "full") and not (
+            impl.recompute == "op" and impl.compile_scope != "model" and impl.device == "cpu"
+            and step.recipe in ("fp32", "bf16", "fp16") and not m.qk_norm),
+         "compiled rules cover --recompute none and full, and op per block on --device cpu in a pure precision "
+         "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
         ("parallel", "sharded", ctx.shard != Shard(), "compiled rules are for one device"),
@@ -174,12 +177,37 @@ def _per_block(ctx: Ctx) -> None:
     with g.module("model.rotary_emb"):
         rot = (1, ctx.S, m.head_dim)
         g.save(g.new("cos", rot, ("1", "S", "hd"), x.dtype, False), g.new("sin", rot, ("1", "S", "hd"), x.dtype, False))
-    block = _checkpointed_block if ctx.impl.recompute == "full" else _compiled_block
+    block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _compiled_block)
     x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm"), "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
         return _compiled_loss(ctx, logits)
     _loss(ctx, logits)
+
+
+def _op_block(ctx: Ctx, x: Sym) -> Sym:
+    """A block compiled alone around torchtitan's op-level checkpoint (``--recompute op``,
+    ``estimate/graph.py`` ``OpPolicy``: the block's 1st, 3rd, 5th... mm and every addmm are kept,
+    the rest recomputed, ``must_save`` tags the partitioner honours). Of the kept outputs the
+    compiled block holds those its backward reads: q, k, v, o and the MLP's gate and up
+    projections, not ``down_proj``'s (only the residual sum, whose gradient needs nothing, reads it).
+    It keeps its input, and the CPU generator state its recomputed SDPA replays (host memory, left
+    out). On CPU the SDPA kernel is not on the policy's list; on CUDA it would be (refused above).
+    Tiny Llama bf16: q, v and gate per block."""
+    g, m = ctx.graph, ctx.model
+    B, S, H, F, a = ctx.B, ctx.S, m.hidden_size, m.ffn_size, ctx.param
+    policy = OpPolicy()
+    g.save(x)
+    linears = (("self_attn.q_proj", m.q_size, "A·hd", m.qkv_bias), ("self_attn.k_proj", m.kv_size, "Akv·hd",
+                                                                       m.qkv_bias),
+               ("self_attn.v_proj", m.kv_size, "Akv·hd", m.qkv_bias), ("self_attn.o_proj", H, "H", m.out_bias),
+               ("mlp.gate_proj", F, "F", m.mlp_bias), ("mlp.up_proj", F, "F", m.mlp_bias),
+               ("mlp.down_proj", H, "H", m.mlp_bias))
+    for name, width, sym, bias in linears:
+        if policy.save("addmm" if bias else "mm") and name != "mlp.down_proj":
+            with g.module(name):
+                g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
+    return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
 
 
 def _checkpointed_block(ctx: Ctx, x: Sym) -> Sym:
