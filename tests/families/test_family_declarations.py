@@ -109,10 +109,12 @@ def test_families_peft_has_no_default_for(model_type):
     assert _peft_adapters(model_type, list(fam.lora_targets)) == _ours(model_type)
 
 
-def test_a_bad_window_is_refused_by_the_specs_own_validator():
+def test_a_bad_window_is_refused_naming_the_config_key():
     from trainmem.errors import SpecError
     cfg = dict(model_type="mistral", vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, intermediate_size=128)
     with pytest.raises(SpecError, match="sliding_window=0: must be positive"):
         spec_from_hf_config({**cfg, "sliding_window": 0})
+    with pytest.raises(SpecError, match="sliding_window='16': must be an integer"):
+        spec_from_hf_config({**cfg, "sliding_window": "16"})
     assert spec_from_hf_config({**cfg, "sliding_window": 16}).kinds[0].window == 16

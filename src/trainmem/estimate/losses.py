@@ -49,13 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmem.inventory import dtype_bytes
+from trainmem.specs.step import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS
 
 __all__ = ["FRAMEWORK_LOSSES", "TORCHTUNE_CHUNKS", "LITGPT_CHUNK", "chunk_lengths", "LossPhases",
            "framework_loss_phases", "framework_loss_items"]
-
-FRAMEWORK_LOSSES = ("torchtune-chunked-ce", "litgpt-chunked-ce")
-TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss(num_output_chunks=8), every recipe's default
-LITGPT_CHUNK = 128  # lm_head_chunk_size=128 in litgpt/finetune/*.py
 
 
 def chunk_lengths(loss: str, S: int) -> list[int]:

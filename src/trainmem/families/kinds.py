@@ -6,7 +6,7 @@ import the registry, so the registry does not import the specs); ``ModelSpec`` v
 
 from __future__ import annotations
 
-from trainmem.errors import UnsupportedError
+from trainmem.errors import SpecError, UnsupportedError
 from trainmem.families.config import ConfigReader
 
 __all__ = ["uniform_window", "from_layer_types", "kinds_or_empty", "qwen_windows", "pattern_types"]
@@ -28,8 +28,12 @@ def uniform_window(c: ConfigReader, key: str = "sliding_window") -> tuple[dict, 
     window = c(key)
     if window is None:
         return ()
-    from trainmem.specs import _validate as v  # the spec's own check (LayerKind.window), naming the config key
-    v.positive(key, window)
+    # LayerKind.window's rule, named by the config key (the registry does not import the specs: they
+    # import the registry, tests/test_import_cycles.py)
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise SpecError(key, window, "must be an integer")
+    if window <= 0:
+        raise SpecError(key, window, "must be positive")
     return tuple({"attention": "sliding", "window": window} for _ in range(c("num_hidden_layers")))
 
 

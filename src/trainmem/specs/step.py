@@ -25,6 +25,10 @@ PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "adamw8bit", "paged-adamw8bit",
               "paged-adamw32bit", "torchao-adamw8bit", "torchao-adamw4bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce", "torchtune-chunked-ce", "litgpt-chunked-ce")
+#: the frameworks' own chunked losses (estimate/losses.py, trace/losses.py), and their chunking
+FRAMEWORK_LOSSES = ("torchtune-chunked-ce", "litgpt-chunked-ce")
+TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss(num_output_chunks=8), every recipe's default
+LITGPT_CHUNK = 128  # lm_head_chunk_size=128 in litgpt/finetune/*.py
 MAX_TOKENS = 2**40  # batch x sequence beyond this cannot be a real step
 DEFAULT_SEQ = 4096  # the sequence length when none is given (StepSpec, estimate(), every command)
 

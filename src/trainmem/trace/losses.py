@@ -29,7 +29,7 @@ written for them here.
 from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
-from trainmem.estimate.losses import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS
+from trainmem.specs.step import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS  # not estimate/: no cycle
 
 __all__ = ["FRAMEWORK_LOSSES", "TORCHTUNE_CHUNKS", "LITGPT_CHUNK", "HeldLogits", "framework_loss"]
 
