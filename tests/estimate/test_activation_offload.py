@@ -31,16 +31,36 @@ FAMILIES = {"llama": dict(model_type="llama", **SMALL), "qwen2": dict(model_type
 OFFLOAD = ParallelSpec(offload=("activations",))
 
 
-def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool, batch: int = B, seq: int = S):
+def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool, batch: int = B, seq: int = S,
+                          compile_scope: str | None = None, every: int = 1):
     """(bytes the forward leaves on the device, the offload hooks) for one real forward + loss:
-    the storages alive after it (the loss excluded) plus the input ids, which the embedding keeps."""
+    the storages alive after it (the loss excluded) plus the input ids, which the embedding keeps.
+    ``compile_scope``: each decoder block (and with ``block-loss`` the loss) through the real
+    ``torch.compile`` with the tracer's partitioning backend (``trace/compiled.py``), as torchtune's
+    ``training.compile_model`` compiles each layer. ``recompute`` op / every-k / selective: set up as
+    the tracer does (``trace/step.py``: torchtitan's op policy through ``context_fn``, every
+    ``every``-th block, the attention core checkpointed)."""
+    import contextlib
+    from trainmem.trace.step import _enable_recompute, _selective_recompute
     torch.manual_seed(0)
     model = build_hf_model(cfg, attention="sdpa", dtype=torch.bfloat16 if precision == "bf16" else None)
     if recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif recompute in ("op", "every-k"):
+        _enable_recompute(model, ImplSpec(attention="sdpa", device="cpu", recompute=recompute,
+                                          recompute_every=every))
+    selective = _selective_recompute(model, "sdpa") if recompute == "selective" else contextlib.nullcontext()
+    if compile_scope is not None:
+        from trainmem.trace.compiled import compile_model
+        model, _ = compile_model(model, ImplSpec(attention="sdpa", device="cpu", compile=True,
+                                                 compile_scope=compile_scope, recompute=recompute))
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    if compile_scope is not None:  # compiled once, before anything is measured
+        with offload_activations(model, use_streams=use_streams):
+            model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
     skip = [storage_key(t) for t in (*model.parameters(), *model.buffers(), ids)]
-    with offload_activations(model, use_streams=use_streams) as off:
+    with selective, offload_activations(model, use_streams=use_streams) as off:
         with LiveStorages(skip_keys=skip) as live:
             loss = model(ids, labels=ids).loss
         kept = live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
@@ -155,10 +175,47 @@ def test_estimate_reports_host_and_keeps_it_off_the_device():
 
 def test_refused_where_not_modelled():
     spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=256, precision="bf16")
-    with pytest.raises(SpecError, match="offload"):
-        estimate(spec, step, ImplSpec(recompute="op"), OFFLOAD)
+    with pytest.raises(SpecError, match="compile-scope"):  # torchtune compiles each layer
+        estimate(spec, step, ImplSpec(compile=True, compile_scope="model"), OFFLOAD)
     with pytest.raises(SpecError, match="offload"):
         estimate(spec, step, ImplSpec(profile="reference"), OFFLOAD)
+
+
+def _exact(cfg, precision, impl, *, seq=S, **real):
+    """The estimate's device set, host figure and forward stash == the real forward's."""
+    sp = activation_offload(spec_from_hf_config(cfg), StepSpec(batch=B, seq=seq, precision=precision), impl)
+    recompute = impl.recompute
+    kept, off = _forward_with_offload(cfg, precision, recompute, use_streams=False, seq=seq, **real)
+    kept_streams, _ = _forward_with_offload(cfg, precision, recompute, use_streams=True, seq=seq, **real)
+    assert (sp.device.total(), sp.host_bytes, sp.stash_bytes) == (kept, off.offloaded_storage_bytes,
+                                                                   kept_streams - kept)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,precision,recompute,every,seq", [
+    ("llama", "bf16", "op", 1, S), ("qwen2", "fp32", "op", 1, S),
+    ("llama", "fp32", "every-k", 2, S), ("qwen2", "bf16", "every-k", 2, S),
+    ("llama", "fp32", "selective", 1, 256), ("llama", "bf16", "selective", 1, 256)])
+def test_recompute_modes_device_set_equals_real(family, precision, recompute, every, seq):
+    """torchtune's ac_mode/ac_option: op's policy outputs stay in the SAC cache (inside the
+    checkpoint's own hooks); every-k's eager blocks pack the rotary cos/sin its checkpoints' closures
+    hold (copied out, kept); selective packs q, k, v but not position_ids (a keyword: S=256 makes
+    it 4096 bytes, over min_offload_size)."""
+    _exact(FAMILIES[family], precision, ImplSpec(attention="sdpa", device="cpu", recompute=recompute,
+                                                 recompute_every=every), seq=seq, every=every)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,precision,recompute,scope", [
+    ("llama", "bf16", "none", "block"), ("qwen2", "fp32", "none", "block"),
+    ("qwen2", "bf16", "none", "block-loss"), ("llama", "fp32", "full", "block")])
+def test_compiled_blocks_device_set_equals_real(family, precision, recompute, scope):
+    """torchtune's compile_model + OffloadActivations: each compiled block's CompiledFunction saves
+    its partitioned set through ctx.save_for_backward, so the pack hook sees what the min-cut kept
+    (primals that are parameters stay); under --recompute full the CPU generator state each block
+    saves is copied too. ~1-2 min each (compiles)."""
+    _exact(FAMILIES[family], precision, ImplSpec(attention="sdpa", device="cpu", recompute=recompute, compile=True,
+                                                 compile_scope=scope), compile_scope=scope)
 
 
 RECIPE = ("model:\n  _component_: torchtune.models.llama2.llama2_7b\ndtype: bf16\nbatch_size: 2\n"

@@ -93,7 +93,13 @@ class OffloadSplit:
         return self.host.total()
 
 
-def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tuple[bool, str]:
+def _is_block(scope: str) -> bool:
+    """A decoder block's own scope (``model.layers.3``): where a whole-block checkpoint closes."""
+    from trainmem.names import layer_of
+    return layer_of(scope + ".x") is not None and scope.rsplit(".", 1)[-1].isdigit()
+
+
+def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: bool = False) -> tuple[bool, str]:
     """(stays on the device, reason) for one item; an input of the step is also copied out."""
     scope, position = keeper
     if it.dtype == "int64" and it.shape == (B, S) and it.name.endswith(".indices"):
@@ -102,8 +108,17 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tu
         return True, f"smaller than min_offload_size ({MIN_OFFLOAD_BYTES} bytes)"
     if not scope or scope.split(".")[0] in OUTSIDE_REGION:
         return True, "kept by the output projection or the loss (outside the offloaded region)"
-    if position is not None and position > 0:
+    if position is not None and position > 0 and _is_block(scope):
         return True, "a checkpointed block's keyword input (held by the recompute closure)"
+    if position is not None and not _is_block(scope) and it.name.endswith("position_ids"):
+        # --recompute selective (trace/step.py _selective_recompute): the attention call passes q, k, v
+        # and the mask positionally, position_ids among **kwargs (modeling_llama.py LlamaAttention.forward)
+        return True, "the checkpointed attention's keyword input (held by the recompute closure)"
+    if sac and position is None and _is_block(scope):
+        # --recompute op: an output the policy saves (estimate/graph.py Graph.checkpoint) is stored by
+        # torch/utils/checkpoint.py _CachingTorchDispatchMode inside the checkpoint's own
+        # saved_tensors_hooks (_checkpoint_hook), which are innermost: torchtune's hooks never see it
+        return True, "kept by selective checkpointing's cache (inside the checkpoint's own hooks)"
     if scope and is_embedding(scope + ".weight"):
         # a frozen embedding's output under recompute (estimate/rules_hf.py _embedding): HF's
         # enable_input_require_grads makes it a leaf, which the graph's AccumulateGrad holds itself
@@ -113,24 +128,28 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int) -> tu
 
 def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *, B: int, S: int,
                   largest_block_weight_bytes: int, checkpointed: bool = False, gated: bool = True,
-                  use_streams: bool = True) -> OffloadSplit:
+                  compiled: bool = False, use_streams: bool = True,
+                  packed_elsewhere: frozenset[str] = frozenset(), sac: bool = False) -> OffloadSplit:
     """Split ``acts`` (an activation inventory, templates per block) by torchtune's policy.
-    ``keepers``: item name -> (scope that kept it, position among a checkpoint's inputs)."""
+    ``keepers``: item name -> (scope that kept it, position among a checkpoint's inputs).
+    ``packed_elsewhere``: kept items an unchecked block also saves (--recompute every-k: the
+    rotary ``cos``/``sin`` a checkpoint's closure holds and an eager block's RoPE packs), which
+    are copied to host as well. ``sac``: --recompute op, whose policy's outputs stay in its cache."""
     dev_base, host_base, reasons = [], [], {}
     copied_inputs = []
     for it in acts.base:
-        stays, why = _stays(it, keepers.get(it.name, ("", None)), B, S)
+        stays, why = _stays(it, keepers.get(it.name, ("", None)), B, S, sac)
         (dev_base if stays else host_base).append(it)
         if stays:
             reasons[it.name] = why
-            if why.startswith("the caller"):
+            if why.startswith("the caller") or (it.name in packed_elsewhere and it.bytes >= MIN_OFFLOAD_BYTES):
                 copied_inputs.append(it)
     dev_reps, host_reps = [], []
     for r in acts.repeats:
-        keep = [it for it in r.items if _stays(it, keepers.get(it.name, ("", None)), B, S)[0]]
+        keep = [it for it in r.items if _stays(it, keepers.get(it.name, ("", None)), B, S, sac)[0]]
         off = [it for it in r.items if it not in keep]
         for it in keep:
-            reasons[it.name] = _stays(it, keepers.get(it.name, ("", None)), B, S)[1]
+            reasons[it.name] = _stays(it, keepers.get(it.name, ("", None)), B, S, sac)[1]
         dev_reps.append(_replace_items(r, keep))
         host_reps.append(_replace_items(r, off))
     host = Inventory(host_base + copied_inputs, host_reps)
@@ -141,13 +160,27 @@ def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *
         stash = sum(it.bytes for it in out_base if keepers.get(it.name, ("", None))[0] == last_scope)
     block = max((it.bytes for r in host.repeats for it in r.items), default=0) or max(
         (it.bytes for it in out_base), default=0)
-    if checkpointed:  # a block's input comes back; the previous block's stays until this one's hook
+    if compiled and not checkpointed:  # one backward node per compiled block unpacks its whole saved set,
+        # held until the next block's node has run: this block's and the previous one's
+        in_flight = 2 * max(_per_block(host).values(), default=0)
+    elif checkpointed:  # a block's input comes back; the previous block's stays until this one's hook
         in_flight = 2 * block
     elif gated:  # the MLP product's node: its two saved inputs and the down projection's, three gradients
         in_flight = 5 * block + largest_block_weight_bytes  # (one is the phases' work) and a weight copy
     else:  # the activation's node: its saved input and the down projection's, two gradients
         in_flight = 3 * block + largest_block_weight_bytes
     return OffloadSplit(Inventory(dev_base, dev_reps), host, stash, in_flight, reasons)
+
+
+def _per_block(host: Inventory) -> dict[int, int]:
+    """Offloaded bytes per decoder block (layer index -> bytes)."""
+    from trainmem.names import layer_of
+    out: dict[int, int] = {}
+    for it in host:
+        li = layer_of(it.name)
+        if li is not None:
+            out[li] = out.get(li, 0) + it.bytes
+    return out
 
 
 def _replace_items(r, items):
@@ -167,11 +200,13 @@ def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=
     from trainmem.families import family_of
     from trainmem.inventory import dtype_bytes
     from trainmem.names import layer_of
+    from dataclasses import replace
 
     if impl.profile != "hf":
         raise SpecError("offload", "activations", f"is modelled under --profile hf only, not {impl.profile!r}")
-    if impl.recompute not in ("none", "full") or impl.compile:
-        raise SpecError("offload", "activations", "is modelled with --recompute none or full, without --compile")
+    if impl.compile and impl.compile_scope == "model":  # torchtune compiles each layer (training.compile_model)
+        raise SpecError("offload", "activations", "is modelled with --compile-scope block or block-loss (torchtune "
+                                                  "compiles each layer), not model")
     ctx = Ctx(Graph(), model, step, impl, replicate=finetune is None)
     if finetune is not None:
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
@@ -183,16 +218,51 @@ def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=
     _input_ids(ctx)
     _forward(impl)(ctx)
     keepers = {it.name: k for it, k in zip(ctx.graph.items(), ctx.graph.keepers())}
+    packed_elsewhere = frozenset()
+    if impl.recompute == "every-k" and not _all_blocks_checkpointed(model, impl):  # eager blocks save them too
+        eager = Ctx(Graph(), model, step, replace(impl, recompute="none", recompute_every=1),
+                    replicate=finetune is None)
+        eager.trainable, eager.finetune_linear = ctx.trainable, ctx.finetune_linear
+        _input_ids(eager)
+        _forward(eager.impl)(eager)
+        packed_elsewhere = frozenset(it.name for it, (scope, _) in zip(eager.graph.items(), eager.graph.keepers())
+                                     if layer_of(scope + ".x") is not None)
     # the copies are made from the compute weights: the parameters, or autocast's casts of them
     size = dtype_bytes(step.dtypes.activation if step.dtypes.autocast else step.dtypes.param)
     weight = max((int(math.prod(shape) * size) for name, shape in parameter_shapes(model)
                   if layer_of(name) is not None and len(shape) == 2), default=0)
     if family_of(model).conv1d and not step.dtypes.autocast:
         weight = 0  # Conv1D's addmm saves the Parameter itself, which torchtune never copies
-    return offload_split(ctx.graph.inventory(), keepers, B=step.batch, S=step.seq,
-                         largest_block_weight_bytes=weight, checkpointed=impl.recompute == "full",
-                         gated=model.gated,
-                         use_streams=use_streams)
+    split = offload_split(ctx.graph.inventory(), keepers, B=step.batch, S=step.seq,
+                         largest_block_weight_bytes=weight, checkpointed=_all_blocks_checkpointed(model, impl),
+                         gated=model.gated, compiled=impl.compile,
+                         use_streams=use_streams, packed_elsewhere=packed_elsewhere, sac=impl.recompute == "op")
+    if impl.compile and impl.recompute == "full" and impl.device == "cpu":
+        split = replace(split, host=split.host + Inventory(_generator_states(model)))
+    return split
+
+
+CPU_GENERATOR_STATE_BYTES = 5056
+"""``torch.get_rng_state().nbytes()``: the CPU generator's mt19937 state (aten/src/ATen/CPUGeneratorImpl.cpp
+``CPUGeneratorImplState``). CUDA's Philox state (``torch.cuda.get_rng_state()``: seed and offset) is 16
+bytes, under ``min_offload_size``."""
+
+
+def _generator_states(model) -> list[MemoryItem]:
+    """A compiled checkpointed block saves the generator state its recomputed SDPA replays
+    (estimate/rules_compiled.py ``_checkpointed_layers``): a host tensor, which torchtune's pack hook
+    copies all the same (it checks size and Parameter-ness, not the device), host to host."""
+    return [MemoryItem(name=f"model.layers.{i}.rng_state", category=Category.ACTIVATION,
+                       shape=(CPU_GENERATOR_STATE_BYTES,), dtype="uint8", bytes=CPU_GENERATOR_STATE_BYTES,
+                       formula="torch.get_rng_state()", note="host memory already; copied by the pack hook")
+            for i in range(model.num_layers)]
+
+
+def _all_blocks_checkpointed(model, impl) -> bool:
+    """Every block under a whole-block checkpoint (full, op, every-k with k = 1): backward brings
+    back block inputs only; otherwise an eager block's MLP node is the widest moment."""
+    return impl.recompute in ("full", "op") or (impl.recompute == "every-k" and all(
+        impl.checkpointed(i) for i in range(model.num_layers)))
 
 
 def device_items(split: OffloadSplit) -> list[MemoryItem]:
