@@ -54,6 +54,10 @@ def find_stack(model) -> Stack:
     """The one ``ModuleList`` of blocks: as long as ``config.num_hidden_layers``."""
     import torch
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedError(f"{type(model).__name__}: --profile traced traces one stack of blocks; an "
+                               "encoder-decoder has two (encoder and decoder, each its own cut and layer kinds): "
+                               "use `trainmem trace`, which runs the real model on fake tensors")
     depth = getattr(model.config, "num_hidden_layers", None)
     found = [name for name, m in model.named_modules()
              if isinstance(m, torch.nn.ModuleList) and depth and len(m) == depth]
