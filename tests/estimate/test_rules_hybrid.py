@@ -5,6 +5,7 @@ tiny configs (CPU), and equal ``--profile traced``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -78,15 +79,24 @@ def test_llama4_block_items():
     assert sum(i.bytes for i in items) == 2_176_772
 
 
+#: hf rules == --profile traced (the same model on fake tensors, its checkpointing included): totals and peak
+TRACED = [(n, a, p, "none") for n, a in (("gpt_oss", "eager"), ("llama4_text", "sdpa"), ("llama4_text", "eager"))
+          for p in ("fp32", "bf16")]
+TRACED += [("gpt_oss", "eager", "bf16", "selective"), ("gpt_oss", "eager", "fp32", "selective"),
+           ("llama4_text", "eager", "bf16", "selective"), ("llama4_text", "sdpa", "fp32", "selective"),
+           ("llama4_text", "eager", "bf16", "full"), ("llama4_text", "sdpa", "bf16", "op"),
+           ("llama4_text", "eager", "bf16", "op")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,attention", [("gpt_oss", "eager"), ("llama4_text", "sdpa"), ("llama4_text", "eager")])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_hf_rules_equal_the_traced_profile(tmp_path, monkeypatch, name, attention, precision):
+@pytest.mark.parametrize("name,attention,precision,recompute", TRACED)
+def test_hf_rules_equal_the_traced_profile(tmp_path, monkeypatch, name, attention, precision, recompute):
     monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIGS[name]))
     model, step = load_model(str(path)), StepSpec(batch=2, seq=64, precision=precision)
-    traced = estimate(model, step, ImplSpec(profile="traced", device="cpu", attention=attention))
-    ruled = estimate(model, step, ImplSpec(profile="hf", device="cpu", attention=attention))
+    impl = ImplSpec(profile="traced", device="cpu", attention=attention, recompute=recompute)
+    traced = estimate(model, step, impl)
+    ruled = estimate(model, step, replace(impl, profile="hf"))
     assert traced.totals_bytes == ruled.totals_bytes
     assert traced.peak_bytes == ruled.peak_bytes

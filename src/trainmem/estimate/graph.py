@@ -21,11 +21,12 @@ from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_by
 
 __all__ = ["Sym", "Graph", "OpPolicy", "SAVED_OPS"]
 
-SAVED_OPS = frozenset({"mm", "addmm", "bmm", "sdpa_flash", "sdpa_efficient", "max"})
+SAVED_OPS = frozenset({"mm", "addmm", "bmm", "sdpa_flash", "sdpa_efficient", "max", "topk"})
 """The ops torchtitan's op-level policy keeps (torchtitan/distributed/activation_checkpoint.py at
 b5bcd76, ``_get_default_save_ops``: torch._functorch.partitioners' ``compute_intensive_ops`` --
 mm, addmm, bmm, the CUDA flash and memory-efficient SDPA kernels -- plus aten.linear, max, topk
-and collectives; of those only aten.max runs here, in Float8's tensorwise amax, ``estimate/float8.py``).
+and collectives; of those aten.max runs here in Float8's tensorwise amax, ``estimate/float8.py``, and
+aten.topk in Llama-4's router, ``estimate/rules_llama4.py``).
 The CPU SDPA kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) is not on it."""
 

@@ -19,6 +19,8 @@ Checked against autograd's saved set in ``tests/estimate/test_rules_hybrid.py``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
@@ -33,32 +35,34 @@ def gpt_oss_forward(ctx: Ctx) -> None:
     if ctx.impl.attention != "eager":
         raise UnsupportedError(f"{m.name}: gpt_oss has no {ctx.impl.attention} attention in transformers "
                                "(no SDPA path); estimate it with --attention eager")
-    if ctx.impl.recompute not in ("none", "full", "every-k"):
-        raise UnsupportedError(f"{m.name}: recompute={ctx.impl.recompute!r} is not modelled for gpt_oss "
-                               "(none, full or every-k); --profile traced estimates it")
+    if ctx.impl.recompute == "op":
+        raise UnsupportedError(f"{m.name}: recompute='op' is not modelled for gpt_oss; --profile traced estimates it")
     x = _embedding(ctx, "model.embed_tokens")
     with g.module("model.rotary_emb"):  # GptOssRotaryEmbedding: cos/sin of hd/2 frequencies, in x's dtype
         rot, dims = (1, 1, ctx.S, m.head_dim // 2), ("1", "1", "S", "hd/2")
         cos, sin = g.new("cos", rot, dims, x.dtype, False), g.new("sin", rot, dims, x.dtype, False)
     held = _checkpoint_extras(ctx, "eager", x.dtype)  # position ids and the eager causal mask
-    if any(k.attention == "sliding" for k in m.kinds):
+    sliding = held
+    if held and any(k.attention == "sliding" for k in m.kinds):
         # sliding blocks get (and their checkpoints hold) create_sliding_window_causal_mask's mask instead
         sliding = held[:-1] + [g.new("model.sliding_window_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"),
                                      x.dtype, False)]
 
     def layer(i: int, x: Sym) -> Sym:
+        mine = sliding if m.kind(i).attention == "sliding" else held
         if ctx.impl.checkpointed(i):
-            with g.checkpoint(x, cos, sin, *(sliding if m.kind(i).attention == "sliding" else held),
-                              policy=_policy(ctx)):
+            with g.checkpoint(x, cos, sin, *mine, policy=_policy(ctx)):
                 return _layer(ctx, x, cos, sin)
-        return _layer(ctx, x, cos, sin)
+        # selective checkpoints the attention function: it gets the position ids (GptOssDecoderLayer passes
+        # them on, GptOssAttention.forward hands **kwargs to attention_interface) and its block's mask
+        return _layer(ctx, x, cos, sin, mine)
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", cast_last=True)
     _loss(ctx, _head(ctx, h, "lm_head"))
 
 
-def _layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym) -> Sym:
+def _layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, held: list[Sym] = ()) -> Sym:
     g, m = ctx.graph, ctx.model
     H, qs = m.hidden_size, m.q_size
     h = _rmsnorm(ctx, x, "input_layernorm", cast_last=True)
@@ -70,7 +74,8 @@ def _layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym) -> Sym:
                   promote(q.dtype, cos.dtype), q.requires_grad)
         k = g.new("k_rope", (ctx.B, m.num_kv_heads, ctx.S, m.head_dim), ("B", "Akv", "S", "hd"),
                   promote(k.dtype, cos.dtype), k.requires_grad)
-        o = _sink_attention(ctx, q, k, v)
+        with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
+            o = _sink_attention(ctx, q, k, v)
         with g.module("o_proj"):
             a = ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias)
     x = ctx.add(x, a, "residual_attn")

@@ -41,16 +41,18 @@ def llama4_forward(ctx: Ctx) -> None:
     with g.module("model.rotary_emb"):
         freqs = g.new("freqs_cis", (1, ctx.S, m.head_dim // 2), ("1", "S", "hd/2"), "complex64", False)
     kernel = resolve_kernel(ctx)
-    held = _checkpoint_extras(ctx, kernel, x.dtype)
-    # checkpoints hold the chunked blocks' boolean mask: create_chunked_causal_mask materializes it
-    # over the batch, (B, 1, S, S) (unlike the expanded sliding-window mask)
-    chunked = g.new("model.chunked_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"), "bool", False)
+    held = _checkpoint_extras(ctx, kernel, x.dtype)  # position ids; eager: the causal mask
+    # checkpoints of chunked blocks hold create_chunked_causal_mask's mask, materialized over the batch
+    # (unlike the expanded sliding-window mask): boolean for SDPA, additive in x's dtype for eager
+    chunked = g.new("model.chunked_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"),
+                    x.dtype if kernel == "eager" else "bool", False)
+    on_chunks = held[:-1] + [chunked] if kernel == "eager" and held else held + [chunked]
 
     def layer(i: int, x: Sym) -> Sym:
         kind = m.kind(i)
         masked = kernel != "eager" and window_mask(ctx, kind)
         k_i = resolve_kernel(ctx, masked) if masked else kernel
-        mine = held + [chunked] if masked else held
+        mine = on_chunks if masked or (kernel == "eager" and kind.attention == "chunked") else held
         if ctx.impl.checkpointed(i):
             with g.checkpoint(x, freqs, *mine, policy=_policy(ctx)):
                 return _layer(ctx, x, freqs, kind, k_i, masked)
@@ -115,7 +117,9 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     T = ctx.B * ctx.S
     with g.module("router"):
         logits = ctx.linear(h, E, "E", weight=(E, H))
-        g.save(g.new("top_idx", (T, k), ("B·S", "k"), "int64", False))  # scatter_ keeps the index
+        # topk's values and indices (an op-level policy keeps both); scatter_ keeps the index
+        g.new("top_val", (T, k), ("B·S", "k"), logits.dtype, logits.requires_grad, op="topk")
+        g.save(g.new("top_idx", (T, k), ("B·S", "k"), "int64", False, op="topk"))
         sig = g.new("sigmoid", (T, E), ("B·S", "E"), "float32", logits.requires_grad)  # sigmoid keeps its output
         g.save(sig)
         scores = ctx.cast(sig, logits.dtype, "scores")
