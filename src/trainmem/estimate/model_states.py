@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Callable
 
-from trainmem.estimate.params import parameter_shapes
+from trainmem.estimate.params import kept_fp32, parameter_shapes
 from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import shared_state_items, state_item as _item
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
@@ -29,7 +30,7 @@ def model_state_items(model: ModelSpec, step: StepSpec, finetune=None, profile: 
     if finetune is not None:
         from trainmem.estimate.finetune import finetune_state_items
         return finetune_state_items(model, step, finetune)
-    items = _items_for(parameter_shapes(model, profile), step)
+    items = _items_for(parameter_shapes(model, profile), step, kept_fp32(model, profile))
     return items + shared_state_items(step, items)
 
 
@@ -42,8 +43,9 @@ def model_state_inventory(model: ModelSpec, step: StepSpec, profile: str = "hf")
     blocks = model.num_layers
     own = [(n, sh) for n, sh in shapes if not n.startswith(prefix)]
     first = [(n, sh) for n, sh in shapes if n.startswith(f"{prefix}0.")]
-    template = _items_for(first, step)
-    base = _items_for(own, step)
+    fp32 = kept_fp32(model, profile)
+    template = _items_for(first, step, fp32)
+    base = _items_for(own, step, fp32)
     return Inventory(base + shared_state_items(step, base + template) + template,
                      (Repeat(tuple(template), prefix, 0, tuple(range(1, blocks)), shift_previous=False),))
 
@@ -70,19 +72,26 @@ def _block_prefix(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[str | None
     return prefix, len(per)
 
 
-def _items_for(shapes: list[tuple[str, tuple[int, ...]]], step: StepSpec) -> list[MemoryItem]:
-    d = step.dtypes
-    pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
+def _items_for(shapes: list[tuple[str, tuple[int, ...]]], step: StepSpec,
+               fp32: Callable[[str], bool] | None = None) -> list[MemoryItem]:
+    """``fp32``: the parameters a 16-bit load keeps in fp32 (``params.kept_fp32``); their gradients
+    are fp32 too (``AccumulateGrad`` makes ``.grad`` like the parameter) and so are optimizer states
+    made ``zeros_like`` the parameter (torch ``AdamW._init_group``)."""
     out: list[MemoryItem] = []
     train = step.mode == "train"
     for name, shape in shapes:
+        d = step.dtypes
+        if fp32 is not None and dtype_bytes(d.param) < 4 and fp32(name):
+            d = replace(d, param="float32", grad="float32",
+                        state="float32" if d.state == d.param else d.state)
+        pb, gb = dtype_bytes(d.param), dtype_bytes(d.grad)
         out.append(_item(name, Category.PARAMETER, shape, d.param, f"numel·{pb:g}"))
         if not train:
             continue
         out.append(_item(f"{name}.grad", Category.GRADIENT, shape, d.grad, f"numel·{gb:g}"))
         if d.master:
             out.append(_item(f"{name}.master", Category.MASTER_WEIGHT, shape, d.master, "numel·4"))
-        out.extend(_states(name, shape, step))
+        out.extend(_states(name, shape, step, d.state))
     return out
 
 

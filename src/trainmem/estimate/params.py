@@ -16,12 +16,14 @@ Known limitations:
 
 from __future__ import annotations
 
+import re
 from math import prod
+from typing import Callable
 
 from trainmem.families import family_of, get_scheme
 from trainmem.specs.model import ModelSpec
 
-__all__ = ["Shape", "parameter_shapes", "count_parameters"]
+__all__ = ["Shape", "parameter_shapes", "count_parameters", "kept_fp32"]
 
 Shape = tuple[int, ...]
 
@@ -39,3 +41,19 @@ def parameter_shapes(model: ModelSpec, profile: str = "hf") -> list[tuple[str, S
 def count_parameters(model: ModelSpec) -> int:
     """Number of trainable scalars; tied weights count once."""
     return sum(prod(shape) for _, shape in parameter_shapes(model))
+
+
+def kept_fp32(model: ModelSpec, profile: str = "hf") -> Callable[[str], bool] | None:
+    """Which parameters a 16-bit load keeps in fp32: the family's ``fp32_params`` (its model class's
+    ``_keep_in_fp32_modules_strict``), matched as transformers matches them -- each entry a regular
+    expression searched in the name, ``*`` as ``.*`` (``core_model_loading.build_glob_alternation``,
+    applied by ``modeling_utils.PreTrainedModel._get_dtype_plan``); None when it keeps none or the
+    profile runs its own model."""
+    scheme = get_scheme(profile)
+    if scheme is not None and scheme.parameters is not None:
+        return None
+    frags = family_of(model).fp32_params
+    if not frags:
+        return None
+    pattern = re.compile("|".join(f"(?:{f.replace('*', '.*')})" for f in frags))
+    return lambda name: pattern.search(name) is not None

@@ -206,6 +206,10 @@ class Family(NameScheme):
     query and value projections, peft's usual pair) and says so in a note."""
     compiled_rules: bool = False
     """The estimator's compiled rules (``estimate/rules_compiled.py``) cover this family."""
+    fp32_params: tuple[str, ...] = ()
+    """Its model class's ``_keep_in_fp32_modules_strict``: name fragments (``gate.weight``) whose
+    parameters a 16-bit load keeps in fp32 (``models/hf.py`` ``_keep_strict_fp32``, as transformers'
+    ``from_pretrained`` does); their gradients and optimizer states follow (``estimate/params.py``)."""
 
 
 _FAMILIES: dict[str, Family] = {}

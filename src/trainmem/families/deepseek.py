@@ -77,11 +77,11 @@ def _parameters(m: "ModelSpec") -> lay.Params:
     return kind_blocks(m, block)
 
 
-def _family(name: str, config_class: str, defaults: dict) -> Family:
+def _family(name: str, config_class: str, defaults: dict, fp32_params: tuple[str, ...]) -> Family:
     # peft 0.21.2 maps no deepseek_v2/v3; MLA has no v_proj: the query projection (q_proj, or q_b_proj
     # after the low-rank q_a_proj) and kv_b_proj (which makes K's no-rope part and V) are adapted, with a note
     return Family(name=name, parameters=_parameters, rules=BlockRules(forward="mla"), **LLAMA_NAMES,
-                  peft_default=False, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
+                  fp32_params=fp32_params, peft_default=False, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
                   config=ConfigSchema(config_class=config_class, read=_read, defaults=defaults, required=_SIZES))
 
 
@@ -98,7 +98,9 @@ def deepseek_v2() -> Family:
         "n_routed_experts": 64, "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         # DeepseekV2Config's num_experts_per_tok defaults to None, which its router cannot route with;
         # a file must write it (required), so this stands in only for the registry's own checks
-        "v_head_dim": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1407})
+        "v_head_dim": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1407},
+        # DeepseekV2PreTrainedModel._keep_in_fp32_modules_strict (transformers 5.x)
+        fp32_params=("gate.weight",))
 
 
 @register_family
@@ -107,4 +109,6 @@ def deepseek_v3() -> Family:
         **_COMMON, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
         "num_attention_heads": 128, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
         "n_routed_experts": 256, "n_shared_experts": 1, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True})
+        "v_head_dim": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True},
+        # DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict; the bias is a buffer, not in the ledger
+        fp32_params=("e_score_correction_bias", "gate.weight"))
