@@ -6,9 +6,15 @@ micro-batch, then ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``. W
 batches come from a fixed seed, so two workloads that differ only in kernels, recompute or
 precision see the same numbers (what :mod:`trainmem.measure.variants` compares).
 
-Known limitations: MoE routing and the chunked/fused losses are not built here (the same limits
-as the tracer; bitsandbytes' and torchao's optimizers are, :mod:`trainmem.trace.low_bit_optim`);
-data parallelism wraps the model in DDP only when a process group is already initialised.
+The frameworks' chunked losses (``--loss torchtune-chunked-ce|litgpt-chunked-ce``) run as the
+tracer runs them (:func:`trainmem.trace.losses.framework_loss`): the decoder, the output projection
+per chunk and the framework's cross-entropy, with LitGPT's logits held until the optimizer step.
+
+Known limitations: MoE routing and trainmem's own ``chunked-ce``/``fused-ce`` losses are not built
+here (the same limits as the tracer; bitsandbytes' and torchao's optimizers are,
+:mod:`trainmem.trace.low_bit_optim`); data parallelism wraps the model in DDP only when a process
+group is already initialised, and then the frameworks' chunked losses are refused (they call the
+decoder and the head apart, around DDP's forward).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from trainmem.errors import UnsupportedError
+from trainmem.specs.step import FRAMEWORK_LOSSES
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
 __all__ = ["Workload", "build_workload", "resolve_device", "ledger_bytes"]
@@ -93,6 +100,10 @@ class Workload:
     params: list
     masters: list | None
     context: Callable[[], Any] = contextlib.nullcontext
+    ignore_labels: Any = None
+    """torchtune's ``ignore_labels_cache`` (B, 1), made once at setup as its recipe does."""
+    held: Any = None
+    """LitGPT's logits, kept bound through backward and the optimizer step (``HeldLogits``)."""
     grad_norms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
@@ -117,7 +128,7 @@ class Workload:
                     if probe and i == 0:
                         probe("forward_start")
                     with autocast:
-                        loss = self.model(mb, labels=mb).loss
+                        loss = self._loss(mb)
                     if probe and i == 0:
                         probe("forward_end")
                     (loss / A if A > 1 else loss).backward()
@@ -136,12 +147,21 @@ class Workload:
                     p.grad = None
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.held is not None:
+                self.held.clear()
             if self.masters is not None:
                 with torch.no_grad():
                     for m, p in zip(self.masters, self.params):
                         p.copy_(m)
         self.losses.append(total / A)
         return total / A
+
+    def _loss(self, mb):
+        """The micro-batch's loss: the model's own, or a framework's chunked loss as the tracer runs it."""
+        if self.step.loss in FRAMEWORK_LOSSES:
+            from trainmem.trace.losses import framework_loss
+            return framework_loss(self.step.loss, self.model, mb, ignore_labels=self.ignore_labels, held=self.held)
+        return self.model(mb, labels=mb).loss
 
     def close(self) -> None:
         """Drop every tensor this workload holds (so a sweep can build the next one)."""
@@ -211,6 +231,9 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if step.loss in FRAMEWORK_LOSSES:
+            raise UnsupportedError(f"loss={step.loss!r} is measured on one device: it calls the decoder and the "
+                                   "head apart, around DDP's forward")
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -224,5 +247,11 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
                 stack.enter_context(_selective_recompute(model, impl.attention))
         return stack
 
+    framework = step.loss in FRAMEWORK_LOSSES
+    if framework and reference:
+        raise UnsupportedError(f"loss={step.loss!r} is measured on Hugging Face models (as the tracer runs it)")
+    from trainmem.trace.losses import HeldLogits
     return Workload(model=model, optimizer=optimizer, step=step, impl=impl, device=dev, ids=ids,
-                    params=params, masters=masters, context=context)
+                    params=params, masters=masters, context=context,
+                    ignore_labels=torch.full((step.batch, 1), -100, dtype=ids.dtype, device=dev) if framework else None,
+                    held=HeldLogits() if framework else None)
