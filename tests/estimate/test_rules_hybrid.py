@@ -54,7 +54,7 @@ def test_gpt_oss_block_items():
 def test_gpt_oss_refuses_sdpa_in_one_line():
     # GptOssPreTrainedModel._supports_sdpa is False: transformers refuses to build it with SDPA
     model = spec_from_hf_config(CONFIGS["gpt_oss"])
-    with pytest.raises(UnsupportedError, match="no sdpa attention.*--attention eager"):
+    with pytest.raises(UnsupportedError, match="no sdpa attention.*--attention eager.*--profile traced"):
         estimate(model, StepSpec(batch=2, seq=64), ImplSpec(device="cpu", attention="sdpa"))
 
 

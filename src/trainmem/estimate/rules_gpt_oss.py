@@ -33,8 +33,10 @@ __all__ = ["gpt_oss_forward"]
 def gpt_oss_forward(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
     if ctx.impl.attention != "eager":
-        raise UnsupportedError(f"{m.name}: gpt_oss has no {ctx.impl.attention} attention in transformers "
-                               "(no SDPA path); estimate it with --attention eager")
+        why = ("its flash attention (a hub kernel that takes the sinks) is not modelled" if ctx.impl.attention == "flash"
+               else f"transformers gives it no {ctx.impl.attention} attention (no SDPA path)")
+        raise UnsupportedError(f"{m.name}: gpt_oss: {why}; estimate it with --attention eager "
+                               "(as --profile traced and trainmem trace run it)")
     if ctx.impl.recompute == "op":
         raise UnsupportedError(f"{m.name}: recompute='op' is not modelled for gpt_oss; --profile traced estimates it")
     x = _embedding(ctx, "model.embed_tokens")
