@@ -22,7 +22,15 @@ Rules, per saved tensor (one estimator item, one storage), in the order applied:
   (transformers/modeling_layers.py: ``checkpoint(partial(forward, **kwargs), *args)``) and
   ``torch.utils.checkpoint`` packs only positional inputs (``_CheckpointFrame.save_inputs``); the
   keyword arguments (position embeddings, position ids, mask) live in the recompute closure;
+* ``--recompute op``: what the SAC policy saves (kept at the block's scope, no position) stays in
+  ``_CachingTorchDispatchMode``'s cache, inside the checkpoint's own (innermost) hooks: kept;
+* ``--recompute selective``: the attention checkpoint's ``position_ids`` (a keyword): kept; q, k, v go;
+* ``--recompute every-k``: a checkpoint's kept keyword input that an eager block also saves (the
+  rotary cos/sin) is copied to host as well;
 * everything else: offloaded. Under full recompute that is each block's input hidden state.
+  Under per-block ``--compile`` it is what each compiled block's partition saves (Python hooks are
+  not inlined: ``CompiledFunction`` saves through ``ctx.save_for_backward``), plus, under full
+  recompute on CPU, each block's generator state (:func:`_generator_states`).
 
 With streams, the device copy of each offloaded tensor is kept in a forward stash; each new
 offloaded pack releases the entries five or more packs older. At the end of forward the stash holds
@@ -45,7 +53,9 @@ largest weight):
   ``3·X + W``, with ``W = 0`` for GPT-2's ``Conv1D``, whose ``addmm`` saves the Parameter itself
   (under autocast it saves a cast copy, which is copied);
 * under full recompute only each block's input hidden state is packed (the recompute's own hooks
-  take the block's saves): this block's and the previous block's, ``2·X``.
+  take the block's saves): this block's and the previous block's, ``2·X``;
+* per-block compile: one backward node per block brings the block's whole offloaded set back,
+  held until the next block's node has run: two blocks' sets.
 
 Known limitations:
   - ``host_bytes`` counts each offloaded storage once; torchtune copies every pack (a tensor
@@ -54,7 +64,9 @@ Known limitations:
   - a LayerNorm whose mean and rstd stay (under 1024 bytes each: B·S < 256 rows in fp32, < 512
     in bf16) leaves room in the window for the last block's last packs, which the stash then
     holds too and the estimate does not count (GPT-2 bf16, B·S = 256: 196608 bytes, not 32768);
-  - profiles other than ``hf`` are not modelled (their head and checkpoint naming differ).
+  - profiles other than ``hf`` are not modelled (their head and checkpoint naming differ);
+  - ``in_flight`` is the eager bound under every-k (mixed blocks) and leaves out a compiled block's
+    own backward working set: the step peak is off there (docs/offload.md has the ratios).
 """
 
 from __future__ import annotations
