@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
 from trainmem.names import is_embedding, is_head, layer_of
 
@@ -211,9 +212,25 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
         g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else 0
-        add("backward", {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work},
-            "backward of the last block: head gradients, remaining activations, recomputed "
-            "block activations, the output gradient and the gradient of its largest tensor")
+        parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work}
+        note = ("backward of the last block: head gradients, remaining activations, recomputed "
+                "block activations, the output gradient and the gradient of its largest tensor")
+        norms = [] if last in recompute_bytes or optimizer_in_backward or working.get("backward") \
+            else norm_backward_parts(items, last, residual_bytes)
+        for nb in norms:  # later inside the same block: its norms' backward (estimate/block_backward.py)
+            g_norm = G if grad_accum > 1 else grads_head - st.late_grad + nb["block_gradients"]
+            # the only block's attention backward frees what the blocks share (rotary cos/sin: their
+            # saved-by-rope references are gone), the embedding keeps its indices
+            shared = _shared_block_inputs(items) if nb["after_attention"] and last == min(blocks) else 0
+            at_norm = {"gradients": g_norm, "activations": A - head_act - nb["freed_activations"] - shared,
+                       "recompute_and_work": nb["norm_backward_work"],
+                       # the loss and its seed gradient (ones_like) stay alive through backward
+                       "loss_scalars": 2 * dtype_bytes(loss_dtype) if loss == "ce" else 0}
+            if sum(at_norm.values()) > sum(parts.values()):
+                parts, note = at_norm, ("backward of the last block, at an RMSNorm's backward: head gradients and "
+                                        "the block's so far, the residual gradient and five fp32 norm-sized "
+                                        "temporaries")
+        add("backward", parts, note)
         first = min(blocks)
         if first != last and not optimizer_in_backward:
             # the first block's backward runs last: every later block's gradients exist next to its
@@ -245,6 +262,14 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         f"largest parameter stepped in its gradient hook while activations are alive: {rule}; "
         "the larger of its temporaries and the log-softmax gradient that produced it")
     return out
+
+
+def _shared_block_inputs(items) -> int:
+    """Saved tensors outside the blocks that only the blocks read (rotary cos/sin): neither the
+    embedding's nor the head's."""
+    base = items.base if isinstance(items, Inventory) else items
+    return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
+               and not is_head(i.name) and not is_embedding(i.name))
 
 
 def _head_weight_grad(items) -> int:

@@ -1,0 +1,87 @@
+"""Inside the last block's backward: the pre-MLP RMSNorm's backward (phase ``norm_backward``).
+
+The ``backward`` phase holds a block's working set as one residual-sized gradient plus the gradient
+of its largest saved tensor. A Llama-style RMSNorm in 16-bit (``LlamaRMSNorm.forward``: ``x.to(float32)``,
+``pow(2).mean(-1)``, ``rsqrt``, ``x * rsqrt``, ``.to(dtype)``, ``weight * ...``) runs its backward op
+by op, every intermediate fp32, and its last node (``PowBackward0``: ``grad * 2 * x.pow(1)``,
+``torch/csrc/autograd/FunctionsManual.cpp`` ``pow_backward``) runs while
+
+* the gradient of ``x * rsqrt`` with respect to ``x`` waits in ``x``'s input buffer (autograd sums
+  the two paths into ``x.to(float32)`` when both arrived: ``torch/csrc/autograd/input_buffer.cpp``),
+* the mean's gradient (``MeanBackward``: expand and divide, a full fp32 tensor) is its input,
+* ``x.pow(1)``, ``2 * x.pow(1)`` and their product with the gradient are made,
+
+five fp32 tensors of the norm's input size, beside the residual stream's gradient (the block output's
+gradient passes the residual add unchanged and waits for the norm's). By then the MLP's backward has
+run: its saved tensors and the norm's ``rsqrt``, ``normed_cast`` and ``out`` were freed after their
+nodes ran (``torch/csrc/autograd/engine.cpp``, ``Node::release_variables`` after ``call_function``),
+and ``AccumulateGrad`` has made the MLP's and the norm's weight gradients (``.grad`` on first
+accumulation). The norm's fp32 input copy is still saved (the pow node reads it).
+
+With a small hidden state against the vocabulary (the head's weight gradient large, the loss's
+tensors small) this is the step's top; it is not modelled for other norms, under recompute (the
+block's tensors are recomputed), or when gradients are stepped in backward.
+"""
+
+from __future__ import annotations
+
+from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.names import layer_of, split_block
+
+__all__ = ["norm_backward_parts"]
+
+_NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
+#: saved by the other RMSNorm variants (Gemma's 1 + w, OLMo-2's and gpt-oss' cast-last): not modelled here
+_OTHER_NORMS = ("one_plus_w", "out_fp32")
+_FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
+
+
+def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int
+                        ) -> list[dict[str, int]]:
+    """One moment per Llama-style RMSNorm of the last block, in forward order (the input norm, then
+    the pre-MLP norm): ``block_gradients`` (the block's weight gradients made by
+    then: those of the norm and of every child of the block after it), ``freed_activations`` (the
+    block's saved tensors after the norm's fp32 input, to take off the activations) and
+    ``norm_backward_work``. Empty when the block has another kind of norm or routed experts."""
+    block = _block_items(items, last)
+    acts = [i for i in block if i.category is Category.ACTIVATION]
+    if any(i.name.rpartition(".")[2] in _OTHER_NORMS or ".experts." in i.name for i in acts):
+        return []
+    out = []
+    for at in _llama_norms(acts):
+        after = acts[at:]
+        children = {_child(i.name) for i in after}
+        out.append({"block_gradients": sum(i.bytes for i in block
+                                           if i.category is Category.GRADIENT and _child(i.name) in children),
+                    "freed_activations": sum(i.bytes for i in after[1:]),
+                    # the attention ran its backward: a first block's rope freed the shared cos/sin
+                    "after_attention": int(any(c not in (_child(acts[at].name), "mlp") for c in children)),
+                    "norm_backward_work": residual_bytes + _FP32_TRANSIENTS * acts[at].bytes})
+    return out
+
+
+def _llama_norms(acts: list[MemoryItem]) -> list[int]:
+    """Indices of each Llama-style RMSNorm's ``x_fp32`` (its four saved tensors in a row)."""
+    out = []
+    for at in range(len(acts) - len(_NORM) + 1):
+        module = acts[at].name.rpartition(".")[0]
+        if [i.name for i in acts[at:at + len(_NORM)]] == [f"{module}.{n}" for n in _NORM]:
+            out.append(at)
+    return out
+
+
+def _child(name: str) -> str | None:
+    """The block's direct child an item belongs to (``mlp`` for ``model.layers.3.mlp.up_proj.out``)."""
+    parts = split_block(name)
+    return parts[2].split(".", 1)[0] if parts else None
+
+
+def _block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[MemoryItem]:
+    """Block ``last``'s own items in inventory order: its base items, or the template of the repeat
+    that copies onto it (names inside the block are the same)."""
+    inv = items if isinstance(items, Inventory) else Inventory(items)
+    out = [i for i in inv.base if layer_of(i.name) == last]
+    for r in inv.repeats:
+        if last in r.dsts:
+            out += [i for i in r.items if layer_of(i.name) == r.src]
+    return out
