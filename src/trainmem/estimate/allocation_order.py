@@ -58,7 +58,8 @@ SOURCE = "from the estimate's allocation order replayed through the caching-allo
 _STATIC = (Category.PARAMETER, Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE)
 #: Phase parts this order places per tensor; any other part is one block (see the module docstring).
 _PLACED = {"parameters", "master_weights", "optimizer_states", "gradients", "activations", "logits",
-           "logits_grad", "recompute_and_work", "work", "optimizer_temporaries"}
+           "logits_grad", "recompute_and_work", "work", "optimizer_temporaries",
+           "node_work"}  # a node's moment inside a block (estimate/block_backward.py): the phase bounds it, not placed
 
 
 @dataclass(frozen=True)

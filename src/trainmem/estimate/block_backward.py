@@ -1,4 +1,5 @@
-"""Inside the last block's backward: the pre-MLP RMSNorm's backward (phase ``norm_backward``).
+"""Moments inside a block's backward: its RMSNorms' and its gated MLP product's (phases ``backward``
+and ``backward_first_block`` take the larger of these and their block working set).
 
 The ``backward`` phase holds a block's working set as one residual-sized gradient plus the gradient
 of its largest saved tensor. A Llama-style RMSNorm in 16-bit (``LlamaRMSNorm.forward``: ``x.to(float32)``,
@@ -18,8 +19,9 @@ nodes ran (``torch/csrc/autograd/engine.cpp``, ``Node::release_variables`` after
 and ``AccumulateGrad`` has made the MLP's and the norm's weight gradients (``.grad`` on first
 accumulation). The norm's fp32 input copy is still saved (the pow node reads it).
 
-With a small hidden state against the vocabulary (the head's weight gradient large, the loss's
-tensors small) this is the step's top; it is not modelled for other norms, under recompute (the
+The gated MLP's ``act_fn(gate) * up`` backward is the other moment (:func:`_gated_mlp`). With a small
+hidden state against the vocabulary (the head's weight gradient large, the loss's tensors small) one
+of them is the step's top; they are not modelled for other norms, MoE blocks, under recompute (the
 block's tensors are recomputed), or when gradients are stepped in backward.
 """
 
@@ -28,11 +30,12 @@ from __future__ import annotations
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import layer_of, split_block
 
-__all__ = ["norm_backward_parts"]
+__all__ = ["norm_backward_parts"]  # the block moments: the gated MLP's product, each RMSNorm
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 #: saved by the other RMSNorm variants (Gemma's 1 + w, OLMo-2's and gpt-oss' cast-last): not modelled here
 _OTHER_NORMS = ("one_plus_w", "out_fp32")
+_MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
 _FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -42,12 +45,12 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     the pre-MLP norm): ``block_gradients`` (the block's weight gradients made by
     then: those of the norm and of every child of the block after it), ``freed_activations`` (the
     block's saved tensors after the norm's fp32 input, to take off the activations) and
-    ``norm_backward_work``. Empty when the block has another kind of norm or routed experts."""
+    ``work``. Empty when the block has another kind of norm or routed experts."""
     block = _block_items(items, last)
     acts = [i for i in block if i.category is Category.ACTIVATION]
     if any(i.name.rpartition(".")[2] in _OTHER_NORMS or ".experts." in i.name for i in acts):
         return []
-    out = []
+    out = _gated_mlp(block, acts, residual_bytes)
     for at in _llama_norms(acts):
         after = acts[at:]
         children = {_child(i.name) for i in after}
@@ -56,8 +59,26 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
                     "freed_activations": sum(i.bytes for i in after[1:]),
                     # the attention ran its backward: a first block's rope freed the shared cos/sin
                     "after_attention": int(any(c not in (_child(acts[at].name), "mlp") for c in children)),
-                    "norm_backward_work": residual_bytes + _FP32_TRANSIENTS * acts[at].bytes})
+                    "work": residual_bytes + _FP32_TRANSIENTS * acts[at].bytes})
     return out
+
+
+def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
+    """The moment of a Llama MLP's ``act_fn(gate) * up`` backward (``MulBackward0``: ``grad * up`` and
+    ``grad * act``, two (B, S, F) tensors), when the MLP is the block's last child: ``down_proj``'s
+    input gradient (B, S, F) and weight gradient exist, its saved input ``act_mul_up`` was freed and
+    so was the block output a later node kept (``residual_mlp``: the final norm's input in fp32)."""
+    ends = [k for k, i in enumerate(acts) if i.name.endswith(".mlp.act_mul_up")]
+    if not ends or ends[-1] < len(_MLP) - 1:
+        return []
+    at = ends[-1] + 1 - len(_MLP)
+    if [i.name.split(".mlp.", 1)[-1] for i in acts[at:at + len(_MLP)]] != list(_MLP) \
+            or any(not (_child(i.name) or "").startswith("residual") for i in acts[at + len(_MLP):]):
+        return []
+    prod = acts[ends[-1]]
+    down = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj." in i.name)
+    return [{"block_gradients": down, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]),
+             "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
 
 
 def _llama_norms(acts: list[MemoryItem]) -> list[int]:

@@ -215,21 +215,27 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work}
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
                 "block activations, the output gradient and the gradient of its largest tensor")
-        norms = [] if last in recompute_bytes or optimizer_in_backward or working.get("backward") \
-            else norm_backward_parts(items, last, residual_bytes)
-        for nb in norms:  # later inside the same block: its norms' backward (estimate/block_backward.py)
-            g_norm = G if grad_accum > 1 else grads_head - st.late_grad + nb["block_gradients"]
-            # the only block's attention backward frees what the blocks share (rotary cos/sin: their
-            # saved-by-rope references are gone), the embedding keeps its indices
-            shared = _shared_block_inputs(items) if nb["after_attention"] and last == min(blocks) else 0
-            at_norm = {"gradients": g_norm, "activations": A - head_act - nb["freed_activations"] - shared,
-                       "recompute_and_work": nb["norm_backward_work"],
-                       # the loss and its seed gradient (ones_like) stay alive through backward
-                       "loss_scalars": 2 * dtype_bytes(loss_dtype) if loss == "ce" else 0}
-            if sum(at_norm.values()) > sum(parts.values()):
-                parts, note = at_norm, ("backward of the last block, at an RMSNorm's backward: head gradients and "
-                                        "the block's so far, the residual gradient and five fp32 norm-sized "
-                                        "temporaries")
+
+        def inside(li: int, grads_before: int, acts_before: int, parts: dict, note: str) -> tuple[dict, str]:
+            """The larger of a block's working set and its nodes' moments (estimate/block_backward.py):
+            its MLP product's and RMSNorms' backward, with the block's gradients made by then."""
+            if li in recompute_bytes or optimizer_in_backward or working.get("backward"):
+                return parts, note
+            for nb in norm_backward_parts(items, li, residual_bytes):
+                # the first block's attention backward frees what the blocks share (rotary cos/sin:
+                # their saved-by-rope references are gone); the embedding keeps its indices
+                shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
+                # node_work: the residual gradient, the node's temporaries, and the loss and its seed
+                # gradient (ones_like), alive through backward
+                at = {"gradients": grads_before + (0 if grad_accum > 1 else nb["block_gradients"]),
+                      "activations": acts_before - nb["freed_activations"] - shared,
+                      "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)}
+                if sum(at.values()) > sum(parts.values()):
+                    parts, note = at, (f"{note.split(':')[0]}, at its MLP product's or an RMSNorm's backward: "
+                                       "gradients so far, the residual gradient and the node's temporaries")
+            return parts, note
+
+        parts, note = inside(last, G if grad_accum > 1 else grads_head - st.late_grad, A - head_act, parts, note)
         add("backward", parts, note)
         first = min(blocks)
         if first != last and not optimizer_in_backward:
@@ -239,11 +245,11 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             rec0, rec_big0 = recompute_bytes.get(first, (0, 0))
             work0 = rec0 + residual_bytes + max(largest.get(first, 0), rec_big0)
             g_first = G if grad_accum > 1 else G - grad_layer.get(first, 0) - st.late_grad
-            add("backward_first_block",
-                {"gradients": g_first, "activations": A - head_act - sum(act_layer.values()) + act_layer.get(first, 0),
-                 "recompute_and_work": work0},
+            acts0 = A - head_act - sum(act_layer.values()) + act_layer.get(first, 0)
+            add("backward_first_block", *inside(
+                first, g_first, acts0, {"gradients": g_first, "activations": acts0, "recompute_and_work": work0},
                 "backward of the first block, the last to run: every later gradient exists, its "
-                "recomputed block activations, the output gradient and the gradient of its largest tensor")
+                "recomputed block activations, the output gradient and the gradient of its largest tensor"))
     add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()),
                          "work": residual_bytes},
         "all gradients exist, block activations freed" if not optimizer_in_backward
