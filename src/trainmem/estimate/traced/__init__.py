@@ -76,15 +76,16 @@ def traced_template(config: Mapping[str, Any], step, impl):
     return tpl
 
 
-def _state_inventory(tpl, step) -> Inventory:
+def _state_inventory(tpl, step, fp32=None) -> Inventory:
+    """``fp32``: the parameters a 16-bit load keeps in fp32 (``estimate/params.py`` ``kept_fp32``)."""
     from trainmem.estimate.model_states import _items_for
 
     before, kinds, after = tpl.parameter_layout()
-    base = _items_for(list(before), step) + _items_for(list(after), step)
+    base = _items_for(list(before), step, fp32) + _items_for(list(after), step, fp32)
     reps = []
     for params, layers in kinds:
         pre = f"{tpl.prefix}{layers[0]}."
-        reps.append(Repeat(tuple(_items_for([(pre + n, s) for n, s in params], step)), tpl.prefix, layers[0],
+        reps.append(Repeat(tuple(_items_for([(pre + n, s) for n, s in params], step, fp32)), tpl.prefix, layers[0],
                            layers, shift_previous=False))
     return Inventory(base, reps)
 
@@ -131,7 +132,8 @@ def traced_parts(model, step, impl, parallel=None, finetune=None):
     if impl.recompute != "none":
         plain = traced_template(config, step, replace(impl, recompute="none", recompute_every=1)) \
             .activations(step.batch, step.seq)
-    return acts, _state_inventory(tpl, step), plain, _optimizer_transient(tpl, step, impl)
+    from trainmem.estimate.params import kept_fp32
+    return acts, _state_inventory(tpl, step, kept_fp32(model)), plain, _optimizer_transient(tpl, step, impl)
 
 
 _GENERIC_KEYS = {  # ModelSpec field -> config keys, first present wins
