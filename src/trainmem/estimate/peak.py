@@ -250,8 +250,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 first, g_first, acts0, {"gradients": g_first, "activations": acts0, "recompute_and_work": work0},
                 "backward of the first block, the last to run: every later gradient exists, its "
                 "recomputed block activations, the output gradient and the gradient of its largest tensor"))
-    add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()),
-                         "work": residual_bytes},
+    # the embedding's backward runs last: the blocks' shared inputs (rotary cos/sin) and the embedding
+    # output block 0 kept (its norm's input in fp32) were freed by the first block's nodes; the
+    # embedding keeps its indices
+    end_freed = _shared_block_inputs(items) + _embedding_outputs(items) if blocks else 0
+    add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()) - end_freed,
+                         "work": residual_bytes,  # + the loss and its seed gradient, alive through backward
+                         "loss_scalars": 2 * dtype_bytes(loss_dtype) if loss == "ce" else 0},
         "all gradients exist, block activations freed" if not optimizer_in_backward
         else "gradients were stepped and freed in backward, block activations freed")
     tb, rule = optimizer_transient
@@ -276,6 +281,13 @@ def _shared_block_inputs(items) -> int:
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
                and not is_head(i.name) and not is_embedding(i.name))
+
+
+def _embedding_outputs(items) -> int:
+    """An embedding's output kept by the first block (``model.embed_tokens.out``)."""
+    base = items.base if isinstance(items, Inventory) else items
+    return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
+               and is_embedding(i.name) and i.name.endswith(".out"))
 
 
 def _head_weight_grad(items) -> int:
