@@ -144,3 +144,17 @@ def test_json_validates_and_matches_the_golden(command, tmp_path_factory, capsys
     want = json.loads(path.read_text())
     assert not _missing(want["keys"], got["keys"]), f"keys gone from {command} --json"
     assert got["values"] == want["values"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--loss", "torchtune-chunked-ce"], ["--loss", "litgpt-chunked-ce"], ["--loss", "chunked-ce"],
+    ["--loss", "fused-ce"], ["--recompute", "full", "--offload", "activations"], ["--optimizer-in-backward"],
+    ["--recompute", "op"], ["--compile", "--compile-scope", "block"], ["--optimizer", "paged-adamw8bit"],
+])
+def test_estimate_variants_validate(extra, tmp_path, capsys):
+    """Every phase and ledger an estimate variant names is in the schema's vocabulary (a phase added
+    by a new mechanism, e.g. the chunked losses' ``head_backward``, must be added to PHASES)."""
+    validator = jsonschema.Draft202012Validator(json.loads(schema_path("estimate").read_text()))
+    data = run_json(capsys, ["estimate", "--model", write_tiny(tmp_path), "--seq", "64", "--device", "cpu",
+                             "--precision", "bf16", *extra])
+    assert not [e.message for e in validator.iter_errors(data)]

@@ -77,12 +77,17 @@ from dataclasses import dataclass
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import is_embedding
 
-__all__ = ["OffloadSplit", "offload_split", "MIN_OFFLOAD_BYTES", "OUTSIDE_REGION"]
+__all__ = ["OffloadSplit", "offload_split", "MIN_OFFLOAD_BYTES", "outside_region"]
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
-OUTSIDE_REGION = ("lm_head", "loss", "score", "classifier", "cls", "qa_outputs")
-"""Scopes whose saves torchtune leaves on the device: the output projection (NoOpManager) and the
-loss (computed outside the context); the HF heads' names."""
+
+
+def outside_region() -> tuple[str, ...]:
+    """Scopes whose saves torchtune leaves on the device: the output projection (NoOpManager) and the
+    loss (computed outside the context): the registry's output modules (``lm_head``, BERT's ``cls``,
+    ``loss``, the task heads ``score``/``classifier``)."""
+    from trainmem.families import output_modules
+    return output_modules()
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: 
         return True, "the caller's token ids (torchtune copies them out too)"
     if it.bytes < MIN_OFFLOAD_BYTES:
         return True, f"smaller than min_offload_size ({MIN_OFFLOAD_BYTES} bytes)"
-    if not scope or scope.split(".")[0] in OUTSIDE_REGION:
+    if not scope or scope.split(".")[0] in outside_region():
         return True, "kept by the output projection or the loss (outside the offloaded region)"
     if position is not None and position > 0 and _is_block(scope):
         return True, "a checkpointed block's keyword input (held by the recompute closure)"

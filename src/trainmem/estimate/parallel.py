@@ -35,7 +35,7 @@ from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
-from trainmem.families import tp_roles
+from trainmem.families import output_modules, tp_roles
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import as_block, is_head, is_token_embedding, layer_index
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -271,11 +271,12 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     emb_grad = f"{_embedding_name(states)}.grad"
     torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
     rotary = [it for it in acts if ".rotary_emb." in it.name]
+    outputs = output_modules()
     d = step.dtypes
     out: list[RankClass] = []
     for s, (a, b) in enumerate(stages):
         stage_acts = apply_pp(acts, act_stage, s)
-        head_acts = [it for it in stage_acts if it.name.startswith(("loss.", "lm_head")) or it.name.startswith("loss")]
+        head_acts = [it for it in stage_acts if it.name.split(".")[0] in outputs]  # the output layer, loss, task heads
         if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
             stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
                                                        it.bytes, it.formula, it.dims) for it in rotary]

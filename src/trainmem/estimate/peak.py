@@ -321,6 +321,7 @@ def _only_in(kept: "Inventory | list[MemoryItem]", plain: "Inventory | list[Memo
             for r in kept.repeats]
     return Inventory(new, reps)
 
+
 def _block_names(inv: Inventory) -> set[str]:
     """Every block's item names, each repeat's template named for each of its blocks: under
     ``--recompute every-k`` the kept and the plain inventories group blocks into other repeats

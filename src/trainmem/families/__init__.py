@@ -11,7 +11,8 @@ from __future__ import annotations
 from trainmem.families.base import (PEFT_VERSION, BlockRules, ConfigSchema, Family, NameScheme, TaskHeads, TPRoles,
                                     config_families, embedding_modules, families, family_names, get_family,
                                     get_scheme, head_modules, layer_containers, register_family, register_scheme,
-                                    schemes, task_head_modules, token_embedding_modules, tp_roles)
+                                    schemes, task_head_modules, token_embedding_modules, tp_roles,
+                                    output_modules)
 
 # registration order is the order of FAMILIES and of the supported model types in messages
 from trainmem.families import gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma, phi3, bert  # noqa: E402,F401
@@ -22,7 +23,7 @@ __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "Name
            "register_family", "register_scheme",
            "get_family", "get_scheme", "family_names", "families", "schemes", "config_families", "head_modules",
            "embedding_modules", "token_embedding_modules", "layer_containers", "tp_roles", "output_layers",
-           "family_of", "task_head_modules"]
+           "family_of", "task_head_modules", "output_modules"]
 
 
 def family_of(model) -> Family:

@@ -289,6 +289,14 @@ def head_modules() -> tuple[str, ...]:
     return _union("head", lambda s: (*s.head, "loss"))
 
 
+def output_modules() -> tuple[str, ...]:
+    """What runs after the final norm, by first module name: every output layer (``lm_head``, BERT's
+    ``cls``), ``loss``, and the task heads (``score``, ``classifier``)."""
+    outputs = _union("output", lambda s: (*((s.output_layer.split(".")[0],) if hasattr(s, "output_layer") else ()),
+                                          "loss"))
+    return outputs + tuple(m for m in task_head_modules() if m not in outputs)
+
+
 def embedding_modules() -> tuple[str, ...]:
     """Input embedding module paths in any scheme (token, position, token-type)."""
     return _union("embeddings", lambda s: s.embeddings)

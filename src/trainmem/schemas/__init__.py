@@ -38,7 +38,7 @@ FIGURES = ("allocated", "active", "reserved", "device")
 #: Phase names shared by estimate (``phases[].name``), trace (``timeline.phases``, ``peak_phase``)
 #: and profile. ``step_in_backward`` replaces ``optimizer`` under ``--optimizer-in-backward``;
 #: ``other`` is a trace's time outside forward, backward and the optimizer (zero_grad, bookkeeping).
-PHASES = ("forward", "backward_start", "backward", "backward_first_block", "backward_end", "optimizer",
+PHASES = ("forward", "backward_start", "head_backward", "backward", "backward_first_block", "backward_end", "optimizer",
           "step_in_backward", "prefill", "prefill_logits", "decode", "other")
 
 # /1 phase parts used plural ledger names; /2 uses the singular categories
