@@ -85,7 +85,7 @@ def test_commands_and_estimate_flags_are_frozen():
                                    "serve", "snapshot", "sweep", "trace"]
     flags = sorted(o for a in sub.choices["estimate"]._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
-        "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--config", "--context", "--cp",
+        "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--compile-scope", "--config", "--context", "--cp",
         "--cp-style",
         "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--float8",
         "--float8-all-gather", "--freeze",

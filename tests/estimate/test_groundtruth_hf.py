@@ -115,6 +115,7 @@ PEAK_CASES = [
 ]
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 @pytest.mark.parametrize("over,b,s,precision,attention,recompute,window", PEAK_CASES)
 def test_step_peak_matches_pytorch(over, b, s, precision, attention, recompute, window):
     cfg = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,

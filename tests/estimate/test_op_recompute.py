@@ -113,6 +113,7 @@ LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hid
              num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_trace_on_fake_tensors_equals_real(precision):
     # eager: with SDPA, transformers materializes the causal mask on fake tensors only (it cannot

@@ -43,6 +43,7 @@ def _same_on_every_rank(ranks: list[dict], key: str):
     return values[0]
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 def test_single_process_states():
     r = measured("single")[0]
     assert r["states_bytes"]["parameter"] == PARAMS

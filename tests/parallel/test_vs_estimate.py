@@ -71,6 +71,7 @@ def _explain(r: dict, cls) -> str:
 KNOWN: dict[str, str] = {}
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n
     for n in sorted(PARALLEL)])

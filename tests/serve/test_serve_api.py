@@ -89,6 +89,7 @@ def test_fit_largest_batch_and_seq_are_the_boundary(base, capsys):
     assert sweep["max_fit"] == b
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 def test_fit_advice_equals_cli_advise(base, capsys):
     body = {"model": "llama-2-7b", "batch": 4, "seq": 4096, "attention": "eager", "gpu": "A100-80GB", "gpus": 8}
     status, r = post(base, "/api/fit", body)

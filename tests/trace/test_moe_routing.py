@@ -77,6 +77,7 @@ def test_fake_equals_real_for_every_routing(experts, precision, routing):
     assert (fake.peak_bytes, fake.totals_at_peak_bytes) == (real.peak_bytes, real.totals_at_peak_bytes)
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 def test_grouped_mm_memory_does_not_depend_on_routing_the_loop_does():
     """grouped_mm's tensors all have tokens·k rows (transformers/integrations/moe.py,
     grouped_mm_experts_forward); the per-expert loop allocates per expert hit."""

@@ -126,6 +126,7 @@ def test_the_tracer_records_a_resize_as_a_free_and_an_allocation():
     assert t.result.timeline_allocated_bytes[-1] == 4096 + 8192
 
 
+@pytest.mark.slow  # 10-30 s on 2 shared cores: the default run is at its 10-minute budget
 @pytest.mark.distributed
 def test_dtensor_is_read_through_its_local_shard(tmp_path):
     """A real DTensor on a 2-rank gloo mesh (two processes): the tracker sees the local shard's bytes."""

@@ -60,6 +60,7 @@ def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpe
     hook = None
     if finetune is not None:
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
+        finetune = finetune.for_model(model)  # lora_targets None: the family's default
         ctx.trainable = trainable_predicate(model, finetune)
         ctx.finetune_linear = hook = FinetuneLinear(model, step, finetune)
     _input_ids(ctx)
