@@ -90,6 +90,10 @@ class Graph:
     """Rank-local symbols as global ones (``A`` -> ``A/tp``), applied when items are rendered."""
     _rendered: dict[tuple, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     _seq: dict[str, int] = field(default_factory=dict)  # creation order by name (views made outside share it)
+    _alive: list[Sym] = field(default_factory=list)
+    """Every tensor this graph has keyed by ``id()``, held for the graph's lifetime: a checkpointed
+    region's saves are dropped when it closes, and a later tensor could otherwise reuse a freed
+    one's id and inherit its saver (a pipeline stage chosen at random, run to run)."""
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -111,6 +115,7 @@ class Graph:
         t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, requires_grad, op, len(self._seq),
                 input)
         self._seq.setdefault(t.name, t.seq)
+        self._alive.append(t)
         if op is not None and self._policies and self._policies[-1] is not None and self._policies[-1].save(op):
             self._cached[-1].setdefault(id(t), t)
             self.saver.setdefault(id(t), ".".join(self.scope))
@@ -130,6 +135,8 @@ class Graph:
         scope = ".".join(self.scope)
         for t in tensors:
             if t is not None:
+                if id(t) not in self.saver:
+                    self._alive.append(t)
                 if target is self.saved and id(t) not in target:
                     self.keeper[id(t)] = (scope, None)
                 target.setdefault(id(t), t)
