@@ -280,14 +280,20 @@ def _shared_block_inputs(items) -> int:
     embedding's nor the head's."""
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
-               and not is_head(i.name) and not is_embedding(i.name))
+               and not is_head(i.name) and not is_embedding(i.name) and i.name != _TRACED_TOKEN_IDS)
+
+
+#: the traced profile's name for the token ids the embedding keeps (the hf rules': ``<embedding>.indices``)
+_TRACED_TOKEN_IDS = "input_ids"
 
 
 def _embedding_outputs(items) -> int:
-    """An embedding's output kept by the first block (``model.embed_tokens.out``)."""
+    """An embedding's output kept by the first block (``model.embed_tokens.out``; the traced
+    profile names it by its op, ``model.embed_tokens.embedding``): a floating-point tensor kept in an
+    embedding's scope, not the indices it keeps."""
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
-               and is_embedding(i.name) and i.name.endswith(".out"))
+               and is_embedding(i.name) and not i.dtype.startswith(("int", "uint", "bool")))
 
 
 def _head_weight_grad(items) -> int:
