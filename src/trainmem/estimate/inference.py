@@ -61,7 +61,7 @@ from trainmem.estimate.symbols import formula
 from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["inference_estimate", "kv_cache_bytes", "serving_stages", "ServingSpec", "Capacity", "InferenceEstimate"]
 

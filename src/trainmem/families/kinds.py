@@ -6,8 +6,9 @@ import the registry, so the registry does not import the specs); ``ModelSpec`` v
 
 from __future__ import annotations
 
-from trainmem.errors import SpecError, UnsupportedError
+from trainmem.errors import UnsupportedError
 from trainmem.families.config import ConfigReader
+from trainmem.validate import positive
 
 __all__ = ["uniform_window", "from_layer_types", "kinds_or_empty", "qwen_windows", "pattern_types"]
 
@@ -28,12 +29,7 @@ def uniform_window(c: ConfigReader, key: str = "sliding_window") -> tuple[dict, 
     window = c(key)
     if window is None:
         return ()
-    # LayerKind.window's rule, named by the config key (the registry does not import the specs: they
-    # import the registry, tests/test_import_cycles.py)
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise SpecError(key, window, "must be an integer")
-    if window <= 0:
-        raise SpecError(key, window, "must be positive")
+    positive(key, window)  # LayerKind.window's rule, named by the config key
     return tuple({"attention": "sliding", "window": window} for _ in range(c("num_hidden_layers")))
 
 

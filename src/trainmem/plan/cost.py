@@ -52,7 +52,7 @@ from trainmem.inventory import dtype_bytes
 from trainmem.names import is_embedding
 from trainmem.plan.hardware import GPU
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["CostModel", "StepTime", "step_time", "matmul_parameters", "trainable_parameters",
            "op_recomputed_parameters"]

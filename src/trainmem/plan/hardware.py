@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from importlib.resources import files
 
 from trainmem.errors import ConfigError, SpecError
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 from trainmem.units import parse_size
 
 __all__ = ["GPU", "Reserve", "list_gpus", "load_gpu", "parse_size"]

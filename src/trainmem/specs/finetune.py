@@ -15,7 +15,7 @@ from typing import Callable, Literal, Sequence
 from trainmem.errors import SpecError
 from trainmem.families import family_of, layer_containers, output_layers
 from trainmem.names import is_embedding, layer_index
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["FinetuneSpec", "MODES", "ADAPTER_DTYPES", "parse_layer_range", "trainable_by_name"]
 

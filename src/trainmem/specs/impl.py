@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from trainmem.errors import SpecError
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
            "COMPILE_SCOPES", "routing_hot_fraction"]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from trainmem.errors import SpecError
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["LayerKind", "ATTENTION_KINDS", "MLP_KINDS", "as_layer_kind", "fit_kinds"]
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from trainmem.errors import SpecError
 from trainmem.families import family_names, get_family
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 from trainmem.specs.layer_kind import LayerKind, as_layer_kind, fit_kinds
 
 __all__ = ["ModelSpec", "LayerKind", "FAMILIES", "ACTIVATIONS", "NORMS", "HEADS"]

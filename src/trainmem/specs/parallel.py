@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from trainmem.errors import SpecError
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["ParallelSpec", "SCHEDULES", "OFFLOADS"]
 

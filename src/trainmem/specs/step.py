@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from trainmem.errors import SpecError
-from trainmem.specs import _validate as v
+from trainmem import validate as v
 
 __all__ = ["StepSpec", "PRECISIONS", "PRECISION_ALIASES", "RECIPES", "OPTIMIZERS", "LOSSES", "Precision",
            "DEFAULT_SEQ", "default_seq", "describe_precision"]

@@ -1,4 +1,9 @@
-"""Small validators shared by the spec dataclasses. Each raises SpecError naming field and value."""
+"""Small validators shared by the spec dataclasses and the family registry. Each raises SpecError
+naming field and value.
+
+A top-level module that imports only :mod:`trainmem.errors`: the specs import the family
+registry, so the registry validates config values through this module, not through the specs.
+"""
 
 from __future__ import annotations
 
