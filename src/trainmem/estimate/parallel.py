@@ -32,6 +32,7 @@ from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
+from trainmem.estimate.fsdp_offload import cpu_offload, offload_states, offload_working
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -287,7 +288,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             divisors[emb_grad] //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
         sharded = (fsdp1_states(stage_states, world=group) if par.fsdp and par.fsdp_version == 1
                    else apply_zero(stage_states, divisors, zero=zero, group=group))
-        items, host = apply_offload(sharded, par.offload)
+        # FSDP's CPU offload (estimate/fsdp_offload.py) keeps every sharded model state on the host
+        items, host = offload_states(sharded) if cpu_offload(par) else apply_offload(sharded, par.offload)
         # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
         many = [] if par.schedule != "gpipe" else head_acts
         body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
@@ -318,7 +320,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
         full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
         tb, rule = optimizer_transient(model, step, states, finetune, impl)  # the single-device rule, whole model
-        if "optimizer" in par.offload:
+        if "optimizer" in par.offload or cpu_offload(par):
             tb, rule = 0, "optimizer step runs on the host (offloaded)"
         elif full_state:
             tb = int(tb * state_bytes / full_state)
@@ -486,7 +488,8 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         if par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
             # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
-            every("fsdp_root_unsharded", root * (1 - 1 / group))
+            # (under CPU offload the root's shard is on the host: the device holds all of it)
+            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
             every("fsdp_allgather", big, ("forward", "backward_start"))
             every("fsdp_allgather", 2 * big, ("backward",))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
@@ -494,6 +497,10 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             # gathered parameters stay from forward to backward, next to their shards
             every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+        if cpu_offload(par):  # the shards' copies to and from the device: estimate/fsdp_offload.py
+            for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb).items():
+                for k, v in parts.items():
+                    every(k, v, (ph,))
         if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
             _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
                           gpipe=par.schedule == "gpipe")

@@ -1,0 +1,132 @@
+"""FSDP's CPU offload (``--fsdp full --offload params``; estimate/fsdp_offload.py cites torch's source):
+every sharded parameter, gradient and optimizer state on the host, the device holding the
+gathered parameters, the gradient buffers and the activations.
+
+The real run (slow): 2 gloo ranks, a tiny Llama ``fully_shard``-ed per block and at the root with
+``CPUOffloadPolicy(pin_memory=False)`` (tests/parallel/fsdp_offload_worker.py). A CPU run has no
+second device, so the check is by what FSDP holds each live storage as: the host kinds equal the
+host figure to the byte, the gathered parameters (unsharded + flat all-gather buffers) peak at the
+estimate's gathered terms to the byte, and everything but the host kinds peaks within 3% of the
+estimate's device figure less the two copies that only exist with a separate device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from trainmem.errors import SpecError
+from trainmem.estimate import estimate
+from trainmem.measure_dist.worker import DEFAULT_CONFIG
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+B, S = 2, 64
+IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")
+HOST_LEDGERS = ("parameter", "gradient", "optimizer_state", "master_weight")
+# the tiny Llama (H=64, F=176, kv 2 of 4 heads, V=256, untied): a block's and the root's parameters
+BLOCK = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176 + 2 * 64  # 46,208
+ROOT = 2 * 256 * 64 + 64  # 32,832: embedding, lm_head, final norm
+HEAD = 256 * 64 + 64  # the root's parameters whose gradients exist before the blocks' backward
+
+
+def _step(precision: str) -> StepSpec:
+    return StepSpec(batch=B, seq=S, precision=precision, optimizer="adamw")
+
+
+def _rank(precision: str = "fp32", offload=("params",), **par):
+    par = {"dp": 2, "fsdp": "full", **par}
+    est = estimate(spec_from_hf_config(DEFAULT_CONFIG), _step(precision), IMPL,
+                   ParallelSpec(offload=offload, **par))
+    return est.ranks[0]
+
+
+def _parts(rank) -> dict[str, dict[str, int]]:
+    return {p.name: dict(p.parts) for p in rank.phases}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fsdp-bf16"])
+def test_every_sharded_state_is_a_host_figure(precision):
+    on, off = _rank(precision), _rank(precision, offload=())
+    assert on.host_bytes == sum(off.totals_bytes.get(k, 0) for k in HOST_LEDGERS) > 0
+    assert all(on.totals_bytes.get(k, 0) == 0 for k in HOST_LEDGERS)
+    # CPUOffloadPolicy cannot keep the optimizer on the device: naming it changes nothing
+    both = _rank(precision, offload=("optimizer", "params"))
+    assert (both.host_bytes, both.peak_bytes) == (on.host_bytes, on.peak_bytes)
+    assert _parts(on)["optimizer"].get("optimizer_temporaries", 0) == 0  # the step runs on the CPU
+
+
+def test_device_terms_by_formula():
+    fp32, bf16 = _parts(_rank("fp32")), _parts(_rank("fsdp-bf16"))
+    for parts, gathered in ((fp32, 4), (bf16, 2)):
+        # the root's shard is on the host: the device holds the whole unsharded root
+        assert parts["forward"]["fsdp_root_unsharded"] == ROOT * gathered
+        assert parts["backward"]["fsdp_allgather"] == 2 * BLOCK * gathered
+        # unsharded gradients are made in param_dtype; the root's are reduced at the end of backward
+        assert parts["backward"]["fsdp_root_unsharded_grads"] == HEAD * gathered
+        assert parts["backward_end"]["fsdp_root_unsharded_grads"] == ROOT * gathered
+        # the reduce-scatter output shard (fp32 reduce) before its copy to the host
+        assert parts["backward"]["fsdp_offload_d2h"] == BLOCK * 4 // 2
+    # the fp32 shard copied to the device before the all-gather, and its bf16 cast
+    assert fp32["forward"]["fsdp_offload_h2d"] == BLOCK * 4 // 2
+    assert bf16["forward"]["fsdp_offload_h2d"] == BLOCK * 4 // 2 + BLOCK * 2 // 2
+
+
+def test_zero3_param_offload_unchanged():
+    """DeepSpeed ZeRO-3's offload_param moves the parameters only (its gradients are not FSDP's)."""
+    z3 = estimate(spec_from_hf_config(DEFAULT_CONFIG), _step("fp32"), IMPL,
+                  ParallelSpec(dp=2, zero=3, offload=("params",))).ranks[0]
+    assert z3.totals_bytes["gradient"] > 0 and z3.totals_bytes["parameter"] == 0
+    with pytest.raises(SpecError, match="offload"):
+        ParallelSpec(dp=2, fsdp="full", offload=("cpu",))
+
+
+# --- the real run -------------------------------------------------------------------------------
+
+SCENARIOS = {"fp32": {}, "fsdp-bf16": {"bf16": True}}
+
+
+@functools.lru_cache(maxsize=None)
+def _launch() -> dict[str, list[dict]]:
+    from trainmem.measure_dist.launch import free_port
+
+    worker = Path(__file__).with_name("fsdp_offload_worker.py")
+    payload = json.dumps([dict(config=DEFAULT_CONFIG, batch=B, seq=S, **SCENARIOS[k]) for k in SCENARIOS])
+    with tempfile.TemporaryDirectory(prefix="trainmem-cpuoff-") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+               str(worker), tmp, payload]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+    return {k: [ranks[r][i] for r in range(2)] for i, k in enumerate(SCENARIOS)}
+
+
+@pytest.mark.slow  # one torchrun launch, ~30 s on 2 shared cores
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", list(SCENARIOS))
+def test_live_set_by_kind_matches_a_real_cpu_offload_run(precision):
+    pytest.importorskip("torch.distributed.fsdp")
+    rank = _rank(precision)
+    parts = _parts(rank)
+    gathered = max(p.get("fsdp_root_unsharded", 0) + p.get("fsdp_allgather", 0) for p in parts.values())
+    # the copies to and from a separate device do not exist when the device is the CPU
+    cpu_device = max(p.bytes - p.parts.get("fsdp_offload_h2d", 0) - p.parts.get("fsdp_offload_d2h", 0)
+                     for p in rank.phases)
+    for r in _launch()[precision]:
+        assert r["on_cpu"]  # CPUOffloadPolicy put every shard on the CPU
+        most = r["most"]
+        # host: the sharded parameters, their gradients at the end of backward, AdamW's two states
+        host = (most["backward"]["host_params"] + most["backward"]["host_grads"] + r["host_optimizer_bytes"])
+        assert rank.host_bytes == host, (rank.host_bytes, host, r)
+        assert gathered == max(m["gathered"] for m in most.values()), (gathered, most)
+        device = max(m["device"] for m in most.values())
+        assert abs(cpu_device - device) <= 0.03 * device, (cpu_device, device, r["at_device_peak"])
