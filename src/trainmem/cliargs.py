@@ -339,7 +339,8 @@ def serving_from_args(args: argparse.Namespace, seq: int) -> dict:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """--dp --tp --sp --cp --cp-style --ep --pp --schedule --virtual-stages --microbatches
-    --layer-split --zero --fsdp --fsdp-group --fsdp-version --no-reshard-after-forward --offload."""
+    --layer-split --zero --fsdp --fsdp-group --fsdp-version --no-reshard-after-forward --no-loss-parallel
+    --offload."""
     from trainmem.specs.parallel import OFFLOADS, SCHEDULES
 
     g = p.add_argument_group("parallelism (per-rank results)")
@@ -362,6 +363,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "use_orig_params, one padded flat parameter per block (its gradient covers frozen weights)")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps gathered parameters from forward to backward")
+    g.add_argument("--no-loss-parallel", action="store_true",
+                   help="TP: all-gather the full-vocabulary logits before the loss (default: loss_parallel, "
+                        "logits and loss sharded V/tp per rank, torchtitan's default)")
     g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",
                    help=f"comma list of {', '.join(OFFLOADS)}")
 
@@ -382,6 +386,8 @@ def parallel_from_args(args: argparse.Namespace):
               ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group")}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(spec_fields(args, "parallel"))
+    if getattr(args, "no_loss_parallel", False):  # the flag, or torchtitan's disable_loss_parallel
+        kwargs["loss_parallel"] = False
     par = ParallelSpec(**kwargs, sp=args.sp, cp_style=args.cp_style, schedule=args.schedule,
                        layer_split=split, zero=args.zero, fsdp=args.fsdp, fsdp_version=args.fsdp_version,
                        reshard_after_forward=not args.no_reshard_after_forward, offload=offload)

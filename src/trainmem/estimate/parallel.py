@@ -34,6 +34,7 @@ from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
 from trainmem.estimate.fsdp_offload import cpu_offload, offload_states, offload_working
 from trainmem.estimate.heads import logits_width
+from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
 from trainmem.families import output_modules, tp_roles
@@ -114,6 +115,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
     if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
+    lp.check(impl.profile, par)
     if impl.float8 != "none" and par.tp > 1:  # torchao/float8/float8_tensor_parallel.py: not modelled
         raise SpecError("float8", impl.float8, f"with tp={par.tp} is not modelled (torchao's Float8 tensor-parallel "
                         "styles); use tp=1")
@@ -264,6 +266,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     lstep = apply_cp(step, par)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
+    loss_lm = lp.loss_model(model, lm, par)  # TP without loss_parallel: the loss reads full-vocabulary logits
+    if loss_lm is not lm:
+        acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, tuple(stages))[0],
+                                  output_modules())
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
     states, state_stage, tp_div = _local_states(model, replace(step, batch=1, grad_accum=1), finetune,
                                                 par.tp, par.ep, par.pp, tuple(stages), impl.profile)
@@ -314,7 +320,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns
             lb = dtype_bytes(d.activation if d.autocast else d.compute)
             working["forward"]["pp_output_chunks"] = int(par.microbatches * lstep.batch * lstep.seq
-                                                         * lm.vocab_size * lb)
+                                                         * loss_lm.vocab_size * lb)
             for ph_name in working:
                 working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
@@ -327,7 +333,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         recompute = {li: v for li, v in recompute_all.items() if a <= li < b}
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
-            items, B=lstep.batch, S=lstep.seq, vocab=logits_width(lm),
+            items, B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
             logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
             grad_accum=(step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3)) and par.pp > 1
@@ -338,6 +344,15 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                                // (par.tp if par.sp else 1)),
             persistent=persistent, working=working,
         )
+        if par.tp > 1 and torch_engine and s == last and step.loss == "ce":  # estimate/loss_parallel.py
+            if lp.gathered_logits(par):
+                ph = [*ph, lp.gather_phase(next(p for p in ph if p.name == "forward"), B=lstep.batch, S=lstep.seq,
+                                           vocab=logits_width(loss_lm), tp=par.tp,
+                                           logits_dtype=d.activation if d.autocast else d.compute,
+                                           loss_act=sum(i.bytes for i in stage_acts if i.name.startswith("loss.")))]
+            else:
+                ph = lp.sharded_loss_phases(ph, B=lstep.batch, S=lstep.seq, local_vocab=logits_width(lm),
+                                            loss_dtype=lsm.dtype if lsm else "float32")
         if finetune is not None:  # QLoRA: this rank dequantizes its own (TP-local) largest 4-bit weight
             ph = with_dequant_transient(ph, *dequant_transient(lm, finetune),
                                         *(head_dequant(lm, lstep, finetune) if s == last else (0, 0)))

@@ -48,7 +48,8 @@ SOURCES = (
 )
 #: Spec fields whose command-line option has another name: field -> (dest, value conversion).
 _OPTION = {("model", "name"): ("model", None), ("finetune", "mode"): ("finetune", None),
-           ("parallel", "reshard_after_forward"): ("no_reshard_after_forward", lambda v: not v)}
+           ("parallel", "reshard_after_forward"): ("no_reshard_after_forward", lambda v: not v),
+           ("parallel", "loss_parallel"): ("no_loss_parallel", lambda v: not v)}
 _REQUIRED_MODEL = ("hidden_size", "num_layers", "num_heads", "ffn_size", "vocab_size")
 
 

@@ -14,7 +14,8 @@ lists which defaults were used.
   (``fsdp-bf16``); under DDP or on one device it is ``torch.autocast`` (``amp-bf16``); with TP or
   PP and no FSDP torchtitan turns mixed precision off (``fp32``).
 * ``[parallelism]`` degrees (``tp > 1`` sets ``sp``: torchtitan always applies sequence
-  parallelism with tensor parallelism), ``fsdp_reshard_after_forward`` (``default`` is off under
+  parallelism with tensor parallelism; ``disable_loss_parallel`` -> ``loss_parallel``),
+  ``fsdp_reshard_after_forward`` (``default`` is off under
   pipeline parallelism), the pipeline schedule, and the micro-batches: ``local_batch_size`` is
   split into micro-batches of ``pipeline_parallel_microbatch_size`` (older configs: into
   ``pipeline_parallel_microbatches``, by default the number of stages).
@@ -160,6 +161,11 @@ def _parallel(get, par: dict, notes: list[str], where: str) -> dict[str, int]:
             par[field] = degrees[key]
     if d["tp"] > 1:
         par["sp"] = True
+        # torchtitan/train.py, Trainer.__init__: loss_parallel_enabled = tp_enabled and not
+        # disable_loss_parallel (job_config.py, Parallelism: default False); parallelize.py, apply_tp:
+        # the output layer's logits stay Shard(-1) for it, else are gathered (estimate/loss_parallel.py)
+        if get("parallelism", "disable_loss_parallel", bool, default=False):
+            par["loss_parallel"] = False
     if d["fsdp"]:
         par["reshard_after_forward"] = _reshard(get, d["pp"] > 1, where)
     schedule = get("parallelism", "pipeline_parallel_schedule", str, default=d["pp"] > 1)

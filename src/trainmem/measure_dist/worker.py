@@ -50,6 +50,8 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 freeze=(),                      # parameter-name substrings set requires_grad=False
                 lora=False,                     # peft LoRA r=8 on q_proj, v_proj (the base frozen)
                 sp=False,                       # tp
+                loss_parallel=True,             # tp: vocab-sharded logits and loss (torchtitan's default)
+                profile_step=False,             # one more step under torch.profiler(profile_memory=True)
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
 
@@ -60,23 +62,27 @@ def _dtype(precision: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
-def _apply_tp(model, mesh, sp: bool) -> None:
+def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True) -> None:
     """torchtitan's Llama plan on Hugging Face module names; with ``sp`` the residual stream is
-    a DTensor sharded over the sequence (dim 1) and norms run on the local tokens. The logits
-    stay vocab-sharded for a vocab-parallel loss (torchtitan's default ``loss_parallel``)."""
+    a DTensor sharded over the sequence (dim 1) and norms run on the local tokens. With
+    ``loss_parallel`` the logits stay vocab-sharded for a vocab-parallel loss (torchtitan's
+    default); without, they are all-gathered to the full vocabulary, a plain tensor on every rank
+    (torchtitan/models/llama3/infra/parallelize.py, apply_tp: ``output_layouts=Shard(-1) if
+    loss_parallel else Replicate(), use_local_output=not loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
     )
 
+    out = dict(output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
     if sp:
         top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                                      use_local_output=False),
                "model.norm": SequenceParallel(),
-               "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+               "lm_head": ColwiseParallel(input_layouts=Shard(1), **out)}
     else:
         top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-               "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+               "lm_head": ColwiseParallel(**out)}
     parallelize_module(model, mesh, top)
     for layer in model.model.layers:
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -199,7 +205,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     elif strategy == "tp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"])
+        _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"], sc["loss_parallel"])
         net = model
     else:
         net = model
@@ -207,7 +213,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     import contextlib
 
     loss_context = contextlib.nullcontext
-    if strategy == "tp":
+    if strategy == "tp" and sc["loss_parallel"]:  # torchtitan/distributed/utils.py, get_train_context
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
 
     if strategy == "pp":
@@ -334,6 +340,9 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     opt.zero_grad(set_to_none=True)
     dist.barrier()
 
+    if sc["profile_step"]:
+        extra["profiled_peak_bytes"] = baseline + _profiled_peak(step)
+
     return {
         "rank": rank, "world_size": world, "scenario": sc,
         "pp_stage": rank // pp_dp if strategy == "pp" else None,
@@ -352,6 +361,23 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         "state_items": grads_seen["items"],
         **extra,
     }
+
+
+def _profiled_peak(step) -> int:
+    """The most bytes one more step allocated above its start, from the CPU allocator's own
+    events (torch.profiler with ``profile_memory``): unlike the op-boundary tracker it sees the
+    temporaries made and freed inside one op (a DTensor handler such as loss_parallel's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
 
 
 def main(argv: list[str] | None = None) -> int:

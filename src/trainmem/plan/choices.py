@@ -74,7 +74,8 @@ class Config:
         if not p.is_single:
             parts.append(f"--dp {p.dp}")
             if p.tp > 1:
-                parts.append(f"--tp {p.tp}" + (" --sp" if p.sp else ""))
+                parts.append(f"--tp {p.tp}" + (" --sp" if p.sp else "")
+                             + ("" if getattr(p, "loss_parallel", True) else " --no-loss-parallel"))
             for name in ("cp", "ep", "pp"):
                 if getattr(p, name) > 1:
                     parts.append(f"--{name} {getattr(p, name)}")
@@ -278,6 +279,14 @@ def _tensor_parallel(c: Config, ctx: Context):
         yield (replace(c, par=replace(p, tp=t, sp=True, dp=p.dp // t),
                        step=replace(c.step, grad_accum=c.step.grad_accum * t)),
                f"TP{t} with SP (data parallel {p.dp} → {p.dp // t}, accumulation ×{t})")
+
+
+@choice("loss_parallel", ("parallel.loss_parallel",),
+        note="TP: logits and cross-entropy stay vocab-sharded (torch's loss_parallel, estimate/loss_parallel.py): "
+             "V/tp per rank instead of the gathered B·S·V logits, and no all-gather of them")
+def _loss_parallel(c: Config, ctx: Context):
+    if c.par.tp > 1 and not c.par.loss_parallel and c.step.loss == "ce" and c.impl.profile != "megatron":
+        yield replace(c, par=replace(c.par, loss_parallel=True)), f"loss_parallel over TP{c.par.tp}"
 
 
 @choice("offload_optimizer", ("parallel.offload",), note="optimizer step on the CPU; PCIe traffic every step")

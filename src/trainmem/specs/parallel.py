@@ -53,12 +53,18 @@ class ParallelSpec:
     """What lives in host memory: optimizer, params, activations."""
     layer_split: tuple[int, ...] = ()
     """Layers per pipeline stage when uneven (must sum to the model's layers)."""
+    loss_parallel: bool = True
+    """Under TP the logits stay vocab-sharded (V/tp per rank) and cross-entropy runs on the sharded
+    DTensor (``torch.distributed.tensor.parallel.loss_parallel``, torchtitan's default); False
+    all-gathers the full-vocabulary logits on every rank first (torchtitan's
+    ``disable_loss_parallel``, Hugging Face's ``colwise_gather_output`` head): estimate/loss_parallel.py."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group"):
             v.positive(name, getattr(self, name), maximum=1 << 20)
         v.boolean("sp", self.sp)
         v.boolean("reshard_after_forward", self.reshard_after_forward)
+        v.boolean("loss_parallel", self.loss_parallel)
         v.one_of("schedule", self.schedule, SCHEDULES)
         v.one_of("cp_style", self.cp_style, ("ring", "allgather"))
         if self.zero not in (0, 1, 2, 3):
