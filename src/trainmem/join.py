@@ -10,7 +10,8 @@ order in which a module makes tensors of different sizes (eager attention's ``re
 before or after the softmax; Mixtral's routing indices and expert outputs): only tensors of one
 size in one module must come in the same order on both sides. A tensor whose size differs between
 the sides shows as two unpaired keys, one per side. Model states keep their names as keys
-(``model.layers.0.mlp.up_proj.weight.exp_avg``).
+(``model.layers.0.mlp.up_proj.weight.exp_avg``). A measured step's activations carry the same keys
+(``trainmem.measure.tensors``), so :func:`join_sides` pairs estimate, trace and measurement.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Iterable, Sequence
 
 from trainmem.inventory import Category, MemoryItem
 
-__all__ = ["ROOT", "INPUTS", "module_of", "activation_keys", "item_key", "JoinRow", "join_items"]
+__all__ = ["ROOT", "INPUTS", "module_of", "activation_keys", "item_key", "JoinRow", "join_items", "KeyRow",
+           "join_sides"]
 
 ROOT, INPUTS = "(root)", "(inputs)"
 
@@ -73,9 +75,11 @@ class JoinRow:
         return e is not None and t is not None and (e.dtype, e.bytes) == (t.dtype, t.bytes)
 
     def to_dict(self) -> dict:
-        def side(i: MemoryItem | None) -> dict | None:
-            return None if i is None else {"name": i.name, "dtype": i.dtype, "bytes": i.bytes}
-        return {"key": self.key, "estimate": side(self.estimate), "trace": side(self.trace), "equal": self.equal}
+        return {"key": self.key, "estimate": _side(self.estimate), "trace": _side(self.trace), "equal": self.equal}
+
+
+def _side(i: MemoryItem | None) -> dict | None:
+    return None if i is None else {"name": i.name, "dtype": i.dtype, "bytes": i.bytes}
 
 
 def join_items(estimate: Iterable[MemoryItem], trace: Iterable[MemoryItem],
@@ -86,3 +90,33 @@ def join_items(estimate: Iterable[MemoryItem], trace: Iterable[MemoryItem],
     tr = {item_key(i): i for i in trace if i.category in categories}
     rows = [JoinRow(k, i, tr.get(k)) for k, i in est.items()]
     return rows + [JoinRow(k, None, i) for k, i in tr.items() if k not in est]
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One key and the item each named side holds under it (None where a side has none)."""
+
+    key: str
+    items: dict[str, MemoryItem | None]
+
+    @property
+    def equal(self) -> bool:
+        """Every side holds the key, with one dtype and one size."""
+        found = list(self.items.values())
+        return all(i is not None for i in found) and len({(i.dtype, i.bytes) for i in found}) == 1
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, **{name: _side(i) for name, i in self.items.items()}, "equal": self.equal}
+
+
+def join_sides(sides: dict[str, Iterable[MemoryItem] | None],
+               categories: tuple[Category, ...] = (Category.ACTIVATION,)) -> list[KeyRow]:
+    """Pair the items of ``categories`` of any number of named sides by key: the first side's keys
+    in its order, then each later side's unpaired ones. A side given as None is left out; zero-byte
+    items (notes such as "not saved") are left out."""
+    got = {name: {item_key(i): i for i in items if i.category in categories and i.bytes}
+           for name, items in sides.items() if items is not None}
+    keys: dict[str, None] = {}
+    for by_key in got.values():
+        keys.update(dict.fromkeys(by_key))
+    return [KeyRow(k, {name: by_key.get(k) for name, by_key in got.items()}) for k in keys]

@@ -52,6 +52,11 @@ def test_profile_matches_estimator_on_cpu(tiny_profile):
     assert abs(table.row("activation").estimate_error_pct) < 2.0
     assert abs(table.row("peak_allocated").estimate_error_pct) < 2.0
     assert table.row("peak_reserved").measured_bytes is None
+    # activations per tensor (tests/measure/test_measure_join.py): every key the same on both sides but
+    # nll_loss's total_weight, a 4-byte fp32 scalar the estimator does not model
+    assert {r.key: [i and i.bytes for i in r.items.values()] for r in table.tensors if not r.equal} == {
+        "(root):4B:1": [None, 4]}
+    assert sum(r.equal for r in table.tensors) == len(table.tensors) - 1 > 30
 
 
 def test_profile_reference_model_and_compare_run():
@@ -85,6 +90,9 @@ def test_profile_user_step_function():
     assert r.totals_bytes["activation"] == 4096 + 512
     assert r.peak_bytes >= params * 2 + x.numel() * 4
     assert [m.name for m in r.ranks[0].modules] == ["0", "1", "2"]
+    # the same activations per tensor, keyed <module>:<bytes>B:<k>; x is the caller's, saved by the first Linear
+    assert [(i.key, i.name) for i in r.ranks[0].items] == [
+        ("1:4096B:0", "1.relu"), ("2:512B:0", "2.addmm"), (f"(inputs):{x.numel() * 4}B:0", "(inputs).input")]
 
 
 def test_allocation_failure_is_out_of_memory():

@@ -34,8 +34,9 @@ def _values(command: str, d: dict) -> dict:
                                   "totals_at_peak_bytes")} | {"num_items": len(d["items"])}
     if command == "compare":
         return {"peak": d["peak"], "activations": d["activations"]}
-    if command == "profile":
-        return {"device": d["device"], "num_ranks": len(d["ranks"])}
+    if command == "profile":  # items: the measured activations, per tensor (exact on CPU)
+        return {"device": d["device"], "num_ranks": len(d["ranks"]), "num_items": len(d["items"]),
+                "items_bytes": sum(i["bytes"] for i in d["items"])}
     if command == "sweep":
         return {k: d[k] for k in ("over", "max_fit", "capped")} | {
             "points": [[p["value"], p["peak_bytes"]] for p in d["points"]]}

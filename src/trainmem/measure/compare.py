@@ -6,6 +6,10 @@ too high. What each column counts:
   - trace: the traced step's items (saved activations, model states) and its 512-byte rounded
     allocated peak; its reserved peak is the allocator model's;
   - measured: the profile's instrumented step (ledgers) and the peak of its timed steps.
+
+Activations also join tensor by tensor (``tensors``): the estimate's items, the trace's and the
+measured step's (``trainmem.measure.tensors``) carry the same keys, ``<module>:<bytes>B:<k>``
+(``trainmem.join``), and :func:`trainmem.join.join_sides` pairs them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmem.inventory import LEDGERS
+from trainmem.join import KeyRow, join_sides
 
 __all__ = ["CompareRow", "CompareTable", "compare_table", "compare_run", "error_pct"]
 
@@ -49,12 +54,15 @@ class CompareRow:
 class CompareTable:
     rows: tuple[CompareRow, ...]
     device: str = ""
+    tensors: tuple[KeyRow, ...] = ()
+    """Activations per tensor by key: sides ``estimate``, ``trace``, ``measured`` (those given)."""
 
     def row(self, name: str) -> CompareRow:
         return next(r for r in self.rows if r.name == name)
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "rows": [r.to_dict() for r in self.rows]}
+        return {"device": self.device, "rows": [r.to_dict() for r in self.rows],
+                "tensors": [r.to_dict() for r in self.tensors]}
 
 
 def compare_table(estimate=None, trace=None, measured=None) -> CompareTable:
@@ -77,7 +85,10 @@ def compare_table(estimate=None, trace=None, measured=None) -> CompareTable:
                            measured.peak_bytes if measured is not None else None))
     rows.append(CompareRow("peak_reserved", None, trace.peak_reserved_bytes if trace is not None else None,
                            measured.peak_reserved_bytes if measured is not None else None))
-    return CompareTable(tuple(rows), measured.device if measured is not None else "")
+    tensors = join_sides({"estimate": estimate.inventory if estimate is not None else None,
+                          "trace": trace.items if trace is not None else None,
+                          "measured": measured.items if measured is not None else None})
+    return CompareTable(tuple(rows), measured.device if measured is not None else "", tuple(tensors))
 
 
 def compare_run(source, step, impl, *, measured=None, device=None, seed: int = 0, trace: bool = True,

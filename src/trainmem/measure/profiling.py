@@ -9,7 +9,9 @@ then ``steps`` timed steps, then one instrumented step:
 * the instrumented step gives the ledgers (parameters, gradients, master weights, optimizer
   state; activations = bytes still allocated after the forward, only ``loss`` kept), the
   per-module peaks, on CUDA a recorded memory history dumped as a snapshot, and on CPU the
-  peak itself (the live set: CPU tensors have no allocator statistics);
+  peak itself (the live set: CPU tensors have no allocator statistics); during its first
+  micro-batch's forward the activations are recorded tensor by tensor, metadata only
+  (:mod:`trainmem.measure.tensors`), as ``items`` keyed like the estimate's and the trace's;
 * with ``categories=True`` one more step runs under the torch profiler and its memory
   timeline says which category (parameter, gradient, activation, temporary...) held the peak.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainmem.errors import OutOfMemory, UnsupportedError
+from trainmem.inventory import MemoryItem
 from trainmem.trace.result import ModulePeak
 
 __all__ = ["profile", "profile_workload", "profile_model", "ProfileResult", "RankProfile", "OutOfMemory",
@@ -91,6 +94,8 @@ class RankProfile:
     losses: tuple[float, ...] = ()
     first_grad_norm: float | None = None
     snapshot: str | None = None
+    items: tuple[MemoryItem, ...] = ()
+    """The first micro-batch's activations, one per storage, keyed as the estimate's (``trainmem.join``)."""
 
     def to_dict(self) -> dict:
         return {
@@ -103,6 +108,7 @@ class RankProfile:
             "modules": [m.to_dict() for m in self.modules],
             "categories_at_peak_bytes": self.categories_at_peak_bytes,
             "losses": list(self.losses), "first_grad_norm": self.first_grad_norm, "snapshot": self.snapshot,
+            "items": [i.to_dict() for i in self.items],
         }
 
     @classmethod
@@ -110,7 +116,10 @@ class RankProfile:
         d = dict(d)
         d["modules"] = tuple(ModulePeak(**m) for m in d.get("modules", ()))
         d["losses"] = tuple(d.get("losses", ()))
+        from trainmem.measure.tensors import item_from_dict
+        d["items"] = tuple(item_from_dict(i) for i in d.get("items", ()))
         return cls(**d)
+
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,11 @@ class ProfileResult:
     def totals_bytes(self) -> dict[str, int]:
         return self.ranks[0].totals_bytes
 
+    @property
+    def items(self) -> tuple[MemoryItem, ...]:
+        """Rank 0's activations, tensor by tensor (:attr:`RankProfile.items`)."""
+        return self.ranks[0].items
+
     def to_dict(self) -> dict:
         from trainmem.schemas import header
         m = self.meta
@@ -153,6 +167,7 @@ class ProfileResult:
                 "device": self.device,
                 "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
                 "tokens_per_s": self.tokens_per_s, "totals_bytes": dict(self.totals_bytes),
+                "items": [i.to_dict() for i in self.items],
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
@@ -256,10 +271,12 @@ def _categories(run, dev) -> dict[str, int]:
 
 
 def _measure(run: Callable[[Any], Any], *, model, optimizer, tokens_per_step: int | None, dev, steps: int,
-             warmup: int, snapshot: str | None, modules: bool, categories: bool, extra_baseline=()) -> RankProfile:
+             warmup: int, snapshot: str | None, modules: bool, categories: bool, extra_baseline=(),
+             tensors: bool = True, inputs: dict | None = None) -> RankProfile:
     import torch
 
     from trainmem.measure.meters import CudaMeter, LiveSetMeter, ModulePeakHooks
+    from trainmem.measure.tensors import ForwardTensors
     from trainmem.measure.workload import ledger_bytes
 
     if steps < 1:
@@ -287,8 +304,13 @@ def _measure(run: Callable[[Any], Any], *, model, optimizer, tokens_per_step: in
     meter = CudaMeter(dev) if cuda else LiveSetMeter(_baseline_tensors(model, optimizer, extra_baseline))
     baseline = torch.cuda.memory_allocated(dev) if cuda else meter.current()
 
+    # per-tensor activations: metadata only, so the meter's live set (the CPU peak) is unchanged
+    record = ForwardTensors(model, inputs) if (tensors and model is not None) else None
+
     def probe(event: str) -> None:
         marks.setdefault(event, meter.current())
+        if record is not None:
+            record.on(event)
 
     hooks = ModulePeakHooks(model, meter) if (modules and model is not None) else None
     history = contextlib.nullcontext()
@@ -302,6 +324,8 @@ def _measure(run: Callable[[Any], Any], *, model, optimizer, tokens_per_step: in
     finally:
         if hooks:
             hooks.remove()
+        if record is not None:
+            record.close()
     totals = {"parameter": 0, "gradient": sum(grads.values()), "master_weight": 0, "optimizer_state": 0,
               "activation": max(marks.get("forward_end", 0) - marks.get("forward_start", 0), 0)}
     if model is not None:
@@ -326,7 +350,7 @@ def _measure(run: Callable[[Any], Any], *, model, optimizer, tokens_per_step: in
         baseline_bytes=int(baseline), context_bytes=context,
         tokens_per_s=(tokens_per_step * steps / elapsed) if tokens_per_step and elapsed > 0 else None,
         step_time_s=elapsed / steps, totals_bytes=totals, modules=mods, categories_at_peak_bytes=cats,
-        snapshot=snapshot)
+        snapshot=snapshot, items=record.items if record is not None else ())
 
 
 @contextlib.contextmanager
@@ -382,11 +406,12 @@ def _oom_guard():
 # --------------------------------------------------------------------------------------------
 def profile(step_fn: Callable[[], Any], *, model=None, optimizer=None, tokens_per_step: int | None = None,
             steps: int = 3, warmup: int = 1, device=None, snapshot: str | None = None, modules: bool = True,
-            categories: bool = False, inputs=()) -> ProfileResult:
+            categories: bool = False, inputs=(), tensors: bool = True) -> ProfileResult:
     """Profile a user's training step ``step_fn()`` (forward, backward, optimizer step).
 
     ``model`` and ``optimizer`` give the ledgers and per-module peaks; ``tokens_per_step`` gives
     tokens/s; ``inputs`` are tensors alive across steps (counted in the CPU baseline).
+    ``tensors``: record the activations of the model's first forward tensor by tensor (``items``).
 
     >>> # result = trainmem.measure.profile(step, model=model, optimizer=opt, tokens_per_step=B * S)
     """
@@ -403,12 +428,12 @@ def profile(step_fn: Callable[[], Any], *, model=None, optimizer=None, tokens_pe
     with _oom_guard():
         mine = _measure(run, model=model, optimizer=optimizer, tokens_per_step=tokens_per_step, dev=dev,
                         steps=steps, warmup=warmup, snapshot=snapshot, modules=modules, categories=categories,
-                        extra_baseline=inputs)
+                        extra_baseline=inputs, tensors=tensors)
     return ProfileResult(_gather(mine), {"source": "step_fn"})
 
 
 def profile_workload(w, *, steps: int = 3, warmup: int = 1, snapshot: str | None = None, modules: bool = True,
-                     categories: bool = False) -> ProfileResult:
+                     categories: bool = False, tensors: bool = True) -> ProfileResult:
     """Profile a built :class:`~trainmem.measure.workload.Workload` (numerics of its first step kept)."""
     def run(probe):
         return w.run_step(probe, grad_norm=not w.grad_norms)
@@ -416,7 +441,8 @@ def profile_workload(w, *, steps: int = 3, warmup: int = 1, snapshot: str | None
     with _oom_guard():
         mine = _measure(run, model=w.model, optimizer=w.optimizer, tokens_per_step=w.tokens_per_step, dev=w.device,
                         steps=steps, warmup=max(warmup, 1), snapshot=snapshot, modules=modules,
-                        categories=categories, extra_baseline=[w.ids, *(w.masters or ())])
+                        categories=categories, extra_baseline=[w.ids, *(w.masters or ())], tensors=tensors,
+                        inputs={"input_ids": w.ids})
     mine = _with_numerics(mine, w)
     meta = {"step": w.step.to_dict(), "impl": w.impl.to_dict(), "model": type(getattr(w.model, "module", w.model)).__name__}
     return ProfileResult(_gather(mine), meta)

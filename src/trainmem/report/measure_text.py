@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trainmem.report.units import fmt_bytes
 
-__all__ = ["render_profile", "render_sweep", "render_compare", "render_variants"]
+__all__ = ["render_profile", "render_sweep", "render_compare", "render_key_rows", "render_variants"]
 
 
 def _b(n) -> str:
@@ -59,6 +59,10 @@ def render_profile(result, *, top_modules: int = 10) -> str:
             ["rank", "device", "peak allocated", "peak reserved", "tokens/s", "OOMs"],
             [[str(r.rank), r.device, _b(r.peak_bytes), _b(r.peak_reserved_bytes), _rate(r.tokens_per_s),
               "n/a" if r.num_ooms is None else str(r.num_ooms)] for r in result.ranks])]
+    if r0.items:
+        out.append("")
+        out.append(f"activations per tensor: {len(r0.items)} tensors, {_b(sum(i.bytes for i in r0.items))} "
+                   "(--json items: keyed as estimate's and trace's)")
     if r0.snapshot:
         out.append("")
         out.append(f"memory snapshot: {r0.snapshot}  (open at https://pytorch.org/memory_viz)")
@@ -68,7 +72,25 @@ def render_profile(result, *, top_modules: int = 10) -> str:
 def render_compare(table) -> str:
     rows = [[r.name, _b(r.estimate_bytes), _b(r.trace_bytes), _b(r.measured_bytes), _pct(r.estimate_error_pct),
              _pct(r.trace_error_pct)] for r in table.rows]
-    return "\n".join(_table(["", "estimate", "trace", "measured", "est. error", "trace error"], rows))
+    out = _table(["", "estimate", "trace", "measured", "est. error", "trace error"], rows)
+    if table.tensors:
+        out += ["", *render_key_rows(table.tensors)]
+    return "\n".join(out)
+
+
+def render_key_rows(rows, *, limit: int = 12) -> list[str]:
+    """Activations joined per tensor by key (``trainmem.join.KeyRow``): the keys whose sides differ."""
+    sides = list(rows[0].items)
+    same = sum(r.equal for r in rows)
+    out = [f"activations per tensor, by key ({', '.join(sides)}): {same} of {len(rows)} keys hold the same "
+           "dtype and bytes on every side"]
+    differ = [r for r in rows if not r.equal]
+    if differ:
+        out += ["  " + line for line in _table(["key", *sides], [
+            [r.key, *("-" if i is None else f"{_b(i.bytes)} {i.dtype}" for i in r.items.values())]
+            for r in differ[:limit]])]
+        out += [f"  ... and {len(differ) - limit} more (--json: compare.tensors)"] * (len(differ) > limit)
+    return out
 
 
 def render_sweep(result) -> str:

@@ -45,7 +45,7 @@ DEFS = {
     "item": _obj({"name": {"type": "string"}, "category": LEDGER, "bytes": BYTES},
                  {"shape": _array({"type": "integer", "minimum": 0}), "dtype": {"type": "string"},
                   "formula": {"type": "string"},
-                  # the join key (trainmem.join): the name for model states, <module>:<k> for activations
+                  # the join key (trainmem.join): the name for model states, <module>:<bytes>B:<k> for activations
                   "key": {"type": "string"}}),
     "phase": _obj({"name": {"enum": list(PHASES)}, "bytes": BYTES,
                    "parts": {"type": "object", "additionalProperties": {"type": "integer"}}},
@@ -86,8 +86,11 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
     "profile": ({"meta": {"type": "object"}, "device": {"type": "string"}, "peak_bytes": BYTES,
                  "peak_reserved_bytes": BYTES_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
                  "totals_bytes": {"type": "object", "additionalProperties": {"type": "integer"}},
+                 # the first micro-batch's activations, keyed as estimate's and trace's (trainmem.measure.tensors)
+                 "items": _array(REF["item"]),
                  "ranks": _array(_obj({"rank": {"type": "integer"}, "device": {"type": "string"}, "peak_bytes": BYTES,
-                                       "peak_reserved_bytes": BYTES_OR_NULL, "peak_active_bytes": BYTES_OR_NULL}))},
+                                       "peak_reserved_bytes": BYTES_OR_NULL, "peak_active_bytes": BYTES_OR_NULL},
+                                      {"items": _array(REF["item"])}))},
                 {}),
     "sweep": ({"search": {"type": "object"}, "over": {"enum": ["seq", "batch"]}, "backend": {"type": "string"},
                "budget_bytes": BYTES, "max_fit": {"type": ["integer", "null"]}, "capped": {"type": "boolean"},
