@@ -136,6 +136,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         return Estimate(model, step, impl, worst.inventory, worst.phases, parallel=parallel,
                         finetune=finetune, ranks=ranks)
     plain_impl = replace(impl, recompute="none", recompute_every=1)
+    if impl.compile and finetune is not None:  # what a fully recomputed compiled block recomputes: the eager
+        plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set (upper bound)
     if impl.profile == "traced":
         from trainmem.estimate.traced import traced_parts
         acts, states, plain, traced_transient = traced_parts(model, step, impl)
@@ -165,6 +167,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                              else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working,
+        compiled_loss=impl.compile and impl.compile_scope == "block-loss" and step.loss == "torchtune-chunked-ce",
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -145,12 +145,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            optimizer_transient: tuple[int, str], residual_bytes: int,
            persistent: dict[str, int] | None = None,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
-           optimizer_in_backward: bool = False) -> list[Phase]:
+           optimizer_in_backward: bool = False, compiled_loss: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
     for every such phase or a dict per phase name. ``optimizer_in_backward``: the optimizer
-    steps each parameter inside backward and ``optimizer_transient`` is one parameter's."""
+    steps each parameter inside backward and ``optimizer_transient`` is one parameter's.
+    ``compiled_loss``: torchtune's chunk function runs compiled (estimate/compiled_chunk_loss.py)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -186,8 +187,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
-        fl = framework_loss_phases(loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype,
-                                   hidden_row_bytes=residual_bytes // (B * S), head_weight_grad=_head_weight_grad(items))
+        from trainmem.estimate.compiled_chunk_loss import compiled_chunk_phases
+        fl = (compiled_chunk_phases if compiled_loss else framework_loss_phases)(
+            loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype, hidden_row_bytes=residual_bytes // (B * S),
+            head_weight_grad=_head_weight_grad(items))
         if fl.held:  # LitGPT's loop keeps its logits bound in every phase
             persistent["logits_held"] = fl.held
         add("forward", {"gradients": g_acc, "activations": A, **fl.forward},

@@ -56,7 +56,9 @@ def check_compiled(ctx: Ctx) -> None:
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
          "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
-        ("loss", step.loss, step.loss != "ce", "compiled rules cover the full cross-entropy"),
+        ("loss", step.loss, step.loss != "ce" and not (step.loss == "torchtune-chunked-ce" and impl.compile_scope != "model"),
+         "compiled rules cover the full cross-entropy, and torchtune's chunked one with --compile-scope block "
+         "(loss eager) or block-loss (estimate/compiled_chunk_loss.py)"),
         ("recompute", impl.recompute, impl.recompute not in ("none", "full") and not (
             impl.recompute == "op" and impl.compile_scope != "model" and impl.device == "cpu"
             and step.recipe in ("fp32", "bf16", "fp16") and not m.qk_norm),
@@ -181,6 +183,9 @@ def _per_block(ctx: Ctx) -> None:
     x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm"), "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
+        if ctx.step.loss == "torchtune-chunked-ce":  # each chunk's compute_cross_entropy compiled alone
+            from trainmem.estimate.compiled_chunk_loss import compiled_chunk_items
+            return compiled_chunk_items(ctx, logits)
         return _compiled_loss(ctx, logits)
     _loss(ctx, logits)
 
