@@ -367,7 +367,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="TP: all-gather the full-vocabulary logits before the loss (default: loss_parallel, "
                         "logits and loss sharded V/tp per rank, torchtitan's default)")
     g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",
-                   help=f"comma list of {', '.join(OFFLOADS)}")
+                   help=f"comma list of {', '.join(OFFLOADS)}; with --fsdp, params is FSDP's CPU offload "
+                        "(CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host)")
 
 
 def parallel_from_args(args: argparse.Namespace):

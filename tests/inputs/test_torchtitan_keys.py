@@ -187,6 +187,6 @@ def test_cpu_offload_and_compile(tmp_path):
                          "[compile]\nenable = true\n")
     assert out["overrides"]["parallel"]["offload"] == ("optimizer", "params")
     notes = " ".join(out["notes"])
-    assert "gradient shards" in notes and "[compile] enable" in notes
+    assert "CPUOffloadPolicy" in notes and "[compile] enable" in notes
     out = overrides(tmp_path, "[training]\nenable_cpu_offload = true\n[parallelism]\ndata_parallel_shard_degree = 1\n")
     assert "offload" not in out.get("parallel", {})

@@ -19,6 +19,10 @@ torch/distributed/fsdp/_fully_shard/):
 * ``grad_buffers``: the unsharded gradients (``FSDPParam.unsharded_param.grad``) and the
   reduce-scatter inputs kept in ``comm_ctx.reduce_scatter_states``;
 * ``saved`` (autograd's saved activations) and ``other`` (temporaries, logits, their gradients).
+
+A fourth step runs under torchtune's activation offload policy (trainmem/trace/offload.py), which
+torchtune's distributed recipe puts around the sharded model's forward: what it leaves on the
+device and what it copies to the host.
 """
 
 from __future__ import annotations
@@ -120,12 +124,35 @@ def run(sc: dict) -> dict:
         tracker.phase = "optimizer"
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"rank": rank, "most": tracker.most, "at_device_peak": tracker.at_device_peak,
+    kept, moved = _activation_offload(model, ids, unsharded, fps, ctx, key)
+    return {"rank": rank, "act_offload_kept": kept, "act_offload_host": moved, "most": tracker.most, "at_device_peak": tracker.at_device_peak,
             "peak_bytes": tracker.peak_bytes,
             # AdamW's 0-dim step counters are CPU tensors with or without offload: left out
             "host_optimizer_bytes": sum(local(v).untyped_storage().nbytes() for st in opt.state.values()
                                         for v in st.values() if local(v).dim() > 0),
             "on_cpu": all(local(fp.sharded_param).device.type == "cpu" for fp in fps)}
+
+
+def _activation_offload(model, ids, unsharded, fps, ctx, key) -> tuple[int, int]:
+    """One more forward + loss + backward under torchtune's activation offload policy
+    (trainmem/trace/offload.py, ``use_streams=False``), as torchtune's distributed recipe wraps the
+    forward of the sharded model: (bytes the forward leaves on the device besides FSDP's own
+    storages, plus the input ids the embedding keeps; device storages copied to the host)."""
+    from trainmem.trace.live import LiveStorages
+    from trainmem.trace.offload import offload_activations
+
+    skip = {key(t) for t in (*model.parameters(), *model.buffers(), *unsharded, ids)}
+    skip |= {key(fp.sharded_param) for fp in fps}
+    with offload_activations(model, use_streams=False) as off:
+        with LiveStorages(skip_keys=skip) as live:
+            loss = model(ids, labels=ids).loss
+        # the last block's flat all-gather buffer, whose free FSDP defers to the next all-gather
+        held = ctx.all_gather_state.all_gather_result.all_gather_output if ctx.all_gather_state else None
+        held_bytes = held.untyped_storage().nbytes() if held is not None and live.storages.get(held) else 0
+        kept = live.now - loss.untyped_storage().nbytes() - held_bytes + ids.untyped_storage().nbytes()
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return kept, off.offloaded_storage_bytes
 
 
 def main() -> int:

@@ -7,7 +7,9 @@ The real run (slow): 2 gloo ranks, a tiny Llama ``fully_shard``-ed per block and
 second device, so the check is by what FSDP holds each live storage as: the host kinds equal the
 host figure to the byte, the gathered parameters (unsharded + flat all-gather buffers) peak at the
 estimate's gathered terms to the byte, and everything but the host kinds peaks within 3% of the
-estimate's device figure less the two copies that only exist with a separate device.
+estimate's device figure less the two copies that only exist with a separate device. A fourth
+step under torchtune's activation offload policy (trainmem/trace/offload.py) leaves on the device,
+and copies to the host, the estimate's per-rank activation figures to the byte.
 """
 
 from __future__ import annotations
@@ -88,6 +90,22 @@ def test_zero3_param_offload_unchanged():
         ParallelSpec(dp=2, fsdp="full", offload=("cpu",))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fsdp-bf16"])
+def test_activation_offload_per_rank_is_the_single_device_split(precision):
+    """--offload activations with FSDP (torchtune's distributed recipe): each rank's saved
+    activations split as one device's would (estimate/activation_offload.py), beside FSDP's terms."""
+    from trainmem.estimate.activation_offload import activation_offload
+
+    split = activation_offload(spec_from_hf_config(DEFAULT_CONFIG), _step(precision), IMPL)
+    acts, both, states = (_rank(precision, offload=o) for o in (("activations",), ("activations", "params"), ("params",)))
+    assert acts.totals_bytes["activation"] == both.totals_bytes["activation"] == split.device.total()
+    assert both.host_bytes - states.host_bytes == acts.host_bytes == split.host_bytes
+    backward = _parts(both)["backward"]
+    assert backward["offload_in_flight"] == split.in_flight_bytes and "fsdp_offload_d2h" in backward
+    assert _parts(acts)["forward"]["offload_stash"] == split.stash_bytes
+    assert both.peak_bytes < states.peak_bytes
+
+
 # --- the real run -------------------------------------------------------------------------------
 
 SCENARIOS = {"fp32": {}, "fsdp-bf16": {"bf16": True}}
@@ -110,12 +128,12 @@ def _launch() -> dict[str, list[dict]]:
     return {k: [ranks[r][i] for r in range(2)] for i, k in enumerate(SCENARIOS)}
 
 
-@pytest.mark.slow  # one torchrun launch, ~30 s on 2 shared cores
+@pytest.mark.slow  # one torchrun launch, 30-70 s on 2 shared cores
 @pytest.mark.distributed
 @pytest.mark.parametrize("precision", list(SCENARIOS))
 def test_live_set_by_kind_matches_a_real_cpu_offload_run(precision):
     pytest.importorskip("torch.distributed.fsdp")
-    rank = _rank(precision)
+    rank, acts = _rank(precision), _rank(precision, offload=("activations", "params"))
     parts = _parts(rank)
     gathered = max(p.get("fsdp_root_unsharded", 0) + p.get("fsdp_allgather", 0) for p in parts.values())
     # the copies to and from a separate device do not exist when the device is the CPU
@@ -130,3 +148,21 @@ def test_live_set_by_kind_matches_a_real_cpu_offload_run(precision):
         assert gathered == max(m["gathered"] for m in most.values()), (gathered, most)
         device = max(m["device"] for m in most.values())
         assert abs(cpu_device - device) <= 0.03 * device, (cpu_device, device, r["at_device_peak"])
+        # a fourth step under torchtune's activation offload: kept on the device, copied to the host
+        assert (r["act_offload_kept"], r["act_offload_host"]) == (acts.totals_bytes["activation"],
+                                                                  acts.host_bytes - rank.host_bytes)
+
+
+def test_torchtune_distributed_recipe_with_both_offloads(tmp_path):
+    """full_finetune_distributed.py: shard_model(cpu_offload=fsdp_cpu_offload) and the activation
+    offloading context around the sharded model's forward, both read from one recipe."""
+    from trainmem.inputs import read_torchtune
+
+    p = tmp_path / "full.yaml"
+    p.write_text("model:\n  _component_: torchtune.models.llama2.llama2_7b\ndtype: bf16\nbatch_size: 2\n"
+                 "enable_activation_checkpointing: True\nenable_activation_offloading: True\n"
+                 "fsdp_cpu_offload: True\ndata_parallel_shard_dim: 8\n")
+    par = read_torchtune(p)["overrides"]["parallel"]
+    assert par == {"fsdp": "full", "dp": 8, "offload": ("optimizer", "params", "activations")}
+    p.write_text(p.read_text() + "tensor_parallel_dim: 2\n")  # TP ranks split the activations: not composed
+    assert "activations" not in read_torchtune(p)["overrides"]["parallel"]["offload"]

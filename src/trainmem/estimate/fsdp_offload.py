@@ -121,3 +121,32 @@ def offload_working(stage_params: list[MemoryItem], tp_div: dict[str, int], grad
     for ph, v in (("backward", head), ("backward_end", head + first)):
         out[ph]["fsdp_root_unsharded_grads"] = v
     return out
+
+
+# --- activation offload per rank (``--offload activations`` with FSDP, ZeRO or DDP) -------------
+#
+# torchtune's distributed recipe (recipes/full_finetune_distributed.py, _setup_model) wraps the
+# forward in the same ``training.get_act_offloading_ctx_manager(model, enable_activation_offloading)``
+# as the single-device recipe, after ``shard_model``. Under data parallelism alone (no TP, CP, PP or
+# EP) every rank runs the whole model on its own micro-batch, and FSDP2's hooks save nothing for
+# backward (``RegisterPostBackwardFunction`` is an identity); a linear layer saves ``weight.t()`` of
+# the unsharded parameter, a view that is no ``nn.Parameter``, so it is copied out and back as on one
+# device (in ``param_dtype``: the gathered weights are the compute dtype). So a rank's saved
+# activations split between device and host exactly as one device's would
+# (estimate/activation_offload.py), and the rank's FSDP buffers and state placement add to that.
+
+def composes_with_activation_offload(impl, par) -> bool:
+    """``--offload activations`` where each rank's split is the single-device one: the hf rules,
+    data parallelism only (DDP, ZeRO or FSDP)."""
+    return (par is not None and "activations" in par.offload and impl.profile == "hf"
+            and par.tp == par.cp == par.pp == par.ep == 1)
+
+
+def rank_activation_offload(model, step, impl, acts: list[MemoryItem], recompute: dict, finetune=None):
+    """(device activation items, host bytes, recompute bytes per block, working buffers per phase)
+    of one data-parallel rank under activation offload: the single-device split of its step."""
+    from trainmem.estimate.activation_offload import apply_offload
+    from trainmem.inventory import Inventory
+
+    inv, rec, working, host = apply_offload(model, step, impl, Inventory(()), Inventory(acts), recompute, finetune)
+    return list(inv), host.total(), rec, working

@@ -32,7 +32,9 @@ from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
-from trainmem.estimate.fsdp_offload import cpu_offload, offload_states, offload_working
+from trainmem.estimate.fsdp_offload import (
+    composes_with_activation_offload, cpu_offload, offload_states, offload_working, rank_activation_offload,
+)
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
@@ -299,7 +301,13 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
         many = [] if par.schedule != "gpipe" else head_acts
         body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
-        if "activations" in par.offload:
+        act_off = None
+        if composes_with_activation_offload(impl, par):  # each rank as one device: estimate/fsdp_offload.py
+            kept, moved, *act_off = rank_activation_offload(
+                lm, lstep, impl, stage_acts, {li: v for li, v in recompute_all.items() if a <= li < b}, finetune)
+            items += kept
+            host += moved
+        elif "activations" in par.offload:
             # everything but the block being computed and the one prefetched goes to host
             per_layer = body / max(1, b - a)
             keep = int(min(body, 2 * per_layer))
@@ -331,6 +339,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         elif full_state:
             tb = int(tb * state_bytes / full_state)
         recompute = {li: v for li, v in recompute_all.items() if a <= li < b}
+        if act_off:  # activation offload's stash and in-flight buffers, each block's largest tensor kept
+            recompute = act_off[0]
+            for ph, parts in act_off[1].items():
+                working.setdefault(ph, {}).update(parts)
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
             items, B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),

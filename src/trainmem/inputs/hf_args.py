@@ -256,6 +256,6 @@ def _fsdp(get, par: dict, notes: list[str], where: str) -> None:
         notes.append("fsdp version 1: one flat parameter per decoder block, its gradient covering frozen weights")
     if "offload" in items or config.get("cpu_offload"):
         par["offload"] = ("optimizer", "params")
-        notes.append("fsdp offload: parameters and optimizer states on the host; gradient shards still counted "
-                     "on the device")
+        notes.append("fsdp offload: FSDP's CPU offload; sharded parameters, gradients and optimizer states on "
+                     "the host (the host figure)")
     notes.append("fsdp: the Trainer shards over every rank; give --dp for how many")

@@ -268,11 +268,11 @@ def _grad_accum(get, d: dict[str, int], local_batch: int, notes: list[str], wher
 
 def _host_and_compile(get, par: dict, d: dict[str, int], notes: list[str]) -> None:
     # parallelize.py, apply_fsdp(cpu_offload=training.enable_cpu_offload): FSDP's CPUOffloadPolicy
-    # keeps parameter and gradient shards on the host, and the optimizer steps there
+    # keeps parameter and gradient shards on the host, and the optimizer steps there (estimate/fsdp_offload.py)
     if get("training", "enable_cpu_offload", bool, default=False) and d["fsdp"]:
         par["offload"] = ("optimizer", "params")
-        notes.append("enable_cpu_offload: parameters and optimizer states on the host; the gradient shards, "
-                     "also on the host under CPUOffloadPolicy, are still counted on the device")
+        notes.append("enable_cpu_offload: FSDP2's CPUOffloadPolicy; sharded parameters, gradients and optimizer "
+                     "states in pinned host memory (the host figure)")
     if get("compile", "enable", bool, default=False):
         notes.append("[compile] enable: torch.compile saves other tensors than eager mode; the estimate is eager")
 

@@ -376,13 +376,17 @@ def _checkpointing(get, impl: dict, notes: list[str], where: str) -> None:
 def _offloading(get, impl: dict, par: dict, finetune: dict, notes: list[str]) -> None:
     # full_finetune_single_device.py, _setup_model: training.get_act_offloading_ctx_manager(model,
     # enable_activation_offloading) -> OffloadActivations around the forward (estimate/activation_offload.py)
+    # full_finetune_distributed.py wraps the sharded model's forward the same way: with data parallelism
+    # only, each rank's split is the single-device one (estimate/fsdp_offload.py)
     if not get("enable_activation_offloading", bool):
         return
-    if impl.get("recompute", "none") not in ("none", "full") or par or finetune:
-        notes.append("enable_activation_offloading: modelled on one device, full fine-tuning, with full or no "
-                     "activation checkpointing; here the saved activations are counted on the device")
+    if (impl.get("recompute", "none") not in ("none", "full") or par.get("tp", 1) > 1 or par.get("cp", 1) > 1
+            or finetune):
+        notes.append("enable_activation_offloading: modelled on one device (or data-parallel FSDP ranks), full "
+                     "fine-tuning, with full or no activation checkpointing; here the saved activations are counted "
+                     "on the device")
         return
-    par["offload"] = ("activations",)
+    par["offload"] = tuple(par.get("offload", ())) + ("activations",)
 
 
 def _distributed(get, par: dict, notes: list[str], where: str) -> None:
@@ -413,9 +417,9 @@ def _distributed(get, par: dict, notes: list[str], where: str) -> None:
         par["reshard_after_forward"] = reshard
     if get("fsdp_cpu_offload", bool):
         # shard_model(cpu_offload=True): fully_shard(offload_policy=CPUOffloadPolicy()) keeps parameter and
-        # gradient shards on the host, and the optimizer steps there
+        # gradient shards on the host, and the optimizer steps there (estimate/fsdp_offload.py)
         par["offload"] = ("optimizer", "params")
-        notes.append("fsdp_cpu_offload: parameters and optimizer states on the host; the gradient shards, also "
-                     "on the host under CPUOffloadPolicy, are still counted on the device")
+        notes.append("fsdp_cpu_offload: FSDP2's CPUOffloadPolicy; sharded parameters, gradients and optimizer "
+                     "states in pinned host memory (the host figure)")
     if get("custom_sharded_layers", list):
         notes.append("custom_sharded_layers: separate FSDP units for those layers are not modelled")
