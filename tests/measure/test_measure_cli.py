@@ -65,6 +65,9 @@ def test_profile_json_contract_and_out_file(capsys, tiny_config, tmp_path):
     assert d["schema"] == "trainmem.profile/2" and d["device"] == "cpu"
     assert {"peak_bytes", "peak_reserved_bytes", "tokens_per_s", "ranks"} <= set(d)
     assert d["compare"]["rows"][-2]["name"] == "peak_allocated"
+    # activations per tensor, keyed as the estimate's, joined three ways (tests/measure/test_measure_join.py)
+    assert d["items"] == d["ranks"][0]["items"] and all("B:" in i["key"] for i in d["items"])
+    assert set(d["compare"]["tensors"][0]) == {"key", "estimate", "trace", "measured", "equal"}
     assert json.loads(out.read_text()) == d
     assert os.listdir(out.parent) == ["profile.json"]
 
@@ -154,5 +157,6 @@ def test_public_api_and_flags_are_frozen():
     # public since: the QLoRA variants (c78fb78), Float8 (8ef72ba), FSDP1 (0782ea6)
     estimate_flags += ["--double-quant", "--no-double-quant", "--qlora-scope", "--quant-impl", "--quantize-head",
                        "--float8", "--float8-all-gather", "--fsdp-version"]
+    estimate_flags += ["--no-loss-parallel"]  # TP loss_parallel (a3cb85a)
     assert flags["sweep"] == sorted(shared + estimate_flags + ["--backend", "--budget", "--html", "--max",
                                                                "--multiple", "--over", "--plot", "--start"])
