@@ -16,6 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
+from trainmem.estimate.buffers import buffer_inventory
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.losses import FRAMEWORK_LOSSES
@@ -155,6 +156,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     working, host = None, None
     if offload:  # estimate/activation_offload.py: torchtune's OffloadActivations
         inv, recompute, working, host = apply_offload(model, step, impl, states, acts, recompute, finetune)
+    inv = inv + buffer_inventory(model, step, impl.profile)  # estimate/buffers.py: resident all step, in every phase
     d = step.dtypes
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)

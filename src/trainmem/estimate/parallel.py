@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
+from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
@@ -280,6 +281,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     emb_grad = f"{_embedding_name(states)}.grad"
     torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
     rotary = [it for it in acts if ".rotary_emb." in it.name]
+    bufs = buffer_items(model, step, impl.profile)
     outputs = output_modules()
     d = step.dtypes
     out: list[RankClass] = []
@@ -298,6 +300,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                    else apply_zero(stage_states, divisors, zero=zero, group=group))
         # FSDP's CPU offload (estimate/fsdp_offload.py) keeps every sharded model state on the host
         items, host = offload_states(sharded) if cpu_offload(par) else apply_offload(sharded, par.offload)
+        items = items + stage_buffers(bufs, s, a, b)  # the model's buffers on this stage (estimate/buffers.py)
         # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
         many = [] if par.schedule != "gpipe" else head_acts
         body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)

@@ -164,7 +164,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     M = by_cat.get(Category.MASTER_WEIGHT, 0)
     O = by_cat.get(Category.OPTIMIZER_STATE, 0)
     A = by_cat.get(Category.ACTIVATION, 0)
-    static = {"parameters": P, "master_weights": M, "optimizer_states": O}
+    # the model's registered buffers (estimate/buffers.py) are resident all step, like the parameters
+    static = {"parameters": P, "master_weights": M, "optimizer_states": O, "buffers": by_cat.get(Category.BUFFER, 0)}
     g_acc = G if grad_accum > 1 else 0
     grads_head = G - sum(grad_layer.values()) if grad_layer else G
     # the non-layer gradients produced before the blocks' backward are the head's; the

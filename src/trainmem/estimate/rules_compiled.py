@@ -10,7 +10,8 @@ set), against the eager rules of ``rules_hf``:
 * RMSNorm keeps its input (not the attention's residual sum: see below), ``rsqrt`` (fp32, B·S·1)
   and its output (the next linear's input); the normalized product (and, for 16-bit inputs,
   the fp32 copy) is recomputed;
-* the rotary ``cos``/``sin`` are recomputed from ``inv_freq`` (fp32, hd/2), which is kept;
+* the rotary ``cos``/``sin`` are recomputed from ``inv_freq`` (fp32, hd/2), which is kept: the
+  buffer itself, counted once in the ``buffer`` ledger (``estimate/buffers.py``), never here;
 * attention keeps what the SDPA kernel saves (it is not decomposed) and ``o_proj``'s output,
   from which the residual sum is recomputed;
 * SwiGLU keeps ``gate``, ``up`` and ``act(gate)·up``; the activation's output is recomputed;
@@ -104,8 +105,7 @@ def compiled_forward(ctx: Ctx) -> None:
     with g.module("model.embed_tokens"):
         g.save(g.new("indices", (B, S), ("B", "S"), "int64", False))
         x = g.new("out", (B, S, H), ("B", "S", "H"), a)
-    with g.module("model.rotary_emb"):
-        g.save(g.new("inv_freq", (hd // 2,), ("hd/2",), "float32", False))
+    # model.rotary_emb: the graph saves inv_freq itself, a buffer (estimate/buffers.py), not an activation
     if ctx.impl.recompute == "full":
         _checkpointed_layers(ctx, x)
         return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainmem.errors import SpecError
+from trainmem.families.buffers import Buffer, rotary_buffers
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.families.config import ConfigReader
@@ -173,6 +174,8 @@ class NameScheme:
     parameters: Callable[["ModelSpec"], Params] | None = None
     """The scheme's own parameter layout, when its profile runs its own model (``reference``):
     then parameters and activations share one naming scheme. None: the family's layout."""
+    buffers: Callable[["ModelSpec"], tuple[Buffer, ...]] | None = None
+    """The scheme's own model buffers (``reference``: one ``inv_freq``); None: the family's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +213,10 @@ class Family(NameScheme):
     """Its model class's ``_keep_in_fp32_modules_strict``: name fragments (``gate.weight``) whose
     parameters a 16-bit load keeps in fp32 (``models/hf.py`` ``_keep_strict_fp32``, as transformers'
     ``from_pretrained`` does); their gradients and optimizer states follow (``estimate/params.py``)."""
+    buffers: Callable[["ModelSpec"], tuple[Buffer, ...]] = rotary_buffers
+    """Its model's registered buffers (``named_buffers()``: rotary ``inv_freq``, BERT's position ids),
+    resident all step: the estimate's ``buffer`` ledger (``families/buffers.py``, ``estimate/buffers.py``).
+    Default: the Llama layout's one rotary module."""
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
+from trainmem.families.buffers import bert_buffers
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
@@ -66,4 +67,4 @@ def bert() -> Family:
         head=("cls",), layers="bert.encoder.layer", output_layer="cls.predictions.decoder",
         tp=TPRoles(column=("query", "key", "value", "intermediate.dense"), row=("output.dense",),
                    vocab=("word_embeddings", "decoder"), kv=("key", "value")),
-        task_heads=BERT_TASK_HEADS, lora_targets=("query", "value"))  # peft: "bert": ["query", "value"]
+        task_heads=BERT_TASK_HEADS, lora_targets=("query", "value"), buffers=bert_buffers)  # peft: "bert": ["query", "value"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from trainmem.errors import UnsupportedError
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
+from trainmem.families.buffers import deepseek_v3_buffers, rotary_buffers
 from trainmem.families.config import ConfigReader, llama_like
 from trainmem.families.llama import LLAMA_NAMES
 from trainmem.families.moe_layout import dense_mlp, experts, kind_blocks
@@ -77,11 +78,11 @@ def _parameters(m: "ModelSpec") -> lay.Params:
     return kind_blocks(m, block)
 
 
-def _family(name: str, config_class: str, defaults: dict, fp32_params: tuple[str, ...]) -> Family:
+def _family(name: str, config_class: str, defaults: dict, fp32_params: tuple[str, ...], buffers=rotary_buffers) -> Family:
     # peft 0.21.2 maps no deepseek_v2/v3; MLA has no v_proj: the query projection (q_proj, or q_b_proj
     # after the low-rank q_a_proj) and kv_b_proj (which makes K's no-rope part and V) are adapted, with a note
     return Family(name=name, parameters=_parameters, rules=BlockRules(forward="mla"), **LLAMA_NAMES,
-                  fp32_params=fp32_params, peft_default=False, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
+                  fp32_params=fp32_params, peft_default=False, buffers=buffers, lora_targets=("q_proj", "q_b_proj", "kv_b_proj"),
                   config=ConfigSchema(config_class=config_class, read=_read, defaults=defaults, required=_SIZES))
 
 
@@ -110,5 +111,5 @@ def deepseek_v3() -> Family:
         "num_attention_heads": 128, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
         "n_routed_experts": 256, "n_shared_experts": 1, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True},
-        # DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict; the bias is a buffer, not in the ledger
-        fp32_params=("e_score_correction_bias", "gate.weight"))
+        # DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict; the bias is a buffer (the buffer ledger)
+        fp32_params=("e_score_correction_bias", "gate.weight"), buffers=deepseek_v3_buffers)

@@ -4,6 +4,7 @@ Gemma-2 (``modeling_gemma2.py``: also sandwich norms and tanh soft-capping)."""
 from __future__ import annotations
 
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
+from trainmem.families.buffers import gemma_buffers
 from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import from_layer_types, pattern_types
 from trainmem.families.llama import llama_family, llama_parameters
@@ -28,7 +29,7 @@ def gemma() -> Family:
                   "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
                   "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
                   "attention_dropout": 0.0}),
-        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True))
+        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True), buffers=gemma_buffers)
 
 
 @register_family
@@ -41,4 +42,4 @@ def gemma2() -> Family:
                   "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                   "sliding_window": 4096, "layer_types": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True),
-        parameters=lambda m: llama_parameters(m, sandwich_norms=True))
+        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma_buffers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
 from trainmem.families.base import BlockRules, ConfigSchema, Family, register_family
+from trainmem.families.buffers import gemma3_buffers
 from trainmem.families.config import ConfigReader
 from trainmem.families.gemma import GEMMA2_KEYS
 from trainmem.families.kinds import from_layer_types, pattern_types
@@ -34,4 +35,4 @@ def gemma3_text() -> Family:
                   "use_bidirectional_attention": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True,
                          rope_per_layer_type=True),
-        parameters=lambda m: llama_parameters(m, sandwich_norms=True))
+        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma3_buffers)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
+from trainmem.families.buffers import no_buffers
 from trainmem.families.config import ConfigReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,4 +62,4 @@ def gpt2() -> Family:
         # GPT2ForSequenceClassification: score (no bias); GPT2ForTokenClassification: classifier, with an
         # inline CrossEntropyLoss (no upcast)
         task_heads=TaskHeads("score", False, "classifier", True, False),
-        lora_targets=("c_attn",))  # peft: "gpt2": ["c_attn"]
+        lora_targets=("c_attn",), buffers=no_buffers)  # peft: "gpt2": ["c_attn"]; no buffers in 5.24

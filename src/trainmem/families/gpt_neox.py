@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, ConfigSchema, Family, TaskHeads, TPRoles, register_family
+from trainmem.families.buffers import rotary
 from trainmem.families.config import ConfigReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,4 +64,5 @@ def gpt_neox() -> Family:
         # GPTNeoXForSequenceClassification: score (no bias); GPTNeoXForTokenClassification: classifier
         # and ForTokenClassification's loss (fp32 logits)
         task_heads=TaskHeads("score", False, "classifier", True, True),
-        lora_targets=("query_key_value",))  # peft: "gpt_neox": ["query_key_value"]
+        lora_targets=("query_key_value",),  # peft: "gpt_neox": ["query_key_value"]
+        buffers=lambda m: rotary("gpt_neox.rotary_emb", m))

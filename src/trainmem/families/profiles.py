@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import NameScheme, TPRoles, register_scheme
+from trainmem.families.buffers import Buffer, rotary_width
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
@@ -36,16 +37,25 @@ def reference_parameters(m: "ModelSpec") -> lay.Params:
     return params + ([] if m.tied_embeddings else lay.linear("lm_head", m.vocab_size, H, False))
 
 
+def _inv_freq(name: str):
+    """One ``inv_freq`` (rot/2 fp32) unless positions are learned: ``models/reference.py``'s
+    ``register_buffer("inv_freq", ...)``; Megatron-core's ``RotaryEmbedding.inv_freq`` (a plain
+    device tensor, ``rotary_pos_embedding.py``)."""
+    def buffers(m: "ModelSpec") -> tuple[Buffer, ...]:
+        return () if m.max_positions else (Buffer(name, ((rotary_width(m) + 1) // 2,), (), "float32"),)
+    return buffers
+
+
 @register_scheme
 def reference() -> NameScheme:
     return NameScheme(name="reference", embeddings=("embed", "pos_embed"), head=("norm", "lm_head"),
                       layers="layers", tp=TPRoles(column=("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"),
                                                   row=("attn.o", "mlp.down"), vocab=("embed.weight",)),
-                      parameters=reference_parameters)
+                      parameters=reference_parameters, buffers=_inv_freq("inv_freq"))
 
 
 @register_scheme
 def megatron() -> NameScheme:
     # Megatron-LM GPTModel: embedding, decoder.layers[i], decoder.final_layernorm, output_layer
     return NameScheme(name="megatron", embeddings=("embedding",), head=("final_layernorm", "output_layer"),
-                      layers="layers")
+                      layers="layers", buffers=_inv_freq("rotary_pos_emb.inv_freq"))

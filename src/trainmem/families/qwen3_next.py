@@ -20,6 +20,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
 
 
+def _rotary_dim(c: ConfigReader) -> int:
+    """The rotated dims per head: ``int(head_dim * partial_rotary_factor)`` (Qwen3NextRotaryEmbedding.
+    compute_default_rope_parameters), the factor 0.25 unless ``rope_parameters`` or the file says
+    (``Qwen3NextConfig.__init__``: ``kwargs.setdefault("partial_rotary_factor", 0.25)``)."""
+    rope = c.cfg.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", c.cfg.get("partial_rotary_factor", 0.25))
+    head_dim = c.cfg.get("head_dim") or c("head_dim")
+    return int(head_dim * float(factor))
+
+
 def _read(c: ConfigReader) -> dict:
     L, E = c("num_hidden_layers"), c("num_experts")
     # Qwen3NextConfig.__post_init__: layer_types from full_attention_interval (default 4)
@@ -33,7 +43,7 @@ def _read(c: ConfigReader) -> dict:
             "num_shared_experts": 1 if E and shared else 0, "shared_expert_ffn_size": shared if E else 0,
             "linear_num_key_heads": c("linear_num_key_heads"), "linear_num_value_heads": c("linear_num_value_heads"),
             "linear_key_head_dim": c("linear_key_head_dim"), "linear_value_head_dim": c("linear_value_head_dim"),
-            "linear_conv_kernel": c("linear_conv_kernel_dim"),
+            "linear_conv_kernel": c("linear_conv_kernel_dim"), "rotary_dim": _rotary_dim(c),
             "layer_kinds": from_layer_types(c, types, window=None, moe=moe)}
 
 

@@ -79,6 +79,9 @@ class Breakdown:
     optimizer_temporaries: int
     has_backward: bool
     ce_phases: bool
+    buffers: tuple[int, int, int] = (0, 0, 0)
+    """The model's buffers (``estimate/buffers.py``): (rotary tables', on every stage; the other ones
+    outside blocks, on the first; the blocks', all blocks), replicated by TP, never sharded."""
 
     def scaled(self, other: "Breakdown", batch: int) -> "Breakdown":
         """Affine extrapolation in the micro-batch: ``self`` at B=1, ``other`` at B=2 -> B=batch.
@@ -108,8 +111,12 @@ def breakdown(e: Estimate) -> Breakdown:
     layer_params: dict[int, int] = {}
     act_split = act_rep = act_first = act_head = 0
     index = {c.value: i for i, c in enumerate(_CATEGORIES)}
+    bufs = [0, 0, 0]
     for it in e.inventory:
         li = layer_of(it.name)
+        if it.category is Category.BUFFER:  # the single-device estimate's are the model's own
+            bufs[2 if li is not None else 0 if ".rotary_emb." in it.name else 1] += it.bytes
+            continue
         if it.category is Category.ACTIVATION:
             if li is not None:
                 if _tp_split(it.dims):
@@ -144,7 +151,7 @@ def breakdown(e: Estimate) -> Breakdown:
         work=ph["backward"].parts.get("recompute_and_work", 0) if "backward" in ph else 0,
         work_end=ph["backward_end"].parts.get("work", 0),
         optimizer_temporaries=ph["optimizer"].parts.get("optimizer_temporaries", 0),
-        has_backward="backward" in ph, ce_phases="backward_start" in ph,
+        has_backward="backward" in ph, ce_phases="backward_start" in ph, buffers=tuple(bufs),
     )
 
 
@@ -264,7 +271,9 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
             (A_first, G, gathered, b.work_end / (rep * p.cp)),
             (G, temps),
         )
-        base = P + M + O
+        rotary_buf, outside_buf, block_buf = b.buffers
+        buf = rotary_buf + (outside_buf if first else 0) + block_buf * (layers[s][1] - layers[s][0]) / L
+        base = P + M + O + buf
         best, best_total = 0, -1.0
         for i, vals in enumerate(values):
             if vals is not None:
@@ -274,7 +283,8 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
         ph, names = _PARTS[best]
         parts = {}
         if detail:
-            full = {"parameters": P, "master_weights": M, "optimizer_states": O, **dict(zip(names, values[best]))}
+            full = {"parameters": P, "master_weights": M, "optimizer_states": O, "buffers": buf,
+                    **dict(zip(names, values[best]))}
             parts = {k: int(round(v)) for k, v in full.items() if v}
         out.append(StagePeak(name, int(round(best_total)), ph, parts, host))
     return out
