@@ -32,3 +32,6 @@ def test_torchrun_two_ranks_rank0_reports_both(tmp_path):
     assert [rank["rank"] for rank in d["ranks"]] == [0, 1]
     assert d["peak_bytes"] == max(rank["peak_bytes"] for rank in d["ranks"])
     assert d["tokens_per_s"] == pytest.approx(sum(rank["tokens_per_s"] for rank in d["ranks"]))
+    # activations per tensor, gathered from both ranks: the same keys, named without DDP's "module."
+    keys = [[i["key"] for i in rank["items"]] for rank in d["ranks"]]
+    assert keys[0] == keys[1] and "model.layers.0.mlp.act_fn:22528B:0" in keys[0]  # B·S·F·4
