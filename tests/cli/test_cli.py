@@ -94,7 +94,7 @@ def test_commands_and_estimate_flags_are_frozen():
         "--kv-dtype", "--layer-split",
         "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args",
         "--memory-figure", "--microbatches", "--mode",
-        "--model", "--no-double-quant", "--no-reshard-after-forward", "--num-labels", "--offload", "--optimizer", "--optimizer-impl",
+        "--model", "--no-double-quant", "--no-loss-parallel", "--no-reshard-after-forward", "--num-labels", "--offload", "--optimizer", "--optimizer-impl",
         "--optimizer-in-backward", "--plot", "--pp", "--precision", "--prefill-chunk",
         "--profile", "--qlora-scope", "--quant-impl", "--quantize-head", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
         "--torchtitan", "--torchtune", "--tp", "--tree", "--virtual-stages", "--weight-group", "--weights", "--zero"]
