@@ -100,3 +100,73 @@ def test_against_torchtunes_compiled_chunk_function():
     allocs = [re.findall(r"empty_strided_cpu\((\([^)]*\)), \([^)]*\), torch\.(\w+)\)", c) for c in codes]
     assert allocs == [[(f"({r}, 1)", "float32"), (f"({r}, 1)", "float32"), ("()", "float32")],
                       [(f"({r}, 1)", "float32"), (f"({r}, {V})", "bfloat16")]]
+
+
+QLORA = dict(mode="qlora", lora_rank=8, lora_alpha=16, lora_targets=("q_proj", "v_proj"), adapter_dtype="param",
+             quant_impl="torchao-nf4")
+
+
+def test_qlora_checkpointed_blocks_exact():
+    # torchtune's QLoRA recipe with compile=True and full checkpointing, as its LoRA one
+    # (tests/estimate/test_compiled_scope.py): each compiled block, wrapped in the checkpoint, keeps its
+    # input (the embedding's output, block 0's output), the eager rotary cos/sin, the frozen final norm its
+    # fp32 input and rsqrt, the compiled loss its items (test_saved_set_exact); no fp32 log-softmax
+    ft = FinetuneSpec(**QLORA)
+    items = activation_items(spec_from_hf_config(LLAMA), StepSpec(batch=B, seq=S, precision="bf16",
+                                                                   loss="torchtune-chunked-ce"),
+                             ImplSpec(device="cpu", compile=True, compile_scope="block-loss", recompute="full"),
+                             finetune=ft)
+    assert {i.name: i.bytes for i in items if i.bytes} == {
+        "model.embed_tokens.out": 16384, "model.rotary_emb.cos": 2048, "model.rotary_emb.sin": 2048,
+        "model.layers.0.residual_mlp": 16384, "model.norm.x_fp32": 32768, "model.norm.rsqrt": 512,
+        "loss.logits": 256000, "loss.row_max": 512, "loss.logsumexp": 512, "loss.target": 1024, "loss.token_count": 8}
+
+
+@pytest.mark.parametrize("quant_impl", ["bnb", "bnb-legacy"])
+def test_qlora_other_kernels_refused_under_compile(quant_impl):
+    from trainmem.errors import UnsupportedError
+
+    ft = FinetuneSpec(**{**QLORA, "quant_impl": quant_impl})
+    with pytest.raises(UnsupportedError, match="finetune='qlora'"):
+        activation_items(spec_from_hf_config(LLAMA), StepSpec(batch=B, seq=S, precision="bf16"),
+                         ImplSpec(device="cpu", compile=True, compile_scope="block-loss", recompute="full"), finetune=ft)
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_nf4_block_keeps_its_input():
+    """A block of torchao NF4 linears with LoRA adapters, compiled (torchtune's compile_model) and wrapped
+    in a non-reentrant checkpoint (set_activation_checkpointing), real inductor on CPU: autograd is handed
+    the block's input only, and the backward runs."""
+    torch = pytest.importorskip("torch")
+    nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class QLoRALinear(nn.Module):
+        def __init__(self, i, o):
+            super().__init__()
+            self.weight = nn.Parameter(nf4.to_nf4(torch.randn(o, i, dtype=torch.bfloat16)), requires_grad=False)
+            self.a = nn.Parameter(torch.randn(8, i, dtype=torch.bfloat16) / 16)
+            self.b = nn.Parameter(torch.zeros(o, 8, dtype=torch.bfloat16))
+
+        def forward(self, x):  # torchtune's LoRALinear: linear_nf4 of the frozen base plus the adapter path
+            return nf4.linear_nf4(x, self.weight) + (x @ self.a.t()) @ self.b.t()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.up, self.down = QLoRALinear(128, 128), QLoRALinear(128, 256), QLoRALinear(256, 128)
+
+        def forward(self, x):
+            h = x + self.q(x)
+            return h + self.down(torch.nn.functional.silu(self.up(h)))
+
+    block = Block()
+    block.compile()
+    x = torch.randn(2, 32, 128, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = checkpoint(block, x, use_reentrant=False)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [((2, 32, 128), torch.bfloat16)]
+    y.sum().backward()
+    assert x.grad is not None and block.q.a.grad is not None
