@@ -166,3 +166,23 @@ def test_torchtune_distributed_recipe_with_both_offloads(tmp_path):
     assert par == {"fsdp": "full", "dp": 8, "offload": ("optimizer", "params", "activations")}
     p.write_text(p.read_text() + "tensor_parallel_dim: 2\n")  # TP ranks split the activations: not composed
     assert "activations" not in read_torchtune(p)["overrides"]["parallel"]["offload"]
+
+
+def test_advise_offers_it_and_the_clock_prices_it():
+    """plan/choices.py's fsdp_cpu_offload (only where FSDP shards) and plan/cost.py's price: the
+    shards to the device for each all-gather, the gradient shards to the host, the CPU Adam."""
+    from trainmem.plan.choices import CHOICES, Config, Context
+    from trainmem.plan.cost import step_time
+    from trainmem.plan.hardware import load_gpu
+    from trainmem.specs.loaders import load_model
+
+    model, step, impl = load_model("llama-3-8b"), StepSpec(batch=1, seq=2048, precision="bf16"), ImplSpec()
+    ctx = Context(model, 8, 8, fp8=False)
+    fsdp = Config(step, impl, ParallelSpec(dp=8, fsdp="full"))
+    [(offloaded, _)] = CHOICES["fsdp_cpu_offload"].variants(fsdp, ctx)
+    assert offloaded.par.offload == ("params",)
+    assert "--offload params" in offloaded.command("llama-3-8b")
+    assert not list(CHOICES["fsdp_cpu_offload"].variants(Config(step, impl, ParallelSpec(dp=8, zero=3)), ctx))
+    gpu = load_gpu("h100-80gb")
+    plain, off = (step_time(model, step, impl, c.par, gpu, global_batch=8).offload_s for c in (fsdp, offloaded))
+    assert plain == 0 < off

@@ -296,6 +296,14 @@ def _offload_optimizer(c: Config, ctx: Context):
                "offload optimizer states to CPU")
 
 
+@choice("fsdp_cpu_offload", ("parallel.offload",),
+        note="FSDP's CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory, the "
+             "optimizer step on the CPU; shards over PCIe every all-gather and reduce-scatter")
+def _fsdp_cpu_offload(c: Config, ctx: Context):
+    if c.par.fsdp and "params" not in c.par.offload:
+        yield replace(c, par=replace(c.par, offload=c.par.offload + ("params",))), "FSDP CPU offload (CPUOffloadPolicy)"
+
+
 @choice("offload_activations", ("parallel.offload",), note="saved activations to host memory and back")
 def _offload_activations(c: Config, ctx: Context):
     if "activations" not in c.par.offload:

@@ -21,7 +21,9 @@ A first-order model for *ranking* configurations, not a performance prediction:
   in forward and again in backward every micro-batch (1.5× the all-reduce volume per micro-batch).
   This traffic overlaps with backward compute; only what exceeds the compute time counts;
 * optimizer offload: gradients to host and parameters back over PCIe each step, plus a CPU Adam
-  at ``cpu_adam_params_per_s``;
+  at ``cpu_adam_params_per_s``; FSDP's CPU offload (``--fsdp --offload params``): each
+  micro-batch's gradient shards to the host, the CPU Adam, and the parameter shards to the device
+  for the forward's and the backward's all-gathers;
 * bitsandbytes' paged optimizers (``paged-adamw8bit``, ``paged-adamw32bit``): their states sit in
   CUDA unified memory, which the driver pages to the host only when the device runs short -- the
   reason to page. Priced as that case: every paged state byte out and back over PCIe each step
@@ -47,6 +49,7 @@ from functools import lru_cache
 
 from trainmem.errors import SpecError
 from trainmem.estimate.float8 import converted_parameters
+from trainmem.estimate.fsdp_offload import cpu_offload
 from trainmem.estimate.params import parameter_shapes
 from trainmem.inventory import dtype_bytes
 from trainmem.names import is_embedding
@@ -256,7 +259,11 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
         dp = vol / _bw(gpu, d, p.tp)
     dp_exposed = max(0.0, dp - compute)
     offload = 0.0
-    if "optimizer" in p.offload:
+    if cpu_offload(p):  # FSDP's CPUOffloadPolicy (estimate/fsdp_offload.py): each micro-batch's gradient
+        # shards to the host, Adam on the CPU; the shards' copies to each all-gather are the params term below
+        shard = shard_train / d
+        offload = micro * shard * gb / gpu.host_bytes_per_s + shard / cost.cpu_adam_params_per_s
+    elif "optimizer" in p.offload:
         shard = shard_train / (d if zero >= 1 else 1)
         offload = shard * (gb + pb) / gpu.host_bytes_per_s + shard / cost.cpu_adam_params_per_s
     paged = _PAGED_STATE_BYTES.get(step.optimizer, 0)
