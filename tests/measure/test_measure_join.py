@@ -24,20 +24,22 @@ B, S = 1, 32
 CONFIGS = {"llama": LLAMA, "gpt2": GPT2}
 
 
-def _measure(family: str, precision: str, attention: str = "sdpa", **kwargs):
+def _measure(family: str, precision: str, attention: str = "sdpa", grad_accum: int = 1, **kwargs):
     from trainmem.measure.profiling import profile_model
     from trainmem.specs import ImplSpec, StepSpec
 
-    step, impl = StepSpec(batch=B, seq=S, precision=precision), ImplSpec(device="cpu", attention=attention)
+    step = StepSpec(batch=B, seq=S, precision=precision, grad_accum=grad_accum)
+    impl = ImplSpec(device="cpu", attention=attention)
     return profile_model(CONFIGS[family], step, impl, device="cpu", steps=1, warmup=1, modules=False, **kwargs)
 
 
-def _estimate(family: str, precision: str, attention: str = "sdpa"):
+def _estimate(family: str, precision: str, attention: str = "sdpa", grad_accum: int = 1):
     from trainmem.estimate import estimate
     from trainmem.specs import ImplSpec, StepSpec
     from trainmem.specs.loaders import spec_from_hf_config
 
-    step, impl = StepSpec(batch=B, seq=S, precision=precision), ImplSpec(device="cpu", attention=attention)
+    step = StepSpec(batch=B, seq=S, precision=precision, grad_accum=grad_accum)
+    impl = ImplSpec(device="cpu", attention=attention)
     return estimate(spec_from_hf_config(CONFIGS[family], name="tiny"), step, impl)
 
 
@@ -77,6 +79,17 @@ def test_measured_activations_join_the_estimate_per_tensor(family, precision, ll
     ids = next(i for i in measured.items if i.key == f"(inputs):{B * S * 8}B:0")
     assert (ids.name, ids.dtype, ids.note) == ("(inputs).input_ids", "int64", "input saved for backward")
     assert any(i.dtype == dt for i in measured.items)
+
+
+def test_a_micro_batch_keys_the_ids_it_saves():
+    """With 2 micro-batches the first one's ids are a view of the whole (2B, S) batch: the item is the
+    tensor the embedding saved (B·S·8), as the estimate keys it, not the caller's whole storage."""
+    from trainmem.join import join_sides
+
+    measured = _measure("llama", "fp32", grad_accum=2)
+    rows = join_sides({"estimate": _estimate("llama", "fp32", grad_accum=2).inventory, "measured": measured.items})
+    assert _differences(rows) == _expected("llama")
+    assert next(i.shape for i in measured.items if i.key.startswith("(inputs)")) == (B, S)
 
 
 def test_items_add_up_to_the_activation_ledger(llama_fp32):

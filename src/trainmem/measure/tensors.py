@@ -12,7 +12,8 @@ metadata only -- never a tensor -- so the step's memory is what it would be with
 * when the forward ends (``loss`` computed, before ``backward``), the storages created in it and
   still alive are the activations, as the tracer counts them (``trace/result.py`` ``categorize``:
   forward blocks alive when backward starts); tensors saved for backward that no op of the
-  forward created (the token ids the embedding keeps) are inputs, keyed ``(inputs)``.
+  forward created (the token ids the embedding keeps) are inputs, keyed ``(inputs)``, at the bytes
+  of the tensor saved (a micro-batch's ids are a view of the caller's whole batch, held anyway).
 
 Items are named as the trace names them (``<module path>.<aten op>``, ``:k`` from the second
 repeat on, ``trace/result.py`` ``item_names``) and keyed with :func:`trainmem.join.activation_keys`:
@@ -138,10 +139,12 @@ class ForwardTensors:
         entry = self._storages.entries.get(key)
         if entry is not None:
             entry.data.saved = True
-        elif key not in self._states and key not in self._external:
-            import weakref
+        elif key not in self._states and (key not in self._external or self._external[key][4]() is None):
+            import weakref  # (a dead storage's key may be reused by a new one)
             st = lt.untyped_storage()
-            self._external[key] = (self._inputs.get(key, "input"), tuple(lt.shape), _dtype(lt), st.nbytes(),
+            # the tensor saved, not its storage: a micro-batch is a view of the caller's whole batch
+            self._external[key] = (self._inputs.get(key, "input"), tuple(lt.shape), _dtype(lt),
+                                   lt.numel() * lt.element_size(),
                                    weakref.ref(st))
         return t  # nothing is kept: the tensor goes to autograd as it came
 
