@@ -13,7 +13,8 @@ from functools import lru_cache
 from trainmem.families import embedding_modules, head_modules, layer_containers, token_embedding_modules
 
 __all__ = ["layer_of", "layer_index", "split_block", "as_block", "under", "is_head", "is_embedding",
-           "is_token_embedding"]
+           "is_token_embedding", "EMBEDDING_INDICES", "EMBEDDING_OUTPUT", "embedding_indices", "embedding_output",
+           "is_embedding_indices"]
 
 
 @lru_cache(maxsize=8)
@@ -71,3 +72,25 @@ def is_embedding(name: str) -> bool:
 def is_token_embedding(name: str) -> bool:
     """The token embedding (``get_input_embeddings()``) or one of its states."""
     return under(name, token_embedding_modules())
+
+
+#: what an embedding keeps, named under its module (``model.embed_tokens.indices``, ``.out``) by every
+#: profile: the hf rules (``estimate/rules_hf.py`` ``_embedding``) and the traced one (``traced/record.py``)
+EMBEDDING_INDICES = "indices"
+EMBEDDING_OUTPUT = "out"
+
+
+def embedding_indices(module: str) -> str:
+    """The ids an embedding keeps for its weight's gradient (``model.embed_tokens.indices``)."""
+    return f"{module}.{EMBEDDING_INDICES}"
+
+
+def embedding_output(module: str) -> str:
+    """An embedding module's output (``model.embed_tokens.out``)."""
+    return f"{module}.{EMBEDDING_OUTPUT}"
+
+
+def is_embedding_indices(name: str) -> bool:
+    """An embedding's kept ids (:func:`embedding_indices`), by name alone: also for a module the
+    family registry does not know (``--profile traced`` of an unmapped model)."""
+    return name.rpartition(".")[2] == EMBEDDING_INDICES

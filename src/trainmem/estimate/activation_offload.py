@@ -75,7 +75,7 @@ import math
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, Inventory, MemoryItem
-from trainmem.names import is_embedding
+from trainmem.names import is_embedding, is_embedding_indices
 
 __all__ = ["OffloadSplit", "offload_split", "MIN_OFFLOAD_BYTES", "outside_region"]
 
@@ -119,7 +119,7 @@ def _is_block(scope: str) -> bool:
 def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: bool = False) -> tuple[bool, str]:
     """(stays on the device, reason) for one item; an input of the step is also copied out."""
     scope, position = keeper
-    if it.dtype == "int64" and it.shape == (B, S) and it.name.endswith(".indices"):
+    if it.dtype == "int64" and it.shape == (B, S) and is_embedding_indices(it.name):
         return True, "the caller's token ids (torchtune copies them out too)"
     if it.bytes < MIN_OFFLOAD_BYTES:
         return True, f"smaller than min_offload_size ({MIN_OFFLOAD_BYTES} bytes)"
@@ -136,7 +136,7 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: 
         # torch/utils/checkpoint.py _CachingTorchDispatchMode inside the checkpoint's own
         # saved_tensors_hooks (_checkpoint_hook), which are innermost: torchtune's hooks never see it
         return True, "kept by selective checkpointing's cache (inside the checkpoint's own hooks)"
-    if scope and is_embedding(scope + ".weight") and not it.name.endswith(".indices"):
+    if scope and is_embedding(scope + ".weight") and not is_embedding_indices(it.name):
         # a frozen embedding's output under recompute (estimate/rules_hf.py _embedding): HF's
         # enable_input_require_grads makes it a leaf, which the graph's AccumulateGrad holds itself;
         # not the indices an embedding saves (GPT-2's position ids, made in forward: copied out, freed)

@@ -52,7 +52,7 @@ from trainmem.estimate.state_items import optimizer_state_items as _states
 from trainmem.estimate.state_items import shared_state_items, state_item as _item
 from trainmem.families import family_of
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
-from trainmem.names import is_token_embedding
+from trainmem.names import embedding_indices, is_token_embedding
 from trainmem.specs import ModelSpec, StepSpec
 from trainmem.specs.finetune import ADAPTER_MARKERS as _ADAPTER
 from trainmem.specs.finetune import FinetuneSpec, trainable_by_name
@@ -209,7 +209,7 @@ class FinetuneLinear:
                 ids = Sym("", *(((1, ctx.S), ("1", "S")) if per_row else ((ctx.B, ctx.S), ("B", "S"))), "int64")
                 dims, text = ctx.graph.render(ids)
                 self.notes.append(MemoryItem(
-                    name=f"{_module(name)}.indices", category=Category.ACTIVATION, shape=ids.shape, dtype="int64",
+                    name=embedding_indices(_module(name)), category=Category.ACTIVATION, shape=ids.shape, dtype="int64",
                     bytes=0, formula=f"not saved: frozen embedding ({text})", dims=dims,
                     note="not saved: frozen embedding (the indices serve only the weight's gradient)"))
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
-from trainmem.names import is_embedding, is_head, layer_of
+from trainmem.names import is_embedding, is_embedding_indices, is_head, layer_of
 
 __all__ = ["Phase", "phases"]
 
@@ -284,20 +284,16 @@ def _shared_block_inputs(items) -> int:
     embedding's nor the head's."""
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
-               and not is_head(i.name) and not is_embedding(i.name) and i.name != _TRACED_TOKEN_IDS)
-
-
-#: the traced profile's name for the token ids the embedding keeps (the hf rules': ``<embedding>.indices``)
-_TRACED_TOKEN_IDS = "input_ids"
+               and not is_head(i.name) and not is_embedding(i.name) and not is_embedding_indices(i.name))
 
 
 def _embedding_outputs(items) -> int:
-    """An embedding's output kept by the first block (``model.embed_tokens.out``; the traced
-    profile names it by its op, ``model.embed_tokens.embedding``): a floating-point tensor kept in an
-    embedding's scope, not the indices it keeps."""
+    """What an embedding's scope keeps besides its indices: its output, kept by the first block
+    (``model.embed_tokens.out``; Gemma's scaled output and its scale), freed before the embedding's
+    own backward runs. Every profile names them so (:func:`trainmem.names.embedding_output`)."""
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
-               and is_embedding(i.name) and not i.dtype.startswith(("int", "uint", "bool")))
+               and is_embedding(i.name) and not is_embedding_indices(i.name))
 
 
 def _head_weight_grad(items) -> int:

@@ -36,6 +36,7 @@ from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
 from trainmem.families import families, family_of
+from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT
 
 __all__ = ["compiled_forward", "check_compiled"]
 
@@ -105,8 +106,8 @@ def compiled_forward(ctx: Ctx) -> None:
     B, S, H, hd = ctx.B, ctx.S, m.hidden_size, m.head_dim
     a = ctx.param  # pure precisions: weights and activations in one dtype
     with g.module("model.embed_tokens"):
-        g.save(g.new("indices", (B, S), ("B", "S"), "int64", False))
-        x = g.new("out", (B, S, H), ("B", "S", "H"), a)
+        g.save(g.new(EMBEDDING_INDICES, (B, S), ("B", "S"), "int64", False))
+        x = g.new(EMBEDDING_OUTPUT, (B, S, H), ("B", "S", "H"), a)
     # model.rotary_emb: the graph saves inv_freq itself, a buffer (estimate/buffers.py), not an activation
     if ctx.impl.recompute == "full":
         _checkpointed_layers(ctx, x)

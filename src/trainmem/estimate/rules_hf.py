@@ -18,6 +18,7 @@ from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_items
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.heads import task_head
 from trainmem.families import BlockRules, family_of, token_embedding_modules
+from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT, embedding_indices, embedding_output
 
 __all__ = ["hf_forward"]
 
@@ -91,8 +92,8 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
         shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
         wt = ctx.weight_trainable()
         # only the weight's gradient needs them; token ids are the model's input (not made by an op)
-        g.save(g.new("indices", shape, dims, "int64", False, input=not positions), when=wt)
-        out = g.new("out", shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
+        g.save(g.new(EMBEDDING_INDICES, shape, dims, "int64", False, input=not positions), when=wt)
+        out = g.new(EMBEDDING_OUTPUT, shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
         if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
             # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
@@ -447,7 +448,7 @@ def _gpt(ctx: Ctx) -> None:
     if m.max_positions:
         pos = _embedding(ctx, f"{root}.wpe", positions=True)
         # a frozen wpe keeps no indices: checkpointed blocks then hold their own position ids
-        positions = next((t for t in ctx.graph.saved.values() if t.name == f"{root}.wpe.indices"), None)
+        positions = next((t for t in ctx.graph.saved.values() if t.name == embedding_indices(f"{root}.wpe")), None)
         x = ctx.add(x, pos, f"{root}.embed_sum")
     x = ctx.dropout(x, m.embd_dropout, f"{root}.drop", module=True)
     kernel = resolve_kernel(ctx)
@@ -524,15 +525,15 @@ def _bert(ctx: Ctx) -> None:
     # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
     pos = _embedding(ctx, "bert.embeddings.position_embeddings", positions=True)
     # (a frozen position embedding keeps no indices: nothing to drop)
-    g.saved.pop(next((k for k, t in g.saved.items() if t.name == "bert.embeddings.position_embeddings.indices"),
-                     None), None)
+    ids = embedding_indices("bert.embeddings.position_embeddings")
+    g.saved.pop(next((k for k, t in g.saved.items() if t.name == ids), None), None)
     x = ctx.add(x, pos, "bert.embeddings.sum")
     if m.type_vocab_size:
         # embedding backward keeps the ids only for the weight's gradient (frozen under LoRA)
         wt = ctx.trainable("bert.embeddings.token_type_embeddings.weight")
         with g.module("bert.embeddings"):
             g.save(g.new("token_type_ids", (1, ctx.S), ("1", "S"), "int64", False), when=wt)
-        tt = g.new("bert.embeddings.token_type_embeddings.out", x.shape, x.dims, ctx.param, wt)
+        tt = g.new(embedding_output("bert.embeddings.token_type_embeddings"), x.shape, x.dims, ctx.param, wt)
         x = ctx.add(x, tt, "bert.embeddings.sum_tt")
     x = _layernorm(ctx, x, "bert.embeddings.LayerNorm")
     x = ctx.dropout(x, m.embd_dropout, "bert.embeddings.dropout", module=True)

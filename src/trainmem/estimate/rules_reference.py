@@ -16,6 +16,7 @@ from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.symbols import render
 from trainmem.models.reference import check_supported
+from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT, embedding_output
 
 __all__ = ["reference_forward"]
 
@@ -26,12 +27,12 @@ def reference_forward(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
     check_supported(m, ctx.impl)
     H = m.hidden_size
-    x = g.new("embed.out", (ctx.B, ctx.S, H), ("B", "S", "H"), ctx.param)
+    x = g.new(embedding_output("embed"), (ctx.B, ctx.S, H), ("B", "S", "H"), ctx.param)
     cos = sin = None
     if m.max_positions:
         with g.module("pos_embed"):
-            g.save(g.new("indices", (ctx.S,), ("S",), "int64"))  # torch.arange(S)
-            pos = g.new("out", (ctx.S, H), ("S", "H"), ctx.param)
+            g.save(g.new(EMBEDDING_INDICES, (ctx.S,), ("S",), "int64"))  # torch.arange(S)
+            pos = g.new(EMBEDDING_OUTPUT, (ctx.S, H), ("S", "H"), ctx.param)
         x = ctx.add(x, pos, "embed_sum")
     else:  # rotary tables, built per step in the embedding dtype
         cos = g.new("rope.cos", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)

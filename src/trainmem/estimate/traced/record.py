@@ -68,6 +68,7 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 
 
 def _one(model, step: StepSpec, torch) -> list[Saved]:
+    from trainmem.names import embedding_indices
     from trainmem.trace import step as ts
     from trainmem.trace._recorder import ORIGIN_BUFFER, ORIGIN_INPUT, ORIGIN_OP, _Recorder
 
@@ -77,8 +78,15 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     dt = step.dtypes
     autocast = torch.autocast("cpu", dtype=ts._dtype(dt.activation)) if dt.autocast else contextlib.nullcontext()
     rec = _Recorder(model, [])
-    with rec:
-        rec.mark_input(ids, "input_ids")
+    modules = {id(m): n for n, m in model.named_modules()}
+    # named as the hf rules name them (trainmem.names): the token ids the token embedding keeps, and
+    # each embedding module's output (by block id: a hook holding the tensor would keep it alive)
+    outputs: dict[int, str] = {}
+    hooks = [m.register_forward_hook(_name_output(rec, outputs, n, torch)) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Embedding)]
+    with rec, _removed(hooks):
+        token = modules.get(id(model.get_input_embeddings()))
+        rec.mark_input(ids, embedding_indices(token) if token else "input_ids")
         for key, t in inputs.items():
             if t is not ids:
                 rec.mark_input(t, key)
@@ -95,8 +103,28 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     seen: dict[str, int] = {}
     out = []
     for b in kept:
-        base = b.name or (f"{b.module}.{b.op}" if b.module else f"loss.{b.op.lstrip('_')}")
+        base = outputs.get(b.id) or b.name or (f"{b.module}.{b.op}" if b.module else f"loss.{b.op.lstrip('_')}")
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
     return out
+
+
+def _name_output(rec, names: dict[int, str], module: str, torch):
+    """A forward hook naming the block of ``module``'s output ``<module>.out`` (its first call)."""
+    from trainmem.names import embedding_output
+
+    def hook(_mod, _args, out) -> None:
+        entry = rec._storages.get(out) if isinstance(out, torch.Tensor) else None
+        if entry is not None and entry.data.id >= 0:
+            names.setdefault(entry.data.id, embedding_output(module))
+    return hook
+
+
+@contextlib.contextmanager
+def _removed(handles: list):
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
