@@ -1,7 +1,8 @@
-"""The estimator's graph keys tensors by ``id()``; a checkpointed region's saves are dropped when it
+"""The estimator's graph keyed tensors by ``id()``; a checkpointed region's saves are dropped when it
 closes, so a later tensor could reuse a freed id and inherit its saver. That made pipeline-parallel
 estimates with recompute pick stages at random (the 405B bench cases moved by up to 5 GiB run to
-run). The graph now holds every tensor it keyed for its lifetime."""
+run). The graph now numbers each tensor when it first sees it (``Graph.key``) and holds none; keyed
+by ``id()`` without holding them, the first test fails."""
 
 from __future__ import annotations
 

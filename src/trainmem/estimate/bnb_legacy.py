@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainmem.errors import UnsupportedError
-from trainmem.estimate.graph import Sym
+from trainmem.estimate.graph import Key, Sym
 from trainmem.estimate.peak import Phase, layer_stats
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import is_head, layer_of
@@ -51,7 +51,7 @@ HELD_NOTE = ("held by bitsandbytes < 0.43.2 MatMul4Bit (ctx.tensors = (A, B)) un
              "fixed in 0.43.2, PR #1270")
 
 
-def hold_input(ctx, a: Sym, held: dict[int, Sym]) -> None:
+def hold_input(ctx, a: Sym, held: dict[Key, Sym]) -> None:
     """``MatMul4Bit.forward`` of bitsandbytes < 0.43.2 keeps its input ``a`` (already cast to the
     compute dtype) when it requires a gradient; ``held`` collects it for :func:`mark_held`."""
     if not a.requires_grad:
@@ -60,10 +60,10 @@ def hold_input(ctx, a: Sym, held: dict[int, Sym]) -> None:
         raise UnsupportedError(f"quant_impl {LEGACY!r} with recompute={ctx.impl.recompute!r} is not modelled: the "
                                "buffered input is a ctx attribute, outside the checkpoint's saved-tensor hooks")
     ctx.graph.save(a)
-    held[id(a)] = a
+    held[ctx.graph.key(a)] = a
 
 
-def mark_held(items: list[MemoryItem], keys: list[int], held: dict[int, Sym]) -> list[MemoryItem]:
+def mark_held(items: list[MemoryItem], keys: list[Key], held: dict[Key, Sym]) -> list[MemoryItem]:
     """``items`` (one per saved tensor, keyed like ``keys``) with the held ones' note set."""
     return [replace(it, note=HELD_NOTE) if k in held else it for it, k in zip(items, keys)]
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.ctx import Ctx
-from trainmem.estimate.graph import Sym
+from trainmem.estimate.graph import Key, Sym
 from trainmem.estimate.optimizer_step import Stepped
 from trainmem.estimate.params import parameter_shapes
 from trainmem.estimate.peak import Phase
@@ -150,7 +150,7 @@ class FinetuneLinear:
         self.spec = spec
         self.adapter_dtype = _adapter_dtype(spec, step)
         self.notes: list[MemoryItem] = []
-        self.held: dict[int, Sym] = {}  # inputs bitsandbytes < 0.43.2 holds (estimate/bnb_legacy.py)
+        self.held: dict[Key, Sym] = {}  # inputs bitsandbytes < 0.43.2 holds (estimate/bnb_legacy.py)
 
     def __call__(self, ctx: Ctx, x: Sym, out_features: int, out_sym: str, *, weight: tuple[int, int],
                  label: str = "out") -> Sym:

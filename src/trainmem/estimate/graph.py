@@ -2,7 +2,7 @@
 
 Block rules (``rules_*.py``) describe a module's forward as ops on :class:`Sym`
 tensors. Each op records what the matching PyTorch kernel saves for backward
-(``Graph.save``), de-duplicated by tensor identity exactly as autograd
+(``Graph.save``), de-duplicated by tensor identity (:meth:`Graph.key`) exactly as autograd
 de-duplicates by storage. Shapes are concrete ints; each tensor also carries its symbolic
 dims, one expression per axis (``("B", "S", "A·hd")``), from which the formula shown beside every
 number (``B·S·A·hd·2``) is rendered when the tensor becomes an item.
@@ -10,6 +10,7 @@ number (``B·S·A·hd·2``) is rendered when the tensor becomes an item.
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +20,11 @@ from trainmem.estimate.symbols import formula, substitute
 from trainmem.join import activation_keys
 from trainmem.inventory import Category, Inventory, MemoryItem, Repeat, dtype_bytes
 
-__all__ = ["Sym", "Graph", "OpPolicy", "SAVED_OPS"]
+__all__ = ["Sym", "Graph", "OpPolicy", "SAVED_OPS", "Key"]
+
+Key = tuple[int, int]
+"""A tensor's identity in a graph: (the graph's number, the tensor's number in it), :meth:`Graph.key`."""
+_GRAPHS = itertools.count()
 
 SAVED_OPS = frozenset({"mm", "addmm", "bmm", "sdpa_flash", "sdpa_efficient", "max", "topk"})
 """The ops torchtitan's op-level policy keeps (torchtitan/distributed/activation_checkpoint.py at
@@ -43,6 +48,7 @@ class Sym:
     op: str | None = None  # the aten op whose output this is, where a checkpoint policy asks ("mm", "bmm", ...)
     seq: int = -1  # creation order (Graph.new), for the join key; -1 for a view made outside the graph
     input: bool = False  # a model input (token ids), not an op's output: keyed ``(inputs):<bytes>B:<k>``
+    uid: Key | None = field(default=None, repr=False)  # set by the graph that first keys it (Graph.key)
 
     @property
     def numel(self) -> int:
@@ -77,23 +83,30 @@ class Graph:
     """Collects the tensors a forward pass saves for backward."""
 
     scope: list[str] = field(default_factory=list)
-    saved: dict[int, Sym] = field(default_factory=dict)
-    _checkpoint: list[dict[int, Sym]] = field(default_factory=list)
+    saved: dict[Key, Sym] = field(default_factory=dict)
+    _checkpoint: list[dict[Key, Sym]] = field(default_factory=list)
     _policies: list[OpPolicy | None] = field(default_factory=list)  # one per open checkpoint region
-    _cached: list[dict[int, Sym]] = field(default_factory=list)  # the op outputs each region's policy keeps
-    saver: dict[int, str] = field(default_factory=dict)  # module scope that first kept each tensor
+    _cached: list[dict[Key, Sym]] = field(default_factory=list)  # the op outputs each region's policy keeps
+    saver: dict[Key, str] = field(default_factory=dict)  # module scope that first kept each tensor
     repeats: list[Repeat] = field(default_factory=list)
-    keeper: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    keeper: dict[Key, tuple[str, int | None]] = field(default_factory=dict)
     """For each tensor in ``saved``: the scope of the save that kept it and, for a checkpointed
     region's input, its position among the region's inputs (activation offload asks)."""
     subs: dict[str, str] = field(default_factory=dict)
     """Rank-local symbols as global ones (``A`` -> ``A/tp``), applied when items are rendered."""
     _rendered: dict[tuple, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     _seq: dict[str, int] = field(default_factory=dict)  # creation order by name (views made outside share it)
-    _alive: list[Sym] = field(default_factory=list)
-    """Every tensor this graph has keyed by ``id()``, held for the graph's lifetime: a checkpointed
-    region's saves are dropped when it closes, and a later tensor could otherwise reuse a freed
-    one's id and inherit its saver (a pipeline stage chosen at random, run to run)."""
+    _number: int = field(default_factory=lambda: next(_GRAPHS))
+    _uids: Iterator[int] = field(default_factory=itertools.count)
+
+    def key(self, t: Sym) -> Key:
+        """``t``'s identity in this graph, numbered when the graph first sees it. Not ``id()``: a
+        checkpointed region's saves are dropped when it closes, and a later tensor that reused a
+        freed id would inherit its saver (a pipeline stage chosen at random, run to run)."""
+        if t.uid is None:
+            t.uid = (self._number, next(self._uids))
+        assert t.uid[0] == self._number, f"{t.name} was keyed by another graph"
+        return t.uid
 
     # naming ------------------------------------------------------------------
     @contextmanager
@@ -115,10 +128,9 @@ class Graph:
         t = Sym(self.path(label), tuple(int(s) for s in shape), tuple(dims), dtype, requires_grad, op, len(self._seq),
                 input)
         self._seq.setdefault(t.name, t.seq)
-        self._alive.append(t)
         if op is not None and self._policies and self._policies[-1] is not None and self._policies[-1].save(op):
-            self._cached[-1].setdefault(id(t), t)
-            self.saver.setdefault(id(t), ".".join(self.scope))
+            self._cached[-1].setdefault(self.key(t), t)
+            self.saver.setdefault(self.key(t), ".".join(self.scope))
         return t
 
     # saving --------------------------------------------------------------------
@@ -135,12 +147,11 @@ class Graph:
         scope = ".".join(self.scope)
         for t in tensors:
             if t is not None:
-                if id(t) not in self.saver:
-                    self._alive.append(t)
-                if target is self.saved and id(t) not in target:
-                    self.keeper[id(t)] = (scope, None)
-                target.setdefault(id(t), t)
-                self.saver.setdefault(id(t), scope)
+                k = self.key(t)
+                if target is self.saved and k not in target:
+                    self.keeper[k] = (scope, None)
+                target.setdefault(k, t)
+                self.saver.setdefault(k, scope)
 
     @contextmanager
     def checkpoint(self, *inputs: Sym, policy: OpPolicy | None = None) -> Iterator[None]:
@@ -167,11 +178,11 @@ class Graph:
                 if target is self.saved and k not in target:
                     self.keeper[k] = (".".join(self.scope), None)
                 target.setdefault(k, t)
-            fresh = [t is not None and target is self.saved and id(t) not in target for t in inputs]
+            fresh = [t is not None and target is self.saved and self.key(t) not in target for t in inputs]
             self.save(*inputs)
             for i, (t, new) in enumerate(zip(inputs, fresh)):
                 if new:
-                    self.keeper[id(t)] = (".".join(self.scope), i)
+                    self.keeper[self.key(t)] = (".".join(self.scope), i)
 
     # identical blocks ------------------------------------------------------------
     def mark(self) -> int:
@@ -183,7 +194,7 @@ class Graph:
     def repeat(self, template: list[Sym], prefix: str, src: int, dsts: range) -> None:
         """Blocks ``dsts`` keep what block ``src`` kept (``template``), renamed."""
         keys = self._keys()
-        self.repeats.append(Repeat(tuple(self._item(t, keys[id(t)]) for t in template), prefix, src, tuple(dsts)))
+        self.repeats.append(Repeat(tuple(self._item(t, keys[self.key(t)]) for t in template), prefix, src, tuple(dsts)))
 
     def inventory(self) -> Inventory:
         return Inventory(self.items(), self.repeats)
@@ -201,7 +212,7 @@ class Graph:
         dims, text = self.render(t)
         return MemoryItem.make(t.name, Category.ACTIVATION, t.shape, t.dtype, t.nbytes, text, dims, key)
 
-    def _keys(self) -> dict[int, str]:
+    def _keys(self) -> dict[Key, str]:
         """The join key (``trainmem.join``) of every kept tensor: its module, its bytes and its rank
         in creation order among the module's kept tensors of that size. A Sym made outside
         :meth:`new` (a view, a repeated block's output) takes the order of the tensor of its name,
@@ -210,7 +221,7 @@ class Graph:
         order = [t.seq if t.seq >= 0 else self._seq.get(t.name, len(self._seq)) for t in syms]
         keys = activation_keys(["input_ids" if t.input else t.name for t in syms], order, [t.nbytes for t in syms],
                                estimate=True)
-        return {id(t): k for t, k in zip(syms, keys)}
+        return {self.key(t): k for t, k in zip(syms, keys)}
 
     def savers(self) -> list[str]:
         """The module scope that kept each item of :meth:`items`, in the same order."""
@@ -222,4 +233,4 @@ class Graph:
 
     def items(self) -> list[MemoryItem]:
         keys = self._keys()
-        return [self._item(t, keys[id(t)]) for t in self.saved.values()]
+        return [self._item(t, keys[self.key(t)]) for t in self.saved.values()]
