@@ -56,10 +56,11 @@ from trainmem.estimate.inference_weights import (KV_DTYPES, WEIGHT_FORMATS, chec
                                                  rank_weight_items)
 from trainmem.estimate.model_states import model_state_items
 from trainmem.estimate.parallel import RankClass
-from trainmem.estimate.peak import Phase, layer_of
+from trainmem.estimate.peak import Phase
 from trainmem.estimate.symbols import formula
 from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import layer_of
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem import validate as v
 

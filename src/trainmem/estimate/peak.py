@@ -36,7 +36,7 @@ from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
 from trainmem.names import is_embedding, is_embedding_indices, is_head, layer_of
 
-__all__ = ["Phase", "phases"]
+__all__ = ["Phase", "PhasedResult", "LayerStats", "phases", "layer_stats", "recompute_per_layer"]
 
 @dataclass(frozen=True)
 class Phase:

@@ -34,10 +34,9 @@ from typing import NamedTuple
 
 from trainmem.estimate import Estimate
 from trainmem.estimate.parallel import apply_offload, apply_pp, apply_zero, in_flight, shard_group, stage_layers
-from trainmem.estimate.peak import layer_of
 from trainmem.estimate.symbols import names
 from trainmem.inventory import Category, MemoryItem
-from trainmem.names import is_embedding, is_head
+from trainmem.names import is_embedding, is_head, layer_of
 from trainmem.specs import ParallelSpec
 
 __all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak", "clear_cache"]
