@@ -3,9 +3,9 @@ exact integers, and the estimate's loss phases against the tracer running the fr
 on fake tensors (trainmem/trace/losses.py; that trace equals a real CPU step and torchtune's own class:
 tests/trace/test_trace_framework_losses.py).
 
-The trace's live bytes include two things the estimate leaves out on purpose: the model's buffers
-(rotary ``inv_freq``) and torchtune's ``ignore_labels_cache`` (B int64, made at setup); they are
-added to the estimate here.
+The trace's live bytes include one thing the estimate leaves out on purpose: torchtune's
+``ignore_labels_cache`` (B int64, made at setup); it is added to the estimate here (the model's
+buffers, rotary ``inv_freq``, are in both: estimate/buffers.py).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_head_backward_peak_equals_trace(loss, precision, B, S, H, V):
     step = StepSpec(batch=B, seq=S, precision=precision, loss=loss)
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
-    extra = sum(i.bytes for i in t.items if i.note == "buffer" or (i.category is Category.INPUT and i.name != "input.0"))
+    extra = sum(i.bytes for i in t.items if i.category is Category.INPUT and i.name != "input.0")
     assert e.peak_phase == "head_backward"
     assert t.peak_logical_bytes == e.peak_bytes + extra
 
@@ -148,8 +148,8 @@ def test_estimate_equals_trace(loss, precision, B, family, S):
     step = StepSpec(batch=B, seq=S, precision=precision, loss=loss)
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
-    # buffers and the ignore-labels column; the input ids are the embedding's kept indices in both
-    extra = sum(i.bytes for i in t.items if i.note == "buffer" or (i.category is Category.INPUT and i.name != "input.0"))
+    # the ignore-labels column; the input ids are the embedding's kept indices in both, the buffers too
+    extra = sum(i.bytes for i in t.items if i.category is Category.INPUT and i.name != "input.0")
     ph = {p.name: p.bytes + extra for p in e.phases}
     assert t.peak_logical_bytes == e.peak_bytes + extra, (e.peak_phase, t.peak_logical_bytes - e.peak_bytes - extra)
     assert _phase_top(t, "backward") == ph["backward_start"]  # the loss backward is the backward's top

@@ -2,8 +2,9 @@
 rules against the tracer (torch's own optimizers on fake tensors) and a real CPU step.
 
 A tiny Llama built from config (h128, 3 layers, V500; B1, S64), CPU kernels (``device='cpu'``).
-The three count the same bytes except for what the estimate leaves out on purpose, added here
-term by term: the model's buffers (rotary ``inv_freq``) and the input ids (trace and real run),
+The three count the same bytes (the model's buffers, rotary ``inv_freq``, included:
+estimate/buffers.py) except for what the estimate leaves out on purpose, added here term by
+term: the input ids (trace and real run),
 and, in the real run only, Adam's fp32 0-dim ``step`` counters (CPU tensors here, host memory
 on CUDA: the estimate and the tracer leave them out).
 """
@@ -118,8 +119,8 @@ def _phase_peaks(result, phase: str) -> tuple[int, int]:
 
 
 def _not_estimated(result) -> int:
-    """Buffers and input ids: in every live set, in no estimate."""
-    return sum(i.bytes for i in result.items if i.note == "buffer" or i.category is Category.INPUT)
+    """Input ids: in every live set, in no estimate."""
+    return sum(i.bytes for i in result.items if i.category is Category.INPUT)
 
 
 def _real_step(step, impl) -> tuple[int, int, int]:
