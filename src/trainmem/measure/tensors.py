@@ -135,7 +135,10 @@ class ForwardTensors:
 
     def _pack(self, t):
         lt = self._local(t)
-        key = lt.untyped_storage()._cdata
+        try:
+            key = lt.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t  # a wrapper subclass with no storage of its own: nothing to record, the step runs on
         entry = self._storages.entries.get(key)
         if entry is not None:
             entry.data.saved = True
