@@ -13,7 +13,8 @@ transformers builds, with no hand-written rules.
 Known limitations (each refused in one line):
   - CPU kernels only: ``--device cpu``. CUDA's attention kernels save other tensors.
   - One device (no --dp/--tp/--pp/--zero/--fsdp), no fine-tuning, no --compile, train mode.
-  - Models with one stack of blocks (decoders, encoders); not encoder-decoders.
+  - An encoder-decoder (T5, BART) is traced as its head runs in ``trainmem trace``: ``labels`` are
+    the input ids, so the decoder reads S tokens too (one S for both stacks); no --recompute every-k.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _state_inventory(tpl, step, fp32=None) -> Inventory:
     before, kinds, after = tpl.parameter_layout()
     base = _items_for(list(before), step, fp32) + _items_for(list(after), step, fp32)
     reps = []
-    for params, layers in kinds:
-        pre = f"{tpl.prefix}{layers[0]}."
-        reps.append(Repeat(tuple(_items_for([(pre + n, s) for n, s in params], step, fp32)), tpl.prefix, layers[0],
+    for params, layers, prefix in kinds:
+        pre = f"{prefix}{layers[0]}."
+        reps.append(Repeat(tuple(_items_for([(pre + n, s) for n, s in params], step, fp32)), prefix, layers[0],
                            layers, shift_previous=False))
     return Inventory(base, reps)
 
@@ -97,7 +98,7 @@ def _optimizer_transient(tpl, step, impl) -> tuple[int, str]:
 
     before, kinds, after = tpl.parameter_layout()
     sb = dtype_bytes(step.dtypes.state)
-    sizes = [math.prod(s) for _, s in before] + [math.prod(s) for params, _ in kinds for _, s in params] \
+    sizes = [math.prod(s) for _, s in before] + [math.prod(s) for params, *_ in kinds for _, s in params] \
         + [math.prod(s) for _, s in after]
     stepped = Stepped(int(tpl.num_parameters() * sb), tuple(int(n * sb) for n in sizes), sb)
     return recipe_transient(step, impl, stepped, stepped.total_bytes if step.dtypes.master else 0)

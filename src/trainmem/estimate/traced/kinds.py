@@ -7,9 +7,14 @@ every parameter's name, shape and dtype, and whether the block runs checkpointed
 signature are one kind. The traced model is the shortest prefix of blocks that shows every kind,
 plus one block more (it must repeat its kind's first block exactly, which checks the kinds).
 
+An encoder-decoder (T5, BART) has two stacks, each a ``ModuleList`` as long as its own depth key
+(``num_layers`` / ``num_decoder_layers``, ``encoder_layers`` / ``decoder_layers``): each stack has
+its own kinds and its own cut, and both are cut in one config.
+
 Known limitations:
-  - Only models with one stack of blocks (a ``ModuleList`` as long as ``num_hidden_layers``);
-    encoder-decoder models (T5) are refused.
+  - A decoder or encoder has one stack of blocks (a ``ModuleList`` as long as ``num_hidden_layers``).
+  - An encoder-decoder's blocks are counted from the encoder's first under ``--recompute every-k``
+    (``trace/step.py`` ``_enable_recompute``); a cut changes that count, so every-k is refused there.
   - The prefix is cut from the config by ``num_hidden_layers`` and by per-layer lists (any list
     as long as the model is deep, e.g. ``layer_types``; index lists such as ``mlp_only_layers``
     are filtered). When the cut model's blocks do not have the full model's signatures, the cut
@@ -24,8 +29,8 @@ from typing import Any, Callable, Mapping
 
 from trainmem.errors import UnsupportedError
 
-__all__ = ["Stack", "find_stack", "layer_signatures", "reduced_config", "meta_model", "parameter_shapes_of",
-           "layer_count_key"]
+__all__ = ["Stack", "find_stack", "find_stacks", "layer_signatures", "reduced_config", "reduced_stacks_config",
+           "meta_model", "parameter_shapes_of", "layer_count_key"]
 
 _SKIP_ATTRS = {"training", "layer_idx", "layer_id", "layer_number", "block_idx", "idx", "layer_index"}
 
@@ -36,6 +41,7 @@ class Stack:
 
     prefix: str  # "model.layers."
     num_layers: int
+    count_key: str = ""  # an encoder-decoder's: the config key of this stack's depth ("num_decoder_layers")
 
 
 def meta_model(config: Mapping[str, Any], attention: str, dtype=None):
@@ -54,10 +60,6 @@ def find_stack(model) -> Stack:
     """The one ``ModuleList`` of blocks: as long as ``config.num_hidden_layers``."""
     import torch
 
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedError(f"{type(model).__name__}: --profile traced traces one stack of blocks; an "
-                               "encoder-decoder has two (encoder and decoder, each its own cut and layer kinds): "
-                               "use `trainmem trace`, which runs the real model on fake tensors")
     depth = getattr(model.config, "num_hidden_layers", None)
     found = [name for name, m in model.named_modules()
              if isinstance(m, torch.nn.ModuleList) and depth and len(m) == depth]
@@ -66,6 +68,32 @@ def find_stack(model) -> Stack:
         raise UnsupportedError(f"{type(model).__name__}: --profile traced needs one stack of blocks "
                                f"(a ModuleList of num_hidden_layers={depth}); found {what}")
     return Stack(found[0] + ".", depth)
+
+
+def find_stacks(model) -> tuple[Stack, ...]:
+    """Every stack of blocks: :func:`find_stack`'s one, or an encoder-decoder's two (an outermost
+    ``ModuleList`` as long as a depth key of the config; the decoder's key names the decoder)."""
+    import torch
+
+    if not getattr(model.config, "is_encoder_decoder", False):
+        return (find_stack(model),)
+    cfg = model.config.to_dict()
+    depths = {k: v for k, v in cfg.items() if k.endswith("layers") and isinstance(v, int)
+              and not isinstance(v, bool) and v > 0}
+    lists = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) in depths.values()]
+    lists = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]  # not a block's own list
+    stacks = []
+    for name in lists:
+        dec = "decoder" in name.split(".")
+        keys = [k for k, v in depths.items() if v == len(model.get_submodule(name)) and ("decoder" in k) == dec
+                and not k.startswith("num_hidden")]
+        if len(keys) == 1:
+            stacks.append(Stack(name + ".", depths[keys[0]], keys[0]))
+    if len(stacks) != 2 or len({s.count_key for s in stacks}) != 2:
+        raise UnsupportedError(f"{type(model).__name__}: --profile traced needs an encoder and a decoder stack, each a "
+                               f"ModuleList as long as a depth key of the config ({', '.join(depths) or 'none'}); "
+                               f"found {', '.join(s.prefix[:-1] for s in stacks) or 'none'}")
+    return tuple(stacks)
 
 
 def _plain(value) -> bool:
@@ -108,6 +136,24 @@ def reduced_config(config: Mapping[str, Any], depth: int, layers: int) -> dict:
             out[key] = value[:layers]  # per-layer lists: layer_types, no_rope_layers, ...
         elif key.endswith("_layers") and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             out[key] = [v for v in value if v < layers]  # index lists: mlp_only_layers, ...
+    return out
+
+
+def reduced_stacks_config(config: Mapping[str, Any], stacks: tuple[Stack, ...], cuts: tuple[int, ...]) -> dict:
+    """An encoder-decoder's ``config`` cut to the first ``cuts[i]`` blocks of ``stacks[i]``: each
+    depth key written (T5 reads a missing ``num_decoder_layers`` as ``num_layers``), its aliases
+    dropped (``num_hidden_layers`` for T5's ``num_layers``)."""
+    from transformers import AutoConfig
+
+    if len(stacks) == 1:
+        return reduced_config(config, stacks[0].num_layers, cuts[0])
+    aliases = getattr(type(AutoConfig.for_model(config["model_type"])), "attribute_map", {}) or {}
+    out = dict(config)
+    for stack, cut in zip(stacks, cuts):
+        for alias, target in aliases.items():
+            if target == stack.count_key:
+                out.pop(alias, None)
+        out[stack.count_key] = cut
     return out
 
 

@@ -103,7 +103,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     seen: dict[str, int] = {}
     out = []
     for b in kept:
-        base = outputs.get(b.id) or b.name or (f"{b.module}.{b.op}" if b.module else f"loss.{b.op.lstrip('_')}")
+        own = b.module and not _loss_module(b.module, model, torch)
+        base = outputs.get(b.id) or b.name or (f"{b.module}.{b.op}" if own else f"loss.{b.op.lstrip('_')}")
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
@@ -128,3 +129,17 @@ def _removed(handles: list):
     finally:
         for h in handles:
             h.remove()
+
+
+def _loss_module(module: str, model, torch) -> bool:
+    """A torch loss module made inside the model's forward, named by its class, not a path of the
+    model (T5's ``CrossEntropyLoss(ignore_index=-100)``, transformers ``modeling_t5.py``
+    ``T5ForConditionalGeneration.forward``): its ops are the loss's, as a decoder's loss function's."""
+    cls = getattr(torch.nn, module, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.modules.loss._Loss)):
+        return False
+    try:
+        model.get_submodule(module)
+    except AttributeError:
+        return True
+    return False

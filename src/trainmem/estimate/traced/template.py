@@ -68,11 +68,12 @@ class TracedItem:
 
 @dataclass(frozen=True)
 class Kind:
-    """One layer kind: the blocks of that kind, and the tensors and parameters of one of them."""
+    """One layer kind of one stack: the blocks of that kind, and the tensors and parameters of one of them."""
 
     layers: tuple[int, ...]
     items: tuple[TracedItem, ...]
     params: tuple[tuple[str, tuple[int, ...]], ...]
+    prefix: str  # its stack's blocks' names: "model.layers.", an encoder-decoder's "decoder.block."
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,7 @@ class Template:
     """Everything an estimate needs from the trace, independent of B and S (within ``regime``)."""
 
     model_type: str
-    prefix: str  # the blocks' names: "model.layers."
-    num_layers: int
+    stacks: tuple[tuple[str, int], ...]  # each stack's blocks' names and depth: (("model.layers.", 32),)
     regime: tuple[int, int | None]  # S range the fit holds for: lo <= S < hi, hi None for no bound
     batch_one: bool  # fitted at B = 1 only (see poly.py), else for B >= 2
     base_items: tuple[TracedItem, ...]  # outside the blocks (embedding, final norm, loss, inputs)
@@ -89,7 +89,7 @@ class Template:
     params_before: tuple[tuple[str, tuple[int, ...]], ...]  # outside the blocks, before them
     params_after: tuple[tuple[str, tuple[int, ...]], ...]
     tp_plan: Mapping[str, str]
-    traced_layers: int  # blocks in the traced cut
+    traced_layers: int  # blocks in the traced cut, every stack's
     points: tuple[tuple[int, int], ...]
 
     def activations(self, B: int, S: int) -> Inventory:
@@ -102,13 +102,13 @@ class Template:
         reps = []
         for k in self.kinds:
             src = k.layers[0]
-            items = tuple(i.at(B, S, f"{self.prefix}{src}.") for i in k.items)
-            reps.append(Repeat(items, self.prefix, src, k.layers, shift_previous=False))
+            items = tuple(i.at(B, S, f"{k.prefix}{src}.") for i in k.items)
+            reps.append(Repeat(items, k.prefix, src, k.layers, shift_previous=False))
         return Inventory(base, reps)
 
     def parameter_layout(self):
-        """(before, [(kind params, layers)], after): parameter names and shapes."""
-        return self.params_before, [(k.params, k.layers) for k in self.kinds], self.params_after
+        """(before, [(kind params, layers, stack prefix)], after): parameter names and shapes."""
+        return self.params_before, [(k.params, k.layers, k.prefix) for k in self.kinds], self.params_after
 
     def num_parameters(self) -> int:
         own = sum(math.prod(s) for _, s in (*self.params_before, *self.params_after))
@@ -116,10 +116,10 @@ class Template:
 
     def to_json(self) -> dict:
         return {
-            "model_type": self.model_type, "prefix": self.prefix, "num_layers": self.num_layers,
+            "model_type": self.model_type, "stacks": [list(st) for st in self.stacks],
             "regime": list(self.regime), "batch_one": self.batch_one, "base_items": [i.to_json() for i in self.base_items],
             "kinds": [{"layers": list(k.layers), "items": [i.to_json() for i in k.items],
-                       "params": [[n, list(s)] for n, s in k.params]} for k in self.kinds],
+                       "params": [[n, list(s)] for n, s in k.params], "prefix": k.prefix} for k in self.kinds],
             "params_before": [[n, list(s)] for n, s in self.params_before],
             "params_after": [[n, list(s)] for n, s in self.params_after],
             "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
@@ -131,10 +131,10 @@ class Template:
         def params(rows):
             return tuple((n, tuple(s)) for n, s in rows)
         return cls(
-            d["model_type"], d["prefix"], d["num_layers"], (d["regime"][0], d["regime"][1]), d["batch_one"],
+            d["model_type"], tuple((p, n) for p, n in d["stacks"]), (d["regime"][0], d["regime"][1]), d["batch_one"],
             tuple(TracedItem.from_json(i) for i in d["base_items"]),
-            tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]))
-                  for k in d["kinds"]),
+            tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]),
+                       k["prefix"]) for k in d["kinds"]),
             params(d["params_before"]), params(d["params_after"]), dict(d["tp_plan"]), d["traced_layers"],
             tuple(tuple(p) for p in d["points"]))
 
@@ -237,59 +237,73 @@ def _cut_length(sigs: list[tuple], first: dict[tuple, int]) -> int:
 
 
 def build_template(config: Mapping[str, Any], step, impl) -> Template:
-    """Trace, fit and check (see the module docstring). ``step.seq`` picks the regime."""
+    """Trace, fit and check (see the module docstring). ``step.seq`` picks the regime. An
+    encoder-decoder's two stacks are cut, split into kinds and checked each on its own, in one trace."""
     from trainmem.estimate.traced import kinds as K
     from trainmem.estimate.traced.record import record_saved
 
     full = K.meta_model(config, impl.attention)
-    stack = K.find_stack(full)
-    depth = stack.num_layers
-    sigs = K.layer_signatures(full, stack, impl.checkpointed)
-    first: dict[tuple, int] = {}
-    kind_of = [first.setdefault(s, i) for i, s in enumerate(sigs)]  # each block -> its kind's first block
-    cut = _cut_length(sigs, first)
-    small = K.reduced_config(config, depth, cut)
+    stacks = K.find_stacks(full)
+    if len(stacks) > 1 and impl.recompute == "every-k":
+        raise UnsupportedError(f"--profile traced: {config['model_type']} has two stacks of blocks, counted as one by "
+                               "--recompute every-k (a cut shifts the decoder's count); use --recompute full")
+    sigs = [K.layer_signatures(full, st, impl.checkpointed) for st in stacks]
+    firsts: list[dict[tuple, int]] = [{} for _ in stacks]
+    kind_of = [[f.setdefault(s, i) for i, s in enumerate(sg)] for f, sg in zip(firsts, sigs)]  # block -> its kind's first
+    cuts = tuple(_cut_length(sg, f) for sg, f in zip(sigs, firsts))
+    small = K.reduced_stacks_config(config, stacks, cuts)
     cut_model = K.meta_model(small, impl.attention)
-    if K.layer_signatures(cut_model, K.find_stack(cut_model), impl.checkpointed) != sigs[:cut]:
-        raise UnsupportedError(f"--profile traced: {config['model_type']} cut to its first {cut} blocks does not "
-                               "build the same blocks (its layer pattern is not read from num_hidden_layers and "
-                               "per-layer lists)")
+    cut_stacks = K.find_stacks(cut_model)
+    if [c.prefix for c in cut_stacks] != [st.prefix for st in stacks] or any(
+            K.layer_signatures(cut_model, c, impl.checkpointed) != sg[:n] for c, sg, n in zip(cut_stacks, sigs, cuts)):
+        raise UnsupportedError(f"--profile traced: {config['model_type']} cut to its first {'/'.join(map(str, cuts))} "
+                               "blocks does not build the same blocks (its layer pattern is not read from its "
+                               "depth keys and per-layer lists)")
     regime = regime_of(config, step.seq)
     batch_one = step.batch == 1
     grid, held = _fit_points(config, regime, batch_one)
     runs = record_saved(small, step, impl, grid + [held])
     items = _fit_items(runs, grid, held)
 
-    per_layer: dict[int, list[TracedItem]] = {i: [] for i in range(cut)}
+    per_layer: dict[tuple[int, int], list[TracedItem]] = {(k, i): [] for k, n in enumerate(cuts) for i in range(n)}
     base = []
     for it in items:
-        rest = it.name[len(stack.prefix):] if it.name.startswith(stack.prefix) else None
-        idx, _, tail = (rest or "").partition(".")
-        if rest is not None and idx.isdigit() and tail:
-            per_layer[int(idx)].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes, it.dims))
+        k = next((k for k, st in enumerate(stacks) if it.name.startswith(st.prefix)), None)
+        idx, _, tail = it.name[len(stacks[k].prefix):].partition(".") if k is not None else ("", "", "")
+        if idx.isdigit() and tail:
+            per_layer[(k, int(idx))].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes, it.dims))
         else:
             base.append(it)
 
     shapes = K.parameter_shapes_of(full)
-    in_stack = [(n, s) for n, s in shapes if n.startswith(stack.prefix)]
-    at = shapes.index(in_stack[0]) if in_stack else len(shapes)
-    before = tuple((n, s) for n, s in shapes[:at] if not n.startswith(stack.prefix))
-    after = tuple((n, s) for n, s in shapes[at:] if not n.startswith(stack.prefix))
+    in_any = [(n, s) for n, s in shapes if any(n.startswith(st.prefix) for st in stacks)]
+    at = shapes.index(in_any[0]) if in_any else len(shapes)
+    before = tuple(p for p in shapes[:at] if p not in in_any)
+    after = tuple(p for p in shapes[at:] if p not in in_any)
+    kinds = [kind for k, st in enumerate(stacks)
+             for kind in _stack_kinds(config, st, cuts[k], kind_of[k], firsts[k], in_any,
+                                      {i: per_layer[(k, i)] for i in range(cuts[k])})]
+    return Template(config["model_type"], tuple((st.prefix, st.num_layers) for st in stacks), regime, batch_one,
+                    tuple(base), tuple(kinds), before, after, K.tp_plan_of(full), sum(cuts), tuple(grid) + (held,))
+
+
+def _stack_kinds(config, stack, cut: int, kind_of: list[int], first: dict[tuple, int], shapes: list,
+                 per_layer: dict[int, list[TracedItem]]) -> list[Kind]:
+    """One stack's kinds: each kind's first block's tensors and parameters, checked on a repeat."""
+    depth = stack.num_layers
 
     def params_of(block: int) -> tuple:
         pre = f"{stack.prefix}{block}."
-        return tuple((n[len(pre):], s) for n, s in in_stack if n.startswith(pre))
+        return tuple((n[len(pre):], s) for n, s in shapes if n.startswith(pre))
 
-    if cut == depth:  # the whole model was traced: every block is its own
-        kinds = [Kind((i,), tuple(per_layer[i]), params_of(i)) for i in range(depth)]
-    else:
-        check = cut - 2  # a block past the first of its kind, followed by another block
-        if not _same(per_layer[check], per_layer[kind_of[check]]):
-            raise UnsupportedError(f"--profile traced: block {check} of {config['model_type']} keeps other tensors "
-                                   f"than block {kind_of[check]}, of the same kind; blocks are not alike")
-        kinds = [Kind(tuple(i for i in range(depth - 1) if kind_of[i] == src), tuple(per_layer[src]),
-                      params_of(src)) for src in sorted(first.values())]
-        kinds = [k for k in kinds if k.layers]
-        kinds.append(Kind((depth - 1,), tuple(per_layer[cut - 1]), params_of(kind_of[-1])))
-    return Template(config["model_type"], stack.prefix, depth, regime, batch_one, tuple(base), tuple(kinds),
-                    before, after, K.tp_plan_of(full), cut, tuple(grid) + (held,))
+    if cut == depth:  # the whole stack was traced: every block is its own
+        return [Kind((i,), tuple(per_layer[i]), params_of(i), stack.prefix) for i in range(depth)]
+    check = cut - 2  # a block past the first of its kind, followed by another block
+    if not _same(per_layer[check], per_layer[kind_of[check]]):
+        raise UnsupportedError(f"--profile traced: block {check} of {config['model_type']}'s {stack.prefix[:-1]} keeps "
+                               f"other tensors than block {kind_of[check]}, of the same kind; blocks are not alike")
+    kinds = [Kind(tuple(i for i in range(depth - 1) if kind_of[i] == src), tuple(per_layer[src]), params_of(src),
+                  stack.prefix) for src in sorted(first.values())]
+    kinds = [k for k in kinds if k.layers]
+    kinds.append(Kind((depth - 1,), tuple(per_layer[cut - 1]), params_of(kind_of[-1]), stack.prefix))
+    return kinds

@@ -1,0 +1,95 @@
+"""``--profile traced`` on an encoder-decoder (T5): two stacks of blocks, each with its own layer
+kinds, cut and templates, traced in one run (estimate/traced/kinds.py ``find_stacks``).
+
+S is the encoder's and the decoder's length: the model is run as ``trainmem trace`` runs its
+seq2seq head (``trace/step.py`` ``_inputs``: ``labels`` = the input ids, which T5 shifts right
+into the decoder's input). Ground truth as in test_traced_profile.py: the bytes autograd saves in a
+real CPU forward (``trace/saved.py``), and the step on real CPU tensors (``trace_step(real=True)``).
+Tiny configs (d_model 64, B=2, S=32); every test builds T5 and traces it: all slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainmem.errors import UnsupportedError  # noqa: E402
+from trainmem.estimate import estimate  # noqa: E402
+from trainmem.estimate.traced import traced_template, unmapped_model_spec  # noqa: E402
+from trainmem.models.hf import build_hf_model  # noqa: E402
+from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
+from trainmem.trace import trace_step  # noqa: E402
+from trainmem.trace.saved import saved_tensors  # noqa: E402
+from trainmem.trace.torch_state import default_dtype  # noqa: E402
+
+B, S = 2, 32
+T5 = dict(model_type="t5", d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4,
+          vocab_size=512, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1)
+# kinds per stack: block 0 (relative attention bias), the blocks alike, the last block
+DEEP = dict(T5, num_layers=6, num_decoder_layers=5)
+STATES = ("parameter", "gradient", "optimizer_state")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path_factory.getbasetemp() / "traced-cache"))
+
+
+def _estimate(tmp_path, cfg, precision, attention, **impl):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return estimate(unmapped_model_spec(str(path)), StepSpec(batch=B, seq=S, precision=precision),
+                    ImplSpec(profile="traced", device="cpu", attention=attention, **impl))
+
+
+def _autograd_saved(cfg, precision, attention) -> int:
+    torch.manual_seed(0)
+    with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):  # as trace_step builds it
+        model = build_hf_model(cfg, attention=attention)
+    ids = torch.randint(2, cfg["vocab_size"], (B, S))
+    saved, _ = saved_tensors(model, lambda: model(ids, labels=ids).loss)
+    return sum(s.nbytes for s in saved)
+
+
+@pytest.mark.slow  # ~15 s each on two shared cores: a trace at seven (B, S), a real forward, a real step
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_t5_traced_equals_autograd_and_the_real_step(tmp_path, precision, attention):
+    e = _estimate(tmp_path, T5, precision, attention)
+    assert e.totals_bytes["activation"] == _autograd_saved(T5, precision, attention)
+    step = StepSpec(batch=B, seq=S, precision=precision)
+    real = trace_step(T5, step, ImplSpec(attention=attention, device="cpu"), real=True)
+    # trainmem trace's items: the same parameters, gradients and AdamW states, to the byte
+    for cat in STATES:
+        assert e.totals_bytes[cat] == sum(i.bytes for i in real.items if i.category.value == cat), cat
+    # its activations: the same, less the token ids (the trace's "input"), plus two loss-dtype
+    # scalars: the loss and its seed gradient (ones_like), which the estimate's phases hold apart
+    traced_ids = next(i.bytes for i in e.inventory if i.name.endswith(("input_ids", ".indices")))
+    trace_acts = sum(i.bytes for i in real.items if i.category.value == "activation")
+    assert e.totals_bytes["activation"] - traced_ids == trace_acts - 2 * (2 if precision == "bf16" else 4)
+    # the step's peak: the trace's peak in blocks of 512 B (its allocator rounds), the estimate in bytes
+    assert abs(e.peak_bytes / real.peak_bytes - 1) < 0.01
+    assert abs(e.peak_bytes / real.peak_logical_bytes - 1) < 0.01
+
+
+@pytest.mark.slow  # ~20 s: T5 with 6 + 5 blocks, cut to 4 + 4
+def test_t5_stacks_keep_their_own_kinds(tmp_path):
+    e = _estimate(tmp_path, DEEP, "bf16", "sdpa")
+    assert e.totals_bytes["activation"] == _autograd_saved(DEEP, "bf16", "sdpa")
+    tpl = traced_template(DEEP, StepSpec(batch=B, seq=S, precision="bf16"), ImplSpec(profile="traced", device="cpu"))
+    assert tpl.stacks == (("encoder.block.", 6), ("decoder.block.", 5))
+    assert [(k.prefix, k.layers) for k in tpl.kinds] == [
+        ("encoder.block.", (0,)), ("encoder.block.", (1, 2, 3, 4)), ("encoder.block.", (5,)),
+        ("decoder.block.", (0,)), ("decoder.block.", (1, 2, 3)), ("decoder.block.", (4,))]
+    assert tpl.traced_layers == 8  # 4 + 4
+    assert tpl.num_parameters() == sum(p.numel() for p in build_hf_model(DEEP).parameters())
+
+
+@pytest.mark.slow  # ~3 s: one meta build
+def test_t5_every_k_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UnsupportedError, match=r"^--profile traced: t5 has two stacks .*every-k") as err:
+        _estimate(tmp_path, T5, "bf16", "sdpa", recompute="every-k", recompute_every=2)
+    assert "\n" not in str(err.value)
