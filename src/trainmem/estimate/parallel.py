@@ -492,8 +492,12 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
     # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
     gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
 
+    from trainmem.estimate.fsdp_quant import NF4_DTYPE, quantized_gather_bytes
+    nf4 = {i.name for i in stage_states if i.dtype == NF4_DTYPE}
+
     def gathered(i: MemoryItem) -> float:  # fp8 for Float8 linears under torchao's fp8 all-gather
-        return gathered_bytes_per_element(impl, model, i.name, i.shape, pb)
+        q = quantized_gather_bytes(i, nf4)  # a torchao NF4 weight gathers its own storages (estimate/fsdp_quant.py)
+        return gathered_bytes_per_element(impl, model, i.name, i.shape, pb) if q is None else q
     if par.dp * par.cp > 1 and zero == 0:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
         # Megatron's DDP keeps gradients in the contiguous buffer itself
