@@ -1,10 +1,12 @@
 """TP loss parallel against real DTensor runs on CPU (estimate/loss_parallel.py).
 
-* torchrun, 2 ranks, gloo, the tiny Llama (V = 256), tp = 2, with and without sequence parallelism,
-  with torchtitan's ``loss_parallel()`` and without it (the output layer's logits gathered,
-  ``Replicate``): each rank's saved set equals the estimate to the byte; its step peak is within
-  5% of both the op-boundary tracker's (measure_dist) and the CPU allocator's own (torch.profiler
-  ``profile_memory``, which also sees the temporaries made inside one DTensor op).
+* torchrun, 2 ranks, gloo, the tiny Llama (V = 256), tp = 2, fp32 and bf16, with and without
+  sequence parallelism, with torchtitan's ``loss_parallel()`` and without it (the output layer's
+  logits gathered, ``Replicate``): each rank's saved set equals the estimate to the byte; its step
+  peak is within 5% of the CPU allocator's own (torch.profiler ``profile_memory``, which also sees
+  the temporaries made inside one DTensor op) and at most 5% under the op-boundary tracker's
+  (measure_dist), which cannot see those temporaries (bf16 loss_parallel: the estimate is 5.3%
+  above it).
 * One process (a one-rank gloo mesh), the vocab-parallel cross-entropy alone, Hugging Face's loss
   on a Shard(-1) DTensor under ``loss_parallel()``: the B·S·V/tp-sized tensors the allocator holds
   at once, in forward and through backward, equal the estimate's loss parts to the byte.
@@ -29,37 +31,40 @@ from trainmem.measure_dist.worker import DEFAULTS  # noqa: E402
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec  # noqa: E402
 from trainmem.specs.loaders import spec_from_hf_config  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch: ~70 s on 2 shared cores
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch: ~150 s on 2 shared cores
 
 MODEL = spec_from_hf_config(DEFAULTS["config"])
 B, S = DEFAULTS["batch"], DEFAULTS["seq"]
-STEP = StepSpec(batch=B, seq=S, precision="fp32", optimizer="adamw")
 IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")  # the workers step foreach AdamW
-CASES = [(sp, lp) for sp in (False, True) for lp in (True, False)]
+CASES = [(prec, sp, lp) for prec in ("fp32", "bf16") for sp in (False, True) for lp in (True, False)]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    scenarios = [dict(strategy="tp", sp=sp, loss_parallel=lp, profile_step=True) for sp, lp in CASES]
-    return dict(zip(CASES, run_torchrun_many(2, scenarios, timeout=400)))
+    scenarios = [dict(strategy="tp", precision=prec, sp=sp, loss_parallel=lp, profile_step=True)
+                 for prec, sp, lp in CASES]
+    return dict(zip(CASES, run_torchrun_many(2, scenarios, timeout=600)))
 
 
-def _rank(sp: bool, lp: bool):
-    return estimate(MODEL, STEP, IMPL, parallel=ParallelSpec(tp=2, sp=sp, loss_parallel=lp)).ranks[0]
+def _rank(sp: bool, lp: bool, precision: str = "fp32"):
+    step = StepSpec(batch=B, seq=S, precision=precision, optimizer="adamw")
+    return estimate(MODEL, step, IMPL, parallel=ParallelSpec(tp=2, sp=sp, loss_parallel=lp)).ranks[0]
 
 
-@pytest.mark.parametrize("sp, lp", CASES)
-def test_saved_set_equal_and_peak_within_5_percent(runs, sp, lp):
-    est = _rank(sp, lp)
-    for r in runs[(sp, lp)]:
+@pytest.mark.parametrize("prec, sp, lp", CASES)
+def test_saved_set_equal_and_peak_within_5_percent(runs, prec, sp, lp):
+    est = _rank(sp, lp, prec)
+    for r in runs[(prec, sp, lp)]:
         assert r["activation_bytes"] == est.totals_bytes["activation"], r["activation_items"][:4]
-        for measured in (r["peak_bytes"], r["profiled_peak_bytes"]):
-            assert abs(est.peak_bytes - measured) <= 0.05 * measured, (est.peak.name, est.peak_bytes, measured)
+        allocator, op_boundary = r["profiled_peak_bytes"], r["peak_bytes"]
+        assert abs(est.peak_bytes - allocator) <= 0.05 * allocator, (est.peak.name, est.peak_bytes, allocator)
+        assert est.peak_bytes >= 0.95 * op_boundary, (est.peak.name, est.peak_bytes, op_boundary)
 
 
-def test_gathered_logits_save_the_full_vocabulary_log_softmax(runs):
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_gathered_logits_save_the_full_vocabulary_log_softmax(runs, prec):
     for sp in (False, True):
-        on, off = runs[(sp, True)][0], runs[(sp, False)][0]
+        on, off = runs[(prec, sp, True)][0], runs[(prec, sp, False)][0]
         lsm = [[i for i in r["activation_items"] if i["grad_fn"] == "LogSoftmaxBackward0"] for r in (on, off)]
         assert [i["shape"] for i in lsm[0]] == [[B * S, MODEL.vocab_size // 2]]
         assert [i["shape"] for i in lsm[1]] == [[B * S, MODEL.vocab_size]]
