@@ -195,6 +195,7 @@ def _compare(args) -> int:
 
 
 def _snapshot(args) -> int:
+    from trainmem.report.snapshot_text import render_snapshot
     from trainmem.trace.snapshot_load import load_snapshot, summarize_snapshot
 
     summary = summarize_snapshot(load_snapshot(args.file), top=args.top)
@@ -203,24 +204,8 @@ def _snapshot(args) -> int:
         out["inputs"]["file"] = str(args.file)
         print(json.dumps(out))
     else:
-        print(_render_snapshot(args.file, summary))
+        print(render_snapshot(args.file, summary))
     return 0
-
-
-def _render_snapshot(path: str, s) -> str:
-    """A SnapshotSummary as sizes a person reads (the JSON keeps the integers)."""
-    from trainmem.report.units import fmt_bytes
-
-    peak = (f"peak allocated   {fmt_bytes(s.peak_bytes)} (replaying {s.num_events:,} trace events)"
-            if s.num_events else "peak allocated   n/a (no device trace in the snapshot)")
-    lines = [f"snapshot {path}",
-             f"reserved         {fmt_bytes(s.reserved_bytes)} in {s.num_segments:,} segment(s)",
-             f"allocated        {fmt_bytes(s.allocated_bytes)} live when the snapshot was taken", peak]
-    if s.top_allocations:
-        lines += ["", f"largest {len(s.top_allocations)} allocations"
-                  + (" in the trace:" if s.num_events else " live at the snapshot:")]
-        lines += [f"  {fmt_bytes(a.size_bytes):>12}  {a.where or '?'}" for a in s.top_allocations]
-    return "\n".join(lines)
 
 
 def _presets(args) -> int:
