@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from trainmem.cliargs import positive_float, positive_int
+from trainmem.cliargs import positive_int
 from trainmem.plan.gpu_args import add_gpu_args, check_gpus, gpu_from_args, reserve_from_args
 
 __all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
@@ -13,10 +13,6 @@ __all__ = ["add_parser", "run_plan", "run_advise", "run_explain"]
 
 def _positive_int(flag: str):
     return positive_int(flag.lstrip("-"))
-
-
-def _positive_float(flag: str):
-    return positive_float(flag.lstrip("-"))
 
 
 def _gpus_arg(text: str) -> int | str:
