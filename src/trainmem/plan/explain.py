@@ -7,13 +7,13 @@ integers (bytes) so tests and tools can check them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 from trainmem.estimate import Estimate, estimate
 from trainmem.estimate.inference import inference_estimate
 from trainmem.estimate.params import count_parameters
 from trainmem.inventory import Category
+from trainmem.names import split_block
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.plan.ranks import per_rank_peak
 from trainmem.report.units import fmt_bytes
@@ -33,7 +33,6 @@ QUESTIONS = {
     "mixed_precision": "Under mixed precision, is every state 2 bytes?",
     "train_vs_inference": "How do training and inference memory differ?",
 }
-_IDX = re.compile(r"\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,9 @@ def _acts(e: Estimate) -> dict[str, int]:
 
 
 def _pattern(name: str) -> str:
-    return _IDX.sub(".*.", name, count=1)
+    """``model.layers.3.mlp.out`` -> ``model.layers.*.mlp.out`` (names outside blocks unchanged)."""
+    block = split_block(name)
+    return name if block is None else f"{block[0]}*.{block[2]}"
 
 
 def sequence_doubles(model, step, impl) -> Answer:

@@ -3,19 +3,16 @@ formulas, and the phases with the peak."""
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 from trainmem.inventory import LEDGERS, Category
-from trainmem.names import layer_of
+from trainmem.names import as_block, layer_of
 from trainmem.report.units import fmt_bytes
 
 if TYPE_CHECKING:  # renderers take results; they never import the estimator
     from trainmem.estimate import Estimate
 
 __all__ = ["render_estimate", "render_comparison"]
-
-_IDX = re.compile(r"\.(\d+)\.")
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
@@ -116,7 +113,7 @@ def _layer_breakdown(e: Estimate, detail: bool) -> list[str]:
     if layer0:
         out.append(f"  block 0 ({fmt_bytes(per_layer.get(0, 0))}), per tensor:")
         for i in sorted(layer0, key=lambda i: -i.bytes):
-            name = _IDX.sub(".0.", i.name, count=1)
+            name = as_block(i.name, 0)
             out.append(f"    {name:<52} {str(list(i.shape)):<22} {i.dtype:<9} {fmt_bytes(i.bytes):>11}  {i.formula}")
         distinct = sorted(set(per_layer.values()))
         if len(distinct) > 1:
