@@ -23,15 +23,15 @@ from __future__ import annotations
 import importlib as _importlib
 import types as _types
 
-from trainmem.errors import (ConfigError, DistributedRunError, DoesNotFit, OutOfMemory, PlotDependencyError,
-                             RequestError, SpecError, TrainmemError, UnsupportedError)
+from trainmem.errors import (ConfigError, DistributedRunError, DoesNotFit, HTTPStatusError, OutOfMemory,
+                             PlotDependencyError, RequestError, SpecError, TrainmemError, UnsupportedError)
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
 
 __all__ = ["estimate", "trace", "load_model",
            "ModelSpec", "StepSpec", "ImplSpec", "ParallelSpec", "FinetuneSpec",
            "TrainmemError", "SpecError", "ConfigError", "UnsupportedError", "OutOfMemory", "DistributedRunError",
-           "PlotDependencyError", "DoesNotFit", "RequestError",
+           "PlotDependencyError", "DoesNotFit", "RequestError", "HTTPStatusError",
            "guard", "largest_micro_batch"]
 
 #: name -> module it is imported from on first use

@@ -9,7 +9,7 @@ raise these also re-export them under their old names (``trainmem.measure.OutOfM
 from __future__ import annotations
 
 __all__ = ["TrainmemError", "SpecError", "ConfigError", "UnsupportedError", "OutOfMemory",
-           "DistributedRunError", "PlotDependencyError", "DoesNotFit", "RequestError"]
+           "DistributedRunError", "PlotDependencyError", "DoesNotFit", "RequestError", "HTTPStatusError"]
 
 
 class TrainmemError(Exception):
@@ -59,3 +59,12 @@ class DoesNotFit(TrainmemError):
 
 class RequestError(TrainmemError):
     """A request the page or an API client got wrong: unknown field, wrong JSON type."""
+
+
+class HTTPStatusError(TrainmemError):
+    """``trainmem serve`` answers a request with this HTTP ``status`` (403, 404, 405, 411, 413, 415 or
+    400 for a body that is not JSON) and the message as its one-line JSON error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 from typing import Callable
 
-from trainmem.errors import SpecError, TrainmemError
+from trainmem.errors import HTTPStatusError, SpecError, TrainmemError
 from trainmem.serve.request import RequestError
 
 __all__ = ["make_server", "is_loopback", "MAX_BODY_BYTES"]
@@ -44,12 +44,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: HTTPStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _one_line(text: str) -> str:
@@ -90,7 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._check_host()
             work()
-        except _HTTPError as exc:
+        except HTTPStatusError as exc:
             self.close_connection = True  # a body may be left unread
             self._error(exc.status, str(exc))
         except RequestError as exc:  # the option parser's line, as the CLI prints it after "error:"
@@ -108,7 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         header = self.headers.get("Host") or ""
         name = header.split("]", 1)[0] + "]" if header.startswith("[") else header.rsplit(":", 1)[0]
         if name not in _LOOPBACK_NAMES:
-            raise _HTTPError(HTTPStatus.FORBIDDEN, f"Host {header!r} is not a loopback address")
+            raise HTTPStatusError(HTTPStatus.FORBIDDEN, f"Host {header!r} is not a loopback address")
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._guarded(self._get)
@@ -127,9 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
             from trainmem.serve.api import options
             self._json(HTTPStatus.OK, options())
         elif path in _post_routes():
-            raise _HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST with a JSON object")
+            raise HTTPStatusError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST with a JSON object")
         else:
-            raise _HTTPError(HTTPStatus.NOT_FOUND, f"no such page: {path}")
+            raise HTTPStatusError(HTTPStatus.NOT_FOUND, f"no such page: {path}")
 
     def _post(self) -> None:
         from trainmem.serve.request import parse_request
@@ -137,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         route = _post_routes().get(path)
         if route is None:
-            raise _HTTPError(HTTPStatus.NOT_FOUND if path != "/" else HTTPStatus.METHOD_NOT_ALLOWED,
+            raise HTTPStatusError(HTTPStatus.NOT_FOUND if path != "/" else HTTPStatus.METHOD_NOT_ALLOWED,
                              f"no such endpoint: POST {path}")
         body = self._body()
         self._json(HTTPStatus.OK, route(parse_request(body)))
@@ -146,21 +140,21 @@ class _Handler(BaseHTTPRequestHandler):
         kind = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         length = self.headers.get("Content-Length")
         if length is None:
-            raise _HTTPError(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+            raise HTTPStatusError(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
         n = int(length) if length.strip().isdigit() else -1
         if n < 0:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"Content-Length={length!r}: must be a whole number of bytes")
+            raise HTTPStatusError(HTTPStatus.BAD_REQUEST, f"Content-Length={length!r}: must be a whole number of bytes")
         if n > MAX_BODY_BYTES:
-            raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            raise HTTPStatusError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                              f"body of {n} bytes: the limit is {MAX_BODY_BYTES} bytes")
         raw = self.rfile.read(n)
         if kind != "application/json":
-            raise _HTTPError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Type {kind or 'missing'!r}: "
+            raise HTTPStatusError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Type {kind or 'missing'!r}: "
                                                                 "send application/json")
         try:
             return json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
+            raise HTTPStatusError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
 
 
 class _Server(ThreadingHTTPServer):
