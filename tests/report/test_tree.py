@@ -17,7 +17,9 @@ def test_tree_depths_and_exact_totals():
     assert e.totals_bytes["parameter"] == 7328
     one = render_tree(e, depth=1).splitlines()
     assert one[1].split() == ["parameter", "7.16", "KiB", "Σ", "21", "tensors"]
-    assert len(one) == 1 + 5 + 2  # headline, five ledgers, sum and peak
+    assert len(one) == 1 + 6 + 2  # headline, five ledgers and the model's buffers, sum and peak
+    # the rotary inv_freq and original_inv_freq: hd/2 = 2 fp32 values each (estimate/buffers.py)
+    assert one[6].split() == ["buffer", "16", "B", "Σ", "2", "tensors"]
     two = render_tree(e, depth=2)
     # 2 × (4·64 + 3·128 + 2·8) = 2 × 656 params = 2 × 2624 B
     assert "├─ blocks 0–1" in two and "2 × 2.56 KiB" in two
@@ -52,5 +54,5 @@ def test_summary_fits_one_screen():
     assert len(text.splitlines()) <= 30 and max(map(len, text.splitlines())) <= 120
     assert "← peak" in text and "█" in text
     assert [x for x in text.splitlines() if x.startswith("peak ")] == [  # the figure named, wrapped at 120 columns
-        "peak 35.78 KiB allocated in phase 'optimizer' — optimizer.step(): foreach: sqrt(exp_avg_sq) of every tensor at "
+        "peak 35.80 KiB allocated in phase 'optimizer' — optimizer.step(): foreach: sqrt(exp_avg_sq) of every tensor at "
         "once"]
