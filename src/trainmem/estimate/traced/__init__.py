@@ -139,11 +139,12 @@ def traced_parts(model, step, impl, parallel=None, finetune=None):
 
 _GENERIC_KEYS = {  # ModelSpec field -> config keys, first present wins
     "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
     "num_kv_heads": ("num_key_value_heads", "num_kv_heads"),
     "head_dim": ("head_dim",),
-    "ffn_size": ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "moe_intermediate_size"),
+    "ffn_size": ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "moe_intermediate_size",
+                 "encoder_ffn_dim"),
     "vocab_size": ("vocab_size",),
     "max_positions": (),
 }
