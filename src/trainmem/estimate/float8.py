@@ -31,8 +31,10 @@ FSDP2 with ``enable_fsdp_float8_all_gather`` the converted weights are all-gathe
 local shard is cast, the fp8 bytes travel and are kept unsharded): :func:`gathered_bytes_per_element`.
 
 Known limitations:
-  - torch.compile changes this: the partitioner may keep the fp8 casts instead of the bf16
-    input (torchtitan runs Float8 compiled); compile with float8 is refused (``ImplSpec``).
+  - torch.compile: modelled per block (:func:`compiled_input_recomputed`, :func:`compiled_scales`,
+    below), for dense Llama-family blocks without q/k/v biases or q/k norms and ``--recompute none``;
+    the whole model compiled as one region is traced (``trace --compile``), not estimated
+    (``rules_compiled.check_compiled`` refuses it).
   - a real CPU run without CUDA's autocast state does not cast the input; the tracer sets CUDA's
     autocast state beside CPU's so that the CPU run takes the CUDA path.
 """
@@ -46,8 +48,8 @@ from trainmem.errors import UnsupportedError
 from trainmem.families import get_family
 from trainmem.specs.float8_filter import TASK_HEADS, converted, is_linear_module
 
-__all__ = ["TASK_HEADS", "converted", "converted_parameters", "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element",
-           "is_linear_module"]
+__all__ = ["TASK_HEADS", "compiled_input_recomputed", "compiled_scales", "converted", "converted_parameters",
+           "float8_linear", "fp8_cast_bytes", "gathered_bytes_per_element", "is_linear_module"]
 
 def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int, int], label: str, bias: bool):
     """A ``Float8Linear`` call (see the module docstring): keeps its (autocast-cast) input whenever
@@ -97,3 +99,35 @@ def converted_parameters(model) -> int:
     their matmuls are the FLOPs that run at the FP8 rate (``plan/cost.py``)."""
     from trainmem.estimate.params import parameter_shapes
     return sum(math.prod(shape) for name, shape in parameter_shapes(model) if converted(model, name, shape))
+
+
+# torch.compile (per-block scope) -----------------------------------------------------------------
+# Read from the partitioned graphs of a tiny Llama's blocks compiled alone with torchao's Float8Linear
+# (trace/compiled.py, inductor's min-cut partition; tests/estimate/test_float8_compiled.py). The
+# partitioner recomputes a converted linear's high-precision input (matmul_with_hp_or_float8_args
+# saves it, and backward re-casts it to fp8) when that input is pointwise in what the block keeps
+# anyway: the two RMSNorm outputs (from the block input, o_proj's output and the rsqrt) and
+# down_proj's act(gate)*up (from gate and up). No fp8 cast is kept: backward casts again from the
+# recomputed input. With ``tensorwise`` each converted linear keeps two scalars, a ``max`` in the
+# activation dtype and an fp32 ``reciprocal`` (the amax and the inverse scale _scaled_mm reads),
+# rather than reducing again in backward; ``rowwise`` keeps no scale (its scales are per row of
+# tensors recomputed in backward).
+
+def compiled_input_recomputed(ctx, *linears: tuple[str, tuple[int, int]]) -> bool:
+    """Whether a compiled block recomputes the input these linears (``(path under the current
+    scope, (out, in))``) share: only if torchao converts every one of them (an ``nn.Linear``'s mm
+    reads its input in backward as saved)."""
+    g = ctx.graph
+    return ctx.impl.float8 != "none" and all(converted(ctx.model, g.path(f"{name}.weight"), weight)
+                                             for name, weight in linears)
+
+
+def compiled_scales(ctx, *linears: tuple[str, tuple[int, int]]) -> None:
+    """The scalars a compiled block keeps per converted linear under ``tensorwise`` (see above)."""
+    if ctx.impl.float8 != "tensorwise":
+        return
+    g, a = ctx.graph, ctx.param  # the weight's dtype (amp-bf16: fp32, traced)
+    for name, weight in linears:
+        if converted(ctx.model, g.path(f"{name}.weight"), weight):
+            with g.module(name):
+                g.save(g.new("amax", (), (), a, False), g.new("scale_inv", (), (), "float32", False))

@@ -32,6 +32,7 @@ from __future__ import annotations
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, Shard
+from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
@@ -76,6 +77,11 @@ def check_compiled(ctx: Ctx) -> None:
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
+        ("float8", impl.float8, impl.float8 != "none" and (
+            impl.compile_scope == "model" or impl.recompute != "none"
+            or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16") or m.qk_norm or m.qkv_bias),
+         "compiled Float8 rules cover --compile-scope block or block-loss, "
+         "--recompute none, fp32/bf16/fp16/amp-bf16, no q/k norms or biases (estimate/float8.py; trace --compile)"),
     ]
     for field, value, bad, why in refusals:
         if bad:
@@ -122,7 +128,11 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
     g, m = ctx.graph, ctx.model
     B, S, H, A, Akv, F = ctx.B, ctx.S, m.hidden_size, "A·hd", "Akv·hd", m.ffn_size
     a = ctx.low or ctx.param  # the activations' dtype (pure precisions: the weights')
-    _rmsnorm(ctx, x, "input_layernorm")
+    qkv = (("self_attn.q_proj", (m.q_size, H)), ("self_attn.k_proj", (m.kv_size, H)),
+           ("self_attn.v_proj", (m.kv_size, H)))
+    mlp = (("mlp.gate_proj", (F, H)), ("mlp.up_proj", (F, H)))
+    # Float8 (estimate/float8.py): a converted linear's input is recomputed when pointwise in what is kept
+    _rmsnorm(ctx, x, "input_layernorm", keep_output=not compiled_input_recomputed(ctx, *qkv))
     with g.module("self_attn"):
         _weight_copies(ctx, ("q_proj", m.q_size, A, H, "H"), ("k_proj", m.kv_size, Akv, H, "H"),
                        ("v_proj", m.kv_size, Akv, H, "H"), ("o_proj", H, "H", m.q_size, A))
@@ -137,13 +147,16 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
         with g.module("o_proj"):
             g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
     residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), x.dtype)
-    _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False)
+    _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False,
+             keep_output=not compiled_input_recomputed(ctx, *mlp))
     with g.module("mlp"):
         _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
         for name in ("gate_proj", "up_proj"):
             with g.module(name):
                 g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
-        g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a))  # down_proj's input
+        g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a),  # down_proj's input
+               when=not compiled_input_recomputed(ctx, ("down_proj", (H, F))))
+    compiled_scales(ctx, *qkv, ("self_attn.o_proj", (H, m.q_size)), *mlp, ("mlp.down_proj", (H, F)))
     return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
 
 
@@ -166,7 +179,8 @@ def _weight_copies(ctx: Ctx, *linears: tuple) -> None:
     g = ctx.graph
     for name, out, out_sym, inp, in_sym in linears if ctx.low else ():
         with g.module(name):
-            g.save(g.new("weight_cast", (out, inp), (out_sym, in_sym), ctx.low, False))
+            g.save(g.new("weight_cast", (out, inp), (out_sym, in_sym), ctx.low, False),
+                   when=ctx.impl.float8 == "none" or not ctx.float8_converts((out, inp)))  # Float8Linear: no copy
 
 
 def _per_block(ctx: Ctx) -> None:
@@ -272,13 +286,14 @@ def _checkpointed_layers(ctx: Ctx, x: Sym) -> None:
     _layers(ctx, "model.layers.", x, layer)
 
 
-def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True) -> Sym:
-    """Keeps fp32 ``rsqrt``, its output (the following linear's input) and its input, unless that
-    is a residual sum, recomputed from the block input and ``o_proj``'s output."""
+def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True, keep_output: bool = True) -> Sym:
+    """Keeps fp32 ``rsqrt``, its output (the following linear's input, unless Float8 linears
+    recompute it) and its input, unless that is a residual sum, recomputed from the block input and
+    ``o_proj``'s output."""
     g = ctx.graph
     g.save(x, when=keep_input)
     with g.module(name):
         g.save(g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", False))
         out = g.new("out", x.shape, x.dims, ctx.low or x.dtype)  # under autocast: the linears' 16-bit input
-        g.save(out)
+        g.save(out, when=keep_output)
     return out

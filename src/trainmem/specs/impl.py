@@ -132,9 +132,7 @@ class ImplSpec:
         if self.profile != "hf":
             raise SpecError("float8", self.float8, f"is modelled for profile='hf' (Hugging Face modules), "
                             f"not {self.profile!r}")
-        if self.compile:  # the partitioner decides what is saved around torchao's casts: not modelled yet
-            raise SpecError("float8", self.float8, "with compile=True is not modelled: Float8 is modelled in "
-                            "eager mode")
+        # compile: traced as is; estimate/rules_compiled.py check_compiled says which compiled steps are modelled
 
     def compile_words(self) -> str:
         """The headers' words for ``compile`` (empty without it), e.g. `` torch.compile per block (saved set: ...)``."""
