@@ -5,7 +5,7 @@ S is the encoder's and the decoder's length: the model is run as ``trainmem trac
 seq2seq head (``trace/step.py`` ``_inputs``: ``labels`` = the input ids, which T5 shifts right
 into the decoder's input). Ground truth as in test_traced_profile.py: the bytes autograd saves in a
 real CPU forward (``trace/saved.py``), and the step on real CPU tensors (``trace_step(real=True)``).
-Tiny configs (d_model 64, B=2, S=32); every test builds T5 and traces it: all slow.
+Tiny configs (d_model 64, B=2, S=32); every test that builds T5 and traces it is slow.
 """
 
 from __future__ import annotations
@@ -52,6 +52,30 @@ def _autograd_saved(cfg, precision, attention) -> int:
     ids = torch.randint(2, cfg["vocab_size"], (B, S))
     saved, _ = saved_tensors(model, lambda: model(ids, labels=ids).loss)
     return sum(s.nbytes for s in saved)
+
+
+def test_two_stacks_expand_under_their_own_prefixes():
+    # a template's JSON round trip and its activations, blocks named by their own stack (no trace)
+    from trainmem.estimate.traced import poly as P
+    from trainmem.estimate.traced.template import Kind, Template, TracedItem
+
+    pts = list(P.grid_points((8, 16, 24)))
+    axes = (P.fit(pts, [b for b, _ in pts]), P.fit(pts, [s for _, s in pts]), P.fit(pts, [64] * len(pts)))
+    out = TracedItem.fitted("mlp.out", "mm", "bfloat16", axes, P.fit(pts, [b * s * 64 * 2 for b, s in pts]))
+    w = (("wi.weight", (128, 64)),)
+    tpl = Template("t5", (("encoder.block.", 3), ("decoder.block.", 2)), (0, None), False, (),
+                   (Kind((0, 1, 2), (out,), w, "encoder.block."), Kind((0, 1), (out,), w, "decoder.block.")),
+                   (("shared.weight", (512, 64)),), (), {}, 5, tuple(pts))
+    assert Template.from_json(json.loads(json.dumps(tpl.to_json()))) == tpl
+    acts = tpl.activations(B, S)
+    assert sorted(i.name for i in acts) == ["decoder.block.0.mlp.out", "decoder.block.1.mlp.out",
+                                            "encoder.block.0.mlp.out", "encoder.block.1.mlp.out",
+                                            "encoder.block.2.mlp.out"]
+    assert acts.totals()["activation"] == 5 * B * S * 64 * 2  # 5 blocks x 2·32·64·2 = 40,960
+    assert tpl.num_parameters() == 512 * 64 + 5 * 128 * 64
+    before, kinds, after = tpl.parameter_layout()
+    assert [(layers, prefix) for _, layers, prefix in kinds] == [((0, 1, 2), "encoder.block."),
+                                                                 ((0, 1), "decoder.block.")]
 
 
 @pytest.mark.slow  # ~15 s each on two shared cores: a trace at seven (B, S), a real forward, a real step
