@@ -17,6 +17,7 @@ from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["positive_int", "positive_float", "add_model_step_args", "specs_from_args", "step_impl_from_args",
+           "resolve_attention",
            "DEFAULT_MODEL",
            "add_finetune_args", "finetune_from_args", "add_inference_args", "serving_from_args", "add_head_args"]
 
@@ -83,9 +84,10 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", choices=LOSSES, default=step("loss"),
                    help="ce (full fp32 logits), chunked-ce, fused-ce; torchtune-chunked-ce, "
                    "litgpt-chunked-ce (the frameworks' own chunked losses: docs/losses.md)")
-    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=impl("attention"),
+    p.add_argument("--attention", choices=ATTENTIONS + ("memory-efficient",), default=None,
                    help="eager (materialized softmax), sdpa (PyTorch picks the kernel), flash, sdpa-math, "
-                        f"mem-efficient (default {impl('attention')})")
+                        f"mem-efficient (default: the model family's, {impl('attention')}; eager for gpt-oss and "
+                        "Gemma-2, which transformers builds without SDPA)")
     p.add_argument("--recompute", choices=RECOMPUTES, default=impl("recompute"),
                    help="activation checkpointing: none, selective (attention core), full (every block), "
                         "every-k (every k-th block), op (torchtitan's op-level policy)")
@@ -176,12 +178,21 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, StepSpec, Impl
     model = _with_head(args, _traced_model(args) or model_from_args(args))
     if args.seq is None:
         args.seq = default_seq(model.max_positions)
+    resolve_attention(args, model.family)
     return (model, *step_impl_from_args(args))
+
+
+def resolve_attention(args: argparse.Namespace, family: str) -> None:
+    """``--attention`` left out (None): the family's default kernel (``Family.attentions``, first)."""
+    if getattr(args, "attention", None) is None:
+        from trainmem.families import default_attention
+        args.attention = default_attention(family)
 
 
 def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     """The step and implementation specs alone (for commands that build the model themselves:
-    they resolve ``args.seq`` with :func:`~trainmem.specs.step.default_seq` first)."""
+    they resolve ``args.seq`` with :func:`~trainmem.specs.step.default_seq` and ``args.attention`` with
+    :func:`resolve_attention` first)."""
     from trainmem.inputs import spec_fields
 
     seq = default_seq() if args.seq is None else args.seq  # a file's seq = 0 is an error, not the default
@@ -194,9 +205,9 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     # add_optimizer_args, add_compile_arg, add_float8_args
     optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "compile_scope",
                                            "float8", "float8_all_gather") if hasattr(args, k)}
-    impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device,
-                    **{**routing, **optim, **spec_fields(args, "impl")})
+    attention = {"attention": args.attention} if args.attention is not None else {}  # else resolve_attention's
+    impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every or 1, device=args.device,
+                    **{**attention, **routing, **optim, **spec_fields(args, "impl")})
     return step, impl
 
 

@@ -20,6 +20,7 @@ from trainmem.estimate.buffers import buffer_inventory
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.losses import FRAMEWORK_LOSSES
+from trainmem.families import default_attention
 from trainmem.estimate.notes import estimate_notes, lora_targets_note
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.optimizer_step import optimizer_impl_used
@@ -105,7 +106,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     (``estimate/parallel.py``); the result's ``ranks`` lists every rank class.
     ``finetune``: frozen parameters, LoRA adapters, a QLoRA 4-bit base (``estimate/finetune.py``)."""
     step = step or StepSpec(seq=default_seq(model.max_positions))
-    impl = impl or ImplSpec()
+    impl = impl or ImplSpec(attention=default_attention(model.family))  # gpt-oss, Gemma-2: eager
     finetune = finetune.for_model(model) if finetune is not None else None  # LoRA targets: the family's default
     if model.max_positions and step.seq > model.max_positions:
         raise SpecError("seq", step.seq, f"exceeds the {model.name} model's learned positions "

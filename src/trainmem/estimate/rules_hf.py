@@ -235,6 +235,20 @@ def _checkpoint_extras(ctx: Ctx, kernel: str, dtype: str, positions: Sym | None 
     return held
 
 
+def _eager_window_masks(ctx: Ctx, kernel: str, held: list[Sym], dtype: str) -> list[Sym]:
+    """What a checkpointed sliding block holds under eager attention when the model has full blocks
+    too: Gemma-2/3, Qwen2/Qwen3 build a mask per layer type (``modeling_gemma2.Gemma2Model.forward``:
+    ``causal_mask_mapping`` of ``create_causal_mask`` and ``create_sliding_window_causal_mask``), and
+    ``masking_utils.eager_mask`` materializes each, window reached or not (``allow_is_causal_skip=False``):
+    a second (B, 1, S, S) additive mask in the activations' dtype, held by the sliding blocks'
+    checkpoints instead of the causal one. (Mistral's one sliding mask is ``held``'s causal_mask.)"""
+    kinds = {k.attention for k in ctx.model.kinds}
+    if kernel != "eager" or not held or "sliding" not in kinds or kinds == {"sliding"}:
+        return held
+    sliding = ctx.graph.new("model.sliding_window_mask", (ctx.B, 1, ctx.S, ctx.S), ("B", "1", "S", "S"), dtype, False)
+    return held[:-1] + [sliding]
+
+
 # --- Llama family --------------------------------------------------------------------------
 
 def _llama(ctx: Ctx) -> None:
@@ -262,15 +276,17 @@ def _llama(ctx: Ctx) -> None:
         # checkpointed blocks hold the model's boolean sliding-window mask (one, expanded over B:
         # masking_utils.sdpa_mask builds it from (1, 1, S, S) index arithmetic)
         held.append(g.new("model.sliding_window_mask", (1, 1, ctx.S, ctx.S), ("1", "1", "S", "S"), "bool", False))
+    local = _eager_window_masks(ctx, kernel, held, x.dtype)
     def layer(i: int, x: Sym) -> Sym:
         masked = kernel != "eager" and window_mask(ctx, m.kind(i))  # eager adds its mask: nothing kept
+        mine = local if m.kind(i).attention == "sliding" else held
         k_i = resolve_kernel(ctx, masked) if masked else kernel
         cos, sin = tables[m.kind(i).attention if rules.rope_per_layer_type else ""]
         moe = m.kind(i).mlp == "moe"  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense blocks
         if ctx.impl.checkpointed(i):
-            with g.checkpoint(x, cos, sin, *held, policy=_policy(ctx)):
+            with g.checkpoint(x, cos, sin, *mine, policy=_policy(ctx)):
                 return _llama_layer(ctx, x, cos, sin, k_i, masked=masked, moe=moe)
-        return _llama_layer(ctx, x, cos, sin, k_i, held, masked=masked, moe=moe)
+        return _llama_layer(ctx, x, cos, sin, k_i, mine, masked=masked, moe=moe)
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
@@ -391,11 +407,13 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     T = ctx.B * ctx.S
     with g.module("gate"):
         logits = ctx.linear(h, E, "E", weight=(E, H))
-        g.save(g.new("probs", (T, E), ("B·S", "E"), "float32"),
-               g.new("top_idx", (T, k), ("B·S", "k"), "int64"))
+        probs = g.new("probs", (T, E), ("B·S", "E"), "float32")  # softmax keeps its fp32 output
+        # torch.topk's values and indices (MixtralTopKRouter.forward, Qwen3MoeTopKRouter.forward): an
+        # op-level policy keeps both (aten.topk is on op_sac_context's save list); autograd the indices
+        top_val = g.new("top_val", (T, k), ("B·S", "k"), "float32", op="topk")
+        g.save(probs, g.new("top_idx", (T, k), ("B·S", "k"), "int64", False, op="topk"))
         # the in-place renormalization keeps the sum and the top-k values (Qwen3-MoE may skip it)
-        g.save(g.new("top_sum", (T, 1), ("B·S", "1"), "float32"),
-               g.new("top_val", (T, k), ("B·S", "k"), "float32"), when=m.router_norm_topk)
+        g.save(g.new("top_sum", (T, 1), ("B·S", "1"), "float32"), top_val, when=m.router_norm_topk)
         # Qwen3MoeTopKRouter.forward casts the weights to the logits' dtype; Mixtral's stay fp32
         w_dtype = logits.dtype if _rules(ctx).router_cast else "float32"
         del logits

@@ -9,6 +9,7 @@ layer-kind hook, ``docs/families.md``.
 from __future__ import annotations
 
 from trainmem.families.base import (PEFT_VERSION, BlockRules, ConfigSchema, Family, NameScheme, TaskHeads, TPRoles,
+                                    default_attention, family_attentions,
                                     config_families, embedding_modules, families, family_names, get_family,
                                     get_scheme, head_modules, layer_containers, register_family, register_scheme,
                                     schemes, task_head_modules, token_embedding_modules, tp_roles,
@@ -23,7 +24,8 @@ __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "Name
            "register_family", "register_scheme",
            "get_family", "get_scheme", "family_names", "families", "schemes", "config_families", "head_modules",
            "embedding_modules", "token_embedding_modules", "layer_containers", "tp_roles", "output_layers",
-           "family_of", "task_head_modules", "output_modules"]
+           "family_of", "task_head_modules", "output_modules", "default_attention",
+           "family_attentions"]
 
 
 def family_of(model) -> Family:

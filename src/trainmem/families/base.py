@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "NameScheme", "register_family",
            "register_scheme", "get_family", "get_scheme", "family_names", "config_families", "families", "schemes",
            "head_modules", "embedding_modules", "token_embedding_modules", "tp_roles", "layer_containers",
+           "default_attention", "family_attentions",
            "task_head_modules", "GENERIC_TASK_HEADS", "PEFT_VERSION"]
 
 Params = list[tuple[str, tuple[int, ...]]]
@@ -209,6 +210,11 @@ class Family(NameScheme):
     query and value projections, peft's usual pair) and says so in a note."""
     compiled_rules: bool = False
     """The estimator's compiled rules (``estimate/rules_compiled.py``) cover this family."""
+    attentions: tuple[str, ...] = ("sdpa", "eager", "flash", "sdpa-math", "mem-efficient")
+    """The attention kernels (``ImplSpec.attention``) transformers runs this family with, its default
+    first: ``--attention``'s default for the family (:func:`default_attention`). A model class with
+    ``_supports_sdpa = False`` (gpt-oss's sinks, Gemma-2's soft-capping) starts with eager, as
+    ``PreTrainedModel._check_and_adjust_attn_implementation`` falls back to eager for it."""
     fp32_params: tuple[str, ...] = ()
     """Its model class's ``_keep_in_fp32_modules_strict``: name fragments (``gate.weight``) whose
     parameters a 16-bit load keeps in fp32 (``models/hf.py`` ``_keep_strict_fp32``, as transformers'
@@ -253,6 +259,18 @@ def get_family(name: str) -> Family:
 def get_scheme(name: str) -> NameScheme | None:
     """The naming scheme a profile registered (``reference``, ``megatron``), else None."""
     return _SCHEMES.get(name)
+
+
+def family_attentions(name: str) -> tuple[str, ...]:
+    """The attention kernels a model of family ``name`` runs (:attr:`Family.attentions`; every kernel
+    for a name no family registers, ``sdpa`` first: transformers' default)."""
+    family = _FAMILIES.get(name)
+    return family.attentions if family else Family.attentions
+
+
+def default_attention(name: str) -> str:
+    """The attention kernel a model of family ``name`` runs when none is asked for."""
+    return family_attentions(name)[0]
 
 
 def family_names() -> tuple[str, ...]:

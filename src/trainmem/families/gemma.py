@@ -42,4 +42,5 @@ def gemma2() -> Family:
                   "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                   "sliding_window": 4096, "layer_types": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True),
+        attentions=("eager", "flash"),  # Gemma2PreTrainedModel: _supports_sdpa = False (soft-capping)
         parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma_buffers)

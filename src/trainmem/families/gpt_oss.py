@@ -41,6 +41,9 @@ def gpt_oss() -> Family:
     # peft 0.21.2 maps no "gpt_oss": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="gpt_oss", parameters=_parameters, rules=BlockRules(forward="gpt_oss"), **LLAMA_NAMES,
                   peft_default=False,
+                  # GptOssPreTrainedModel: _supports_sdpa = False (the sinks); its flash is a hub kernel (sinks
+                  # passed in) that rules_gpt_oss does not model: eager is the one kernel estimated
+                  attentions=("eager",),
                   config=ConfigSchema(
                       config_class="GptOssConfig", read=_read, keys=MOE_KEYS,
                       fixed={"mlp_bias": True, "attn_sinks": True},

@@ -32,6 +32,7 @@ from typing import Any
 from trainmem.errors import TrainmemError
 from trainmem.estimate import estimate
 from trainmem.estimate.notes import selective_recompute_noop
+from trainmem.families import family_attentions
 from trainmem.plan.choices import CHOICES, Config, Context, fused_attention, tp_degrees
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
@@ -350,6 +351,8 @@ def _propose(rung: str, s: Config, model: ModelSpec, gpu: GPU, gpus: int, fits) 
         if impl.attention not in ("eager", "sdpa-math"):
             return f"attention is already {impl.attention} (no S×S matrix is saved)"
         fused = fused_attention(step, impl)
+        if fused not in family_attentions(model.family):
+            return f"{model.family} runs no {fused} attention ({', '.join(family_attentions(model.family))} only)"
         return (replace(s, impl=replace(impl, attention=fused)), f"attention {impl.attention} → {fused}",
                 "exact attention; the B·A·S² score and probability tensors are no longer saved")
     if rung == "micro_batch":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator
 
 from trainmem.estimate.notes import selective_recompute_noop
+from trainmem.families import family_attentions
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
 
@@ -166,7 +167,8 @@ def tp_degrees(model: ModelSpec, seq: int, gpus: int, gpus_per_node: int) -> lis
 def _attention(c: Config, ctx: Context):
     if c.impl.attention in ("eager", "sdpa-math"):
         k = fused_attention(c.step, c.impl)
-        yield replace(c, impl=replace(c.impl, attention=k)), f"attention {c.impl.attention} → {k}"
+        if k in family_attentions(ctx.model.family):  # gpt-oss: eager only
+            yield replace(c, impl=replace(c.impl, attention=k)), f"attention {c.impl.attention} → {k}"
 
 
 @choice("micro_batch", ("step.batch", "step.grad_accum"), note="same sequences per optimizer step")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
 from trainmem.estimate.notes import selective_recompute_noop
+from trainmem.families import family_attentions
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.plan.shard import Breakdown, breakdown, rank_peak
@@ -191,8 +192,12 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
     kernels: dict[tuple[str, str], tuple[Breakdown, Breakdown]] = {}
     seen: dict[tuple, str] = {}
     noops: dict[str, str] = {}
+    kernels_run = tuple(a for a in space.attention if a in family_attentions(model.family))
+    if not kernels_run:  # gpt-oss runs eager only
+        raise SpecError("attention", ",".join(space.attention), f"{model.family} runs only "
+                        f"{', '.join(family_attentions(model.family))} attention")
     for rc in space.recompute:
-        for attn in space.attention:
+        for attn in kernels_run:
             impl = ImplSpec(profile=profile, attention=attn, recompute=rc)
             if rc == "selective" and "none" in space.recompute:
                 why = selective_recompute_noop(model, base, impl)

@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     every = args.recompute_every
     if every is not None and args.recompute != "every-k":
         raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
+    from trainmem.cliargs import resolve_attention
+    resolve_attention(args, spec.family if spec else config.get("model_type", ""))
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device, routing=args.routing,
                     optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward,
