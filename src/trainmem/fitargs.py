@@ -1,17 +1,18 @@
 """``--gpu``, ``--gpu-memory`` and ``--memory-figure`` for the commands that print a peak
-(estimate, trace, compare, sweep, profile), and the lines they print: parsing and rendering
-around :mod:`trainmem.fits`."""
+(estimate, trace, compare, sweep, profile): parsing around :mod:`trainmem.fits`; the lines they
+print are rendered by :mod:`trainmem.report.fit_text`."""
 
 from __future__ import annotations
 
 import argparse
 
-from trainmem.fits import FIGURES, Verdict
+from trainmem.fits import FIGURES
+from trainmem.report.fit_text import render_figure, render_verdict
 from trainmem.report.units import fmt_bytes
 from trainmem.units import SIZE_RULE, describe_size
 
-__all__ = ["add_fit_args", "gpu_from_args", "check_figure_args", "render_verdict", "render_figure", "fit_report",
-           "estimate_fit", "sweep_budget", "sweep_fit", "profile_fit", "size_readings"]
+__all__ = ["add_fit_args", "gpu_from_args", "check_figure_args", "fit_report", "estimate_fit",
+           "sweep_budget", "sweep_fit", "profile_fit", "size_readings"]
 
 #: The size flags a command may take, as ``args`` attribute -> the label of the line saying how it was read.
 _SIZE_FLAGS = {"budget": "budget", "gpu_memory": "gpu memory", "reserve": "reserve",
@@ -58,34 +59,6 @@ def check_figure_args(args, *, reserved_known: bool, unmodelled: str = "not mode
         what = "the CUDA context is per GPU preset" if figure == "device" else \
             f"the allocator reserve is then a share of the GPU's capacity: {unmodelled}"
         raise SpecError("memory_figure", figure, f"needs --gpu ({what})")
-
-
-def render_verdict(v: Verdict, *, label: str = "") -> str:
-    """``FITS on 1× H100-80GB: needs ... allocated (≈ ... reserved), usable ..., headroom ...`` and the
-    usable memory's parts."""
-    head = f"{label}{'FITS' if v.fits else 'DOES NOT FIT'} on {v.gpus}× {v.gpu}"
-    need = f"needs {fmt_bytes(v.need_bytes)} {v.figure}"
-    if v.figure in ("allocated", "active"):
-        need += f" ({'' if v.reserve_modelled else '≈ '}{fmt_bytes(v.reserved_bytes)} reserved)"
-    room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.fits else f"short by {fmt_bytes(-v.headroom_bytes)}"
-    parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} CUDA context"
-             + (" and NCCL" if v.gpus > 1 else "") + " (an estimate: the GPU preset's)"]
-    if v.figure in ("allocated", "active"):  # what the figure leaves out of reserved
-        parts.append(f"{fmt_bytes(v.capacity_bytes - v.context_bytes - v.usable_bytes)} {v.why}")
-    usable = " − ".join(parts) if v.figure != "device" else f"{fmt_bytes(v.capacity_bytes)} capacity"
-    out = f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
-    if v.figure in ("reserved", "device"):  # say where the reserve in the need comes from
-        out += f"\n  reserved = {fmt_bytes(v.allocated_bytes)} allocated + {fmt_bytes(v.reserve_bytes)} {v.why}"
-    if v.paged_bytes:
-        out += (f"\n  paged optimizer state {fmt_bytes(v.paged_bytes)} (CUDA unified memory, outside the allocator: "
-                f"never the cause of an OOM), {fmt_bytes(v.paged_resident_bytes)} of it resident on the device"
-                + (" and counted in the device figure" if v.figure == "device" else ""))
-    return out
-
-
-def render_figure(figure: str, nbytes: int, note: str = "") -> str:
-    """A peak line naming its figure, for a command run without ``--gpu``."""
-    return f"peak {figure}: {fmt_bytes(nbytes)}" + (f" ({note})" if note else "")
 
 
 def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
