@@ -58,7 +58,8 @@ def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int,
     wt = ctx.weight_trainable()
     rg = x.requires_grad or wt
     xin = ctx.cast(x, ctx.low, "input_cast") if ctx.low else x
-    g.save(xin, when=rg)  # autograd.Function.save_for_backward: no requires-grad condition per operand
+    tp_fp8 = ctx.impl.float8 == "tensorwise" and ctx.shard.tp > 1
+    g.save(_tp_fp8_input(ctx, xin) if tp_fp8 else xin, when=rg)  # save_for_backward: no per-operand condition
     if ctx.impl.float8 == "tensorwise":
         # float8_utils.py tensor_to_amax: torch.max(torch.abs(x)), an aten.max an op-level policy
         # keeps (a scalar); an fp8 all-gathered weight arrives cast, its amax taken before the gather
@@ -71,6 +72,25 @@ def float8_linear(ctx, x, out_features: int, out_sym: str, *, weight: tuple[int,
         return g.new(label, shape, dims, xin.dtype, rg, op="mm")
     g.new("fp8_mm", shape, dims, xin.dtype, rg, op="mm")
     return g.new(label, shape, dims, xin.dtype, rg)
+
+
+def _tp_fp8_input(ctx, x):
+    """Float8 tensor parallelism, tensorwise (torchtitan's ``apply_tp`` with
+    ``enable_float8_tensorwise_tp``: torchao/float8/float8_tensor_parallel.py ``Float8ColwiseParallel``,
+    ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``): each style's input hook casts the
+    input to fp8 (an all-reduced amax, one fp32 scale) before any redistribution, so the
+    sequence-parallel all-gather moves fp8 and the ``Float8Linear`` receives, and keeps for backward,
+    the fp8 tensor (1 byte per element plus its scale) instead of the high-precision input. With
+    sequence parallelism ``PrepareFloat8ModuleInput`` casts the attention's and the MLP's input once
+    for q/k/v and for gate/up (one kept tensor each; tensorwise TP without SP is refused, parallel.py).
+    ``rowwise`` takes the plain styles (torchtitan): the eager rule at TP shapes."""
+    g = ctx.graph
+    shared = ctx.__dict__.setdefault("_float8_tp_inputs", {})
+    key = (x.name, x.seq)
+    if key not in shared:
+        shared[key] = g.new("fp8_input", x.shape, x.dims, "float8", False)
+        g.save(g.new("fp8_scale", (), (), "float32", False))
+    return shared[key]
 
 
 def fp8_cast_bytes(recipe: str, rows: int, cols: int) -> int:
