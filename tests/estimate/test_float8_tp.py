@@ -56,6 +56,9 @@ def test_tp_float8_refusals():
                  ImplSpec(device="cpu", float8="tensorwise"), ParallelSpec(tp=2, sp=True))
     with pytest.raises(SpecError, match="sequence parallelism"):  # torchtitan's Float8 TP plan runs with SP
         _items("tensorwise", sp=False)
+    with pytest.raises(SpecError, match="recompute='op'"):  # the policy on the styles' fp8 casts: not checked
+        estimate(spec_from_hf_config(GLOBAL), STEP, ImplSpec(device="cpu", float8="tensorwise", recompute="op"),
+                 ParallelSpec(tp=2, sp=True))
 
 
 def _float8_tp(model, mesh) -> None:

@@ -120,11 +120,11 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     lp.check(impl.profile, par)
     if impl.float8 != "none" and par.tp > 1 and (step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") or (
-            impl.float8 == "tensorwise" and not par.sp)):
+            impl.float8 == "tensorwise" and (not par.sp or impl.recompute not in ("none", "full")))):
         # estimate/float8.py _tp_fp8_input: torchao's Float8 TP styles as torchtitan applies them (with SP)
         raise SpecError("float8", impl.float8, f"with tp={par.tp} is modelled in pure precisions (fp32, bf16, "
                         f"fsdp-bf16; precision={step.recipe!r}), tensorwise with sequence parallelism (sp=True, "
-                        f"torchtitan's plan; sp={par.sp})")
+                        f"torchtitan's plan; sp={par.sp}) and recompute none or full (recompute={impl.recompute!r})")
 
 
 def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
