@@ -49,15 +49,11 @@ def _differences(rows) -> dict:
 
 
 def _expected(family: str) -> dict:
-    # nll_loss_forward's second output, total_weight (an fp32 scalar it saves for backward,
-    # aten/src/ATen/native/LossNLL.cpp): measured (and traced), not modelled by the estimator
-    out = {"(root):4B:1": (None, ("float32", 4))}
-    if family == "gpt2":
-        # position ids: the estimator files them under transformer.wpe (the embedding that keeps them);
-        # GPT2Model.forward makes them (cache_position + past length: `add`) in `transformer`
-        out.update({f"transformer.wpe:{S * 8}B:0": (("int64", S * 8), None),
-                    f"transformer:{S * 8}B:0": (None, ("int64", S * 8))})
-    return out
+    # nll_loss_forward's first output, the loss itself (an fp32 scalar the caller holds, alive at the
+    # end of the forward, not saved for backward): measured (and traced), not an item of the estimate.
+    # The estimate's total_weight (nll_loss's second output, saved) is then `(root):4B:0` where the
+    # measured one is `:1`: one key, two names. GPT-2's position ids pair (both in `transformer`)
+    return {"(root):4B:1": (None, ("float32", 4))}
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +134,39 @@ def test_compare_joins_estimate_trace_and_measurement_per_tensor(llama_fp32):
     }
     assert sum(r.equal for r in table.tensors) > 30
     assert table.to_dict()["tensors"][0].keys() == {"key", "estimate", "trace", "measured", "equal"}
+
+
+@pytest.mark.parametrize("case", ["reference-rope", "reference-learned", "torchtune-b1", "torchtune-b2"])
+def test_reference_model_and_torchtune_loss_join_per_tensor(case):
+    """``--profile reference``: the position ids and rotary cos/sin are the root's (Reference.forward
+    makes them), SwiGLU's activation and product mlp's (MLP.forward), the padded labels kept at B=1.
+    ``--loss torchtune-chunked-ce``: one log-softmax, total weight and (from B=2) label copy per
+    chunk, and from B=2 one head-input copy per chunk (lm_head's reshape), as the real step makes them."""
+    from measure_tiny import reference_spec
+    from trainmem.estimate import estimate
+    from trainmem.join import join_sides
+    from trainmem.measure.profiling import profile_model
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    f4 = ("float32", 4)
+    if case.startswith("reference"):
+        spec = reference_spec(num_layers=1, **({"max_positions": 64} if case.endswith("learned") else {}))
+        cfg, step, impl = spec, StepSpec(batch=1, seq=S), ImplSpec(device="cpu", profile="reference")
+        expected = {"(root):4B:1": (None, f4)}  # the loss itself (see _expected)
+    else:
+        b = 1 if case.endswith("b1") else 2
+        spec, cfg = spec_from_hf_config(LLAMA, name="tiny"), LLAMA
+        step = StepSpec(batch=b, seq=S, precision="bf16", loss="torchtune-chunked-ce")
+        impl = ImplSpec(device="cpu")
+        expected = {"(root):4B:8": (None, f4)}  # the loss (total / count) after the 8 chunks' total weights
+    measured = profile_model(cfg, step, impl, device="cpu", steps=1, warmup=1, modules=False)
+    rows = join_sides({"estimate": estimate(spec, step, impl).inventory, "measured": measured.items})
+    assert _differences(rows) == expected
+    assert sum(r.equal for r in rows) == len(rows) - 1 > 20
+    if case == "torchtune-b2":  # the per-chunk items: 8 log-softmax, 8 label copies, 8 head-input copies
+        keys = {r.key for r in rows if r.equal}
+        rows_c = 2 * S // 8
+        assert {f"(root):{rows_c * 1000 * 4}B:{c}" for c in range(8)} <= keys
+        assert {f"(root):{rows_c * 8}B:{c}" for c in range(8)} <= keys
+        assert {f"lm_head:{rows_c * 64 * 2}B:{c}" for c in range(8)} <= keys

@@ -52,7 +52,7 @@ from trainmem.inventory import dtype_bytes
 from trainmem.specs.step import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS
 
 __all__ = ["FRAMEWORK_LOSSES", "TORCHTUNE_CHUNKS", "LITGPT_CHUNK", "chunk_lengths", "LossPhases",
-           "framework_loss_phases", "framework_loss_items"]
+           "framework_loss_phases", "framework_loss_items", "torchtune_head"]
 
 
 def chunk_lengths(loss: str, S: int) -> list[int]:
@@ -110,10 +110,53 @@ def framework_loss_items(ctx, logits) -> None:
     # dims in S, so the doubling rule (symbols.scaling) sees how they scale: B·S rows (torchtune) or
     # B·(S-1) (LitGPT drops the last position); torch.chunk(S, 8) makes ⌈S/⌈S/8⌉⌉ chunks, split(S, 128) ⌈S/128⌉
     tt = loss == "torchtune-chunked-ce"
+    if tt:
+        return _torchtune_items(ctx, rg)
     g.save(g.new("log_softmax", (sum(rows), V), ("B·S" if tt else "B·(S-1)", "V"), lsm_dtype), when=rg)
     chunks = f"⌈S/⌈S/{TORCHTUNE_CHUNKS}⌉⌉" if tt else f"⌈S/{LITGPT_CHUNK}⌉"
     g.save(target, g.new("total_weight", (n,), (chunks,), "float32", False),
            g.new("token_count", (), (), "int64", False), when=rg)
+
+
+def _chunk_dims(S: int) -> list[tuple[int, str]]:
+    """torchtune's chunk lengths with their symbol: ⌈S/8⌉ each, the last one as a number where it is
+    shorter (the dims have no minus)."""
+    lens = chunk_lengths("torchtune-chunked-ce", S)
+    return [(n, f"⌈S/{TORCHTUNE_CHUNKS}⌉" if n == lens[0] else str(n)) for n in lens]
+
+
+def torchtune_head(ctx, h, name: str):
+    """torchtune's ``chunked_output``: the head runs on each chunk of ``h.chunk(8, dim=1)``. From B=2
+    a chunk is not contiguous and the linear's ``reshape`` copies it (aten ``matmul`` folds the leading
+    axes: a measured step's ``lm_head.clone``); mm keeps that copy for the weight's gradient, one
+    (B, len_c, H) item per chunk in the head's module, and ``h`` is not kept. At B=1 each chunk is a view
+    of ``h``, kept once (the one head input). Returns the last chunk's logits (their dtype and grad)."""
+    g, m = ctx.graph, ctx.model
+    H, V = m.hidden_size, m.vocab_size
+    out = h
+    with g.module(name):
+        for c, (n, sym) in enumerate(_chunk_dims(ctx.S)):
+            x = h if ctx.B == 1 else g.new(f"input_chunk{c}", (ctx.B, n, H), ("B", sym, "H"), h.dtype, h.requires_grad)
+            out = ctx.linear(x, V, "V", weight=(V, H), label=f"out_chunk{c}")
+    return out
+
+
+def _torchtune_items(ctx, rg: bool) -> None:
+    """What ``CEWithChunkedOutputLoss.forward`` keeps, per chunk as it makes them (a measured step's
+    items join these per tensor): the shifted labels (B=1: hstack's (B, S), every chunk's target a
+    view of it; from B=2 each chunk's ``reshape`` copies it, B·len_c·8), each chunk's fp32 log-softmax
+    and nll_loss's total weight (fp32, 4 bytes), and the token count (int64). The same bytes as the
+    whole-loss formula of the module docstring."""
+    g, B, S, V = ctx.graph, ctx.B, ctx.S, ctx.model.vocab_size
+    if B == 1:
+        g.save(g.new("target", (B * S,), ("B·S",), "int64", False), when=rg)
+    g.save(g.new("token_count", (), (), "int64", False), when=rg)
+    for c, (n, sym) in enumerate(_chunk_dims(S)):
+        r, rdim = B * n, f"B·{sym}"
+        if B > 1:
+            g.save(g.new(f"target_chunk{c}", (r,), (rdim,), "int64", False), when=rg)
+        g.save(g.new(f"log_softmax_chunk{c}", (r, V), (rdim, "V"), "float32"),
+               g.new(f"total_weight_chunk{c}", (), (), "float32", False), when=rg)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from importlib import import_module
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
-from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_items
+from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_items, torchtune_head
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.heads import task_head
 from trainmem.families import BlockRules, family_of, token_embedding_modules
@@ -88,11 +88,17 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
     """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype.
     ``positions``: a position embedding, indexed by (1, S) position ids."""
     g = ctx.graph
+    shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
+    ids = None
+    if positions:  # made by the embedding's parent (GPT2Model.forward, modeling_gpt2.py: torch.arange(S)
+        # + past_seen_tokens): named in its scope, ``transformer.indices``, where a measured step sees them made
+        with g.module(name.rpartition(".")[0]):
+            ids = g.new(EMBEDDING_INDICES, shape, dims, "int64", False)
     with g.module(name):
-        shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
         wt = ctx.weight_trainable()
-        # only the weight's gradient needs them; token ids are the model's input (not made by an op)
-        g.save(g.new(EMBEDDING_INDICES, shape, dims, "int64", False, input=not positions), when=wt)
+        if ids is None:  # token ids: the model's input, not made by an op
+            ids = g.new(EMBEDDING_INDICES, shape, dims, "int64", False, input=True)
+        g.save(ids, when=wt)  # only the weight's gradient needs them
         out = g.new(EMBEDDING_OUTPUT, shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
         if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
@@ -202,6 +208,8 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     if ctx.step.loss in ("chunked-ce", "fused-ce"):
         ctx.graph.save(h)  # chunked/fused CE recompute logits from the hidden state
         return ctx.graph.new("logits_chunk", h.shape, h.dims, h.dtype, h.requires_grad or ctx.trainable(f"{name}.weight"))
+    if ctx.step.loss == "torchtune-chunked-ce" and not ctx.impl.compile:  # one head matmul per chunk
+        return torchtune_head(ctx, h, name)
     with ctx.graph.module(name):
         logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size))
     if m.logit_softcap:  # Gemma-2: cap * tanh(logits / cap); tanh keeps its output
@@ -466,7 +474,7 @@ def _gpt(ctx: Ctx) -> None:
     if m.max_positions:
         pos = _embedding(ctx, f"{root}.wpe", positions=True)
         # a frozen wpe keeps no indices: checkpointed blocks then hold their own position ids
-        positions = next((t for t in ctx.graph.saved.values() if t.name == embedding_indices(f"{root}.wpe")), None)
+        positions = next((t for t in ctx.graph.saved.values() if t.name == embedding_indices(root)), None)
         x = ctx.add(x, pos, f"{root}.embed_sum")
     x = ctx.dropout(x, m.embd_dropout, f"{root}.drop", module=True)
     kernel = resolve_kernel(ctx)

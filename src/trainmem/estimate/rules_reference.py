@@ -29,14 +29,17 @@ def reference_forward(ctx: Ctx) -> None:
     H = m.hidden_size
     x = g.new(embedding_output("embed"), (ctx.B, ctx.S, H), ("B", "S", "H"), ctx.param)
     cos = sin = None
+    # Reference.forward makes the position ids (torch.arange(S)) and the rotary tables itself: they are
+    # the root's (measured names are the innermost module running its forward)
     if m.max_positions:
+        ids = g.new(EMBEDDING_INDICES, (ctx.S,), ("S",), "int64")
         with g.module("pos_embed"):
-            g.save(g.new(EMBEDDING_INDICES, (ctx.S,), ("S",), "int64"))  # torch.arange(S)
+            g.save(ids)
             pos = g.new(EMBEDDING_OUTPUT, (ctx.S, H), ("S", "H"), ctx.param)
         x = ctx.add(x, pos, "embed_sum")
     else:  # rotary tables, built per step in the embedding dtype
-        cos = g.new("rope.cos", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
-        sin = g.new("rope.sin", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
+        cos = g.new("cos", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
+        sin = g.new("sin", (ctx.S, m.head_dim), ("S", "hd"), ctx.param)
     x = _dropout(ctx, x, m.embd_dropout, "embed_dropout")
     for i in range(m.num_layers):
         with g.module(f"layers.{i}"):
@@ -50,8 +53,12 @@ def reference_forward(ctx: Ctx) -> None:
         ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, H))
     with g.module("loss"):  # F.cross_entropy(logits.float(), shifted labels): log_softmax + nll_loss
         B, S = ctx.B, ctx.S
-        g.save(g.new("log_softmax", (B * S, m.vocab_size), ("B·S", "V"), "float32"),
-               g.new("target", (B * S,), ("B·S",), "int64"),
+        # the target is F.pad(labels, (0, 1))[:, 1:].reshape(-1): at B=1 the slice is contiguous (a
+        # size-1 dim's stride does not count), so reshape is a view and the padded (S+1) storage is kept;
+        # from B=2 reshape copies it into B·S. The padded labels come first
+        shape, dims = ((S + 1,), ("S+1",)) if B == 1 else ((B * S,), ("B·S",))
+        target = g.new("target", shape, dims, "int64")
+        g.save(g.new("log_softmax", (B * S, m.vocab_size), ("B·S", "V"), "float32"), target,
                g.new("total_weight", (), (), "float32"))
 
 
@@ -184,23 +191,22 @@ def _attention(ctx: Ctx, h: Sym, cos: Sym | None, sin: Sym | None) -> Sym:
 def _mlp(ctx: Ctx, h: Sym) -> Sym:
     g, m, impl = ctx.graph, ctx.model, ctx.impl
     H, F = m.hidden_size, m.ffn_size
-    with g.module("mlp"):
+    with g.module("mlp"):  # MLP.forward runs the activation and the product itself: they are mlp's
         with g.module("gate" if m.gated else "up"):
             u = ctx.linear(h, F, "F", weight=(F, H))
         up = None
         if m.gated:
             with g.module("up"):
                 up = ctx.linear(h, F, "F", weight=(F, H))
-        with g.module("act"):
-            if impl.fused_bias_act:  # keeps its inputs, recomputes act(u + b) in backward
-                g.save(u, up)
-                dtype = promote(u.dtype, ctx.param) if m.mlp_bias else u.dtype
-                a = g.new("out", u.shape, u.dims, promote(dtype, up.dtype) if up else dtype)
-            else:
-                a = g.new("out", u.shape, u.dims, u.dtype)
-                g.save(a if m.activation == "relu" else u)  # relu keeps its result, the rest their input
-                if up is not None:
-                    a = ctx.mul(a, up, "mul_up")
+        if impl.fused_bias_act:  # keeps its inputs, recomputes act(u + b) in backward
+            g.save(u, up)
+            dtype = promote(u.dtype, ctx.param) if m.mlp_bias else u.dtype
+            a = g.new("act", u.shape, u.dims, promote(dtype, up.dtype) if up else dtype)
+        else:
+            a = g.new("act", u.shape, u.dims, u.dtype)
+            g.save(a if m.activation == "relu" else u)  # relu keeps its result, the rest their input
+            if up is not None:
+                a = ctx.mul(a, up, "mul_up")
         with g.module("down"):
             return ctx.linear(a, H, "H", weight=(H, F))
 
