@@ -41,15 +41,15 @@ def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams
     the tracer does (``trace/step.py``: torchtitan's op policy through ``context_fn``, every
     ``every``-th block, the attention core checkpointed)."""
     import contextlib
-    from trainmem.trace.step import _enable_recompute, _selective_recompute
+    from trainmem.trace.recompute import enable_recompute, selective_recompute
     torch.manual_seed(0)
     model = build_hf_model(cfg, attention="sdpa", dtype=torch.bfloat16 if precision == "bf16" else None)
     if recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif recompute in ("op", "every-k"):
-        _enable_recompute(model, ImplSpec(attention="sdpa", device="cpu", recompute=recompute,
+        enable_recompute(model, ImplSpec(attention="sdpa", device="cpu", recompute=recompute,
                                           recompute_every=every))
-    selective = _selective_recompute(model, "sdpa") if recompute == "selective" else contextlib.nullcontext()
+    selective = selective_recompute(model, "sdpa") if recompute == "selective" else contextlib.nullcontext()
     if compile_scope is not None:
         from trainmem.trace.compiled import compile_model
         model, _ = compile_model(model, ImplSpec(attention="sdpa", device="cpu", compile=True,

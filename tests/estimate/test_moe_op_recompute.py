@@ -32,7 +32,7 @@ def _kept_by_forward(cfg: dict, precision: str, attention: str) -> int:
     from trainmem.models.hf import build_hf_model
     from trainmem.trace.live import LiveStorages
     from trainmem.trace.routing import force_routing
-    from trainmem.trace.step import op_sac_context
+    from trainmem.trace.recompute import op_sac_context
     from trainmem.trace.storages import storage_key
 
     torch.manual_seed(0)

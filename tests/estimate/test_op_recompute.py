@@ -22,7 +22,7 @@ from trainmem.specs.loaders import spec_from_hf_config
 from trainmem.trace import trace_step
 from trainmem.trace.live import LiveStorages
 from trainmem.trace.saved import step_peak_bytes
-from trainmem.trace.step import op_sac_context
+from trainmem.trace.recompute import op_sac_context
 from trainmem.trace.storages import storage_key
 
 B, S = 2, 64

@@ -27,7 +27,7 @@ from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
 from trainmem.trace import trace_step
 from trainmem.trace.live import LiveStorages
-from trainmem.trace.step import make_optimizer_for
+from trainmem.trace.optimizers import make_optimizer_for
 from trainmem.trace.torch_state import default_dtype
 
 CFG = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,

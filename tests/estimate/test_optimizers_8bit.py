@@ -113,7 +113,7 @@ def _real_states(opt_name: str, precision: str) -> tuple[dict[str, int], int]:
     """(bytes per parameter name excluding shared storages and step counters, all distinct bytes)."""
     torch = pytest.importorskip("torch")
     from trainmem.models.hf import build_hf_model
-    from trainmem.trace.step import make_optimizer_for
+    from trainmem.trace.optimizers import make_optimizer_for
     from trainmem.trace.torch_state import default_dtype
     if opt_name in TORCHAO:
         pytest.importorskip("torchao")

@@ -31,8 +31,9 @@ def _real_compiled_step(config, step: StepSpec, impl: ImplSpec):
     real CPU tensors, the step's optimizer as the tracer makes it, after one warm-up step."""
     from trainmem.models.hf import build_hf_model
     from trainmem.trace.compiled import compile_model
+    from trainmem.trace.optimizers import make_optimizer_for
+    from trainmem.trace.recompute import enable_recompute
     from trainmem.trace.saved import saved_tensors, step_peak_bytes
-    from trainmem.trace.step import _enable_recompute, make_optimizer_for
 
     torch.manual_seed(0)
     old = torch.get_default_dtype()
@@ -42,7 +43,7 @@ def _real_compiled_step(config, step: StepSpec, impl: ImplSpec):
     finally:
         torch.set_default_dtype(old)
     model.train()
-    _enable_recompute(model, impl)  # transformers' gradient checkpointing, as the tracer enables it
+    enable_recompute(model, impl)  # transformers' gradient checkpointing, as the tracer enables it
     compiled, record = compile_model(model, impl)
     _, _, opt = make_optimizer_for(model, step, impl)
     ids = torch.randint(0, 1000, (step.batch, step.seq))

@@ -210,7 +210,9 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
         import torch
     except ImportError:  # pragma: no cover
         raise UnsupportedError("measuring needs torch: pip install 'trainmem[torch]'") from None
-    from trainmem.trace.step import _check, _enable_recompute, _selective_recompute, make_optimizer_for
+    from trainmem.trace.optimizers import make_optimizer_for
+    from trainmem.trace.recompute import enable_recompute, selective_recompute
+    from trainmem.trace.step import _check
 
     step = step or StepSpec()
     impl = impl or ImplSpec()
@@ -224,7 +226,7 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
     model, vocab, reference = _build_model(source, step, impl, dev)
     model.train()
     if not reference:
-        _enable_recompute(model, impl)
+        enable_recompute(model, impl)
     if impl.float8 != "none":  # torchao's conversion, as the tracer applies it (trace/float8.py)
         from trainmem.trace.float8 import convert_float8
         convert_float8(model, impl)
@@ -244,7 +246,7 @@ def build_workload(source, step: StepSpec | None = None, impl: ImplSpec | None =
         if not reference:
             stack.enter_context(_attention_context(impl))
             if impl.recompute == "selective":
-                stack.enter_context(_selective_recompute(model, impl.attention))
+                stack.enter_context(selective_recompute(model, impl.attention))
         return stack
 
     framework = step.loss in FRAMEWORK_LOSSES

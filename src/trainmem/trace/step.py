@@ -1,7 +1,7 @@
 """``trace_step``: build a model, run two training steps, trace the second.
 
 The step is ``loss = model(ids, labels=ids).loss; loss.backward(); optimizer.step();
-optimizer.zero_grad(set_to_none=True)``, with the optimizer in ``impl.optimizer_impl`` (auto:
+optimizer.zero_grad(set_to_none=True)``, with the optimizer in ``impl.optimizer_impl`` (:mod:`trainmem.trace.optimizers`) (auto:
 torch's default on ``impl.device``, foreach for cuda, so the trace shows what a CUDA device would
 hold), or stepped per parameter inside backward with ``impl.optimizer_in_backward``. The first
 step creates the optimizer state; the second is recorded with everything alive at its start as
@@ -16,7 +16,7 @@ Precision recipes (``StepSpec.precision``):
     copies. After backward each 16-bit gradient is cast into its master's ``.grad`` and freed,
     the optimizer steps the masters, and the masters are copied back into the model.
 
-Recompute (``ImplSpec.recompute``): ``full`` and ``every-k`` use Hugging Face gradient
+Recompute (``ImplSpec.recompute``, :mod:`trainmem.trace.recompute`): ``full`` and ``every-k`` use Hugging Face gradient
 checkpointing (non-reentrant ``torch.utils.checkpoint``) on every / every k-th decoder layer;
 ``selective`` checkpoints the attention core (the ``attention_interface`` call: scores, softmax,
 dropout and the weighted sum), not the projections; ``op`` checkpoints every decoder layer with
@@ -46,100 +46,16 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import sys
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from trainmem.errors import UnsupportedError
 from trainmem.specs import ImplSpec, StepSpec
+from trainmem.trace.optimizers import make_optimizer_for
+from trainmem.trace.recompute import enable_recompute, selective_recompute
 from trainmem.trace.result import TraceResult
-from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
+from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log, torch_dtype
 
 __all__ = ["trace_step"]
-
-
-def _dtype(name: str):
-    import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-_IMPL_KWARGS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
-
-
-def _make_optimizer(name: str, params, impl: str = "foreach"):
-    import torch
-    kw = _IMPL_KWARGS[impl]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, **kw)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4, **kw)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, **kw)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
-    if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
-        return torch.optim.Adafactor(params, lr=1e-2, **kw)
-    from trainmem.trace import low_bit_optim as low
-    if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
-        return low.make_bnb_optimizer(name, params)
-    if name in low.TORCHAO_CLASSES:  # real tensors only: trace_step refuses torchao
-        return low.make_torchao_optimizer(name, params)
-    raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
-
-
-class OptimizerInBackward:
-    """torchtune's ``optimizer_in_bwd`` (``torchtune/training/_memory.py``
-    ``register_optim_in_bwd_hooks``): one optimizer per parameter, stepped and zeroed in that
-    parameter's post-accumulate-grad hook, so each gradient is freed as soon as it is used.
-    ``step()`` and ``zero_grad()`` do nothing: the work happened during backward.
-    ``param_groups`` and ``state`` are those of every per-parameter optimizer."""
-
-    def __init__(self, params, make) -> None:
-        self.optimizers = [make([p]) for p in params]
-        for p, opt in zip(params, self.optimizers):
-            p.register_post_accumulate_grad_hook(self._hook(opt))
-
-    @staticmethod
-    def _hook(opt):
-        def step(_param) -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    @property
-    def param_groups(self) -> list:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-
-def make_optimizer_for(model, step: StepSpec, impl: ImplSpec | None = None):
-    """``(trainable params, fp32 master copies or None, optimizer)`` as the step's precision and
-    ``impl`` ask: mixed precision steps an fp32 master copy of each 16-bit parameter; the
-    optimizer runs ``impl.optimizer_impl`` (auto: torch's default on ``impl.device``), in
-    backward when ``impl.optimizer_in_backward`` (an :class:`OptimizerInBackward`)."""
-    from functools import partial
-
-    from trainmem.specs.optimizer_impl import check_optimizer, optimizer_impl_used
-
-    impl = impl or ImplSpec()
-    check_optimizer(step, impl)
-    make = partial(_make_optimizer, step.optimizer, impl=optimizer_impl_used(step, impl))
-    params = [p for p in model.parameters() if p.requires_grad]
-    master = step.dtypes.master
-    if impl.optimizer_in_backward:  # check_optimizer refused master weights
-        return params, None, OptimizerInBackward(params, make)
-    if master is None:
-        return params, None, make(params)
-    masters = [p.detach().to(_dtype(master)).requires_grad_(True) for p in params]
-    return params, masters, make(masters)
 
 
 def _check(step: StepSpec, impl: ImplSpec) -> None:
@@ -165,91 +81,6 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
                                "the tracer steps torch's .grad: trace mixed-bf16 (2 bytes per parameter fewer)")
 
 
-@contextlib.contextmanager
-def _selective_recompute(model, attention: str):
-    """Checkpoint each attention core call (see the module docstring)."""
-    import torch.utils.checkpoint as ckpt
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def wrap(fn):
-        def core(*args, **kwargs):
-            return ckpt.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return core
-
-    patched: list[tuple[Any, str, Any]] = []
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    for mod in modules:
-        if hasattr(mod, "eager_attention_forward"):
-            patched.append((mod, "eager_attention_forward", mod.eager_attention_forward))
-    key = "sdpa" if attention != "eager" else None
-    old_sdpa = ALL_ATTENTION_FUNCTIONS[key] if key else None
-    try:
-        for mod, name, fn in patched:
-            setattr(mod, name, wrap(fn))
-        if key:
-            ALL_ATTENTION_FUNCTIONS[key] = wrap(old_sdpa)
-        yield
-    finally:
-        for mod, name, fn in patched:
-            setattr(mod, name, fn)
-        if key:
-            ALL_ATTENTION_FUNCTIONS[key] = old_sdpa
-
-
-def op_sac_context():
-    """A fresh pair of selective-checkpoint contexts with torchtitan's op-level policy (one per
-    checkpointed forward: the mm counter restarts each block).
-
-    torchtitan/distributed/activation_checkpoint.py (b5bcd76) ``SelectiveAC._wrap_block``: the
-    outputs of ``_get_default_save_ops`` -- torch._functorch.partitioners' compute-intensive ops
-    (mm, addmm, bmm, the CUDA flash/efficient SDPA kernels, ...), aten.linear, max, topk, the
-    cudnn SDPA kernel and the reduce-scatter/all-to-all collectives -- are MUST_SAVE, except
-    every second mm (``forward_mm_count % 2 == 0`` after counting it), which is recomputed with
-    everything else. Not modelled: its force-recompute mm shapes (MoE router gates) and its
-    CUDA-to-CPU copies.
-    """
-    import torch
-    from torch._functorch.partitioners import get_default_op_list
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    save = {op.default for op in get_default_op_list().compute_intensive_ops}
-    save |= {aten.linear.default, aten.max.default, aten.topk.default,
-             aten._scaled_dot_product_cudnn_attention.default,
-             torch.ops._c10d_functional.reduce_scatter_tensor.default,
-             torch.ops._c10d_functional.all_to_all_single.default}
-    mm_ops = (aten.mm.default, aten.linear.default)
-    count = {"forward": 0, "recompute": 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func in mm_ops:
-            count[mode] += 1
-            if count[mode] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def _enable_recompute(model, impl: ImplSpec) -> None:
-    if impl.recompute in ("full", "every-k", "op"):
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise UnsupportedError(f"{type(model).__name__} does not support gradient checkpointing")
-        kwargs = {"use_reentrant": False}
-        if impl.recompute == "op":  # transformers passes these on to torch.utils.checkpoint.checkpoint
-            kwargs["context_fn"] = op_sac_context
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if impl.recompute == "every-k":
-            from transformers.modeling_layers import GradientCheckpointingLayer
-            layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-            for i, layer in enumerate(layers):
-                layer.gradient_checkpointing = impl.checkpointed(i)
-
-
 def _attention_context(impl: ImplSpec):
     if impl.attention == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -268,7 +99,7 @@ def _grouped_mm_fallback_unless_bf16():
     original = moe._can_use_grouped_mm
 
     def can_use(input, weight, offs):
-        return weight.dtype == _dtype("bfloat16") and original(input, weight, offs)
+        return weight.dtype == torch_dtype("bfloat16") and original(input, weight, offs)
 
     moe._can_use_grouped_mm = can_use
     try:
@@ -398,12 +229,12 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     reference = isinstance(model_or_config, ModelSpec)
     if reference:
         from trainmem.models.reference import build_reference_model
-        with default_dtype(_dtype(dt.param)):  # model.to() cannot swap fake parameters
+        with default_dtype(torch_dtype(dt.param)):  # model.to() cannot swap fake parameters
             model = build_reference_model(model_or_config, impl)
         vocab = model_or_config.vocab_size
     elif isinstance(model_or_config, Mapping):
         from trainmem.models.hf import build_hf_model
-        with default_dtype(_dtype(dt.param)):
+        with default_dtype(torch_dtype(dt.param)):
             model = build_hf_model(model_or_config, attention=impl.attention, head=head, experts=experts,
                                    init_weights=not is_fake(torch.empty(0)))
     else:
@@ -416,7 +247,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if not reference:
         _check_positions(model, step.seq)
     if not reference:  # the reference model checkpoints by itself, from impl
-        _enable_recompute(model, impl)
+        enable_recompute(model, impl)
     float8_names = None
     if impl.float8 != "none":  # trace/float8.py: torchao's own conversion, filtered as torchtitan does
         from trainmem.trace.float8 import convert_float8
@@ -429,12 +260,12 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         model = apply_finetune(model, finetune, model_spec)
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
-    autocast = (torch.autocast("cpu", dtype=_dtype(dt.activation)) if dt.autocast
+    autocast = (torch.autocast("cpu", dtype=torch_dtype(dt.activation)) if dt.autocast
                 else contextlib.nullcontext())
     if dt.autocast and float8_names is not None:  # Float8Linear reads CUDA's autocast state
         from trainmem.trace.float8 import Float8Autocast
-        autocast = Float8Autocast(autocast, _dtype(dt.activation))
-    selective = (_selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
+        autocast = Float8Autocast(autocast, torch_dtype(dt.activation))
+    selective = (selective_recompute(model, impl.attention) if impl.recompute == "selective" and not reference
                  else contextlib.nullcontext())
     if reference:
         ids = torch.randint(0, vocab, (step.batch, step.seq))

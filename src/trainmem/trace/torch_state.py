@@ -1,11 +1,18 @@
 """Context managers over torch's process-wide state that the tracers and the measured workload
-share: the default dtype a model is built under, and FakeTensorMode's logger."""
+share: the default dtype a model is built under, and FakeTensorMode's logger; and the torch dtype
+of a spec's dtype name."""
 
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["default_dtype", "quiet_fake_tensor_log"]
+__all__ = ["default_dtype", "quiet_fake_tensor_log", "torch_dtype"]
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a spec's dtype name (``float32``, ``bfloat16``, ``float16``)."""
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 @contextlib.contextmanager
