@@ -72,7 +72,10 @@ def test_plan_and_advise_reserve_is_the_same_model_on_every_preset():
     for name in list_gpus():
         gpu = load_gpu(name)
         assert gpu.context_bytes == GIB and "not measured" in gpu.context_source
-        assert Reserve().usable_bytes(gpu) == budget_bytes(gpu, reserve_modelled=False)
+        assert Reserve().usable_bytes(gpu) == budget_bytes(gpu, reserve_modelled=False)  # the integrations
+        for gpus in (1, 8):  # plan and advise: the reserved budget of estimate's verdict, NCCL beyond one rank
+            assert Reserve.modelled(gpu).reserved_usable_bytes(gpu, gpus) == \
+                budget_bytes(gpu, reserve_modelled=True, gpus=gpus)
 
 
 def test_custom_gpu_memory_only():
@@ -185,13 +188,15 @@ def test_sweep_gpu_sets_the_budget_and_says_so(capsys, tiny):
 
 def test_sweep_llama3_8b_on_h100_claims_no_seq_the_verdict_refuses(capsys):
     """The issue: ``sweep --budget 80G`` said S=4096 fits Llama-3-8B, while trace predicts more reserved
-    memory than an H100 has. With --gpu the sweep keeps the same margin as the verdict."""
+    memory than an H100 has. With --gpu the sweep compares the estimate's reserved peak (allocator
+    model) with capacity − context, as the verdict does."""
     data = json.loads(_run(capsys, "sweep", "--model", "llama-3-8b", "--over", "seq", "--gpu", "H100-80GB", "--json"))
-    usable = budget_bytes(load_gpu("H100-80GB"), reserve_modelled=False)
+    usable = budget_bytes(load_gpu("H100-80GB"), reserve_modelled=True)
     assert data["budget_bytes"] == usable
     assert data["max_fit"] is None or data["max_fit"] < 4096
     for p in data["points"]:
-        assert p["fits"] is verdict(load_gpu("H100-80GB"), allocated_bytes=p["peak_bytes"]).fits
+        assert p["fits"] is verdict(load_gpu("H100-80GB"), allocated_bytes=p["peak_bytes"],
+                                    reserved_bytes=p["peak_reserved_bytes"]).fits
     at_4096 = json.loads(_run(capsys, "estimate", "--model", "llama-3-8b", "--seq", "4096", "--gpu", "H100-80GB",
                               "--json"))["fits"]
     assert at_4096["fits"] is False

@@ -116,8 +116,10 @@ def _paged_bytes(result) -> int:
     return int(getattr(result, "totals_bytes", {}).get("paged_optimizer_state", 0))
 
 
-def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:
-    """``sweep``: the budget in bytes from ``--budget`` or ``--gpu`` (the usable memory, said in a line)."""
+def sweep_budget(args, *, reserve_modelled: bool, gpus: int = 1,
+                 source: str = "from the back-end's allocator") -> tuple[int, str]:
+    """``sweep``: the budget in bytes from ``--budget`` or ``--gpu`` (the usable memory, said in a line);
+    ``gpus``: the ranks of the swept layout (NCCL's buffers beyond one), as ``estimate`` counts them."""
     from trainmem.errors import SpecError
     from trainmem.fits import ESTIMATE_RESERVE_FRACTION, budget_bytes, context_bytes
     from trainmem.units import parse_size
@@ -131,18 +133,21 @@ def sweep_budget(args, *, reserve_modelled: bool) -> tuple[int, str]:
         if args.budget is None:
             raise SpecError("budget", None, "needs --budget SIZE or --gpu NAME")
         return parse_size(args.budget, field="budget"), "\n".join(size_readings(args))
-    budget = budget_bytes(gpu, reserve_modelled=reserve_modelled)
-    parts = f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(context_bytes(gpu))} CUDA context (an estimate)"
+    budget = budget_bytes(gpu, reserve_modelled=reserve_modelled, gpus=gpus)
+    ctx = context_bytes(gpu, gpus)
+    parts = (f"{fmt_bytes(gpu.memory_bytes)} capacity − {fmt_bytes(ctx)} CUDA context"
+             f"{' + NCCL buffers' if gpus > 1 else ''} (an estimate)")
     if reserve_modelled:
-        what = "reserved, from the back-end's allocator"
+        what = f"reserved, {source}"
     else:
         what = "allocated"
-        parts += (f" − {fmt_bytes(gpu.memory_bytes - context_bytes(gpu) - budget)} allocator reserve "
+        parts += (f" − {fmt_bytes(gpu.memory_bytes - ctx - budget)} allocator reserve "
                   f"{ESTIMATE_RESERVE_FRACTION:.0%} of capacity (fragmentation, not modelled for estimates)")
     return budget, f"budget: the usable memory on 1× {gpu.name}, {fmt_bytes(budget)} {what} = {parts}"
 
 
-def sweep_fit(args, result, *, reserve_modelled: bool) -> tuple[dict, str]:
+def sweep_fit(args, result, *, reserve_modelled: bool, gpus: int = 1,
+              source: str = "from the back-end's allocator") -> tuple[dict, str]:
     """``sweep --gpu``: the verdict at the largest value that fits and at the next value tried."""
     if args.gpu is None:
         return {}, ""
@@ -156,7 +161,7 @@ def sweep_fit(args, result, *, reserve_modelled: bool) -> tuple[dict, str]:
             continue
         d, text = fit_report(args, allocated_bytes=p.peak_bytes,
                              reserved_bytes=p.reserved_bytes if reserve_modelled else None,
-                             reserved_source="from the back-end's allocator", label=f"{result.over}={p.value}: ")
+                             reserved_source=source, gpus=gpus, label=f"{result.over}={p.value}: ")
         out[key] = d["fits"]
         lines.append(text)
     return out, "\n".join(lines)

@@ -13,8 +13,9 @@ The model, per rank::
   knows it (``reserved − allocated`` from :mod:`trainmem.trace.allocator`'s replay), a CUDA
   profile measures it; a training estimate replays its own tensors in allocation order through the
   same allocator model (:mod:`trainmem.estimate.allocation_order`, used by ``fitargs.estimate_fit``);
-  where no order is modelled (an inference estimate, ``sweep``'s estimate back-end, plan and
-  advise) it is a stated share of the capacity (:data:`ESTIMATE_RESERVE_FRACTION`, 5%).
+  ``sweep``'s estimate back-end, ``plan``'s shortlist and ``advise`` use the same replay; where no
+  order is modelled (an inference estimate) it is a stated share of the capacity
+  (:data:`ESTIMATE_RESERVE_FRACTION`, 5%).
 
 The headroom is the same whatever the figure; the figure only says which number the verdict
 quotes as the need, and the usable memory is the capacity less what that figure leaves out.
@@ -52,12 +53,13 @@ if TYPE_CHECKING:
     from trainmem.plan.hardware import GPU
 
 __all__ = ["FIGURES", "Verdict", "verdict", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
-           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident"]
+           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident", "reserved_budget"]
 
 FIGURES = ("allocated", "active", "reserved", "device")
 
-#: The estimate's allocator reserve, as a share of capacity: plan's and advise's default
-#: (``trainmem.plan.hardware.Reserve.fraction``), so the five commands and the planner agree.
+#: The estimate's allocator reserve, as a share of capacity, where no allocation order is modelled
+#: (inference estimates; ``trainmem.plan.hardware.Reserve.fraction``'s default for the integrations,
+#: which compare allocated peaks). plan, advise and sweep compare the modelled reserved peak instead.
 ESTIMATE_RESERVE_FRACTION = 0.05
 
 #: Per-rank NCCL buffers when the world has more than one rank. Uncertain, an order of magnitude:
@@ -81,6 +83,16 @@ def budget_bytes(gpu: GPU, *, reserve_modelled: bool, gpus: int = 1,
     """The largest peak that fits one rank: reserved bytes where the allocator is modelled or measured
     (capacity − context), else allocated bytes (capacity − context − ``fraction`` of capacity)."""
     return usable_bytes(gpu.memory_bytes, context_bytes(gpu, gpus), 0.0 if reserve_modelled else fraction)
+
+
+def reserved_budget(gpu: GPU, *, gpus: int = 1, fixed_bytes: int | None = None, extra_fraction: float = 0.0) -> int:
+    """The largest reserved peak one rank holds: capacity − context (the preset's, or ``fixed_bytes``
+    given with ``--reserve``) − NCCL's buffers on more than one rank − ``extra_fraction`` of capacity
+    (``--reserve-fraction``, an explicit margin, 0 by default). With the defaults it is the usable
+    memory of :func:`verdict`'s ``reserved`` figure, so ``plan``/``advise``/``sweep`` and
+    ``estimate --memory-figure reserved`` agree."""
+    fixed = gpu.context_bytes if fixed_bytes is None else fixed_bytes
+    return usable_bytes(gpu.memory_bytes, fixed + (NCCL_BYTES if gpus > 1 else 0), extra_fraction)
 
 
 def check_figure(figure: str) -> str:

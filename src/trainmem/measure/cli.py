@@ -218,17 +218,21 @@ def run_sweep(args: argparse.Namespace) -> int:
         device = resolve_device(None if args.run_on == "auto" else args.run_on)
         impl = replace(impl, device=device.type)
     from trainmem.cliargs import finetune_from_args, parallel_from_args
-    # --gpu: the allocator is modelled by the trace and measured on CUDA; the estimate keeps a share
-    modelled = args.backend == "trace" or device is not None and device.type == "cuda"
-    budget, budget_text = sweep_budget(args, reserve_modelled=modelled)
+    # --gpu: the allocator is modelled by the trace and the estimate (its allocation order), measured on CUDA
+    modelled = args.backend in ("trace", "estimate") or device is not None and device.type == "cuda"
+    parallel = parallel_from_args(args)
+    ranks = parallel.world_size if parallel is not None and args.backend == "estimate" else 1
+    from trainmem.estimate.allocation_order import SOURCE
+    said = SOURCE if args.backend == "estimate" else "from the back-end's allocator"
+    budget, budget_text = sweep_budget(args, reserve_modelled=modelled, gpus=ranks, source=said)
     result = sweep(source, step, impl, over=args.over, budget_bytes=budget, backend=args.backend, start=args.start,
                    stop=args.stop, multiple=args.multiple, device=device, seed=args.seed,
-                   parallel=parallel_from_args(args), finetune=finetune_from_args(args),
+                   parallel=parallel, finetune=finetune_from_args(args),
                    fit_reserved=args.gpu is not None and modelled)
     from trainmem.fitargs import gpu_from_args
     from trainmem.schemas import model_input, set_inputs
     payload = set_inputs(result.to_dict(), model=model_input(source, args.model), gpu=gpu_from_args(args))
-    fit, fit_text = sweep_fit(args, result, reserve_modelled=modelled)
+    fit, fit_text = sweep_fit(args, result, reserve_modelled=modelled, gpus=ranks, source=said)
     payload.update(fit)
     from trainmem.report.output import write_outputs
     write_outputs(payload, args, title=f"trainmem sweep: {args.model}")

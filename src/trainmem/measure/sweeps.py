@@ -6,7 +6,9 @@ fits, then the gap between the last value that fits and the first that does not 
 Peak memory must not decrease as the value grows (true of all three back-ends).
 
 Back-ends and what "fits" means:
-  - ``estimate``: :func:`trainmem.estimate.estimate`'s peak <= budget. Terms from its items.
+  - ``estimate``: :func:`trainmem.estimate.estimate`'s peak <= budget (``fit_reserved``: its reserved
+    peak, the estimate replayed through the caching-allocator model,
+    :func:`trainmem.estimate.allocation_order.estimate_reserved`). Terms from its items.
   - ``trace``: :func:`trainmem.trace.trace_step` on fake tensors; the 512-byte rounded allocated
     peak <= budget. Terms from the traced items' shapes.
   - ``device``: real steps (:func:`trainmem.measure.profiling.profile_model`). On CUDA the
@@ -167,14 +169,18 @@ def _with(step: StepSpec, over: str, value: int) -> StepSpec:
     return replace(step, seq=value) if over == "seq" else replace(step, batch=value)
 
 
-def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str, parallel=None, finetune=None):
-    """The estimator's peak of the rank with the highest peak when ``parallel`` is given."""
+def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str, parallel=None, finetune=None,
+                      reserved: bool = False):
+    """The estimator's peak of the rank with the highest peak when ``parallel`` is given; with
+    ``reserved`` also its reserved peak from the allocator model (``estimate --memory-figure reserved``)."""
     from trainmem.estimate import estimate
+    from trainmem.estimate.allocation_order import estimate_reserved
 
     def run(value: int) -> SweepPoint:
         s = _with(step, over, value)
         e = estimate(model, s, impl, parallel, finetune=finetune)
-        return SweepPoint(value, True, e.peak_bytes, e.totals_bytes, _split_terms(e.inventory, s.seq))
+        return SweepPoint(value, True, e.peak_bytes, e.totals_bytes, _split_terms(e.inventory, s.seq),
+                          reserved_bytes=estimate_reserved(e).reserved_bytes if reserved else None)
     return run
 
 
@@ -268,8 +274,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
     the per-rank peak of that layout and fine-tuning, as ``trainmem estimate`` reports it; the
     trace and device back-ends run one device and full training, and refuse them.
 
-    ``fit_reserved``: compare the trace back-end's reserved figure (its caching-allocator model)
-    with the budget instead of the allocated peak (``sweep --gpu``: the budget is then the capacity
+    ``fit_reserved``: compare the estimate's or trace back-end's reserved figure (the caching-allocator
+    model) with the budget instead of the allocated peak (``sweep --gpu``: the budget is then the capacity
     less the context, :mod:`trainmem.fits`); the device back-end always compares reserved.
 
     ``source``: a :class:`ModelSpec` for the estimator (and the reference model on the other
@@ -306,7 +312,7 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                                             "--backend estimate")
     seen: dict[int, SweepPoint] = {}
     if backend == "estimate":
-        run, ctx = _estimate_backend(spec, step, impl, over, parallel, finetune), None
+        run, ctx = _estimate_backend(spec, step, impl, over, parallel, finetune, reserved=fit_reserved), None
     elif backend == "trace":
         if impl.profile == "reference" and not isinstance(source, ModelSpec):
             source = spec

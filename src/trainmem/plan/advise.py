@@ -18,6 +18,14 @@ CPU offload of the optimizer. Each rung is applied on top of the previous ones a
 that does not apply (already on, nothing to shrink, no GPUs to spread over) or saves nothing is
 listed with the reason and not recommended. The walk stops as soon as the peak fits.
 
+**Fits** means what ``estimate --memory-figure reserved`` says: the configuration's reserved peak
+(its estimate replayed through the caching-allocator model,
+:func:`trainmem.estimate.allocation_order.estimate_reserved`) is within capacity − context − NCCL
+buffers (more than one rank) − ``--reserve-fraction`` × capacity (an extra margin, 0 by default;
+:meth:`~trainmem.plan.hardware.Reserve.reserved_usable_bytes`). Every peak is stated twice:
+``peak_bytes`` allocated (the estimate's), ``peak_reserved_bytes`` reserved (the verdict's);
+headroom is usable − reserved.
+
 ``throughput_cost`` is the share of tokens/s lost, from :func:`trainmem.plan.cost.step_time` at the
 same global batch: ``1 − tokens/s after ÷ tokens/s before``, positive when the step gets slower,
 negative when it gets faster (:data:`THROUGHPUT_COST`; the JSON states it under ``conventions``).
@@ -60,11 +68,13 @@ class AdviceStep:
     throughput_cost: float
     config: dict
     note: str = ""
+    reserved_bytes_after: int = 0
+    """The reserved peak after the step (allocator model): what the fit compares."""
 
     def to_dict(self) -> dict:
         return {"rung": self.rung, "action": self.action, "saved_bytes": self.saved_bytes,
                 "peak_bytes_after": self.peak_bytes_after, "throughput_cost": self.throughput_cost,
-                "config": self.config, "note": self.note}
+                "config": self.config, "note": self.note, "peak_reserved_bytes_after": self.reserved_bytes_after}
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,13 @@ class Option:
     config: dict
     command: str
     """The ``trainmem estimate`` line whose peak is ``peak_bytes``."""
+    reserved_bytes: int = 0
+    """The reserved peak (allocator model; ``estimate --memory-figure reserved``): ``headroom_bytes``
+    is usable less this."""
 
     def to_dict(self) -> dict:
         return {"changes": list(self.changes), "actions": list(self.actions), "peak_bytes": self.peak_bytes,
+                "peak_reserved_bytes": self.reserved_bytes,
                 "headroom_bytes": self.headroom_bytes, "throughput_cost": self.throughput_cost,
                 "changes_training": self.changes_training, "config": self.config, "command": self.command}
 
@@ -130,6 +144,8 @@ class Advice:
     start_command: str = ""
     parallel: ParallelSpec | None = None  # the starting layout, echoed in the header's inputs
     finetune: Any = None
+    start_reserved_bytes: int = 0
+    """The start's reserved peak (allocator model), compared with ``usable_bytes``."""
 
     def to_dict(self) -> dict:
         from trainmem.schemas import header
@@ -137,6 +153,7 @@ class Advice:
                      finetune=self.finetune, gpu=self.gpu)
         out["inputs"]["gpus"] = self.gpus
         return {**out, "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
+                "memory_figure": {"figure": "reserved", "peak_reserved_bytes": self.start_reserved_bytes},
                 "start_peak_bytes": self.start_peak_bytes, "start_command": self.start_command,
                 "options": [o.to_dict() for o in self.options],
                 "search": None if self.stats is None else self.stats.to_dict(),
@@ -146,13 +163,29 @@ class Advice:
 
 
 class _Measure:
-    """Per-rank peaks and activation bytes, one estimate per configuration."""
+    """Per-rank peaks (allocated, reserved) and activation bytes, one estimate per configuration:
+    ``(allocated, activation, reserved)``, reserved from the allocator model (the fit's figure).
 
-    def __init__(self, model: ModelSpec) -> None:
-        self.model, self.memo, self.failed = model, {}, {}
+    The replay costs about as much as the estimate, so it runs only where it can change the verdict:
+    when the allocated peak is over ``usable`` the reserved one is too (the replay's reserve is never
+    negative), and the third element is then the allocated peak, a bound that already fails;
+    :meth:`reserved` replays such a configuration when its exact figure is printed."""
+
+    def __init__(self, model: ModelSpec, usable: int | None = None) -> None:
+        self.model, self.memo, self.failed, self.usable = model, {}, {}, usable
         self.host: dict[Config, int] = {}  # what activation offload sends to host (one device)
+        self.unreplayed: dict[Config, Any] = {}  # estimates whose reserved peak was bounded, not replayed
 
-    def __call__(self, c: Config) -> tuple[int, int] | None:
+    def reserved(self, c: Config) -> int:
+        """The exact reserved peak of a measured configuration."""
+        from trainmem.estimate.allocation_order import estimate_reserved
+        e = self.unreplayed.pop(c, None)
+        if e is not None:
+            got = self.memo[c]
+            self.memo[c] = (got[0], got[1], estimate_reserved(e).reserved_bytes)
+        return self.memo[c][2]
+
+    def __call__(self, c: Config) -> tuple[int, int, int] | None:
         if c not in self.memo and c not in self.failed:
             par = None if c.par.is_single else c.par
             try:
@@ -160,7 +193,12 @@ class _Measure:
             except TrainmemError as exc:  # a combination the estimator refuses (e.g. in-backward + ZeRO)
                 self.failed[c] = str(exc)
                 return None
-            self.memo[c] = (e.peak_bytes, e.totals_bytes.get("activation", 0))
+            from trainmem.estimate.allocation_order import estimate_reserved
+            if self.usable is not None and e.peak_bytes > self.usable:  # reserved >= allocated > usable
+                self.memo[c] = (e.peak_bytes, e.totals_bytes.get("activation", 0), e.peak_bytes)
+                self.unreplayed[c] = e
+            else:
+                self.memo[c] = (e.peak_bytes, e.totals_bytes.get("activation", 0), estimate_reserved(e).reserved_bytes)
             if e.host is not None:
                 self.host[c] = e.host.total()
         return self.memo.get(c)
@@ -213,7 +251,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
     """The ``top`` cheapest fitting configurations (by step time) reachable from ``start`` by up to
     ``max_changes`` choices that keep the training, then the ``top_changing`` cheapest that change
     it (LoRA/QLoRA), searched in that order; a quarter of ``budget`` is kept for the second group."""
-    measure = measure or _Measure(model)
+    measure = measure or _Measure(model, usable_bytes)
     # no choice stores a weight in fewer than 4 bits, shards it over more than every GPU or moves it
     # to the host (unless the start does)
     floor = matmul_parameters(model)[1] // 2 // gpus
@@ -224,7 +262,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
         return (), SearchStats(0, measure.runs, budget, max_changes, True, {}, tuple(CHOICES), why)
     clock = _Clock(model, start, gpu, cost)
     ctx = Context(model, gpus, gpu.gpus_per_node, fp8=gpu.fp8_flops is not None)
-    start_activation_bytes = (measure(start) or (0, 0))[1]
+    start_activation_bytes = (measure(start) or (0, 0, 0))[1]
 
     def price(c: Config) -> float:
         # activation offload is priced with the start's activations (per sequence) until measured
@@ -244,7 +282,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
             if changing != group:
                 continue
             kept = sorted(o.throughput_cost for o in found[changing])[:wanted[changing]]
-            if len(kept) >= wanted[changing] and kept[-1] <= price_first:
+            if len(kept) >= wanted[changing] and (not kept or kept[-1] <= price_first):
                 break  # nothing left in this group can be cheaper than what is kept
             made = set(zip(names, actions))
             if any(f <= made for f in fitting):
@@ -258,7 +296,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
             got = measure(c)
             for n in names:
                 tried[n] = tried.get(n, 0) + 1
-            if got is None or got[0] > usable_bytes:
+            if got is None or got[2] > usable_bytes:  # the reserved peak against the reserved budget
                 continue
             # activation offload moves what the same configuration would keep: priced once measured
             # (the estimate's host figure where it models the offload: estimate/activation_offload.py)
@@ -266,9 +304,9 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
             fitting.append(frozenset(made))
             if any(set(o.changes) == set(names) for o in found[changing]):
                 continue  # another variant of the same choices fits already
-            found[changing].append(Option(names, actions, got[0], usable_bytes - got[0],
+            found[changing].append(Option(names, actions, got[0], usable_bytes - got[2],
                                           clock.throughput_cost(c, offloaded), changing, c.config(),
-                                          c.command(model_name or model.name)))
+                                          c.command(model_name or model.name), reserved_bytes=got[2]))
     options = tuple(o for changing in (False, True) for o in
                     _undominated(sorted(found[changing], key=lambda o: (o.throughput_cost, len(o.changes))))
                     [:wanted[changing]])
@@ -286,7 +324,7 @@ def _undominated(options: list[Option]) -> list[Option]:
 
 
 def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: int | None = None,
-           parallel: ParallelSpec | None = None, finetune=None, reserve: Reserve = Reserve(),
+           parallel: ParallelSpec | None = None, finetune=None, reserve: Reserve | None = None,
            cost: CostModel = CostModel(), top: int = 5, budget: int = DEFAULT_BUDGET,
            max_changes: int = DEFAULT_MAX_CHANGES, model_name: str | None = None) -> Advice:
     """The cheapest changes that make ``model`` trained with ``step``/``impl`` (on ``parallel``, or
@@ -298,30 +336,35 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
         raise SpecError("gpus", gpus, f"differs from the parallel layout's {par.world_size} ranks "
                                       f"(dp {par.dp} × tp {par.tp} × cp {par.cp} × pp {par.pp})")
     gpus = par.world_size
-    usable = reserve.usable_bytes(gpu)
+    reserve = Reserve.modelled(gpu) if reserve is None else reserve
+    usable = reserve.reserved_usable_bytes(gpu, gpus)
     start = Config(step, impl, par, finetune)
-    measure = _Measure(model)
+    measure = _Measure(model, usable)
     clock = _Clock(model, start, gpu, cost)
     first = measure(start)
     if first is None:
         raise SpecError("configuration", start.command(model_name or model.name), measure.failed[start])
-    now = begin = first[0]
+    now, held = begin, begin_reserved = first[0], measure.reserved(start)
 
     def peak(c: Config) -> int:
         got = measure(c)
         return got[0] if got is not None else 1 << 62
 
+    def reserved(c: Config) -> int:
+        got = measure(c)
+        return got[2] if got is not None else 1 << 62
+
     options, stats = ((), None)
-    if now > usable:
+    if held > usable:
         options, stats = search(model, start, gpu, usable, gpus=gpus, cost=cost, top=top, budget=budget,
                                 max_changes=max_changes, model_name=model_name, measure=measure)
     steps: list[AdviceStep] = []
     skipped: list[tuple[str, str]] = []
     state = start
     for rung in RUNGS:
-        if now <= usable:
+        if held <= usable:
             break
-        proposal = _propose(rung, state, model, gpu, gpus, lambda c: peak(c) <= usable)
+        proposal = _propose(rung, state, model, gpu, gpus, lambda c: reserved(c) <= usable)
         if isinstance(proposal, str):
             skipped.append((rung, proposal))
             continue
@@ -331,10 +374,13 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
             skipped.append((rung, f"{action} saves nothing here: the peak is set by memory this rung does not change"))
             continue
         cost_frac = 1 - clock.seconds(state) / clock.seconds(new)
-        steps.append(AdviceStep(rung, action, now - after, after, cost_frac, _ladder_config(new), note))
+        held = measure.reserved(new)
+        steps.append(AdviceStep(rung, action, now - after, after, cost_frac, _ladder_config(new), note,
+                                reserved_bytes_after=held))
         state, now = new, after
-    return Advice(model, step, impl, gpu, gpus, usable, begin, tuple(steps), tuple(skipped), now <= usable,
-                  reserve, options, stats, start.command(model_name or model.name), parallel=par, finetune=finetune)
+    return Advice(model, step, impl, gpu, gpus, usable, begin, tuple(steps), tuple(skipped), held <= usable,
+                  reserve, options, stats, start.command(model_name or model.name), parallel=par, finetune=finetune,
+                  start_reserved_bytes=begin_reserved)
 
 
 def _ladder_config(c: Config) -> dict:

@@ -67,7 +67,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object (schema trainmem.plan/2)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--plot", metavar="FILE", help="memory against step time, the Pareto front marked (.png or .svg)")
-    add_gpu_args(p, required=True)
+    add_gpu_args(p, required=True, reserved_figure=True)
     from trainmem.cliargs import add_finetune_args
     add_finetune_args(p)
     p.set_defaults(func=run_plan)
@@ -77,7 +77,7 @@ def add_parser(subparsers) -> None:
     a = subparsers.add_parser("advise", help="the cheapest changes that fit, ranked by throughput cost; and the "
                                              "usual fixes applied one by one, as the explanation")
     add_model_step_args(a)
-    add_gpu_args(a, required=True)
+    add_gpu_args(a, required=True, reserved_figure=True)
     a.add_argument("--gpus", type=_positive_int("--gpus"), default=None,
                    help="GPUs available, data parallel to start with (default 1, or the world size of --dp/--tp/...)")
     a.add_argument("--top", type=_positive_int("--top"), default=5,

@@ -11,8 +11,11 @@ from trainmem.units import SIZE_RULE
 __all__ = ["add_gpu_args", "gpu_from_args", "reserve_from_args", "check_gpus"]
 
 
-def add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """``--gpu`` (a preset or ``custom``), its memory/TFLOP/s/bandwidth/node overrides, ``--reserve``."""
+def add_gpu_args(p: argparse.ArgumentParser, *, required: bool, reserved_figure: bool = False) -> None:
+    """``--gpu`` (a preset or ``custom``), its memory/TFLOP/s/bandwidth/node overrides, ``--reserve``.
+    ``reserved_figure``: the command compares the allocator model's reserved peak (``plan``,
+    ``advise``), so ``--reserve-fraction`` is an extra margin, 0 by default; else (``serve``) the
+    share of capacity that stands for fragmentation, 5%."""
     from trainmem.plan.hardware import Reserve, list_gpus
 
     p.add_argument("--gpu", required=required, metavar="NAME",
@@ -31,8 +34,13 @@ def add_gpu_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help=f"memory per rank kept for the CUDA context and workspaces "
                         f"(default {r.fixed_bytes >> 30}GiB; {SIZE_RULE})")
-    p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
-                   help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
+    if reserved_figure:
+        p.add_argument("--reserve-fraction", type=float, default=0.0, metavar="F",
+                       help="extra margin, a share of capacity, kept free beyond the reserved peak (default 0: "
+                            "the fit compares the allocator model's reserved peak with capacity − context)")
+    else:
+        p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
+                       help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
 
 
 def gpu_from_args(args: argparse.Namespace):

@@ -72,7 +72,10 @@ class GPU:
 @dataclass(frozen=True, kw_only=True)
 class Reserve:
     """Memory a rank cannot give to tensors: CUDA context, library workspaces (cuBLAS, NCCL) and
-    allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity."""
+    allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity. ``plan`` and
+    ``advise`` compare the allocator model's reserved peak with it (``fraction`` then an explicit
+    extra margin, 0 by default: :meth:`modelled`); the integrations compare allocated peaks with the
+    default 5%."""
 
     fixed_bytes: int = 1 << 30
     """CUDA context + cuBLAS/NCCL workspaces (default 1 GiB)."""
@@ -84,8 +87,22 @@ class Reserve:
         v.probability("reserve_fraction", self.fraction)
 
     def usable_bytes(self, gpu: GPU) -> int:
+        """For an allocated peak: capacity − fixed − fraction × capacity (the integrations' check)."""
         from trainmem.fits import usable_bytes
         return usable_bytes(gpu.memory_bytes, self.fixed_bytes, self.fraction)
+
+    def reserved_usable_bytes(self, gpu: GPU, gpus: int = 1) -> int:
+        """For a reserved peak (``plan``, ``advise``): capacity − fixed − NCCL's buffers on more
+        than one rank − fraction × capacity, the fraction then an extra margin
+        (:func:`trainmem.fits.reserved_budget`)."""
+        from trainmem.fits import reserved_budget
+        return reserved_budget(gpu, gpus=gpus, fixed_bytes=self.fixed_bytes, extra_fraction=self.fraction)
+
+    @classmethod
+    def modelled(cls, gpu: GPU, fraction: float = 0.0) -> "Reserve":
+        """``plan``'s and ``advise``'s default: the preset's context, no share for fragmentation
+        (the allocator model gives the reserved peak), ``fraction`` an extra margin."""
+        return cls(fixed_bytes=gpu.context_bytes, fraction=fraction)
 
     def to_dict(self) -> dict:
         return {"fixed_bytes": self.fixed_bytes, "fraction": self.fraction}

@@ -11,6 +11,15 @@ with their reason: TP without sequence parallelism, and data parallelism without
 :func:`~trainmem.plan.ranks.per_rank_peak`, which uses the estimator's own parallel accounting when
 it has one.
 
+What "fits" means (the same as ``estimate --memory-figure reserved``): the rechecked configuration's
+reserved peak, its estimate replayed through the caching-allocator model
+(:func:`trainmem.estimate.allocation_order.estimate_reserved`, 0.07-0.12 s per configuration), is at
+most capacity − context − NCCL buffers (more than one rank) − ``--reserve-fraction`` × capacity
+(:meth:`~trainmem.plan.hardware.Reserve.reserved_usable_bytes`). The screen cannot replay each of
+its thousands of configurations; it compares the closed-form allocated peak with the same budget,
+a necessary condition (the replay's reserve is never negative: reserved ≥ allocated), so the screen
+drops no configuration the model would fit and the recheck drops those the reserve pushes over.
+
 Known limitations:
   - Schedules other than 1F1B, interleaving, hybrid FSDP, expert parallelism and activation
     offload are not searched; TP stays inside a node.
@@ -69,11 +78,14 @@ class Candidate:
     peak_phase: str = ""
     time_parts: dict = field(default_factory=dict)
     peak_source: str = "first-order"
+    reserved_bytes: int | None = None
+    """The reserved peak (allocator model) the verdict compares; None where only screened."""
 
     def to_dict(self) -> dict:
         return {"config": self.config, "peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s,
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits, "peak_stage": self.peak_stage,
-                "peak_phase": self.peak_phase, "time_parts": self.time_parts, "peak_source": self.peak_source}
+                "peak_phase": self.peak_phase, "time_parts": self.time_parts, "peak_source": self.peak_source,
+                "peak_reserved_bytes": self.reserved_bytes, "memory_figure": "reserved"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,7 @@ class Plan:
         out["inputs"].update({"gpus": self.gpus, "global_batch": self.global_batch,
                               "global_batch_note": self.global_batch_note})
         out.update({
-            "reserve": {**self.reserve.to_dict(), "usable_bytes": self.usable_bytes},
+            "reserve": {**self.reserve.to_dict(), "usable_bytes": self.usable_bytes, "figure": "reserved"},
             "candidates": [c.to_dict() for c in self.candidates],
             "pareto": [c.to_dict() for c in self.pareto],
             "search": self.stats,
@@ -171,17 +183,20 @@ def _pareto(rows: list[tuple]) -> list[tuple]:
 
 def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
          precision: str = "bf16", optimizer: str = "adamw", loss: str = "ce", profile: str = "hf",
-         reserve: Reserve = Reserve(), cost: CostModel = CostModel(), space: SearchSpace = SearchSpace(),
+         reserve: Reserve | None = None, cost: CostModel = CostModel(), space: SearchSpace = SearchSpace(),
          top: int = 5, keep_rejected: bool = False, finetune=None, front: bool = True) -> Plan:
     """Every configuration of ``gpus`` × ``gpu`` for ``global_batch`` sequences of ``seq`` tokens,
     the ``top`` fastest that fit, and the memory-vs-time Pareto front of those that fit.
     ``finetune`` (a FinetuneSpec): frozen weights / LoRA change states and saved tensors.
-    ``front=False`` leaves the Pareto front empty (no estimator calls for it)."""
+    ``front=False`` leaves the Pareto front empty (no estimator calls for it). ``reserve``: default
+    the preset's context and no extra margin (:meth:`Reserve.modelled`); a configuration fits when its
+    reserved peak is within ``reserve.reserved_usable_bytes(gpu, gpus)`` (the module docstring)."""
     t0 = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise SpecError(name, value, "must be a positive integer")
-    usable = reserve.usable_bytes(gpu)
+    reserve = Reserve.modelled(gpu) if reserve is None else reserve
+    usable = reserve.reserved_usable_bytes(gpu, gpus)
     if usable <= 0:
         raise SpecError("reserve", reserve.to_dict(), f"leaves nothing of {gpu.name}'s {gpu.memory_bytes} bytes")
     base = StepSpec(batch=1, seq=seq, precision=precision, optimizer=optimizer, loss=loss)
@@ -284,8 +299,8 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                                         continue
                                     closest.append(row)
                                     reject(lambda: _config(mb, accum, attn, rc, p),
-                                           f"peak {worst.peak_bytes} B ({worst.stage} stage, {worst.phase}) "
-                                           f"> usable {usable} B")
+                                           f"peak {worst.peak_bytes} B allocated ({worst.stage} stage, {worst.phase}) "
+                                           f"> usable {usable} B (reserved ≥ allocated)")
                                     for mb2 in mbs[i + 1:]:  # peaks only grow with the micro-batch
                                         reject(lambda: _config(mb2, per_rank // mb2, attn, rc, p),
                                                f"micro-batch {mb2} > {mb}, which already does not fit")
@@ -319,8 +334,8 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 if len(shown) == top:
                     break
             else:
-                rejected.append((c.config, f"per-rank estimate {c.peak_bytes} B > usable {usable} B "
-                                           "(the closed-form screen said it fits)"))
+                rejected.append((c.config, f"per-rank estimate {c.reserved_bytes} B reserved ({c.peak_bytes} B "
+                                           f"allocated) > usable {usable} B (the closed-form screen said it fits)"))
         if not shown:
             shown = [exact(r) for r in fitting[:top]]
     else:
@@ -334,8 +349,9 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
              "skipped_kernels": [{"attention": a, "recompute": "selective", "why": w} for a, w in noops.items()],
              "seconds": time.perf_counter() - t0,
              "method": "screen: closed form from two estimator calls (micro-batch 1 and 2) per distinct "
-                       "(attention, recompute) saved set, scaled by the parallel degrees; every peak shown: "
-                       "the estimator's per-rank peak of that configuration"}
+                       "(attention, recompute) saved set, scaled by the parallel degrees, allocated peak against the "
+                       "reserved budget (reserved >= allocated); every peak shown: the estimator's per-rank peak "
+                       "of that configuration, its reserved peak from the allocator model deciding the fit"}
     return Plan(model, base, gpu, gpus, global_batch, reserve, usable, tuple(shown), tuple(pareto),
                 tuple(rejected), stats)
 
@@ -365,7 +381,11 @@ def _front(cands: list[Candidate]) -> list[Candidate]:
 def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usable: int,
              finetune=None) -> Candidate:
     """The configuration through the estimator's own per-rank accounting (``estimate(..., parallel=...)``):
-    its peak, and the rank class and phase where it occurs."""
+    its peak, and the rank class and phase where it occurs; it fits when its reserved peak
+    (:func:`~trainmem.estimate.allocation_order.estimate_reserved`, as ``estimate --memory-figure
+    reserved`` states it) is within ``usable``."""
+    from trainmem.estimate.allocation_order import estimate_reserved
+
     cfg = c.config
     step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
     impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
@@ -374,5 +394,6 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
     e = estimate(model, step, impl, parallel=None if par.is_single else par, finetune=finetune)
     worst = max(e.ranks, key=lambda r: r.peak_bytes) if e.ranks else e
     stage = worst.name if e.ranks else "rank"
-    return replace(c, peak_bytes=e.peak_bytes, fits=e.peak_bytes <= usable, peak_stage=stage,
-                   peak_phase=worst.peak.name, peak_source="estimator")
+    reserved = estimate_reserved(e).reserved_bytes
+    return replace(c, peak_bytes=e.peak_bytes, fits=reserved <= usable, peak_stage=stage,
+                   peak_phase=worst.peak.name, peak_source="estimator", reserved_bytes=reserved)

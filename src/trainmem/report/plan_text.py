@@ -25,8 +25,11 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         f"({plan.global_batch * plan.step.seq:,} tokens/step{note}), {plan.step.precision} {plan.step.optimizer}",
         f"precision: {plan.step.precision_description}",
         f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
-        f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} after reserving "
-        f"{fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate) + {plan.reserve.fraction:.0%}",
+        f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} for the reserved peak after "
+        f"reserving {fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate)"
+        + (" + NCCL buffers" if plan.gpus > 1 else "") + f" + {plan.reserve.fraction:.0%} extra margin",
+        "fits: the reserved peak (max_memory_reserved; the estimate replayed through the caching-allocator "
+        "model) ≤ usable, as estimate --memory-figure reserved",
         f"{screen_line(st)}; {st['checked']} checked with the per-rank estimate, which gives every peak shown; "
         f"{st['seconds']:.2f} s",
     ]
@@ -39,9 +42,10 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
     fits = any(c.fits for c in plan.candidates)
     lines.append("Fastest configurations that fit" if fits else "Nothing fits; the configurations closest to fitting")
     w = max([len(_cfg(c.config)) for c in plan.candidates] + [len("configuration")])  # as wide as the widest row
-    lines.append(f"  {'configuration':<{w}} {'peak/rank':>11} {'step s':>8} {'tokens/s':>11}")
+    lines.append(f"  {'configuration':<{w}} {'allocated':>11} {'reserved':>11} {'step s':>8} {'tokens/s':>11}")
     for c in plan.candidates:
-        lines.append(f"  {_cfg(c.config):<{w}} {fmt_bytes(c.peak_bytes):>11} {c.step_time_s:>8.2f} {c.tokens_per_s:>11,.0f}")
+        lines.append(f"  {_cfg(c.config):<{w}} {fmt_bytes(c.peak_bytes):>11} {_res(c):>11} {c.step_time_s:>8.2f} "
+                     f"{c.tokens_per_s:>11,.0f}")
     if plan.candidates:
         t = plan.candidates[0].time_parts
         parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items() if v and k != "total_s")
@@ -55,7 +59,8 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
             front = [front[round(i * (len(front) - 1) / (max_pareto - 1))] for i in range(max_pareto)]
             lines.append(f"  ({max_pareto} of {len(plan.pareto)} shown; --json lists every one)")
         for c in front:
-            lines.append(f"  {fmt_bytes(c.peak_bytes):>11} {c.tokens_per_s:>11,.0f} tok/s  {_cfg(c.config)}")
+            lines.append(f"  {fmt_bytes(c.peak_bytes):>11} allocated {_res(c):>11} reserved "
+                         f"{c.tokens_per_s:>11,.0f} tok/s  {_cfg(c.config)}")
     if rejected:
         lines += ["", f"Rejected: {len(plan.rejected):,}"]
         kinds = Counter(r.split(" ", 1)[0] + " …" if r.startswith("peak") else r for _, r in plan.rejected)
@@ -66,6 +71,11 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         if len(plan.rejected) > max_rejected:
             lines.append(f"  ... {len(plan.rejected) - max_rejected:,} more (--json lists every one)")
     return "\n".join(lines)
+
+
+def _res(c) -> str:
+    """A candidate's reserved peak (allocator model), ``-`` where it was only screened."""
+    return "-" if c.reserved_bytes is None else fmt_bytes(c.reserved_bytes)
 
 
 def screen_line(st: dict) -> str:
@@ -97,9 +107,13 @@ def _cfg_or_partial(c: dict) -> str:
 
 def render_advice(advice) -> str:
     lines = [
-        f"trainmem advise — {advice.model.name}: peak {fmt_bytes(advice.start_peak_bytes)} vs usable "
-        f"{fmt_bytes(advice.usable_bytes)} on {advice.gpu.name}"
-        + (f" × {advice.gpus}" if advice.gpus > 1 else ""),
+        f"trainmem advise — {advice.model.name}: peak {fmt_bytes(advice.start_peak_bytes)} allocated, "
+        f"{fmt_bytes(advice.start_reserved_bytes)} reserved vs usable {fmt_bytes(advice.usable_bytes)} on "
+        f"{advice.gpu.name}" + (f" × {advice.gpus}" if advice.gpus > 1 else ""),
+        "fits: the reserved peak (the estimate replayed through the caching-allocator model) ≤ capacity − context"
+        + (" − NCCL buffers" if advice.gpus > 1 else "")
+        + (f" − {advice.reserve.fraction:.0%} extra margin" if advice.reserve.fraction else "")
+        + ", as estimate --memory-figure reserved",
         f"precision: {advice.step.precision_description}",
         "",
     ]
@@ -110,7 +124,8 @@ def render_advice(advice) -> str:
         for i, o in enumerate(advice.options, 1):
             mark = "  [changes the training]" if o.changes_training else ""
             lines.append(f"{i}. {' + '.join(o.actions)}{mark}")
-            lines.append(f"   peak {fmt_bytes(o.peak_bytes)}, headroom {fmt_bytes(o.headroom_bytes)}; "
+            lines.append(f"   peak {fmt_bytes(o.peak_bytes)} allocated, {fmt_bytes(o.reserved_bytes)} reserved, "
+                         f"headroom {fmt_bytes(o.headroom_bytes)}; "
                          f"{_speed(o.throughput_cost)}")
             lines.append(f"   {o.command}")
         lines += ["", "The usual fixes, applied one by one until it fits (the explanation):"]
@@ -122,8 +137,9 @@ def render_advice(advice) -> str:
         lines.append("It already fits: nothing to change." if advice.fits else "None of the usual fixes applies.")
     for i, s in enumerate(advice.steps, 1):
         lines.append(f"{i}. {s.action}")
-        lines.append(f"   saves {fmt_bytes(s.saved_bytes)} → peak {fmt_bytes(s.peak_bytes_after)}"
-                     f"{'  (fits)' if s.peak_bytes_after <= advice.usable_bytes else ''}; "
+        lines.append(f"   saves {fmt_bytes(s.saved_bytes)} → peak {fmt_bytes(s.peak_bytes_after)} allocated, "
+                     f"{fmt_bytes(s.reserved_bytes_after)} reserved"
+                     f"{'  (fits)' if s.reserved_bytes_after <= advice.usable_bytes else ''}; "
                      f"{_speed(s.throughput_cost)}")
         if s.note:
             lines.append(f"   {s.note}")
