@@ -19,6 +19,9 @@ from trainmem.measure_dist import DistributedRunError, run_torchrun  # noqa: E40
 from trainmem.measure_dist.worker import run  # noqa: E402,F401 - importable without a process group
 
 pytestmark = pytest.mark.distributed
+# Every test that reads a torchrun launch is slow (CI runs them in its `pytest -m slow` pass): the
+# 2-rank scenarios share one launch that took ~110 s of the file's ~135 s on 2 shared cores. The
+# default run keeps the 1 s timeout test and the API check.
 
 PARAMS = 870_656
 NORMS = 9 * 64 * 4  # 2 per layer × 4 layers + the final norm
@@ -52,6 +55,7 @@ def test_single_process_states():
     assert r["baseline_bytes"] == PARAMS * 3 + r["states_bytes"]["optimizer_step"] + r["states_bytes"]["buffer"]
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 @pytest.mark.parametrize("name", ["ddp", "ddp-bucket-view"])
 def test_ddp_replicates_states_and_activations(name):
     single = measured("single")[0]
@@ -68,6 +72,7 @@ def test_ddp_replicates_states_and_activations(name):
     assert _same_on_every_rank(ranks, "peak_bytes") == single["peak_bytes"] + PARAMS
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 @pytest.mark.parametrize("name,world", [("fsdp2-reshard", 2), ("fsdp2-keep", 2),
                                         pytest.param("fsdp4-reshard", 4, marks=pytest.mark.slow),  # 4 ranks: ~40 s
                                         pytest.param("fsdp4-keep", 4, marks=pytest.mark.slow)])
@@ -82,6 +87,7 @@ def test_fsdp2_shards_states_not_activations(name, world):
         assert r["peak_bytes"] < single["peak_bytes"]
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_keeping_parameters_after_forward_raises_the_peak(world):
     keep = measured(f"fsdp{world}-keep")[0]["peak_bytes"]
@@ -90,6 +96,7 @@ def test_fsdp2_keeping_parameters_after_forward_raises_the_peak(world):
     assert reshard < keep <= reshard + PARAMS
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 def test_tensor_parallel_shards_weights_and_activations():
     single = measured("single")[0]
     tp, sp = measured("tp2"), measured("tp2-sp")
@@ -102,6 +109,7 @@ def test_tensor_parallel_shards_weights_and_activations():
     assert a_sp < a_tp < single["activation_bytes"]
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 def test_tensor_parallel_embedding_gradient_is_replicated():
     """DTensor's vocab-parallel embedding produces a Replicate gradient for a Shard(0) weight:
     the local gradient is the full table (a measured fact, not a harness artefact)."""
@@ -112,6 +120,7 @@ def test_tensor_parallel_embedding_gradient_is_replicated():
         assert r["states_bytes"]["gradient"] == r["states_bytes"]["parameter"] + emb["param_bytes"]
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 def test_pipeline_stages_split_the_model():
     single = measured("single")[0]
     for name in ("pp2-gpipe", "pp2-1f1b"):
@@ -122,6 +131,7 @@ def test_pipeline_stages_split_the_model():
         assert s0["activation_bytes"] + s1["activation_bytes"] == single["activation_bytes"] + rotary
 
 
+@pytest.mark.slow  # torchrun: the 2-rank scenarios run in one launch, ~110 s on 2 shared cores
 def test_pipeline_schedules_hold_microbatches_in_flight():
     ids_mb, ids_all = B * S * 8, MICROBATCHES * B * S * 8  # int64 ids; micro-batches are views of one batch
     boundary = B * S * H * 4  # the activation a stage receives
