@@ -252,16 +252,21 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
     ``max_changes`` choices that keep the training, then the ``top_changing`` cheapest that change
     it (LoRA/QLoRA), searched in that order; a quarter of ``budget`` is kept for the second group."""
     measure = measure or _Measure(model, usable_bytes)
-    # no choice stores a weight in fewer than 4 bits, shards it over more than every GPU or moves it
-    # to the host (unless the start does)
-    floor = matmul_parameters(model)[1] // 2 // gpus
-    if floor > usable_bytes and "params" not in start.par.offload:
-        from trainmem.report.units import fmt_bytes
-        why = (f"even 4-bit weights sharded over {gpus} GPU{'s' if gpus > 1 else ''} take {fmt_bytes(floor)} per GPU, "
-               f"more than the usable {fmt_bytes(usable_bytes)}")
-        return (), SearchStats(0, measure.runs, budget, max_changes, True, {}, tuple(CHOICES), why)
-    clock = _Clock(model, start, gpu, cost)
     ctx = Context(model, gpus, gpu.gpus_per_node, fp8=gpu.fp8_flops is not None)
+    combos = list(_combinations(start, ctx, max_changes))
+    # no choice stores a weight in fewer than 4 bits or shards it over more than every GPU: past that
+    # floor only a configuration whose parameters live in host memory (--offload params: the start's,
+    # or FSDP CPU offload, choices.fsdp_cpu_offload) can fit, and only those are measured
+    floor = matmul_parameters(model)[1] // 2 // gpus
+    if floor > usable_bytes:
+        combos = [t for t in combos if "params" in t[2].par.offload]
+        if not combos and "params" not in start.par.offload:
+            from trainmem.report.units import fmt_bytes
+            why = (f"even 4-bit weights sharded over {gpus} GPU{'s' if gpus > 1 else ''} take {fmt_bytes(floor)} "
+                   f"per GPU, more than the usable {fmt_bytes(usable_bytes)}, and no set of up to {max_changes} "
+                   f"changes keeps the parameters in host memory (FSDP CPU offload needs FSDP over more than one GPU)")
+            return (), SearchStats(0, measure.runs, budget, max_changes, True, {}, tuple(CHOICES), why)
+    clock = _Clock(model, start, gpu, cost)
     start_activation_bytes = (measure(start) or (0, 0, 0))[1]
 
     def price(c: Config) -> float:
@@ -270,7 +275,7 @@ def search(model: ModelSpec, start: Config, gpu: GPU, usable_bytes: int, *, gpus
         return clock.throughput_cost(c, moved)
 
     priced = sorted(((any(CHOICES[x].changes_training for x in n), price(c), len(n), n, a, c)
-                     for n, a, c in _combinations(start, ctx, max_changes)), key=lambda t: t[:3])
+                     for n, a, c in combos), key=lambda t: t[:3])
     found: dict[bool, list[Option]] = {False: [], True: []}
     wanted = {False: top, True: top_changing}
     fitting: list[frozenset[tuple[str, str]]] = []

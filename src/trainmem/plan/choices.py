@@ -220,19 +220,27 @@ def _optimizer_in_backward(c: Config, ctx: Context):
         yield replace(c, impl=replace(c.impl, optimizer_in_backward=True)), "optimizer step in backward"
 
 
-@choice("float8", ("impl.float8", "impl.float8_all_gather"),
+@choice("float8", ("impl.float8", "impl.float8_all_gather", "impl.compile_scope"),
         note="torchao Float8 linears (docs/float8.md): fp8 matmuls at the GPU's FP8 rate; numerics differ from bf16")
 def _float8(c: Config, ctx: Context):
     i = c.impl
-    if (not ctx.fp8 or i.float8 != "none" or i.profile != "hf" or i.compile or c.finetune is not None
-            or c.par.tp > 1):
+    if not ctx.fp8 or i.float8 != "none" or i.profile != "hf" or c.finetune is not None:
         return
-    if c.par.fsdp:
-        yield (replace(c, impl=replace(i, float8="tensorwise", float8_all_gather=True)),
-               "Float8 linears, tensorwise, fp8 all-gather")
-    else:
-        yield replace(c, impl=replace(i, float8="tensorwise")), "Float8 linears, tensorwise"
-    yield replace(c, impl=replace(i, float8="rowwise")), "Float8 linears, rowwise"
+    # under --compile the Float8 rules are per block (torchtitan compiles each block around Float8Linear:
+    # docs/float8.md, estimate/rules_compiled.py); a whole-model compile becomes a per-block one
+    if i.compile and i.compile_scope == "model":
+        i = replace(i, compile_scope="block")
+    where = " (compiled per block)" if i.compile and c.impl.compile_scope == "model" else ""
+    # under TP, torchao's tensorwise Float8 TP styles need sequence parallelism (torchtitan's plan,
+    # estimate/float8.py _tp_fp8_input); rowwise takes the plain TP styles. Precision and recompute
+    # limits are the estimator's: a variant it refuses is never an option (advise's _Measure).
+    if c.par.tp == 1 or c.par.sp:
+        if c.par.fsdp:
+            yield (replace(c, impl=replace(i, float8="tensorwise", float8_all_gather=True)),
+                   "Float8 linears, tensorwise, fp8 all-gather" + where)
+        else:
+            yield replace(c, impl=replace(i, float8="tensorwise")), "Float8 linears, tensorwise" + where
+    yield replace(c, impl=replace(i, float8="rowwise")), "Float8 linears, rowwise" + where
 
 
 @choice("compile", ("impl.compile",),
@@ -241,8 +249,12 @@ def _float8(c: Config, ctx: Context):
 def _compile(c: Config, ctx: Context):
     # only where the estimator has compiled rules: a refused family or combination fails in the search
     # (advise's _Measure keeps it out), never a silent eager number
-    if not c.impl.compile and c.impl.profile == "hf" and c.impl.float8 == "none":  # Float8 is modelled eager only
+    if c.impl.compile or c.impl.profile != "hf":
+        return
+    if c.impl.float8 == "none":
         yield replace(c, impl=replace(c.impl, compile=True)), "torch.compile"
+    else:  # Float8 is modelled compiled per block (docs/float8.md "With --compile"), as torchtitan compiles it
+        yield replace(c, impl=replace(c.impl, compile=True, compile_scope="block")), "torch.compile per block"
 
 
 #: low-bit optimizers offered for AdamW / Adam (docs/optimizers.md): bitsandbytes' 8-bit, its paged
