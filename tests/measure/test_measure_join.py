@@ -103,7 +103,7 @@ def test_items_add_up_to_the_activation_ledger(llama_fp32):
 def test_items_survive_the_json_and_the_gather(llama_fp32):
     import json
 
-    from trainmem.measure.profiling import RankProfile
+    from trainmem.measure.profile_result import RankProfile
 
     rank = llama_fp32.ranks[0]
     assert RankProfile.from_dict(json.loads(json.dumps(rank.to_dict()))) == rank  # all_gather_object's path

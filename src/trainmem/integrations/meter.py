@@ -26,9 +26,9 @@ class StepMeter:
         self._live = None
         self._active = False
         if not self.cuda:
-            from trainmem.measure.profiling import _baseline_tensors
+            from trainmem.measure.instrumented import baseline_tensors
             from trainmem.trace.live import LiveStorages
-            self._live = LiveStorages(_baseline_tensors(model, getattr(optimizer, "optimizer", optimizer), ()))
+            self._live = LiveStorages(baseline_tensors(model, getattr(optimizer, "optimizer", optimizer), ()))
 
     @property
     def active(self) -> bool:

@@ -16,8 +16,8 @@ __all__ = ["profile", "profile_model", "profile_workload", "ProfileResult", "Ran
            "parse_variants", "run_variants", "VariantsResult", "parse_size", "fit_growth", "GrowthFit"]
 
 _WHERE = {
-    "profile": "profiling", "profile_model": "profiling", "profile_workload": "profiling", "ProfileResult": "profiling",
-    "RankProfile": "profiling", "OutOfMemory": "profiling", "build_workload": "workload",
+    "profile": "profiling", "profile_model": "profiling", "profile_workload": "profiling", "ProfileResult": "profile_result",
+    "RankProfile": "profile_result", "OutOfMemory": "profiling", "build_workload": "workload",
     "sweep": "sweeps", "SweepResult": "sweeps", "SweepPoint": "sweeps",
     "compare_table": "compare", "compare_run": "compare", "CompareTable": "compare",
     "parse_variants": "variants", "run_variants": "variants", "VariantsResult": "variants",

@@ -70,7 +70,7 @@ def compare_table(estimate=None, trace=None, measured=None) -> CompareTable:
 
     ``estimate``: an :class:`~trainmem.estimate.Estimate`; ``trace``: a
     :class:`~trainmem.trace.TraceResult`; ``measured``: a
-    :class:`~trainmem.measure.profiling.ProfileResult` (rank 0) or ``RankProfile``.
+    :class:`~trainmem.measure.profile_result.ProfileResult` (rank 0) or ``RankProfile``.
     """
     if measured is not None and hasattr(measured, "ranks"):
         measured = measured.ranks[0]
