@@ -372,6 +372,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2,
                    help="2: fully_shard, per-parameter shards (default); 1: FullyShardedDataParallel with "
                         "use_orig_params, one padded flat parameter per block (its gradient covers frozen weights)")
+    g.add_argument("--fsdp-units", choices=("blocks", "blocks+embed+head"), default="blocks",
+                   help="FSDP2 units: blocks (the root keeps embedding and head gathered all step; default) or "
+                        "blocks+embed+head (own units, gathered only in use: torchtitan, torchtune's "
+                        "custom_sharded_layers)")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP keeps gathered parameters from forward to backward")
     g.add_argument("--no-loss-parallel", action="store_true",
@@ -402,5 +406,6 @@ def parallel_from_args(args: argparse.Namespace):
         kwargs["loss_parallel"] = False
     par = ParallelSpec(**kwargs, sp=args.sp, cp_style=args.cp_style, schedule=args.schedule,
                        layer_split=split, zero=args.zero, fsdp=args.fsdp, fsdp_version=args.fsdp_version,
+                       fsdp_units=getattr(args, "fsdp_units", "blocks"),
                        reshard_after_forward=not args.no_reshard_after_forward, offload=offload)
     return None if par.is_single and par.pp == 1 else par

@@ -234,7 +234,7 @@ def test_torchtitan_exact(tmp_path):
         "impl": {"recompute": "every-k", "recompute_every": 2},
         # dp = 2 replicas × 4 shards; TP in torchtitan always comes with sequence parallelism
         "parallel": {"dp": 8, "fsdp": "hybrid", "fsdp_group": 4, "tp": 2, "pp": 1, "sp": True, "schedule": "1f1b",
-                     "reshard_after_forward": True},
+                     "reshard_after_forward": True, "fsdp_units": "blocks+embed+head"},
     }
     assert out["raw"]["training.seq_len"] == 8192
 
@@ -254,7 +254,8 @@ mode = "full"
     # keys the file leaves out take torchtitan's defaults (seq_len 2048, AdamW, bf16 param_dtype under FSDP)
     assert out["overrides"] == {"step": {"batch": 1, "seq": 2048, "optimizer": "adamw", "precision": "fsdp-bf16",
                                          "grad_accum": 1},
-                                "impl": {"recompute": "full"}, "parallel": {"fsdp": "full", "reshard_after_forward": True}}
+                                "impl": {"recompute": "full"}, "parallel": {"fsdp": "full", "reshard_after_forward": True,
+                                                                            "fsdp_units": "blocks+embed+head"}}
     assert any("not a trainmem preset" in n for n in out["notes"])
     assert any("-1" in n for n in out["notes"])
 

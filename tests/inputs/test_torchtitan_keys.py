@@ -156,7 +156,8 @@ def test_defaults_are_torchtitans_and_noted(tmp_path):
     # job_config.py: local_batch_size 8, seq_len 2048, AdamW; dp_shard -1 -> FSDP, bf16 param_dtype
     assert out["overrides"]["step"] == {"batch": 8, "seq": 2048, "optimizer": "adamw", "precision": "fsdp-bf16",
                                         "grad_accum": 1}
-    assert out["overrides"]["parallel"] == {"fsdp": "full", "reshard_after_forward": True}
+    assert out["overrides"]["parallel"] == {"fsdp": "full", "reshard_after_forward": True,
+                                            "fsdp_units": "blocks+embed+head"}  # apply_fsdp's units
     assert out["raw"] == {}  # the file gave no key that changes memory
     notes = " ".join(out["notes"])
     assert "local_batch_size=8" in notes and "mixed_precision_param='bfloat16'" in notes and "-1" in notes

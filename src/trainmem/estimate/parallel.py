@@ -33,6 +33,7 @@ from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
+from trainmem.estimate.fsdp_units import separate_unit, unit_gathered
 from trainmem.estimate.fsdp_offload import (
     composes_with_activation_offload, cpu_offload, offload_states, offload_working, rank_activation_offload,
 )
@@ -512,17 +513,26 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         per_layer: dict[int, float] = {}  # gathered bytes
         per_layer_grad: dict[int, float] = {}
         root = 0.0
+        units = {"embed": 0.0, "head": 0.0}  # separate FSDP units (estimate/fsdp_units.py)
         for i in stage_params:
             li = layer_index(i.name)
             numel = math.prod(i.shape) / tp_div[i.name]
             if li is not None:
                 per_layer[li] = per_layer.get(li, 0) + numel * gathered(i)
                 per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
+            elif (unit := separate_unit(i.name, par.fsdp_units)) is not None and par.fsdp_version == 2:
+                units[unit] += numel * gathered(i)
             else:
                 root += numel * gathered(i)
         big = max(per_layer.values(), default=0)
         big_grad = max(per_layer_grad.values(), default=0)
-        if par.reshard_after_forward:
+        if par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
+            # the embedding and head units gathered around their own forward/backward only
+            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
+            for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():
+                every("fsdp_allgather", v, (ph,))
+            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+        elif par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
             # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
             # (under CPU offload the root's shard is on the host: the device holds all of it)

@@ -168,6 +168,8 @@ def _parallel(get, par: dict, notes: list[str], where: str) -> dict[str, int]:
             par["loss_parallel"] = False
     if d["fsdp"]:
         par["reshard_after_forward"] = _reshard(get, d["pp"] > 1, where)
+        # parallelize.py, apply_fsdp: tok_embeddings and [norm, output] are fully_shard-ed on their own
+        par["fsdp_units"] = "blocks+embed+head"
     schedule = get("parallelism", "pipeline_parallel_schedule", str, default=d["pp"] > 1)
     if schedule is not None:
         mapped = _SCHEDULES.get(schedule.lower())

@@ -421,5 +421,11 @@ def _distributed(get, par: dict, notes: list[str], where: str) -> None:
         par["offload"] = ("optimizer", "params")
         notes.append("fsdp_cpu_offload: FSDP2's CPUOffloadPolicy; sharded parameters, gradients and optimizer "
                      "states in pinned host memory (the host figure)")
-    if get("custom_sharded_layers", list):
-        notes.append("custom_sharded_layers: separate FSDP units for those layers are not modelled")
+    # training.shard_model: each module whose last name is in custom_sharded_layers is fully_shard-ed
+    # on its own (the 70B configs: ['tok_embeddings', 'output']); estimate/fsdp_units.py
+    if layers := get("custom_sharded_layers", list):
+        if {"tok_embeddings", "output"} <= set(layers):
+            par["fsdp_units"] = "blocks+embed+head"
+        else:
+            notes.append(f"custom_sharded_layers={layers}: only ['tok_embeddings', 'output'] together are "
+                         "modelled (--fsdp-units blocks+embed+head); kept in the root")

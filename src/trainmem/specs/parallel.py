@@ -49,6 +49,11 @@ class ParallelSpec:
     fsdp_version: int = 2
     """FSDP2 (``fully_shard``: per-parameter shards) or FSDP1 (``FullyShardedDataParallel`` with
     ``use_orig_params=True``: one padded FlatParameter per wrapped block, estimate/fsdp.py)."""
+    fsdp_units: str = "blocks"
+    """FSDP2 units: ``blocks`` (each block; the root keeps the embedding and head, gathered all
+    step) or ``blocks+embed+head`` (the token embedding and the final norm + output layer as
+    their own units, gathered only around their use: torchtitan, torchtune's
+    ``custom_sharded_layers``; estimate/fsdp_units.py)."""
     offload: tuple[str, ...] = ()
     """What lives in host memory: optimizer, params, activations."""
     layer_split: tuple[int, ...] = ()
@@ -75,6 +80,9 @@ class ParallelSpec:
             raise SpecError("fsdp_version", self.fsdp_version, "must be 1 or 2")
         if self.fsdp_version == 1 and self.fsdp is None:
             raise SpecError("fsdp_version", 1, "needs fsdp (full or hybrid)")
+        v.one_of("fsdp_units", self.fsdp_units, ("blocks", "blocks+embed+head"))
+        if self.fsdp_units != "blocks" and (self.fsdp is None or self.fsdp_version != 2):
+            raise SpecError("fsdp_units", self.fsdp_units, "needs FSDP2 (fsdp full or hybrid, fsdp_version 2)")
         object.__setattr__(self, "offload", tuple(self.offload))
         for o in self.offload:
             v.one_of("offload", o, OFFLOADS)
