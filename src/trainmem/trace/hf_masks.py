@@ -11,8 +11,19 @@ bool and a 16-bit copy, kept per checkpointed block) where the real run passes `
 function's allocations in its order (and frees them in its order) and gives the answer the real
 run reads for positions 0..S-1 in every row (what trace_step and the traced profile feed):
 nothing packed. Real tensors go through the original unchanged.
-Known limitation: a ``trace_model`` step that passes packed position ids itself is traced as not
-packed on fake tensors (fake tensors hold no positions to read).
+
+The same holds for the SDPA mask skips: ``sdpa_mask`` asks ``_ignore_causal_mask_sdpa`` and
+``_ignore_bidirectional_mask_sdpa`` whether a 2D padding mask leaves the mask out (SDPA's
+``is_causal``, or no mask); both answer "keep it" when ``is_tracing(padding_mask)``, so on fake
+tensors a (B, 1, S, S) bool mask (and its 16-bit copy) is made that the real run skips. BART's
+decoder makes its own padding mask, ``torch.ones(batch_size, mask_seq_length)``
+(transformers ``modeling_bart.py`` ``BartDecoder.forward``), when none is passed. A fake padding
+mask is sent to the original function as a real all-ones mask of its shape and dtype: what the
+steps trainmem traces feed (no ``attention_mask``: ``trace/step.py`` ``_inputs``).
+
+Known limitations: a ``trace_model`` step that passes packed position ids itself is traced as not
+packed on fake tensors, and one that passes a padding mask with zeros as not padded (fake tensors
+hold no values to read).
 """
 
 from __future__ import annotations
@@ -45,11 +56,33 @@ def masks_as_on_real_tensors():
             return _unpacked(position_ids)
         return original(position_ids)
 
+    skips = {name: getattr(masking_utils, name, None)
+             for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")}
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    for name, skip in skips.items():
+        if skip is not None:
+            setattr(masking_utils, name, _on_all_ones(skip, torch, is_fake))
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+        for name, skip in skips.items():
+            if skip is not None:
+                setattr(masking_utils, name, skip)
+
+
+def _on_all_ones(skip, torch, is_fake):
+    """``skip(padding_mask, ...)`` (transformers/masking_utils.py ``_ignore_causal_mask_sdpa``,
+    ``_ignore_bidirectional_mask_sdpa``, called by ``sdpa_mask``) asked about a real all-ones mask
+    when the padding mask is fake: the answer the real run gives for a model-made ``torch.ones``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def patched(padding_mask, *args, **kwargs):
+        if padding_mask is not None and not torch.compiler.is_compiling() and is_fake(padding_mask):
+            with unset_fake_temporarily():  # its checks read values: run them on real tensors
+                return skip(torch.ones(padding_mask.shape, dtype=padding_mask.dtype), *args, **kwargs)
+        return skip(padding_mask, *args, **kwargs)
+    return patched
 
 
 def _unpacked(position_ids):
