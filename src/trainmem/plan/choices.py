@@ -20,6 +20,7 @@ Known limitations:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Callable, Iterator
 
 from trainmem.estimate.notes import selective_recompute_noop
@@ -155,6 +156,14 @@ def fused_attention(step: StepSpec, impl: ImplSpec) -> str:
     return "flash" if impl.device == "cuda" and step.dtypes.activation in ("bfloat16", "float16") else "mem-efficient"
 
 
+@lru_cache(maxsize=256)
+def _selective_noop(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> str | None:
+    """:func:`selective_recompute_noop`, once per (model, step, impl): it builds the activation
+    inventory, and the search asks it for every combination that reaches the recompute choice
+    (625 asks, one distinct question, 2.5 s for a 405B start before this cache)."""
+    return selective_recompute_noop(model, step, impl)
+
+
 def tp_degrees(model: ModelSpec, seq: int, gpus: int, gpus_per_node: int) -> list[int]:
     """Tensor-parallel degrees inside one node that divide the GPUs, heads, FFN and sequence (SP)."""
     return [t for t in (2, 4, 8, 16) if t <= min(gpus, gpus_per_node) and gpus % t == 0
@@ -185,7 +194,7 @@ def _recompute(c: Config, ctx: Context):
     now = c.impl.recompute
     if now == "full":
         return
-    if now == "none" and not selective_recompute_noop(ctx.model, c.step, c.impl):
+    if now == "none" and not _selective_noop(ctx.model, c.step, c.impl):
         yield replace(c, impl=replace(c.impl, recompute="selective", recompute_every=1)), "selective recompute"
     if now in ("none", "selective"):
         for k in (4, 2):
