@@ -94,22 +94,27 @@ def offload_transients(*, group_shard_bytes: float, group_shard_cast_bytes: floa
 
 
 def offload_working(stage_params: list[MemoryItem], tp_div: dict[str, int], grad_bytes: dict[str, int],
-                    gathered, group: int, compute_bytes: float) -> dict[str, dict[str, float]]:
+                    gathered, group: int, compute_bytes: float, units: str = "blocks") -> dict[str, dict[str, float]]:
     """:func:`offload_transients` for a stage's parameters (unsharded items; ``tp_div``: each one's
     TP/EP divisor; ``grad_bytes``: each trainable one's gradient bytes; ``gathered(item)``: bytes
     per element all-gathered; ``compute_bytes``: bytes per element of an unsharded gradient, made in
-    ``param_dtype``), the largest FSDP group each (a decoder block, or the root's rest)."""
-    groups: dict[int | None, list[float]] = {}
+    ``param_dtype``), the largest FSDP group each (a decoder block, or the root's rest; under
+    ``units='blocks+embed+head'`` the embedding and the head are groups of their own, each reduced
+    right after its own backward: estimate/fsdp_units.py)."""
+    from trainmem.estimate.fsdp_units import separate_unit
+
+    groups: dict[int | str | None, list[float]] = {}
     head = first = 0.0  # the root's unsharded gradients: made before the blocks' backward / after
     for i in stage_params:
-        if layer_index(i.name) is None:
+        unit = separate_unit(i.name, units)
+        if layer_index(i.name) is None and unit is None:
             g = math.prod(i.shape) / tp_div[i.name] * compute_bytes if grad_bytes.get(i.name) else 0.0
             first += g if is_token_embedding(i.name) else 0.0
             head += 0.0 if is_token_embedding(i.name) else g
         numel = math.prod(i.shape) / tp_div[i.name]
         stored = i.bytes / tp_div[i.name]
         cast = numel * gathered(i)
-        acc = groups.setdefault(layer_index(i.name), [0.0, 0.0, 0.0])
+        acc = groups.setdefault(unit or layer_index(i.name), [0.0, 0.0, 0.0])
         acc[0] += stored / group
         acc[1] += (cast if cast != stored else 0.0) / group
         acc[2] += grad_bytes.get(i.name, 0) / tp_div[i.name] / group

@@ -514,6 +514,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         per_layer_grad: dict[int, float] = {}
         root = 0.0
         units = {"embed": 0.0, "head": 0.0}  # separate FSDP units (estimate/fsdp_units.py)
+        unit_grads = dict(units)
         for i in stage_params:
             li = layer_index(i.name)
             numel = math.prod(i.shape) / tp_div[i.name]
@@ -522,6 +523,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
                 per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
             elif (unit := separate_unit(i.name, par.fsdp_units)) is not None and par.fsdp_version == 2:
                 units[unit] += numel * gathered(i)
+                unit_grads[unit] += grad_bytes.get(i.name, 0) / tp_div[i.name]
             else:
                 root += numel * gathered(i)
         big = max(per_layer.values(), default=0)
@@ -531,7 +533,11 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
             for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():
                 every("fsdp_allgather", v, (ph,))
-            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+            # each unit's unsharded gradients reduce-scattered after its own backward: the head's
+            # first, the embedding's last
+            every("fsdp_reduce_scatter", unit_grads["head"], ("backward_start",))
+            every("fsdp_reduce_scatter", big_grad, ("backward",))
+            every("fsdp_reduce_scatter", max(big_grad, unit_grads["embed"]), ("backward_end",))
         elif par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
             # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
@@ -545,7 +551,8 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
         if cpu_offload(par):  # the shards' copies to and from the device: estimate/fsdp_offload.py
-            for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb).items():
+            for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb,
+                                             par.fsdp_units).items():
                 for k, v in parts.items():
                     every(k, v, (ph,))
         if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
