@@ -550,8 +550,8 @@ def _bert(ctx: Ctx) -> None:
     # position ids are a slice of a registered buffer (no allocation); token-type ids are
     # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
     pos = _embedding(ctx, "bert.embeddings.position_embeddings", positions=True)
-    # (a frozen position embedding keeps no indices: nothing to drop)
-    ids = embedding_indices("bert.embeddings.position_embeddings")
+    # (a frozen position embedding keeps no indices: nothing to drop; _embedding names them the parent's)
+    ids = embedding_indices("bert.embeddings")
     g.saved.pop(next((k for k, t in g.saved.items() if t.name == ids), None), None)
     x = ctx.add(x, pos, "bert.embeddings.sum")
     if m.type_vocab_size:
