@@ -77,6 +77,10 @@ def test_weights_sum_precision_inference(case):
     w = answers["weights_fit"].numbers
     assert (w["parameter_bytes"], w["peak_bytes"]) == (t["parameter"], e.peak_bytes)
     assert w["weights_fit"] is True
+    # the step's verdict is estimate's --memory-figure reserved one (allocator model, capacity − context)
+    from trainmem.estimate.allocation_order import estimate_reserved
+    assert w["peak_reserved_bytes"] == estimate_reserved(e).reserved_bytes
+    assert w["training_fits"] is (w["peak_reserved_bytes"] <= w["usable_bytes"])
     s = answers["sum_vs_peak"].numbers
     assert s["sum_of_ledgers_bytes"] == sum(t.values()) and s["peak_bytes"] == e.peak_bytes
     mp = answers["mixed_precision"].numbers["bytes_per_parameter"]

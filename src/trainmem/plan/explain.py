@@ -179,12 +179,15 @@ def weights_fit(model, step, impl, e: Estimate, gpu: GPU | None) -> Answer:
             f"({fmt_bytes(t['gradient'])}), master weights ({fmt_bytes(t['master_weight'])}), optimizer states "
             f"({fmt_bytes(t['optimizer_state'])}) and saved activations ({fmt_bytes(t['activation'])}); the peak is "
             f"{fmt_bytes(e.peak_bytes)} in '{e.peak_phase}', {nums['peak_over_weights']:.1f}× the weights.")
-    if gpu is not None:
-        usable = Reserve().usable_bytes(gpu)
+    if gpu is not None:  # the training step: its reserved peak (allocator model), as plan and advise decide
+        from trainmem.estimate.allocation_order import estimate_reserved
+        usable = Reserve.modelled(gpu).reserved_usable_bytes(gpu)
+        reserved = estimate_reserved(e).reserved_bytes
         nums.update(gpu=gpu.name, usable_bytes=usable, weights_fit=t["parameter"] <= usable,
-                    training_fits=e.peak_bytes <= usable)
+                    peak_reserved_bytes=reserved, training_fits=reserved <= usable)
         text += (f" On {gpu.name} ({fmt_bytes(usable)} usable) the weights {'fit' if nums['weights_fit'] else 'do not fit'}"
-                 f" and the training step {'fits' if nums['training_fits'] else 'does not'}.")
+                 f" and the training step ({fmt_bytes(reserved)} reserved) "
+                 f"{'fits' if nums['training_fits'] else 'does not'}.")
     return Answer("weights_fit", QUESTIONS["weights_fit"], text, nums)
 
 
