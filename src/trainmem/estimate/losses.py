@@ -96,25 +96,20 @@ def check_framework_loss(ctx) -> None:
 
 
 def framework_loss_items(ctx, logits) -> None:
-    """What the chunked loss keeps, on ``ctx.graph`` under module ``loss`` (rules_hf's ``_loss``)."""
+    """What the chunked loss keeps, on ``ctx.graph`` under module ``loss`` (rules_hf's ``_loss``):
+    torchtune's per chunk (:func:`_torchtune_items`), LitGPT's as one log-softmax for all chunks."""
     check_framework_loss(ctx)
     g, B, S, V = ctx.graph, ctx.B, ctx.S, ctx.model.vocab_size
     loss, rg = ctx.step.loss, logits.requires_grad
-    rows = _rows(loss, B, S)
-    n = len(rows)
-    # torchtune's compute_cross_entropy upcasts each chunk; LitGPT's CE runs on the logits as they are
-    lsm_dtype = "float32" if loss == "torchtune-chunked-ce" else logits.dtype
-    nt = _target_bytes(loss, B, S) // 8
-    target = g.new("target", (nt,), ("B·S" if loss == "torchtune-chunked-ce" else "B·(S-1)",), "int64",
-                   False) if nt else None
-    # dims in S, so the doubling rule (symbols.scaling) sees how they scale: B·S rows (torchtune) or
-    # B·(S-1) (LitGPT drops the last position); torch.chunk(S, 8) makes ⌈S/⌈S/8⌉⌉ chunks, split(S, 128) ⌈S/128⌉
-    tt = loss == "torchtune-chunked-ce"
-    if tt:
+    if loss == "torchtune-chunked-ce":
         return _torchtune_items(ctx, rg)
-    g.save(g.new("log_softmax", (sum(rows), V), ("B·S" if tt else "B·(S-1)", "V"), lsm_dtype), when=rg)
-    chunks = f"⌈S/⌈S/{TORCHTUNE_CHUNKS}⌉⌉" if tt else f"⌈S/{LITGPT_CHUNK}⌉"
-    g.save(target, g.new("total_weight", (n,), (chunks,), "float32", False),
+    rows = _rows(loss, B, S)
+    nt = _target_bytes(loss, B, S) // 8
+    target = g.new("target", (nt,), ("B·(S-1)",), "int64", False) if nt else None
+    # dims in S, so the doubling rule (symbols.scaling) sees how they scale: B·(S-1) rows (LitGPT drops
+    # the last position); split(S, 128) makes ⌈S/128⌉ chunks. CE runs on the logits as they are
+    g.save(g.new("log_softmax", (sum(rows), V), ("B·(S-1)", "V"), logits.dtype), when=rg)
+    g.save(target, g.new("total_weight", (len(rows),), (f"⌈S/{LITGPT_CHUNK}⌉",), "float32", False),
            g.new("token_count", (), (), "int64", False), when=rg)
 
 
