@@ -63,7 +63,7 @@ def test_math_kernel_tensors_per_head_axis():
 
 def test_refuses_what_it_does_not_model_in_one_line():
     spec = spec_from_hf_config(CONFIGS["v3"])
-    for impl in (ImplSpec(attention="sdpa", device="cuda"), ImplSpec(attention="sdpa", device="cpu",
+    for impl in (ImplSpec(attention="sdpa-math", device="cuda"), ImplSpec(attention="sdpa", device="cpu",
                                                                       recompute="selective")):
         with pytest.raises(UnsupportedError) as exc:
             activation_items(spec, StepSpec(batch=1, seq=16), impl)

@@ -12,7 +12,7 @@ from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
 from trainmem.specs.layer_kind import LayerKind
 
-__all__ = ["resolve_kernel", "attention_core", "window_mask"]
+__all__ = ["resolve_kernel", "attention_core", "fused_saves", "window_mask"]
 
 
 def window_mask(ctx: Ctx, kind: LayerKind) -> bool:
@@ -89,20 +89,7 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         cp = ctx.shard.cp
         if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
             k, v = (_gathered(g, t, f"{n}_gathered", cp) for t, n in ((k, "k"), (v, "v")))
-        # the aten op, for an op-level checkpoint policy: _scaled_dot_product_{flash,efficient}_attention
-        # on CUDA, _scaled_dot_product_flash_attention_for_cpu on CPU
-        op = f"sdpa_{kernel}" + ("_cpu" if ctx.impl.device == "cpu" else "")
-        out = g.new("sdpa_out", out_shape, out_dims, q.dtype, rg, op=op)
-        if kernel == "flash":
-            lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32", op=op)
-        else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
-            s32 = -(-S // 32) * 32
-            lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32", op=op)
-        g.save(q, k, v, out, lse, when=rg)
-        if masked:
-            g.save(g.new("attn_mask", (B, 1, S, S), ("B", "1", "S", "S"), q.dtype, False, op=op), when=rg)
-        if m.attn_dropout > 0 and ctx.impl.device == "cuda":
-            g.save(g.new("rng_state", (2,), ("2",), "int64", False, op=op), when=rg)
+        out = fused_saves(ctx, q, k, v, kernel, out_shape, out_dims, masked=masked)
         if out_copy:
             return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
@@ -145,6 +132,33 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     g.new("pv", heads_shape, heads_dims, vv.dtype, probs.requires_grad or vv.requires_grad, op="bmm")
     out_dtype = out_dtype if kernel == "math" else probs.dtype
     return g.new("attn_out", out_shape, out_dims, out_dtype, rg)
+
+
+def fused_saves(ctx: Ctx, q: Sym, k: Sym, v: Sym, kernel: str, out_shape: tuple[int, ...],
+                out_dims: tuple[str, ...], *, masked: bool = False) -> Sym:
+    """What a fused SDPA kernel (``flash`` or ``efficient``) keeps for backward, given q, k, v as they
+    reach it: the three inputs, its output (``out_shape``, in q's dtype), the fp32 log-sum-exp
+    (B, A, S), which the memory-efficient kernel pads to a multiple of 32 queries, the additive mask
+    when ``masked`` and the RNG state with dropout on CUDA. Returns the output. Shared by
+    :func:`attention_core` and the MLA rules (``rules_mla.py``), whose v heads are narrower."""
+    g, m = ctx.graph, ctx.model
+    B, S, A = ctx.B, ctx.S, m.num_heads
+    rg = q.requires_grad or k.requires_grad or v.requires_grad
+    # the aten op, for an op-level checkpoint policy: _scaled_dot_product_{flash,efficient}_attention
+    # on CUDA, _scaled_dot_product_flash_attention_for_cpu on CPU
+    op = f"sdpa_{kernel}" + ("_cpu" if ctx.impl.device == "cpu" else "")
+    out = g.new("sdpa_out", out_shape, out_dims, q.dtype, rg, op=op)
+    if kernel == "flash":
+        lse = g.new("lse", (B, A, S), ("B", "A", "S"), "float32", op=op)
+    else:  # memory-efficient pads the log-sum-exp to a multiple of 32 queries
+        s32 = -(-S // 32) * 32
+        lse = g.new("lse", (B, A, s32), ("B", "A", "⌈S/32⌉·32"), "float32", op=op)
+    g.save(q, k, v, out, lse, when=rg)
+    if masked:
+        g.save(g.new("attn_mask", (B, 1, S, S), ("B", "1", "S", "S"), q.dtype, False, op=op), when=rg)
+    if m.attn_dropout > 0 and ctx.impl.device == "cuda":
+        g.save(g.new("rng_state", (2,), ("2",), "int64", False, op=op), when=rg)
+    return out
 
 
 def _gathered(g, t: Sym, label: str, cp: int) -> Sym:

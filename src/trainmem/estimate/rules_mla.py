@@ -39,6 +39,7 @@ Checked against autograd's saved set and ``--profile traced`` in ``tests/estimat
 from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
+from trainmem.estimate.attention import fused_saves
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf import (_checkpoint_extras, _embedding, _gated_mlp, _head, _layers, _loss,
@@ -73,20 +74,58 @@ def mla_forward(ctx: Ctx) -> None:
 
 
 def _kernel(ctx: Ctx) -> str:
-    """Eager, or the SDPA kernel for q/k heads of hd and v heads of vd dims."""
+    """Eager, or the SDPA kernel for q/k heads of hd and v heads of vd dims (:func:`_cuda_kernel` on CUDA)."""
     m, impl = ctx.model, ctx.impl
     if impl.attention == "eager":
         return "eager"
-    if impl.device != "cpu" or impl.attention not in ("sdpa", "sdpa-math"):
-        raise UnsupportedError(f"{m.name}: attention={impl.attention!r} on {impl.device} is not modelled for "
-                               f"{m.family} (CPU sdpa or eager); --profile traced estimates it on CPU")
     if m.attn_dropout:
         raise UnsupportedError(f"{m.name}: attention dropout ({m.attn_dropout}) is not modelled for {m.family}; "
                                "--profile traced estimates it")
+    if impl.device != "cpu":
+        return _cuda_kernel(ctx)
+    if impl.attention not in ("sdpa", "sdpa-math"):
+        raise UnsupportedError(f"{m.name}: attention={impl.attention!r} on cpu is not modelled for {m.family} "
+                               "(sdpa, sdpa-math or eager); --profile traced estimates it")
     if impl.attention == "sdpa" and m.head_dim == m.v_head_dim:
         raise UnsupportedError(f"{m.name}: equal q/k and v head dims ({m.head_dim}) let SDPA take its CPU flash "
                                "kernel, which the MLA rules do not model; --profile traced estimates it")
     return "math"
+
+
+def _cuda_kernel(ctx: Ctx) -> str:
+    """The kernel CUDA runs, from PyTorch's SDPA dispatcher (``aten/src/ATen/native/transformers/cuda/
+    sdp_utils.cpp`` ``select_sdp_backend``) and transformers' FlashAttention-2 path. Read from the source,
+    not checked on a GPU.
+
+    * ``flash``: transformers ``integrations/flash_attention.py`` ``flash_attention_forward`` pads v to
+      the q/k head dim and slices the output back (:func:`_core`); FlashAttention-2 takes 16-bit inputs.
+    * ``sdpa``: ``check_head_dim_size_flash`` needs q, k and v head dims equal (and <= 256) and
+      ``check_dtypes_flash_attention`` 16-bit inputs, so MLA (hd = nope + r = 192, vd = 128) skips flash;
+      ``check_head_dim_size_mem_efficient`` takes q/k and v dims that differ, each a multiple of
+      ``minimum_gemm_alignment`` (sm80+: 8 for 16-bit, 4 for fp32), and
+      ``check_data_ptr_alignment_mem_efficient`` needs v's storage offset (it is a view of ``kv_b_proj``'s
+      output starting at column nope) aligned likewise: memory-efficient, in fp32 too.
+    * ``mem-efficient``: the same conditions.
+    """
+    m, impl = ctx.model, ctx.impl
+    hd, vd, nope = m.head_dim, m.v_head_dim, m.qk_nope_head_dim
+    compute = ctx.low or ctx.param
+    if impl.attention == "flash":
+        if compute == "float32":
+            raise UnsupportedError(f"{m.name}: attention='flash' takes 16-bit inputs (FlashAttention-2); "
+                                   "precision fp32 runs sdpa (memory-efficient) or eager")
+        return "flash"
+    if impl.attention not in ("sdpa", "mem-efficient"):
+        raise UnsupportedError(f"{m.name}: attention={impl.attention!r} on {impl.device} is not modelled for "
+                               f"{m.family} (sdpa, mem-efficient, flash or eager); --profile traced estimates it on CPU")
+    if impl.attention == "sdpa" and compute != "float32" and hd == vd and hd <= 256:
+        return "flash"  # check_head_dim_size_flash passes: SDPA's flash kernel
+    align = 4 if compute == "float32" else 8
+    if hd % align or vd % align or nope % align:
+        raise UnsupportedError(f"{m.name}: head dims q/k {hd}, v {vd}, nope {nope} are not multiples of {align}, so "
+                               "CUDA SDPA falls back to its math kernel, which the MLA rules do not model; "
+                               "--profile traced estimates it on CPU")
+    return "efficient"
 
 
 def _cos_sin(ctx: Ctx, dtype: str) -> tuple[Sym, ...]:
@@ -168,6 +207,8 @@ def _core(ctx: Ctx, q: Sym, k: Sym, kv: Sym, kernel: str) -> Sym:
     B, S, A, hd, vd = ctx.B, ctx.S, m.num_heads, m.head_dim, m.v_head_dim
     rg = q.requires_grad or k.requires_grad
     low = ctx.low
+    if kernel in ("flash", "efficient"):
+        return _fused_core(ctx, q, k, kv, kernel)
     heads, hdims = (B, A, S, hd), ("B", "A", "S", "hd")
     vheads, vdims = (B, A, S, vd), ("B", "A", "S", "vd")
     scores, sdims = (B, A, S, S), ("B", "A", "S", "S")
@@ -194,6 +235,30 @@ def _core(ctx: Ctx, q: Sym, k: Sym, kv: Sym, kernel: str) -> Sym:
     v = g.new("v_bmm", vheads, vdims, low or kv.dtype, kv.requires_grad)
     g.save(probs, v, when=rg)
     return g.new("attn_out", (B, S, A * vd), ("B", "S", "A·vd"), probs.dtype, rg)
+
+
+def _fused_core(ctx: Ctx, q: Sym, k: Sym, kv: Sym, kernel: str) -> Sym:
+    """A fused CUDA kernel (:func:`_cuda_kernel`), keeping what ``attention.fused_saves`` lists.
+
+    SDPA (``efficient``, or ``flash`` when hd == vd): the autograd node keeps q, k and v as passed, and v
+    is the strided split of ``kv_b_proj``'s output, so all of that output (B, S, A·(nope+vd)) stays
+    (a 16-bit cast under autocast would be a (B, A, S, vd) copy instead); the (B, A, S, vd) output is
+    already (B, S, A·vd) in memory, which ``o_proj`` keeps too (no copy in ``sdpa_attention_forward``).
+    FlashAttention-2 through transformers with vd < hd: ``F.pad`` makes a fresh (B, S, A, hd) v, the
+    kernel's output is hd wide, and ``[..., :vd]`` then ``reshape`` copies the (B, S, A·vd) ``o_proj`` input.
+    """
+    g, m = ctx.graph, ctx.model
+    B, S, A, hd, vd = ctx.B, ctx.S, m.num_heads, m.head_dim, m.v_head_dim
+    low = ctx.low
+    if low:  # SDPA is on autocast's lower-precision list; 16-bit inputs pass unchanged
+        q, k = ctx.cast(q, low, "q_cast"), ctx.cast(k, low, "k_cast")
+    v = kv if not low or kv.dtype == low else g.new("v_cast", (B, A, S, vd), ("B", "A", "S", "vd"), low, kv.requires_grad)
+    out_vd = (B, S, A * vd), ("B", "S", "A·vd")
+    if ctx.impl.attention != "flash" or hd == vd:
+        return fused_saves(ctx, q, k, v, kernel, *out_vd)
+    v = g.new("v_padded", (B, A, S, hd), ("B", "A", "S", "hd"), v.dtype, v.requires_grad)  # F.pad(value, [0, hd-vd])
+    out = fused_saves(ctx, q, k, v, kernel, (B, S, A * hd), ("B", "S", "A·hd"))
+    return g.new("attn_out", *out_vd, out.dtype, out.requires_grad)  # attn_output[..., :vd].reshape: a copy
 
 
 def _moe(ctx: Ctx, h: Sym) -> Sym:
