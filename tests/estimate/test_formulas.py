@@ -18,6 +18,7 @@ from trainmem.errors import UnsupportedError
 from trainmem.estimate import estimate
 from trainmem.estimate.inference import inference_estimate
 from trainmem.estimate.symbols import evaluate, symbol_values
+from trainmem.families import family_attentions
 from trainmem.inventory import Category, dtype_bytes
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
@@ -88,8 +89,9 @@ def test_every_formula_is_its_items_bytes(preset, profile):
             step = StepSpec(batch=B, seq=S, precision=precision)
             try:
                 e = estimate(model, step, impl)
-            except UnsupportedError:  # the reference model refuses MoE, QK-norm and encoders
-                assert profile == "reference"
+            except UnsupportedError:  # the reference model refuses MoE, QK-norm and encoders; an hf model
+                # refuses a kernel its family does not run (gpt-oss: eager only)
+                assert profile == "reference" or impl.attention not in family_attentions(model.family)
                 continue
             _assert_all(e.inventory, symbol_values(model, step))
             checked += 1
