@@ -278,7 +278,7 @@ def test_advise_prices_the_host_figure():
     step = StepSpec(batch=2, seq=4096, precision="bf16")
     c = Config(step, ImplSpec(), OFFLOAD)
     measure = _Measure(m)
-    peak, _ = measure(c)
+    peak, _, _ = measure(c)  # (allocated, activation, reserved)
     host = measure.host[c]
     assert host == estimate(m, step, ImplSpec(), OFFLOAD).host.total() and peak < measure(Config(step, ImplSpec(), ParallelSpec()))[0]
     slow = GPU(name="x", memory_bytes=1 << 36, bf16_flops=1e15, intra_node_bytes_per_s=1e11,
