@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from trainmem.families import embedding_modules, head_modules, layer_containers, token_embedding_modules
 
-__all__ = ["layer_of", "layer_index", "split_block", "as_block", "under", "is_head", "is_embedding",
+__all__ = ["layer_of", "layer_index", "stack_block", "split_block", "as_block", "under", "is_head", "is_embedding",
            "is_token_embedding", "EMBEDDING_INDICES", "EMBEDDING_OUTPUT", "embedding_indices", "embedding_output",
            "is_embedding_indices"]
 
@@ -38,6 +38,20 @@ def layer_index(path: str) -> int | None:
 def layer_of(name: str) -> int | None:
     """Block index of an item's module (``model.layers.3.mlp.up_proj.out`` -> 3), else None."""
     return layer_index(name.rpartition(".")[0])
+
+
+def stack_block(name: str, stacks: tuple[tuple[str, int], ...]) -> int | None:
+    """Block of an item counted through ``stacks`` in their order, each ``(blocks' prefix, depth)``:
+    an encoder-decoder's encoder blocks 0..n-1, then its decoder's n.. (``decoder.block.1.x`` -> n + 1),
+    read from each stack's own block list (T5's blocks hold a ``layer`` list of their own); None
+    outside them."""
+    offset = 0
+    for prefix, depth in stacks:
+        if name.startswith(prefix):
+            idx, _, rest = name[len(prefix):].partition(".")
+            return offset + int(idx) if idx.isdigit() and rest else None
+        offset += depth
+    return None
 
 
 def split_block(name: str) -> tuple[str, int, str] | None:

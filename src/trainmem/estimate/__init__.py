@@ -140,9 +140,12 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     plain_impl = replace(impl, recompute="none", recompute_every=1)
     if impl.compile and finetune is not None:  # what a fully recomputed compiled block recomputes: the eager
         plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set (upper bound)
+    stack_held = 0  # --profile traced, an encoder-decoder: its last stack's locals (peak.py stack_end)
     if impl.profile == "traced":
         from trainmem.estimate.traced import traced_parts
         acts, states, plain, traced_transient = traced_parts(model, step, impl)
+        from trainmem.estimate.traced import traced_stack_held
+        stack_held = traced_stack_held(model, step, impl)
     elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
         acts = activation_inventory(model, step, impl)
         states = model_state_inventory(model, step, impl.profile)
@@ -171,6 +174,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working,
         compiled_loss=impl.compile and impl.compile_scope == "block-loss" and step.loss == "torchtune-chunked-ce",
+        stack_held=stack_held,
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
-from trainmem.names import is_embedding, is_embedding_indices, is_head, layer_of
+from trainmem.names import is_embedding, is_embedding_indices, is_head, layer_of, stack_block
 
 __all__ = ["Phase", "PhasedResult", "LayerStats", "phases", "layer_stats", "recompute_per_layer"]
 
@@ -101,13 +101,28 @@ class LayerStats:
                 self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
 
 
+def _block_reader(items: Inventory):
+    """How an item's block is read: by the shared names (:func:`layer_of`), or, when the repeats
+    name two stacks of blocks (an encoder-decoder's template kinds), counted through both stacks
+    in forward order (:func:`trainmem.names.stack_block`): encoder blocks first, decoder blocks after."""
+    depth: dict[str, int] = {}
+    for r in items.repeats:
+        prefix = r.prefix.rstrip(".") + "."
+        depth[prefix] = max(depth.get(prefix, 0), max(r.dsts, default=r.src) + 1)
+    if len(depth) < 2:
+        return layer_of
+    stacks = tuple(depth.items())
+    return lambda name: stack_block(name, stacks)
+
+
 def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
     st = LayerStats()
     if not isinstance(items, Inventory):
         items = Inventory(items)
+    block_of = _block_reader(items)
     outside: list[MemoryItem] = []
     for it in items.base:
-        li = layer_of(it.name)
+        li = block_of(it.name)
         st.add(it, li)
         if li is None and it.category is Category.GRADIENT:
             outside.append(it)
@@ -116,14 +131,15 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
     for r in items.repeats:
         # one pass over the template, then its per-block sums land on every repeated block
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]
+        own = r.src if block_of is layer_of else block_of(f"{r.prefix}{r.src}.x")  # src's number in the count
         for it in r.items:
             st.by_cat[it.category] = st.by_cat.get(it.category, 0) + it.bytes * len(r.dsts)
             if it.category is Category.GRADIENT:
                 st.largest_grad = max(st.largest_grad, it.bytes)
-            li = layer_of(it.name)
+            li = block_of(it.name)
             if li is None:
                 continue
-            acc = per_shift.setdefault(0 if li == r.src else -1, [0, 0, 0])  # -1: previous block's
+            acc = per_shift.setdefault(0 if li == own else -1, [0, 0, 0])  # -1: previous block's
             if it.category is Category.ACTIVATION:
                 acc[0] += it.bytes
                 acc[1] = max(acc[1], it.bytes)
@@ -131,7 +147,7 @@ def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
                 acc[2] += it.bytes
         for d in r.dsts:
             for shift, (act, big, grad) in per_shift.items():
-                li = d + shift
+                li = own - r.src + d + shift
                 if act:
                     st.act_layer[li] = st.act_layer.get(li, 0) + act
                     st.largest[li] = max(st.largest.get(li, 0), big)
@@ -145,13 +161,15 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            optimizer_transient: tuple[int, str], residual_bytes: int,
            persistent: dict[str, int] | None = None,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
-           optimizer_in_backward: bool = False, compiled_loss: bool = False) -> list[Phase]:
+           optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
     for every such phase or a dict per phase name. ``optimizer_in_backward``: the optimizer
     steps each parameter inside backward and ``optimizer_transient`` is one parameter's.
-    ``compiled_loss``: torchtune's chunk function runs compiled (estimate/compiled_chunk_loss.py)."""
+    ``compiled_loss``: torchtune's chunk function runs compiled (estimate/compiled_chunk_loss.py).
+    ``stack_held``: an encoder-decoder's last stack's locals at its end, besides the kept tensors
+    (``--profile traced``, ``traced/record.py`` ``_held``): the ``stack_end`` phase."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -205,6 +223,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     else:
         add("forward", {"gradients": g_acc, "activations": A},
             "end of forward" + (" (chunked loss)" if loss != "none" else ""))
+    if stack_held:  # before the head: T5Stack.forward's position biases, embeddings and cache, its last outputs
+        add("stack_end", {"gradients": g_acc, "activations": A - head_act, "stack_locals": stack_held},
+            "end of the decoder stack: every kept tensor but the head's, and the stack's locals "
+            "(position biases, input embeddings, KV cache, the final norm's and dropout's outputs)")
     # a checkpointed block may keep nothing under its own name (--profile traced names the held
     # input by the op that made it, in the block before): it still runs a backward, recomputing
     blocks = set(act_layer) | set(recompute_bytes)

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.inventory import Inventory, Repeat, dtype_bytes
 
-__all__ = ["traced_template", "traced_parts", "traced_model_spec", "unmapped_model_spec", "check_traced"]
+__all__ = ["traced_template", "traced_parts", "traced_stack_held", "traced_model_spec", "unmapped_model_spec", "check_traced"]
 
 _MEMO: dict[str, Any] = {}  # key -> Template, for sweeps within one process
 _CONFIGS: dict[Any, dict] = {}  # ModelSpec named "" -> the config.json it was read from (unmapped_model_spec)
@@ -135,6 +135,13 @@ def traced_parts(model, step, impl, parallel=None, finetune=None):
             .activations(step.batch, step.seq)
     from trainmem.estimate.params import kept_fp32
     return acts, _state_inventory(tpl, step, kept_fp32(model)), plain, _optimizer_transient(tpl, step, impl)
+
+
+def traced_stack_held(model, step, impl) -> int:
+    """Bytes an encoder-decoder's last stack holds at its end besides the kept tensors (its
+    locals: T5's position biases, the KV cache it returns; ``record._held``); 0 for one stack.
+    The template is the one :func:`traced_parts` traced (memoized)."""
+    return traced_template(_config_of(model), step, impl).held_bytes(step.batch, step.seq)
 
 
 _GENERIC_KEYS = {  # ModelSpec field -> config keys, first present wins

@@ -32,6 +32,7 @@ class Saved:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    held: bool = False  # not kept for backward: alive in the last stack's scope at its end (see _held)
 
 
 def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
@@ -79,11 +80,16 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     autocast = torch.autocast("cpu", dtype=ts._dtype(dt.activation)) if dt.autocast else contextlib.nullcontext()
     rec = _Recorder(model, [])
     modules = {id(m): n for n, m in model.named_modules()}
+    scope, times = _stack_scope(model), {}
     # named as the hf rules name them (trainmem.names): the token ids the token embedding keeps, and
     # each embedding module's output (by block id: a hook holding the tensor would keep it alive)
     outputs: dict[int, str] = {}
     hooks = [m.register_forward_hook(_name_output(rec, outputs, n, torch)) for n, m in model.named_modules()
              if isinstance(m, torch.nn.Embedding)]
+    if scope is not None:  # the last stack's entry, and the return of the last module it calls
+        hooks.append(scope.register_forward_pre_hook(lambda *_: times.__setitem__("start", len(rec.rec.events))))
+        hooks += [m.register_forward_hook(lambda *_: times.__setitem__("end", len(rec.rec.events)))
+                  for m in scope.modules() if m is not scope]
     with rec, _removed(hooks):
         token = modules.get(id(model.get_input_embeddings()))
         rec.mark_input(ids, embedding_indices(token) if token else "input_ids")
@@ -99,6 +105,7 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
                 and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
         # a buffer autograd saves as it is (Gemma's embed_scale) is kept by the graph too
         kept[:0] = [b for b in rec.rec.blocks[:rec.rec.baseline] if b.origin == ORIGIN_BUFFER and b.saved]
+        held = _held(rec.rec.blocks[rec.rec.baseline:], kept, times, ORIGIN_OP)
         del loss
     seen: dict[str, int] = {}
     out = []
@@ -108,7 +115,30 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
+    out += [Saved(f"{b.module}.{b.op}#{k}", b.op, tuple(b.shape), b.dtype, b.nbytes, held=True)
+            for k, b in enumerate(held)]
     return out
+
+
+def _stack_scope(model):
+    """An encoder-decoder's last stack module (T5's ``decoder``, BART's ``model.decoder``), else None."""
+    from trainmem.estimate.traced.kinds import find_stacks
+
+    stacks = find_stacks(model)
+    return model.get_submodule(stacks[-1].prefix[:-1].rpartition(".")[0]) if len(stacks) > 1 else None
+
+
+def _held(blocks, kept, times: dict, origin_op: str) -> list:
+    """What the last stack holds at its last module's return besides what backward keeps: the
+    storages it made that are alive then and gone when forward returns. T5's stack keeps its
+    position biases, its input embeddings and masks in locals through the block loop, and the KV
+    cache it returns (transformers ``modeling_t5.py`` ``T5Stack.forward``); with them its final
+    norm's output and the dropout's (the step's largest forward moment at a small vocabulary)."""
+    if "start" not in times or "end" not in times:
+        return []
+    t0, t1, keep = times["start"], times["end"], {id(b) for b in kept}
+    return [b for b in blocks if b.origin == origin_op and b.phase == "forward" and id(b) not in keep
+            and t0 <= b.alloc_at < t1 and (b.free_at is None or b.free_at >= t1)]
 
 
 def _name_output(rec, names: dict[int, str], module: str, torch):

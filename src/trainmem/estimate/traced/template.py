@@ -91,6 +91,11 @@ class Template:
     tp_plan: Mapping[str, str]
     traced_layers: int  # blocks in the traced cut, every stack's
     points: tuple[tuple[int, int], ...]
+    held_items: tuple[TracedItem, ...] = ()  # an encoder-decoder's last stack's locals at its end (record._held)
+
+    def held_bytes(self, B: int, S: int) -> int:
+        """What the last stack's scope holds at its end besides the kept tensors, at (B, S)."""
+        return sum(i.at(B, S).bytes for i in self.held_items)
 
     def activations(self, B: int, S: int) -> Inventory:
         """The kept tensors at (B, S), each kind's block stored once as a template."""
@@ -123,7 +128,7 @@ class Template:
             "params_before": [[n, list(s)] for n, s in self.params_before],
             "params_after": [[n, list(s)] for n, s in self.params_after],
             "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
-            "points": [list(p) for p in self.points],
+            "points": [list(p) for p in self.points], "held_items": [i.to_json() for i in self.held_items],
         }
 
     @classmethod
@@ -136,7 +141,7 @@ class Template:
             tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]),
                        k["prefix"]) for k in d["kinds"]),
             params(d["params_before"]), params(d["params_after"]), dict(d["tp_plan"]), d["traced_layers"],
-            tuple(tuple(p) for p in d["points"]))
+            tuple(tuple(p) for p in d["points"]), tuple(TracedItem.from_json(i) for i in d.get("held_items", ())))
 
 
 def regime_of(config: Mapping[str, Any], seq: int) -> tuple[int, int | None]:
@@ -263,7 +268,8 @@ def build_template(config: Mapping[str, Any], step, impl) -> Template:
     batch_one = step.batch == 1
     grid, held = _fit_points(config, regime, batch_one)
     runs = record_saved(small, step, impl, grid + [held])
-    items = _fit_items(runs, grid, held)
+    items = _fit_items([[s for s in r if not s.held] for r in runs], grid, held)
+    held_items = _fit_items([[s for s in r if s.held] for r in runs], grid, held)
 
     per_layer: dict[tuple[int, int], list[TracedItem]] = {(k, i): [] for k, n in enumerate(cuts) for i in range(n)}
     base = []
@@ -284,7 +290,7 @@ def build_template(config: Mapping[str, Any], step, impl) -> Template:
              for kind in _stack_kinds(config, st, cuts[k], kind_of[k], firsts[k], in_any,
                                       {i: per_layer[(k, i)] for i in range(cuts[k])})]
     return Template(config["model_type"], tuple((st.prefix, st.num_layers) for st in stacks), regime, batch_one,
-                    tuple(base), tuple(kinds), before, after, K.tp_plan_of(full), sum(cuts), tuple(grid) + (held,))
+                    tuple(base), tuple(kinds), before, after, K.tp_plan_of(full), sum(cuts), tuple(grid) + (held,), tuple(held_items))
 
 
 def _stack_kinds(config, stack, cut: int, kind_of: list[int], first: dict[tuple, int], shapes: list,
