@@ -5,6 +5,9 @@ Phases of a steady-state step (optimizer state exists; gradients were zeroed wit
 
 * ``forward``        -- end of forward, inside the loss: all saved activations, plus the logits
                         and their fp32 copy that the output object still holds.
+* ``stack_end``      -- ``--profile traced``, an encoder-decoder: the decoder stack's last op, its
+                        locals (T5's position biases, input embeddings, KV cache) beside every kept
+                        tensor but the head's (``traced/record.py`` ``_held``).
 * ``backward_start`` -- the loss backward: all activations, plus the gradient of the
                         log-softmax output and of the fp32 logits (two B·S·V·4 tensors).
 * ``backward``       -- backward of the last block: head gradients exist, the last block's
