@@ -10,6 +10,7 @@ import pytest
 from serve_helpers import call, cli_json, post, running_server
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
+from trainmem.estimate.allocation_order import estimate_reserved
 from trainmem.plan.hardware import Reserve, load_gpu
 from trainmem.serve import make_server
 from trainmem.serve.server import MAX_BODY_BYTES
@@ -48,13 +49,34 @@ def test_estimate_equals_cli(base, capsys, request_body, argv):
     shown = cli_json(capsys, r["command_estimate"] + " --json")  # the command the page shows
     want.pop("items"), shown.pop("items")
     assert r["estimate"] == want == shown
-    gpu = load_gpu(request_body.get("gpu", "H100-80GB"))
-    usable = Reserve().usable_bytes(gpu)  # the planner's and advisor's reserve
-    fits = r["fits"]
-    assert (fits["usable_bytes"], fits["peak_bytes"]) == (usable, want["peak_bytes"])
-    assert fits["headroom_bytes"] == usable - want["peak_bytes"]
-    assert fits["fits"] is (want["peak_bytes"] <= usable)
+    _assert_verdict_is_clis(capsys, r["fits"], argv, request_body.get("gpu", "H100-80GB"))
     assert "<svg" in r["chart_svg"] and want["peak_phase"] in r["chart_svg"]
+
+
+def _assert_verdict_is_clis(capsys, fits: dict, argv: list[str], gpu: str) -> dict:
+    """serve's verdict is ``trainmem estimate --gpu G --memory-figure reserved``'s, and plan's/advise's."""
+    v = cli_json(capsys, [*argv, "--gpu", gpu, "--memory-figure", "reserved"])["fits"]
+    assert fits["memory_figure"] == v["figure"] == "reserved"
+    assert (fits["peak_bytes"], fits["peak_reserved_bytes"]) == (v["allocated_bytes"], v["reserved_bytes"])
+    assert (fits["usable_bytes"], fits["headroom_bytes"], fits["fits"]) == \
+        (v["usable_bytes"], v["headroom_bytes"], v["fits"])
+    g = load_gpu(gpu)  # advise's budget (plan/hardware.py Reserve.modelled, the default --reserve-fraction 0)
+    assert fits["usable_bytes"] == Reserve.modelled(g).reserved_usable_bytes(g, fits["gpus"])
+    return v
+
+
+def test_verdict_at_the_boundary_is_the_reserved_figure(base, capsys):
+    """Mistral-7B S=4864 on H100 (tests/plan/test_plan_reserved_verdict.py): its allocated peak fits
+    the old flat budget (capacity − 1 GiB − 5%), its modelled reserved peak does not: serve says no,
+    as estimate's reserved figure, plan and advise do."""
+    body = {"model": "mistral-7b", "seq": 4864, "attention": "mem-efficient", "gpu": "H100-80GB"}
+    status, r = post(base, "/api/estimate", body)
+    assert status == 200, r
+    v = _assert_verdict_is_clis(capsys, r["fits"], ["estimate", "--model", "mistral-7b", "--seq", "4864",
+                                                    "--attention", "mem-efficient", "--json"], "H100-80GB")
+    h100 = load_gpu("H100-80GB")
+    assert v["allocated_bytes"] <= Reserve(fixed_bytes=1 << 30, fraction=0.05).usable_bytes(h100)
+    assert r["fits"]["fits"] is False and r["fits"]["reserve"] == {"fixed_bytes": h100.context_bytes, "fraction": 0.0}
 
 
 def test_config_json_path(base, capsys, tmp_path):
@@ -73,19 +95,22 @@ def test_fit_largest_batch_and_seq_are_the_boundary(base, capsys):
     body = {"model": "gpt2", "gpu": "rtx-4090", "precision": "fp32"}
     status, r = post(base, "/api/fit", body)
     assert status == 200, r
-    model, usable = load_model("gpt2"), Reserve().usable_bytes(load_gpu("rtx-4090"))
+    gpu = load_gpu("rtx-4090")
+    model, usable = load_model("gpt2"), Reserve.modelled(gpu).reserved_usable_bytes(gpu)
+    assert r["usable_bytes"] == usable and r["memory_figure"] == "reserved"
 
-    def peak(**kw) -> int:
-        return estimate(model, StepSpec(**{"batch": 1, "seq": 1024, "precision": "fp32", **kw}), ImplSpec()).peak_bytes
+    def peak(**kw) -> int:  # the reserved peak (allocator model), what plan, advise and sweep --gpu compare
+        e = estimate(model, StepSpec(**{"batch": 1, "seq": 1024, "precision": "fp32", **kw}), ImplSpec())
+        return estimate_reserved(e).reserved_bytes
 
     b = r["largest"]["batch"]["value"]
     assert b > 1 and peak(batch=b) <= usable < peak(batch=b + 1)
     s = r["largest"]["seq"]
     # gpt2 learned 1024 positions: at batch 1 the longest sequence fits, and the search stops there
     assert (s["value"], s["capped"]) == (1024, True) and peak(seq=1024) <= usable
-    # the same search as ``trainmem sweep`` with the usable memory as the budget
+    # the same search as ``trainmem sweep --gpu``
     sweep = cli_json(capsys, ["sweep", "--model", "gpt2", "--precision", "fp32", "--over", "batch",
-                              "--budget", f"{usable}B", "--json"])
+                              "--gpu", "rtx-4090", "--json"])
     assert sweep["max_fit"] == b
 
 

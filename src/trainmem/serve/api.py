@@ -4,7 +4,12 @@ fit and the advisor's fixes.
 
 The numbers are those of the commands the response names: ``estimate`` is ``trainmem estimate
 --json`` for ``command_estimate``; ``advice`` is ``trainmem advise --json`` for ``command_advise``.
-Usable memory per GPU is the planner's (:class:`trainmem.plan.hardware.Reserve`).
+Fit is decided as ``plan`` and ``advise`` decide it (``estimate --memory-figure reserved``): the
+reserved peak (the estimate replayed through the caching-allocator model,
+:func:`trainmem.estimate.allocation_order.estimate_reserved`) against capacity − the GPU preset's
+context (or ``reserve``) − NCCL buffers beyond one rank − ``reserve_fraction`` × capacity, an extra
+margin, 0 by default (:meth:`trainmem.plan.hardware.Reserve.reserved_usable_bytes`). The response
+names the figure (``fits.memory_figure``) and states both peaks.
 
 Known limitations:
   - The advisor starts from data parallelism over ``gpus`` without fine-tuning, as ``trainmem
@@ -37,7 +42,17 @@ def _hardware(req: Request):
 
     gpu = gpu_from_args(req.args)
     check_gpus(gpu, req.args.gpus)
-    return gpu, reserve_from_args(req.args)
+    return gpu, reserve_from_args(req.args, gpu)  # the preset's context, as plan/advise take it
+
+
+def _reserved_peak(result, usable: int | None = None) -> int:
+    """The allocator model's reserved peak; the allocated peak where that is over ``usable`` already
+    (reserved >= allocated: the verdict is the same, and the replay is skipped, as advise skips it)."""
+    from trainmem.estimate.allocation_order import estimate_reserved
+
+    if usable is not None and result.peak_bytes > usable:
+        return result.peak_bytes
+    return estimate_reserved(result).reserved_bytes
 
 
 def options() -> dict:
@@ -65,7 +80,8 @@ def estimate_response(req: Request) -> dict:
     model, step, impl, par, ft = _specs(req)
     gpu, reserve = _hardware(req)
     result = estimate(model, step, impl, par, finetune=ft)
-    usable = reserve.usable_bytes(gpu)
+    usable = reserve.reserved_usable_bytes(gpu, req.args.gpus)
+    held = _reserved_peak(result)
     d = result.to_dict(items=False)
     phases = d["phases"]
     chart = stacked_bars([(p["name"], p["parts"]) for p in phases], mark=d["peak_phase"],
@@ -73,12 +89,14 @@ def estimate_response(req: Request) -> dict:
     return {"schema": SCHEMA, "command_estimate": req.command("estimate"), "command_advise": req.command("advise"),
             "estimate": d, "chart_svg": chart,
             "fits": {"gpu": gpu.name, "gpus": req.args.gpus, "dp": req.args.dp, "memory_bytes": gpu.memory_bytes,
-                     "reserve": reserve.to_dict(), "usable_bytes": usable, "peak_bytes": result.peak_bytes,
-                     "headroom_bytes": usable - result.peak_bytes, "fits": result.peak_bytes <= usable}}
+                     "reserve": reserve.to_dict(), "memory_figure": "reserved", "usable_bytes": usable,
+                     "peak_bytes": result.peak_bytes, "peak_reserved_bytes": held,
+                     "headroom_bytes": usable - held, "fits": held <= usable}}
 
 
 def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
-    """The largest ``over`` (batch or seq) whose peak fits ``usable``, every other setting kept."""
+    """The largest ``over`` (batch or seq) whose reserved peak fits ``usable``, every other setting
+    kept (``trainmem sweep --gpu``)."""
     from trainmem.estimate import estimate
     from trainmem.measure.sweeps import DEFAULT_MAX, DEFAULT_MULTIPLE, DEFAULT_START, bisect_max
 
@@ -87,7 +105,7 @@ def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
         stop = min(stop, model.max_positions)
 
     def fits(value: int) -> bool:
-        return estimate(model, replace(step, **{over: value}), impl, par, finetune=ft).peak_bytes <= usable
+        return _reserved_peak(estimate(model, replace(step, **{over: value}), impl, par, finetune=ft), usable) <= usable
 
     try:
         # from the current value: the answer is the same (peaks grow with the value), found sooner
@@ -105,8 +123,8 @@ def fit_response(req: Request) -> dict:
 
     model, step, impl, par, ft = _specs(req)
     gpu, reserve = _hardware(req)
-    usable = reserve.usable_bytes(gpu)
-    return {"schema": SCHEMA, "usable_bytes": usable,
+    usable = reserve.reserved_usable_bytes(gpu, req.args.gpus)
+    return {"schema": SCHEMA, "memory_figure": "reserved", "usable_bytes": usable,
             "largest": {over: _largest(over, model, step, impl, par, ft, usable) for over in ("batch", "seq")},
             "advice": advise(model, step, impl, gpu, gpus=req.args.gpus, reserve=reserve).to_dict(),
             "command_advise": req.command("advise")}

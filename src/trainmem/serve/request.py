@@ -53,7 +53,7 @@ def _build() -> _Parser:
     add_parallel_args(p)
     add_finetune_args(p)
     added("estimate")
-    add_gpu_args(p, required=False)
+    add_gpu_args(p, required=False, reserved_figure=True)  # plan's and advise's fit (issue 13 item 8)
     p.add_argument("--gpus", type=positive_int("gpus"), default=1, help="GPUs (data parallel = gpus / (tp × cp × pp))")
     p.set_defaults(gpu=DEFAULT_GPU)
     added("gpu")
