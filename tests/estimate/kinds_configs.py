@@ -48,6 +48,11 @@ def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none"
     model = build_hf_model(cfg, attention=attention, dtype=torch.bfloat16 if precision == "bf16" else None)
     if recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recompute == "every-k":  # blocks 0, 2, 4, ... as the measurement checkpoints them
+        from trainmem.specs import ImplSpec
+        from trainmem.trace.recompute import enable_recompute
+
+        enable_recompute(model, ImplSpec(recompute="every-k", recompute_every=2))
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     amp = torch.bfloat16 if precision == "amp-bf16" else None
 
@@ -55,6 +60,14 @@ def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none"
         with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
             return model(ids, labels=ids).loss
 
+    if recompute == "selective":  # checkpoint each attention function call, as the measurement does
+        from trainmem.trace.recompute import selective_recompute
+
+        plain = forward
+
+        def forward():
+            with selective_recompute(model, attention):
+                return plain()
     saved, loss = saved_tensors(model, forward)
     if recompute == "none":
         return sum(s.nbytes for s in saved), saved
@@ -71,7 +84,8 @@ def check_against_autograd(cfg: dict, precision: str, attention: str, recompute:
 
     measured, saved = _measured(cfg, precision, attention, recompute)
     items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
-                             ImplSpec(attention=attention, recompute=recompute, device="cpu"))
+                             ImplSpec(attention=attention, recompute=recompute, device="cpu",
+                                      recompute_every=2 if recompute == "every-k" else 1))
     estimated = sum(i.bytes for i in items)
     assert estimated == measured, f"estimate {estimated} vs measured {measured}; {explain_difference(items, saved)}"
     return items

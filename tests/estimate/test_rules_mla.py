@@ -64,7 +64,7 @@ def test_math_kernel_tensors_per_head_axis():
 def test_refuses_what_it_does_not_model_in_one_line():
     spec = spec_from_hf_config(CONFIGS["v3"])
     for impl in (ImplSpec(attention="sdpa-math", device="cuda"), ImplSpec(attention="sdpa", device="cpu",
-                                                                      recompute="selective")):
+                                                                      recompute="op")):
         with pytest.raises(UnsupportedError) as exc:
             activation_items(spec, StepSpec(batch=1, seq=16), impl)
         assert "--profile traced" in str(exc.value) and "\n" not in str(exc.value)

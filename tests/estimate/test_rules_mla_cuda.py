@@ -102,3 +102,16 @@ def test_refusals_on_cuda_are_one_line():
         with pytest.raises(UnsupportedError, match=needle) as exc:
             _core(config, precision, attention)
         assert "\n" not in str(exc.value)
+
+
+# a real model's forward on the shared CPUs: slow. Selective recompute (the attention function checkpointed,
+# holding q, k, the kv_b_proj output its v views, and the position ids) and every-k are modelled for every
+# kernel; CPU runs the math kernel, which is what autograd can check here
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("recompute", ["selective", "every-k"])  # every-k: blocks 0, 2, ... (k = 2)
+def test_recompute_equals_autograd_on_cpu(attention, precision, recompute):
+    from kinds_configs import check_against_autograd
+
+    check_against_autograd({**_V3, "num_hidden_layers": 3}, precision, attention, recompute)

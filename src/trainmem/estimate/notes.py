@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from trainmem.errors import UnsupportedError
 from trainmem.estimate.activations import activation_inventory
 from trainmem.inventory import Category, Inventory
 from trainmem.report.units import fmt_bytes
@@ -39,10 +38,7 @@ def selective_recompute_noop(model: ModelSpec, step: StepSpec, impl: ImplSpec) -
     plain = activation_inventory(model, step, none)
     if _has_score_matrix(plain, step.seq):
         return None
-    try:
-        selective = activation_inventory(model, step, replace(none, recompute="selective"))
-    except UnsupportedError:  # rules without selective recompute (MLA): no note; advise measures it and sees the refusal
-        return None
+    selective = activation_inventory(model, step, replace(none, recompute="selective"))
     before = plain.total(Category.ACTIVATION)
     saved = before - selective.total(Category.ACTIVATION)
     share = f", {saved / before:.2%} of the activations" if before else ""

@@ -38,6 +38,8 @@ Checked against autograd's saved set and ``--profile traced`` in ``tests/estimat
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import fused_saves
 from trainmem.estimate.ctx import Ctx, promote
@@ -50,9 +52,9 @@ __all__ = ["mla_forward"]
 
 def mla_forward(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
-    if ctx.impl.recompute not in ("none", "full"):
+    if ctx.impl.recompute not in ("none", "full", "every-k", "selective"):
         raise UnsupportedError(f"{m.name}: recompute={ctx.impl.recompute!r} is not modelled for {m.family} "
-                               "(none or full); --profile traced estimates it")
+                               "(none, selective, full or every-k); --profile traced estimates it")
     if ctx.shard.sp or ctx.shard.cp > 1:
         raise UnsupportedError(f"{m.name}: sequence or context parallelism is not modelled for {m.family}'s MLA "
                                "(tensor parallelism splits its heads only)")
@@ -65,8 +67,8 @@ def mla_forward(ctx: Ctx) -> None:
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
             with g.checkpoint(x, *table, *held, policy=_policy(ctx)):
-                return _block(ctx, x, table, kernel, m.kind(i).mlp == "moe")
-        return _block(ctx, x, table, kernel, m.kind(i).mlp == "moe")
+                return _block(ctx, x, table, kernel, m.kind(i).mlp == "moe", held)
+        return _block(ctx, x, table, kernel, m.kind(i).mlp == "moe", held)
 
     x = _layers(ctx, "model.layers.", x, layer)
     h = _rmsnorm(ctx, x, "model.norm")
@@ -131,25 +133,25 @@ def _cuda_kernel(ctx: Ctx) -> str:
 def _cos_sin(ctx: Ctx, dtype: str) -> tuple[Sym, ...]:
     """DeepseekV3RotaryEmbedding: cos and sin (1, S, r) in the activations' dtype."""
     g, r = ctx.graph, ctx.model.qk_rope_head_dim
-    return (g.new("cos", (1, ctx.S, r), ("1", "S", "r"), dtype, False),
-            g.new("sin", (1, ctx.S, r), ("1", "S", "r"), dtype, False))
+    return (g.new("cos", (1, ctx.S, r), ("1", "S", "rope"), dtype, False),
+            g.new("sin", (1, ctx.S, r), ("1", "S", "rope"), dtype, False))
 
 
 def _freqs_cis(ctx: Ctx, dtype: str) -> tuple[Sym, ...]:
     """DeepseekV2RotaryEmbedding: ``torch.polar`` -> one complex64 (1, S, r/2) table."""
     r = ctx.model.qk_rope_head_dim
-    return (ctx.graph.new("freqs_cis", (1, ctx.S, r // 2), ("1", "S", "r/2"), "complex64", False),)
+    return (ctx.graph.new("freqs_cis", (1, ctx.S, r // 2), ("1", "S", "rope/2"), "complex64", False),)
 
 
 #: family -> its rotary table (the router differs too: ``_ROUTERS``)
 _ROPE_TABLES = {"deepseek_v3": _cos_sin, "deepseek_v2": _freqs_cis}
 
 
-def _block(ctx: Ctx, x: Sym, table: tuple[Sym, ...], kernel: str, moe: bool) -> Sym:
+def _block(ctx: Ctx, x: Sym, table: tuple[Sym, ...], kernel: str, moe: bool, held: list[Sym]) -> Sym:
     g = ctx.graph
     h = _rmsnorm(ctx, x, "input_layernorm")
     with g.module("self_attn"):
-        a = _mla(ctx, h, table, kernel)
+        a = _mla(ctx, h, table, kernel, held)
     x = ctx.add(x, a, "residual_attn")
     h = _rmsnorm(ctx, x, "post_attention_layernorm")
     with g.module("mlp"):
@@ -157,7 +159,7 @@ def _block(ctx: Ctx, x: Sym, table: tuple[Sym, ...], kernel: str, moe: bool) -> 
     return ctx.add(x, y, "residual_mlp")
 
 
-def _mla(ctx: Ctx, h: Sym, table: tuple[Sym, ...], kernel: str) -> Sym:
+def _mla(ctx: Ctx, h: Sym, table: tuple[Sym, ...], kernel: str, held: list[Sym]) -> Sym:
     g, m = ctx.graph, ctx.model
     B, S, H, A = ctx.B, ctx.S, m.hidden_size, m.num_heads
     hd, vd, nope, r, R = m.head_dim, m.v_head_dim, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
@@ -171,7 +173,7 @@ def _mla(ctx: Ctx, h: Sym, table: tuple[Sym, ...], kernel: str) -> Sym:
         with g.module("q_proj"):
             q = ctx.linear(h, A * hd, "A·hd", weight=(A * hd, H))
     with g.module("kv_a_proj_with_mqa"):
-        c = ctx.linear(h, R + r, "Rkv+r", weight=(R + r, H), bias=m.qkv_bias)
+        c = ctx.linear(h, R + r, "Rkv+rope", weight=(R + r, H), bias=m.qkv_bias)
     latent = _latent_norm(ctx, c)
     # the rope dims rotate against the table (the product keeps the table: q and k need grad, it does not)
     g.save(*table, when=q.requires_grad or c.requires_grad)
@@ -180,7 +182,10 @@ def _mla(ctx: Ctx, h: Sym, table: tuple[Sym, ...], kernel: str) -> Sym:
     with g.module("kv_b_proj"):
         kv = ctx.linear(latent, A * (nope + vd), "A·(nope+vd)", weight=(A * (nope + vd), R))
     key = g.new("key_states", heads, dims, kv.dtype, kv.requires_grad)  # expand_kv: new_empty + copy_
-    o = _core(ctx, query, key, kv, kernel)
+    # selective (trace/recompute.py selective_recompute): the attention function is checkpointed; it holds
+    # q, k, v (a view of kv_b_proj's output: all of it) and what rides along (position ids, eager's mask)
+    with g.checkpoint(query, key, kv, *held) if ctx.impl.recompute == "selective" else nullcontext():
+        o = _core(ctx, query, key, kv, kernel)
     with g.module("o_proj"):
         return ctx.linear(o, H, "H", weight=(H, A * vd), bias=m.out_bias)
 

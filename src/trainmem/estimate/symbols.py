@@ -185,5 +185,8 @@ def symbol_values(model, step, parallel=None, *, lora_rank: int = 0, context: in
         "rot": model.rotary_dim or model.head_dim, "F": model.ffn_size, "Fe": model.expert_ffn_size,
         "E": model.num_experts, "k": model.top_k, "Es": model.num_shared_experts, "r": lora_rank,
         "nl": getattr(model, "num_labels", 0),
+        # MLA (DeepSeek-V2/V3, rules_mla.py): the q and kv latent ranks, the per-head nope / rope / v dims
+        "Rq": model.q_lora_rank, "Rkv": model.kv_lora_rank, "nope": model.qk_nope_head_dim,
+        "rope": model.qk_rope_head_dim, "vd": model.v_head_dim,
         "ctx": context, "tp": p.tp if p else 1, "cp": p.cp if p else 1,
     }

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from trainmem.errors import SpecError, UnsupportedError
+from trainmem.errors import SpecError
 from trainmem.estimate import estimate
 from trainmem.estimate.notes import selective_recompute_noop
 from trainmem.families import family_attentions
@@ -219,13 +219,7 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 if why:  # the same configuration as recompute=none, one attention forward slower
                     noops[attn] = why
                     continue
-            try:
-                b1 = breakdown(estimate(model, base, impl, finetune=finetune))
-            except UnsupportedError as exc:  # rules without selective recompute (MLA): skipped, the refusal says why
-                if rc != "selective":
-                    raise
-                noops[attn] = str(exc)
-                continue
+            b1 = breakdown(estimate(model, base, impl, finetune=finetune))
             calls += 1
             sig = (rc, b1)
             if sig in seen:  # same saved set as a kernel already listed
