@@ -39,7 +39,7 @@ def _retained(cfg, impl, batch=2, seq=32):
     with the ids and less the loss, as test_groundtruth_hf.py measures under checkpointing."""
     import contextlib
 
-    from trainmem.trace import step as ts
+    from trainmem.trace.recompute import enable_recompute, selective_recompute
     from trainmem.trace.torch_state import default_dtype
     from trainmem.trace.saved import retained_bytes
 
@@ -47,9 +47,9 @@ def _retained(cfg, impl, batch=2, seq=32):
     with default_dtype(torch.bfloat16):
         model = build_hf_model(cfg, attention=impl.attention)
     model.train()
-    ts._enable_recompute(model, impl)
+    enable_recompute(model, impl)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
-    core = ts._selective_recompute(model, impl.attention) if impl.recompute == "selective" else contextlib.nullcontext()
+    core = selective_recompute(model, impl.attention) if impl.recompute == "selective" else contextlib.nullcontext()
     with core:
         kept, loss = retained_bytes(model, lambda: model(ids, labels=ids).loss)
     return kept + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes()

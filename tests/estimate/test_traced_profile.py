@@ -174,7 +174,7 @@ def _retained(cfg, impl):
     inside checkpoint regions), as test_groundtruth_hf.py measures, with the ids and less the loss."""
     import contextlib
 
-    from trainmem.trace import step as ts
+    from trainmem.trace.recompute import enable_recompute, selective_recompute
     from trainmem.trace.torch_state import default_dtype
     from trainmem.trace.saved import retained_bytes
 
@@ -182,9 +182,9 @@ def _retained(cfg, impl):
     with default_dtype(torch.bfloat16):
         model = build_hf_model(cfg, attention=impl.attention)
     model.train()
-    ts._enable_recompute(model, impl)
+    enable_recompute(model, impl)
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
-    core = ts._selective_recompute(model, impl.attention) if impl.recompute == "selective" else contextlib.nullcontext()
+    core = selective_recompute(model, impl.attention) if impl.recompute == "selective" else contextlib.nullcontext()
     with core:
         kept, loss = retained_bytes(model, lambda: model(ids, labels=ids).loss)
     return kept + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes()

@@ -44,18 +44,19 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 
     from trainmem.trace import step as ts
     from trainmem.trace.hf_masks import masks_as_on_real_tensors
-    from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log
+    from trainmem.trace.recompute import enable_recompute, selective_recompute
+    from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log, torch_dtype
 
     ts._check(step, impl)
     try:
         with quiet_fake_tensor_log(), FakeTensorMode(), ts._attention_context(impl):
             from trainmem.models.hf import build_hf_model
-            with default_dtype(ts._dtype(step.dtypes.param)):
+            with default_dtype(torch_dtype(step.dtypes.param)):
                 model = build_hf_model(config, attention=impl.attention, init_weights=False)
             model.train()
-            ts._enable_recompute(model, impl)
+            enable_recompute(model, impl)
             routing, _ = ts._routing(model, impl, fake=True)
-            selective = (ts._selective_recompute(model, impl.attention) if impl.recompute == "selective"
+            selective = (selective_recompute(model, impl.attention) if impl.recompute == "selective"
                          else contextlib.nullcontext())
             with routing, selective, masks_as_on_real_tensors():
                 return [_one(model, replace(step, batch=b, seq=s), torch) for b, s in points]
@@ -72,12 +73,13 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     from trainmem.names import embedding_indices
     from trainmem.trace import step as ts
     from trainmem.trace._recorder import ORIGIN_BUFFER, ORIGIN_INPUT, ORIGIN_OP, _Recorder
+    from trainmem.trace.torch_state import torch_dtype
 
     ts._check_positions(model, step.seq)
     inputs = ts._inputs(model, step, ts._head_of(model))
     ids = inputs.pop("input_ids")
     dt = step.dtypes
-    autocast = torch.autocast("cpu", dtype=ts._dtype(dt.activation)) if dt.autocast else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", dtype=torch_dtype(dt.activation)) if dt.autocast else contextlib.nullcontext()
     rec = _Recorder(model, [])
     modules = {id(m): n for n, m in model.named_modules()}
     scope, times = _stack_scope(model), {}
