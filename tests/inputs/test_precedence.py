@@ -33,8 +33,12 @@ def config(tmp_path):
 
 def test_defaults_without_files():
     args = parse([])
-    # --seq defaults to None: 4096, or the model's learned positions when fewer (resolved with the model)
-    assert (args.model, args.batch, args.seq, args.attention, args.tp) == ("llama-3-8b", 1, None, "sdpa", 1)
+    # --seq defaults to None: 4096, or the model's learned positions when fewer (resolved with the model);
+    # --attention to None: the family's default kernel (cliargs.resolve_attention), sdpa for llama
+    assert (args.model, args.batch, args.seq, args.attention, args.tp) == ("llama-3-8b", 1, None, None, 1)
+    from trainmem.cliargs import resolve_attention
+    resolve_attention(args, "llama")
+    assert args.attention == "sdpa"
     assert args.inputs == {} and args.spec_overrides == {}
 
 
