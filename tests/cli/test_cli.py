@@ -89,7 +89,7 @@ def test_commands_and_estimate_flags_are_frozen():
         "--cp-style",
         "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--float8",
         "--float8-all-gather", "--freeze",
-        "--fsdp", "--fsdp-group", "--fsdp-version", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--head", "--help",
+        "--fsdp", "--fsdp-group", "--fsdp-units", "--fsdp-version", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--head", "--help",
         "--hf-args", "--html", "--json",
         "--kv-dtype", "--layer-split",
         "--lora-alpha", "--lora-dropout", "--lora-rank", "--lora-targets", "--loss", "--megatron-args",

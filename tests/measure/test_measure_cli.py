@@ -158,5 +158,6 @@ def test_public_api_and_flags_are_frozen():
     estimate_flags += ["--double-quant", "--no-double-quant", "--qlora-scope", "--quant-impl", "--quantize-head",
                        "--float8", "--float8-all-gather", "--fsdp-version"]
     estimate_flags += ["--no-loss-parallel"]  # TP loss_parallel (a3cb85a)
+    estimate_flags += ["--fsdp-units"]  # FSDP units for the embedding and head (b16ffa8)
     assert flags["sweep"] == sorted(shared + estimate_flags + ["--backend", "--budget", "--html", "--max",
                                                                "--multiple", "--over", "--plot", "--start"])
