@@ -8,6 +8,7 @@ import pytest
 import trainmem
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate import estimate
+from trainmem.estimate.allocation_order import estimate_reserved
 from trainmem.plan.hardware import Reserve
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
@@ -15,8 +16,8 @@ from trainmem.specs.loaders import load_model
 
 
 def _usable(gpu_file: str) -> int:
-    memory = json.loads(files("trainmem.data").joinpath("gpus").joinpath(gpu_file).read_text())["memory_bytes"]
-    return memory - (1 << 30) - int(0.05 * memory)  # capacity − 1 GiB − 5%, plan/advise's reserve
+    preset = json.loads(files("trainmem.data").joinpath("gpus").joinpath(gpu_file).read_text())
+    return preset["memory_bytes"] - preset["context_bytes"]  # capacity − context: the reserved figure's budget
 
 
 def test_estimate_backend_is_the_largest_that_fits():
@@ -29,10 +30,11 @@ def test_estimate_backend_is_the_largest_that_fits():
     b = fit.batch
     assert b is not None and b >= 1 and not fit.capped
     from dataclasses import replace
-    at = estimate(model, replace(step, batch=b), impl).peak_bytes
-    after = estimate(model, replace(step, batch=b + 1), impl).peak_bytes
-    assert at <= usable < after
-    assert (fit.peak_bytes, fit.next_peak_bytes) == (at, after)
+    at, after = (estimate(model, replace(step, batch=n), impl) for n in (b, b + 1))
+    held, next_held = estimate_reserved(at).reserved_bytes, estimate_reserved(after).reserved_bytes
+    assert held <= usable < next_held  # the reserved peak, as plan/advise/sweep --gpu compare it
+    assert (fit.peak_bytes, fit.next_peak_bytes) == (at.peak_bytes, after.peak_bytes)
+    assert (fit.reserved_bytes, fit.next_reserved_bytes) == (held, next_held)
 
 
 def test_parallel_and_finetune_are_searched_too():
@@ -45,7 +47,8 @@ def test_parallel_and_finetune_are_searched_too():
     zero3 = trainmem.largest_micro_batch(model, seq=2048, step=StepSpec(precision="bf16"), gpu="A100-40GB",
                                          parallel=ParallelSpec(dp=8, zero=3))
     assert zero3.batch is not None
-    assert zero3.peak_bytes <= zero3.budget.usable_bytes < zero3.next_peak_bytes
+    assert zero3.reserved_bytes <= zero3.budget.usable_bytes < zero3.next_reserved_bytes
+    assert zero3.budget.usable_bytes == _usable("a100-40gb.json") - (256 << 20)  # NCCL's buffers on 8 ranks
 
 
 def test_trace_backend_on_a_config():
@@ -53,13 +56,13 @@ def test_trace_backend_on_a_config():
     from trainmem.trace import trace_step
     impl = ImplSpec(attention="eager", device="cpu")
     step = StepSpec(seq=128, precision="fp32")
-    fit = trainmem.largest_micro_batch(LLAMA, step=step, impl=impl, gpu_memory="1.1GiB", backend="trace",
+    fit = trainmem.largest_micro_batch(LLAMA, step=step, impl=impl, gpu_memory="1.05GiB", backend="trace",
                                        max_batch=256)
     b = fit.batch
     assert b is not None and not fit.capped
     from dataclasses import replace
-    assert trace_step(LLAMA, replace(step, batch=b), impl).peak_bytes <= fit.budget.usable_bytes
-    assert trace_step(LLAMA, replace(step, batch=b + 1), impl).peak_bytes > fit.budget.usable_bytes
+    assert trace_step(LLAMA, replace(step, batch=b), impl).peak_reserved_bytes <= fit.budget.usable_bytes
+    assert trace_step(LLAMA, replace(step, batch=b + 1), impl).peak_reserved_bytes > fit.budget.usable_bytes
 
 
 def test_capped_and_bad_input():

@@ -76,16 +76,17 @@ def test_predicted_and_measured_are_logged_and_agree(tmp_path, caplog, name, bui
 
 
 def _too_small(tmp_path, model):
-    """A device 10% smaller than the predicted peak, under plan/advise's default reserve:
-    usable = memory − 1 GiB − 5% · memory = 0.9 · peak  ⇒  memory = (0.9 · peak + 1 GiB) / 0.95."""
+    """A device 10% smaller than the predicted reserved peak, under plan/advise's default budget
+    (the H100 preset's 1 GiB context, no margin): usable = memory − 1 GiB = 0.9 · reserved."""
     peak = _predicted(tmp_path, model)
-    return int((0.9 * peak + (1 << 30)) / 0.95) + 1
+    return int(0.9 * peak + (1 << 30)) + 1
 
 
 def _predicted(tmp_path, model) -> int:
     from trainmem.estimate import estimate
+    from trainmem.estimate.allocation_order import estimate_reserved
     run = run_from_trainer(model, training_args(tmp_path), None, train_dataset=Tokens())
-    return estimate(run.model, run.step, run.impl).peak_bytes
+    return estimate_reserved(estimate(run.model, run.step, run.impl)).reserved_bytes
 
 
 def test_a_run_that_does_not_fit_stops_before_its_first_step_with_the_fix(tmp_path, caplog):
@@ -123,9 +124,9 @@ def test_largest_batch_args_sets_the_predicted_micro_batch(tmp_path):
     new, fit = largest_batch_args(args, model, train_dataset=Tokens(), gpu_memory="1.5GiB")
     assert args.per_device_train_batch_size == 4  # the original is untouched
     assert new.per_device_train_batch_size == fit.batch
-    assert fit.peak_bytes <= fit.budget.usable_bytes < fit.next_peak_bytes
+    assert fit.reserved_bytes <= fit.budget.usable_bytes < fit.next_reserved_bytes
     with pytest.raises(ConfigError, match="per_device_train_batch_size"):
-        largest_batch_args(args, model, train_dataset=Tokens(), gpu_memory="1.05GiB")  # usable < 0
+        largest_batch_args(args, model, train_dataset=Tokens(), gpu_memory="1GiB")  # usable 0: all context
 
 
 def test_bad_options_name_the_field():

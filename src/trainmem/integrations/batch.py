@@ -2,8 +2,10 @@
 
 The search is ``measure.sweeps.bisect_max`` (double while it fits, then bisect) over the
 estimate's per-rank peak (``plan.ranks.per_rank_peak``: parallelism and fine-tuning included) or
-the trace's allocated peak on fake tensors (a Hugging Face config only). "Fits" means peak <=
-usable memory: capacity less the reserve ``plan`` and ``advise`` use.
+the trace's peak on fake tensors (a Hugging Face config only). "Fits" means the reserved peak (the
+caching-allocator model's: ``estimate_reserved`` of the estimate, the trace's own replay) <= usable
+memory for it: capacity − context − NCCL buffers beyond one rank − ``reserve.fraction`` (0 by
+default), the verdict of ``plan``, ``advise`` and ``sweep --gpu``.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ class BatchFit:
 
     batch: int | None
     capped: bool  # ``max_batch`` itself fits
-    peak_bytes: int | None  # at ``batch``
+    peak_bytes: int | None  # at ``batch`` (allocated)
     next_peak_bytes: int | None  # at ``batch + 1`` (None when capped)
     budget: Budget
     backend: str
     step: StepSpec  # the step searched (its batch is the first one tried)
+    reserved_bytes: int | None = None  # at ``batch``: the figure compared with usable
+    next_reserved_bytes: int | None = None  # at ``batch + 1``
 
     def to_dict(self) -> dict:
         return {"batch": self.batch, "capped": self.capped, "peak_bytes": self.peak_bytes,
-                "next_peak_bytes": self.next_peak_bytes, "usable_bytes": self.budget.usable_bytes,
+                "next_peak_bytes": self.next_peak_bytes, "peak_reserved_bytes": self.reserved_bytes,
+                "next_peak_reserved_bytes": self.next_reserved_bytes, "usable_bytes": self.budget.usable_bytes,
                 "budget": self.budget.to_dict(), "backend": self.backend, "step": self.step.to_dict()}
 
 
@@ -57,22 +62,23 @@ def _spec_and_config(model) -> tuple[ModelSpec, Mapping[str, Any] | None]:
 def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None = None,
                         impl: ImplSpec | None = None, finetune: FinetuneSpec | None = None,
                         parallel: ParallelSpec | None = None, gpu: str | None = None,
-                        gpu_memory: str | int | None = None, reserve: Reserve = Reserve(),
+                        gpu_memory: str | int | None = None, reserve: Reserve | None = None,
                         backend: str = "estimate", max_batch: int = 1 << 16) -> BatchFit:
-    """The largest micro-batch B whose predicted peak fits one device: peak(B) <= usable < peak(B + 1).
+    """The largest micro-batch B whose predicted reserved peak fits one device: reserved(B) <= usable
+    < reserved(B + 1).
 
     ``model``: a ModelSpec, a preset name or ``config.json`` path, a config dict, or a
     transformers model. ``step`` gives everything but the batch (``seq`` overrides its sequence);
     ``gpu`` (a preset) and/or ``gpu_memory`` (a size) give the device.
     """
     from trainmem.measure.sweeps import bisect_max
-    from trainmem.plan.ranks import per_rank_peak
 
     if backend not in BACKENDS:
         raise SpecError("backend", backend, f"must be one of {', '.join(BACKENDS)}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1 << 20:
         raise SpecError("max_batch", max_batch, "must be an integer from 1 to 1048576")
-    budget = resolve_budget(gpu=gpu, gpu_memory=gpu_memory, reserve=reserve)
+    parallel = parallel or ParallelSpec()
+    budget = resolve_budget(gpu=gpu, gpu_memory=gpu_memory, reserve=reserve, gpus=parallel.world_size)
     if budget is None:
         raise SpecError("gpu_memory", None, "a device is needed: pass gpu= (a preset) or gpu_memory= (a size)")
     spec, config = _spec_and_config(model)
@@ -80,7 +86,6 @@ def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None 
     if seq is not None:
         step = replace(step, seq=seq)
     impl = impl or ImplSpec()
-    parallel = parallel or ParallelSpec()
     if backend == "trace":
         if config is None:
             raise UnsupportedError("backend=trace needs a Hugging Face config (a preset, config dict or model), "
@@ -88,18 +93,23 @@ def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None 
         if finetune is not None or not parallel.is_single:
             raise UnsupportedError("backend=trace traces one device without fine-tuning: use backend=estimate")
 
-    peaks: dict[int, int] = {}
+    peaks: dict[int, tuple[int, int]] = {}  # batch -> (allocated, reserved)
 
-    def peak(b: int) -> int:
+    def peak(b: int) -> tuple[int, int]:
         if b not in peaks:
             s = replace(step, batch=b)
             if backend == "trace":
                 from trainmem.trace import trace_step
-                peaks[b] = trace_step(config, s, impl).peak_bytes
-            else:
-                peaks[b] = per_rank_peak(spec, s, impl, parallel, finetune)
+                t = trace_step(config, s, impl)
+                peaks[b] = (t.peak_bytes, t.peak_reserved_bytes)
+            else:  # the peak rank (plan.ranks.per_rank_peak's estimate), replayed through the allocator model
+                from trainmem.estimate import estimate
+                from trainmem.estimate.allocation_order import estimate_reserved
+                e = estimate(spec, s, impl, None if parallel.is_single else parallel, finetune=finetune)
+                peaks[b] = (e.peak_bytes, estimate_reserved(e).reserved_bytes)
         return peaks[b]
 
-    batch, capped = bisect_max(lambda b: peak(b) <= budget.usable_bytes, start=1, stop=max_batch, multiple=1)
-    return BatchFit(batch, capped, peak(batch) if batch else None,
-                    None if capped else peak((batch or 0) + 1), budget, backend, step)
+    batch, capped = bisect_max(lambda b: peak(b)[1] <= budget.usable_bytes, start=1, stop=max_batch, multiple=1)
+    at, after = peak(batch) if batch else (None, None), (None, None) if capped else peak((batch or 0) + 1)
+    return BatchFit(batch, capped, at[0], after[0], budget, backend, step, reserved_bytes=at[1],
+                    next_reserved_bytes=after[1])

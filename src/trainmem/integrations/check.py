@@ -1,14 +1,17 @@
 """Check-then-measure, the part shared by the Trainer callback and :func:`trainmem.guard`.
 
-Before the first step: the estimate's per-device peak against the device's usable memory
-(capacity less :class:`~trainmem.plan.hardware.Reserve`, the reserve ``plan`` and ``advise``
-use), with ``advise``'s ladder when it does not fit. After the first steps: the measured peak
-beside the prediction. Pure functions and result objects; rendering is in ``integrations.text``.
+Before the first step: the estimate's per-device reserved peak (the caching-allocator model,
+:func:`trainmem.estimate.allocation_order.estimate_reserved`) against the device's usable memory
+for that figure (capacity − the context − NCCL buffers beyond one rank − ``reserve.fraction``, an
+extra margin, 0 by default: :meth:`~trainmem.plan.hardware.Reserve.reserved_usable_bytes`), the
+verdict of ``estimate --memory-figure reserved``, ``plan`` and ``advise``; ``advise``'s ladder
+when it does not fit. After the first steps: the measured allocated peak beside the predicted
+allocated peak (a ratio of like figures, not a verdict; CUDA's measured reserved peak is logged). Pure functions and result objects; rendering is in ``integrations.text``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainmem.errors import DoesNotFit, SpecError
 from trainmem.plan.advise import Advice
@@ -49,17 +52,20 @@ class Budget:
     usable_bytes: int
     reserve: Reserve
     source: str
+    figure: str = "reserved"
+    """The figure ``usable_bytes`` is for: the reserved peak (``plan``/``advise``'s)."""
 
     def to_dict(self) -> dict:
         return {"gpu": self.gpu.name, "memory_bytes": self.gpu.memory_bytes, "usable_bytes": self.usable_bytes,
-                "reserve": self.reserve.to_dict(), "source": self.source}
+                "reserve": self.reserve.to_dict(), "memory_figure": self.figure, "source": self.source}
 
 
 def resolve_budget(*, gpu: str | None = None, gpu_memory: str | int | None = None, device=None,
-                   reserve: Reserve = Reserve()) -> Budget | None:
+                   reserve: Reserve | None = None, gpus: int = 1) -> Budget | None:
     """The device memory to check against: ``gpu_memory`` (a size, parsed by ``trainmem.units``),
     else a ``gpu`` preset, else a CUDA ``device``'s capacity; None when none is known (CPU, no
-    argument). ``advise``'s throughput costs use the preset's rates, or H100-80GB's when only a
+    argument). Usable is for a reserved peak on ``gpus`` ranks; ``reserve`` None is plan's and
+    advise's default (:meth:`Reserve.modelled`: the preset's context, no extra margin). ``advise``'s throughput costs use the preset's rates, or H100-80GB's when only a
     size is known."""
     from trainmem.plan.hardware import load_gpu
     from trainmem.units import parse_size
@@ -78,7 +84,8 @@ def resolve_budget(*, gpu: str | None = None, gpu_memory: str | int | None = Non
         source = f"torch.cuda.get_device_properties({device}).total_memory"
     else:
         return None
-    return Budget(base, reserve.usable_bytes(base), reserve, source)
+    reserve = Reserve.modelled(base) if reserve is None else reserve
+    return Budget(base, reserve.reserved_usable_bytes(base, gpus), reserve, source)
 
 
 @dataclass(frozen=True)
@@ -91,36 +98,45 @@ class Check:
     budget: Budget | None
     advice: Advice | None
     notes: tuple[str, ...] = ()
+    predicted_reserved_bytes: int | None = None
+    """The reserved peak (allocator model) the verdict compares; None without a budget."""
 
     @property
     def fits(self) -> bool | None:
         """None when there is no device memory to compare with."""
-        return None if self.budget is None else self.predicted_peak_bytes <= self.budget.usable_bytes
+        return None if self.budget is None else self.predicted_reserved_bytes <= self.budget.usable_bytes
 
     def to_dict(self) -> dict:
         return {"run": self.run.to_dict(), "predicted_peak_bytes": self.predicted_peak_bytes,
+                "predicted_peak_reserved_bytes": self.predicted_reserved_bytes,
                 "peak_phase": self.peak_phase, "budget": self.budget.to_dict() if self.budget else None,
                 "fits": self.fits, "advice": self.advice.to_dict() if self.advice else None,
                 "notes": list(self.notes)}
 
 
 def check_run(run: RunSpec, budget: Budget | None) -> Check:
-    """Estimate ``run`` and compare it with ``budget``; when it does not fit, ``advise``'s ladder."""
+    """Estimate ``run`` and compare its reserved peak with ``budget`` (for ``run``'s ranks); when it
+    does not fit, ``advise``'s ladder."""
     from trainmem.estimate import estimate
+    from trainmem.estimate.allocation_order import estimate_reserved
     from trainmem.plan.advise import advise
 
     e = estimate(run.model, run.step, run.impl, None if run.parallel.is_single else run.parallel,
                  finetune=run.finetune)
     notes: list[str] = []
-    advice = None
-    if budget is not None and e.peak_bytes > budget.usable_bytes:
+    advice, held = None, None
+    if budget is not None:
+        world = run.parallel.world_size  # NCCL's buffers beyond one rank, as estimate counts them
+        budget = replace(budget, usable_bytes=budget.reserve.reserved_usable_bytes(budget.gpu, world))
+        held = estimate_reserved(e).reserved_bytes
+    if budget is not None and held > budget.usable_bytes:
         if run.finetune is not None:
             notes.append("advise does not model fine-tuning yet: no fix proposed")
         else:
             if run.parallel.zero or run.parallel.fsdp or run.parallel.offload:
                 notes.append("advise starts from plain data parallelism, not the run's sharding")
             advice = advise(run.model, run.step, run.impl, budget.gpu, gpus=run.parallel.dp, reserve=budget.reserve)
-    return Check(run, e.peak_bytes, e.peak_phase, budget, advice, tuple(notes))
+    return Check(run, e.peak_bytes, e.peak_phase, budget, advice, tuple(notes), predicted_reserved_bytes=held)
 
 
 @dataclass(frozen=True)
@@ -167,10 +183,10 @@ class GuardReport:
                 "ratio": self.ratio, "tolerance": self.tolerance, "agrees": self.agrees, "notes": list(self.notes)}
 
 
-def validate_options(on_oom: str, tolerance: float, steps: int, reserve: Reserve, *,
+def validate_options(on_oom: str, tolerance: float, steps: int, reserve: Reserve | None, *,
                      steps_field: str = "measure_steps") -> None:
     """The options shared by the callback and guard, each named when wrong."""
-    if not isinstance(reserve, Reserve):
+    if reserve is not None and not isinstance(reserve, Reserve):
         raise SpecError("reserve", reserve, "must be a trainmem.plan.hardware.Reserve")
     if on_oom not in ON_OOM:
         raise SpecError("on_oom", on_oom, f"must be one of {', '.join(ON_OOM)}")

@@ -139,7 +139,7 @@ class TrainMemCallback(TrainerCallback):
 
     def __init__(self, *, gpu: str | None = None, gpu_memory: str | int | None = None, seq: int | None = None,
                  on_oom: str = "warn", tolerance: float = DEFAULT_TOLERANCE, measure_steps: int = 2,
-                 reserve: Reserve = Reserve()) -> None:
+                 reserve: Reserve | None = None) -> None:
         validate_options(on_oom, tolerance, measure_steps, reserve)
         if seq is not None:
             StepSpec(seq=seq)  # names a bad seq now, not at the first step
@@ -169,7 +169,8 @@ class TrainMemCallback(TrainerCallback):
         self.report = GuardReport(check, tolerance=self.tolerance)
         log_check(check)
         state.log_history.append({"trainmem/predicted_peak_bytes": check.predicted_peak_bytes,
-                                  "trainmem/usable_bytes": budget.usable_bytes if budget else None,
+                                  "trainmem/predicted_reserved_bytes": check.predicted_reserved_bytes,
+                                  "trainmem/usable_bytes": check.budget.usable_bytes if check.budget else None,
                                   "step": state.global_step})
         if check.fits is False and self.on_oom == "stop":
             raise DoesNotFit("\n".join(check_lines(check)), check)
@@ -211,7 +212,7 @@ class TrainMemCallback(TrainerCallback):
 
 
 def largest_batch_args(args, model, *, seq: int | None = None, train_dataset=None, gpu: str | None = None,
-                       gpu_memory: str | int | None = None, reserve: Reserve = Reserve(),
+                       gpu_memory: str | int | None = None, reserve: Reserve | None = None,
                        backend: str = "estimate", max_batch: int = 1 << 16):
     """``(TrainingArguments, BatchFit)``: a copy of ``args`` whose ``per_device_train_batch_size``
     is the largest micro-batch predicted to fit (:func:`trainmem.largest_micro_batch`), the run

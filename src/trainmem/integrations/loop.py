@@ -67,7 +67,7 @@ def run_from_module(model, optimizer, *, batch: int, seq: int, grad_accum: int =
 def guard(model, optimizer, step_fn: Callable[[], Any], *, batch: int, seq: int, grad_accum: int = 1,
           precision: str | None = None, spec: ModelSpec | None = None, impl: ImplSpec | None = None,
           finetune: FinetuneSpec | None = None, parallel: ParallelSpec | None = None,
-          gpu: str | None = None, gpu_memory: str | int | None = None, reserve: Reserve = Reserve(),
+          gpu: str | None = None, gpu_memory: str | int | None = None, reserve: Reserve | None = None,
           steps: int = 2, on_oom: str = "warn", tolerance: float = DEFAULT_TOLERANCE) -> GuardReport:
     """Estimate the step, compare it with the device (``gpu``/``gpu_memory`` on CPU, the CUDA
     device's capacity otherwise), then run ``step_fn`` ``steps`` times (real training steps: one

@@ -34,13 +34,15 @@ def check_lines(check: Check) -> list[str]:
     if b is None:
         lines.append("trainmem: no device memory to compare with (on CPU pass gpu= or gpu_memory=)")
     else:
-        where = (f"usable {fmt_bytes(b.usable_bytes)} of {fmt_bytes(b.gpu.memory_bytes)} ({b.source}; reserve "
-                 f"{fmt_bytes(b.reserve.fixed_bytes)} + {b.reserve.fraction:.0%}, as plan and advise"
+        where = (f"reserved peak {fmt_bytes(check.predicted_reserved_bytes)} (allocator model), usable "
+                 f"{fmt_bytes(b.usable_bytes)} of {fmt_bytes(b.gpu.memory_bytes)} ({b.source}; context "
+                 f"{fmt_bytes(b.reserve.fixed_bytes)}" + (f" + {b.reserve.fraction:.0%} margin" if b.reserve.fraction
+                                                           else "") + ", as plan and advise"
                  + ("; the reserve alone exceeds the capacity)" if b.usable_bytes <= 0 else ")"))
         if check.fits:
             lines.append(f"trainmem: fits: {where}")
         else:
-            over = check.predicted_peak_bytes - b.usable_bytes
+            over = check.predicted_reserved_bytes - b.usable_bytes
             lines.append(f"trainmem: does NOT fit by {fmt_bytes(over)}: {where}")
             lines.extend(_fix_lines(check))
     lines.extend(f"trainmem note: {n}" for n in (*check.run.notes, *check.notes))
