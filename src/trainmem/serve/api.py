@@ -16,6 +16,9 @@ Known limitations:
     advise`` does; the response's ``advice.start_peak_bytes`` says where it started.
   - The largest micro-batch and sequence keep every other setting, parallel degrees included, and
     search as ``trainmem sweep`` does (doubling then bisection, sequences in multiples of 64).
+    The search assumes the reserved peak grows with the value; the allocator model's does not
+    always (Mistral-7B mem-efficient on H100, B=1: S=3584 models 84.9 GiB reserved, S=4096 76.0
+    GiB), so the answer is a boundary the bisection found, as ``sweep --gpu``'s is.
 """
 
 from __future__ import annotations
