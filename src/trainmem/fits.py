@@ -58,8 +58,9 @@ __all__ = ["FIGURES", "Verdict", "verdict", "usable_bytes", "budget_bytes", "con
 FIGURES = ("allocated", "active", "reserved", "device")
 
 #: The estimate's allocator reserve, as a share of capacity, where no allocation order is modelled
-#: (inference estimates; ``trainmem.plan.hardware.Reserve.fraction``'s default for the integrations,
-#: which compare allocated peaks). plan, advise and sweep compare the modelled reserved peak instead.
+#: (inference estimates; ``trainmem.plan.hardware.Reserve.fraction``'s default where an allocated
+#: peak is compared). plan, advise, sweep, serve and the integrations compare the modelled reserved
+#: peak instead (``estimate_reserved``), with ``fraction`` an extra margin, 0 by default.
 ESTIMATE_RESERVE_FRACTION = 0.05
 
 #: Per-rank NCCL buffers when the world has more than one rank. Uncertain, an order of magnitude:

@@ -14,8 +14,9 @@ __all__ = ["add_gpu_args", "gpu_from_args", "reserve_from_args", "check_gpus"]
 def add_gpu_args(p: argparse.ArgumentParser, *, required: bool, reserved_figure: bool = False) -> None:
     """``--gpu`` (a preset or ``custom``), its memory/TFLOP/s/bandwidth/node overrides, ``--reserve``.
     ``reserved_figure``: the command compares the allocator model's reserved peak (``plan``,
-    ``advise``), so ``--reserve-fraction`` is an extra margin, 0 by default; else (``serve``) the
-    share of capacity that stands for fragmentation, 5%."""
+    ``advise``, ``serve``: every caller today), so ``--reserve-fraction`` is an extra margin, 0 by
+    default; else the share of capacity that stands for fragmentation, :class:`Reserve`'s 5%
+    (a command comparing allocated peaks; none does now)."""
     from trainmem.plan.hardware import Reserve, list_gpus
 
     p.add_argument("--gpu", required=required, metavar="NAME",

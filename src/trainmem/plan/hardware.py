@@ -72,10 +72,12 @@ class GPU:
 @dataclass(frozen=True, kw_only=True)
 class Reserve:
     """Memory a rank cannot give to tensors: CUDA context, library workspaces (cuBLAS, NCCL) and
-    allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity. ``plan`` and
-    ``advise`` compare the allocator model's reserved peak with it (``fraction`` then an explicit
-    extra margin, 0 by default: :meth:`modelled`); the integrations compare allocated peaks with the
-    default 5%."""
+    allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity. ``plan``,
+    ``advise``, ``serve``, ``sweep --gpu`` and the integrations (``check_run``, the callback,
+    ``largest_micro_batch``) compare the allocator model's reserved peak with it (``fraction`` then
+    an explicit extra margin, 0 by default: :meth:`modelled`, :meth:`reserved_usable_bytes`). The
+    5% default of ``fraction`` stands for fragmentation only where an allocated peak is compared
+    (:meth:`usable_bytes`: an estimate with no allocation order, e.g. inference)."""
 
     fixed_bytes: int = 1 << 30
     """CUDA context + cuBLAS/NCCL workspaces (default 1 GiB)."""
