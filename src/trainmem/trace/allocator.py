@@ -10,13 +10,18 @@ Pure Python, no torch. It follows ``c10/cuda/CUDACachingAllocator.cpp``:
 * a free block is found best-fit (smallest size, then lowest address) within the pool;
 * a block is split when the remainder is at least 512 bytes (small pool, or any pool with
   expandable segments) or more than 1 MiB (large pool); freed blocks merge with free neighbours;
-* segments are never returned (no ``empty_cache``), so reserved bytes only grow;
+* segments are never returned (no ``empty_cache``), so reserved bytes only grow; unless
+  ``capacity_bytes`` is given: then a new segment that would take reserved bytes past it first
+  releases every cached segment that is wholly free (not split), as ``DeviceCachingAllocator::malloc``
+  does when cudaMalloc fails (``release_cached_blocks``, then ``alloc_block`` again); if it still
+  does not fit, ``out_of_memory`` is set and the replay goes on (the real one raises);
 * with ``expandable_segments`` each pool is one segment that grows at its end in pages of
   2 MiB (small pool) or 20 MiB (large pool), extending a free block at the end when there is one.
 
 Known limitations:
   - One stream, no CUDA graphs, no ``max_split_size_mb``/``roundup_power2_divisions`` and
-    unlimited device memory (the allocator's free-and-retry path on OOM is not modelled).
+    unlimited device memory unless ``capacity_bytes`` (then without expandable segments only;
+    ``release_available_cached_blocks`` is a no-op at the default ``max_split_size``).
 """
 
 from __future__ import annotations
@@ -100,8 +105,13 @@ class _Pool:
 class CachingAllocator:
     """Allocate and free by key; read ``reserved_bytes`` and ``allocated_bytes`` at any time."""
 
-    def __init__(self, *, expandable_segments: bool = False) -> None:
+    def __init__(self, *, expandable_segments: bool = False, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and expandable_segments:
+            raise ValueError("capacity_bytes is modelled without expandable segments only")
         self.expandable = expandable_segments
+        self.capacity = capacity_bytes
+        self.out_of_memory = False  # a segment did not fit capacity_bytes even after the release
+        self.released_bytes = 0  # segments given back by the release (cudaFree)
         self._pools = {True: _Pool(True), False: _Pool(False)}
         self._live: dict[Hashable, _Block] = {}
         self._next_addr = 1 << 40  # fake device addresses, segments never overlap
@@ -169,6 +179,9 @@ class CachingAllocator:
     def _grow(self, pool: _Pool, size: int) -> _Block:
         if not self.expandable:
             seg_size = allocation_size(size)
+            if self.capacity is not None and self.reserved_bytes + seg_size > self.capacity:
+                self._release_cached()
+                self.out_of_memory |= self.reserved_bytes + seg_size > self.capacity
             seg = _Segment(self._next_addr, seg_size, pool.small)
             seg.first = _Block(seg.addr, seg_size, seg)
             self._next_addr += seg_size
@@ -197,6 +210,20 @@ class CachingAllocator:
         else:
             last.next = block
         return block
+
+    def _release_cached(self) -> None:
+        """cudaFree every segment that is one free block (``release_cached_blocks``)."""
+        for pool in self._pools.values():
+            keep = []
+            for seg in pool.segments:
+                b = seg.first
+                if b.next is None and not b.allocated:
+                    pool.remove_free(b)
+                    self.reserved_bytes -= seg.size
+                    self.released_bytes += seg.size
+                else:
+                    keep.append(seg)
+            pool.segments = keep
 
     @staticmethod
     def _merge(a: _Block, b: _Block) -> _Block:
