@@ -62,3 +62,12 @@ def test_reserved_peak_drops_from_3584_to_4096_through_segment_sizes(mistral):
     assert wh.get(112, 0) == 0 and wh.get(98, 0) == 0
     cached = sum(k * n for k, n in wl.items()) * MiB - sum(k * n for k, n in wh.items()) * MiB
     assert cached > 0.7 * (rl - rh)  # the cached whole segments carry most of the difference
+
+
+def test_release_and_retry_fits_what_the_unlimited_reserved_peak_refuses(mistral):
+    from trainmem.estimate.allocation_order import fits_with_release
+    est = estimate(mistral, StepSpec(batch=1, seq=3584, precision="bf16"), ImplSpec(attention="mem-efficient"))
+    usable = int(78.65 * (1 << 30))  # H100-80GB less the 1 GiB context
+    assert estimate_reserved(est).reserved_bytes > usable  # 84.95 GiB on an unlimited device
+    assert fits_with_release(est, usable)                  # 68.97 GiB suffice with the release
+    assert not fits_with_release(est, est.peak_bytes)      # never below the allocated peak

@@ -41,6 +41,10 @@ Known limitations:
     (tests/estimate/test_estimate_reserved.py states the measured ratios).
   - One stream; no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
     inventories under parallelism are replayed as one device's.
+  - The reserved peak is that of an unlimited device, and it is not monotone in the sequence
+    length (docs/plan.md "What fits means": freed activation segments smaller than the optimizer's
+    weight-sized temporaries stay cached while B·S < hidden). At a real capacity the allocator
+    gives wholly free cached segments back and retries: :func:`fits_with_release` replays that.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from dataclasses import dataclass, replace
 from trainmem.inventory import Category, MemoryItem
 from trainmem.names import is_head, layer_of
 
-__all__ = ["ReservedModel", "allocation_events", "estimate_reserved", "SOURCE"]
+__all__ = ["ReservedModel", "allocation_events", "estimate_reserved", "fits_with_release", "SOURCE"]
 
 #: Named in every output that uses the model.
 SOURCE = "from the estimate's allocation order replayed through the caching-allocator model"
@@ -280,6 +284,23 @@ def estimate_reserved(est, *, expandable_segments: bool = False) -> ReservedMode
 
 
 _CACHE: dict[tuple[int, bool], tuple[object, ReservedModel]] = {}
+
+
+def fits_with_release(est, capacity_bytes: int) -> bool:
+    """Whether the stream fits ``capacity_bytes`` of reserved memory when, as on a failed cudaMalloc
+    (``DeviceCachingAllocator::malloc`` → ``release_cached_blocks``), wholly free cached segments are
+    given back before a new one is made. Not used by any verdict yet (docs/plan.md)."""
+    from trainmem.trace.allocator import CachingAllocator
+
+    alloc = CachingAllocator(capacity_bytes=capacity_bytes)
+    for e in allocation_events(est):
+        if e[0] == "alloc":
+            alloc.malloc(e[1], e[2])
+            if alloc.out_of_memory:
+                return False
+        else:
+            alloc.free(e[1])
+    return True
 
 
 def _replay(est, expandable_segments: bool) -> ReservedModel:
