@@ -89,7 +89,7 @@ def is_token_embedding(name: str) -> bool:
 
 
 #: what an embedding keeps, named under its module (``model.embed_tokens.indices``, ``.out``) by every
-#: profile: the hf rules (``estimate/rules_hf.py`` ``_embedding``) and the traced one (``traced/record.py``)
+#: profile: the hf rules (``estimate/rules_hf_parts.py`` ``_embedding``) and the traced one (``traced/record.py``)
 EMBEDDING_INDICES = "indices"
 EMBEDDING_OUTPUT = "out"
 

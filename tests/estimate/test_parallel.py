@@ -9,7 +9,7 @@ import pytest
 
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
-from trainmem.estimate.parallel import in_flight, stage_layers
+from trainmem.estimate.parallel_pp import in_flight, stage_layers
 from trainmem.estimate.rules_megatron import megatron_layer_bytes
 from trainmem.inventory import Category
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -122,7 +122,9 @@ def test_json_ranks_contract():
 
 def test_the_pipeline_steps_are_pure_and_exact():
     """apply_zero / apply_offload / apply_pp / apply_cp, the steps rank_classes composes."""
-    from trainmem.estimate.parallel import apply_cp, apply_offload, apply_pp, apply_tp, apply_zero
+    from trainmem.estimate.parallel_pp import apply_pp
+    from trainmem.estimate.parallel_tp import apply_cp, apply_tp
+    from trainmem.estimate.parallel_zero import apply_offload, apply_zero
     from trainmem.inventory import Category, MemoryItem
 
     n = 4096 * 14336  # one up_proj of Llama-3-8B: 58,720,256 elements

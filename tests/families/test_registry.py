@@ -115,7 +115,7 @@ def test_tp_roles_cover_every_block_linear_of_every_family():
         for name in fam.tp.column + fam.tp.row:
             assert name in roles.column + roles.row
     # a 2-D weight inside a block of a preset is column- or row-parallel (or an MoE router/expert)
-    from trainmem.estimate.parallel import _tp_factor
+    from trainmem.estimate.parallel_tp import _tp_factor
     for preset in ("llama-3-8b", "gpt2", "phi-3-mini", "bert-large", "qwen2.5-7b", "gemma-2-9b"):
         for n, shape in parameter_shapes(replace(load_model(preset), num_layers=1)):
             if layer_index(n) is not None and len(shape) == 2:

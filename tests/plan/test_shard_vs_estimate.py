@@ -2,7 +2,7 @@
 ZeRO/FSDP and SP.
 
 * Model states: exact. Both shard each state by the estimator's own TP/EP divisor
-  (``estimate/parallel.py`` ``_tp_factor`` over the family registry's TP roles: norms and routers
+  (``estimate/parallel_tp.py`` ``_tp_factor`` over the family registry's TP roles: norms and routers
   replicated, column/row/vocab-parallel weights ÷ tp, DTensor's replicated embedding gradient,
   the tied head's copy on the last PP stage) and then by ZeRO stage (``apply_zero``). The fast path
   does it over per-role totals, the estimator per tensor, so the two could differ by the per-item

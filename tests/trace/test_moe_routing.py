@@ -106,7 +106,7 @@ def test_cli_states_the_routing_assumption(tmp_path, capsys):
 
 
 def test_estimate_takes_the_same_switch():
-    """The estimator models grouped_mm experts (rules_hf.py ``_moe``): its memory does not depend
+    """The estimator models grouped_mm experts (rules_hf_moe.py ``_moe``): its memory does not depend
     on routing on one device; expert-parallel ranks under uneven routing are not modelled."""
     from trainmem.estimate import estimate
     from trainmem.specs import ParallelSpec

@@ -137,7 +137,7 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: 
         # saved_tensors_hooks (_checkpoint_hook), which are innermost: torchtune's hooks never see it
         return True, "kept by selective checkpointing's cache (inside the checkpoint's own hooks)"
     if scope and is_embedding(scope + ".weight") and not is_embedding_indices(it.name):
-        # a frozen embedding's output under recompute (estimate/rules_hf.py _embedding): HF's
+        # a frozen embedding's output under recompute (estimate/rules_hf_parts.py _embedding): HF's
         # enable_input_require_grads makes it a leaf, which the graph's AccumulateGrad holds itself;
         # not the indices an embedding saves (GPT-2's position ids, made in forward: copied out, freed)
         return True, "a leaf the graph holds (enable_input_require_grads), not a packed tensor"

@@ -36,7 +36,7 @@ class Shard:
     ep: int = 1
 
     def symbols(self) -> dict[str, str]:
-        """The rank-local sizes as global symbols (``estimate/parallel.py`` ``apply_tp``): heads,
+        """The rank-local sizes as global symbols (``estimate/parallel_tp.py`` ``apply_tp``): heads,
         FFN widths and vocabulary divided by ``tp`` (experts' width only without expert
         parallelism), the sequence by ``cp``."""
         subs = {}

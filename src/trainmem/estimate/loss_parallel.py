@@ -11,7 +11,7 @@ use_local_output=not loss_parallel)`` and runs the step inside
   logits; ``torch/distributed/tensor/parallel/loss.py`` (``_log_softmax``, ``_nll_loss_forward``)
   computes the log-softmax on the local shard with all-reduced max and sum, so the logits, the
   saved log-softmax and its gradient are all V/tp wide: the rank-local model's vocabulary
-  (``parallel.apply_tp``) already gives these items, nothing more is needed here;
+  (``parallel_tp.apply_tp``) already gives these items, nothing more is needed here;
 * **gathered logits** (``loss_parallel=False``; also Hugging Face's ``colwise_gather_output``
   head): the local B·S·V/tp matmul output is all-gathered (``Replicate``: funcol
   ``all_gather_into_tensor`` into a rank-major buffer, then ``cat`` along the vocabulary) into a

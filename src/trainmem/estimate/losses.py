@@ -96,7 +96,7 @@ def check_framework_loss(ctx) -> None:
 
 
 def framework_loss_items(ctx, logits) -> None:
-    """What the chunked loss keeps, on ``ctx.graph`` under module ``loss`` (rules_hf's ``_loss``):
+    """What the chunked loss keeps, on ``ctx.graph`` under module ``loss`` (rules_hf_parts's ``_loss``):
     torchtune's per chunk (:func:`_torchtune_items`), LitGPT's as one log-softmax for all chunks."""
     check_framework_loss(ctx)
     g, B, S, V = ctx.graph, ctx.B, ctx.S, ctx.model.vocab_size

@@ -18,6 +18,11 @@ Known limitations: pipeline stages are modelled in steady state (the schedule's 
 micro-batches), with shared tensors such as RoPE tables counted once on the first stage that
 keeps them; expert parallelism assumes balanced routing; DeepSpeed bucket sizes are its
 defaults (5e8 elements).
+
+This module is the driver (:func:`rank_classes`, with :func:`validate` and the memoized
+activations and states); the steps live apart: pipeline stages in ``parallel_pp``, ZeRO/FSDP
+sharding and offload in ``parallel_zero``, the TP/CP-local model and TP divisors in
+``parallel_tp``, the communication buffers in ``parallel_buffers``.
 """
 
 from __future__ import annotations
@@ -31,25 +36,24 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
-from trainmem.estimate.float8 import gathered_bytes_per_element
-from trainmem.estimate.fsdp import fsdp1_grad_bytes, fsdp1_states, pp_unsharded_working
-from trainmem.estimate.fsdp_units import separate_unit, unit_gathered
+from trainmem.estimate.fsdp import fsdp1_states
 from trainmem.estimate.fsdp_offload import (
-    composes_with_activation_offload, cpu_offload, offload_states, offload_working, rank_activation_offload,
+    composes_with_activation_offload, cpu_offload, offload_states, rank_activation_offload,
 )
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
+from trainmem.estimate.parallel_buffers import _buffers, _Rank
+from trainmem.estimate.parallel_pp import _stage_of, apply_pp, in_flight, stage_layers
+from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
+from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
-from trainmem.families import output_modules, tp_roles
+from trainmem.families import output_modules
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import as_block, is_head, is_token_embedding, layer_index
+from trainmem.names import as_block, is_token_embedding
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
-__all__ = ["RankClass", "rank_classes", "validate", "stage_layers", "in_flight",
-           "apply_tp", "apply_cp", "apply_pp", "apply_zero", "apply_offload", "shard_group"]
-
-_ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
+__all__ = ["RankClass", "rank_classes", "validate"]
 
 
 @dataclass(frozen=True)
@@ -128,139 +132,12 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
                         f"torchtitan's plan; sp={par.sp}) and recompute none or full (recompute={impl.recompute!r})")
 
 
-def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
-    """[start, end) layers of each pipeline stage (first stages take the remainder)."""
-    if par.layer_split:
-        sizes = list(par.layer_split)
-    else:
-        base, rem = divmod(model.num_layers, par.pp)
-        sizes = [base + (1 if s < rem else 0) for s in range(par.pp)]
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, start + n))
-        start += n
-    return out
-
-
-def in_flight(par: ParallelSpec, stage: int) -> float:
-    """Micro-batches whose activations a stage holds at once, in units of the stage's layers.
-
-    GPipe holds all of them; 1F1B (and zero-bubble ZB-H1, which keeps 1F1B's memory) holds
-    ``pp - stage``; interleaved 1F1B with v chunks holds Megatron's warm-up count plus one,
-    each chunk being 1/v of the stage.
-    """
-    m, pp = par.microbatches, par.pp
-    if pp == 1:
-        return 1
-    if par.schedule == "gpipe":
-        return m
-    if par.schedule == "interleaved":
-        v = par.virtual_stages
-        warmup = (pp - stage - 1) * 2 + (v - 1) * pp
-        return min(m * v, warmup + 1) / v
-    return min(pp - stage, m)
-
-
-# --- sharding of model states -----------------------------------------------------------------
-
-@lru_cache(maxsize=4096)
-def _tp_factor(name: str, *, tp: int, ep: int) -> int:
-    if ".experts." in name or name.endswith(".experts"):
-        return ep * (tp if ep == 1 else 1)
-    # column-parallel (split output rows), row-parallel (split input columns), vocab-parallel:
-    # every family's and profile's roles (trainmem/families/)
-    roles = tp_roles()
-    base = name.rsplit(".", 2)[0] if name.count(".") >= 2 else name
-    if any(k in name for k in roles.vocab) or any(base.endswith(k) or f".{k}." in name
-                                                   for k in roles.column + roles.row):
-        return tp
-    return 1
-
-
-def shard_group(par: ParallelSpec) -> int:
-    """Ranks that share one copy of the sharded model states: dp × cp, or FSDP's hybrid group."""
-    group = par.dp * par.cp
-    if par.fsdp == "hybrid":
-        group = min(group, par.fsdp_group)
-    return group
-
-
-def _stage_of(name: str, stages: list[tuple[int, int]]) -> int:
-    """A block's item goes with its block, a head's (final norm, output layer, loss) to the last
-    stage, everything else (embeddings, rotary tables) to the first."""
-    li = layer_index(name)
-    if li is not None:
-        return next(s for s, (a, b) in enumerate(stages) if a <= li < b)
-    return len(stages) - 1 if is_head(name) else 0
-
-
-def _local_item(item: MemoryItem, div: int) -> MemoryItem:
-    if div == 1:
-        return item
-    numel = math.ceil(math.prod(item.shape) / div)  # FSDP pads every shard to the same size
-    return MemoryItem.make(item.name, item.category, (numel,), item.dtype,
-                           math.ceil(numel * dtype_bytes(item.dtype)), f"⌈{item.formula}/{div}⌉")
-
-
 # --- the pipeline: pure steps over an inventory ------------------------------------------------
 #
 # rank_classes composes them: apply_tp (the TP-local model: heads, FFN, vocabulary ÷ tp) and
 # apply_cp (the CP-local sequence) shape what the activation rules produce; apply_pp keeps one
 # stage's items; apply_zero divides each model state by its TP/EP divisor and, by ZeRO stage, by the
 # sharding group; apply_offload moves offloaded states to host.
-
-def apply_cp(step: StepSpec, par: ParallelSpec) -> StepSpec:
-    """The step one CP rank computes: the sequence divided by ``cp``."""
-    return step if par.cp == 1 else replace(step, seq=step.seq // par.cp)
-
-
-def apply_pp(items, stage_of, stage: int) -> list[MemoryItem]:
-    """The items stage ``stage`` keeps (``stage_of``: each item's stage, in order)."""
-    return [it for it, st in zip(items, stage_of) if st == stage]
-
-
-_ZERO_SHARDED = {Category.OPTIMIZER_STATE: 1, Category.PAGED_STATE: 1, Category.MASTER_WEIGHT: 1, Category.GRADIENT: 2,
-                 Category.PARAMETER: 3}
-"""The ZeRO stage from which each kind of model state is sharded over the data-parallel group
-(stage 1: optimizer states and master weights, 2: + gradients, 3 / FSDP: + parameters)."""
-
-
-def apply_zero(states, divisors: dict[str, int], *, zero: int, group: int) -> list[MemoryItem]:
-    """Each state ÷ its TP/EP divisor, and ÷ ``group`` when ZeRO stage ``zero`` shards its kind
-    (one ceiling over the product: FSDP pads every shard to the same size)."""
-    out = []
-    for it in states:
-        div = divisors[it.name]
-        if zero >= _ZERO_SHARDED.get(it.category, 4):
-            div *= group
-        out.append(_local_item(it, div))
-    return out
-
-
-def apply_offload(states, offload: tuple[str, ...]) -> tuple[list[MemoryItem], int]:
-    """(states kept on the device, bytes moved to host): ``optimizer`` moves optimizer states and
-    master weights (DeepSpeed ZeRO-Offload, FSDP's CPUOffloadPolicy), ``params`` the parameters."""
-    moved = set()
-    if "optimizer" in offload:
-        moved |= {Category.OPTIMIZER_STATE, Category.PAGED_STATE, Category.MASTER_WEIGHT}
-    if "params" in offload:
-        moved.add(Category.PARAMETER)
-    kept = [it for it in states if it.category not in moved]
-    return kept, sum(it.bytes for it in states if it.category in moved)
-
-
-# --- the per-rank estimate --------------------------------------------------------------------
-
-def apply_tp(model: ModelSpec, par: ParallelSpec) -> ModelSpec:
-    """The model one TP rank computes: heads, FFN width and vocabulary divided by ``tp``."""
-    t = par.tp
-    if t == 1:
-        return model
-    return replace(model, num_heads=model.num_heads // t, num_kv_heads=model.num_kv_heads // t,
-                   head_dim=model.head_dim, ffn_size=model.ffn_size // t,
-                   vocab_size=-(-model.vocab_size // t),
-                   expert_ffn_size=model.expert_ffn_size // t if model.is_moe and par.ep == 1 else model.expert_ffn_size)
-
 
 def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
                  finetune=None) -> list[RankClass]:
@@ -450,151 +327,3 @@ def _largest_each(working: dict[str, dict[str, int]]) -> dict[str, int]:
         for k, v in parts.items():
             out[k] = max(out.get(k, 0), v)
     return out
-
-
-_FWD_BWD = ("forward", "backward_start", "backward", "backward_end")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Rank:
-    """What one pipeline stage's buffers depend on."""
-
-    model: ModelSpec
-    local: ModelSpec  # the TP-local model
-    step: StepSpec
-    local_step: StepSpec  # the CP-local sequence
-    impl: ImplSpec
-    par: ParallelSpec
-    stage: int
-    last: int  # the last stage's index
-    zero: int  # 3 under FSDP
-    group: int  # ranks sharing one copy of the sharded states
-
-
-def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
-             tp_div: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Communication buffers of stage ``r.stage``: (persistent for the whole step, per-phase working).
-    ``stage_states``: the stage's model-state items; ``tp_div``: each state's TP/EP divisor."""
-    model, lm, step, lstep, impl, par, zero, group = (r.model, r.local, r.step, r.local_step, r.impl, r.par,
-                                                      r.zero, r.group)
-    d = step.dtypes
-    act_b = dtype_bytes(d.activation)
-    persistent: dict[str, int] = {}
-    working: dict[str, dict[str, int]] = {p: {} for p in _FWD_BWD}
-
-    def every(name: str, value: int, phases=_FWD_BWD) -> None:
-        for p in phases:
-            working[p][name] = working[p].get(name, 0) + int(value)
-
-    stage_params = [i for i in stage_states if i.category is Category.PARAMETER]
-    # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
-    # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
-    grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
-    if par.fsdp and par.fsdp_version == 1:  # the flat parameter's gradient covers its frozen parameters
-        grad_bytes = fsdp1_grad_bytes(states)
-    train_grad_bytes = sum(grad_bytes.get(i.name, 0) / tp_div[i.name] for i in stage_params)
-    # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
-    gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
-
-    from trainmem.estimate.fsdp_quant import NF4_DTYPE, quantized_gather_bytes
-    nf4 = {i.name for i in stage_states if i.dtype == NF4_DTYPE}
-
-    def gathered(i: MemoryItem) -> float:  # fp8 for Float8 linears under torchao's fp8 all-gather
-        q = quantized_gather_bytes(i, nf4)  # a torchao NF4 weight gathers its own storages (estimate/fsdp_quant.py)
-        return gathered_bytes_per_element(impl, model, i.name, i.shape, pb) if q is None else q
-    if par.dp * par.cp > 1 and zero == 0:
-        # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
-        # Megatron's DDP keeps gradients in the contiguous buffer itself
-        if impl.profile != "megatron":
-            persistent["ddp_gradient_buckets"] = int(train_grad_bytes)
-    elif zero in (1, 2):
-        persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET * gb, train_grad_bytes))
-    elif zero == 3:
-        per_layer: dict[int, float] = {}  # gathered bytes
-        per_layer_grad: dict[int, float] = {}
-        root = 0.0
-        units = {"embed": 0.0, "head": 0.0}  # separate FSDP units (estimate/fsdp_units.py)
-        unit_grads = dict(units)
-        for i in stage_params:
-            li = layer_index(i.name)
-            numel = math.prod(i.shape) / tp_div[i.name]
-            if li is not None:
-                per_layer[li] = per_layer.get(li, 0) + numel * gathered(i)
-                per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
-            elif (unit := separate_unit(i.name, par.fsdp_units)) is not None and par.fsdp_version == 2:
-                units[unit] += numel * gathered(i)
-                unit_grads[unit] += grad_bytes.get(i.name, 0) / tp_div[i.name]
-            else:
-                root += numel * gathered(i)
-        big = max(per_layer.values(), default=0)
-        big_grad = max(per_layer_grad.values(), default=0)
-        if par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
-            # the embedding and head units gathered around their own forward/backward only
-            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
-            for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():
-                every("fsdp_allgather", v, (ph,))
-            # each unit's unsharded gradients reduce-scattered after its own backward: the head's
-            # first, the embedding's last
-            every("fsdp_reduce_scatter", unit_grads["head"], ("backward_start",))
-            every("fsdp_reduce_scatter", big_grad, ("backward",))
-            every("fsdp_reduce_scatter", max(big_grad, unit_grads["embed"]), ("backward_end",))
-        elif par.reshard_after_forward:
-            # FSDP2 never reshards the root after forward; one block is gathered ahead of its
-            # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
-            # (under CPU offload the root's shard is on the host: the device holds all of it)
-            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
-            every("fsdp_allgather", big, ("forward", "backward_start"))
-            every("fsdp_allgather", 2 * big, ("backward",))
-            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
-        else:
-            # gathered parameters stay from forward to backward, next to their shards
-            every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
-            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
-        if cpu_offload(par):  # the shards' copies to and from the device: estimate/fsdp_offload.py
-            for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb,
-                                             par.fsdp_units).items():
-                for k, v in parts.items():
-                    every(k, v, (ph,))
-        if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
-            _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
-                          gpipe=par.schedule == "gpipe")
-    if par.cp > 1:
-        kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
-        every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
-    if par.pp > 1:
-        tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
-        one = tokens * model.hidden_size * act_b
-        # torch.distributed.pipelining allocates a receive buffer per micro-batch; Megatron two
-        count = par.microbatches if impl.profile != "megatron" else 1
-        if r.stage > 0:
-            every("pp_recv_activations", count * one)
-        if r.stage < r.last:
-            every("pp_recv_gradients", count * one)
-    return persistent, working
-
-
-def _pp_unsharded(working: dict[str, dict[str, int]], stage_params: list[MemoryItem], grad_bytes: dict[str, int],
-                  tp_div: dict[str, int], gathered, reshard_after_forward: bool, *, gpipe: bool) -> None:
-    """FSDP2 under torch.distributed.pipelining (estimate/fsdp.py): no reduce-scatter until the
-    last micro-batch's backward is done; unsharded gradients (and gathered blocks) kept until then."""
-    block_grads: dict[int, float] = {}
-    block_params: dict[int, float] = {}
-    root = first = 0.0
-    for i in stage_params:
-        li = layer_index(i.name)
-        g = grad_bytes.get(i.name, 0) / tp_div[i.name]
-        if li is None:
-            root += g
-            first += g if is_token_embedding(i.name) else 0
-        else:
-            block_grads[li] = block_grads.get(li, 0) + g
-            block_params[li] = block_params.get(li, 0) + math.prod(i.shape) / tp_div[i.name] * gathered(i)
-    working["backward_first_block"] = dict(working["backward"])
-    for ph in ("backward", "backward_first_block"):
-        working[ph].pop("fsdp_reduce_scatter", None)
-    extra = pp_unsharded_working(block_grads=block_grads, root_grads=root, first_grads=first,
-                                 block_params=block_params, gpipe=gpipe, reshard_after_forward=reshard_after_forward)
-    for ph, parts in extra.items():
-        if "fsdp_pp_unsharded_params" in parts:
-            working[ph].pop("fsdp_allgather", None)
-        working[ph].update({k: int(v) for k, v in parts.items()})

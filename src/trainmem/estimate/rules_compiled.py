@@ -34,8 +34,8 @@ from trainmem.estimate.attention import attention_core, resolve_kernel, window_m
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
-from trainmem.estimate.rules_hf import _embedding, _head, _layers, _loss
-from trainmem.estimate.rules_hf import _rmsnorm as _eager_rmsnorm
+from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
+from trainmem.estimate.rules_hf_parts import _rmsnorm as _eager_rmsnorm
 from trainmem.families import families, family_of
 from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT
 

@@ -24,8 +24,8 @@ from contextlib import nullcontext
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
-from trainmem.estimate.rules_hf import (_checkpoint_extras, _embedding, _head, _layers, _loss, _policy,
-                                        _qkv_proj, _rmsnorm)
+from trainmem.estimate.rules_hf_masks import _checkpoint_extras
+from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss, _policy, _qkv_proj, _rmsnorm
 
 __all__ = ["gpt_oss_forward"]
 

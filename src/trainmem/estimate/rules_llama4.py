@@ -28,8 +28,9 @@ from contextlib import nullcontext
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
-from trainmem.estimate.rules_hf import (_checkpoint_extras, _embedding, _gated_mlp, _head, _layers, _loss,
-                                        _policy, _qkv_proj, _rmsnorm)
+from trainmem.estimate.rules_hf_masks import _checkpoint_extras
+from trainmem.estimate.rules_hf_parts import (_embedding, _gated_mlp, _head, _layers, _loss, _policy, _qkv_proj,
+                                              _rmsnorm)
 from trainmem.specs.layer_kind import LayerKind
 
 __all__ = ["llama4_forward"]

@@ -29,7 +29,7 @@ What differs from the Llama rules (``rules_hf.py``), per tensor (T = B·S tokens
   ``DeepseekV2TopkRouter``: softmax (keeps (T, E) fp32) and top-k (keeps (T, k) indices); its
   ``group_limited_greedy`` also keeps the ``masked_fill`` mask (T, E) bool, since the masked scores
   are what top-k picks the weights from. V2 never renormalizes.
-* The experts are transformers' ``grouped_mm`` experts, as in ``rules_hf._routed_experts``: every
+* The experts are transformers' ``grouped_mm`` experts, as in ``rules_hf_moe._routed_experts``: every
   routed tensor has T·k rows, so the total does not depend on ``--routing`` (DeepSeek has no
   capacity factor).
 
@@ -44,8 +44,9 @@ from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import fused_saves
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
-from trainmem.estimate.rules_hf import (_checkpoint_extras, _embedding, _gated_mlp, _head, _layers, _loss,
-                                        _policy, _rmsnorm, _routed_experts)
+from trainmem.estimate.rules_hf_masks import _checkpoint_extras
+from trainmem.estimate.rules_hf_moe import _routed_experts
+from trainmem.estimate.rules_hf_parts import _embedding, _gated_mlp, _head, _layers, _loss, _policy, _rmsnorm
 
 __all__ = ["mla_forward"]
 

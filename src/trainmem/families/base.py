@@ -49,7 +49,7 @@ class TPRoles:
     A name in ``column`` splits its output features (``ColwiseParallel``), one in ``row`` its
     input features (``RowwiseParallel``); a ``vocab`` name is a vocabulary-parallel embedding or
     head (split over the vocabulary). Names are module names or dotted suffixes of module paths
-    (``attention.dense``) as ``estimate/parallel.py`` ``_tp_factor`` matches them.
+    (``attention.dense``) as ``estimate/parallel_tp.py`` ``_tp_factor`` matches them.
     """
 
     column: tuple[str, ...] = ()

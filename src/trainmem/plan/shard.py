@@ -4,7 +4,7 @@
 into the few sums the peak depends on; :func:`rank_peak` spreads them over a
 :class:`~trainmem.specs.ParallelSpec` and rebuilds the estimator's phases (forward,
 backward_start, backward, backward_end, optimizer) per pipeline stage. The model states go
-through the estimator's own pipeline steps (:mod:`trainmem.estimate.parallel`), over category
+through the estimator's own pipeline steps (:mod:`trainmem.estimate.parallel_pp`, ``parallel_zero``), over category
 totals instead of tensors: ``stage_layers`` and ``apply_pp`` give each stage its blocks (the
 embedding on the first, final norm and head on the last), ``apply_zero`` divides each total by its
 TP/EP divisor and, by ZeRO stage, by the sharding group (``shard_group``), ``apply_offload`` moves
@@ -50,9 +50,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from trainmem.estimate import Estimate
-from trainmem.estimate.parallel import (
-    _tp_factor, apply_offload, apply_pp, apply_zero, in_flight, shard_group, stage_layers,
-)
+from trainmem.estimate.parallel_pp import apply_pp, in_flight, stage_layers
+from trainmem.estimate.parallel_tp import _tp_factor
+from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
 from trainmem.estimate.symbols import names
 from trainmem.inventory import Category, MemoryItem
 from trainmem.names import as_block, is_embedding, is_head, is_token_embedding, layer_of
@@ -224,7 +224,7 @@ class StagePeak:
 
 
 class _Depth(NamedTuple):
-    """What :func:`~trainmem.estimate.parallel.stage_layers` reads of a model: its depth."""
+    """What :func:`~trainmem.estimate.parallel_pp.stage_layers` reads of a model: its depth."""
 
     num_layers: int
 
@@ -284,7 +284,7 @@ def clear_cache() -> None:
 
 
 class _Layout(NamedTuple):
-    """What :func:`~trainmem.estimate.parallel.stage_layers` reads of a ParallelSpec."""
+    """What :func:`~trainmem.estimate.parallel_pp.stage_layers` reads of a ParallelSpec."""
 
     pp: int
     layer_split: tuple

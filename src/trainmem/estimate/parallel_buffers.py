@@ -1,0 +1,170 @@
+"""Communication buffers of one pipeline stage, persistent for the whole step or per phase: DDP
+gradient buckets, ZeRO bucket buffers, FSDP all-gather (current + prefetched block),
+reduce-scatter and unsharded-root buffers (FSDP2 under pipelining, CPU offload's copies),
+context-parallel K/V ring or all-gather buffers, and pipeline send/receive buffers. Called by
+:func:`trainmem.estimate.parallel.rank_classes` once per stage with a :class:`_Rank`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmem.estimate.float8 import gathered_bytes_per_element
+from trainmem.estimate.fsdp import fsdp1_grad_bytes, pp_unsharded_working
+from trainmem.estimate.fsdp_units import separate_unit, unit_gathered
+from trainmem.estimate.fsdp_offload import cpu_offload, offload_working
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.names import is_token_embedding, layer_index
+from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
+
+
+_ZERO_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather bucket default, in elements
+
+
+_FWD_BWD = ("forward", "backward_start", "backward", "backward_end")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Rank:
+    """What one pipeline stage's buffers depend on."""
+
+    model: ModelSpec
+    local: ModelSpec  # the TP-local model
+    step: StepSpec
+    local_step: StepSpec  # the CP-local sequence
+    impl: ImplSpec
+    par: ParallelSpec
+    stage: int
+    last: int  # the last stage's index
+    zero: int  # 3 under FSDP
+    group: int  # ranks sharing one copy of the sharded states
+
+
+def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
+             tp_div: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Communication buffers of stage ``r.stage``: (persistent for the whole step, per-phase working).
+    ``stage_states``: the stage's model-state items; ``tp_div``: each state's TP/EP divisor."""
+    model, lm, step, lstep, impl, par, zero, group = (r.model, r.local, r.step, r.local_step, r.impl, r.par,
+                                                      r.zero, r.group)
+    d = step.dtypes
+    act_b = dtype_bytes(d.activation)
+    persistent: dict[str, int] = {}
+    working: dict[str, dict[str, int]] = {p: {} for p in _FWD_BWD}
+
+    def every(name: str, value: int, phases=_FWD_BWD) -> None:
+        for p in phases:
+            working[p][name] = working[p].get(name, 0) + int(value)
+
+    stage_params = [i for i in stage_states if i.category is Category.PARAMETER]
+    # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
+    # adapters' gradients may be fp32 under a 16-bit base), each in its own dtype
+    grad_bytes = {i.name.removesuffix(".grad"): i.bytes for i in states if i.category is Category.GRADIENT}
+    if par.fsdp and par.fsdp_version == 1:  # the flat parameter's gradient covers its frozen parameters
+        grad_bytes = fsdp1_grad_bytes(states)
+    train_grad_bytes = sum(grad_bytes.get(i.name, 0) / tp_div[i.name] for i in stage_params)
+    # FSDP2 all-gathers in MixedPrecisionPolicy.param_dtype: the gathered weights are the compute dtype
+    gb, pb = dtype_bytes(d.grad), dtype_bytes(d.compute)
+
+    from trainmem.estimate.fsdp_quant import NF4_DTYPE, quantized_gather_bytes
+    nf4 = {i.name for i in stage_states if i.dtype == NF4_DTYPE}
+
+    def gathered(i: MemoryItem) -> float:  # fp8 for Float8 linears under torchao's fp8 all-gather
+        q = quantized_gather_bytes(i, nf4)  # a torchao NF4 weight gathers its own storages (estimate/fsdp_quant.py)
+        return gathered_bytes_per_element(impl, model, i.name, i.shape, pb) if q is None else q
+    if par.dp * par.cp > 1 and zero == 0:
+        # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False);
+        # Megatron's DDP keeps gradients in the contiguous buffer itself
+        if impl.profile != "megatron":
+            persistent["ddp_gradient_buckets"] = int(train_grad_bytes)
+    elif zero in (1, 2):
+        persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET * gb, train_grad_bytes))
+    elif zero == 3:
+        per_layer: dict[int, float] = {}  # gathered bytes
+        per_layer_grad: dict[int, float] = {}
+        root = 0.0
+        units = {"embed": 0.0, "head": 0.0}  # separate FSDP units (estimate/fsdp_units.py)
+        unit_grads = dict(units)
+        for i in stage_params:
+            li = layer_index(i.name)
+            numel = math.prod(i.shape) / tp_div[i.name]
+            if li is not None:
+                per_layer[li] = per_layer.get(li, 0) + numel * gathered(i)
+                per_layer_grad[li] = per_layer_grad.get(li, 0) + grad_bytes.get(i.name, 0) / tp_div[i.name]
+            elif (unit := separate_unit(i.name, par.fsdp_units)) is not None and par.fsdp_version == 2:
+                units[unit] += numel * gathered(i)
+                unit_grads[unit] += grad_bytes.get(i.name, 0) / tp_div[i.name]
+            else:
+                root += numel * gathered(i)
+        big = max(per_layer.values(), default=0)
+        big_grad = max(per_layer_grad.values(), default=0)
+        if par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
+            # the embedding and head units gathered around their own forward/backward only
+            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
+            for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():
+                every("fsdp_allgather", v, (ph,))
+            # each unit's unsharded gradients reduce-scattered after its own backward: the head's
+            # first, the embedding's last
+            every("fsdp_reduce_scatter", unit_grads["head"], ("backward_start",))
+            every("fsdp_reduce_scatter", big_grad, ("backward",))
+            every("fsdp_reduce_scatter", max(big_grad, unit_grads["embed"]), ("backward_end",))
+        elif par.reshard_after_forward:
+            # FSDP2 never reshards the root after forward; one block is gathered ahead of its
+            # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
+            # (under CPU offload the root's shard is on the host: the device holds all of it)
+            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
+            every("fsdp_allgather", big, ("forward", "backward_start"))
+            every("fsdp_allgather", 2 * big, ("backward",))
+            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+        else:
+            # gathered parameters stay from forward to backward, next to their shards
+            every("fsdp_unsharded_params", sum(math.prod(i.shape) / tp_div[i.name] * gathered(i) for i in stage_params))
+            every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
+        if cpu_offload(par):  # the shards' copies to and from the device: estimate/fsdp_offload.py
+            for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb,
+                                             par.fsdp_units).items():
+                for k, v in parts.items():
+                    every(k, v, (ph,))
+        if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
+            _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
+                          gpipe=par.schedule == "gpipe")
+    if par.cp > 1:
+        kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
+        every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
+    if par.pp > 1:
+        tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
+        one = tokens * model.hidden_size * act_b
+        # torch.distributed.pipelining allocates a receive buffer per micro-batch; Megatron two
+        count = par.microbatches if impl.profile != "megatron" else 1
+        if r.stage > 0:
+            every("pp_recv_activations", count * one)
+        if r.stage < r.last:
+            every("pp_recv_gradients", count * one)
+    return persistent, working
+
+
+def _pp_unsharded(working: dict[str, dict[str, int]], stage_params: list[MemoryItem], grad_bytes: dict[str, int],
+                  tp_div: dict[str, int], gathered, reshard_after_forward: bool, *, gpipe: bool) -> None:
+    """FSDP2 under torch.distributed.pipelining (estimate/fsdp.py): no reduce-scatter until the
+    last micro-batch's backward is done; unsharded gradients (and gathered blocks) kept until then."""
+    block_grads: dict[int, float] = {}
+    block_params: dict[int, float] = {}
+    root = first = 0.0
+    for i in stage_params:
+        li = layer_index(i.name)
+        g = grad_bytes.get(i.name, 0) / tp_div[i.name]
+        if li is None:
+            root += g
+            first += g if is_token_embedding(i.name) else 0
+        else:
+            block_grads[li] = block_grads.get(li, 0) + g
+            block_params[li] = block_params.get(li, 0) + math.prod(i.shape) / tp_div[i.name] * gathered(i)
+    working["backward_first_block"] = dict(working["backward"])
+    for ph in ("backward", "backward_first_block"):
+        working[ph].pop("fsdp_reduce_scatter", None)
+    extra = pp_unsharded_working(block_grads=block_grads, root_grads=root, first_grads=first,
+                                 block_params=block_params, gpipe=gpipe, reshard_after_forward=reshard_after_forward)
+    for ph, parts in extra.items():
+        if "fsdp_pp_unsharded_params" in parts:
+            working[ph].pop("fsdp_allgather", None)
+        working[ph].update({k: int(v) for k, v in parts.items()})

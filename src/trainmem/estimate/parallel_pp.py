@@ -1,0 +1,61 @@
+"""Pipeline stages: which layers each stage owns, which stage keeps each item, and how many
+micro-batches' activations a stage holds at once under each schedule (GPipe, 1F1B, interleaved
+1F1B, zero-bubble). Pure functions of the model's depth and the :class:`~trainmem.specs.ParallelSpec`;
+:func:`trainmem.estimate.parallel.rank_classes` composes them with the sharding steps of
+:mod:`trainmem.estimate.parallel_zero` and the rank-local model of :mod:`trainmem.estimate.parallel_tp`.
+"""
+
+from __future__ import annotations
+
+from trainmem.inventory import MemoryItem
+from trainmem.names import is_head, layer_index
+from trainmem.specs import ModelSpec, ParallelSpec
+
+__all__ = ["stage_layers", "in_flight", "apply_pp"]
+
+
+def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
+    """[start, end) layers of each pipeline stage (first stages take the remainder)."""
+    if par.layer_split:
+        sizes = list(par.layer_split)
+    else:
+        base, rem = divmod(model.num_layers, par.pp)
+        sizes = [base + (1 if s < rem else 0) for s in range(par.pp)]
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def in_flight(par: ParallelSpec, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once, in units of the stage's layers.
+
+    GPipe holds all of them; 1F1B (and zero-bubble ZB-H1, which keeps 1F1B's memory) holds
+    ``pp - stage``; interleaved 1F1B with v chunks holds Megatron's warm-up count plus one,
+    each chunk being 1/v of the stage.
+    """
+    m, pp = par.microbatches, par.pp
+    if pp == 1:
+        return 1
+    if par.schedule == "gpipe":
+        return m
+    if par.schedule == "interleaved":
+        v = par.virtual_stages
+        warmup = (pp - stage - 1) * 2 + (v - 1) * pp
+        return min(m * v, warmup + 1) / v
+    return min(pp - stage, m)
+
+
+def _stage_of(name: str, stages: list[tuple[int, int]]) -> int:
+    """A block's item goes with its block, a head's (final norm, output layer, loss) to the last
+    stage, everything else (embeddings, rotary tables) to the first."""
+    li = layer_index(name)
+    if li is not None:
+        return next(s for s, (a, b) in enumerate(stages) if a <= li < b)
+    return len(stages) - 1 if is_head(name) else 0
+
+
+def apply_pp(items, stage_of, stage: int) -> list[MemoryItem]:
+    """The items stage ``stage`` keeps (``stage_of``: each item's stage, in order)."""
+    return [it for it, st in zip(items, stage_of) if st == stage]
