@@ -229,7 +229,7 @@ def _optimizer_in_backward(c: Config, ctx: Context):
         yield replace(c, impl=replace(c.impl, optimizer_in_backward=True)), "optimizer step in backward"
 
 
-@choice("float8", ("impl.float8", "impl.float8_all_gather", "impl.compile_scope"),
+@choice("float8", ("impl.float8", "impl.float8_all_gather", "impl.compile_scope", "parallel.sp"),
         note="torchao Float8 linears (docs/float8.md): fp8 matmuls at the GPU's FP8 rate; numerics differ from bf16")
 def _float8(c: Config, ctx: Context):
     i = c.impl
@@ -243,12 +243,15 @@ def _float8(c: Config, ctx: Context):
     # under TP, torchao's tensorwise Float8 TP styles need sequence parallelism (torchtitan's plan,
     # estimate/float8.py _tp_fp8_input); rowwise takes the plain TP styles. Precision and recompute
     # limits are the estimator's: a variant it refuses is never an option (advise's _Measure).
-    if c.par.tp == 1 or c.par.sp:
-        if c.par.fsdp:
-            yield (replace(c, impl=replace(i, float8="tensorwise", float8_all_gather=True)),
-                   "Float8 linears, tensorwise, fp8 all-gather" + where)
-        else:
-            yield replace(c, impl=replace(i, float8="tensorwise")), "Float8 linears, tensorwise" + where
+    # TP without SP: tensorwise comes as one change with SP turned on (torchtitan's
+    # enable_float8_tensorwise_tp takes the SP plan); memory and speed are the new configuration's,
+    # priced as the Float8 and SP choices are (plan/cost.py: TP traffic is the same volume with SP).
+    par, also = c.par, ""
+    if c.par.tp > 1 and not c.par.sp:
+        par, also = replace(c.par, sp=True), " with sequence parallelism"
+    tw = replace(i, float8="tensorwise", float8_all_gather=True) if c.par.fsdp else replace(i, float8="tensorwise")
+    yield (replace(c, impl=tw, par=par),
+           "Float8 linears, tensorwise" + (", fp8 all-gather" if c.par.fsdp else "") + also + where)
     yield replace(c, impl=replace(i, float8="rowwise")), "Float8 linears, rowwise" + where
 
 
