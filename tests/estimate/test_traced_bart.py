@@ -29,9 +29,7 @@ BART = dict(model_type="bart", d_model=64, encoder_layers=2, decoder_layers=2, e
             max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path_factory.getbasetemp() / "traced-cache"))
+pytestmark = pytest.mark.usefixtures("traced_cache")  # one TRAINMEM_CACHE per session: tests/conftest.py
 
 
 @pytest.mark.slow  # ~10 s each on two shared cores: a trace at seven (B, S) and a real forward

@@ -86,9 +86,7 @@ UNRULED = {  # no hand-written rules: only the trace knows them
 RULED["gemma3_text"] = UNRULED["gemma3_text"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path_factory.getbasetemp() / "traced-cache"))
+pytestmark = pytest.mark.usefixtures("traced_cache")  # one TRAINMEM_CACHE per session: tests/conftest.py
 
 
 def _model(tmp_path, cfg):

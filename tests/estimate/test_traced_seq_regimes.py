@@ -76,9 +76,7 @@ MODERNBERT = dict(model_type="modernbert", hidden_size=64, intermediate_size=128
                   pad_token_id=0, attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path_factory.getbasetemp() / "traced-cache"))
+pytestmark = pytest.mark.usefixtures("traced_cache")  # one TRAINMEM_CACHE per session: tests/conftest.py
 
 
 def _traced(tmp_path, cfg, B, S, **impl):

@@ -33,9 +33,7 @@ DEEP = dict(T5, num_layers=6, num_decoder_layers=5)
 STATES = ("parameter", "gradient", "optimizer_state")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINMEM_CACHE", str(tmp_path_factory.getbasetemp() / "traced-cache"))
+pytestmark = pytest.mark.usefixtures("traced_cache")  # one TRAINMEM_CACHE per session: tests/conftest.py
 
 
 def _estimate(tmp_path, cfg, precision, attention, **impl):
