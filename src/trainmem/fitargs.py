@@ -63,9 +63,12 @@ def check_figure_args(args, *, reserved_known: bool, unmodelled: str = "not mode
 
 def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
                reserved_source: str = "", active_note: str = "", gpus: int = 1, label: str = "",
-               unmodelled: str = "not modelled for estimates", paged_bytes: int = 0) -> tuple[dict, str]:
+               unmodelled: str = "not modelled for estimates", paged_bytes: int = 0,
+               flush=None) -> tuple[dict, str]:
     """The JSON fields (``fits``, ``memory_figure``) and the text lines for one peak. ``paged_bytes``:
-    bitsandbytes' paged optimizer state, in the ``device`` figure as far as it stays resident."""
+    bitsandbytes' paged optimizer state, in the ``device`` figure as far as it stays resident;
+    ``flush``: a callable ``usable -> FlushReplay | None`` (the estimate's allocation order replayed
+    with the allocator's release-and-retry), which decides ``fits_with_cache_flush``."""
     from trainmem.fits import verdict
 
     check_figure_args(args, reserved_known=reserved_bytes is not None, unmodelled=unmodelled)
@@ -73,7 +76,7 @@ def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None,
     if gpu is not None:
         v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
                     reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled,
-                    paged_bytes=paged_bytes)
+                    paged_bytes=paged_bytes, flush=None if flush is None else flush(gpu, gpus))
         return {"memory_figure": _figure_json(figure, v.need_bytes), "fits": v.to_dict()}, \
             "\n".join([*size_readings(args), render_verdict(v, label=label)])
     if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
@@ -96,19 +99,28 @@ def estimate_fit(args, result, *, label: str = "") -> tuple[dict, str]:
     when a GPU or the reserved/device figure asks for it; the stated share of capacity where that
     model cannot run (an inference estimate, which has no training step's order)."""
     par = getattr(result, "parallel", None)
-    reserved, source, unmodelled = None, "", "not modelled for estimates"
+    reserved, source, unmodelled, flush = None, "", "not modelled for estimates", None
     if args.gpu is not None or args.memory_figure in ("reserved", "device"):
         from trainmem.estimate.inference import InferenceEstimate
         if not isinstance(result, InferenceEstimate):
             from trainmem.estimate.allocation_order import estimate_reserved
             model = estimate_reserved(result)
             reserved, source = model.reserved_bytes, model.source
+            flush = _estimate_flush(result)
         else:
             unmodelled = "no allocation order for an inference estimate"
     return fit_report(args, allocated_bytes=result.peak_bytes, gpus=par.world_size if par is not None else 1,
                       label=label, reserved_bytes=reserved, reserved_source=source, unmodelled=unmodelled,
                       active_note="equals allocated: the estimator has no freed blocks still in use by another stream",
-                      paged_bytes=_paged_bytes(result))
+                      paged_bytes=_paged_bytes(result), flush=flush)
+
+
+def _estimate_flush(result):
+    """``gpu, gpus -> FlushReplay | None`` for a training estimate: the flush replay at capacity −
+    context, run only where it decides the state (:func:`~trainmem.estimate.allocation_order.estimate_fit_state`)."""
+    from trainmem.estimate.allocation_order import estimate_fit_state
+    from trainmem.fits import context_bytes
+    return lambda gpu, gpus: estimate_fit_state(result, gpu.memory_bytes - context_bytes(gpu, gpus))[1]
 
 
 def _paged_bytes(result) -> int:
@@ -161,7 +173,8 @@ def sweep_fit(args, result, *, reserve_modelled: bool, gpus: int = 1,
             continue
         d, text = fit_report(args, allocated_bytes=p.peak_bytes,
                              reserved_bytes=p.reserved_bytes if reserve_modelled else None,
-                             reserved_source=source, gpus=gpus, label=f"{result.over}={p.value}: ")
+                             reserved_source=source, gpus=gpus, label=f"{result.over}={p.value}: ",
+                             flush=lambda _gpu, _gpus, p=p: p.flush)
         out[key] = d["fits"]
         lines.append(text)
     return out, "\n".join(lines)

@@ -39,7 +39,10 @@ Known limitations:
   - ``context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
     by trainmem; ``trainmem profile`` on a GPU measures the context (``context_bytes``).
   - The 5% share is not a model of the allocator; the trace's and the training estimate's reserved
-    figures are (the allocator model has unlimited memory: no free-and-retry near capacity).
+    figures are. Their reserved peak is an unlimited device's; near capacity the real allocator
+    frees its cached segments and retries, which :data:`FIT_STATES` states as
+    ``fits_with_cache_flush`` where an allocation order is replayed (a training estimate), not for a
+    trace or a measurement.
 """
 
 from __future__ import annotations
@@ -52,10 +55,26 @@ from trainmem.errors import SpecError
 if TYPE_CHECKING:
     from trainmem.plan.hardware import GPU
 
-__all__ = ["FIGURES", "Verdict", "verdict", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
+__all__ = ["FIGURES", "FIT_STATES", "Verdict", "verdict", "fit_state", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
            "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident", "reserved_budget"]
 
 FIGURES = ("allocated", "active", "reserved", "device")
+
+#: The answer to "does it fit", ``fit_state`` in every result that decides fit (estimate/trace/compare/
+#: sweep/profile ``--gpu``, plan, advise, explain, serve):
+#:
+#: * ``fits``: the reserved peak of an unlimited device (the allocator model's replay) ≤ usable;
+#: * ``fits_with_cache_flush``: it is over usable, but the step's allocations fit when the caching
+#:   allocator, on a failed cudaMalloc, gives its wholly free cached segments back and retries
+#:   (c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::malloc`` → ``release_cached_blocks``
+#:   → ``alloc_block`` again; :func:`trainmem.estimate.allocation_order.replay_with_flush`). It runs,
+#:   slower: each flush synchronizes the device and cudaFree/cudaMalloc are synchronizing calls, on
+#:   every step that hits the limit (``memory_stats()["num_alloc_retries"]`` counts them);
+#: * ``does_not_fit``: even with the flush a cudaMalloc fails (or the allocated peak is over usable).
+#:
+#: ``fits`` (the boolean beside it) stays true only for ``fits``: plan and advise rank configurations
+#: that fit without the flush, and list the others with this state.
+FIT_STATES = ("fits", "fits_with_cache_flush", "does_not_fit")
 
 #: The estimate's allocator reserve, as a share of capacity, where no allocation order is modelled
 #: (inference estimates; ``trainmem.plan.hardware.Reserve.fraction``'s default where an allocated
@@ -96,6 +115,16 @@ def reserved_budget(gpu: GPU, *, gpus: int = 1, fixed_bytes: int | None = None, 
     return usable_bytes(gpu.memory_bytes, fixed + (NCCL_BYTES if gpus > 1 else 0), extra_fraction)
 
 
+def fit_state(*, reserved_bytes: int, usable_bytes: int, fits_after_flush: bool | None = None) -> str:
+    """One of :data:`FIT_STATES`: ``fits`` when ``reserved_bytes`` (the unlimited device's reserved
+    peak) ≤ ``usable_bytes``; else ``fits_with_cache_flush`` when the replay with the allocator's
+    release-and-retry at ``usable_bytes`` succeeded (``fits_after_flush``), else ``does_not_fit``.
+    ``fits_after_flush`` None: no allocation order to replay (a measured or inference peak)."""
+    if reserved_bytes <= usable_bytes:
+        return "fits"
+    return "fits_with_cache_flush" if fits_after_flush else "does_not_fit"
+
+
 def check_figure(figure: str) -> str:
     if figure not in FIGURES:
         raise SpecError("memory_figure", figure, f"must be one of {', '.join(FIGURES)}")
@@ -132,6 +161,14 @@ class Verdict:
     """bitsandbytes' paged optimizer state (CUDA unified memory, outside the allocator)."""
     paged_resident_bytes: int = 0
     """The part of it counted on the device in the ``device`` figure: ``min(paged, headroom)``."""
+    fit_state: str = ""
+    """One of :data:`FIT_STATES` (set by :func:`verdict`); ``fits`` is true only for ``fits``."""
+    flushes: int = 0
+    """``fits_with_cache_flush``: failed cudaMallocs per step that release cached segments."""
+    flushed_bytes: int = 0
+    """``fits_with_cache_flush``: cached segments given back per step by those releases."""
+    flush_reserved_bytes: int = 0
+    """``fits_with_cache_flush``: the reserved peak with the releases (≤ usable)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,11 +177,13 @@ class Verdict:
 def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
             reserved_source: str = "", figure: str = "allocated", gpus: int = 1,
             fraction: float = ESTIMATE_RESERVE_FRACTION, unmodelled: str = "not modelled for estimates",
-            paged_bytes: int = 0) -> Verdict:
+            paged_bytes: int = 0, flush=None) -> Verdict:
     """The verdict for one rank's peak. ``reserved_bytes`` from a trace or a measurement (named in
     ``reserved_source``); without it the reserve is ``fraction`` of the capacity (``unmodelled``
     says why). ``paged_bytes`` (unified memory) never changes whether the step fits; the ``device``
-    figure counts the part of it that stays resident (:func:`paged_resident`)."""
+    figure counts the part of it that stays resident (:func:`paged_resident`). ``flush``: the
+    :class:`~trainmem.estimate.allocation_order.FlushReplay` at this verdict's usable reserved memory
+    (capacity − context), where the reserved peak is over it; it decides ``fits_with_cache_flush``."""
     check_figure(figure)
     capacity = gpu.memory_bytes
     context = context_bytes(gpu, gpus)
@@ -163,8 +202,13 @@ def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None
             "reserved": reserved_bytes, "device": reserved_bytes + context + resident}[figure]
     if figure == "device":  # the resident pages use the room they sit in: the headroom stays capacity − need
         headroom -= resident
+    state = fit_state(reserved_bytes=reserved_bytes, usable_bytes=capacity - context,
+                      fits_after_flush=None if flush is None else flush.fits)
+    flushed = flush is not None and state == "fits_with_cache_flush"
     return Verdict(figure=figure, need_bytes=need, usable_bytes=need + headroom, headroom_bytes=headroom,
-                   fits=headroom >= 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
+                   fits=headroom >= 0, fit_state=state, flushes=flush.flushes if flushed else 0,
+                   flushed_bytes=flush.flushed_bytes if flushed else 0,
+                   flush_reserved_bytes=flush.reserved_bytes if flushed else 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
                    allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, reserve_bytes=reserve, why=why,
                    reserve_modelled=modelled, paged_bytes=paged_bytes, paged_resident_bytes=resident)
 

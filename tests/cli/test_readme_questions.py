@@ -17,7 +17,8 @@ ROW = re.compile(r"^\| (?P<question>[^|]+?) \| `(?P<command>trainmem [^`]+)` \|"
 
 #: question -> what its answer looks like in the text output
 ANSWERS = {
-    "Does it fit on my GPU?": r"^(FITS|DOES NOT FIT) on 1× H100-80GB: needs [\d.]+ GiB allocated .*(headroom|short by) ",
+    "Does it fit on my GPU?": r"^(FITS|FITS ONLY BY FLUSHING THE ALLOCATOR CACHE|DOES NOT FIT) on 1× H100-80GB: needs "
+                              r"[\d.]+ GiB allocated [^\n]*\n?[^\n]*(headroom|short by) ",
     "What is the cheapest change?": r"^Cheapest changes that fit .*\n1\. .*\n   peak [\d.]+ GiB allocated, [\d.]+ GiB reserved, headroom .*\n   trainmem estimate ",
     "What is the largest batch for LoRA on a 24 GB card?": r"^largest batch within [\d.]+ GiB \(estimate\): [1-9]\d* sequences",
     "How many H100s do I need?": r"^Smallest GPU count that fits: \d+ × H100-80GB \(tried 1: ",

@@ -44,7 +44,9 @@ Known limitations:
   - The reserved peak is that of an unlimited device, and it is not monotone in the sequence
     length (docs/plan.md "What fits means": freed activation segments smaller than the optimizer's
     weight-sized temporaries stay cached while B·S < hidden). At a real capacity the allocator
-    gives wholly free cached segments back and retries: :func:`fits_with_release` replays that.
+    gives wholly free cached segments back and retries: :func:`replay_with_flush` replays that, and
+    :func:`estimate_fit_state` turns it into the verdicts' third answer, ``fits_with_cache_flush``
+    (:data:`trainmem.fits.FIT_STATES`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from dataclasses import dataclass, replace
 from trainmem.inventory import Category, MemoryItem
 from trainmem.names import is_head, layer_of
 
-__all__ = ["ReservedModel", "allocation_events", "estimate_reserved", "fits_with_release", "SOURCE"]
+__all__ = ["ReservedModel", "FlushReplay", "allocation_events", "estimate_reserved", "fits_with_release",
+           "replay_with_flush", "estimate_fit_state", "SOURCE"]
 
 #: Named in every output that uses the model.
 SOURCE = "from the estimate's allocation order replayed through the caching-allocator model"
@@ -286,21 +289,73 @@ def estimate_reserved(est, *, expandable_segments: bool = False) -> ReservedMode
 _CACHE: dict[tuple[int, bool], tuple[object, ReservedModel]] = {}
 
 
+@dataclass(frozen=True)
+class FlushReplay:
+    """The estimate's stream replayed at a capacity with the allocator's release-and-retry:
+    c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::malloc``, when ``alloc_block``'s
+    cudaMalloc fails, calls ``release_cached_blocks`` (``synchronize_and_free_events`` then a
+    cudaFree of every cached segment that is not split) and tries ``alloc_block`` again; the real
+    allocator counts each such retry in ``memory_stats()["num_alloc_retries"]``."""
+
+    usable_bytes: int
+    """The reserved bytes the verdict allows (capacity − context − NCCL − margin)."""
+    fits: bool
+    """No cudaMalloc failed after the release: the step runs within ``usable_bytes``."""
+    flushes: int
+    """Failed cudaMallocs that released cached segments (``num_alloc_retries`` in one step)."""
+    flushed_bytes: int
+    """Cached segments given back (cudaFree) by those releases."""
+    reserved_bytes: int
+    """The reserved peak with the releases (``max_memory_reserved`` on that device), on the same
+    footing as :attr:`ReservedModel.reserved_bytes`: the estimate's allocated peak plus the replay's
+    reserve."""
+
+
+def replay_with_flush(est, usable_bytes: int) -> FlushReplay:
+    """:class:`FlushReplay` of ``est`` on a device that holds ``usable_bytes`` of reserved memory.
+    The stream's logical peak can differ from the estimate's allocated peak (parts placed as one
+    block, module docstring); the stream gets the capacity less that difference, so the replay's
+    limit and :func:`estimate_reserved`'s figure are on one footing (a stream whose unlimited
+    reserved figure is within ``usable_bytes`` never releases)."""
+    from trainmem.trace.allocator import CachingAllocator
+
+    model = estimate_reserved(est)
+    shift = est.peak_bytes - model.stream_peak_bytes
+    alloc = CachingAllocator(capacity_bytes=usable_bytes - shift)
+    flushes = top = 0
+    for e in allocation_events(est):
+        if e[0] == "free":
+            alloc.free(e[1])
+            continue
+        before = alloc.released_bytes
+        alloc.malloc(e[1], e[2])
+        flushes += alloc.released_bytes > before
+        if alloc.out_of_memory:
+            break
+        top = max(top, alloc.reserved_bytes)
+    return FlushReplay(usable_bytes=usable_bytes, fits=not alloc.out_of_memory, flushes=flushes,
+                       flushed_bytes=alloc.released_bytes, reserved_bytes=top + shift)
+
+
 def fits_with_release(est, capacity_bytes: int) -> bool:
     """Whether the stream fits ``capacity_bytes`` of reserved memory when, as on a failed cudaMalloc
     (``DeviceCachingAllocator::malloc`` → ``release_cached_blocks``), wholly free cached segments are
-    given back before a new one is made. Not used by any verdict yet (docs/plan.md)."""
-    from trainmem.trace.allocator import CachingAllocator
+    given back before a new one is made (:func:`replay_with_flush`)."""
+    return replay_with_flush(est, capacity_bytes).fits
 
-    alloc = CachingAllocator(capacity_bytes=capacity_bytes)
-    for e in allocation_events(est):
-        if e[0] == "alloc":
-            alloc.malloc(e[1], e[2])
-            if alloc.out_of_memory:
-                return False
-        else:
-            alloc.free(e[1])
-    return True
+
+def estimate_fit_state(est, usable_bytes: int) -> tuple[str, FlushReplay | None]:
+    """The three-state verdict (:func:`trainmem.fits.fit_state`) of ``est`` against ``usable_bytes``
+    of reserved memory, and the flush replay where one ran: only when the unlimited reserved peak is
+    over ``usable_bytes`` and the allocated peak is not (else the answer is known without it)."""
+    from trainmem.fits import fit_state
+
+    reserved = estimate_reserved(est).reserved_bytes
+    flush = None
+    if reserved > usable_bytes >= est.peak_bytes:
+        flush = replay_with_flush(est, usable_bytes)
+    return fit_state(reserved_bytes=reserved, usable_bytes=usable_bytes,
+                     fits_after_flush=None if flush is None else flush.fits), flush
 
 
 def _replay(est, expandable_segments: bool) -> ReservedModel:

@@ -59,9 +59,15 @@ class SweepPoint:
     terms_bytes: dict[str, int] = field(default_factory=dict)
     reserved_bytes: int | None = None
     note: str = ""
+    fit_state: str | None = None
+    """:data:`trainmem.fits.FIT_STATES`; ``fits_with_cache_flush`` only on the estimate back-end
+    deciding with the reserved peak (its allocation order replayed at the budget with the allocator's
+    release-and-retry); ``fits`` is true only for ``fits``."""
+    flush: Any = None
+    """That replay (:class:`~trainmem.estimate.allocation_order.FlushReplay`), where it ran; not in the JSON."""
 
     def to_dict(self) -> dict:
-        return {"value": self.value, "fits": self.fits, "peak_bytes": self.peak_bytes,
+        return {"value": self.value, "fits": self.fits, "fit_state": self.fit_state, "peak_bytes": self.peak_bytes,
                 "peak_reserved_bytes": self.reserved_bytes, "totals_bytes": dict(self.totals_bytes),
                 "terms_bytes": dict(self.terms_bytes), **({"note": self.note} if self.note else {})}
 
@@ -170,17 +176,20 @@ def _with(step: StepSpec, over: str, value: int) -> StepSpec:
 
 
 def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: str, parallel=None, finetune=None,
-                      reserved: bool = False):
+                      reserved: bool = False, budget: int | None = None):
     """The estimator's peak of the rank with the highest peak when ``parallel`` is given; with
-    ``reserved`` also its reserved peak from the allocator model (``estimate --memory-figure reserved``)."""
+    ``reserved`` also its reserved peak from the allocator model (``estimate --memory-figure reserved``)
+    and its fit state against ``budget`` (:func:`~trainmem.estimate.allocation_order.estimate_fit_state`)."""
     from trainmem.estimate import estimate
-    from trainmem.estimate.allocation_order import estimate_reserved
+    from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
 
     def run(value: int) -> SweepPoint:
         s = _with(step, over, value)
         e = estimate(model, s, impl, parallel, finetune=finetune)
+        state, flush = estimate_fit_state(e, budget) if reserved and budget is not None else (None, None)
         return SweepPoint(value, True, e.peak_bytes, e.totals_bytes, _split_terms(e.inventory, s.seq),
-                          reserved_bytes=estimate_reserved(e).reserved_bytes if reserved else None)
+                          reserved_bytes=estimate_reserved(e).reserved_bytes if reserved else None,
+                          fit_state=state, flush=flush)
     return run
 
 
@@ -312,7 +321,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                                             "--backend estimate")
     seen: dict[int, SweepPoint] = {}
     if backend == "estimate":
-        run, ctx = _estimate_backend(spec, step, impl, over, parallel, finetune, reserved=fit_reserved), None
+        run, ctx = _estimate_backend(spec, step, impl, over, parallel, finetune, reserved=fit_reserved,
+                                     budget=budget_bytes), None
     elif backend == "trace":
         if impl.profile == "reference" and not isinstance(source, ModelSpec):
             source = spec
@@ -329,6 +339,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
             if p.peak_bytes is not None and backend != "device":
                 held = p.reserved_bytes if fit_reserved and p.reserved_bytes is not None else p.peak_bytes
                 p = replace(p, fits=held <= budget_bytes)
+            if p.fit_state is None:  # two states where no allocation order is replayed at the budget
+                p = replace(p, fit_state="fits" if p.fits else "does_not_fit")
             seen[value] = p
         return seen[value]
 

@@ -146,6 +146,11 @@ class Advice:
     finetune: Any = None
     start_reserved_bytes: int = 0
     """The start's reserved peak (allocator model), compared with ``usable_bytes``."""
+    fit_state: str = ""
+    """The starting configuration's :data:`trainmem.fits.FIT_STATES`; ``fits_with_cache_flush``: it
+    runs only by flushing the allocator cache, and the options and the ladder make it fit without."""
+    flush: Any = None
+    """The start's :class:`~trainmem.estimate.allocation_order.FlushReplay`, where one ran."""
 
     def to_dict(self) -> dict:
         from trainmem.schemas import header
@@ -155,6 +160,7 @@ class Advice:
         return {**out, "usable_bytes": self.usable_bytes, "reserve": self.reserve.to_dict(),
                 "memory_figure": {"figure": "reserved", "peak_reserved_bytes": self.start_reserved_bytes},
                 "start_peak_bytes": self.start_peak_bytes, "start_command": self.start_command,
+                "fit_state": self.fit_state,
                 "options": [o.to_dict() for o in self.options],
                 "search": None if self.stats is None else self.stats.to_dict(),
                 "steps": [s.to_dict() for s in self.steps],
@@ -350,6 +356,7 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
     if first is None:
         raise SpecError("configuration", start.command(model_name or model.name), measure.failed[start])
     now, held = begin, begin_reserved = first[0], measure.reserved(start)
+    start_state, start_flush = _start_state(model, start, usable, begin, begin_reserved)
 
     def peak(c: Config) -> int:
         got = measure(c)
@@ -385,7 +392,19 @@ def advise(model: ModelSpec, step: StepSpec, impl: ImplSpec, gpu: GPU, *, gpus: 
         state, now = new, after
     return Advice(model, step, impl, gpu, gpus, usable, begin, tuple(steps), tuple(skipped), held <= usable,
                   reserve, options, stats, start.command(model_name or model.name), parallel=par, finetune=finetune,
-                  start_reserved_bytes=begin_reserved)
+                  start_reserved_bytes=begin_reserved, fit_state=start_state,
+                  flush=start_flush)
+
+
+def _start_state(model: ModelSpec, start: Config, usable: int, allocated: int, reserved: int):
+    """The start's fit state and flush replay (:func:`~trainmem.estimate.allocation_order.estimate_fit_state`);
+    the estimate is run again and replayed only when the reserved peak is over ``usable`` and the allocated is not."""
+    from trainmem.estimate.allocation_order import estimate_fit_state
+    from trainmem.fits import fit_state
+    if not reserved > usable >= allocated:
+        return fit_state(reserved_bytes=reserved, usable_bytes=usable), None
+    e = estimate(model, start.step, start.impl, None if start.par.is_single else start.par, finetune=start.finetune)
+    return estimate_fit_state(e, usable)
 
 
 def _ladder_config(c: Config) -> dict:

@@ -180,14 +180,18 @@ def weights_fit(model, step, impl, e: Estimate, gpu: GPU | None) -> Answer:
             f"({fmt_bytes(t['optimizer_state'])}) and saved activations ({fmt_bytes(t['activation'])}); the peak is "
             f"{fmt_bytes(e.peak_bytes)} in '{e.peak_phase}', {nums['peak_over_weights']:.1f}× the weights.")
     if gpu is not None:  # the training step: its reserved peak (allocator model), as plan and advise decide
-        from trainmem.estimate.allocation_order import estimate_reserved
+        from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
         usable = Reserve.modelled(gpu).reserved_usable_bytes(gpu)
         reserved = estimate_reserved(e).reserved_bytes
+        state = estimate_fit_state(e, usable)[0]
         nums.update(gpu=gpu.name, usable_bytes=usable, weights_fit=t["parameter"] <= usable,
-                    peak_reserved_bytes=reserved, training_fits=reserved <= usable)
+                    peak_reserved_bytes=reserved, training_fits=state == "fits", fit_state=state)
+        step_fits = {"fits": "fits", "does_not_fit": "does not",
+                     "fits_with_cache_flush": "fits only by flushing the allocator cache (its reserved peak is over "
+                                              "usable; on a failed cudaMalloc the allocator frees its cached "
+                                              "segments and retries, a synchronizing and slower step)"}[state]
         text += (f" On {gpu.name} ({fmt_bytes(usable)} usable) the weights {'fit' if nums['weights_fit'] else 'do not fit'}"
-                 f" and the training step ({fmt_bytes(reserved)} reserved) "
-                 f"{'fits' if nums['training_fits'] else 'does not'}.")
+                 f" and the training step ({fmt_bytes(reserved)} reserved) {step_fits}.")
     return Answer("weights_fit", QUESTIONS["weights_fit"], text, nums)
 
 

@@ -80,12 +80,16 @@ class Candidate:
     peak_source: str = "first-order"
     reserved_bytes: int | None = None
     """The reserved peak (allocator model) the verdict compares; None where only screened."""
+    fit_state: str | None = None
+    """:data:`trainmem.fits.FIT_STATES` of the rechecked estimate (``fits`` is true only for
+    ``fits``; ``fits_with_cache_flush`` runs only by flushing the allocator cache); None where only screened."""
 
     def to_dict(self) -> dict:
         return {"config": self.config, "peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s,
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits, "peak_stage": self.peak_stage,
                 "peak_phase": self.peak_phase, "time_parts": self.time_parts, "peak_source": self.peak_source,
-                "peak_reserved_bytes": self.reserved_bytes, "memory_figure": "reserved"}
+                "peak_reserved_bytes": self.reserved_bytes, "memory_figure": "reserved",
+                "fit_state": self.fit_state}
 
 
 @dataclass(frozen=True)
@@ -334,8 +338,11 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 if len(shown) == top:
                     break
             else:
+                flush = "; fits only by flushing the allocator cache (slower)" \
+                    if c.fit_state == "fits_with_cache_flush" else ""
                 rejected.append((c.config, f"per-rank estimate {c.reserved_bytes} B reserved ({c.peak_bytes} B "
-                                           f"allocated) > usable {usable} B (the closed-form screen said it fits)"))
+                                           f"allocated) > usable {usable} B (the closed-form screen said it fits)"
+                                           + flush))
         if not shown:
             shown = [exact(r) for r in fitting[:top]]
     else:
@@ -384,7 +391,7 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
     its peak, and the rank class and phase where it occurs; it fits when its reserved peak
     (:func:`~trainmem.estimate.allocation_order.estimate_reserved`, as ``estimate --memory-figure
     reserved`` states it) is within ``usable``."""
-    from trainmem.estimate.allocation_order import estimate_reserved
+    from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
 
     cfg = c.config
     step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
@@ -395,5 +402,6 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
     worst = max(e.ranks, key=lambda r: r.peak_bytes) if e.ranks else e
     stage = worst.name if e.ranks else "rank"
     reserved = estimate_reserved(e).reserved_bytes
-    return replace(c, peak_bytes=e.peak_bytes, fits=reserved <= usable, peak_stage=stage,
-                   peak_phase=worst.peak.name, peak_source="estimator", reserved_bytes=reserved)
+    state = estimate_fit_state(e, usable)[0]
+    return replace(c, peak_bytes=e.peak_bytes, fits=state == "fits", peak_stage=stage,
+                   peak_phase=worst.peak.name, peak_source="estimator", reserved_bytes=reserved, fit_state=state)

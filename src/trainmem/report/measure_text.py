@@ -107,7 +107,11 @@ def render_sweep(result) -> str:
                   [[str(p.value), "OOM" if p.peak_bytes is None else fmt_bytes(p.peak_bytes),
                     *([_b(p.reserved_bytes)] if reserved else []),
                     _b(p.totals_bytes.get("activation")) if p.totals_bytes else "n/a",
-                    "yes" if p.fits else "no"] for p in result.points])
+                    "yes" if p.fits else "flush" if p.fit_state == "fits_with_cache_flush" else "no"]
+                   for p in result.points])
+    if any(p.fit_state == "fits_with_cache_flush" for p in result.points):
+        out.append("flush: the reserved peak is over the budget, but the step fits when the caching allocator frees "
+                   "its cached segments on a failed cudaMalloc and retries (slower); not counted as fitting")
     out.append("")
     out.append(f"growth over {result.over} (log-log exponent; quadratic fit a·x² + b·x + c):")
     fits = [("ledger " + k, v) for k, v in result.fit["ledgers"].items() if v["exponent"] is not None]

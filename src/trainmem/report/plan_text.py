@@ -29,7 +29,8 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         f"reserving {fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate)"
         + (" + NCCL buffers" if plan.gpus > 1 else "") + f" + {plan.reserve.fraction:.0%} extra margin",
         "fits: the reserved peak (max_memory_reserved; the estimate replayed through the caching-allocator "
-        "model) ≤ usable, as estimate --memory-figure reserved",
+        "model) ≤ usable, as estimate --memory-figure reserved; 'flush' marks a configuration over it that fits "
+        "only by flushing the allocator cache (slower, not ranked)",
         f"{screen_line(st)}; {st['checked']} checked with the per-rank estimate, which gives every peak shown; "
         f"{st['seconds']:.2f} s",
     ]
@@ -45,7 +46,7 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
     lines.append(f"  {'configuration':<{w}} {'allocated':>11} {'reserved':>11} {'step s':>8} {'tokens/s':>11}")
     for c in plan.candidates:
         lines.append(f"  {_cfg(c.config):<{w}} {fmt_bytes(c.peak_bytes):>11} {_res(c):>11} {c.step_time_s:>8.2f} "
-                     f"{c.tokens_per_s:>11,.0f}")
+                     f"{c.tokens_per_s:>11,.0f}" + ("  flush" if c.fit_state == "fits_with_cache_flush" else ""))
     if plan.candidates:
         t = plan.candidates[0].time_parts
         parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in t.items() if v and k != "total_s")
@@ -117,6 +118,14 @@ def render_advice(advice) -> str:
         f"precision: {advice.step.precision_description}",
         "",
     ]
+    if advice.fit_state == "fits_with_cache_flush" and advice.flush is not None:
+        from trainmem.report.fit_text import STATE_WORDS, flush_line
+        f = advice.flush
+        lines += [f"As it is: {STATE_WORDS[advice.fit_state]} (short by "
+                  f"{fmt_bytes(advice.start_reserved_bytes - advice.usable_bytes)} against the reserved peak); "
+                  "the changes below make it fit without flushing",
+                  "  " + flush_line(f.flushes, f.flushed_bytes, f.reserved_bytes, advice.usable_bytes,
+                                    advice.start_peak_bytes), ""]
     if advice.options:
         st = advice.stats
         lines.append(f"Cheapest changes that fit ({st.evaluated} estimates of {st.candidates} combinations of up to "
@@ -125,7 +134,7 @@ def render_advice(advice) -> str:
             mark = "  [changes the training]" if o.changes_training else ""
             lines.append(f"{i}. {' + '.join(o.actions)}{mark}")
             lines.append(f"   peak {fmt_bytes(o.peak_bytes)} allocated, {fmt_bytes(o.reserved_bytes)} reserved, "
-                         f"headroom {fmt_bytes(o.headroom_bytes)}; "
+                         f"headroom {fmt_bytes(o.headroom_bytes)} against the reserved peak; "
                          f"{_speed(o.throughput_cost)}")
             lines.append(f"   {o.command}")
         lines += ["", "The usual fixes, applied one by one until it fits (the explanation):"]

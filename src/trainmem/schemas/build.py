@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainmem.fits import FIT_STATES
 from trainmem.schemas import COMMANDS, PHASES, schema_name, schema_path
 
 __all__ = ["build", "build_all", "write_all"]
@@ -51,6 +52,8 @@ DEFS = {
                    "parts": {"type": "object", "additionalProperties": {"type": "integer"}}},
                   {"note": {"type": "string"}}),
     "phase_name": {"enum": list(PHASES)},
+    # the three-state answer to "does it fit" (trainmem.fits.FIT_STATES), wherever a result decides fit
+    "fit_state": {"enum": list(FIT_STATES)},
 }
 REF = {k: {"$ref": f"#/$defs/{k}"} for k in DEFS}
 
@@ -62,6 +65,7 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
     "estimate": ({"profile": {"type": "string"}, "totals_bytes": REF["ledger_bytes"], **_PEAK,
                   "phases": _array(REF["phase"]), "notes": _array({"type": "string"})},
                  {"items": _array(REF["item"]), "peak_rank": {"type": "string"},
+                  "fits": _obj({"fits": {"type": "boolean"}, "fit_state": REF["fit_state"]}),
                   "ranks": _array(_obj({"name": {"type": "string"}, "count": {"type": "integer"}, **_PEAK,
                                         "totals_bytes": REF["ledger_bytes"], "phases": _array(REF["phase"])}))}),
     "trace": ({"meta": {"type": "object"}, "peak_bytes": BYTES, "peak_logical_bytes": BYTES,
@@ -95,17 +99,18 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
     "sweep": ({"search": {"type": "object"}, "over": {"enum": ["seq", "batch"]}, "backend": {"type": "string"},
                "budget_bytes": BYTES, "max_fit": {"type": ["integer", "null"]}, "capped": {"type": "boolean"},
                "points": _array(_obj({"value": {"type": "integer"}, "fits": {"type": "boolean"},
+                                      "fit_state": REF["fit_state"],
                                       "peak_bytes": BYTES_OR_NULL, "peak_reserved_bytes": BYTES_OR_NULL,
                                       "totals_bytes": {"type": "object"}})),
                "fit": {"type": "object"}, "verdict": {"type": "string"}}, {}),
     "plan": ({"reserve": _obj({"usable_bytes": BYTES}),
               "candidates": _array(_obj({"config": {"type": "object"}, "peak_bytes": BYTES, "fits": {"type": "boolean"},
-                                         "tokens_per_s": NUMBER_OR_NULL})),
+                                         "fit_state": REF["fit_state"], "tokens_per_s": NUMBER_OR_NULL})),
               "pareto": _array({"type": "object"}), "search": {"type": "object"}}, {}),
     "advise": ({"usable_bytes": BYTES, "start_peak_bytes": BYTES, "start_command": {"type": "string"},
                 "options": _array({"type": "object"}), "steps": _array({"type": "object"}),
                 "skipped": _array(_obj({"rung": {"type": "string"}, "why": {"type": "string"}})),
-                "fits": {"type": "boolean"}}, {}),
+                "fits": {"type": "boolean"}, "fit_state": REF["fit_state"]}, {}),
     "explain": ({"notes": _array({"type": "string"}), "answers": _array({"type": "object"})}, {}),
     "variants": ({"device": {"type": "string"},
                   "rows": _array(_obj({"label": {"type": "string"}, "peak_bytes": BYTES_OR_NULL,

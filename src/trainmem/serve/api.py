@@ -9,7 +9,9 @@ reserved peak (the estimate replayed through the caching-allocator model,
 :func:`trainmem.estimate.allocation_order.estimate_reserved`) against capacity − the GPU preset's
 context (or ``reserve``) − NCCL buffers beyond one rank − ``reserve_fraction`` × capacity, an extra
 margin, 0 by default (:meth:`trainmem.plan.hardware.Reserve.reserved_usable_bytes`). The response
-names the figure (``fits.memory_figure``) and states both peaks.
+names the figure (``fits.memory_figure``), states both peaks and the three-state verdict
+(``fits.fit_state``, :data:`trainmem.fits.FIT_STATES`: ``fits_with_cache_flush`` when the step runs
+only by the allocator flushing its cache, as ``estimate --gpu`` says).
 
 Known limitations:
   - The advisor starts from data parallelism over ``gpus`` without fine-tuning, as ``trainmem
@@ -85,6 +87,7 @@ def estimate_response(req: Request) -> dict:
     result = estimate(model, step, impl, par, finetune=ft)
     usable = reserve.reserved_usable_bytes(gpu, req.args.gpus)
     held = _reserved_peak(result)
+    state = _fit_state(result, usable)
     d = result.to_dict(items=False)
     phases = d["phases"]
     chart = stacked_bars([(p["name"], p["parts"]) for p in phases], mark=d["peak_phase"],
@@ -94,7 +97,19 @@ def estimate_response(req: Request) -> dict:
             "fits": {"gpu": gpu.name, "gpus": req.args.gpus, "dp": req.args.dp, "memory_bytes": gpu.memory_bytes,
                      "reserve": reserve.to_dict(), "memory_figure": "reserved", "usable_bytes": usable,
                      "peak_bytes": result.peak_bytes, "peak_reserved_bytes": held,
-                     "headroom_bytes": usable - held, "fits": held <= usable}}
+                     "headroom_bytes": usable - held, "fits": held <= usable, "fit_state": state}}
+
+
+def _fit_state(result, usable: int) -> str:
+    """:data:`trainmem.fits.FIT_STATES` as ``estimate --gpu`` states it; an inference estimate (no
+    allocation order to replay) by its allocated peak and the 5% share, as :func:`_reserved_peak` does."""
+    from trainmem.estimate.allocation_order import estimate_fit_state
+    from trainmem.estimate.inference import InferenceEstimate
+    from trainmem.fits import fit_state
+
+    if isinstance(result, InferenceEstimate):
+        return fit_state(reserved_bytes=_reserved_peak(result), usable_bytes=usable)
+    return estimate_fit_state(result, usable)[0]
 
 
 def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
