@@ -4,7 +4,10 @@
   sequence parallelism, with torchtitan's ``loss_parallel()`` and without it (the output layer's
   logits gathered, ``Replicate``): each rank's saved set equals the estimate to the byte; its step
   peak is within 5% of the CPU allocator's own (torch.profiler ``profile_memory``, which also sees
-  the temporaries made inside one DTensor op) and at most 5% under the op-boundary tracker's
+  the temporaries made inside one DTensor op; the least of three steps for it and for the
+  op-boundary tracker, since a collective's
+  buffer is freed when gloo's thread completes it and one step's reading varies by whole B·S·H
+  buffers, see ``measure_dist.worker._profiled_peak``) and at most 5% under the op-boundary tracker's
   (measure_dist), which cannot see those temporaries (bf16 loss_parallel: the estimate is 5.3%
   above it).
 * One process (a one-rank gloo mesh), the vocab-parallel cross-entropy alone, Hugging Face's loss
@@ -56,7 +59,8 @@ def test_saved_set_equal_and_peak_within_5_percent(runs, prec, sp, lp):
     est = _rank(sp, lp, prec)
     for r in runs[(prec, sp, lp)]:
         assert r["activation_bytes"] == est.totals_bytes["activation"], r["activation_items"][:4]
-        allocator, op_boundary = r["profiled_peak_bytes"], r["peak_bytes"]
+        allocator = r["profiled_peak_bytes"]  # the least of three steps, as the op-boundary one
+        op_boundary = min([r["peak_bytes"], *r["op_boundary_peaks_bytes"]])
         assert abs(est.peak_bytes - allocator) <= 0.05 * allocator, (est.peak.name, est.peak_bytes, allocator)
         assert est.peak_bytes >= 0.95 * op_boundary, (est.peak.name, est.peak_bytes, op_boundary)
 
