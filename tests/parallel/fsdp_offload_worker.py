@@ -27,10 +27,6 @@ device and what it copies to the host.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 
 def run(sc: dict) -> dict:
     import torch
@@ -155,21 +151,7 @@ def _activation_offload(model, ids, unsharded, fps, ctx, key) -> tuple[int, int]
     return kept, off.offloaded_storage_bytes
 
 
-def main() -> int:
-    import torch.distributed as dist
-
-    out_dir, scenarios = sys.argv[1], json.loads(sys.argv[2])
-    dist.init_process_group("gloo")
-    try:
-        results = [run(sc) for sc in scenarios]
-        rank = dist.get_rank()
-        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
-            json.dump(results, f)
-        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from torchrun_scripts import worker_main
+
+    raise SystemExit(worker_main(run))

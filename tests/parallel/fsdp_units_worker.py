@@ -14,10 +14,6 @@ and ``comm_ctx.all_gather_state``), summed over live storages after every op of 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 
 def _sharded_model(sc: dict):
     """The tiny Llama, ``fully_shard``-ed unit by unit, then at the root."""
@@ -101,21 +97,7 @@ def run(sc: dict) -> dict:
     return {"rank": dist.get_rank(), "most": tracker.most, "at": tracker.at}
 
 
-def main() -> int:
-    import torch.distributed as dist
-
-    out_dir, scenarios = sys.argv[1], json.loads(sys.argv[2])
-    dist.init_process_group("gloo")
-    try:
-        results = [run(sc) for sc in scenarios]
-        path = os.path.join(out_dir, f"rank{dist.get_rank()}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f)
-        os.replace(path + ".tmp", path)
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from torchrun_scripts import worker_main
+
+    raise SystemExit(worker_main(run))

@@ -15,14 +15,9 @@ and copies to the host, the estimate's per-rank activation figures to the byte.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+from torchrun_scripts import launch
 
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
@@ -113,19 +108,8 @@ SCENARIOS = {"fp32": {}, "fsdp-bf16": {"bf16": True}}
 
 @functools.lru_cache(maxsize=None)
 def _launch() -> dict[str, list[dict]]:
-    from trainmem.measure_dist.launch import free_port
-
-    worker = Path(__file__).with_name("fsdp_offload_worker.py")
-    payload = json.dumps([dict(config=DEFAULT_CONFIG, batch=B, seq=S, **SCENARIOS[k]) for k in SCENARIOS])
-    with tempfile.TemporaryDirectory(prefix="trainmem-cpuoff-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-               str(worker), tmp, payload]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
-    return {k: [ranks[r][i] for r in range(2)] for i, k in enumerate(SCENARIOS)}
+    return launch("fsdp_offload_worker.py", {k: dict(config=DEFAULT_CONFIG, batch=B, seq=S, **sc)
+                                             for k, sc in SCENARIOS.items()})
 
 
 @pytest.mark.slow  # one torchrun launch, 30-70 s on 2 shared cores

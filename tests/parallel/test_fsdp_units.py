@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+from torchrun_scripts import launch
 
 from trainmem.errors import SpecError
 from trainmem.estimate import estimate
@@ -108,19 +104,7 @@ SCENARIOS = {(u, p): dict(units=u, bf16=p == "fsdp-bf16") for u in ("blocks", SE
 
 @functools.lru_cache(maxsize=None)
 def _launch() -> dict:
-    from trainmem.measure_dist.launch import free_port
-
-    worker = Path(__file__).with_name("fsdp_units_worker.py")
-    payload = json.dumps([dict(config=CONFIG, batch=B, seq=S, **sc) for sc in SCENARIOS.values()])
-    with tempfile.TemporaryDirectory(prefix="trainmem-fsdpunits-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-               str(worker), tmp, payload]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
-    return {k: [ranks[r][i] for r in range(2)] for i, k in enumerate(SCENARIOS)}
+    return launch("fsdp_units_worker.py", {k: dict(config=CONFIG, batch=B, seq=S, **sc) for k, sc in SCENARIOS.items()})
 
 
 @pytest.mark.slow  # one torchrun launch, ~60 s on 2 shared cores
