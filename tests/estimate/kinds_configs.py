@@ -68,7 +68,7 @@ def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none"
         def forward():
             with selective_recompute(model, attention):
                 return plain()
-    saved, loss = saved_tensors(model, forward)
+    saved, loss = saved_tensors(model, forward, buffers=False)  # a saved buffer is the buffer item
     if recompute == "none":
         return sum(s.nbytes for s in saved), saved
     retained, loss = retained_bytes(model, forward)

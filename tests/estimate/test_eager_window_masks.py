@@ -31,9 +31,8 @@ B = 2
 
 def _estimated(cfg: dict, impl: ImplSpec, seq: int) -> tuple[int, list]:
     items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=seq, precision="bf16"), impl)
-    # Gemma's 0-d embed_scale is a buffer autograd saves (2 B in bf16): a retained-bytes count skips it
-    buffers = sum(i.bytes for i in items if i.name == "model.embed_tokens.embed_scale")
-    return sum(i.bytes for i in items) - buffers, items
+    # Gemma's 0-d embed_scale, a buffer autograd saves, is the buffer item: neither side counts it here
+    return sum(i.bytes for i in items), items
 
 
 def _masks(items: list) -> dict[str, int]:

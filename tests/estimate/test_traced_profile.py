@@ -142,7 +142,8 @@ def _measured(cfg, precision, attention, batch=B, routing="balanced"):
     ids = torch.randint(0, cfg["vocab_size"], (batch, S))
     ctx = force_routing(model, routing_hot_fraction(routing)) if experts_modules(model) else contextlib.nullcontext()
     with ctx:
-        saved, loss = saved_tensors(model, lambda: model(ids, labels=ids).loss)
+        # Gemma-3's embed_scale, a buffer autograd saves, is the buffer item, not an activation
+        saved, loss = saved_tensors(model, lambda: model(ids, labels=ids).loss, buffers=False)
     return sum(s.nbytes for s in saved)
 
 

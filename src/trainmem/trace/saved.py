@@ -35,13 +35,17 @@ class SavedTensor:
     dtensor: bool = False  # saved as a DTensor; shape and bytes are its local shard's
 
 
-def saved_tensors(model, fn: Callable[[], Any]) -> tuple[list[SavedTensor], Any]:
-    """Run ``fn()`` (a forward + loss) and list the distinct local storages autograd saved."""
+def saved_tensors(model, fn: Callable[[], Any], buffers: bool = True) -> tuple[list[SavedTensor], Any]:
+    """Run ``fn()`` (a forward + loss) and list the distinct local storages autograd saved;
+    ``buffers=False`` leaves out ``model``'s registered buffers autograd saves as they are (Gemma's
+    ``embed_scale``): device memory of the buffer ledger, not activations."""
     import torch
 
     import weakref
 
     params = parameter_storage_keys(model)
+    if not buffers:
+        params |= {local(b).untyped_storage()._cdata for b in model.buffers()}
     # storage key -> (what was saved, weak references to every tensor packed on that storage).
     # A tensor packed by a graph branch that forward then drops (DeepSeek's group-limited router:
     # the group top-k and the masked_fill mask feed only integer indices) dies before forward ends,

@@ -5,7 +5,8 @@ run once per point: forward and loss under trainmem's recorder (``trace/_recorde
 ``trace_step`` runs them (``trace/step.py``: precision, autocast, attention kernel, recompute,
 MoE routing). What the step keeps for backward is every storage an op made during forward that
 is still alive when forward returns -- saved by autograd, or held by a checkpoint region -- plus
-the inputs and buffers autograd saved (the token ids, by the embedding), less the loss itself.
+the inputs autograd saved (the token ids, by the embedding), less the loss itself; a buffer autograd
+saves (Gemma's ``embed_scale``) is the buffer item, not an activation.
 
 Known limitations: CPU kernels only (``--device cpu``); the saved set is that of transformers'
 modules as installed.
@@ -72,7 +73,7 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 def _one(model, step: StepSpec, torch) -> list[Saved]:
     from trainmem.names import embedding_indices
     from trainmem.trace import step as ts
-    from trainmem.trace._recorder import ORIGIN_BUFFER, ORIGIN_INPUT, ORIGIN_OP, _Recorder
+    from trainmem.trace._recorder import ORIGIN_INPUT, ORIGIN_OP, _Recorder
     from trainmem.trace.torch_state import torch_dtype
 
     ts._check_positions(model, step.seq)
@@ -105,8 +106,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
                 if b.free_at is None and b.phase == "forward" and b is not loss_block
                 and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
-        # a buffer autograd saves as it is (Gemma's embed_scale) is kept by the graph too
-        kept[:0] = [b for b in rec.rec.blocks[:rec.rec.baseline] if b.origin == ORIGIN_BUFFER and b.saved]
+        # a buffer autograd saves as it is (Gemma's embed_scale) is not kept here: it is the buffer item
+        # (estimate/buffers.py), counted once, as `trainmem trace` files it
         held = _held(rec.rec.blocks[rec.rec.baseline:], kept, times, ORIGIN_OP)
         del loss
     seen: dict[str, int] = {}
