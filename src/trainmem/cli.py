@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainmem.cliargs import (add_compile_arg, add_finetune_args, add_float8_args, add_head_args,
+    from trainmem.cliargs import (add_compile_arg, add_finetune_args, add_float8_args, add_framework_arg, add_head_args,
                                   add_inference_args, add_model_step_args,
                                   add_optimizer_args, add_parallel_args, add_routing_arg, positive_int)
     from trainmem.fitargs import add_fit_args
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     est = sub.add_parser("estimate", help="analytic estimate: ledgers, per-tensor activations, peak")
     add_model_step_args(est)
+    add_framework_arg(est)
     add_head_args(est)
     est.add_argument("--json", action="store_true", help="print one JSON object (schema trainmem.estimate/2)")
     est.add_argument("--detail", action="store_true", help="every phase's parts and every tensor outside blocks")

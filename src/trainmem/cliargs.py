@@ -13,7 +13,7 @@ from dataclasses import fields, replace
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
-from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, PROFILES, RECOMPUTES
+from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, FRAMEWORKS, PROFILES, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["positive_int", "positive_float", "add_model_step_args", "specs_from_args", "step_impl_from_args",
@@ -120,6 +120,13 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                         "are never all alive; needs --grad-accum 1")
 
 
+def add_framework_arg(p: argparse.ArgumentParser) -> None:
+    """--framework: whose decoder-block code the hf profile models (``ImplSpec.framework``, docs/litgpt.md)."""
+    p.add_argument("--framework", choices=FRAMEWORKS, default=spec_default(ImplSpec, "framework"),
+                   help="whose decoder-block code the hf profile models: hf (transformers, default) or litgpt "
+                        "(LitGPT's Block, RMSNorm and LoRAQKVLinear; Llama-style models: docs/litgpt.md)")
+
+
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     """--compile: the model runs under torch.compile (``ImplSpec.compile``, docs/compile.md)."""
     p.add_argument("--compile", action="store_true",
@@ -204,7 +211,7 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
     # add_optimizer_args, add_compile_arg, add_float8_args
     optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "compile_scope",
-                                           "float8", "float8_all_gather") if hasattr(args, k)}
+                                           "float8", "float8_all_gather", "framework") if hasattr(args, k)}
     attention = {"attention": args.attention} if args.attention is not None else {}  # else resolve_attention's
     impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every or 1, device=args.device,
                     **{**attention, **routing, **optim, **spec_fields(args, "impl")})

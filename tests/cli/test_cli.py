@@ -88,7 +88,7 @@ def test_commands_and_estimate_flags_are_frozen():
         "--adapter-dtype", "--attention", "--batch", "--block-size", "--compile", "--compile-scope", "--config", "--context", "--cp",
         "--cp-style",
         "--deepspeed", "--detail", "--device", "--double-quant", "--dp", "--ep", "--finetune", "--finetune-preset", "--float8",
-        "--float8-all-gather", "--freeze",
+        "--float8-all-gather", "--framework", "--freeze",
         "--fsdp", "--fsdp-group", "--fsdp-units", "--fsdp-version", "--gpu", "--gpu-memory", "--gpu-memory-utilization", "--grad-accum", "--head", "--help",
         "--hf-args", "--html", "--json",
         "--kv-dtype", "--layer-split",

@@ -35,6 +35,9 @@ def hf_forward(ctx: Ctx) -> None:
         kinds = ", ".join(dict.fromkeys(k.label for k in m.kinds))
         raise UnsupportedError(f"{m.name}: the hf profile has no hand-written rules for {m.family} blocks "
                                f"({kinds}); estimate it with --profile traced")
+    if ctx.impl.framework == "litgpt" and (_rules(ctx).forward in _FORWARDS or _rules(ctx).forward == "gpt"
+                                           or ctx.model.arch == "encoder"):  # estimate/rules_litgpt.py
+        raise UnsupportedError(f"{ctx.model.name}: --framework litgpt models LitGPT's LLaMA blocks, not {ctx.model.family}")
     if _rules(ctx).forward in _FORWARDS:  # a family's own module (a registry, imported on use)
         module, fn = _FORWARDS[_rules(ctx).forward]
         getattr(import_module(f"trainmem.estimate.{module}"), fn)(ctx)
@@ -92,7 +95,11 @@ def _llama(ctx: Ctx) -> None:
         return _llama_layer(ctx, x, cos, sin, k_i, mine, masked=masked, moe=moe)
 
     x = _layers(ctx, "model.layers.", x, layer)
-    h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
+    if ctx.impl.framework == "litgpt":  # LitGPT's ln_f (estimate/rules_litgpt.py)
+        from trainmem.estimate.rules_litgpt import litgpt_rmsnorm
+        h = litgpt_rmsnorm(ctx, x, "model.norm")
+    else:
+        h = _rmsnorm(ctx, x, "model.norm", gemma=gemma)
     if m.head != "lm":
         return task_head(ctx, h)
     with g.module("lm_head"):
@@ -103,6 +110,9 @@ def _llama(ctx: Ctx) -> None:
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
                  masked: bool = False, moe: bool = False) -> Sym:
+    if ctx.impl.framework == "litgpt":  # LitGPT's Block (estimate/rules_litgpt.py)
+        from trainmem.estimate.rules_litgpt import litgpt_block
+        return litgpt_block(ctx, x, cos, sin, kernel, held, masked=masked, moe=moe)
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size

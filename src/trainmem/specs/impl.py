@@ -8,7 +8,7 @@ from trainmem.errors import SpecError
 from trainmem import validate as v
 
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
-           "COMPILE_SCOPES", "routing_hot_fraction"]
+           "COMPILE_SCOPES", "FRAMEWORKS", "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron", "traced")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
@@ -17,6 +17,7 @@ DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 FLOAT8S = ("none", "tensorwise", "rowwise")
 COMPILE_SCOPES = ("model", "block", "block-loss")
+FRAMEWORKS = ("hf", "litgpt")  # whose modules run the block under the hf profile (estimate/rules_litgpt.py)
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
 
 
@@ -97,8 +98,16 @@ class ImplSpec:
     ``enable_fsdp_float8_all_gather``, torchtitan's ``[float8] enable_fsdp_float8_all_gather``):
     1 byte per element gathered instead of the compute dtype. tensorwise only."""
 
+    framework: str = "hf"
+    """Whose decoder-block code runs under the ``hf`` profile: ``hf`` (transformers' modules) or
+    ``litgpt`` (LitGPT's ``Block``/``CausalSelfAttention``/``RMSNorm`` and ``LoRAQKVLinear``,
+    ``estimate/rules_litgpt.py``; Llama-style families)."""
+
     def __post_init__(self) -> None:
         v.one_of("profile", self.profile, PROFILES)
+        v.one_of("framework", self.framework, FRAMEWORKS)
+        if self.framework != "hf" and self.profile != "hf":
+            raise SpecError("framework", self.framework, f"is modelled under profile='hf', not {self.profile!r}")
         object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
         v.one_of("attention", self.attention, ATTENTIONS)
         v.one_of("recompute", self.recompute, RECOMPUTES)
