@@ -85,7 +85,7 @@ TRACED = [(n, a, p, "none") for n, a in (("gpt_oss", "eager"), ("llama4_text", "
 TRACED += [("gpt_oss", "eager", "bf16", "selective"), ("gpt_oss", "eager", "fp32", "selective"),
            ("llama4_text", "eager", "bf16", "selective"), ("llama4_text", "sdpa", "fp32", "selective"),
            ("llama4_text", "eager", "bf16", "full"), ("llama4_text", "sdpa", "bf16", "op"),
-           ("llama4_text", "eager", "bf16", "op")]
+           ("llama4_text", "eager", "bf16", "op"), ("gpt_oss", "eager", "bf16", "op")]
 
 
 @pytest.mark.slow

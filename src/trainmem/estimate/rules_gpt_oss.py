@@ -14,7 +14,10 @@ What differs from the Llama rules (``rules_hf.py``):
   (``GptOssExperts._apply_gate``; ``integrations/moe.py`` ``grouped_mm_experts_forward``).
 
 Every routed tensor has B·S·k rows, so the total does not depend on the routing assumption.
-Checked against autograd's saved set in ``tests/estimate/test_rules_hybrid.py``.
+Checked against autograd's saved set in ``tests/estimate/test_rules_hybrid.py``. Under
+``recompute='op'`` (torchtitan's policy) the ops are tagged: the addmm projections, both eager bmm's,
+the router's topk; ``max(dim=-1)`` and ``_grouped_mm`` are not on the policy's list
+(``tests/estimate/test_gpt_oss_op_recompute.py``).
 """
 
 from __future__ import annotations
@@ -32,13 +35,10 @@ __all__ = ["gpt_oss_forward"]
 
 def gpt_oss_forward(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
-    if ctx.impl.attention != "eager":
-        why = ("its flash attention (a hub kernel that takes the sinks) is not modelled" if ctx.impl.attention == "flash"
-               else f"transformers gives it no {ctx.impl.attention} attention (no SDPA path)")
-        raise UnsupportedError(f"{m.name}: gpt_oss: {why}; estimate it with --attention eager "
-                               "(as --profile traced and trainmem trace run it)")
-    if ctx.impl.recompute == "op":
-        raise UnsupportedError(f"{m.name}: recompute='op' is not modelled for gpt_oss; --profile traced estimates it")
+    if ctx.impl.attention != "eager":  # the SDPA kernels are refused before (rules_hf._refuse_sdpa)
+        raise UnsupportedError(f"{m.name}: gpt_oss: its flash attention (a hub kernel that takes the sinks) is not "
+                               "modelled; estimate it with --attention eager (as --profile traced and trainmem "
+                               "trace run it)")
     x = _embedding(ctx, "model.embed_tokens")
     with g.module("model.rotary_emb"):  # GptOssRotaryEmbedding: cos/sin of hd/2 frequencies, in x's dtype
         rot, dims = (1, 1, ctx.S, m.head_dim // 2), ("1", "1", "S", "hd/2")
@@ -97,6 +97,8 @@ def _sink_attention(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
     qm = ctx.cast(q, low, "q_cast") if low else q
     # repeat_kv, then matmul's reshape of the transposed K: a fresh heads-wide copy either way
     kt = g.new("k_t", heads, hdims, low or k.dtype, k.requires_grad)
+    # matmul folds the heads into aten.bmm: an op-level policy keeps its (B·A, S, S) output
+    g.new("scores", (B, A, S, S), ("B", "A", "S", "S"), qm.dtype, rg, op="bmm")
     g.save(qm, when=kt.requires_grad)
     g.save(kt, when=qm.requires_grad)
     # scores * scaling + mask (in the embedding dtype) ++ sinks (a parameter): type promotion
@@ -123,7 +125,10 @@ def _moe(ctx: Ctx, h: Sym) -> Sym:
     Tk, Tks = T * k, "B·S·k"
     with g.module("router"):
         logits = ctx.linear(h, E, "E", weight=(E, H), bias=True)
-        g.save(g.new("top_idx", (T, k), ("B·S", "k"), "int64", False))  # topk keeps its indices
+        # topk keeps its indices for backward; an op-level policy keeps both outputs (aten.topk is on
+        # trace/recompute.py op_sac_context's save list; GptOssTopKRouter.forward: torch.topk(router_logits))
+        g.new("top_val", (T, k), ("B·S", "k"), logits.dtype, logits.requires_grad, op="topk")
+        g.save(g.new("top_idx", (T, k), ("B·S", "k"), "int64", False, op="topk"))
         # softmax(top values, dtype=their dtype) keeps its output
         scores = g.new("scores", (T, k), ("B·S", "k"), logits.dtype, logits.requires_grad)
         g.save(scores)

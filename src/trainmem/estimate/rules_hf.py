@@ -23,6 +23,7 @@ from trainmem.estimate.rules_hf_masks import _checkpoint_extras, _eager_window_m
 from trainmem.estimate.rules_hf_moe import _moe
 from trainmem.estimate.rules_hf_parts import (_activation, _embedding, _gated_mlp, _head, _heads, _layernorm, _layers,
                                               _loss, _policy, _qkv_proj, _rmsnorm, _rope, _rules)
+from trainmem.families import family_attentions
 from trainmem.names import embedding_indices, embedding_output
 
 __all__ = ["hf_forward"]
@@ -38,6 +39,7 @@ def hf_forward(ctx: Ctx) -> None:
     if ctx.impl.framework == "litgpt" and (_rules(ctx).forward in _FORWARDS or _rules(ctx).forward == "gpt"
                                            or ctx.model.arch == "encoder"):  # estimate/rules_litgpt.py
         raise UnsupportedError(f"{ctx.model.name}: --framework litgpt models LitGPT's LLaMA blocks, not {ctx.model.family}")
+    _refuse_sdpa(ctx)
     if _rules(ctx).forward in _FORWARDS:  # a family's own module (a registry, imported on use)
         module, fn = _FORWARDS[_rules(ctx).forward]
         getattr(import_module(f"trainmem.estimate.{module}"), fn)(ctx)
@@ -47,6 +49,24 @@ def hf_forward(ctx: Ctx) -> None:
         _gpt(ctx)
     else:
         _llama(ctx)
+
+
+#: the kernels transformers runs only through attn_implementation="sdpa" (``models/hf.py`` ``HF_ATTENTION``;
+#: ``flash`` is FlashAttention-2 on CUDA too, which Gemma-2 supports)
+_SDPA_ONLY = ("sdpa", "sdpa-math", "mem-efficient")
+
+
+def _refuse_sdpa(ctx: Ctx) -> None:
+    """A family whose kernels (``Family.attentions``) lack sdpa has ``_supports_sdpa = False`` (Gemma-2's
+    soft-capping, gpt-oss's sinks): transformers 5.x refuses to build it with SDPA, it does not fall back
+    (``modeling_utils.PreTrainedModel._sdpa_can_dispatch`` raises ValueError; eager only when none is asked
+    for), so neither does the estimate: no SDPA estimate that drops the soft-cap."""
+    m = ctx.model
+    runs = family_attentions(m.family)
+    if ctx.impl.attention in _SDPA_ONLY and "sdpa" not in runs:
+        raise UnsupportedError(f"{m.name}: {m.family}: transformers gives it no {ctx.impl.attention} attention "
+                               f"(_supports_sdpa = False: it refuses to build it with SDPA); estimate it with "
+                               f"--attention {runs[0]} (as --profile traced and trainmem trace run it)")
 
 
 #: BlockRules.forward -> (module under trainmem.estimate, function): families whose rules live apart

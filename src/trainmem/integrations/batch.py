@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from trainmem.errors import SpecError, UnsupportedError
+from trainmem.families import default_attention
 from trainmem.integrations.check import Budget, resolve_budget
 from trainmem.plan.hardware import Reserve
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -85,7 +86,7 @@ def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None 
     step = step or StepSpec()
     if seq is not None:
         step = replace(step, seq=seq)
-    impl = impl or ImplSpec()
+    impl = impl or ImplSpec(attention=default_attention(spec.family))  # gpt-oss, Gemma-2: eager, as estimate()
     if backend == "trace":
         if config is None:
             raise UnsupportedError("backend=trace needs a Hugging Face config (a preset, config dict or model), "
