@@ -34,7 +34,8 @@ OFFLOAD = ParallelSpec(offload=("activations",))
 def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams: bool, batch: int = B, seq: int = S,
                           compile_scope: str | None = None, every: int = 1):
     """(bytes the forward leaves on the device, the offload hooks) for one real forward + loss:
-    the storages alive after it (the loss excluded) plus the input ids, which the embedding keeps.
+    the storages alive after it (the loss included: the estimate's ``loss.value``) plus the input ids,
+    which the embedding keeps.
     ``compile_scope``: each decoder block (and with ``block-loss`` the loss) through the real
     ``torch.compile`` with the tracer's partitioning backend (``trace/compiled.py``), as torchtune's
     ``training.compile_model`` compiles each layer. ``recompute`` op / every-k / selective: set up as
@@ -63,7 +64,7 @@ def _forward_with_offload(cfg: dict, precision: str, recompute: str, use_streams
     with selective, offload_activations(model, use_streams=use_streams) as off:
         with LiveStorages(skip_keys=skip) as live:
             loss = model(ids, labels=ids).loss
-        kept = live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
+        kept = live.now + ids.untyped_storage().nbytes()
         loss.backward()
     assert not off.tracker and not off.bwd_stash and off.host.live_bytes == 0  # all brought back and freed
     return kept, off
@@ -91,8 +92,8 @@ def test_llama_fp32_device_set_exact():
     sp = activation_offload(spec_from_hf_config(FAMILIES["llama"]), StepSpec(batch=B, seq=S, precision="fp32"),
                             ImplSpec(attention="sdpa", device="cpu"))
     # kept: ids B·S·8 = 1024; five norm rsqrt B·S·4 = 512 < 1024 each; the head's input B·S·H·4 = 32768;
-    # log_softmax B·S·V·4 = 256000, the target B·S·8 = 1024, the total weight 4
-    assert sp.device.total() == 1024 + 5 * 512 + 32768 + 256000 + 1024 + 4
+    # log_softmax B·S·V·4 = 256000, the target B·S·8 = 1024, the total weight 4, the loss value 4
+    assert sp.device.total() == 1024 + 5 * 512 + 32768 + 256000 + 1024 + 4 + 4
     # the forward stash: the final norm's input and normalized tensor, 2·B·S·H·4
     assert sp.stash_bytes == 2 * 32768
     assert sp.reasons["model.layers.0.input_layernorm.rsqrt"].startswith("smaller than")

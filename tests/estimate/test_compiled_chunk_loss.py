@@ -31,23 +31,25 @@ def _loss_items(batch=B, seq=S):
 
 def test_saved_set_exact():
     # the chunks' bf16 logits B*S*V*2, row max and log-sum-exp B*S*4 each, the label chunks B*S*8, the
-    # token count (int64): no fp32 log-softmax (eager: B*S*V*4 = 512000), no per-chunk total weight
+    # token count (int64): no fp32 log-softmax (eager: B*S*V*4 = 512000), no per-chunk total weight; and
+    # the fp32 loss the caller holds (estimate/loss_value.py)
     assert _loss_items() == {"loss.logits": 256000, "loss.row_max": 512, "loss.logsumexp": 512,
-                             "loss.target": 1024, "loss.token_count": 8}
+                             "loss.target": 1024, "loss.token_count": 8, "loss.value": 4}
 
 
 def test_phases_exact():
     # 8 chunks of B*8 = 16 rows. Forward: the shifted (B, S) labels (B=2) and two fp32 scalars. Loss
     # backward, newest chunk first: the last chunk (j=7) writes its bf16 gradient 16*1000*2 and a (16, 1)
-    # fp32 buffer, nothing freed yet, beside the loss, its seed and the gradient still to reach the other
-    # chunks (3 x 4); earlier chunks have freed 16 B per row of each later chunk (stats, label copies)
+    # fp32 buffer, nothing freed yet, beside the loss's seed and the gradient still to reach the other
+    # chunks (2 x 4; the loss itself is the activation item loss.value); earlier chunks have freed 16 B per
+    # row of each later chunk (stats, label copies)
     ph = compiled_chunk_phases("torchtune-chunked-ce", B=B, S=S, V=V, logits_dtype="bfloat16")
     assert ph.forward == {"labels": 1024, "loss_scalars": 8}
-    assert ph.backward_start == {"logits_grad": 32000 + 64 + 12}
+    assert ph.backward_start == {"logits_grad": 32000 + 64 + 8}
     assert ph.held == 0
-    # B=1: label chunks are views (nothing freed with them); the first chunk (j=0) has 2 scalars
+    # B=1: label chunks are views (nothing freed with them); the first chunk (j=0) has 1 scalar (the seed)
     ph1 = compiled_chunk_phases("torchtune-chunked-ce", B=1, S=S, V=V, logits_dtype="bfloat16")
-    assert ph1.backward_start == {"logits_grad": 16000 + 32 + 12}
+    assert ph1.backward_start == {"logits_grad": 16000 + 32 + 8}
     assert "labels" not in ph1.forward
 
 
@@ -119,7 +121,8 @@ def test_qlora_checkpointed_blocks_exact():
     assert {i.name: i.bytes for i in items if i.bytes} == {
         "model.embed_tokens.out": 16384, "model.rotary_emb.cos": 2048, "model.rotary_emb.sin": 2048,
         "model.layers.0.residual_mlp": 16384, "model.norm.x_fp32": 32768, "model.norm.rsqrt": 512,
-        "loss.logits": 256000, "loss.row_max": 512, "loss.logsumexp": 512, "loss.target": 1024, "loss.token_count": 8}
+        "loss.logits": 256000, "loss.row_max": 512, "loss.logsumexp": 512, "loss.target": 1024, "loss.token_count": 8,
+        "loss.value": 4}
 
 
 @pytest.mark.parametrize("quant_impl", ["bnb", "bnb-legacy"])

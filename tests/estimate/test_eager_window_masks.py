@@ -15,7 +15,7 @@ from trainmem.estimate.activations import activation_items  # noqa: E402
 from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
 from trainmem.specs.loaders import spec_from_hf_config  # noqa: E402
 # bytes a real bf16 forward makes and still holds when it returns, checkpoint regions included, with the
-# ids and less the loss; parameters and buffers are not counted
+# ids and the loss (loss.value); parameters and buffers are not counted
 from test_estimate_exact_defects import _retained  # noqa: E402
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=500)

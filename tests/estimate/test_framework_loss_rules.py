@@ -38,8 +38,9 @@ def test_torchtune_rule_bytes():
     assert p.forward == {"logits": 256000, "logits_upcast_chunk": 64000, "labels": 1024, "loss_scalars": 8}
     # newest chunk first (j=7): 2 fp32 chunk tensors 8·16·1000 = 128000, all 8 log-softmax 4·1000·128 =
     # 512000, the labels (7·128) and total weights (7·4) of chunks 0-6, 3 fp32 scalars (12) = 640936, less
-    # what the activations count (log-softmax 512000 + labels 1024 + 8 weights 32 + count 8 = 513064)
-    assert p.backward_start == {"logits_grad": 640936 - 513064}
+    # what the activations count (log-softmax 512000 + labels 1024 + 8 weights 32 + count 8 + the loss
+    # value 4 = 513068)
+    assert p.backward_start == {"logits_grad": 640936 - 513068}
     assert p.held == 0
     assert p.head_backward is None  # no trainable head weight given
     # with one (V·H·2 = 1000·64·2 = 128000): the second chunk matmul's backward holds both chunks' weight
@@ -63,8 +64,8 @@ def test_litgpt_rule_bytes():
     assert p.forward == {"logits_copy": 284000, "row_losses": 1592}
     # j=0 (the larger chunk, last to run): its two bf16 tensors 2·2·256·1000 = 1024000, its log-softmax
     # 512000, chunk 1's logit gradient 284000, loss + seed 4 = 1820004, less the kept 796000 (log-softmax)
-    # + 3184 (targets 2·199·8) + 8 (2 weights) + 8 (count)
-    assert p.backward_start == {"logits_grad": 1820004 - 799200}
+    # + 3184 (targets 2·199·8) + 8 (2 weights) + 8 (count) + 2 (the bf16 loss value)
+    assert p.backward_start == {"logits_grad": 1820004 - 799202}
 
 
 @pytest.mark.parametrize("kwargs,field", [

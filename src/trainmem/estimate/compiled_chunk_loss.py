@@ -39,6 +39,7 @@ on a GPU.
 
 from __future__ import annotations
 
+from trainmem.estimate.loss_value import loss_value
 from trainmem.estimate.losses import LossPhases, _rows, check_framework_loss, framework_loss_phases
 from trainmem.inventory import dtype_bytes
 
@@ -58,6 +59,7 @@ def compiled_chunk_items(ctx, logits) -> None:
                g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
                g.new("target", (B * S,), ("B·S",), "int64", False),
                g.new("token_count", (), (), "int64", False), when=rg)
+        loss_value(g, "float32")  # total_loss / total_elements (estimate/loss_value.py)
 
 
 def compiled_chunk_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str, hidden_row_bytes: int = 0,
@@ -71,10 +73,10 @@ def compiled_chunk_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: st
     fwd = {"labels": B * S * 8 if B > 1 else 0, "loss_scalars": 2 * scalar}
     # chunk j's backward (newest first): its gradient and (r_j, 1) buffer; the chunks after j have
     # traded their logits (d·V per row), row max and log-sum-exp (8 per row) and, from B=2, their
-    # label copies (8 per row) for their gradients (d·V per row); the loss, its seed and (j > 0) the
-    # gradient still to reach the earlier chunks
+    # label copies (8 per row) for their gradients (d·V per row); the loss's seed and (j > 0) the
+    # gradient still to reach the earlier chunks (the loss value itself is an activation item)
     per_row_freed = 8 + (8 if B > 1 else 0)
-    bwd = max(d * V * r + 4 * r - per_row_freed * sum(rows[j + 1:]) + (3 if j else 2) * scalar
+    bwd = max(d * V * r + 4 * r - per_row_freed * sum(rows[j + 1:]) + (2 if j else 1) * scalar
               for j, r in enumerate(rows))
     eager = framework_loss_phases(loss, B=B, S=S, V=V, logits_dtype=logits_dtype,
                                   hidden_row_bytes=hidden_row_bytes, head_weight_grad=head_weight_grad)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainmem.estimate.loss_value import loss_value
 from trainmem.inventory import dtype_bytes
 from trainmem.specs.step import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS
 
@@ -111,6 +112,7 @@ def framework_loss_items(ctx, logits) -> None:
     g.save(g.new("log_softmax", (sum(rows), V), ("B·(S-1)", "V"), logits.dtype), when=rg)
     g.save(target, g.new("total_weight", (len(rows),), (f"⌈S/{LITGPT_CHUNK}⌉",), "float32", False),
            g.new("token_count", (), (), "int64", False), when=rg)
+    loss_value(g, logits.dtype)  # cat(losses).sum() / count, in the logits' dtype (estimate/loss_value.py)
 
 
 def _chunk_dims(S: int) -> list[tuple[int, str]]:
@@ -152,6 +154,7 @@ def _torchtune_items(ctx, rg: bool) -> None:
             g.save(g.new(f"target_chunk{c}", (r,), (rdim,), "int64", False), when=rg)
         g.save(g.new(f"log_softmax_chunk{c}", (r, V), (rdim, "V"), "float32"),
                g.new(f"total_weight_chunk{c}", (), (), "float32", False), when=rg)
+    loss_value(g, "float32")  # total_loss / total_elements, after the chunks (estimate/loss_value.py)
 
 
 @dataclass(frozen=True)
@@ -190,8 +193,9 @@ def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: st
         lsm_b, work, scalar = d, 2 * d, d
         targets = [r * 8 if B > 1 else 0 for r in rows]  # views of the labels input at B=1
         held = logits
-    # what framework_loss_items keeps: log-softmax, labels, a total weight per chunk, the token count
-    kept = lsm_b * V * sum(rows) + _target_bytes(loss, B, S) + 4 * len(rows) + 8
+    # what framework_loss_items keeps: log-softmax, labels, a total weight per chunk, the token count,
+    # and the loss value the caller holds (one scalar, estimate/loss_value.py)
+    kept = lsm_b * V * sum(rows) + _target_bytes(loss, B, S) + 4 * len(rows) + 8 + scalar
     # chunk j's log-softmax backward (newest first): its nll gradient and its own output beside the
     # log-softmax outputs of chunks <= j, the logit gradients (logits' dtype) of chunks > j, the labels
     # and total weights of chunks < j, the loss and its gradient seed, and the loss's gradient while a

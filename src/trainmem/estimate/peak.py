@@ -83,6 +83,8 @@ class LayerStats:
     grad_layer: dict[int, int] = field(default_factory=dict)
     head_act: int = 0
     loss_act: int = 0
+    loss_value: int = 0
+    """The loss the caller holds (``loss.value``, estimate/loss_value.py): made at the end of the loss."""
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -98,6 +100,8 @@ class LayerStats:
                 self.head_act += it.bytes
                 if it.name.startswith("loss."):
                     self.loss_act += it.bytes
+                    if it.name == "loss.value":
+                        self.loss_value += it.bytes
         elif it.category is Category.GRADIENT:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
@@ -215,7 +219,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             head_weight_grad=_head_weight_grad(items))
         if fl.held:  # LitGPT's loop keeps its logits bound in every phase
             persistent["logits_held"] = fl.held
-        add("forward", {"gradients": g_acc, "activations": A, **fl.forward},
+        # inside the last chunk the loss value (total / count) is not made yet
+        add("forward", {"gradients": g_acc, "activations": A - st.loss_value, **fl.forward},
             f"end of forward, inside the last chunk of {loss}: saved activations + the chunks' logits")
         add("backward_start", {"gradients": g_acc, "activations": A, **fl.backward_start},
             f"{loss} backward, chunk by chunk: one chunk's log-softmax gradients + the logit gradients so far")

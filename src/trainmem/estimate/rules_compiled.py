@@ -34,6 +34,7 @@ from trainmem.estimate.attention import attention_core, resolve_kernel, window_m
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
+from trainmem.estimate.loss_value import loss_value
 from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf_parts import _rmsnorm as _eager_rmsnorm
 from trainmem.families import families, family_of
@@ -257,10 +258,11 @@ def _compiled_loss(ctx: Ctx, logits: Sym) -> None:
     B, S = ctx.B, ctx.S
     g.save(logits)
     with g.module("loss"):
-        g.save(g.new("row_max", (B * S, 1), ("B·S", "1"), "float32", False),
-               g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
-               g.new("labels_padded", (B, S + 1), ("B", "S+1"), "int64", False),
-               g.new("total_weight", (), (), "float32", False))
+        kept = (g.new("row_max", (B * S, 1), ("B·S", "1"), "float32", False),
+                g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
+                g.new("labels_padded", (B, S + 1), ("B", "S+1"), "int64", False))
+        loss_value(g, "float32")  # the fp32 loss the compiled graph returns (estimate/loss_value.py)
+        g.save(*kept, g.new("total_weight", (), (), "float32", False))
 
 
 def _checkpointed_layers(ctx: Ctx, x: Sym) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_items, torchtune_head
+from trainmem.estimate.loss_value import loss_value
 from trainmem.families import BlockRules, family_of, token_embedding_modules
 from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT
 
@@ -154,6 +155,7 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
             return framework_loss_items(ctx, logits)
         # ForCausalLMLoss pads and shifts the labels before cross_entropy: the targets come first
         target = g.new("target", *_target_shape(B, S), "int64", False)
+        dtype = "float32"  # chunked-ce / fused-ce accumulate the loss in fp32
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
             dtype = "float32" if upcast or ctx.low else logits.dtype
@@ -161,6 +163,7 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
         elif ctx.step.loss == "fused-ce":
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
+        loss_value(g, dtype)  # nll_loss's output, made before its total weight (estimate/loss_value.py)
         g.save(target, g.new("total_weight", (), (), "float32", False), when=logits.requires_grad)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
+from trainmem.estimate.loss_value import loss_value
 from trainmem.estimate.symbols import render
 from trainmem.models.reference import check_supported
 from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT, embedding_output
@@ -58,8 +59,9 @@ def reference_forward(ctx: Ctx) -> None:
         # from B=2 reshape copies it into B·S. The padded labels come first
         shape, dims = ((S + 1,), ("S+1",)) if B == 1 else ((B * S,), ("B·S",))
         target = g.new("target", shape, dims, "int64")
-        g.save(g.new("log_softmax", (B * S, m.vocab_size), ("B·S", "V"), "float32"), target,
-               g.new("total_weight", (), (), "float32"))
+        lsm = g.new("log_softmax", (B * S, m.vocab_size), ("B·S", "V"), "float32")
+        loss_value(g, "float32")  # nll_loss's output, before its total weight (estimate/loss_value.py)
+        g.save(lsm, target, g.new("total_weight", (), (), "float32"))
 
 
 # --- kernels -----------------------------------------------------------------------------
