@@ -65,7 +65,9 @@ def _plan(d: dict, page: _Page) -> None:
     page.section("Best configurations", table(
         ["config", "peak per rank", "step time (s)", "tokens/s", "fits"],
         [[_config_text(c.get("config")), fmt_bytes(c.get("peak_bytes", 0)), f"{c.get('step_time_s') or 0:.3f}",
-          f"{c.get('tokens_per_s') or 0:,.0f}", "yes" if c.get("fits") else "no"] for c in ranked],
+          f"{c.get('tokens_per_s') or 0:,.0f}",
+          "yes" if c.get("fits") else "flush" if c.get("fit_state") == "fits_with_cache_flush" else "no"]
+         for c in ranked],
         numeric=(1, 2, 3), highlight=0 if best else None))
     if d.get("rejected"):
         page.section("Rejected", table(["config", "why"], [[_config_text(r.get("config")), r.get("reason", "")]
