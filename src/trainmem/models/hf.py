@@ -116,8 +116,11 @@ def build_hf_model(config: Mapping[str, Any], *, attention: str = "sdpa", head: 
     :func:`choose_head`). ``experts`` sets transformers' ``experts_implementation`` for MoE models
     (``grouped_mm``, ``eager``, ...). ``init_weights=False`` skips weight initialization (on fake
     tensors it must: ModernBERT's ``trunc_normal_`` is a rejection loop that reads data). ``dtype``
-    casts the built model (real tensors only: ``model.to`` cannot swap fake parameters).
-    Nothing is downloaded and ``trust_remote_code`` is never set.
+    builds the model in that dtype as ``from_pretrained(dtype=...)`` loads it: constructed under it as
+    the default dtype (``modeling_utils.PreTrainedModel._from_config`` and ``get_init_context``:
+    ``local_torch_dtype``), so buffers made with an explicit dtype stay in it (RoPE's fp32
+    ``inv_freq``, which a ``model.to(dtype)`` would cast), then ``_keep_in_fp32_modules_strict``
+    kept fp32 (:func:`_keep_strict_fp32`). Nothing is downloaded and ``trust_remote_code`` is never set.
     """
     _require_torch()
     import transformers
@@ -142,6 +145,8 @@ def build_hf_model(config: Mapping[str, Any], *, attention: str = "sdpa", head: 
             hf_config.pad_token_id = 0
         auto = getattr(transformers, HEADS[head][0])
         kwargs = {"experts_implementation": experts} if experts else {}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
         if init_weights:
             model = auto.from_config(hf_config, trust_remote_code=False, **kwargs)
         else:
@@ -156,7 +161,6 @@ def build_hf_model(config: Mapping[str, Any], *, attention: str = "sdpa", head: 
                                    "trace it with --attention eager") from None
         raise ConfigError(f"{model_type} config rejected by transformers: {first[:300]}") from None
     if dtype is not None:
-        model = model.to(dtype)
         _keep_strict_fp32(model, dtype)
     model.train()
     return model
