@@ -34,9 +34,9 @@ def _finetune(targets: str, dropout: float) -> FinetuneSpec | None:
                         adapter_dtype="param")
 
 
-def _estimate_by_block(kv: int, targets: str, dropout: float) -> list[int]:
+def _estimate_by_block(kv: int, targets: str, dropout: float, framework: str = "litgpt") -> list[int]:
     items = activation_items(spec_from_hf_config(_cfg(kv)), StepSpec(batch=B, seq=S, precision="bf16"),
-                             ImplSpec(device="cpu", framework="litgpt"), _finetune(targets, dropout))
+                             ImplSpec(device="cpu", framework=framework), _finetune(targets, dropout))
     return [sum(i.bytes for i in items if i.name.startswith(f"model.layers.{b}.")) for b in range(2)]
 
 
@@ -56,6 +56,14 @@ def test_mha_keeps_the_fused_qkv_output():
     gqa, mha = _estimate_by_block(2, "qv", 0.0)[1], _estimate_by_block(A, "qv", 0.0)[1]
     # GQA: k_repeat + v_repeat (2·BSH); MHA: k_roped (BSH) + the qkv output (3·BSH); after_B q+v: 1.5·H vs 2·H wide
     assert mha - gqa == B * S * (H + 3 * H - 2 * H) * 2 + (B * S * 2 + 8) * (2 * H - H - H // 2)
+
+
+def test_lit_gpt_2023_norm_runs_in_the_input_dtype():
+    """--framework lit-gpt (lit_gpt/rmsnorm.py at 8641822, before the fp32 upcast): each RMSNorm keeps x
+    itself and a bf16 rsqrt, not x.float(), an fp32 rsqrt and weight.float(). (By hand against that
+    commit's lit_gpt on CPU the whole stack of blocks matches to the byte: docs/litgpt.md.)"""
+    new, old = _estimate_by_block(2, "qv", 0.05)[1], _estimate_by_block(2, "qv", 0.05, "lit-gpt")[1]
+    assert new - old == 2 * ((B * S * H * 4 + B * S * 4 + H * 4) - (B * S * H * 2 + B * S * 2)) == 34_048
 
 
 @pytest.mark.parametrize("bad", [dict(lora_targets=("all-linear",)), dict(adapter_dtype="float32")])

@@ -36,7 +36,7 @@ def hf_forward(ctx: Ctx) -> None:
         kinds = ", ".join(dict.fromkeys(k.label for k in m.kinds))
         raise UnsupportedError(f"{m.name}: the hf profile has no hand-written rules for {m.family} blocks "
                                f"({kinds}); estimate it with --profile traced")
-    if ctx.impl.framework == "litgpt" and (_rules(ctx).forward in _FORWARDS or _rules(ctx).forward == "gpt"
+    if ctx.impl.framework != "hf" and (_rules(ctx).forward in _FORWARDS or _rules(ctx).forward == "gpt"
                                            or ctx.model.arch == "encoder"):  # estimate/rules_litgpt.py
         raise UnsupportedError(f"{ctx.model.name}: --framework litgpt models LitGPT's LLaMA blocks, not {ctx.model.family}")
     _refuse_sdpa(ctx)
@@ -115,7 +115,7 @@ def _llama(ctx: Ctx) -> None:
         return _llama_layer(ctx, x, cos, sin, k_i, mine, masked=masked, moe=moe)
 
     x = _layers(ctx, "model.layers.", x, layer)
-    if ctx.impl.framework == "litgpt":  # LitGPT's ln_f (estimate/rules_litgpt.py)
+    if ctx.impl.framework != "hf":  # LitGPT's ln_f (estimate/rules_litgpt.py)
         from trainmem.estimate.rules_litgpt import litgpt_rmsnorm
         h = litgpt_rmsnorm(ctx, x, "model.norm")
     else:
@@ -130,7 +130,7 @@ def _llama(ctx: Ctx) -> None:
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
                  masked: bool = False, moe: bool = False) -> Sym:
-    if ctx.impl.framework == "litgpt":  # LitGPT's Block (estimate/rules_litgpt.py)
+    if ctx.impl.framework != "hf":  # LitGPT's Block (estimate/rules_litgpt.py)
         from trainmem.estimate.rules_litgpt import litgpt_block
         return litgpt_block(ctx, x, cos, sin, kernel, held, masked=masked, moe=moe)
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)

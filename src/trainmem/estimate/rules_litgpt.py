@@ -26,8 +26,10 @@ Known limitations: Llama-style blocks only (RMSNorm without unit offset, SiLU-ga
 separate q/k/v in the HF family, no q/k norm, no MoE); SDPA's fused kernels (LitGPT has no eager
 path without soft-capping); no autocast, tensor/context parallelism or selective recompute;
 LitGPT's cos/sin are registered buffers (max_seq_length rows), counted here as the hf profile's
-(1, S, hd) tables; lit-gpt before March 2024 (``lit_gpt/rmsnorm.py`` without the fp32 upcast) is
-not modelled.
+(1, S, hd) tables. ``--framework lit-gpt`` is the October 2023 ``lit_gpt`` package (8641822, before
+6178c7cc "Half precision fixes"): the same attention and LoRA, an RMSNorm in the input's dtype. The
+April 2024 norm (43c44323: cast to the input dtype before the weight) is not told apart: it keeps
+(H,) fp32 less, and a 16-bit instead of an fp32 normalized tensor when the weight trains.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def litgpt_rmsnorm(ctx: Ctx, x: Sym, name: str) -> Sym:
     g = ctx.graph
     with g.module(name):
         wt = ctx.weight_trainable()
+        if ctx.impl.framework == "lit-gpt":  # lit_gpt/rmsnorm.py before 6178c7cc (Oct 2023): all in x's dtype,
+            # `self.weight * (x * rsqrt(mean(x*x) + eps))`: keeps x itself and rsqrt, normed for the weight
+            rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), x.dtype, x.requires_grad)
+            g.save(x, rs, when=x.requires_grad)
+            g.save(g.new("normed", x.shape, x.dims, x.dtype, x.requires_grad), when=wt)
+            return g.new("out", x.shape, x.dims, x.dtype, x.requires_grad or wt)
         x32 = ctx.cast(x, "float32", "x_fp32")
         rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", x.requires_grad)
         g.save(x32, rs, when=x.requires_grad)

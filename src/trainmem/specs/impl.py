@@ -17,7 +17,7 @@ DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 FLOAT8S = ("none", "tensorwise", "rowwise")
 COMPILE_SCOPES = ("model", "block", "block-loss")
-FRAMEWORKS = ("hf", "litgpt")  # whose modules run the block under the hf profile (estimate/rules_litgpt.py)
+FRAMEWORKS = ("hf", "litgpt", "lit-gpt")  # whose modules run the block under the hf profile (estimate/rules_litgpt.py)
 ATTENTION_ALIASES = {"memory-efficient": "mem-efficient", "efficient": "mem-efficient", "math": "sdpa-math"}
 
 
@@ -101,7 +101,8 @@ class ImplSpec:
     framework: str = "hf"
     """Whose decoder-block code runs under the ``hf`` profile: ``hf`` (transformers' modules) or
     ``litgpt`` (LitGPT's ``Block``/``CausalSelfAttention``/``RMSNorm`` and ``LoRAQKVLinear``,
-    ``estimate/rules_litgpt.py``; Llama-style families)."""
+    ``estimate/rules_litgpt.py``; Llama-style families) or ``lit-gpt`` (its October 2023 ``lit_gpt``
+    package, whose RMSNorm ran in the input's dtype)."""
 
     def __post_init__(self) -> None:
         v.one_of("profile", self.profile, PROFILES)
