@@ -51,6 +51,8 @@ def test_reserve_is_fixed_plus_fraction():
     gpu = GPU(name="x", memory_bytes=100 << 30, bf16_flops=1e15, intra_node_bytes_per_s=1e11,
               inter_node_bytes_per_s=1e10)
     # 100 GiB - 1 GiB - 5 GiB = 94 GiB
-    assert Reserve().usable_bytes(gpu) == 94 << 30
+    assert Reserve(fraction=0.05).usable_bytes(gpu) == 94 << 30
+    # the default: the context alone, as --reserve-fraction's default 0
+    assert Reserve().fraction == 0.0 and Reserve().usable_bytes(gpu) == 99 << 30
     with pytest.raises(SpecError):
         Reserve(fraction=1.5)

@@ -40,8 +40,9 @@ def add_gpu_args(p: argparse.ArgumentParser, *, required: bool, reserved_figure:
                        help="extra margin, a share of capacity, kept free beyond the reserved peak (default 0: "
                             "the fit compares the allocator model's reserved peak with capacity − context)")
     else:
-        p.add_argument("--reserve-fraction", type=float, default=r.fraction, metavar="F",
-                       help=f"share of capacity lost to allocator fragmentation (default {r.fraction})")
+        from trainmem.fits import ESTIMATE_RESERVE_FRACTION  # an allocated peak: fragmentation not modelled
+        p.add_argument("--reserve-fraction", type=float, default=ESTIMATE_RESERVE_FRACTION, metavar="F",
+                       help=f"share of capacity lost to allocator fragmentation (default {ESTIMATE_RESERVE_FRACTION})")
 
 
 def gpu_from_args(args: argparse.Namespace):

@@ -75,14 +75,16 @@ class Reserve:
     allocator fragmentation. Usable = capacity − fixed_bytes − fraction × capacity. ``plan``,
     ``advise``, ``serve``, ``sweep --gpu`` and the integrations (``check_run``, the callback,
     ``largest_micro_batch``) compare the allocator model's reserved peak with it (``fraction`` then
-    an explicit extra margin, 0 by default: :meth:`modelled`, :meth:`reserved_usable_bytes`). The
-    5% default of ``fraction`` stands for fragmentation only where an allocated peak is compared
-    (:meth:`usable_bytes`: an estimate with no allocation order, e.g. inference)."""
+    an explicit extra margin, 0 by default: :meth:`modelled`, :meth:`reserved_usable_bytes`, and
+    ``--reserve-fraction``'s default). Where an allocated peak is compared (:meth:`usable_bytes`: an
+    estimate with no allocation order, e.g. inference), pass the fragmentation share explicitly
+    (``fraction=trainmem.fits.ESTIMATE_RESERVE_FRACTION``, 5%)."""
 
     fixed_bytes: int = 1 << 30
     """CUDA context + cuBLAS/NCCL workspaces (default 1 GiB)."""
-    fraction: float = 0.05
-    """Share of capacity lost to the caching allocator's rounding and fragmentation (default 5%)."""
+    fraction: float = 0.0
+    """Share of capacity kept free beyond the peak: an extra margin over a reserved peak, or the
+    allocator's rounding and fragmentation over an allocated one (default 0, as ``--reserve-fraction``)."""
 
     def __post_init__(self) -> None:
         v.non_negative("reserve_bytes", self.fixed_bytes, maximum=1 << 50)
