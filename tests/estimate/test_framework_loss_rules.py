@@ -64,8 +64,9 @@ def test_litgpt_rule_bytes():
     assert p.forward == {"logits_copy": 284000, "row_losses": 1592}
     # j=0 (the larger chunk, last to run): its two bf16 tensors 2·2·256·1000 = 1024000, its log-softmax
     # 512000, chunk 1's logit gradient 284000, loss + seed 4 = 1820004, less the kept 796000 (log-softmax)
-    # + 3184 (targets 2·199·8) + 8 (2 weights) + 8 (count) + 2 (the bf16 loss value)
-    assert p.backward_start == {"logits_grad": 1820004 - 799202}
+    # + 3184 (targets 2·199·8) + 4 (2 total weights in the logits' dtype, bf16) + 8 (count) + 2 (the bf16
+    # loss value)
+    assert p.backward_start == {"logits_grad": 1820004 - 799198}
 
 
 @pytest.mark.parametrize("kwargs,field", [

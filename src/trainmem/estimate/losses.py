@@ -104,26 +104,40 @@ def framework_loss_items(ctx, logits) -> None:
     loss, rg = ctx.step.loss, logits.requires_grad
     if loss == "torchtune-chunked-ce":
         return _torchtune_items(ctx, rg)
-    rows = _rows(loss, B, S)
-    nt = _target_bytes(loss, B, S) // 8
-    target = g.new("target", (nt,), ("B·(S-1)",), "int64", False) if nt else None
-    # dims in S, so the doubling rule (symbols.scaling) sees how they scale: B·(S-1) rows (LitGPT drops
-    # the last position); split(S, 128) makes ⌈S/128⌉ chunks. CE runs on the logits as they are
-    g.save(g.new("log_softmax", (sum(rows), V), ("B·(S-1)", "V"), logits.dtype), when=rg)
-    g.save(target, g.new("total_weight", (len(rows),), (f"⌈S/{LITGPT_CHUNK}⌉",), "float32", False),
-           g.new("token_count", (), (), "int64", False), when=rg)
-    loss_value(g, logits.dtype)  # cat(losses).sum() / count, in the logits' dtype (estimate/loss_value.py)
+    _litgpt_items(ctx, logits.dtype, rg)
 
 
-def _chunk_dims(S: int) -> list[tuple[int, str]]:
-    """torchtune's chunk lengths with their symbol: ⌈S/8⌉ each, the last one as a number where it is
-    shorter (the dims have no minus)."""
-    lens = chunk_lengths("torchtune-chunked-ce", S)
-    return [(n, f"⌈S/{TORCHTUNE_CHUNKS}⌉" if n == lens[0] else str(n)) for n in lens]
+def _litgpt_items(ctx, dtype: str, rg: bool) -> None:
+    """What litgpt/utils.py ``chunked_cross_entropy`` (the list branch) keeps, per chunk as it makes
+    them (a measured step's items join these per tensor): from B=2 each target chunk's ``reshape(-1)``
+    copy (``targets[..., 1:]`` is not contiguous; at B=1 views of the labels input), made together
+    before the losses; then per chunk ``cross_entropy(reduction="none")`` on the logits as they are:
+    log-softmax and nll_loss's total weight, both in the logits' dtype (a 0-dim tensor); then the
+    token count (int64) and the loss value. The last chunk drops its final position."""
+    g, B, S, V = ctx.graph, ctx.B, ctx.S, ctx.model.vocab_size
+    chunks = [(r, f"B·{n}" if r == B * n else f"B·{r // B}")
+              for r, n in zip(_rows("litgpt-chunked-ce", B, S), chunk_lengths("litgpt-chunked-ce", S))]
+    if B > 1:
+        for c, (r, rdim) in enumerate(chunks):
+            g.save(g.new(f"target_chunk{c}", (r,), (rdim,), "int64", False), when=rg)
+    for c, (r, rdim) in enumerate(chunks):
+        g.save(g.new(f"log_softmax_chunk{c}", (r, V), (rdim, "V"), dtype),
+               g.new(f"total_weight_chunk{c}", (), (), dtype, False), when=rg)
+    g.save(g.new("token_count", (), (), "int64", False), when=rg)
+    loss_value(g, dtype)  # cat(losses).sum() / count, in the logits' dtype (estimate/loss_value.py)
+
+
+def _chunk_dims(S: int, loss: str = "torchtune-chunked-ce") -> list[tuple[int, str]]:
+    """The chunk lengths with their symbol: torchtune's ⌈S/8⌉ each, LitGPT's 128, the last one as a
+    number where it is shorter (the dims have no minus)."""
+    lens = chunk_lengths(loss, S)
+    first = f"⌈S/{TORCHTUNE_CHUNKS}⌉" if loss == "torchtune-chunked-ce" else str(LITGPT_CHUNK)
+    return [(n, first if n == lens[0] else str(n)) for n in lens]
 
 
 def torchtune_head(ctx, h, name: str):
-    """torchtune's ``chunked_output``: the head runs on each chunk of ``h.chunk(8, dim=1)``. From B=2
+    """torchtune's ``chunked_output``: the head runs on each chunk of ``h.chunk(8, dim=1)`` (LitGPT's
+    ``GPT.forward(lm_head_chunk_size=128)`` on each of ``x.split(128, dim=1)``, the same way). From B=2
     a chunk is not contiguous and the linear's ``reshape`` copies it (aten ``matmul`` folds the leading
     axes: a measured step's ``lm_head.clone``); mm keeps that copy for the weight's gradient, one
     (B, len_c, H) item per chunk in the head's module, and ``h`` is not kept. At B=1 each chunk is a view
@@ -132,7 +146,7 @@ def torchtune_head(ctx, h, name: str):
     H, V = m.hidden_size, m.vocab_size
     out = h
     with g.module(name):
-        for c, (n, sym) in enumerate(_chunk_dims(ctx.S)):
+        for c, (n, sym) in enumerate(_chunk_dims(ctx.S, ctx.step.loss)):
             x = h if ctx.B == 1 else g.new(f"input_chunk{c}", (ctx.B, n, H), ("B", sym, "H"), h.dtype, h.requires_grad)
             out = ctx.linear(x, V, "V", weight=(V, H), label=f"out_chunk{c}")
     return out
@@ -193,15 +207,17 @@ def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: st
         lsm_b, work, scalar = d, 2 * d, d
         targets = [r * 8 if B > 1 else 0 for r in rows]  # views of the labels input at B=1
         held = logits
-    # what framework_loss_items keeps: log-softmax, labels, a total weight per chunk, the token count,
-    # and the loss value the caller holds (one scalar, estimate/loss_value.py)
-    kept = lsm_b * V * sum(rows) + _target_bytes(loss, B, S) + 4 * len(rows) + 8 + scalar
+    # what framework_loss_items keeps: log-softmax, labels, a total weight per chunk (fp32 in torchtune's
+    # upcast CE, the logits' dtype in LitGPT's), the token count, and the loss value the caller holds
+    # (one scalar, estimate/loss_value.py)
+    tw = 4 if loss == "torchtune-chunked-ce" else d
+    kept = lsm_b * V * sum(rows) + _target_bytes(loss, B, S) + tw * len(rows) + 8 + scalar
     # chunk j's log-softmax backward (newest first): its nll gradient and its own output beside the
     # log-softmax outputs of chunks <= j, the logit gradients (logits' dtype) of chunks > j, the labels
     # and total weights of chunks < j, the loss and its gradient seed, and the loss's gradient while a
     # chunk's nll backward is still to run (j > 0)
     bwd = max(work * r * V + lsm_b * V * sum(rows[:j + 1]) + d * V * sum(rows[j + 1:])
-              + (targets[j] if B == 1 else sum(targets[:j])) + 4 * j + (3 if j else 2) * scalar
+              + (targets[j] if B == 1 else sum(targets[:j])) + tw * j + (3 if j else 2) * scalar
               for j, r in enumerate(rows)) - kept  # the kept set is counted in the activations
     return LossPhases({k: int(v) for k, v in fwd.items() if v}, {"logits_grad": int(bwd)}, held,
                       _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad))

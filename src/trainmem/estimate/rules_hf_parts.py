@@ -180,7 +180,7 @@ def _head(ctx: Ctx, h: Sym, name: str) -> Sym:
     if ctx.step.loss in ("chunked-ce", "fused-ce"):
         ctx.graph.save(h)  # chunked/fused CE recompute logits from the hidden state
         return ctx.graph.new("logits_chunk", h.shape, h.dims, h.dtype, h.requires_grad or ctx.trainable(f"{name}.weight"))
-    if ctx.step.loss == "torchtune-chunked-ce" and not ctx.impl.compile:  # one head matmul per chunk
+    if ctx.step.loss in FRAMEWORK_LOSSES and not ctx.impl.compile:  # one head matmul per chunk (losses.py)
         return torchtune_head(ctx, h, name)
     with ctx.graph.module(name):
         logits = ctx.linear(h, m.vocab_size, "V", weight=(m.vocab_size, m.hidden_size))
