@@ -70,9 +70,10 @@ def test_two_stacks_expand_under_their_own_prefixes():
                                             "encoder.block.0.mlp.out", "encoder.block.1.mlp.out",
                                             "encoder.block.2.mlp.out"]
     assert acts.totals()["activation"] == 5 * B * S * 64 * 2  # 5 blocks x 2·32·64·2 = 40,960
-    # peak.py counts blocks through both stacks, encoder first (names.stack_block), not T5's inner 'layer' lists
+    # peak.py counts blocks through the template's two stacks, encoder first (names.stack_block), not
+    # T5's inner 'layer' lists
     from trainmem.estimate.peak import layer_stats
-    assert layer_stats(acts).act_layer == {i: B * S * 64 * 2 for i in range(5)}
+    assert layer_stats(acts, tpl.stacks).act_layer == {i: B * S * 64 * 2 for i in range(5)}
     assert tpl.num_parameters() == 512 * 64 + 5 * 128 * 64
     before, kinds, after = tpl.parameter_layout()
     assert [(layers, prefix) for _, layers, prefix in kinds] == [((0, 1, 2), "encoder.block."),

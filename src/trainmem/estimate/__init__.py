@@ -141,11 +141,12 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if impl.compile and finetune is not None:  # what a fully recomputed compiled block recomputes: the eager
         plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set (upper bound)
     stack_held = 0  # --profile traced, an encoder-decoder: its last stack's locals (peak.py stack_end)
+    stacks = ()  # --profile traced: the template's stacks of blocks, an encoder-decoder's two (peak.layer_stats)
     if impl.profile == "traced":
         from trainmem.estimate.traced import traced_parts
         acts, states, plain, traced_transient = traced_parts(model, step, impl)
-        from trainmem.estimate.traced import traced_stack_held
-        stack_held = traced_stack_held(model, step, impl)
+        from trainmem.estimate.traced import traced_stack_held, traced_stacks
+        stack_held, stacks = traced_stack_held(model, step, impl), traced_stacks(model, step, impl)
     elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
         acts = activation_inventory(model, step, impl)
         states = model_state_inventory(model, step, impl.profile)
@@ -156,7 +157,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         plain = (Inventory(activation_items(model, step, plain_impl, finetune))
                  if impl.recompute != "none" else None)
     inv = states + acts
-    recompute = recompute_per_layer(acts, plain) if plain is not None else {}
+    recompute = recompute_per_layer(acts, plain, stacks) if plain is not None else {}
     working, host = None, None
     if offload:  # estimate/activation_offload.py: torchtune's OffloadActivations
         inv, recompute, working, host = apply_offload(model, step, impl, states, acts, recompute, finetune)
@@ -174,7 +175,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working,
         compiled_loss=impl.compile and impl.compile_scope == "block-loss" and step.loss == "torchtune-chunked-ce",
-        stack_held=stack_held,
+        stack_held=stack_held, stacks=stacks,
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -108,25 +108,22 @@ class LayerStats:
                 self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
 
 
-def _block_reader(items: Inventory):
-    """How an item's block is read: by the shared names (:func:`layer_of`), or, when the repeats
-    name two stacks of blocks (an encoder-decoder's template kinds), counted through both stacks
-    in forward order (:func:`trainmem.names.stack_block`): encoder blocks first, decoder blocks after."""
-    depth: dict[str, int] = {}
-    for r in items.repeats:
-        prefix = r.prefix.rstrip(".") + "."
-        depth[prefix] = max(depth.get(prefix, 0), max(r.dsts, default=r.src) + 1)
-    if len(depth) < 2:
+def _block_reader(stacks: tuple[tuple[str, int], ...] = ()):
+    """How an item's block is read: by the shared names (:func:`layer_of`), or, given two stacks of
+    blocks (an encoder-decoder's ``--profile traced`` ``Template.stacks``: each stack's blocks' prefix
+    and depth), counted through both in forward order (:func:`trainmem.names.stack_block`): encoder
+    blocks first, decoder blocks after."""
+    if len(stacks) < 2:
         return layer_of
-    stacks = tuple(depth.items())
     return lambda name: stack_block(name, stacks)
 
 
-def layer_stats(items: "Inventory | list[MemoryItem]") -> LayerStats:
+def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, int], ...] = ()) -> LayerStats:
+    """Per-block sums of ``items``; ``stacks``: see :func:`_block_reader`."""
     st = LayerStats()
     if not isinstance(items, Inventory):
         items = Inventory(items)
-    block_of = _block_reader(items)
+    block_of = _block_reader(stacks)
     outside: list[MemoryItem] = []
     for it in items.base:
         li = block_of(it.name)
@@ -168,7 +165,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            optimizer_transient: tuple[int, str], residual_bytes: int,
            persistent: dict[str, int] | None = None,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
-           optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0) -> list[Phase]:
+           optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
+           stacks: tuple[tuple[str, int], ...] = ()) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -176,12 +174,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     steps each parameter inside backward and ``optimizer_transient`` is one parameter's.
     ``compiled_loss``: torchtune's chunk function runs compiled (estimate/compiled_chunk_loss.py).
     ``stack_held``: an encoder-decoder's last stack's locals at its end, besides the kept tensors
-    (``--profile traced``, ``traced/record.py`` ``_held``): the ``stack_end`` phase."""
+    (``--profile traced``, ``traced/record.py`` ``_held``): the ``stack_end`` phase. ``stacks``: its
+    template's stacks of blocks (``Template.stacks``), blocks counted through both (:func:`layer_stats`)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
         working = {p: dict(working) for p in ("forward", "backward_start", "backward", "backward_end")}
-    st = layer_stats(items)
+    st = layer_stats(items, stacks)
     by_cat, act_layer, largest, grad_layer, head_act = st.by_cat, st.act_layer, st.largest, st.grad_layer, st.head_act
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
@@ -336,13 +335,13 @@ def _head_weight_grad(items) -> int:
     return max((i.bytes for i in base if i.category is Category.GRADIENT and is_embedding(i.name)), default=0)
 
 
-def recompute_per_layer(kept, plain) -> dict[int, tuple[int, int]]:
+def recompute_per_layer(kept, plain, stacks: tuple[tuple[str, int], ...] = ()) -> dict[int, tuple[int, int]]:
     """(bytes, largest tensor) each checkpointed block re-materializes in its backward: what the
     block would keep without checkpointing and does not keep with it. Op-level checkpointing keeps
     op outputs that plain autograd would not (a policy saves them whether or not backward reads
-    them); those stay beside the recomputed ones, so they are not taken off."""
-    k, p = layer_stats(kept), layer_stats(plain)
-    extra = layer_stats(_only_in(kept, plain)).act_layer  # kept, but not what plain autograd keeps
+    them); those stay beside the recomputed ones, so they are not taken off. ``stacks``: see :func:`layer_stats`."""
+    k, p = layer_stats(kept, stacks), layer_stats(plain, stacks)
+    extra = layer_stats(_only_in(kept, plain), stacks).act_layer  # kept, but not what plain autograd keeps
     rec = {li: p.act_layer[li] - k.act_layer.get(li, 0) + extra.get(li, 0) for li in p.act_layer}
     return {li: (b, p.largest[li]) for li, b in rec.items() if b > 0}
 

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.inventory import Inventory, Repeat, dtype_bytes
 
-__all__ = ["traced_template", "traced_parts", "traced_stack_held", "traced_model_spec", "unmapped_model_spec", "check_traced"]
+__all__ = ["traced_template", "traced_parts", "traced_stack_held", "traced_stacks",
+           "traced_model_spec", "unmapped_model_spec", "check_traced"]
 
 _MEMO: dict[str, Any] = {}  # key -> Template, for sweeps within one process
 _CONFIGS: dict[Any, dict] = {}  # ModelSpec named "" -> the config.json it was read from (unmapped_model_spec)
@@ -142,6 +143,12 @@ def traced_stack_held(model, step, impl) -> int:
     locals: T5's position biases, the KV cache it returns; ``record._held``); 0 for one stack.
     The template is the one :func:`traced_parts` traced (memoized)."""
     return traced_template(_config_of(model), step, impl).held_bytes(step.batch, step.seq)
+
+
+def traced_stacks(model, step, impl) -> tuple[tuple[str, int], ...]:
+    """The traced template's stacks of blocks (``Template.stacks``: each stack's blocks' prefix and
+    depth), by which ``estimate/peak.py`` numbers blocks; the template :func:`traced_parts` traced."""
+    return traced_template(_config_of(model), step, impl).stacks
 
 
 _GENERIC_KEYS = {  # ModelSpec field -> config keys, first present wins
