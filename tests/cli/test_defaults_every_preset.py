@@ -28,13 +28,30 @@ COMMANDS = {
 }
 
 
+def _smallest_of_each_model_type() -> set[str]:
+    smallest: dict[str, tuple[int, str]] = {}
+    for p in PRESETS:
+        m, model_type = load_model(p), load_config_dict(p)["model_type"]
+        smallest[model_type] = min(smallest.get(model_type, (m.hidden_size * m.num_layers, p)),
+                                   (m.hidden_size * m.num_layers, p))
+    return {p for _, p in smallest.values()}
+
+
+#: the default run: estimate on every preset, every command on the smallest preset of each model type
+#: (the same rules and layer kinds); the other presets' explain/sweep/advise/plan runs (1-17 s each on
+#: two shared cores: advise and plan search the layouts) are in the slow set, which CI also runs
+EVERY_COMMAND = _smallest_of_each_model_type() | set(TRACED)
+CASES = [pytest.param(preset, command, id=f"{preset}-{command}",
+                      marks=() if command == "estimate" or preset in EVERY_COMMAND else pytest.mark.slow)
+         for command in COMMANDS for preset in PRESETS + TRACED]
+
+
 def test_presets_include_models_shorter_than_the_default_sequence():
     short = {p: load_model(p).max_positions for p in PRESETS if 0 < load_model(p).max_positions < DEFAULT_SEQ}
     assert {"gpt2", "bert-large"} <= set(short), short
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("preset", PRESETS + TRACED)
+@pytest.mark.parametrize("preset,command", CASES)
 def test_command_runs_at_its_defaults(preset, command, capsys):
     """A preset the hf rules cover runs; any other is refused in one line that names the missing
     piece (rules for its model type or layer kinds) and points at --profile traced / trace."""
