@@ -38,7 +38,7 @@ B, S = 2, 64  # a 16-token window, so local blocks see a quarter of the sequence
 
 def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none") -> tuple[int, list]:
     """What autograd keeps in a real CPU forward: saved-tensor hooks, or (checkpointing) the
-    storages still alive after it."""
+    storages still alive after it; with the loss the caller holds (the estimate's ``loss.value``)."""
     import torch
 
     from trainmem.models.hf import build_hf_model
@@ -70,9 +70,9 @@ def _measured(cfg: dict, precision: str, attention: str, recompute: str = "none"
                 return plain()
     saved, loss = saved_tensors(model, forward, buffers=False)  # a saved buffer is the buffer item
     if recompute == "none":
-        return sum(s.nbytes for s in saved), saved
+        return sum(s.nbytes for s in saved) + loss.untyped_storage().nbytes(), saved
     retained, loss = retained_bytes(model, forward)
-    return retained + ids.untyped_storage().nbytes() - loss.untyped_storage().nbytes(), saved
+    return retained + ids.untyped_storage().nbytes(), saved
 
 
 def check_against_autograd(cfg: dict, precision: str, attention: str, recompute: str = "none"):

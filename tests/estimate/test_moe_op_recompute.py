@@ -27,7 +27,7 @@ CONFIGS = {
 
 
 def _kept_by_forward(cfg: dict, precision: str, attention: str) -> int:
-    """Bytes of the storages a real op-checkpointed forward leaves alive (the loss excluded, the
+    """Bytes of the storages a real op-checkpointed forward leaves alive (the loss included, the
     ids counted once), the router forced to the estimate's balanced assignment."""
     from trainmem.models.hf import build_hf_model
     from trainmem.trace.live import LiveStorages
@@ -44,7 +44,8 @@ def _kept_by_forward(cfg: dict, precision: str, attention: str) -> int:
     with force_routing(model, 0.0), LiveStorages(skip_keys=skip) as live:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
             loss = model(ids, labels=ids).loss
-    return live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
+    assert loss.untyped_storage().nbytes() == 4  # the fp32 loss the caller holds: the estimate's loss.value
+    return live.now + ids.untyped_storage().nbytes()
 
 
 def _items(cfg: dict, precision: str, attention: str, recompute: str = "op") -> dict[str, int]:

@@ -68,6 +68,13 @@ def test_profile_json_contract_and_out_file(capsys, tiny_config, tmp_path):
     # activations per tensor, keyed as the estimate's, joined three ways (tests/measure/test_measure_join.py)
     assert d["items"] == d["ranks"][0]["items"] and all("B:" in i["key"] for i in d["items"])
     assert set(d["compare"]["tensors"][0]) == {"key", "estimate", "trace", "measured", "equal"}
+    # every estimate key has a measured partner of the same dtype and bytes, the loss value included
+    # (loss.value, (root):4B:0: estimate/loss_value.py); the trace's only misses are the caller's ids
+    est = [r for r in d["compare"]["tensors"] if r["estimate"]]
+    assert all(r["measured"] and (r["measured"]["dtype"], r["measured"]["bytes"]) ==
+               (r["estimate"]["dtype"], r["estimate"]["bytes"]) for r in est)
+    assert [r["key"] for r in est if not r["trace"]] == ["(inputs):256B:0"]
+    assert next(r for r in est if r["key"] == "(root):4B:0")["estimate"]["name"] == "loss.value"
     assert json.loads(out.read_text()) == d
     assert os.listdir(out.parent) == ["profile.json"]
 
@@ -106,6 +113,7 @@ def test_sweep_device_backend_continues_after_oom(monkeypatch):
     assert oom and all(not p.fits and "out of memory" in p.note for p in oom)
 
 
+@pytest.mark.slow  # ~7 s on CI's two cores
 def test_ctrl_c_stops_cleanly_without_partial_output(tmp_path, tiny_config):
     out = tmp_path / "p.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -34,6 +34,7 @@ Known limitations:
 from __future__ import annotations
 
 from trainmem.estimate.graph import Sym
+from trainmem.estimate.loss_value import loss_value
 from trainmem.families import TaskHeads, family_of, output_layers
 from trainmem.specs import ModelSpec
 
@@ -155,8 +156,9 @@ def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> 
     dtype = "float32" if upcast or ctx.low else logits.dtype
     with g.module("loss"):
         g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.requires_grad)
-        g.save(g.new("target", (n,), (sym,), "int64", False), g.new("total_weight", (), (), dtype, False),
-               when=logits.requires_grad)
+        target = g.new("target", (n,), (sym,), "int64", False)
+        loss_value(g, dtype)  # nll_loss's output, before its total weight (estimate/loss_value.py)
+        g.save(target, g.new("total_weight", (), (), dtype, False), when=logits.requires_grad)
 
 
 def check_head(model: ModelSpec, impl, parallel=None, finetune=None) -> None:

@@ -5,7 +5,8 @@ run once per point: forward and loss under trainmem's recorder (``trace/_recorde
 ``trace_step`` runs them (``trace/step.py``: precision, autocast, attention kernel, recompute,
 MoE routing). What the step keeps for backward is every storage an op made during forward that
 is still alive when forward returns -- saved by autograd, or held by a checkpoint region -- plus
-the inputs autograd saved (the token ids, by the embedding), less the loss itself; a buffer autograd
+the inputs autograd saved (the token ids, by the embedding), and the loss itself (``loss.value``: the
+caller holds it until backward is done, estimate/loss_value.py); a buffer autograd
 saves (Gemma's ``embed_scale``) is the buffer item, not an activation.
 
 Known limitations: CPU kernels only (``--device cpu``); the saved set is that of transformers'
@@ -104,7 +105,7 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         entry = rec._storages.get(loss)
         loss_block = entry.data if entry is not None else None
         kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
-                if b.free_at is None and b.phase == "forward" and b is not loss_block
+                if b.free_at is None and b.phase == "forward"
                 and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
         # a buffer autograd saves as it is (Gemma's embed_scale) is not kept here: it is the buffer item
         # (estimate/buffers.py), counted once, as `trainmem trace` files it
@@ -114,7 +115,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     out = []
     for b in kept:
         own = b.module and not _loss_module(b.module, model, torch)
-        base = outputs.get(b.id) or b.name or (f"{b.module}.{b.op}" if own else f"loss.{b.op.lstrip('_')}")
+        base = "loss.value" if b is loss_block else (
+            outputs.get(b.id) or b.name or (f"{b.module}.{b.op}" if own else f"loss.{b.op.lstrip('_')}"))
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
