@@ -78,6 +78,7 @@ def test_for_loop_optimizer_peak_in_backward(family):
     assert first.bytes > last.bytes  # every later gradient exists by then
 
 
+@pytest.mark.slow  # ~6 s on CI's two cores: GPT-2 traced
 def test_compare_cli_json(capsys):
     assert main(["compare", "--model", "gpt2", "--batch", "1", "--seq", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -156,6 +156,7 @@ def test_trace_verdict_uses_the_allocator_model(capsys, tiny):
     assert "peak reserved:" in out and "caching-allocator model" in out
 
 
+@pytest.mark.slow  # ~5 s on CI's two cores: two traced compares
 def test_compare_prints_both_verdicts(capsys, tiny):
     out = _run(capsys, "compare", "--model", tiny, "--seq", "64", "--gpu", "l4")
     assert "estimate: FITS on 1× L4" in out and "trace:    FITS on 1× L4" in out
@@ -174,6 +175,7 @@ def test_profile_verdict(capsys, tiny):
     assert "FITS on 1× L4: needs" in out and "not measured on CPU" in out
 
 
+@pytest.mark.slow  # ~8 s on CI's two cores: two trace sweeps
 def test_sweep_gpu_sets_the_budget_and_says_so(capsys, tiny):
     out = _run(capsys, "sweep", "--model", tiny, "--over", "batch", "--seq", "64", "--backend", "trace", "--max", "8",
                "--gpu", "custom", "--gpu-memory", "1100MiB")

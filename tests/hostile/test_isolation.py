@@ -48,7 +48,9 @@ def _run(args, tmp_path, timeout=120):
     ["estimate", "--tp", "3"],
     ["estimate", "--model", "no-such-preset"],
     ["estimate", "--config", "/dev/zero"],
-    ["trace", "--model", "gpt2", "--seq", "1000000000000", "--snapshot", "s.pickle"],
+    # a fresh interpreter importing torch: ~5 s on CI's two cores, in the slow set
+    pytest.param(["trace", "--model", "gpt2", "--seq", "1000000000000", "--snapshot", "s.pickle"],
+                 marks=pytest.mark.slow),
 ])
 def test_subprocess_one_line_exit_2_nothing_written(tmp_path, args):
     p = _run(args, tmp_path)

@@ -51,6 +51,7 @@ def test_parallel_and_finetune_are_searched_too():
     assert zero3.budget.usable_bytes == _usable("a100-40gb.json") - (256 << 20)  # NCCL's buffers on 8 ranks
 
 
+@pytest.mark.slow  # ~7 s on CI's two cores
 def test_trace_backend_on_a_config():
     from integrations_tiny import LLAMA
     from trainmem.trace import trace_step

@@ -86,6 +86,7 @@ def test_trace_backend_tiny_model():
     assert r.fit["terms"]["other_activations"]["exponent"] == pytest.approx(1.0, abs=0.05)
 
 
+@pytest.mark.slow  # ~5 s on CI's two cores: real steps at each batch
 def test_device_backend_on_cpu_tiny_model():
     pytest.importorskip("torch")
     step = StepSpec(batch=1, precision="fp32")

@@ -29,6 +29,7 @@ def test_parse_variants_rejects(bad):
         parse_variants(bad, STEP, IMPL)
 
 
+@pytest.mark.slow  # ~8 s on CI's two cores: three real training steps
 def test_recompute_and_accumulation_keep_the_numerics():
     pytest.importorskip("transformers")
     vs = parse_variants("recompute=none,full", STEP, IMPL) + parse_variants("batch=1x2", STEP, IMPL)

@@ -73,6 +73,7 @@ def test_gpu_counts_are_powers_of_two_in_whole_nodes():
     assert gpu_counts(four, min_gpus=2, max_gpus=16) == [2, 4, 8, 16]
 
 
+@pytest.mark.slow  # ~5 s on CI's two cores
 def test_gpus_auto_end_to_end(capsys, tmp_path):
     args = ["plan", "--model", "llama-3-8b", "--seq", "2048", "--gpu", "l4", "--gpus", "auto",
             "--precision", "mixed-bf16", "--max-gpus", "16"]

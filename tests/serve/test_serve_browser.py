@@ -65,6 +65,7 @@ def _assert_matches_cli(shown: dict, cli: dict) -> None:
     assert shown["phase"] == cli["peak_phase"]
 
 
+@pytest.mark.slow  # ~11 s on CI's two cores (headless Chromium, four estimates and fit searches)
 def test_controls_update_numbers_and_chart(page, capsys, tmp_path):
     page.fill("#f-model", "gpt2")
     page.dispatch_event("#f-model", "change")

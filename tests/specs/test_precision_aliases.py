@@ -89,7 +89,7 @@ def test_trace_text_shows_the_description(capsys):
 
 
 @pytest.mark.parametrize("argv,precision", [
-    (["compare", "--model", "gpt2", "--seq", "64"], "hf-bf16"),  # the trace runs autocast on CPU
+    (["compare", "--model", "CONFIG", "--seq", "64"], "hf-bf16"),  # the trace runs autocast on CPU
     (["explain", "--model", "gpt2", "--seq", "128"], "megatron-bf16"),
     (["sweep", "--model", "gpt2", "--over", "batch", "--budget", "4GiB", "--max", "2"], "megatron-bf16"),
     (["advise", "--model", "gpt2", "--seq", "128", "--gpu", "l4", "--max-estimates", "2"], "megatron-bf16"),
