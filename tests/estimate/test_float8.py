@@ -40,7 +40,7 @@ FAMILIES = {
 
 
 def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str, op_sac: bool = False) -> int:
-    """Bytes the forward leaves alive (the loss excluded, the ids counted once), as in
+    """Bytes the forward leaves alive (the loss included, the ids counted once), as in
     tests/estimate/test_op_recompute.py, with torchao's conversion applied (and ``op_sac``:
     every block under torchtitan's op-level policy)."""
     pytest.importorskip("torchao.float8")
@@ -57,7 +57,8 @@ def _kept_by_forward(cfg: dict, recipe: str, precision: str, attention: str, op_
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
                 (cuda_autocast_state(torch.bfloat16) if amp else contextlib.nullcontext()):
             loss = model(ids, labels=ids).loss
-    return live.now - loss.untyped_storage().nbytes() + ids.untyped_storage().nbytes()
+    assert loss.untyped_storage().nbytes() == 4  # the fp32 loss the caller holds: the estimate's loss.value
+    return live.now + ids.untyped_storage().nbytes()
 
 
 def _estimated(cfg: dict, precision: str, attention: str, recipe: str, recompute: str = "none") -> int:

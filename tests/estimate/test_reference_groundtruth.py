@@ -42,7 +42,8 @@ def _measure(model: ModelSpec, impl: ImplSpec, precision: str, B: int, S: int):
     saved, _ = saved_tensors(net, fn)
     retained, loss = retained_bytes(net, fn)
     loss.backward()  # the model really trains under this configuration
-    return saved, retained + ids.numel() * ids.element_size() - loss.numel() * loss.element_size()
+    # with the loss the caller holds (not saved): the estimate's loss.value
+    return saved, retained + ids.numel() * ids.element_size(), loss.numel() * loss.element_size()
 
 
 def _diff(items, saved) -> str:
@@ -64,8 +65,8 @@ def check(model: ModelSpec, precision: str = "fp32", *, B: int = 2, S: int = 32,
     impl = ImplSpec(profile="reference", device="cpu", **impl_kw)
     items = activation_items(model, StepSpec(batch=B, seq=S, precision=precision), impl)
     estimate = sum(i.bytes for i in items)
-    saved, retained = _measure(model, impl, precision, B, S)
-    hooks = sum(s.nbytes for s in saved)
+    saved, retained, held = _measure(model, impl, precision, B, S)
+    hooks = sum(s.nbytes for s in saved) + held
     checkpointed = impl.recompute != "none"
     measured = retained if checkpointed else hooks
     ctx = f"{precision} {impl_kw} {model.activation}/{model.norm}: estimate {estimate} measured {measured}"

@@ -105,8 +105,8 @@ def _autograd(cfg, B, S, attention="sdpa") -> int:
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     ctx = force_routing(model, routing_hot_fraction("balanced")) if experts_modules(model) else contextlib.nullcontext()
     with ctx:
-        saved, _ = saved_tensors(model, lambda: model(ids, labels=ids).loss)
-    return sum(s.nbytes for s in saved)
+        saved, loss = saved_tensors(model, lambda: model(ids, labels=ids).loss)
+    return sum(s.nbytes for s in saved) + loss.untyped_storage().nbytes()  # and the loss held: loss.value
 
 
 @pytest.mark.slow  # ~15 s: two traces at S = 160 (three chunks, the last padded), one real forward

@@ -48,8 +48,8 @@ def _autograd_saved(cfg, precision, attention) -> int:
     with default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32):  # as trace_step builds it
         model = build_hf_model(cfg, attention=attention)
     ids = torch.randint(2, cfg["vocab_size"], (B, S))
-    saved, _ = saved_tensors(model, lambda: model(ids, labels=ids).loss)
-    return sum(s.nbytes for s in saved)
+    saved, loss = saved_tensors(model, lambda: model(ids, labels=ids).loss)
+    return sum(s.nbytes for s in saved) + loss.untyped_storage().nbytes()  # and the loss held: loss.value
 
 
 def test_two_stacks_expand_under_their_own_prefixes():

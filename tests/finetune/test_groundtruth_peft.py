@@ -119,8 +119,9 @@ def test_activations_match_pytorch(family, precision, attention, recompute, ft):
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     fn = _forward(model, ids, precision)
     saved, loss = saved_tensors(model, fn)
+    held = loss.untyped_storage().nbytes()  # the loss the caller holds (not saved): the item loss.value
     del loss
-    measured = sum(s.nbytes for s in saved)
+    measured = sum(s.nbytes for s in saved) + held
     if recompute == "full":
         # live storages the forward created; the ids were created outside it: skipped (GPT-2 views them,
         # which made their storage an op output, counted even where nothing keeps them) and added
@@ -129,7 +130,8 @@ def test_activations_match_pytorch(family, precision, attention, recompute, ft):
         with LiveStorages(skip_keys=skip) as live:
             loss = fn()
         kept = not ft.adapters and "embeddings" not in ft.freeze
-        measured = live.now - loss.untyped_storage().nbytes() + (ids.untyped_storage().nbytes() if kept else 0)
+        measured = live.now + (ids.untyped_storage().nbytes() if kept else 0)  # the loss too (loss.value)
+        assert loss.untyped_storage().nbytes() == held
     items = activation_items(spec_from_hf_config(cfg), StepSpec(batch=B, seq=S, precision=precision),
                              ImplSpec(attention=attention, recompute=recompute, device="cpu"), ft)
     estimated = sum(i.bytes for i in items)

@@ -145,7 +145,8 @@ def _activation_offload(model, ids, unsharded, fps, ctx, key) -> tuple[int, int]
         # the last block's flat all-gather buffer, whose free FSDP defers to the next all-gather
         held = ctx.all_gather_state.all_gather_result.all_gather_output if ctx.all_gather_state else None
         held_bytes = held.untyped_storage().nbytes() if held is not None and live.storages.get(held) else 0
-        kept = live.now - loss.untyped_storage().nbytes() - held_bytes + ids.untyped_storage().nbytes()
+        # the loss the caller holds stays in: the estimate's loss.value
+        kept = live.now - held_bytes + ids.untyped_storage().nbytes()
         loss.backward()
     model.zero_grad(set_to_none=True)
     return kept, off.offloaded_storage_bytes
