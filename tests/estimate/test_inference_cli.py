@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-CMD = [sys.executable, "-m", "trainmem.cli"]
+from trainmem.cli import main
 
 
-def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CMD, *argv], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRAINMEM_DEBUG": ""})
+def run(*argv: str) -> SimpleNamespace:
+    """``python -m trainmem.cli ARGV`` in this process (cli.py's ``__main__`` is ``main()``): the exit
+    code and both streams, with TRAINMEM_DEBUG unset. A fresh interpreter per case cost ~1 s each;
+    tests/hostile/test_isolation.py runs the CLI as a subprocess."""
+    out, err = io.StringIO(), io.StringIO()
+    debug = os.environ.pop("TRAINMEM_DEBUG", None)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as exc:  # argparse's own exits
+                rc = exc.code
+    finally:
+        if debug is not None:
+            os.environ["TRAINMEM_DEBUG"] = debug
+    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_serving_command_answers_concurrency_per_rank():
