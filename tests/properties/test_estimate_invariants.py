@@ -142,6 +142,12 @@ def test_doubling_the_sequence_doubles_linear_and_quadruples_quadratic_items(mod
     two = est(model, replace(step, seq=2 * step.seq), impl)
     a = {i.name: i for i in one.inventory if i.category is Category.ACTIVATION}
     b = {i.name: i for i in two.inventory if i.category is Category.ACTIVATION}
+    if step.loss == "litgpt-chunked-ce":  # fixed 128-token chunks: their count grows with S
+        for s, items in ((step.seq, a), (2 * step.seq, b)):
+            chunks = {n: items.pop(n) for n in [n for n in items if re.search(r"_chunk\d+$", n)]}
+            lsm = [i for n, i in chunks.items() if n.startswith("loss.log_softmax_chunk")]
+            assert len(lsm) == -(-s // 128)  # litgpt/utils.py chunked_cross_entropy, chunk size 128
+            assert sum(i.shape[0] for i in lsm) == step.batch * (s - 1)  # the last chunk drops a token
     assert set(a) == set(b)
     checked = 0
     values = symbol_values(model, step)
