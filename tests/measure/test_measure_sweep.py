@@ -75,6 +75,7 @@ def test_verdict_quadratic_only_when_scores_dominate():
     assert by_batch.crossover_seq == pytest.approx(r.crossover_seq, rel=1e-6)  # from the estimator's items
 
 
+@pytest.mark.slow  # ~5 s on CI's two cores: the trace back-end
 def test_trace_backend_tiny_model():
     step = StepSpec(batch=1, precision="fp32")
     impl = ImplSpec(attention="eager", device="cpu")

@@ -30,6 +30,7 @@ def test_each_schema_as_png_and_svg(tmp_path, name, result):
     assert is_svg(save_plot(result, tmp_path / f"{name}.svg"))
 
 
+@pytest.mark.slow  # ~6 s on CI's two cores (13 s on the loaded shared machine)
 def test_estimate_gets_scaling_panels_from_its_sweeps(tmp_path):
     e = tiny_estimate()
     scaling = scaling_sweeps(e)

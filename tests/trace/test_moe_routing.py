@@ -89,6 +89,7 @@ def test_grouped_mm_memory_does_not_depend_on_routing_the_loop_does():
     assert loop["balanced"] != loop["worst"]
 
 
+@pytest.mark.slow  # ~4 s on CI's two cores
 def test_cli_states_the_routing_assumption(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(QWEN3_MOE))

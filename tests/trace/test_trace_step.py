@@ -51,6 +51,7 @@ def test_mixtral_moe_fake_equals_real():
     assert trace_step(MIXTRAL, FP32, ImplSpec()).peak_bytes == r.peak_bytes
 
 
+@pytest.mark.slow  # ~4 s on CI's two cores
 def test_full_checkpointing_keeps_only_layer_inputs():
     plain = trace_step(LLAMA, FP32, ImplSpec())
     ckpt = trace_step(LLAMA, FP32, ImplSpec(recompute="full"))
@@ -61,6 +62,7 @@ def test_full_checkpointing_keeps_only_layer_inputs():
     assert ckpt.peak_logical_bytes == memtracker_peak(LLAMA, batch=2, seq=64, checkpoint=True) - _host_steps(ckpt)
 
 
+@pytest.mark.slow  # ~5 s on CI's two cores
 def test_selective_and_every_k_recompute_sit_between():
     eager = ImplSpec(attention="eager")
     plain = trace_step(LLAMA, FP32, eager).totals_at_peak_bytes["activation"]
