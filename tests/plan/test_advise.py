@@ -65,6 +65,7 @@ def test_micro_batch_rung_keeps_the_global_batch():
     assert mb.throughput_cost >= 0
 
 
+@pytest.mark.slow  # ~3 s on CI's two cores (5.7 s on the loaded shared machine)
 def test_tensor_parallel_rung_with_more_gpus():
     model = load_model("llama-3-8b")
     step, impl = StepSpec(batch=1, seq=8192, precision="mixed-bf16"), ImplSpec(recompute="full")

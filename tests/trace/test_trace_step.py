@@ -28,6 +28,7 @@ def test_peak_matches_memtracker(config):
     assert 0 < r.peak_bytes - ref <= 0.0025 * ref
 
 
+@pytest.mark.slow  # ~3 s on CI's two cores (5.6 s on the loaded shared machine)
 def test_eager_bf16_peak_matches_memtracker():
     import torch
     r = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision="bf16"), ImplSpec(attention="eager"))
