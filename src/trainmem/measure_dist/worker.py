@@ -383,11 +383,12 @@ def _profiled_peak(step) -> int:
     events (torch.profiler with ``profile_memory``): unlike the op-boundary tracker it sees the
     temporaries made and freed inside one op (a DTensor handler such as loss_parallel's).
 
-    Under sequence parallelism the point where a collective's B·S·H buffer is freed depends on
-    when gloo's thread completes the collective, so this peak varies from step to step by whole
-    such buffers (measured: 1,760,200 to 1,874,888 B over eight bf16 runs of the tiny Llama, in
-    steps of 16,384 B). The caller keeps the least of a few steps, the order in which each
-    buffer is freed as soon as its op is done, and keeps every reading beside it."""
+    A free made on gloo's worker thread is never recorded (``c10/core/Allocator.cpp``
+    ``memoryProfilingEnabled`` reads the freeing thread's profiler state; docs/parallel.md, "TP
+    collective buffers on gloo"), so this peak reads high by the collective buffers that thread
+    freed, and varies from step to step by whole B·S·H buffers (bf16 SP, tiny Llama: 1,760,200 to
+    1,874,888 B, in steps of 16,384 B). The caller keeps the least of three steps, still an upper
+    bound, and every reading beside it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
