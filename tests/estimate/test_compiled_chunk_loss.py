@@ -97,7 +97,8 @@ def test_against_torchtunes_compiled_chunk_function():
         loss.backward()
 
     _, codes = run_and_get_code(step)
-    assert sum(saved.values()) == sum(_loss_items().values())  # 258056
+    # 258056: the loss items but loss.value, the output the caller holds, which autograd does not save
+    assert sum(saved.values()) == sum(b for n, b in _loss_items().items() if n != "loss.value")
     r = B * S // 8
     allocs = [re.findall(r"empty_strided_cpu\((\([^)]*\)), \([^)]*\), torch\.(\w+)\)", c) for c in codes]
     assert allocs == [[(f"({r}, 1)", "float32"), (f"({r}, 1)", "float32"), ("()", "float32")],

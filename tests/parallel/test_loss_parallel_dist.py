@@ -58,7 +58,9 @@ def _rank(sp: bool, lp: bool, precision: str = "fp32"):
 def test_saved_set_equal_and_peak_within_5_percent(runs, prec, sp, lp):
     est = _rank(sp, lp, prec)
     for r in runs[(prec, sp, lp)]:
-        assert r["activation_bytes"] == est.totals_bytes["activation"], r["activation_items"][:4]
+        # the worker's saved set is autograd's: the estimate's loss.value, the loss the caller holds, is not in it
+        held = next(i.bytes for i in est.inventory.items if i.name == "loss.value")
+        assert r["activation_bytes"] == est.totals_bytes["activation"] - held, r["activation_items"][:4]
         allocator = r["profiled_peak_bytes"]  # the least of three steps, as the op-boundary one
         op_boundary = min([r["peak_bytes"], *r["op_boundary_peaks_bytes"]])
         assert abs(est.peak_bytes - allocator) <= 0.05 * allocator, (est.peak.name, est.peak_bytes, allocator)
