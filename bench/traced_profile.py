@@ -125,8 +125,8 @@ def main() -> None:
             f"{cold['points']} | {cold['traced_activation']:,} B ({d_act:+,}) | {cold['traced_peak']:,} B ({d_peak:+,}) |")
     lines += [
         "",
-        "Goals (issue 14): cold under 10 s, cached under 5 ms. The machine is shared (the load average above, on",
-        "2 CPUs): wall times of the cold estimate are inflated several times; its CPU time is the process's own.",
+        "Goals (issue 14): cold under 10 s, cached under 5 ms. The machine may be shared (the load average above,",
+        "on 2 CPUs): under load, wall times exceed CPU times, and the CPU time is the process's own.",
         "A cold estimate in a fresh process is the three CPU columns together: torch and transformers, then",
         "transformers' model code (modeling_utils and its quantizers, imported once; torchao left out, 0.8 s:",
         "src/trainmem/estimate/traced/imports.py), then the trace itself (meta builds, the fake-tensor forwards,",
