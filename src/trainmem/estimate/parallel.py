@@ -149,14 +149,20 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     lm = apply_tp(model, par)
     lstep = apply_cp(step, par)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
-    acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
+    traced = None
+    if impl.profile == "traced":  # estimate/traced/tp.py: read off a trace at one TP rank's shapes (--tp alone)
+        from trainmem.estimate.traced.tp import traced_rank_parts
+        traced = traced_rank_parts(model, step, impl, par)
+        acts, act_stage, recompute_all = traced[0]
+    else:
+        acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
     loss_lm = lp.loss_model(model, lm, par)  # TP without loss_parallel: the loss reads full-vocabulary logits
-    if loss_lm is not lm:
+    if loss_lm is not lm and traced is None:
         acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, tuple(stages))[0],
                                   output_modules())
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
-    states, state_stage, tp_div = _local_states(model, replace(step, batch=1, grad_accum=1), finetune,
-                                                par.tp, par.ep, par.pp, tuple(stages), impl.profile)
+    states, state_stage, tp_div = traced[1] if traced else _local_states(
+        model, replace(step, batch=1, grad_accum=1), finetune, par.tp, par.ep, par.pp, tuple(stages), impl.profile)
     group = shard_group(par)
     zero = 3 if par.fsdp else par.zero
     emb_grad = f"{_embedding_name(states)}.grad"
@@ -217,7 +223,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
         state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
         full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
-        tb, rule = optimizer_transient(model, step, states, finetune, impl)  # the single-device rule, whole model
+        tb, rule = traced[2] if traced else optimizer_transient(model, step, states, finetune, impl)  # whole model
         if "optimizer" in par.offload or cpu_offload(par):
             tb, rule = 0, "optimizer step runs on the host (offloaded)"
         elif full_state:

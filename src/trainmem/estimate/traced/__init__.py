@@ -12,7 +12,9 @@ transformers builds, with no hand-written rules.
 
 Known limitations (each refused in one line):
   - CPU kernels only: ``--device cpu``. CUDA's attention kernels save other tensors.
-  - One device (no --dp/--tp/--pp/--zero/--fsdp), no fine-tuning, no --compile, train mode.
+  - One device or ``--tp`` alone (:mod:`.tp`: the blocks cut by transformers' ``base_model_tp_plan``,
+    traced at one rank's shapes); no --dp/--pp/--cp/--ep/--zero/--fsdp/--sp, no fine-tuning, no
+    --compile, train mode.
   - An encoder-decoder (T5, BART) is traced as its head runs in ``trainmem trace``: ``labels`` are
     the input ids, so the decoder reads S tokens too (one S for both stacks); no --recompute every-k.
 """
@@ -40,8 +42,9 @@ def check_traced(step, impl, parallel=None, finetune=None) -> None:
                                                "(CUDA's attention kernels save other tensors)")
     if impl.compile:
         raise SpecError("compile", True, "is not traced by --profile traced; use --profile hf")
-    if parallel is not None and not parallel.is_single:
-        raise SpecError("profile", "traced", "is modelled on one device (no --dp/--tp/--pp/--zero/--fsdp) for now")
+    if parallel is not None and not parallel.is_single:  # --tp alone: traced at one rank's shapes (tp.py)
+        from trainmem.estimate.traced.tp import check_tp_layout
+        check_tp_layout(parallel)
     if finetune is not None:
         raise SpecError("profile", "traced", "fine-tuning (LoRA, QLoRA, --freeze) is modelled under --profile hf only")
     if step.mode != "train":
@@ -50,27 +53,28 @@ def check_traced(step, impl, parallel=None, finetune=None) -> None:
         raise SpecError("loss", step.loss, "--profile traced runs Hugging Face's loss: use --loss ce")
 
 
-def _settings(step, impl, regime) -> dict:
-    return {"precision": step.precision, "loss": step.loss, "attention": impl.attention,
+def _settings(step, impl, regime, tp: int = 1) -> dict:
+    return {"tp": tp, "precision": step.precision, "loss": step.loss, "attention": impl.attention,
             "recompute": impl.recompute, "recompute_every": impl.recompute_every, "device": impl.device,
             "routing": impl.routing, "regime": list(regime), "batch_one": step.batch == 1}
 
 
-def traced_template(config: Mapping[str, Any], step, impl):
+def traced_template(config: Mapping[str, Any], step, impl, tp: int = 1):
     """The :class:`~.template.Template` for ``config`` under ``step`` and ``impl`` (any B; S picks
-    the regime): from memory, from the disk cache, or traced now. ``template.cache_hit`` says which."""
+    the regime), traced at one of ``tp`` tensor-parallel ranks' shapes: from memory, from the disk
+    cache, or traced now."""
     from trainmem.estimate.traced.cache import cache_key, cached
     from trainmem.estimate.traced.template import Template, build_template, regime_of
 
     regime = regime_of(config, step.seq)
-    key = cache_key(config, _settings(step, impl, regime))
+    key = cache_key(config, _settings(step, impl, regime, tp))
     hit = _MEMO.get(key)
     if hit is not None:
         return hit
     def build() -> dict:
         from trainmem.estimate.traced.imports import import_transformers_models
         import_transformers_models()
-        return build_template(config, step, impl).to_json()
+        return build_template(config, step, impl, tp).to_json()
 
     data, _ = cached(key, build)
     tpl = Template.from_json(data)

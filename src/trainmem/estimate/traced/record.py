@@ -38,8 +38,9 @@ class Saved:
 
 
 def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
-                 points: Sequence[tuple[int, int]]) -> list[list[Saved]]:
-    """What one forward keeps for backward at each (B, S) of ``points``, in allocation order."""
+                 points: Sequence[tuple[int, int]], prepare=None) -> list[list[Saved]]:
+    """What one forward keeps for backward at each (B, S) of ``points``, in allocation order.
+    ``prepare(model)``, if given, runs on the built fake model first (``tp.localize``: one TP rank's shapes)."""
     import torch
     from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,6 +57,8 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
             with default_dtype(torch_dtype(step.dtypes.param)):
                 model = build_hf_model(config, attention=impl.attention, init_weights=False)
             model.train()
+            if prepare is not None:
+                prepare(model)
             enable_recompute(model, impl)
             routing, _ = ts._routing(model, impl, fake=True)
             selective = (selective_recompute(model, impl.attention) if impl.recompute == "selective"

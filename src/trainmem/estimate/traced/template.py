@@ -92,6 +92,8 @@ class Template:
     traced_layers: int  # blocks in the traced cut, every stack's
     points: tuple[tuple[int, int], ...]
     held_items: tuple[TracedItem, ...] = ()  # an encoder-decoder's last stack's locals at its end (record._held)
+    tp: int = 1  # traced at one tensor-parallel rank's shapes (traced/tp.py); parameters stay the full model's
+    tp_div: Mapping[str, int] = None  # tp > 1: each sharded parameter's divisor, by full name (tp.tp_divisors)
 
     def held_bytes(self, B: int, S: int) -> int:
         """What the last stack's scope holds at its end besides the kept tensors, at (B, S)."""
@@ -129,6 +131,7 @@ class Template:
             "params_after": [[n, list(s)] for n, s in self.params_after],
             "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
             "points": [list(p) for p in self.points], "held_items": [i.to_json() for i in self.held_items],
+            "tp": self.tp, "tp_div": dict(self.tp_div or {}),
         }
 
     @classmethod
@@ -141,7 +144,8 @@ class Template:
             tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]),
                        k["prefix"]) for k in d["kinds"]),
             params(d["params_before"]), params(d["params_after"]), dict(d["tp_plan"]), d["traced_layers"],
-            tuple(tuple(p) for p in d["points"]), tuple(TracedItem.from_json(i) for i in d.get("held_items", ())))
+            tuple(tuple(p) for p in d["points"]), tuple(TracedItem.from_json(i) for i in d.get("held_items", ())),
+            d["tp"], dict(d["tp_div"]))
 
 
 def regime_of(config: Mapping[str, Any], seq: int) -> tuple[int, int | None]:
@@ -241,9 +245,10 @@ def _cut_length(sigs: list[tuple], first: dict[tuple, int]) -> int:
     return min(cut, depth)
 
 
-def build_template(config: Mapping[str, Any], step, impl) -> Template:
+def build_template(config: Mapping[str, Any], step, impl, tp: int = 1) -> Template:
     """Trace, fit and check (see the module docstring). ``step.seq`` picks the regime. An
-    encoder-decoder's two stacks are cut, split into kinds and checked each on its own, in one trace."""
+    encoder-decoder's two stacks are cut, split into kinds and checked each on its own, in one trace.
+    ``tp`` > 1: the cut model is traced at one rank's shapes (:mod:`.tp`)."""
     from trainmem.estimate.traced import kinds as K
     from trainmem.estimate.traced.record import record_saved
 
@@ -267,7 +272,14 @@ def build_template(config: Mapping[str, Any], step, impl) -> Template:
     regime = regime_of(config, step.seq)
     batch_one = step.batch == 1
     grid, held = _fit_points(config, regime, batch_one)
-    runs = record_saved(small, step, impl, grid + [held])
+    plan = K.tp_plan_of(full)
+    prepare = None
+    if tp > 1:
+        from functools import partial
+
+        from trainmem.estimate.traced import tp as T
+        prepare = partial(T.localize, plan=plan, tp=tp)
+    runs = record_saved(small, step, impl, grid + [held], prepare=prepare)
     items = _fit_items([[s for s in r if not s.held] for r in runs], grid, held)
     held_items = _fit_items([[s for s in r if s.held] for r in runs], grid, held)
 
@@ -290,7 +302,8 @@ def build_template(config: Mapping[str, Any], step, impl) -> Template:
              for kind in _stack_kinds(config, st, cuts[k], kind_of[k], firsts[k], in_any,
                                       {i: per_layer[(k, i)] for i in range(cuts[k])})]
     return Template(config["model_type"], tuple((st.prefix, st.num_layers) for st in stacks), regime, batch_one,
-                    tuple(base), tuple(kinds), before, after, K.tp_plan_of(full), sum(cuts), tuple(grid) + (held,), tuple(held_items))
+                    tuple(base), tuple(kinds), before, after, plan, sum(cuts), tuple(grid) + (held,), tuple(held_items),
+                    tp, T.tp_divisors(full, plan, tp) if tp > 1 else {})
 
 
 def _stack_kinds(config, stack, cut: int, kind_of: list[int], first: dict[tuple, int], shapes: list,

@@ -1,0 +1,196 @@
+"""Tensor parallelism under ``--profile traced``: the cut model is traced at one rank's shapes.
+
+The blocks are cut as transformers' ``base_model_tp_plan`` says (``Template.tp_plan``), each
+style as transformers' DTensor styles run in training (transformers ``distributed/tensor_parallel.py``,
+the ``ALL_PARALLEL_STYLES`` registrations; torch ``distributed/tensor/placement_types.py``):
+
+* ``colwise``: ``ColwiseParallel(input Replicate, output Shard(-1))``: weight and bias ``Shard(0)``,
+  so the rank's linear has ``out_features / tp`` rows and its output is the rank's slice (the
+  heads that follow are ``A / tp``: transformers' attention reshapes with ``-1`` heads);
+* ``colwise_rep`` / ``colwise_gather_output``: the same shard, its output all-gathered to the full
+  width (``Shard(-1) -> Replicate``: a new tensor; the redistribute saves nothing for backward);
+* ``rowwise``: ``RowwiseParallel(input Shard(-1), output Replicate)``: weight ``Shard(-1)``
+  (``in_features / tp`` columns), bias replicated; the partial output is all-reduced into a new
+  tensor of the same shape, which nothing saves;
+* ``rowwise_split_input`` / ``rowwise_rep``: the same, its replicated input cut to the rank's
+  slice first (``Shard._replicate_to_shard``: a chunk, cloned, so the linear saves a new tensor);
+* ``replicated_with_grad_allreduce`` / ``replicate``: every rank keeps the whole parameter.
+
+The embedding and the output layer follow trainmem's TP layout, as under ``--profile hf``
+(torchtitan's ``apply_tp``: a vocab-parallel embedding, a column-parallel head whose logits stay
+vocab-sharded for the loss-parallel cross-entropy): each rank's tables have ``⌈V/tp⌉`` rows and its
+loss runs on its own ``⌈V/tp⌉`` logits (``estimate/loss_parallel.py``). transformers' own
+``_tp_plan`` (a replicated embedding, ``lm_head: colwise_gather_output``) is not modelled.
+
+What is kept is then read off the rank's own forward (``record.py``) and fitted as on one device;
+its model states are the full model's, each divided by ``tp`` where the plan shards it
+(:func:`tp_divisors`), through the same parallel driver as every profile (``estimate/parallel.py``).
+Any other style (MoE experts, packed projections, MLA, sequence parallel) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from trainmem.errors import SpecError, UnsupportedError
+
+__all__ = ["Style", "STYLES", "module_styles", "localize", "tp_divisors", "check_tp_layout", "traced_rank_parts"]
+
+
+@dataclass(frozen=True)
+class Style:
+    """What one transformers TP style does to a module on one rank."""
+
+    cut: str | None  # "out": rows (output features) / tp; "in": columns (input features) / tp; None: replicated
+    gather_output: bool = False  # the rank's output slice is all-gathered to the full width
+    split_input: bool = False  # a replicated input is cut to the rank's slice (a clone)
+    bias_cut: bool = False  # the bias is sharded with the rows (colwise); rowwise biases are replicated
+
+
+STYLES: dict[str, Style] = {  # transformers distributed/tensor_parallel.py, ALL_PARALLEL_STYLES
+    "colwise": Style("out", bias_cut=True),
+    "colwise_rep": Style("out", gather_output=True, bias_cut=True),
+    "colwise_gather_output": Style("out", gather_output=True, bias_cut=True),
+    "rowwise": Style("in"),
+    "rowwise_split_input": Style("in", split_input=True),
+    "rowwise_rep": Style("in", split_input=True),
+    "replicated_with_grad_allreduce": Style(None),
+    "replicate": Style(None),
+}
+VOCAB = Style("vocab")  # the embedding and the output layer: ⌈V/tp⌉ rows (trainmem's TP layout)
+
+
+def _wildcard(name: str) -> str:
+    """A module name with its block indices as ``*`` (transformers ``parallel_utils.py``
+    ``replace_layer_number_by_wildcard``: a number between dots, or after the last dot)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def module_styles(model, plan: Mapping[str, str]) -> dict[str, Style]:
+    """Each module the plan (as ``kinds.tp_plan_of`` prefixes it) or the vocab layout cuts, by name."""
+    if not plan:
+        raise UnsupportedError(f"--profile traced --tp: model_type={model.config.model_type!r} has no "
+                               "base_model_tp_plan in transformers; its tensor-parallel cut is unknown")
+    bad = sorted({s for s in plan.values() if s not in STYLES})
+    if bad:
+        raise UnsupportedError(f"--profile traced --tp: model_type={model.config.model_type!r}'s tp plan uses "
+                               f"{', '.join(bad)}, not modelled (only {', '.join(STYLES)})")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    named_params = sorted(k for k in plan if k not in modules and any(_wildcard(p) == k for p in params))
+    if named_params:
+        raise UnsupportedError(f"--profile traced --tp: the tp plan shards parameters by name ({named_params[0]}), "
+                               "not modelled")
+    out = {n: STYLES[plan[_wildcard(n)]] for n in modules if n and _wildcard(n) in plan}
+    for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
+        name = next((n for n, m in modules.items() if m is emb), None) if emb is not None else None
+        if name is not None:
+            out[name] = VOCAB
+    return out
+
+
+def _local_shape(shape: tuple[int, ...], style: Style, tp: int, bias: bool, where: str) -> tuple[int, ...]:
+    if style.cut == "vocab":
+        return (-(-shape[0] // tp),) + tuple(shape[1:])
+    if style.cut is None or (bias and not style.bias_cut):
+        return tuple(shape)
+    dim = 0 if (style.cut == "out" or bias) else len(shape) - 1
+    if shape[dim] % tp:
+        raise SpecError("tp", tp, f"must divide {where}'s {'output' if dim == 0 else 'input'} features ({shape[dim]})")
+    return tuple(s // tp if d == dim else s for d, s in enumerate(shape))
+
+
+def localize(model, plan: Mapping[str, str], tp: int) -> None:
+    """Make ``model`` (built under a ``FakeTensorMode``) one TP rank's: every parameter the plan
+    or the vocab layout cuts gets its local shape (tied weights stay tied), gathered outputs and
+    split inputs get forward hooks, and the loss reads the rank's ``⌈V/tp⌉`` logits."""
+    import torch
+
+    styles = module_styles(model, plan)
+    new: dict[int, Any] = {}
+    for name, style in styles.items():
+        mod = model.get_submodule(name)
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if id(p) not in new:
+                shape = _local_shape(tuple(p.shape), style, tp, pname == "bias", f"{name}.{pname}")
+                new[id(p)] = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=p.device),
+                                                requires_grad=p.requires_grad)
+        if style.gather_output:
+            mod.register_forward_hook(lambda _m, _a, out: torch.cat([out] * tp, dim=-1))
+        if style.split_input:
+            mod.register_forward_pre_hook(
+                lambda _m, args: (args[0].narrow(-1, 0, args[0].shape[-1] // tp).contiguous(),) + tuple(args[1:]))
+    for mod in model.modules():  # every holder of a cut parameter (tied embedding and head alike)
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if id(p) in new:
+                setattr(mod, pname, new[id(p)])
+    if hasattr(model.config, "vocab_size"):  # the loss's view(-1, vocab_size) of the rank's logits
+        model.config.vocab_size = -(-model.config.vocab_size // tp)
+
+
+def tp_divisors(model, plan: Mapping[str, str], tp: int) -> dict[str, int]:
+    """Each parameter the cut shards, by its full-model name: ``tp`` (the driver divides its
+    states by it, as ``parallel_tp._tp_factor`` does for the hf rules' roles)."""
+    styles = module_styles(model, plan)
+    out = {}
+    for name, style in styles.items():
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            if p.requires_grad and _local_shape(tuple(p.shape), style, tp, pname == "bias", name) != tuple(p.shape):
+                out[f"{name}.{pname}"] = tp
+    return out
+
+
+def check_tp_layout(par) -> None:
+    """Refuse, in one line, the layouts ``--profile traced`` does not model: it models ``--tp`` alone."""
+    if par.tp == 1:
+        raise SpecError("profile", "traced", "is modelled on one device or with --tp alone (no --dp/--pp/--cp/--ep/"
+                                             "--zero/--fsdp/--offload) for now")
+    for field, value, ok in (("dp", par.dp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1),
+                             ("zero", par.zero, 0), ("fsdp", par.fsdp, None), ("offload", par.offload, ())):
+        if value != ok and not (field == "offload" and not value):
+            raise SpecError(field, value, "is not modelled under --profile traced with --tp (it models --tp alone)")
+    if par.sp:
+        raise SpecError("sp", True, "sequence parallelism is not modelled under --profile traced (the hf plans "
+                                    "name no sequence-parallel modules); use --profile hf")
+    if not par.loss_parallel:
+        raise SpecError("loss_parallel", False, "gathered logits are not modelled under --profile traced --tp; "
+                                                "use --profile hf")
+
+
+def traced_rank_parts(model, step, impl, par):
+    """For ``estimate/parallel.py`` ``rank_classes`` under ``--profile traced --tp``: (activations,
+    their stages, recompute per block), (model states, their stages, TP divisors) and the
+    optimizer step's temporaries, from the template traced at one rank's shapes."""
+    from trainmem.estimate.params import kept_fp32
+    from trainmem.estimate.peak import recompute_per_layer
+    from trainmem.estimate.traced import _config_of, _optimizer_transient, _state_inventory, traced_template
+
+    check_tp_layout(par)
+    config = _config_of(model)
+    tpl = traced_template(config, step, impl, tp=par.tp)
+    if len(tpl.stacks) > 1:
+        raise SpecError("tp", par.tp, f"an encoder-decoder ({tpl.model_type}) is modelled on one device only "
+                                      "under --profile traced")
+    acts = tpl.activations(step.batch, step.seq)
+    plain = acts
+    if impl.recompute != "none":
+        plain = traced_template(config, step, replace(impl, recompute="none", recompute_every=1), tp=par.tp) \
+            .activations(step.batch, step.seq)
+    items = tuple(acts)
+    recompute = recompute_per_layer(acts, plain, tpl.stacks)
+    states = tuple(_state_inventory(tpl, step, kept_fp32(model)))
+    div = {s.name: _divisor(s.name, tpl.tp_div) for s in states}
+    return ((items, (0,) * len(items), recompute), (states, {s.name: 0 for s in states}, div),
+            _optimizer_transient(tpl, step, impl))
+
+
+def _divisor(state: str, div: Mapping[str, int]) -> int:
+    """A model state's divisor: its parameter's (``<param>``, ``<param>.grad``, ``<param>.exp_avg``...)."""
+    name = state
+    while name:
+        if name in div:
+            return div[name]
+        name = name.rpartition(".")[0]
+    return 1
