@@ -36,8 +36,8 @@ def hf_forward(ctx: Ctx) -> None:
         kinds = ", ".join(dict.fromkeys(k.label for k in m.kinds))
         raise UnsupportedError(f"{m.name}: the hf profile has no hand-written rules for {m.family} blocks "
                                f"({kinds}); estimate it with --profile traced")
-    if ctx.impl.framework != "hf" and (_rules(ctx).forward in _FORWARDS or _rules(ctx).forward == "gpt"
-                                           or ctx.model.arch == "encoder"):  # estimate/rules_litgpt.py
+    if ctx.impl.framework != "hf" and (_rules(ctx).forward in _FORWARDS or ctx.model.arch == "encoder" or (
+            _rules(ctx).forward == "gpt" and not _rules(ctx).neox)):  # estimate/rules_litgpt_variants.py
         raise UnsupportedError(f"{ctx.model.name}: --framework litgpt models LitGPT's LLaMA blocks, not {ctx.model.family}")
     _refuse_sdpa(ctx)
     if _rules(ctx).forward in _FORWARDS:  # a family's own module (a registry, imported on use)
@@ -130,9 +130,9 @@ def _llama(ctx: Ctx) -> None:
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
                  masked: bool = False, moe: bool = False) -> Sym:
-    if ctx.impl.framework != "hf":  # LitGPT's Block (estimate/rules_litgpt.py)
-        from trainmem.estimate.rules_litgpt import litgpt_block
-        return litgpt_block(ctx, x, cos, sin, kernel, held, masked=masked, moe=moe)
+    if ctx.impl.framework != "hf":  # LitGPT's Block (estimate/rules_litgpt_variants.py)
+        from trainmem.estimate.rules_litgpt_variants import litgpt_layer
+        return litgpt_layer(ctx, x, cos, sin, kernel, held, masked=masked, moe=moe)
     g, m, rules = ctx.graph, ctx.model, _rules(ctx)
     gemma = rules.unit_offset_norm
     H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
@@ -216,6 +216,9 @@ def _gpt(ctx: Ctx) -> None:
 
 
 def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:
+    if ctx.impl.framework != "hf":  # LitGPT's Block for GPT-NeoX (estimate/rules_litgpt_variants.py)
+        from trainmem.estimate.rules_litgpt_variants import litgpt_layer
+        return litgpt_layer(ctx, x, cos, sin, kernel, held)
     g, m = ctx.graph, ctx.model
     H, F = m.hidden_size, m.ffn_size
     neox = _rules(ctx).neox

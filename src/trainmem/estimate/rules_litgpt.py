@@ -41,7 +41,7 @@ from trainmem.estimate.finetune import lora_targeted
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf_parts import _gated_mlp, _rules
 
-__all__ = ["litgpt_block", "litgpt_rmsnorm"]
+__all__ = ["check_run", "litgpt_block", "litgpt_rmsnorm"]
 
 
 def litgpt_rmsnorm(ctx: Ctx, x: Sym, name: str) -> Sym:
@@ -61,19 +61,27 @@ def litgpt_rmsnorm(ctx: Ctx, x: Sym, name: str) -> Sym:
         rs = g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", x.requires_grad)
         g.save(x32, rs, when=x.requires_grad)
         normed = g.new("normed", x.shape, x.dims, "float32", x.requires_grad)
-        if ctx.param != "float32":
+        # `(1 + self.weight) if self.add_unit_offset else self.weight` then `.float()`: a new (H,) fp32 tensor
+        # unless the weight is already fp32 and used as is (Gemma's unit offset: config.norm_class)
+        if ctx.param != "float32" or _rules(ctx).unit_offset_norm:
             g.save(g.new("weight_fp32", x.shape[-1:], x.dims[-1:], "float32", wt), when=x.requires_grad)
         g.save(normed, when=wt)
         return ctx.cast(g.new("out_fp32", x.shape, x.dims, "float32", x.requires_grad or wt), x.dtype, "out")
 
 
 def _check(ctx: Ctx, kernel: str, masked: bool, moe: bool) -> None:
-    m, rules, impl = ctx.model, _rules(ctx), ctx.impl
+    m, rules = ctx.model, _rules(ctx)
     plain = not (rules.fused_qkv or rules.fused_gate_up or rules.unit_offset_norm or rules.post_norms
                  or rules.sandwich_norms or m.qk_norm or moe or not m.gated or m.attn_softcap)
     if not plain:
         raise UnsupportedError(f"{m.name}: --framework litgpt models LitGPT's LLaMA blocks (RMSNorm, LLaMAMLP, "
                                f"fused qkv); {m.family} blocks are not modelled")
+    check_run(ctx, kernel, masked)
+
+
+def check_run(ctx: Ctx, kernel: str, masked: bool) -> None:
+    """What every LitGPT block rule needs: SDPA without a mask, no autocast, recompute or TP/CP."""
+    impl = ctx.impl
     if kernel not in ("flash", "efficient") or masked:
         raise UnsupportedError(f"--framework litgpt: LitGPT calls SDPA without a mask (flash or mem-efficient), "
                                f"not {kernel}{' with a window mask' if masked else ''}")
@@ -112,7 +120,10 @@ def _lora_qkv(ctx: Ctx, h: Sym, base: Sym) -> Sym:
         return ctx.add(base, after_b, "lora_sum")  # `* self.scaling` (a float) keeps nothing
 
 
-def _attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
+def _attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str, *, out_name: str = "o_proj",
+               core=None) -> Sym:
+    """``CausalSelfAttention.forward``; ``out_name``: the HF name of ``proj`` (GPT-NeoX's ``dense``);
+    ``core(ctx, q, k, v)``: an attention core other than SDPA (``rules_litgpt_variants``'s soft-capped one)."""
     g, m = ctx.graph, ctx.model
     B, S, A, Akv, hd = ctx.B, ctx.S, m.num_heads, m.num_kv_heads, m.head_dim
     width = m.q_size + 2 * m.kv_size
@@ -129,10 +140,10 @@ def _attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str) -> Sym:
         v = g.new("v_repeat", (B, A, S, hd), heads, k.dtype, rg)
     else:  # V is a split/view/transpose of the fused output: SDPA keeps the whole qkv storage
         v = qkv
-    out = fused_saves(ctx, q, k, v, kernel, (B, A, S, hd), heads)
+    out = core(ctx, q, k, v) if core else fused_saves(ctx, q, k, v, kernel, (B, A, S, hd), heads)
     # y.transpose(1, 2).reshape(B, T, A·hd): a copy, the proj input
     y = g.new("attn_out", (B, S, A * hd), ("B", "S", "A·hd"), out.dtype, rg)
-    with g.module("o_proj"):
+    with g.module(out_name):
         return ctx.linear(y, m.hidden_size, "H", weight=(m.hidden_size, m.q_size), bias=m.out_bias)
 
 

@@ -101,7 +101,8 @@ class ImplSpec:
     framework: str = "hf"
     """Whose decoder-block code runs under the ``hf`` profile: ``hf`` (transformers' modules) or
     ``litgpt`` (LitGPT's ``Block``/``CausalSelfAttention``/``RMSNorm`` and ``LoRAQKVLinear``,
-    ``estimate/rules_litgpt.py``; Llama-style families) or ``lit-gpt`` (its October 2023 ``lit_gpt``
+    ``estimate/rules_litgpt.py``, ``rules_litgpt_variants.py``; Llama, GPT-NeoX and Gemma / Gemma-2
+    blocks) or ``lit-gpt`` (its October 2023 ``lit_gpt``
     package, whose RMSNorm ran in the input's dtype)."""
 
     def __post_init__(self) -> None:
