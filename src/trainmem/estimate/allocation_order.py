@@ -39,7 +39,8 @@ Known limitations:
     per-op gradient buffers beyond the working set above) are not in the stream, so a segment the
     real step cuts for them and later reuses is missing: the trace's reserve is usually larger
     (tests/estimate/test_estimate_reserved.py states the measured ratios).
-  - One stream; no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
+  - One stream, except FSDP2's side-stream pools (:mod:`trainmem.estimate.fsdp_streams`; not in
+    the capacity flush replay); no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
     inventories under parallelism are replayed as one device's.
   - The reserved peak is that of an unlimited device, and it is not monotone in the sequence
     length (docs/plan.md "What fits means": freed activation segments smaller than the optimizer's
@@ -359,22 +360,11 @@ def estimate_fit_state(est, usable_bytes: int) -> tuple[str, FlushReplay | None]
 
 
 def _replay(est, expandable_segments: bool) -> ReservedModel:
-    from trainmem.trace.allocator import CachingAllocator
+    # FSDP2's side streams keep their own pools (estimate/fsdp_streams.py); other estimates: one pool
+    from trainmem.estimate.fsdp_streams import pooled_events, replay_pools
 
-    ev = allocation_events(est)
-    alloc = CachingAllocator(expandable_segments=expandable_segments)
-    sizes: dict = {}
-    logical = top = reserved = 0
-    for e in ev:
-        if e[0] == "alloc":
-            alloc.malloc(e[1], e[2])
-            sizes[e[1]] = e[2]
-            logical += e[2]
-            top = max(top, logical)
-            reserved = max(reserved, alloc.reserved_bytes)
-        else:
-            alloc.free(e[1])
-            logical -= sizes.pop(e[1])
+    ev = pooled_events(est, allocation_events(est))
+    reserved, top = replay_pools(ev, expandable_segments=expandable_segments)
     reserve = max(0, reserved - top)
     return ReservedModel(reserved_bytes=est.peak_bytes + reserve, reserve_bytes=reserve, stream_peak_bytes=top,
                          replay_reserved_bytes=reserved, events=len(ev))

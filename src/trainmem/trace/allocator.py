@@ -10,6 +10,10 @@ Pure Python, no torch. It follows ``c10/cuda/CUDACachingAllocator.cpp``:
 * a free block is found best-fit (smallest size, then lowest address) within the pool;
 * a block is split when the remainder is at least 512 bytes (small pool, or any pool with
   expandable segments) or more than 1 MiB (large pool); freed blocks merge with free neighbours;
+* each stream has its own pools: a block freed on one stream is never handed to a request made on
+  another (``BlockPool`` orders blocks by stream first and ``get_free_block`` stops at a block of
+  another stream; a segment belongs to the stream that made it), so ``malloc(..., stream=s)``
+  searches and grows stream ``s``'s pools only (default stream ``0``);
 * segments are never returned (no ``empty_cache``), so reserved bytes only grow; unless
   ``capacity_bytes`` is given: then a new segment that would take reserved bytes past it first
   releases every cached segment that is wholly free (not split), as ``DeviceCachingAllocator::malloc``
@@ -19,7 +23,8 @@ Pure Python, no torch. It follows ``c10/cuda/CUDACachingAllocator.cpp``:
   2 MiB (small pool) or 20 MiB (large pool), extending a free block at the end when there is one.
 
 Known limitations:
-  - One stream, no CUDA graphs, no ``max_split_size_mb``/``roundup_power2_divisions`` and
+  - Streams are pools only: no events, no ``record_stream``; no CUDA graphs, no
+    ``max_split_size_mb``/``roundup_power2_divisions`` and
     unlimited device memory unless ``capacity_bytes`` (then without expandable segments only;
     ``release_available_cached_blocks`` is a no-op at the default ``max_split_size``).
 """
@@ -74,6 +79,7 @@ class _Segment:
     size: int
     small: bool
     first: _Block | None = None
+    stream: Hashable = 0
 
     def blocks(self) -> list[_Block]:
         out, b = [], self.first
@@ -86,6 +92,7 @@ class _Segment:
 @dataclass
 class _Pool:
     small: bool
+    stream: Hashable = 0
     free: list[tuple[int, int, _Block]] = field(default_factory=list)  # (size, addr, block), sorted
     segments: list[_Segment] = field(default_factory=list)
 
@@ -112,7 +119,7 @@ class CachingAllocator:
         self.capacity = capacity_bytes
         self.out_of_memory = False  # a segment did not fit capacity_bytes even after the release
         self.released_bytes = 0  # segments given back by the release (cudaFree)
-        self._pools = {True: _Pool(True), False: _Pool(False)}
+        self._pools = {True: _Pool(True), False: _Pool(False)}  # stream 0's; others keyed (small, stream)
         self._live: dict[Hashable, _Block] = {}
         self._next_addr = 1 << 40  # fake device addresses, segments never overlap
         self.reserved_bytes = 0
@@ -120,12 +127,12 @@ class CachingAllocator:
         self.requested_bytes = 0  # rounded requests
 
     # -- public -------------------------------------------------------------------
-    def malloc(self, key: Hashable, nbytes: int) -> tuple[int, int]:
-        """Allocate ``nbytes`` for ``key``; returns ``(address, block size)``."""
+    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> tuple[int, int]:
+        """Allocate ``nbytes`` for ``key`` on ``stream``; returns ``(address, block size)``."""
         if key in self._live:
             raise ValueError(f"key {key!r} is already allocated")
         size = round_size(nbytes)
-        pool = self._pools[size <= SMALL_SIZE]
+        pool = self._pool(size <= SMALL_SIZE, stream)
         block = pool.best_fit(size)
         if block is None:
             block = self._grow(pool, size)
@@ -147,7 +154,7 @@ class CachingAllocator:
 
     def free(self, key: Hashable) -> None:
         block = self._live.pop(key)
-        pool = self._pools[block.segment.small]
+        pool = self._pool(block.segment.small, block.segment.stream)
         self.allocated_bytes -= block.size
         self.requested_bytes -= block.requested
         block.allocated = False
@@ -162,7 +169,7 @@ class CachingAllocator:
         """Every segment with its blocks, in address order (the shape of a memory snapshot)."""
         out = []
         for small in (True, False):
-            for seg in self._pools[small].segments:
+            for seg in (s for p in self._pools.values() if p.small is small for s in p.segments):
                 blocks = [{"address": b.addr, "size": b.size, "requested_size": b.requested,
                            "allocated": b.allocated} for b in seg.blocks()]
                 out.append({"address": seg.addr, "total_size": seg.size,
@@ -170,6 +177,11 @@ class CachingAllocator:
         return out
 
     # -- internals -------------------------------------------------------------------
+    def _pool(self, small: bool, stream: Hashable) -> _Pool:
+        if stream == 0:
+            return self._pools[small]
+        return self._pools.setdefault((small, stream), _Pool(small, stream))
+
     def _should_split(self, block: _Block, size: int, small: bool) -> bool:
         remaining = block.size - size
         if small or self.expandable:
@@ -182,7 +194,7 @@ class CachingAllocator:
             if self.capacity is not None and self.reserved_bytes + seg_size > self.capacity:
                 self._release_cached()
                 self.out_of_memory |= self.reserved_bytes + seg_size > self.capacity
-            seg = _Segment(self._next_addr, seg_size, pool.small)
+            seg = _Segment(self._next_addr, seg_size, pool.small, stream=pool.stream)
             seg.first = _Block(seg.addr, seg_size, seg)
             self._next_addr += seg_size
             pool.segments.append(seg)
@@ -190,7 +202,7 @@ class CachingAllocator:
             return seg.first
         page = SMALL_BUFFER if pool.small else LARGE_BUFFER
         if not pool.segments:
-            seg = _Segment(self._next_addr, 0, pool.small)
+            seg = _Segment(self._next_addr, 0, pool.small, stream=pool.stream)
             self._next_addr += 1 << 44  # address space for a whole device
             pool.segments.append(seg)
         seg = pool.segments[0]
