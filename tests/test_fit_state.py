@@ -112,3 +112,39 @@ def test_plan_advise_explain_serve_sweep_say_the_same(mistral, estimates):
               fit_reserved=True)
     pt = next(p for p in r.points if p.value == 3584)
     assert pt.fit_state == "fits_with_cache_flush" and not pt.fits and pt.to_dict()["fit_state"] == pt.fit_state
+
+
+def test_a_measured_step_says_which_state_it_ran_in():
+    """profile on CUDA: the measured reserved peak already holds the real allocator's flushes, counted in
+    memory_stats()["num_alloc_retries"]; over usable, a measured stream is not replayed (two answers)."""
+    from trainmem.fits import measured_fit_state
+    assert measured_fit_state(reserved_bytes=10, usable_bytes=10, alloc_retries=0) == "fits"
+    assert measured_fit_state(reserved_bytes=10, usable_bytes=10, alloc_retries=2) == "fits_with_cache_flush"
+    assert measured_fit_state(reserved_bytes=10, usable_bytes=10, alloc_retries=2, ooms=1) == "does_not_fit"
+    assert measured_fit_state(reserved_bytes=11, usable_bytes=10, alloc_retries=0) == "does_not_fit"
+
+
+def test_profile_verdict_from_measured_retries():
+    import argparse
+
+    from trainmem.fitargs import profile_fit
+    from trainmem.measure.profile_result import ProfileResult, RankProfile
+    gib = 1 << 30
+
+    def result(retries):
+        rank = RankProfile(rank=0, device="cuda:0 (NVIDIA H100 80GB HBM3)", peak_bytes=70 * gib,
+                           peak_reserved_bytes=76 * gib, peak_active_bytes=70 * gib, num_alloc_retries=retries,
+                           num_ooms=0, baseline_bytes=0, context_bytes=None, tokens_per_s=None, step_time_s=1.0,
+                           totals_bytes={})
+        return ProfileResult((rank,))
+
+    args = argparse.Namespace(gpu="H100-80GB", gpu_memory=None, memory_figure="reserved")
+    fit, text = profile_fit(args, result(0))
+    assert (fit["fits"]["fit_state"], fit["fits"]["fits"]) == ("fits", True)
+    fit, text = profile_fit(args, result(3))
+    assert (fit["fits"]["fit_state"], fit["fits"]["fits"]) == ("fits_with_cache_flush", False)
+    assert fit["fits"]["headroom_bytes"] == USABLE - 76 * gib  # the measured peak is the one with the flushes
+    assert "FITS ONLY BY FLUSHING THE ALLOCATOR CACHE on 1× H100-80GB: needs 76.00 GiB reserved" in text
+    assert "retried 3× during the timed steps" in text
+    fit, text = profile_fit(argparse.Namespace(gpu="custom", gpu_memory="76GiB", memory_figure="reserved"), result(0))
+    assert fit["fits"]["fit_state"] == "does_not_fit" and "is not replayed at another capacity" in text

@@ -64,19 +64,21 @@ def check_figure_args(args, *, reserved_known: bool, unmodelled: str = "not mode
 def fit_report(args, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
                reserved_source: str = "", active_note: str = "", gpus: int = 1, label: str = "",
                unmodelled: str = "not modelled for estimates", paged_bytes: int = 0,
-               flush=None) -> tuple[dict, str]:
+               flush=None, state=None) -> tuple[dict, str]:
     """The JSON fields (``fits``, ``memory_figure``) and the text lines for one peak. ``paged_bytes``:
     bitsandbytes' paged optimizer state, in the ``device`` figure as far as it stays resident;
     ``flush``: a callable ``usable -> FlushReplay | None`` (the estimate's allocation order replayed
-    with the allocator's release-and-retry), which decides ``fits_with_cache_flush``."""
-    from trainmem.fits import verdict
+    with the allocator's release-and-retry), which decides ``fits_with_cache_flush``; ``state``: a
+    callable ``usable -> fit state`` decided elsewhere (a measurement), used as given."""
+    from trainmem.fits import context_bytes, verdict
 
     check_figure_args(args, reserved_known=reserved_bytes is not None, unmodelled=unmodelled)
     figure, gpu = args.memory_figure, gpu_from_args(args)
     if gpu is not None:
         v = verdict(gpu, allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, active_bytes=active_bytes,
                     reserved_source=reserved_source, figure=figure, gpus=gpus, unmodelled=unmodelled,
-                    paged_bytes=paged_bytes, flush=None if flush is None else flush(gpu, gpus))
+                    paged_bytes=paged_bytes, flush=None if flush is None else flush(gpu, gpus),
+                    state=None if state is None else state(gpu.memory_bytes - context_bytes(gpu, gpus)))
         return {"memory_figure": _figure_json(figure, v.need_bytes), "fits": v.to_dict()}, \
             "\n".join([*size_readings(args), render_verdict(v, label=label)])
     if figure == "allocated":  # the default, named on every peak line already: JSON unchanged
@@ -160,15 +162,20 @@ def sweep_budget(args, *, reserve_modelled: bool, gpus: int = 1,
 
 def sweep_fit(args, result, *, reserve_modelled: bool, gpus: int = 1,
               source: str = "from the back-end's allocator") -> tuple[dict, str]:
-    """``sweep --gpu``: the verdict at the largest value that fits and at the next value tried."""
+    """``sweep --gpu``: the verdict at the largest value that fits, at the next value tried, and at the
+    largest value that runs only by flushing the allocator cache (``fits_with_flush``, where that
+    second bound is past both)."""
     if args.gpu is None:
         return {}, ""
     points = [p for p in result.points if p.peak_bytes is not None]
     fit = [p for p in points if p.fits]
     at = fit[-1] if fit else (points[0] if points else None)
     after = next((p for p in points if at is not None and at.fits and p.value > at.value and not p.fits), None)
+    bound = getattr(result, "max_fit_with_flush", None)
+    flushed = next((p for p in points if p.value == bound and p not in (at, after)
+                    and p.fit_state == "fits_with_cache_flush"), None)
     out, lines = {}, []
-    for key, p in (("fits", at), ("fits_next", after)):
+    for key, p in (("fits", at), ("fits_next", after), ("fits_with_flush", flushed)):
         if p is None:
             continue
         d, text = fit_report(args, allocated_bytes=p.peak_bytes,
@@ -181,9 +188,29 @@ def sweep_fit(args, result, *, reserve_modelled: bool, gpus: int = 1,
 
 
 def profile_fit(args, result) -> tuple[dict, str]:
-    """``profile``: measured allocated, active and (CUDA) reserved bytes of the rank with the highest peak."""
+    """``profile``: measured allocated, active and (CUDA) reserved bytes of the rank with the highest peak.
+    On CUDA the state is the measurement's (:func:`trainmem.fits.measured_fit_state`: the allocator's
+    retries during the timed steps); on CPU (no reserved figure, no allocator) two answers."""
+    from trainmem.fits import measured_fit_state
+
     r = max(result.ranks, key=lambda r: r.peak_bytes)
-    return fit_report(args, allocated_bytes=r.peak_bytes, reserved_bytes=r.peak_reserved_bytes,
-                      active_bytes=r.peak_active_bytes, gpus=len(result.ranks),
-                      reserved_source="measured (max_memory_reserved)", unmodelled="not measured on CPU",
-                      active_note="equals allocated: no CUDA stream, no freed blocks still in use")
+    state = None
+    if r.peak_reserved_bytes is not None and r.num_alloc_retries is not None:
+        def state(usable: int) -> str:
+            return measured_fit_state(reserved_bytes=r.peak_reserved_bytes, usable_bytes=usable,
+                                      alloc_retries=r.num_alloc_retries, ooms=r.num_ooms)
+    fit, text = fit_report(args, allocated_bytes=r.peak_bytes, reserved_bytes=r.peak_reserved_bytes,
+                           active_bytes=r.peak_active_bytes, gpus=len(result.ranks),
+                           reserved_source="measured (max_memory_reserved)", unmodelled="not measured on CPU",
+                           active_note="equals allocated: no CUDA stream, no freed blocks still in use", state=state)
+    v = fit.get("fits", {})
+    if v.get("fit_state") == "fits_with_cache_flush":
+        text += (f"\n  measured on {r.device}: the caching allocator released its cached blocks and retried "
+                 f"{r.num_alloc_retries}× during the timed steps (num_alloc_retries in torch.cuda.memory_stats()); "
+                 f"the reserved peak above is with those flushes. It runs, slower")
+    elif v and not v.get("fits") and r.peak_reserved_bytes is None:
+        text += "\n  on CPU no allocator runs: whether a cache flush would let it run is not checked (trainmem trace --gpu replays it)"
+    elif v and not v.get("fits"):
+        text += ("\n  a measured step is not replayed at another capacity: whether a cache flush would let it run "
+                 "is not checked (trainmem trace --gpu replays the traced step)")
+    return fit, text

@@ -55,7 +55,7 @@ from trainmem.errors import SpecError
 if TYPE_CHECKING:
     from trainmem.plan.hardware import GPU
 
-__all__ = ["FIGURES", "FIT_STATES", "Verdict", "verdict", "fit_state", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
+__all__ = ["FIGURES", "FIT_STATES", "Verdict", "verdict", "fit_state", "measured_fit_state", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
            "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident", "reserved_budget"]
 
 FIGURES = ("allocated", "active", "reserved", "device")
@@ -125,6 +125,19 @@ def fit_state(*, reserved_bytes: int, usable_bytes: int, fits_after_flush: bool 
     return "fits_with_cache_flush" if fits_after_flush else "does_not_fit"
 
 
+def measured_fit_state(*, reserved_bytes: int, usable_bytes: int, alloc_retries: int | None,
+                       ooms: int | None = None) -> str:
+    """:data:`FIT_STATES` of a measured step (``trainmem profile`` on CUDA): its measured reserved peak
+    already includes any cache flushes the real allocator made, which ``torch.cuda.memory_stats()``
+    counts in ``num_alloc_retries`` (c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::malloc``
+    → ``release_cached_blocks`` → ``alloc_block`` again; ``num_ooms`` when that failed too). Within
+    ``usable_bytes`` with retries and no OOM: ``fits_with_cache_flush``; over it: ``does_not_fit`` (a
+    measured stream is not replayed at another capacity, so whether a flush would save it is not known)."""
+    if ooms or reserved_bytes > usable_bytes:
+        return "does_not_fit"
+    return "fits_with_cache_flush" if alloc_retries else "fits"
+
+
 def check_figure(figure: str) -> str:
     if figure not in FIGURES:
         raise SpecError("memory_figure", figure, f"must be one of {', '.join(FIGURES)}")
@@ -177,13 +190,14 @@ class Verdict:
 def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None, active_bytes: int | None = None,
             reserved_source: str = "", figure: str = "allocated", gpus: int = 1,
             fraction: float = ESTIMATE_RESERVE_FRACTION, unmodelled: str = "not modelled for estimates",
-            paged_bytes: int = 0, flush=None) -> Verdict:
+            paged_bytes: int = 0, flush=None, state: str | None = None) -> Verdict:
     """The verdict for one rank's peak. ``reserved_bytes`` from a trace or a measurement (named in
     ``reserved_source``); without it the reserve is ``fraction`` of the capacity (``unmodelled``
     says why). ``paged_bytes`` (unified memory) never changes whether the step fits; the ``device``
     figure counts the part of it that stays resident (:func:`paged_resident`). ``flush``: the
     :class:`~trainmem.estimate.allocation_order.FlushReplay` at this verdict's usable reserved memory
-    (capacity − context), where the reserved peak is over it; it decides ``fits_with_cache_flush``."""
+    (capacity − context), where the reserved peak is over it; it decides ``fits_with_cache_flush``.
+    ``state``: a state decided elsewhere (a measurement, :func:`measured_fit_state`), used as given."""
     check_figure(figure)
     capacity = gpu.memory_bytes
     context = context_bytes(gpu, gpus)
@@ -202,11 +216,14 @@ def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None
             "reserved": reserved_bytes, "device": reserved_bytes + context + resident}[figure]
     if figure == "device":  # the resident pages use the room they sit in: the headroom stays capacity − need
         headroom -= resident
-    state = fit_state(reserved_bytes=reserved_bytes, usable_bytes=capacity - context,
-                      fits_after_flush=None if flush is None else flush.fits)
+    if state is None:
+        state = fit_state(reserved_bytes=reserved_bytes, usable_bytes=capacity - context,
+                          fits_after_flush=None if flush is None else flush.fits)
+    elif state not in FIT_STATES:
+        raise SpecError("fit_state", state, f"must be one of {', '.join(FIT_STATES)}")
     flushed = flush is not None and state == "fits_with_cache_flush"
     return Verdict(figure=figure, need_bytes=need, usable_bytes=need + headroom, headroom_bytes=headroom,
-                   fits=headroom >= 0, fit_state=state, flushes=flush.flushes if flushed else 0,
+                   fits=headroom >= 0 and state == "fits", fit_state=state, flushes=flush.flushes if flushed else 0,
                    flushed_bytes=flush.flushed_bytes if flushed else 0,
                    flush_reserved_bytes=flush.reserved_bytes if flushed else 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
                    allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, reserve_bytes=reserve, why=why,

@@ -58,7 +58,7 @@ from trainmem.inventory import Category, MemoryItem
 from trainmem.names import is_head, layer_of
 
 __all__ = ["ReservedModel", "FlushReplay", "allocation_events", "estimate_reserved", "fits_with_release",
-           "replay_with_flush", "estimate_fit_state", "SOURCE"]
+           "replay_with_flush", "replay_events_with_flush", "estimate_fit_state", "SOURCE"]
 
 #: Named in every output that uses the model.
 SOURCE = "from the estimate's allocation order replayed through the caching-allocator model"
@@ -318,24 +318,36 @@ def replay_with_flush(est, usable_bytes: int) -> FlushReplay:
     block, module docstring); the stream gets the capacity less that difference, so the replay's
     limit and :func:`estimate_reserved`'s figure are on one footing (a stream whose unlimited
     reserved figure is within ``usable_bytes`` never releases)."""
+    from trainmem.estimate.fsdp_streams import pooled_events
+
+    model = estimate_reserved(est)  # the same pooled events (FSDP2's side-stream pools) as _replay
+    return replay_events_with_flush(pooled_events(est, allocation_events(est)), usable_bytes,
+                                    shift_bytes=est.peak_bytes - model.stream_peak_bytes)
+
+
+def replay_events_with_flush(events, usable_bytes: int, *, shift_bytes: int = 0) -> FlushReplay:
+    """Replay ``("alloc", key, nbytes[, stream])`` / ``("free", key)`` events through the
+    caching-allocator model capped at ``usable_bytes − shift_bytes`` of reserved memory, with the
+    release-and-retry (:class:`FlushReplay`; the release frees wholly free segments of every stream's
+    pools, as ``release_cached_blocks`` does). ``shift_bytes``: what the reserved figure the verdict compares adds to
+    the stream's own (0 for a trace, whose reserved figure is this stream's replay); the returned
+    ``reserved_bytes`` adds it back. Pure: no torch, no I/O."""
     from trainmem.trace.allocator import CachingAllocator
 
-    model = estimate_reserved(est)
-    shift = est.peak_bytes - model.stream_peak_bytes
-    alloc = CachingAllocator(capacity_bytes=usable_bytes - shift)
+    alloc = CachingAllocator(capacity_bytes=usable_bytes - shift_bytes)
     flushes = top = 0
-    for e in allocation_events(est):
+    for e in events:
         if e[0] == "free":
             alloc.free(e[1])
             continue
         before = alloc.released_bytes
-        alloc.malloc(e[1], e[2])
+        alloc.malloc(e[1], e[2], stream=e[3] if len(e) > 3 else 0)
         flushes += alloc.released_bytes > before
         if alloc.out_of_memory:
             break
         top = max(top, alloc.reserved_bytes)
     return FlushReplay(usable_bytes=usable_bytes, fits=not alloc.out_of_memory, flushes=flushes,
-                       flushed_bytes=alloc.released_bytes, reserved_bytes=top + shift)
+                       flushed_bytes=alloc.released_bytes, reserved_bytes=top + shift_bytes)
 
 
 def fits_with_release(est, capacity_bytes: int) -> bool:

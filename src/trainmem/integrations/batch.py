@@ -5,12 +5,16 @@ estimate's per-rank peak (``plan.ranks.per_rank_peak``: parallelism and fine-tun
 the trace's peak on fake tensors (a Hugging Face config only). "Fits" means the reserved peak (the
 caching-allocator model's: ``estimate_reserved`` of the estimate, the trace's own replay) <= usable
 memory for it: capacity − context − NCCL buffers beyond one rank − ``reserve.fraction`` (0 by
-default), the verdict of ``plan``, ``advise`` and ``sweep --gpu``.
+default), the verdict of ``plan``, ``advise`` and ``sweep --gpu``. A second search, from that batch,
+finds the largest that runs only by flushing the allocator cache (:data:`trainmem.fits.FIT_STATES`
+``fits_with_cache_flush``: over usable, but the allocation stream, the estimate's allocation order or
+the trace's recording, replayed at the usable memory with the allocator's release-and-retry never
+fails); both bounds are reported, ``batch`` (strict) and ``batch_with_flush``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 from trainmem.errors import SpecError, UnsupportedError
@@ -38,11 +42,29 @@ class BatchFit:
     step: StepSpec  # the step searched (its batch is the first one tried)
     reserved_bytes: int | None = None  # at ``batch``: the figure compared with usable
     next_reserved_bytes: int | None = None  # at ``batch + 1``
+    batch_with_flush: int | None = None
+    """The largest micro-batch that runs, possibly only by flushing the allocator cache (fit state
+    ``fits`` or ``fits_with_cache_flush``); >= ``batch``. None when even 1 does not run."""
+    capped_with_flush: bool = False  # ``max_batch`` itself runs with the flush
+    flush: Any = None
+    """At ``batch_with_flush`` when it is over usable: the
+    :class:`~trainmem.estimate.allocation_order.FlushReplay` (flushes per step, bytes freed, reserved
+    peak with them); None when it fits without flushing."""
+
+    @property
+    def fit_state(self) -> str:
+        """The three-state answer at ``batch_with_flush`` (``does_not_fit`` when nothing runs)."""
+        if self.batch_with_flush is None:
+            return "does_not_fit"
+        return "fits" if self.batch_with_flush == self.batch else "fits_with_cache_flush"
 
     def to_dict(self) -> dict:
         return {"batch": self.batch, "capped": self.capped, "peak_bytes": self.peak_bytes,
                 "next_peak_bytes": self.next_peak_bytes, "peak_reserved_bytes": self.reserved_bytes,
-                "next_peak_reserved_bytes": self.next_reserved_bytes, "usable_bytes": self.budget.usable_bytes,
+                "next_peak_reserved_bytes": self.next_reserved_bytes,
+                "batch_with_flush": self.batch_with_flush, "capped_with_flush": self.capped_with_flush,
+                "fit_state": self.fit_state, "flush": None if self.flush is None else asdict(self.flush),
+                "usable_bytes": self.budget.usable_bytes,
                 "budget": self.budget.to_dict(), "backend": self.backend, "step": self.step.to_dict()}
 
 
@@ -66,7 +88,8 @@ def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None 
                         gpu_memory: str | int | None = None, reserve: Reserve | None = None,
                         backend: str = "estimate", max_batch: int = 1 << 16) -> BatchFit:
     """The largest micro-batch B whose predicted reserved peak fits one device: reserved(B) <= usable
-    < reserved(B + 1).
+    < reserved(B + 1) (``batch``), and the largest that runs only by flushing the allocator cache
+    (``batch_with_flush``, :data:`trainmem.fits.FIT_STATES`).
 
     ``model``: a ModelSpec, a preset name or ``config.json`` path, a config dict, or a
     transformers model. ``step`` gives everything but the batch (``seq`` overrides its sequence);
@@ -94,23 +117,31 @@ def largest_micro_batch(model, *, seq: int | None = None, step: StepSpec | None 
         if finetune is not None or not parallel.is_single:
             raise UnsupportedError("backend=trace traces one device without fine-tuning: use backend=estimate")
 
-    peaks: dict[int, tuple[int, int]] = {}  # batch -> (allocated, reserved)
+    usable = budget.usable_bytes
+    peaks: dict[int, tuple[int, int, str, Any]] = {}  # batch -> (allocated, reserved, fit state, flush replay)
 
-    def peak(b: int) -> tuple[int, int]:
+    def peak(b: int) -> tuple[int, int, str, Any]:
         if b not in peaks:
             s = replace(step, batch=b)
-            if backend == "trace":
+            if backend == "trace":  # the trace's recorded stream, replayed at usable (trace/flush.py)
                 from trainmem.trace import trace_step
+                from trainmem.trace.flush import trace_fit_state
                 t = trace_step(config, s, impl)
-                peaks[b] = (t.peak_bytes, t.peak_reserved_bytes)
+                state, flush, _ = trace_fit_state(t, usable)
+                peaks[b] = (t.peak_bytes, t.peak_reserved_bytes, state, flush)
             else:  # the peak rank (plan.ranks.per_rank_peak's estimate), replayed through the allocator model
                 from trainmem.estimate import estimate
-                from trainmem.estimate.allocation_order import estimate_reserved
+                from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
                 e = estimate(spec, s, impl, None if parallel.is_single else parallel, finetune=finetune)
-                peaks[b] = (e.peak_bytes, estimate_reserved(e).reserved_bytes)
+                state, flush = estimate_fit_state(e, usable)
+                peaks[b] = (e.peak_bytes, estimate_reserved(e).reserved_bytes, state, flush)
         return peaks[b]
 
-    batch, capped = bisect_max(lambda b: peak(b)[1] <= budget.usable_bytes, start=1, stop=max_batch, multiple=1)
+    batch, capped = bisect_max(lambda b: peak(b)[1] <= usable, start=1, stop=max_batch, multiple=1)
     at, after = peak(batch) if batch else (None, None), (None, None) if capped else peak((batch or 0) + 1)
+    # from the strict bound: every batch that fits also runs, so the second bound is never below it
+    runs, runs_capped = (batch, True) if capped else bisect_max(lambda b: peak(b)[2] != "does_not_fit",
+                                                                start=batch or 1, stop=max_batch, multiple=1)
     return BatchFit(batch, capped, at[0], after[0], budget, backend, step, reserved_bytes=at[1],
-                    next_reserved_bytes=after[1])
+                    next_reserved_bytes=after[1], batch_with_flush=runs, capped_with_flush=runs_capped,
+                    flush=peak(runs)[3] if runs and runs != batch else None)

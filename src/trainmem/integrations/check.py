@@ -4,16 +4,19 @@ Before the first step: the estimate's per-device reserved peak (the caching-allo
 :func:`trainmem.estimate.allocation_order.estimate_reserved`) against the device's usable memory
 for that figure (capacity − the context − NCCL buffers beyond one rank − ``reserve.fraction``, an
 extra margin, 0 by default: :meth:`~trainmem.plan.hardware.Reserve.reserved_usable_bytes`), the
-verdict of ``estimate --memory-figure reserved``, ``plan`` and ``advise``; ``advise``'s ladder
-when it does not fit. After the first steps: the measured allocated peak beside the predicted
+verdict of ``estimate --memory-figure reserved``, ``plan`` and ``advise``, in three states
+(:data:`trainmem.fits.FIT_STATES`: over usable, the estimate's allocation order is replayed at the
+usable memory with the allocator's release-and-retry, ``estimate_fit_state``); ``advise``'s ladder
+when it does not fit without flushing the allocator cache. After the first steps: the measured allocated peak beside the predicted
 allocated peak (a ratio of like figures, not a verdict; CUDA's measured reserved peak is logged). Pure functions and result objects; rendering is in ``integrations.text``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from trainmem.errors import DoesNotFit, SpecError
+from trainmem.estimate.allocation_order import FlushReplay
 from trainmem.plan.advise import Advice
 from trainmem.plan.hardware import GPU, Reserve
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
@@ -100,35 +103,49 @@ class Check:
     notes: tuple[str, ...] = ()
     predicted_reserved_bytes: int | None = None
     """The reserved peak (allocator model) the verdict compares; None without a budget."""
+    fit_state: str | None = None
+    """:data:`trainmem.fits.FIT_STATES` against the budget (``estimate --gpu``'s answer); None without one."""
+    flush: FlushReplay | None = None
+    """``fits_with_cache_flush``: the replay at the usable memory with the allocator's release-and-retry
+    (flushes per step, bytes freed, the reserved peak with them)."""
 
     @property
     def fits(self) -> bool | None:
-        """None when there is no device memory to compare with."""
+        """Fits without flushing the allocator cache (the reserved peak within usable); None when
+        there is no device memory to compare with. :attr:`fit_state` has the three-state answer."""
         return None if self.budget is None else self.predicted_reserved_bytes <= self.budget.usable_bytes
+
+    @property
+    def runs(self) -> bool | None:
+        """The step runs, possibly only by flushing the cache (``fit_state`` is not ``does_not_fit``)."""
+        return None if self.fit_state is None else self.fit_state != "does_not_fit"
 
     def to_dict(self) -> dict:
         return {"run": self.run.to_dict(), "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_peak_reserved_bytes": self.predicted_reserved_bytes,
                 "peak_phase": self.peak_phase, "budget": self.budget.to_dict() if self.budget else None,
-                "fits": self.fits, "advice": self.advice.to_dict() if self.advice else None,
+                "fits": self.fits, "fit_state": self.fit_state,
+                "flush": None if self.flush is None else asdict(self.flush),
+                "advice": self.advice.to_dict() if self.advice else None,
                 "notes": list(self.notes)}
 
 
 def check_run(run: RunSpec, budget: Budget | None) -> Check:
-    """Estimate ``run`` and compare its reserved peak with ``budget`` (for ``run``'s ranks); when it
-    does not fit, ``advise``'s ladder."""
+    """Estimate ``run`` and compare its reserved peak with ``budget`` (for ``run``'s ranks), in three
+    states (``estimate_fit_state``); when it does not fit without flushing the cache, ``advise``'s ladder."""
     from trainmem.estimate import estimate
-    from trainmem.estimate.allocation_order import estimate_reserved
+    from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
     from trainmem.plan.advise import advise
 
     e = estimate(run.model, run.step, run.impl, None if run.parallel.is_single else run.parallel,
                  finetune=run.finetune)
     notes: list[str] = []
-    advice, held = None, None
+    advice, held, state, flush = None, None, None, None
     if budget is not None:
         world = run.parallel.world_size  # NCCL's buffers beyond one rank, as estimate counts them
         budget = replace(budget, usable_bytes=budget.reserve.reserved_usable_bytes(budget.gpu, world))
         held = estimate_reserved(e).reserved_bytes
+        state, flush = estimate_fit_state(e, budget.usable_bytes)
     if budget is not None and held > budget.usable_bytes:
         if run.finetune is not None:
             notes.append("advise does not model fine-tuning yet: no fix proposed")
@@ -136,7 +153,8 @@ def check_run(run: RunSpec, budget: Budget | None) -> Check:
             if run.parallel.zero or run.parallel.fsdp or run.parallel.offload:
                 notes.append("advise starts from plain data parallelism, not the run's sharding")
             advice = advise(run.model, run.step, run.impl, budget.gpu, gpus=run.parallel.dp, reserve=budget.reserve)
-    return Check(run, e.peak_bytes, e.peak_phase, budget, advice, tuple(notes), predicted_reserved_bytes=held)
+    return Check(run, e.peak_bytes, e.peak_phase, budget, advice, tuple(notes), predicted_reserved_bytes=held,
+                 fit_state=state, flush=flush if state == "fits_with_cache_flush" else None)
 
 
 @dataclass(frozen=True)

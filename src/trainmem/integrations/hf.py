@@ -171,8 +171,9 @@ class TrainMemCallback(TrainerCallback):
         state.log_history.append({"trainmem/predicted_peak_bytes": check.predicted_peak_bytes,
                                   "trainmem/predicted_reserved_bytes": check.predicted_reserved_bytes,
                                   "trainmem/usable_bytes": check.budget.usable_bytes if check.budget else None,
+                                  "trainmem/fit_state": check.fit_state,
                                   "step": state.global_step})
-        if check.fits is False and self.on_oom == "stop":
+        if check.runs is False and self.on_oom == "stop":  # a step that runs by flushing the cache is warned of
             raise DoesNotFit("\n".join(check_lines(check)), check)
         self._meter = StepMeter(model, optimizer, args.device)
 

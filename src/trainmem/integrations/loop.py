@@ -80,7 +80,7 @@ def guard(model, optimizer, step_fn: Callable[[], Any], *, batch: int, seq: int,
     dev = next(iter(model.parameters())).device
     check = check_run(run, resolve_budget(gpu=gpu, gpu_memory=gpu_memory, device=dev, reserve=reserve))
     log_check(check)
-    if check.fits is False and on_oom == "stop":
+    if check.runs is False and on_oom == "stop":  # a step that runs by flushing the cache is warned of
         raise DoesNotFit("\n".join(check_lines(check)), check)
     meter = StepMeter(model, optimizer, dev)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from trainmem.integrations.check import Check, GuardReport
+from trainmem.report.fit_text import flush_line
 from trainmem.report.units import fmt_bytes
 
 __all__ = ["check_lines", "measured_line", "log_check", "log_measured", "log"]
@@ -39,23 +40,30 @@ def check_lines(check: Check) -> list[str]:
                  f"{fmt_bytes(b.reserve.fixed_bytes)}" + (f" + {b.reserve.fraction:.0%} margin" if b.reserve.fraction
                                                            else "") + ", as plan and advise"
                  + ("; the reserve alone exceeds the capacity)" if b.usable_bytes <= 0 else ")"))
+        over = check.predicted_reserved_bytes - b.usable_bytes
         if check.fits:
             lines.append(f"trainmem: fits: {where}")
+        elif check.fit_state == "fits_with_cache_flush":
+            f = check.flush
+            lines.append(f"trainmem: fits ONLY BY FLUSHING THE ALLOCATOR CACHE (reserved peak over by "
+                         f"{fmt_bytes(over)}): {where}")
+            lines.append("trainmem: " + flush_line(f.flushes, f.flushed_bytes, f.reserved_bytes, b.usable_bytes,
+                                                   check.predicted_peak_bytes))
+            lines.extend(_fix_lines(check, "to fit without flushing"))
         else:
-            over = check.predicted_reserved_bytes - b.usable_bytes
             lines.append(f"trainmem: does NOT fit by {fmt_bytes(over)}: {where}")
             lines.extend(_fix_lines(check))
     lines.extend(f"trainmem note: {n}" for n in (*check.run.notes, *check.notes))
     return lines
 
 
-def _fix_lines(check: Check) -> list[str]:
+def _fix_lines(check: Check, goal: str = "until it fits") -> list[str]:
     a = check.advice
     if a is None:
         return []
     if not a.steps:
         return ["trainmem: none of advise's usual fixes applies here"]
-    out = ["trainmem: cheapest fix (advise's usual fixes, applied in order until it fits):"]
+    out = [f"trainmem: cheapest fix (advise's usual fixes, applied in order {goal}):"]
     for n, s in enumerate(a.steps, 1):
         out.append(f"trainmem:   {n}. {s.action}: peak → {fmt_bytes(s.peak_bytes_after)} "
                    f"(saves {fmt_bytes(s.saved_bytes)}, throughput cost {s.throughput_cost:+.0%})")
@@ -75,7 +83,8 @@ def measured_line(report: GuardReport) -> str:
 
 
 def log_check(check: Check) -> None:
-    """INFO when it fits (like the Trainer's own run summary), WARNING when it does not."""
+    """INFO when it fits (like the Trainer's own run summary), WARNING when it does not, or only by
+    flushing the allocator cache."""
     level = logging.WARNING if check.fits is False else logging.INFO
     for line in check_lines(check):
         log.log(level, line)

@@ -15,7 +15,14 @@ Back-ends and what "fits" means:
     allocator is capped at the budget (``set_per_process_memory_fraction``), so a step fits when
     it does not run out of memory and its reserved peak is within the budget; on CPU when the
     live-set peak is within the budget. An out-of-memory error is caught, memory is released
-    and the search goes on.
+    and the search goes on. A step that ran only after the allocator released its cached blocks
+    (``num_alloc_retries`` > 0) fits only by flushing the cache.
+
+Two bounds: ``max_fit``, the largest value that fits (fit state ``fits``), and ``max_fit_with_flush``,
+the largest that runs, possibly only by flushing the allocator cache (``fits_with_cache_flush``:
+the estimate's allocation order or the trace's recording replayed at the budget with the
+allocator's release-and-retry, or measured retries on CUDA; :func:`bisect_max_runs`). Where the
+back-end decides in two states (an allocated budget, a CPU device run) they are equal.
 
 Terms: ``attention_scores`` (naive attention's scores, probabilities and dropout masks: the
 estimator's ``S·S`` items, or traced activations of shape (B, A, S, S)) and ``other_activations``.
@@ -38,7 +45,7 @@ from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.step import default_seq
 
 __all__ = ["sweep", "SweepPoint", "SweepResult", "SCHEMA", "BACKENDS", "estimate_crossover_seq", "bisect_max",
-           "growth_at"]
+           "bisect_max_runs", "growth_at"]
 
 SCHEMA = "trainmem.sweep/2"
 BACKENDS = ("estimate", "trace", "device")
@@ -89,6 +96,11 @@ class SweepResult:
     """Growth at the limit (:func:`growth_at`): ``value``, ``exponent``, ``quadratic_share``, ``source``."""
     model: Any = None
     """The swept model's spec (echoed in the header's inputs)."""
+    max_fit_with_flush: int | None = None
+    """The largest value that runs, possibly only by flushing the allocator cache (fit state ``fits``
+    or ``fits_with_cache_flush``, :func:`bisect_max_runs`); >= ``max_fit``. Equal to it where the
+    back-end decides in two states."""
+    capped_with_flush: bool = False
 
     def to_dict(self) -> dict:
         from trainmem.schemas import header
@@ -97,7 +109,9 @@ class SweepResult:
                          parallel=m.get("parallel"), finetune=m.get("finetune")),
                 "search": {k: m[k] for k in ("start", "stop", "multiple") if k in m}, "over": self.over,
                 "backend": self.backend, "budget_bytes": self.budget_bytes, "max_fit": self.max_fit,
-                "capped": self.capped, "points": [p.to_dict() for p in self.points], "fit": self.fit,
+                "capped": self.capped, "max_fit_with_flush": self.max_fit_with_flush,
+                "capped_with_flush": self.capped_with_flush,
+                "points": [p.to_dict() for p in self.points], "fit": self.fit,
                 "verdict": self.verdict, "at_limit": dict(self.at_limit),
                 "crossover_seq": None if self.crossover_seq is None else round(self.crossover_seq, 1),
                 "crossover_source": self.crossover_source}
@@ -135,6 +149,23 @@ def bisect_max(fits: Callable[[int], bool], *, start: int, stop: int, multiple: 
         else:
             bad = mid
     return good * multiple, False
+
+
+def bisect_max_runs(state: Callable[[int], str], strict: int | None, capped: bool, *, stop: int,
+                    multiple: int) -> tuple[int | None, bool]:
+    """The second bound over the three fit states (:data:`trainmem.fits.FIT_STATES`): the largest
+    multiple of ``multiple`` up to ``stop`` whose ``state`` is not ``does_not_fit`` (it fits, or runs
+    only by flushing the allocator cache), searched as :func:`bisect_max` from ``strict``, the strict
+    bound it returned (with ``capped``). Every value that fits also runs, so the search starts past
+    ``strict``; :func:`bisect_max` has already evaluated that next value, so when it does not run
+    either the bounds are equal and nothing new is evaluated. Returns (value or None, whether
+    ``stop`` itself runs)."""
+    if capped:
+        return strict, True
+    nxt = (strict or 0) + multiple
+    if nxt > stop or state(nxt) == "does_not_fit":
+        return strict, False
+    return bisect_max(lambda v: state(v) != "does_not_fit", start=nxt, stop=stop, multiple=multiple)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,14 +224,19 @@ def _estimate_backend(model: ModelSpec, step: StepSpec, impl: ImplSpec, over: st
     return run
 
 
-def _trace_backend(source, step: StepSpec, impl: ImplSpec, over: str):
+def _trace_backend(source, step: StepSpec, impl: ImplSpec, over: str, reserved: bool = False,
+                   budget: int | None = None):
+    """The trace's peak; with ``reserved`` its fit state against ``budget`` from its own recorded
+    stream replayed with the allocator's release-and-retry (:func:`trainmem.trace.flush.trace_fit_state`)."""
     from trainmem.trace import trace_step
+    from trainmem.trace.flush import trace_fit_state
 
     def run(value: int) -> SweepPoint:
         s = _with(step, over, value)
         r = trace_step(source, s, impl)
+        state, flush, _ = trace_fit_state(r, budget) if reserved and budget is not None else (None, None, "")
         return SweepPoint(value, True, r.peak_bytes, r.items.totals(), _split_terms(r.items, s.seq),
-                          reserved_bytes=r.peak_reserved_bytes)
+                          reserved_bytes=r.peak_reserved_bytes, fit_state=state, flush=flush)
     return run
 
 
@@ -234,8 +270,14 @@ class _DeviceBackend:
         rank = r.ranks[0]
         peak = rank.peak_bytes
         held = rank.peak_reserved_bytes if rank.peak_reserved_bytes is not None else peak
-        return SweepPoint(value, held <= self.budget, peak, dict(rank.totals_bytes), {},
-                          reserved_bytes=rank.peak_reserved_bytes)
+        # CUDA, capped at the budget: a step that ran after the allocator released its cached blocks
+        # (num_alloc_retries, c10/cuda/CUDACachingAllocator.cpp DeviceCachingAllocator::malloc) fits
+        # only by flushing; its reserved peak is the one with the flushes
+        flushed = bool(rank.num_alloc_retries) and not rank.num_ooms and held <= self.budget
+        state = "fits_with_cache_flush" if flushed else None
+        return SweepPoint(value, held <= self.budget and not flushed, peak, dict(rank.totals_bytes), {},
+                          reserved_bytes=rank.peak_reserved_bytes, fit_state=state,
+                          note=f"{rank.num_alloc_retries} allocator retries (cache flushes) measured" if flushed else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,7 +368,7 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
     elif backend == "trace":
         if impl.profile == "reference" and not isinstance(source, ModelSpec):
             source = spec
-        run, ctx = _trace_backend(source, step, impl, over), None
+        run, ctx = _trace_backend(source, step, impl, over, reserved=fit_reserved, budget=budget_bytes), None
     else:
         if impl.profile == "reference" and not isinstance(source, ModelSpec):
             source = spec
@@ -348,6 +390,8 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
         ctx.__enter__()
     try:
         max_fit, capped = bisect_max(lambda v: evaluate(v).fits, start=start, stop=stop, multiple=multiple)
+        max_flush, capped_flush = bisect_max_runs(lambda v: evaluate(v).fit_state, max_fit, capped, stop=stop,
+                                                  multiple=multiple)
         # enough points for the fits: halve down from the smallest value seen
         v = min(seen)
         while sum(1 for p in seen.values() if p.peak_bytes is not None) < MIN_FIT_POINTS:
@@ -385,4 +429,5 @@ def sweep(source, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
             "multiple": multiple, "parallel": None if parallel is None else parallel.to_dict(),
             "finetune": None if finetune is None else finetune.to_dict()}
     return SweepResult(over, backend, budget_bytes, max_fit, capped, points, fits, verdict, crossover,
-                       source_name, meta, at_limit, model=spec)
+                       source_name, meta, at_limit, model=spec, max_fit_with_flush=max_flush,
+                       capped_with_flush=capped_flush)

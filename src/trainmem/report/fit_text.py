@@ -25,7 +25,7 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
     need = f"needs {fmt_bytes(v.need_bytes)} {v.figure}"
     if v.figure in ("allocated", "active"):
         need += f" ({'' if v.reserve_modelled else '≈ '}{fmt_bytes(v.reserved_bytes)} reserved)"
-    room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.fits else f"short by {fmt_bytes(-v.headroom_bytes)}"
+    room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.headroom_bytes >= 0 else f"short by {fmt_bytes(-v.headroom_bytes)}"
     room += f" against the {'device figure' if v.figure == 'device' else 'reserved peak'}"
     parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} CUDA context"
              + (" and NCCL" if v.gpus > 1 else "") + " (an estimate: the GPU preset's)"]
@@ -35,7 +35,7 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
     out = f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
     if v.figure in ("reserved", "device"):  # say where the reserve in the need comes from
         out += f"\n  reserved = {fmt_bytes(v.allocated_bytes)} allocated + {fmt_bytes(v.reserve_bytes)} {v.why}"
-    if state == "fits_with_cache_flush":
+    if state == "fits_with_cache_flush" and v.flush_reserved_bytes:  # a replay at usable ran (not a measurement)
         out += "\n  " + flush_line(v.flushes, v.flushed_bytes, v.flush_reserved_bytes,
                                     v.capacity_bytes - v.context_bytes, v.allocated_bytes)
     if v.paged_bytes:

@@ -100,6 +100,10 @@ def render_sweep(result) -> str:
         stop = result.meta.get("stop")
         lim += f" (the largest value searched: --max or the model's positions, {stop}; the budget allows more)"
     out = [f"largest {result.over} within {fmt_bytes(result.budget_bytes)} ({result.backend}): {lim}"]
+    flush = getattr(result, "max_fit_with_flush", result.max_fit)
+    if flush is not None and flush != result.max_fit:  # the second bound (measure.sweeps.bisect_max_runs)
+        out.append(f"largest {result.over} that runs only by flushing the allocator cache: {flush} {unit}"
+                   + (" (the largest value searched)" if result.capped_with_flush else ""))
     desc = result.meta.get("step", {}).get("precision_description")
     out += [f"precision: {desc}"] * bool(desc) + [""]
     reserved = any(p.reserved_bytes is not None for p in result.points)  # trace, or measured on CUDA

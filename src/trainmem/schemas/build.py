@@ -58,6 +58,8 @@ DEFS = {
 REF = {k: {"$ref": f"#/$defs/{k}"} for k in DEFS}
 
 _PEAK = {"peak_bytes": BYTES, "peak_phase": REF["phase_name"]}
+# the ``--gpu`` verdict (trainmem.fits.Verdict.to_dict), wherever a command prints one
+_FITS = _obj({"fits": {"type": "boolean"}, "fit_state": REF["fit_state"]})
 _TENSOR_SIDE = {"oneOf": [{"type": "null"}, _obj({"name": {"type": "string"}, "dtype": {"type": "string"},
                                                   "bytes": BYTES})]}  # compare's per-tensor join, one side
 
@@ -65,7 +67,7 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
     "estimate": ({"profile": {"type": "string"}, "totals_bytes": REF["ledger_bytes"], **_PEAK,
                   "phases": _array(REF["phase"]), "notes": _array({"type": "string"})},
                  {"items": _array(REF["item"]), "peak_rank": {"type": "string"},
-                  "fits": _obj({"fits": {"type": "boolean"}, "fit_state": REF["fit_state"]}),
+                  "fits": _FITS,
                   "ranks": _array(_obj({"name": {"type": "string"}, "count": {"type": "integer"}, **_PEAK,
                                         "totals_bytes": REF["ledger_bytes"], "phases": _array(REF["phase"])}))}),
     "trace": ({"meta": {"type": "object"}, "peak_bytes": BYTES, "peak_logical_bytes": BYTES,
@@ -76,7 +78,7 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
                "modules": _array(_obj({"name": {"type": "string"}, "forward_peak_bytes": BYTES,
                                        "backward_peak_bytes": BYTES})),
                "top_at_peak": _array(REF["item"]), "items": _array(REF["item"])},
-              {"timeline": _obj({"index": _array({"type": "integer"}), "allocated_bytes": _array(BYTES),
+              {"fits": _FITS, "timeline": _obj({"index": _array({"type": "integer"}), "allocated_bytes": _array(BYTES),
                                  "reserved_bytes": _array(BYTES),
                                  "phases": _array({"type": "array", "prefixItems": [{"type": "integer"},
                                                                                     REF["phase_name"]]})})}),
@@ -95,14 +97,17 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
                  "ranks": _array(_obj({"rank": {"type": "integer"}, "device": {"type": "string"}, "peak_bytes": BYTES,
                                        "peak_reserved_bytes": BYTES_OR_NULL, "peak_active_bytes": BYTES_OR_NULL},
                                       {"items": _array(REF["item"])}))},
-                {}),
+                {"fits": _FITS}),
     "sweep": ({"search": {"type": "object"}, "over": {"enum": ["seq", "batch"]}, "backend": {"type": "string"},
                "budget_bytes": BYTES, "max_fit": {"type": ["integer", "null"]}, "capped": {"type": "boolean"},
                "points": _array(_obj({"value": {"type": "integer"}, "fits": {"type": "boolean"},
                                       "fit_state": REF["fit_state"],
                                       "peak_bytes": BYTES_OR_NULL, "peak_reserved_bytes": BYTES_OR_NULL,
                                       "totals_bytes": {"type": "object"}})),
-               "fit": {"type": "object"}, "verdict": {"type": "string"}}, {}),
+               "fit": {"type": "object"}, "verdict": {"type": "string"}},
+              # the second bound (measure.sweeps.bisect_max_runs): runs, possibly only by flushing the cache
+              {"max_fit_with_flush": {"type": ["integer", "null"]}, "capped_with_flush": {"type": "boolean"},
+               "fits": _FITS, "fits_next": _FITS, "fits_with_flush": _FITS}),
     "plan": ({"reserve": _obj({"usable_bytes": BYTES}),
               "candidates": _array(_obj({"config": {"type": "object"}, "peak_bytes": BYTES, "fits": {"type": "boolean"},
                                          "fit_state": REF["fit_state"], "tokens_per_s": NUMBER_OR_NULL})),

@@ -17,7 +17,9 @@ Known limitations:
   - The advisor starts from data parallelism over ``gpus`` without fine-tuning, as ``trainmem
     advise`` does; the response's ``advice.start_peak_bytes`` says where it started.
   - The largest micro-batch and sequence keep every other setting, parallel degrees included, and
-    search as ``trainmem sweep`` does (doubling then bisection, sequences in multiples of 64).
+    search as ``trainmem sweep`` does (doubling then bisection, sequences in multiples of 64), with
+    its two bounds: ``value`` fits, ``value_with_flush`` runs only by flushing the allocator cache
+    (``measure.sweeps.bisect_max_runs``; equal where nothing past ``value`` runs).
     The search assumes the reserved peak grows with the value; the allocator model's does not
     always (Mistral-7B mem-efficient on H100, B=1: S=3584 models 84.9 GiB reserved, S=4096 76.0
     GiB), so the answer is a boundary the bisection found, as ``sweep --gpu``'s is.
@@ -113,26 +115,35 @@ def _fit_state(result, usable: int) -> str:
 
 
 def _largest(over: str, model, step, impl, par, ft, usable: int) -> dict:
-    """The largest ``over`` (batch or seq) whose reserved peak fits ``usable``, every other setting
-    kept (``trainmem sweep --gpu``)."""
+    """The largest ``over`` (batch or seq) whose reserved peak fits ``usable`` (``value``), and the
+    largest that runs, possibly only by flushing the allocator cache (``value_with_flush``, fit state
+    not ``does_not_fit``), every other setting kept (``trainmem sweep --gpu``'s two bounds)."""
     from trainmem.estimate import estimate
-    from trainmem.measure.sweeps import DEFAULT_MAX, DEFAULT_MULTIPLE, DEFAULT_START, bisect_max
+    from trainmem.measure.sweeps import DEFAULT_MAX, DEFAULT_MULTIPLE, DEFAULT_START, bisect_max, bisect_max_runs
 
     stop = DEFAULT_MAX[over]
     if over == "seq" and model.max_positions:
         stop = min(stop, model.max_positions)
+    states: dict[int, str] = {}
 
-    def fits(value: int) -> bool:
-        return _reserved_peak(estimate(model, replace(step, **{over: value}), impl, par, finetune=ft), usable) <= usable
+    def state(value: int) -> str:
+        if value not in states:
+            states[value] = _fit_state(estimate(model, replace(step, **{over: value}), impl, par, finetune=ft), usable)
+        return states[value]
 
+    multiple = DEFAULT_MULTIPLE[over]
     try:
         # from the current value: the answer is the same (peaks grow with the value), found sooner
         start = min(max(getattr(step, over), DEFAULT_START[over]), stop)
-        value, capped = bisect_max(fits, start=start, stop=stop, multiple=DEFAULT_MULTIPLE[over])
+        value, capped = bisect_max(lambda v: state(v) == "fits", start=start, stop=stop, multiple=multiple)
+        flush, capped_flush = bisect_max_runs(state, value, capped, stop=stop, multiple=multiple)
     except TrainmemError as exc:  # a value the search reached is refused (e.g. not divisible by tp)
-        return {"value": None, "capped": False, "why": f"{type(exc).__name__}: {exc}"}
-    smallest = {"batch": "micro-batch", "seq": "sequence"}[over] + f" {DEFAULT_MULTIPLE[over]}"
-    return {"value": value, "capped": capped, "why": "" if value else f"even {smallest} does not fit"}
+        return {"value": None, "capped": False, "value_with_flush": None, "capped_with_flush": False,
+                "why": f"{type(exc).__name__}: {exc}"}
+    smallest = {"batch": "micro-batch", "seq": "sequence"}[over] + f" {multiple}"
+    return {"value": value, "capped": capped, "value_with_flush": flush, "capped_with_flush": capped_flush,
+            "why": "" if value else f"even {smallest} does not fit" + (" without flushing the allocator cache"
+                                                                        if flush else "")}
 
 
 def fit_response(req: Request) -> dict:

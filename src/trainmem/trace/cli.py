@@ -58,15 +58,30 @@ def routing_line(moe: dict) -> str:
 
 
 def trace_fit(args, result, *, label: str = "") -> tuple[dict, str]:
-    """The verdict on the trace's own reserved figure (the caching-allocator model's replay)."""
+    """The verdict on the trace's own reserved figure (the caching-allocator model's replay), in three
+    states: where the reserved peak is over usable, the trace's recorded stream is replayed at the
+    usable memory with the allocator's release-and-retry (:mod:`trainmem.trace.flush`)."""
     from trainmem.fitargs import fit_report
+    from trainmem.fits import context_bytes
+    from trainmem.trace.flush import UNREPLAYED, trace_fit_state
 
     expandable = getattr(args, "expandable_segments", False)
     reserved = result.peak_reserved_expandable_bytes if expandable else result.peak_reserved_bytes
-    return fit_report(args, allocated_bytes=result.peak_bytes, reserved_bytes=reserved, label=label,
-                      reserved_source="from the caching-allocator model's replay of the trace"
-                                      + (", expandable_segments" if expandable else ""),
-                      active_note="equals allocated: one stream, no freed blocks still in use")
+    unreplayed = []
+
+    def flush(gpu, gpus):
+        _, replay, why = trace_fit_state(result, gpu.memory_bytes - context_bytes(gpu, gpus),
+                                         expandable_segments=expandable)
+        unreplayed.append(why)
+        return replay
+
+    fit, text = fit_report(args, allocated_bytes=result.peak_bytes, reserved_bytes=reserved, label=label,
+                           reserved_source="from the caching-allocator model's replay of the trace"
+                                           + (", expandable_segments" if expandable else ""),
+                           active_note="equals allocated: one stream, no freed blocks still in use", flush=flush)
+    if unreplayed and unreplayed[0]:  # over usable, and no stream to replay with the flush: two answers
+        text += (f"\n  whether a cache flush would let it run is not checked: {UNREPLAYED[unreplayed[0]]}")
+    return fit, text
 
 
 def compile_line(c: dict) -> str:
