@@ -106,8 +106,11 @@ def _torchao_rule(block: int, fp32_copies: int, packed: float, index_bytes: int)
     (``torchao/optim/adam.py``, ``_AdamBase.step``). For a quantized tensor inductor keeps, per state,
     an fp32 copy of it and its new block scales, and for 4-bit states the unpacked codes and int64
     indices of the code lookup. Read off inductor's generated code on CPU (``TORCH_LOGS=output_code``,
-    torch 2.13): 8-bit ``2·n·4 + 2·n/256·4``; 4-bit ``2·n·1 + 2·n/128·4 + 2·n·4 + 2·n·8``. CUDA's
-    generated code may keep fewer. A tensor torchao does not quantize runs as one fused kernel: nothing."""
+    torch 2.13): 8-bit ``2·n·4 + 2·n/256·4``; 4-bit ``2·n·1 + 2·n/128·4 + 2·n·4 + 2·n·8``; and measured
+    to the byte in the real compiled step (tests/estimate/test_torchao_step_measured.py). CUDA's
+    generated code may keep fewer; on CUDA the first call also benchmarks each kernel on clones of the
+    arguments it writes (``CachingAutotuner.maybe_clone_args``), not modelled. A tensor torchao does not
+    quantize runs as one fused kernel: nothing."""
     def rule(s: Stepped) -> tuple[int, str]:
         per = [int(n * (fp32_copies * 4 + packed + index_bytes)) + 2 * (n // block) * 4
                for n in (int(b / s.elem_bytes) for b in s.sizes) if n >= 4096 and n % block == 0]
