@@ -74,8 +74,10 @@ def test_pools_tag_events():
     assert {e[3] for e in pooled_events(single, allocation_events(single)) if e[0] == "alloc"} == {0}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # one torchrun launch, ~70 s on 2 shared cores
+@pytest.mark.distributed
 def test_side_streams_match_real_fsdp2():
+    pytest.importorskip("torch.distributed.fsdp")
     from torchrun_scripts import launch
 
     scenarios = {p: {"config": DEFAULT_CONFIG, "bf16": p == "fsdp-bf16", "batch": B, "seq": S}

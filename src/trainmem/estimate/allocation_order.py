@@ -39,8 +39,8 @@ Known limitations:
     per-op gradient buffers beyond the working set above) are not in the stream, so a segment the
     real step cuts for them and later reuses is missing: the trace's reserve is usually larger
     (tests/estimate/test_estimate_reserved.py states the measured ratios).
-  - One stream, except FSDP2's side-stream pools (:mod:`trainmem.estimate.fsdp_streams`; not in
-    the capacity flush replay); no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
+  - One stream, except FSDP2's side-stream pools (:mod:`trainmem.estimate.fsdp_streams`, in the
+    unlimited and the capacity flush replay alike); no ``empty_cache``; no ``expandable_segments`` unless asked; the per-rank
     inventories under parallelism are replayed as one device's.
   - The reserved peak is that of an unlimited device, and it is not monotone in the sequence
     length (docs/plan.md "What fits means": freed activation segments smaller than the optimizer's

@@ -42,7 +42,9 @@ Known limitations:
   - torch of late 2024 cast each parameter's shard separately for the all-gather input (several
     blocks, the same bytes); the model uses today's one flat buffer;
   - HSDP's all-reduce stream, CPU offload (gradients on the host) and FSDP1 are not modelled
-    (:func:`applies` is False); the capacity flush replay (``replay_with_flush``) stays one pool.
+    (:func:`applies` is False);
+  - no events between streams: a block freed on a side stream is reusable there at once (FSDP2
+    makes the next all-gather wait for the previous copy-out, so the order holds).
 """
 
 from __future__ import annotations
