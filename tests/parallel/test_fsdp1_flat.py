@@ -1,7 +1,7 @@
 """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``) flat parameters that mix frozen
 and trainable weights (issue 13, mechanism 5), against real gloo runs.
 
-The claim (torch/distributed/fsdp/_flat_param.py, _runtime_utils.py; estimate/fsdp.py cites the
+The claim (torch/distributed/fsdp/_flat_param.py, _runtime_utils.py; estimate/fsdp1_flat.py cites the
 functions): a unit's FlatParameter holds its frozen and trainable weights together, each padded
 to 16 bytes and the whole to a multiple of the world size; the gradient is the whole flat
 parameter's, so its shard covers the frozen weights too, while each trainable weight's optimizer
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from trainmem.errors import SpecError  # noqa: E402
 from trainmem.estimate import estimate  # noqa: E402
-from trainmem.estimate.fsdp import flat_layout, fsdp1_rank_states  # noqa: E402
+from trainmem.estimate.fsdp1_flat import flat_layout, fsdp1_rank_states  # noqa: E402
 from trainmem.estimate.model_states import model_state_items  # noqa: E402
 from trainmem.measure_dist.worker import DEFAULTS  # noqa: E402
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec  # noqa: E402
@@ -30,7 +30,6 @@ STEP = StepSpec(batch=DEFAULTS["batch"], seq=DEFAULTS["seq"], precision="fp32", 
 IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")
 FROZEN = ("self_attn",)  # attention frozen, MLP and norms train: every block's flat parameter mixes both
 FT = FinetuneSpec(mode="full", freeze=FROZEN)
-LORA = FinetuneSpec(mode="lora")  # peft LoRA r=8 on q_proj and v_proj, fp32 adapters on the fp32 base
 MODEL = spec_from_hf_config(DEFAULTS["config"])
 LEDGERS = ("parameter", "gradient", "optimizer_state")
 
@@ -51,12 +50,12 @@ def _dist():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("case,ft", [(1, FT), ("lora", LORA)], ids=["frozen-attention", "peft-lora"])
-def test_every_rank_states_exact(case, ft):
-    """Each rank's parameter chunks, FlatParameter gradients and optimizer states, to the byte."""
+def test_every_rank_states_exact():
+    """Each rank's parameter chunks, FlatParameter gradients and optimizer states, to the byte.
+    (peft LoRA is estimated with peft's wrap policy, as HF Trainer wraps it: test_fsdp1_peft.py.)"""
     _dist()
-    states = model_state_items(MODEL, STEP, ft, "hf")
-    for r in _launch()[case]:
+    states = model_state_items(MODEL, STEP, FT, "hf")
+    for r in _launch()[1]:
         mine = fsdp1_rank_states(states, world=2, rank=r["rank"])
         got = {k: sum(i.bytes for i in mine if i.category.value == k) for k in LEDGERS}
         measured = {**{k: r["states_bytes"][k] for k in LEDGERS}, "gradient": r["fsdp1_flat_grad_bytes"]}
@@ -66,9 +65,11 @@ def test_every_rank_states_exact(case, ft):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_lora_rank_without_adapters_still_holds_a_gradient():
-    """peft LoRA under FSDP1: rank 1's chunks hold only frozen weights (the adapters sit in the first
-    half of each block), so no original parameter has a gradient there, yet the FlatParameters'
-    gradients (reduce-scattered for every rank) are allocated: the whole chunk, as on rank 0."""
+    """peft LoRA under FSDP1 wrapped per block only (not HF Trainer's wrapping, which gives the
+    adapters units of their own: test_fsdp1_peft.py): rank 1's chunks hold only frozen weights (the
+    adapters sit in the first half of each block), so no original parameter has a gradient there,
+    yet the FlatParameters' gradients (reduce-scattered for every rank) are allocated: the whole
+    chunk, as on rank 0."""
     _dist()
     r0, r1 = _launch()["lora"]
     assert r1["states_bytes"]["gradient"] == 0 and r1["states_bytes"]["optimizer_state"] == 0
@@ -101,11 +102,11 @@ def test_flat_layout_pads_like_flat_param_handle():
 
 
 def test_refused_where_fsdp1_cannot_run():
-    # FlatParameter needs one dtype: peft's fp32 adapters on a bf16 base
-    lora = FinetuneSpec(mode="lora")
-    with pytest.raises(SpecError, match="fsdp_version"):
+    # FlatParameter needs one dtype: QLoRA's 4-bit storage beside the 16-bit norms (peft's fp32
+    # adapters on a bf16 base run: their own units, tests/parallel/test_fsdp1_peft.py)
+    with pytest.raises(SpecError, match="fsdp_version=1: .*QLoRA under FSDP1"):
         estimate(MODEL, StepSpec(batch=1, seq=16, precision="bf16", optimizer="adamw"), IMPL,
-                 parallel=ParallelSpec(dp=2, fsdp="full", fsdp_version=1), finetune=lora)
+                 parallel=ParallelSpec(dp=2, fsdp="full", fsdp_version=1), finetune=FinetuneSpec(mode="qlora"))
     with pytest.raises(SpecError, match="fsdp_version"):  # torch.distributed.pipelining drives FSDP2 only
         estimate(MODEL, STEP, IMPL, parallel=ParallelSpec(dp=2, pp=2, fsdp="full", fsdp_version=1))
     with pytest.raises(SpecError, match="fsdp_version"):

@@ -36,7 +36,7 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
-from trainmem.estimate.fsdp import fsdp1_states
+from trainmem.estimate.fsdp1_flat import fsdp1_states
 from trainmem.estimate.fsdp_offload import (
     composes_with_activation_offload, cpu_offload, offload_states, rank_activation_offload,
 )
@@ -121,7 +121,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("zero", par.zero, f"choose ZeRO or FSDP, not both (fsdp={par.fsdp})")
     if "params" in par.offload and not (par.zero == 3 or par.fsdp):
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
-    if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp.py: one flat shard
+    if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp1_flat.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     lp.check(impl.profile, par)
     if impl.float8 != "none" and par.tp > 1 and (step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") or (

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 
 from trainmem.estimate.float8 import gathered_bytes_per_element
-from trainmem.estimate.fsdp import fsdp1_grad_bytes, pp_unsharded_working
+from trainmem.estimate.fsdp import pp_unsharded_working
+from trainmem.estimate.fsdp1_flat import fsdp1_grad_bytes, fsdp1_layout, fsdp1_working
 from trainmem.estimate.fsdp_units import separate_unit, unit_gathered
 from trainmem.estimate.fsdp_offload import cpu_offload, offload_working
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
@@ -79,6 +80,12 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             persistent["ddp_gradient_buckets"] = int(train_grad_bytes)
     elif zero in (1, 2):
         persistent["zero_buckets"] = int(2 * min(_ZERO_BUCKET * gb, train_grad_bytes))
+    elif zero == 3 and par.fsdp_version == 1 and not cpu_offload(par):  # FlatParameters: estimate/fsdp1_flat.py
+        flat_gb = (lambda u: pb) if d.gathered else (lambda u: dtype_bytes(u.dtype))  # FSDP1 MixedPrecision
+        for ph, parts in fsdp1_working(fsdp1_layout(stage_states, group)[1], gathered_bytes=flat_gb, grad_bytes=gb,
+                                       reshard_after_forward=par.reshard_after_forward).items():
+            for k, v in parts.items():
+                every(k, v, (ph,))
     elif zero == 3:
         per_layer: dict[int, float] = {}  # gathered bytes
         per_layer_grad: dict[int, float] = {}

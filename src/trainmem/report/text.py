@@ -87,10 +87,13 @@ def _ranks(e: Estimate) -> list[str]:
 
 
 def _fsdp_modelled(par, profile: str) -> list[str]:
-    """What the estimate modelled for FSDP beyond per-tensor shards (estimate/fsdp.py), one line each."""
+    """What the estimate modelled for FSDP beyond per-tensor shards (estimate/fsdp.py, fsdp1_flat.py), one line each."""
     if par.fsdp and par.fsdp_version == 1:
-        return [f"FSDP1 (use_orig_params): one flat parameter per block, padded to a multiple of {par.dp * par.cp} ranks;",
-                "  its gradient shard covers frozen weights; optimizer states: the rank holding most trainable weights"]
+        return [f"FSDP1 (use_orig_params): one flat parameter per block (and per LoRA adapter under peft's wrap "
+                f"policy), padded to a multiple of {par.dp * par.cp} ranks;",
+                "  its gradient shard covers frozen weights; optimizer states: the rank holding most trainable "
+                "weights;",
+                "  the root's flat parameter gathered all step, one block in forward, two in backward (BACKWARD_PRE)"]
     if par.fsdp and par.pp > 1 and profile != "megatron":
         return [f"FSDP2 under pipelining: unsharded gradients kept across the {par.microbatches} micro-batches, "
                 "reduce-scattered after the last"]
