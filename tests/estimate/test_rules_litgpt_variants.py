@@ -32,6 +32,10 @@ MODELS = {
         head_dim=HD, hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, query_pre_attn_scalar=256, sliding_window=4096), "model.layers"),
 }
+# GPT-NeoX without parallel residual: norm_2 reads x + attention's output
+MODELS["stablelm-base-alpha-3b/seq"] = (dict(MODELS["stablelm-base-alpha-3b"][0], parallel_residual=False),
+                                        dict(MODELS["stablelm-base-alpha-3b"][1], use_parallel_residual=False),
+                                        "gpt_neox.layers")
 # MHA under soft-capping: V, a view of the fused qkv, reaches the eager matmul as a fresh copy
 MODELS["Gemma-2-9b/mha"] = (dict(MODELS["Gemma-2-9b"][0], n_query_groups=A),
                             dict(MODELS["Gemma-2-9b"][1], num_key_value_heads=A), "model.layers")
@@ -152,6 +156,6 @@ def _real_by_block(name: str, flags: str, dropout: float) -> list[int]:
     ("stablelm-base-alpha-3b", "qv", 0.05), ("stablelm-base-alpha-3b", "kvom", 0.0),
     ("stablelm-base-alpha-3b", "full", 0.0), ("Gemma-2b", "qv", 0.05), ("Gemma-2b", "qkvom", 0.1),
     ("Gemma-2b", "full", 0.0), ("Gemma-2-9b", "qkvom", 0.1), ("Gemma-2-9b", "full", 0.0),
-    ("Gemma-2-9b/mha", "qv", 0.0)])
+    ("Gemma-2-9b/mha", "qv", 0.0), ("stablelm-base-alpha-3b/seq", "qvm", 0.0)])
 def test_variant_blocks_match_real_litgpt_to_the_byte(name, flags, dropout):
     assert _estimate_by_block(name, flags, dropout) == _real_by_block(name, flags, dropout)

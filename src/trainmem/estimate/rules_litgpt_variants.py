@@ -22,9 +22,8 @@ Read from litgpt 0.5.13 and checked to the byte against its real ``GPT`` built f
   ``post_attention_norm`` / ``post_mlp_norm`` are two more RMSNorms on the attention and MLP outputs;
   ``attention_logit_softcapping`` takes the eager path (:func:`_softcap_core`).
 
-Known limitations: no ``shared_attention_norm`` (no supported checkpoint with a LayerNorm block uses
-it apart from parallel residual, modelled the same way but untested), no q/k norm, MoE, MLA or
-``LLaMAMoE``; Gemma-2's sliding-window layers build their (S, S) mask without keeping it (no
+Known limitations: no ``shared_attention_norm`` (norm_1's output feeding the MLP too: read as two
+norms here), no q/k norm, MoE, MLA or ``LLaMAMoE``; Gemma-2's sliding-window layers build their (S, S) mask without keeping it (no
 saved tensor; the transient is not modelled); the 0-d ``sqrt(H)`` tensor the embedding scaling
 keeps when the embedding trains (2 bytes) is not counted. Gemma and Gemma-2 were added to LitGPT
 in 2024: refused under ``--framework lit-gpt`` (8641822). GPT-NeoX under ``lit-gpt`` runs the same
