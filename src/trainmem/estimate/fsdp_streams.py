@@ -41,8 +41,10 @@ Known limitations:
     pads dim 0 to a multiple of the world size, which differs only when dim 0 does not divide;
   - torch of late 2024 cast each parameter's shard separately for the all-gather input (several
     blocks, the same bytes); the model uses today's one flat buffer;
-  - HSDP's all-reduce stream, CPU offload (gradients on the host) and FSDP1 are not modelled
-    (:func:`applies` is False);
+  - HSDP is taken as FSDP: its all-reduce runs in place on the reduce-scatter output, so the
+    pools are the same; a reduce dtype other than the gradients' (``_to_dtype_if_needed`` then
+    makes a second, gradient-dtype copy on the same stream) is not modelled;
+  - CPU offload (gradients on the host) and FSDP1 are not modelled (:func:`applies` is False);
   - no events between streams: a block freed on a side stream is reusable there at once (FSDP2
     makes the next all-gather wait for the previous copy-out, so the order holds).
 """
