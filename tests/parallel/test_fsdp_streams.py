@@ -69,6 +69,12 @@ def test_pools_tag_events():
     assert [e[1][1] for e in grads] == ["layers.3", "layers.2", "layers.1", "layers.0", "root"]
     assert sum(e[2] for e in grads) == (ROOT + 4 * BLOCK) // 2 * 4
     assert not any(e[0] == "alloc" and e[3] == 0 and str(e[1]).endswith(".grad") for e in ev)
+    # separate embedding and head units: the head is gathered again first in backward (with the
+    # loss's backward), the embedding last; the root holds nothing
+    units = _estimate("fsdp-bf16", fsdp_units="blocks+embed+head")
+    order = [e[1][2] for e in pooled_events(units, allocation_events(units))
+             if e[0] == "alloc" and e[3] == COPY_IN and e[1][1] == 1 and e[1][3] == "output"]
+    assert order == ["head", "layers.3", "layers.2", "layers.1", "layers.0", "embed"]
     # a non-FSDP estimate stays on the default pool, event for event
     single = estimate(spec_from_hf_config(DEFAULT_CONFIG), StepSpec(batch=B, seq=S, optimizer="adamw"), IMPL)
     assert {e[3] for e in pooled_events(single, allocation_events(single)) if e[0] == "alloc"} == {0}

@@ -184,10 +184,10 @@ def pooled_events(est, events: list[tuple]) -> list[tuple]:
     acts = {it.name for it in est.inventory if it.category is Category.ACTIVATION}
     first_fwd = next((i for i, e in enumerate(events) if e[0] == "alloc" and e[1] in acts), 0)
     fwd_end = next((i for i, e in enumerate(events) if e[0] == "alloc" and e[1] == "logits"), first_fwd)
-    bwd_start: dict[int, int] = {}
+    bwd_start: dict[int | str, int] = {}
     for i, e in enumerate(events):
-        if e[0] == "alloc" and isinstance(e[1], tuple) and e[1][0] in ("recompute", "dx") and isinstance(e[1][1], int):
-            bwd_start.setdefault(e[1][1], i)
+        if e[0] == "alloc" and isinstance(e[1], tuple) and e[1][0] in ("recompute", "dx"):
+            bwd_start.setdefault(e[1][1], i)  # a block's index, or "head"
     at: dict[int, list[tuple]] = {}
     at.setdefault(first_fwd, []).extend(side["forward"])
     at.setdefault(fwd_end, []).extend(side["forward_end"])
@@ -197,7 +197,8 @@ def pooled_events(est, events: list[tuple]) -> list[tuple]:
         ev = side["backward"][g.name]
         gather = [e for e in ev if e[1][0] == "all_gather"]
         reduce = [e for e in ev if e[1][0] == "reduce_scatter"]
-        start = bwd_start.get(g.layer, blocks_done) if g.layer is not None else blocks_done
+        # a block's backward starts at its recompute, the head unit's with the loss's, the others' after the blocks
+        start = bwd_start.get(g.layer if g.layer is not None else g.name, blocks_done)
         at.setdefault(start, []).extend(gather)
         if accum:  # the gradients exist before the step: their blocks first, this step's outputs added and dropped
             at.setdefault(0, []).extend(reduce[:1])
