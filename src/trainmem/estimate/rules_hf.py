@@ -12,6 +12,7 @@ mixture-of-experts block in ``rules_hf_moe``.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from importlib import import_module
 
 from trainmem.errors import UnsupportedError
@@ -23,6 +24,7 @@ from trainmem.estimate.rules_hf_masks import _checkpoint_extras, _eager_window_m
 from trainmem.estimate.rules_hf_moe import _moe
 from trainmem.estimate.rules_hf_parts import (_activation, _embedding, _gated_mlp, _head, _heads, _layernorm, _layers,
                                               _loss, _policy, _qkv_proj, _rmsnorm, _rope, _rules)
+from trainmem.estimate.rules_prenorm import prenorm_block
 from trainmem.families import family_attentions
 from trainmem.names import embedding_indices, embedding_output
 
@@ -133,49 +135,52 @@ def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     if ctx.impl.framework != "hf":  # LitGPT's Block (estimate/rules_litgpt_variants.py)
         from trainmem.estimate.rules_litgpt_variants import litgpt_layer
         return litgpt_layer(ctx, x, cos, sin, kernel, held, masked=masked, moe=moe)
-    g, m, rules = ctx.graph, ctx.model, _rules(ctx)
-    gemma = rules.unit_offset_norm
-    H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
+    rules = _rules(ctx)
+    rmsnorm = partial(_rmsnorm, ctx, gemma=rules.unit_offset_norm)
     post = rules.post_norms  # OLMo-2: no norm before attention or the MLP, one after each
-    h = x if post else _rmsnorm(ctx, x, "input_layernorm", gemma=gemma)
-    with g.module("self_attn"):
-        h = ctx.sp_gather(h, "input_gathered")
-        if rules.fused_qkv:
-            with g.module("qkv_proj"):
-                qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H), bias=m.qkv_bias)
-            q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.requires_grad)
-            k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.requires_grad)
-            v = qkv  # a view of the fused output
-        else:
-            q, k, v = _qkv_proj(ctx, h)
-        if m.qk_norm and post:  # Olmo2Attention: q_norm/k_norm over the whole projection
-            q, k = _rmsnorm(ctx, q, "q_norm"), _rmsnorm(ctx, k, "k_norm")
-        elif m.qk_norm:
-            q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm", gemma=gemma)
-            k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm", gemma=gemma)
-        q = _rope(ctx, q, cos, sin, "q_rope", cast_back=rules.rope_fp32)
-        k = _rope(ctx, k, cos, sin, "k_rope", cast_back=rules.rope_fp32)
-        # the KV cache's torch.cat hands attention fresh copies of K and V
-        k = g.new("k_cache", k.shape, k.dims, k.dtype, k.requires_grad)
-        v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
-        gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
-        with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
-            o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
-                               softcap=m.attn_softcap, out_copy=rules.fused_qkv, masked=masked)
-        with g.module("o_proj"):
-            a = ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
-    if rules.sandwich_norms or post:
-        a = _rmsnorm(ctx, a, "post_attention_layernorm", gemma=gemma)
-    x = ctx.add(x, a, "residual_attn")
-    norm2 = "pre_feedforward_layernorm" if rules.sandwich_norms else "post_attention_layernorm"
-    h = x if post else _rmsnorm(ctx, x, norm2, gemma=gemma)
-    with g.module("mlp"):
-        h = ctx.sp_gather(h, "input_gathered")
-        y = _moe(ctx, h) if moe else _gated_mlp(ctx, h)
-        y = ctx.sp_scatter(y, "out_sp")
-    if rules.sandwich_norms or post:
-        y = _rmsnorm(ctx, y, "post_feedforward_layernorm", gemma=gemma)
-    return ctx.add(x, y, "residual_mlp")
+    return prenorm_block(ctx, x, (lambda t, _name: t) if post else rmsnorm,
+                         lambda h: _llama_attention(ctx, h, cos, sin, kernel, held, masked),
+                         partial(_llama_mlp, ctx, moe),
+                         mlp_norm="pre_feedforward_layernorm" if rules.sandwich_norms else "post_attention_layernorm",
+                         out_norm=rmsnorm if rules.sandwich_norms or post else None)
+
+
+def _llama_mlp(ctx: Ctx, moe: bool, h: Sym) -> Sym:
+    """The gated MLP or the MoE block, gathered from and scattered back to SP shards."""
+    h = ctx.sp_gather(h, "input_gathered")
+    return ctx.sp_scatter(_moe(ctx, h) if moe else _gated_mlp(ctx, h), "out_sp")
+
+
+def _llama_attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym], masked: bool) -> Sym:
+    """``LlamaAttention.forward`` and the variants the family's rules name (fused qkv, q/k norms)."""
+    g, m, rules = ctx.graph, ctx.model, _rules(ctx)
+    gemma, post = rules.unit_offset_norm, rules.post_norms
+    H, qs, kvs = m.hidden_size, m.q_size, m.kv_size
+    h = ctx.sp_gather(h, "input_gathered")
+    if rules.fused_qkv:
+        with g.module("qkv_proj"):
+            qkv = ctx.linear(h, qs + 2 * kvs, "(A+2·Akv)·hd", weight=(qs + 2 * kvs, H), bias=m.qkv_bias)
+        q = g.new("q", (ctx.B, ctx.S, qs), ("B", "S", "A·hd"), qkv.dtype, qkv.requires_grad)
+        k = g.new("k", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), qkv.dtype, qkv.requires_grad)
+        v = qkv  # a view of the fused output
+    else:
+        q, k, v = _qkv_proj(ctx, h)
+    if m.qk_norm and post:  # Olmo2Attention: q_norm/k_norm over the whole projection
+        q, k = _rmsnorm(ctx, q, "q_norm"), _rmsnorm(ctx, k, "k_norm")
+    elif m.qk_norm:
+        q = _rmsnorm(ctx, _heads(q, m.num_heads, "A", m.head_dim), "q_norm", gemma=gemma)
+        k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm", gemma=gemma)
+    q = _rope(ctx, q, cos, sin, "q_rope", cast_back=rules.rope_fp32)
+    k = _rope(ctx, k, cos, sin, "k_rope", cast_back=rules.rope_fp32)
+    # the KV cache's torch.cat hands attention fresh copies of K and V
+    k = g.new("k_cache", k.shape, k.dims, k.dtype, k.requires_grad)
+    v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
+    gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
+    with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
+        o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
+                           softcap=m.attn_softcap, out_copy=rules.fused_qkv, masked=masked)
+    with g.module("o_proj"):
+        return ctx.sp_scatter(ctx.linear(o, H, "H", weight=(H, qs), bias=m.out_bias), "out_sp")
 
 
 # --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------

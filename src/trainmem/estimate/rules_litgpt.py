@@ -34,12 +34,15 @@ April 2024 norm (43c44323: cast to the input dtype before the weight) is not tol
 
 from __future__ import annotations
 
+from functools import partial
+
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.attention import fused_saves
 from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.finetune import lora_targeted
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf_parts import _gated_mlp, _rules
+from trainmem.estimate.rules_prenorm import prenorm_block
 
 __all__ = ["check_run", "litgpt_block", "litgpt_rmsnorm"]
 
@@ -152,12 +155,5 @@ def litgpt_block(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[S
     """litgpt/model.py ``Block.forward`` (non-parallel residual): norm_1, attn, residual, norm_2,
     ``LLaMAMLP`` (the same saved set as transformers' gated MLP), residual."""
     _check(ctx, kernel, masked, moe)
-    g = ctx.graph
-    h = litgpt_rmsnorm(ctx, x, "input_layernorm")
-    with g.module("self_attn"):
-        a = _attention(ctx, h, cos, sin, kernel)
-    x = ctx.add(x, a, "residual_attn")
-    h = litgpt_rmsnorm(ctx, x, "post_attention_layernorm")
-    with g.module("mlp"):
-        y = _gated_mlp(ctx, h)
-    return ctx.add(x, y, "residual_mlp")
+    return prenorm_block(ctx, x, partial(litgpt_rmsnorm, ctx), lambda h: _attention(ctx, h, cos, sin, kernel),
+                         partial(_gated_mlp, ctx))

@@ -39,6 +39,7 @@ Checked against autograd's saved set and ``--profile traced`` in ``tests/estimat
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import fused_saves
@@ -47,6 +48,7 @@ from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf_masks import _checkpoint_extras
 from trainmem.estimate.rules_hf_moe import _routed_experts
 from trainmem.estimate.rules_hf_parts import _embedding, _gated_mlp, _head, _layers, _loss, _policy, _rmsnorm
+from trainmem.estimate.rules_prenorm import prenorm_block
 
 __all__ = ["mla_forward"]
 
@@ -149,15 +151,8 @@ _ROPE_TABLES = {"deepseek_v3": _cos_sin, "deepseek_v2": _freqs_cis}
 
 
 def _block(ctx: Ctx, x: Sym, table: tuple[Sym, ...], kernel: str, moe: bool, held: list[Sym]) -> Sym:
-    g = ctx.graph
-    h = _rmsnorm(ctx, x, "input_layernorm")
-    with g.module("self_attn"):
-        a = _mla(ctx, h, table, kernel, held)
-    x = ctx.add(x, a, "residual_attn")
-    h = _rmsnorm(ctx, x, "post_attention_layernorm")
-    with g.module("mlp"):
-        y = _moe(ctx, h) if moe else _gated_mlp(ctx, h)
-    return ctx.add(x, y, "residual_mlp")
+    return prenorm_block(ctx, x, partial(_rmsnorm, ctx), lambda h: _mla(ctx, h, table, kernel, held),
+                         partial(_moe if moe else _gated_mlp, ctx))
 
 
 def _mla(ctx: Ctx, h: Sym, table: tuple[Sym, ...], kernel: str, held: list[Sym]) -> Sym:
