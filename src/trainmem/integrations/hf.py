@@ -228,8 +228,10 @@ def largest_batch_args(args, model, *, seq: int | None = None, train_dataset=Non
                               parallel=run.parallel, gpu=gpu, gpu_memory=gpu_memory, reserve=reserve,
                               backend=backend, max_batch=max_batch)
     if fit.batch is None:
+        flush = (f"; micro-batches up to {fit.batch_with_flush} run only by flushing the allocator cache (slower)"
+                 if fit.batch_with_flush else "")
         raise ConfigError(f"per_device_train_batch_size: not even 1 fits in {fit.budget.usable_bytes} usable "
-                          f"bytes ({fit.budget.source}); see `trainmem advise`")
+                          f"bytes ({fit.budget.source}){flush}; see `trainmem advise`")
     new = copy.deepcopy(args)
     new.per_device_train_batch_size = fit.batch
     return new, fit
