@@ -41,8 +41,10 @@ Known limitations:
   - The 5% share is not a model of the allocator; the trace's and the training estimate's reserved
     figures are. Their reserved peak is an unlimited device's; near capacity the real allocator
     frees its cached segments and retries, which :data:`FIT_STATES` states as
-    ``fits_with_cache_flush`` where an allocation order is replayed (a training estimate), not for a
-    trace or a measurement.
+    ``fits_with_cache_flush`` where an allocation stream is replayed at the usable memory (a training
+    estimate's allocation order, a trace's recording: :mod:`trainmem.trace.flush`) or a CUDA
+    measurement counted retries (:func:`measured_fit_state`); not for an inference estimate, a CPU
+    profile, or a measurement over the usable memory.
 """
 
 from __future__ import annotations
@@ -67,13 +69,15 @@ FIGURES = ("allocated", "active", "reserved", "device")
 #: * ``fits_with_cache_flush``: it is over usable, but the step's allocations fit when the caching
 #:   allocator, on a failed cudaMalloc, gives its wholly free cached segments back and retries
 #:   (c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::malloc`` → ``release_cached_blocks``
-#:   → ``alloc_block`` again; :func:`trainmem.estimate.allocation_order.replay_with_flush`). It runs,
+#:   → ``alloc_block`` again; :func:`trainmem.estimate.allocation_order.replay_events_with_flush` over
+#:   the estimate's allocation order or the trace's recording; measured: :func:`measured_fit_state`). It runs,
 #:   slower: each flush synchronizes the device and cudaFree/cudaMalloc are synchronizing calls, on
 #:   every step that hits the limit (``memory_stats()["num_alloc_retries"]`` counts them);
 #: * ``does_not_fit``: even with the flush a cudaMalloc fails (or the allocated peak is over usable).
 #:
 #: ``fits`` (the boolean beside it) stays true only for ``fits``: plan and advise rank configurations
-#: that fit without the flush, and list the others with this state.
+#: that fit without the flush, and list the others with this state; the largest-value searches (sweep,
+#: serve, ``largest_micro_batch``) report both bounds (``measure.sweeps.bisect_max_runs``).
 FIT_STATES = ("fits", "fits_with_cache_flush", "does_not_fit")
 
 #: The estimate's allocator reserve, as a share of capacity, where no allocation order is modelled
