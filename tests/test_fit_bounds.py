@@ -103,3 +103,20 @@ def test_serve_largest_seq_reports_both_bounds(mistral):
     step = StepSpec(batch=1, seq=1024, precision="bf16")
     got = _largest("seq", mistral, step, ImplSpec(), None, None, USABLE)
     assert (got["value"], got["value_with_flush"]) == (4352, 5312)
+
+
+@pytest.mark.slow  # about 15 estimates of Llama-3-8B through the CLI
+def test_sweep_gives_the_verdict_at_the_flush_bound_past_the_next_value(capsys):
+    """Llama-3-8B bf16 on H100-80GB over the sequence: S=640 fits, S=704 (the next value tried) runs
+    only with a flush, and so does everything up to S=4352 (docs/fits.md, `sweep --gpu`)."""
+    argv = ["sweep", "--model", "llama-3-8b", "--over", "seq", "--gpu", "H100-80GB"]
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["max_fit"], d["max_fit_with_flush"]) == (640, 4352)
+    assert [d[k]["fit_state"] for k in ("fits", "fits_next", "fits_with_flush")] == [
+        "fits", "fits_with_cache_flush", "fits_with_cache_flush"]
+    assert d["fits_with_flush"]["allocated_bytes"] == next(p["peak_bytes"] for p in d["points"] if p["value"] == 4352)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "largest seq that runs only by flushing the allocator cache: 4352 tokens" in out
+    assert "seq=4352: FITS ONLY BY FLUSHING THE ALLOCATOR CACHE on 1× H100-80GB" in out
