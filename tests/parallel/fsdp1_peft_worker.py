@@ -12,8 +12,8 @@ time and refuses CPU modules; every rank here builds the same weights from one s
 which HF Trainer installs for a LoRA model
 (transformers ``Trainer._fsdp_qlora_plugin_updates``, 5.x ``update_fsdp_plugin_peft``): every
 decoder layer and, separately, every leaf module whose weight trains (each ``lora_A``/``lora_B``).
-``wrap='blocks'``: decoder layers only; ``wrap='none'``: no FSDP (run it on one process), the
-same step for comparison.
+``shard_grad_op=True``: SHARD_GRAD_OP (no reshard after forward). ``wrap='blocks'``: decoder
+layers only; ``wrap='none'``: no FSDP (run it on one process), the same step for comparison.
 
 ``checkpoint='hf'``: ``gradient_checkpointing_enable()`` before wrapping, as HF Trainer does: in
 transformers 5.x each decoder layer is a ``GradientCheckpointingLayer`` that checkpoints its own
@@ -91,7 +91,8 @@ def run(sc: dict) -> dict:
     elif sc.get("checkpoint") == "outside":
         model.enable_input_require_grads()
     net = model if sc["wrap"] == "none" else FSDP(  # "none": the same step without FSDP (one process)
-        model, auto_wrap_policy=_policy(model, sc["wrap"]), sharding_strategy=ShardingStrategy.FULL_SHARD,
+        model, auto_wrap_policy=_policy(model, sc["wrap"]),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP if sc.get("shard_grad_op") else ShardingStrategy.FULL_SHARD,
         use_orig_params=True, limit_all_gathers=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False, device_id=torch.device("cpu"))
     if sc.get("checkpoint") == "outside":

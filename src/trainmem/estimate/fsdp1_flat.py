@@ -15,8 +15,10 @@ _runtime_utils.py) flattens every parameter of a wrapped unit into one ``FlatPar
   (``_validate_tensors_to_flatten``);
 * ``FlatParamHandle.shard`` / ``_get_shard``: each rank keeps one equal chunk (``_local_shard``);
 * ``_runtime_utils._reduce_grad``: the unsharded gradient is ``flat_param.grad``, the whole flat
-  parameter's (frozen parts are zeros), reduce-scattered into a new chunk-sized gradient: the
-  gradient shard covers frozen weights too, for every unit holding a trainable weight;
+  parameter's, reduce-scattered into a new chunk-sized gradient: the gradient shard covers frozen
+  weights too, for every unit holding a trainable weight. Those frozen parts are real gradients,
+  not zeros: in forward the frozen weights are views of a flat parameter that requires grad, so
+  autograd computes their gradients and their linears save their inputs (:func:`autograd_finetune`);
 * ``FlatParamHandle._use_sharded_grad_views``: the optimizer sees the original parameters as views
   of the chunk; a trainable parameter's state is the part of it inside this rank's chunk, so the
   optimizer states differ between ranks (the estimate gives the rank with the most).
@@ -32,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["FlatUnit", "flat_layout", "fsdp1_units", "fsdp1_layout", "fsdp1_rank_states", "fsdp1_states",
-           "fsdp1_grad_bytes", "fsdp1_working"]
+           "fsdp1_grad_bytes", "fsdp1_working", "autograd_finetune"]
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,27 @@ def fsdp1_grad_bytes(states: list) -> dict[str, int]:
             for p, *_ in u.members:
                 out[p.name] = int(p.bytes / dtype_bytes(p.dtype) * dtype_bytes(g.dtype))
     return out
+
+
+def autograd_finetune(finetune, states: list, world: int):
+    """The fine-tuning autograd runs under FSDP1: in forward (and its backward) a unit's parameters
+    are views of its unsharded flat parameter (``FlatParamHandle._use_unsharded_views`` with
+    ``as_params=False``), and that flat parameter requires grad when any of them trains, so a frozen
+    weight sharing a unit with a trainable one requires grad as well: its linear saves its input and
+    its gradient is computed into the flat gradient (``_use_sharded_grad_views`` then gives the
+    frozen parameter none). Only units with no trainable weight stay frozen: the freeze patterns
+    become those units (a block's prefix, the root's parameter names). ``finetune`` itself when
+    nothing changes (adapters: peft's policy leaves every block frozen)."""
+    from dataclasses import replace
+
+    if finetune is None or finetune.mode != "full" or not finetune.freeze:
+        return finetune
+    frozen: list[str] = []
+    for u in fsdp1_layout(states, world)[1]:
+        if not u.trainable:
+            unit = u.name.removesuffix("_flat_param").removesuffix(".")
+            frozen.extend([unit] if unit else [p.name for p, *_ in u.members])
+    return finetune if tuple(frozen) == finetune.freeze else replace(finetune, freeze=tuple(frozen))
 
 
 def fsdp1_working(units: list[FlatUnit], *, gathered_bytes, grad_bytes: float,

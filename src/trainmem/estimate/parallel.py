@@ -36,7 +36,7 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
-from trainmem.estimate.fsdp1_flat import fsdp1_states
+from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
 from trainmem.estimate.fsdp_offload import (
     composes_with_activation_offload, cpu_offload, offload_states, rank_activation_offload,
 )
@@ -164,6 +164,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     states, state_stage, tp_div = traced[1] if traced else _local_states(
         model, replace(step, batch=1, grad_accum=1), finetune, par.tp, par.ep, par.pp, tuple(stages), impl.profile)
     group = shard_group(par)
+    if par.fsdp and par.fsdp_version == 1 and traced is None:  # FSDP1: what autograd sees (estimate/fsdp1_flat.py)
+        act_ft = autograd_finetune(finetune, states, group)
+        if act_ft is not finetune:  # frozen weights in a trainable flat parameter save their inputs
+            acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, act_ft, shard, tuple(stages))
     zero = 3 if par.fsdp else par.zero
     emb_grad = f"{_embedding_name(states)}.grad"
     torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
