@@ -5,6 +5,7 @@ The two halves of one protocol: :func:`launch` (in the test) runs
 :func:`worker_main` (the worker script's ``main``) runs ``run(scenario)`` for each scenario on
 every rank and writes the list to ``OUT_DIR/rank{r}.json`` atomically. Used by
 fsdp_offload_worker.py and fsdp_units_worker.py (sys.path[0] is this folder when torchrun runs them).
+:func:`tp_warm_model` builds the TP workers' model (tp_collective_buffers_worker.py, op_boundary_worker.py).
 """
 
 from __future__ import annotations
@@ -50,3 +51,33 @@ def worker_main(run: Callable[[dict], dict]) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def tp_warm_model(sc: dict):
+    """The tiny Llama with ``sc["layers"]`` layers in ``sc["precision"]`` under the measure worker's
+    torchtitan plan (``measure_dist.worker._apply_tp``, ``sc["sp"]``, vocab-parallel loss), its
+    (``sc["batch"]``, ``sc["seq"]``) input ids and ``step()`` (forward and backward under
+    ``loss_parallel()``, then ``zero_grad(set_to_none=True)``), after two warm-up steps and a barrier."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from trainmem.measure_dist.worker import DEFAULT_CONFIG, _apply_tp, _dtype
+    from trainmem.models.hf import build_hf_model
+
+    torch.manual_seed(0)
+    cfg = dict(DEFAULT_CONFIG, num_hidden_layers=sc["layers"])
+    model = build_hf_model(cfg, attention="sdpa", dtype=_dtype(sc["precision"]))
+    _apply_tp(model, init_device_mesh("cpu", (dist.get_world_size(),)), sc["sp"], True)
+    ids = torch.randint(0, cfg["vocab_size"], (sc["batch"], sc["seq"]), generator=torch.Generator().manual_seed(1000))
+
+    def step():
+        with loss_parallel():
+            model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    dist.barrier()
+    return model, ids, step

@@ -22,29 +22,14 @@ def run(sc: dict) -> dict:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainmem.measure_dist.worker import DEFAULT_CONFIG, _apply_tp, _dtype
-    from trainmem.models.hf import build_hf_model
+    from torchrun_scripts import tp_warm_model
     from trainmem.trace.storages import StorageTracker
 
-    torch.manual_seed(0)
-    cfg = dict(DEFAULT_CONFIG, num_hidden_layers=sc["layers"])
-    model = build_hf_model(cfg, attention="sdpa", dtype=_dtype(sc["precision"]))
-    _apply_tp(model, init_device_mesh("cpu", (dist.get_world_size(),)), sc["sp"], True)
-    ids = torch.randint(0, cfg["vocab_size"], (sc["batch"], sc["seq"]), generator=torch.Generator().manual_seed(1000))
-
-    def step():
-        with loss_parallel():
-            model(ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    step()
-    step()
-    dist.barrier()
+    model, ids, _ = tp_warm_model(sc)
     main = threading.get_ident()
     steps = []
     for _ in range(3):

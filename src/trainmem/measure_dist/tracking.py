@@ -18,7 +18,10 @@ Known limitations:
 * a storage resized in place that was not watched before the step is followed only when an op
   outputs it;
 * a view keeps its whole storage alive, so a sequence shard that is a view of a gathered
-  tensor counts at the gathered size (that is what the process holds).
+  tensor counts at the gathered size (that is what the process holds);
+* a functional collective's ``AsyncCollectiveTensor`` (and each view of it) is read through its
+  ``elem`` (:func:`payload`); other wrapper subclasses than DTensor and it are counted at their
+  own storage object.
 """
 
 from __future__ import annotations
@@ -30,8 +33,24 @@ from typing import Any, Callable, Iterable
 from trainmem.trace.storages import StorageTracker, dispatch_mode, is_parameter
 from trainmem.trace.storages import fsdp_unsharded_tensors, local, parameter_storage_keys, storage_key  # noqa: F401
 
-__all__ = ["local", "storage_key", "storage_bytes", "SavedActivations", "saved_activations",
+__all__ = ["local", "payload", "storage_key", "storage_bytes", "SavedActivations", "saved_activations",
            "LiveTracker", "parameter_storage_keys"]
+
+
+def payload(t):
+    """The tensor whose storage holds ``t``'s bytes on this rank: a DTensor's local shard
+    (:func:`local`), and an ``AsyncCollectiveTensor``'s ``elem``. A functional collective's result
+    (``torch/distributed/_functional_collectives.py`` ``_maybe_wrap_tensor``, the
+    ``_c10d_functional._wrap_tensor_autograd`` op) and every view of it (its ``__torch_dispatch__``
+    re-wraps view outputs) is a ``_make_wrapper_subclass`` tensor: a storage object of its own,
+    of the wrapped size and with no memory, while the collective's output storage is already
+    counted. Read directly, each wrapper would add B·S·H until it dies."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    t = local(t)
+    while isinstance(t, AsyncCollectiveTensor):
+        t = local(t.elem)
+    return t
 
 
 def storage_bytes(tensors: Iterable, *, exclude: set[int] | None = None) -> int:
@@ -40,7 +59,7 @@ def storage_bytes(tensors: Iterable, *, exclude: set[int] | None = None) -> int:
     for t in tensors:
         if t is None:
             continue
-        st = local(t).untyped_storage()
+        st = payload(t).untyped_storage()
         if exclude and st._cdata in exclude:
             continue
         seen[st._cdata] = st.nbytes()
@@ -132,11 +151,11 @@ class LiveTracker:
     def _after_op(self, func, tensors: list) -> None:
         self.storages.refresh()
         for t in tensors:
-            self.storages.add(t)
+            self.storages.add(payload(t))
         self._sample(str(func))
 
     def _pack(self, t):
-        lt = local(t)
+        lt = payload(t)
         key = lt.untyped_storage()._cdata
         if key in self.saved_exclude or is_parameter(t) or is_parameter(lt):
             return t
