@@ -26,8 +26,14 @@ post-accumulate-grad hook, which then frees the gradient) no phase holds the gra
 ``optimizer`` phase is replaced by ``step_in_backward``: the largest parameter's gradient and
 step temporaries, taken at the head (its gradient arrives while every activation is alive; the
 log-softmax gradient that produced it is alive until the step starts, the head's input gradient
-throughout). A tied or embedding-sized parameter stepped later, with fewer activations alive,
-costs less: the phase is an upper bound there.
+throughout). An embedding-sized parameter stepped later, with fewer activations alive, costs less:
+the phase is an upper bound there. A tied head is the exception (``tied_head``): the shared
+weight has one post-accumulate-grad hook, which fires once, after autograd summed its two
+gradients, the head's (first) and the embedding's (last). So its head gradient stays alive from
+the head's backward to the end, ``backward_end`` holds the two and their sum, and the shared
+weight steps last (its temporaries then); ``step_in_backward`` is the largest of the head's
+matmul (no step there), the last block's largest parameter stepped next to the head gradient, and
+that last step.
 """
 
 from __future__ import annotations
@@ -166,7 +172,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            persistent: dict[str, int] | None = None,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
            optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
-           stacks: tuple[tuple[str, int], ...] = ()) -> list[Phase]:
+           stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -175,7 +181,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``compiled_loss``: torchtune's chunk function runs compiled (estimate/compiled_chunk_loss.py).
     ``stack_held``: an encoder-decoder's last stack's locals at its end, besides the kept tensors
     (``--profile traced``, ``traced/record.py`` ``_held``): the ``stack_end`` phase. ``stacks``: its
-    template's stacks of blocks (``Template.stacks``), blocks counted through both (:func:`layer_stats`)."""
+    template's stacks of blocks (``Template.stacks``), blocks counted through both (:func:`layer_stats`).
+    ``tied_head``: the output layer is the input embedding's weight (see the module docstring)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -185,6 +192,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
     stored_G = 0 if optimizer_in_backward else G  # gradients that outlive their hook
+    # the tied weight's head gradient waits in backward for the embedding's (its hook fires once)
+    tied_G = _head_weight_grad(items) if optimizer_in_backward and tied_head and loss != "none" else 0
     M = by_cat.get(Category.MASTER_WEIGHT, 0)
     O = by_cat.get(Category.OPTIMIZER_STATE, 0)
     A = by_cat.get(Category.ACTIVATION, 0)
@@ -244,7 +253,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         rec, rec_big = recompute_bytes.get(last, (0, 0))
         big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
-        g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else 0
+        g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else tied_G
         parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work}
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
                 "block activations, the output gradient and the gradient of its largest tensor")
@@ -287,11 +296,22 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     # output block 0 kept (its norm's input in fp32) were freed by the first block's nodes; the
     # embedding keeps its indices
     end_freed = _shared_block_inputs(items) + _embedding_outputs(items) if blocks else 0
-    add("backward_end", {"gradients": stored_G, "activations": A - head_act - sum(act_layer.values()) - end_freed,
-                         "work": residual_bytes,  # + the loss and its seed gradient, alive through backward
-                         "loss_scalars": 2 * dtype_bytes(loss_dtype) if loss == "ce" else 0},
-        "all gradients exist, block activations freed" if not optimizer_in_backward
-        else "gradients were stepped and freed in backward, block activations freed")
+    acts_end = A - head_act - sum(act_layer.values()) - end_freed
+    loss_scalars = 2 * dtype_bytes(loss_dtype) if loss == "ce" else 0  # the loss and its seed gradient
+    end_note = ("all gradients exist, block activations freed" if not optimizer_in_backward
+                else "gradients were stepped and freed in backward, block activations freed")
+    g_end, work_end = stored_G, residual_bytes
+    if tied_G and tied_G >= residual_bytes:
+        # torch/csrc/autograd/input_buffer.cpp (accumulate): the head's gradient (a transposed mm
+        # result) and the embedding's are summed out of place, after the embedding node released
+        # its output gradient; the sum is what the hook steps
+        g_end, work_end = 3 * tied_G, 0
+        end_note += "; the tied weight's head and embedding gradients and their sum"
+    elif tied_G:
+        g_end = 2 * tied_G
+        end_note += "; the tied weight's head and embedding gradients"
+    add("backward_end", {"gradients": g_end, "activations": acts_end, "work": work_end,
+                         "loss_scalars": loss_scalars}, end_note)
     tb, rule = optimizer_transient
     if not optimizer_in_backward:
         add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
@@ -299,6 +319,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     # the head's weight gradient exists next to the log-softmax gradient that produced it; by its
     # hook that gradient and the head's saved input (residual-sized) are freed, the loss's are too
     lsm_grad = int(BSV * dtype_bytes(loss_dtype)) if loss == "ce" else 0
+    if tied_G:
+        add("step_in_backward", *_tied_steps(
+            head={"activations": A - st.loss_act, "work": residual_bytes, "gradients": tied_G, "logits_grad": lsm_grad},
+            block=_block_step(_largest_block_grad(items), st.largest_grad, tb, A - head_act, residual_bytes, tied_G),
+            last={"activations": acts_end, "loss_scalars": loss_scalars, "gradients": tied_G,
+                  "optimizer_temporaries": tb}, rule=rule))
+        return out
     at_mm = lsm_grad >= tb - residual_bytes
     held = {"logits_grad": lsm_grad} if at_mm else {"optimizer_temporaries": tb}
     acts = A - st.loss_act - (0 if at_mm else residual_bytes)
@@ -306,6 +333,32 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         f"largest parameter stepped in its gradient hook while activations are alive: {rule}; "
         "the larger of its temporaries and the log-softmax gradient that produced it")
     return out
+
+
+def _largest_block_grad(items) -> int:
+    """The largest gradient inside the blocks (templates included)."""
+    inv = items if isinstance(items, Inventory) else Inventory(items)
+    grads = [i for i in (*inv.base, *(i for r in inv.repeats for i in r.items)) if i.category is Category.GRADIENT]
+    return max((i.bytes for i in grads if layer_of(i.name) is not None), default=0)
+
+
+def _block_step(big: int, largest: int, tb: int, acts: int, residual_bytes: int, tied_grad: int) -> dict[str, int]:
+    """The last block's largest parameter (``big`` gradient bytes) stepped next to the tied head
+    gradient: ``tb`` is the largest parameter's temporaries (``largest`` bytes), scaled to the
+    block's (every one-tensor rule in estimate/optimizer_step.py is a multiple of its bytes)."""
+    return {"activations": acts, "work": residual_bytes, "gradients": tied_grad + big,
+            "optimizer_temporaries": tb * big // largest if largest else 0}
+
+
+def _tied_steps(*, head: dict[str, int], block: dict[str, int], last: dict[str, int], rule: str
+                ) -> tuple[dict[str, int], str]:
+    """The largest of the three moments a tied head's step-in-backward has (the module docstring)."""
+    notes = {"head": "the tied head's matmul backward: its weight gradient (stepped last, when the "
+                     "embedding's arrives) next to the log-softmax gradient that produced it",
+             "block": f"the last block's largest parameter stepped next to the tied head gradient: {rule}",
+             "last": f"the tied weight stepped last, in its one hook: {rule}"}
+    name, parts = max((("head", head), ("block", block), ("last", last)), key=lambda kv: sum(kv[1].values()))
+    return parts, notes[name]
 
 
 def _shared_block_inputs(items) -> int:
