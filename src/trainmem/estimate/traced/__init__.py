@@ -13,7 +13,7 @@ transformers builds, with no hand-written rules.
 Known limitations (each refused in one line):
   - CPU kernels only: ``--device cpu``. CUDA's attention kernels save other tensors.
   - One device or ``--tp`` alone (:mod:`.tp`: the blocks cut by transformers' ``base_model_tp_plan``,
-    traced at one rank's shapes); no --dp/--pp/--cp/--ep/--zero/--fsdp/--sp, no fine-tuning, no
+    traced at one rank's shapes, also --sp); no --dp/--pp/--cp/--ep/--zero/--fsdp, no fine-tuning, no
     --compile, train mode.
   - An encoder-decoder (T5, BART) is traced as its head runs in ``trainmem trace``: ``labels`` are
     the input ids, so the decoder reads S tokens too (one S for both stacks); no --recompute every-k.
@@ -53,28 +53,30 @@ def check_traced(step, impl, parallel=None, finetune=None) -> None:
         raise SpecError("loss", step.loss, "--profile traced runs Hugging Face's loss: use --loss ce")
 
 
-def _settings(step, impl, regime, tp: int = 1) -> dict:
-    return {"tp": tp, "precision": step.precision, "loss": step.loss, "attention": impl.attention,
+def _settings(step, impl, regime, tp: int = 1, sp: bool = False, loss_parallel: bool = True) -> dict:
+    layout = {"tp": tp, "sp": sp, "loss_parallel": loss_parallel} if tp > 1 else {}
+    return {**layout, "precision": step.precision, "loss": step.loss, "attention": impl.attention,
             "recompute": impl.recompute, "recompute_every": impl.recompute_every, "device": impl.device,
             "routing": impl.routing, "regime": list(regime), "batch_one": step.batch == 1}
 
 
-def traced_template(config: Mapping[str, Any], step, impl, tp: int = 1):
+def traced_template(config: Mapping[str, Any], step, impl, tp: int = 1, sp: bool = False,
+                    loss_parallel: bool = True):
     """The :class:`~.template.Template` for ``config`` under ``step`` and ``impl`` (any B; S picks
-    the regime), traced at one of ``tp`` tensor-parallel ranks' shapes: from memory, from the disk
-    cache, or traced now."""
+    the regime), traced at one of ``tp`` tensor-parallel ranks' shapes (``sp``, ``loss_parallel``:
+    :mod:`.tp`): from memory, from the disk cache, or traced now."""
     from trainmem.estimate.traced.cache import cache_key, cached
     from trainmem.estimate.traced.template import Template, build_template, regime_of
 
     regime = regime_of(config, step.seq)
-    key = cache_key(config, _settings(step, impl, regime, tp))
+    key = cache_key(config, _settings(step, impl, regime, tp, sp, loss_parallel))
     hit = _MEMO.get(key)
     if hit is not None:
         return hit
     def build() -> dict:
         from trainmem.estimate.traced.imports import import_transformers_models
         import_transformers_models()
-        return build_template(config, step, impl, tp).to_json()
+        return build_template(config, step, impl, tp, sp, loss_parallel).to_json()
 
     data, _ = cached(key, build)
     tpl = Template.from_json(data)

@@ -12,7 +12,7 @@ JSON (:mod:`~trainmem.estimate.traced.cache`) and evaluated at any (B, S) in its
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
@@ -93,7 +93,7 @@ class Template:
     points: tuple[tuple[int, int], ...]
     held_items: tuple[TracedItem, ...] = ()  # an encoder-decoder's last stack's locals at its end (record._held)
     tp: int = 1  # traced at one tensor-parallel rank's shapes (traced/tp.py); parameters stay the full model's
-    tp_div: Mapping[str, int] = None  # tp > 1: each sharded parameter's divisor, by full name (tp.tp_divisors)
+    tp_div: Mapping[str, int] = field(default_factory=dict)  # tp > 1: each sharded parameter's divisor, by full name (tp.tp_divisors)
 
     def held_bytes(self, B: int, S: int) -> int:
         """What the last stack's scope holds at its end besides the kept tensors, at (B, S)."""
@@ -131,7 +131,7 @@ class Template:
             "params_after": [[n, list(s)] for n, s in self.params_after],
             "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
             "points": [list(p) for p in self.points], "held_items": [i.to_json() for i in self.held_items],
-            "tp": self.tp, "tp_div": dict(self.tp_div or {}),
+            "tp": self.tp, "tp_div": dict(self.tp_div),
         }
 
     @classmethod
@@ -245,7 +245,8 @@ def _cut_length(sigs: list[tuple], first: dict[tuple, int]) -> int:
     return min(cut, depth)
 
 
-def build_template(config: Mapping[str, Any], step, impl, tp: int = 1) -> Template:
+def build_template(config: Mapping[str, Any], step, impl, tp: int = 1, sp: bool = False,
+                   loss_parallel: bool = True) -> Template:
     """Trace, fit and check (see the module docstring). ``step.seq`` picks the regime. An
     encoder-decoder's two stacks are cut, split into kinds and checked each on its own, in one trace.
     ``tp`` > 1: the cut model is traced at one rank's shapes (:mod:`.tp`)."""
@@ -278,7 +279,7 @@ def build_template(config: Mapping[str, Any], step, impl, tp: int = 1) -> Templa
         from functools import partial
 
         from trainmem.estimate.traced import tp as T
-        prepare = partial(T.localize, plan=plan, tp=tp)
+        prepare = partial(T.localize, plan=plan, tp=tp, sp=sp, loss_parallel=loss_parallel)
     runs = record_saved(small, step, impl, grid + [held], prepare=prepare)
     items = _fit_items([[s for s in r if not s.held] for r in runs], grid, held)
     held_items = _fit_items([[s for s in r if s.held] for r in runs], grid, held)

@@ -22,10 +22,22 @@ vocab-sharded for the loss-parallel cross-entropy): each rank's tables have ``�
 loss runs on its own ``⌈V/tp⌉`` logits (``estimate/loss_parallel.py``). transformers' own
 ``_tp_plan`` (a replicated embedding, ``lm_head: colwise_gather_output``) is not modelled.
 
+``--no-loss-parallel`` (gathered logits): the rank's V/tp logits are all-gathered along the
+vocabulary (``Shard(-1) -> Replicate``: a new tensor) and the loss reads all V of them.
+
+Sequence parallelism (``--sp``, torchtitan's layout, as the hf rules model it; no transformers
+plan names it): the residual stream between the plan's parallel regions holds S/tp tokens. The
+embedding's output is cut to the rank's S/tp tokens (its reduce-scatter: a new tensor, handed to
+the first block; the model's masks and positions are made from the full output, as DTensor's
+global shape gives them), the input of each module holding a column-cut linear (``self_attn``, ``mlp``)
+is all-gathered along S (``PrepareModuleInput``: a new tensor, which those linears save), each
+row-cut linear's output is reduce-scattered to S/tp (a new tensor), and the output layer's input
+is gathered. Norms and residual adds then run on S/tp tokens.
+
 What is kept is then read off the rank's own forward (``record.py``) and fitted as on one device;
 its model states are the full model's, each divided by ``tp`` where the plan shards it
 (:func:`tp_divisors`), through the same parallel driver as every profile (``estimate/parallel.py``).
-Any other style (MoE experts, packed projections, MLA, sequence parallel) is refused in one line.
+Any other style (MoE experts, packed projections, MLA) is refused in one line.
 """
 
 from __future__ import annotations
@@ -102,10 +114,11 @@ def _local_shape(shape: tuple[int, ...], style: Style, tp: int, bias: bool, wher
     return tuple(s // tp if d == dim else s for d, s in enumerate(shape))
 
 
-def localize(model, plan: Mapping[str, str], tp: int) -> None:
+def localize(model, plan: Mapping[str, str], tp: int, sp: bool = False, loss_parallel: bool = True) -> None:
     """Make ``model`` (built under a ``FakeTensorMode``) one TP rank's: every parameter the plan
     or the vocab layout cuts gets its local shape (tied weights stay tied), gathered outputs and
-    split inputs get forward hooks, and the loss reads the rank's ``⌈V/tp⌉`` logits."""
+    split inputs get forward hooks, and the loss reads the rank's ``⌈V/tp⌉`` logits (all V
+    without ``loss_parallel``). ``sp``: the sequence-parallel hooks (:func:`_sequence_parallel`)."""
     import torch
 
     styles = module_styles(model, plan)
@@ -126,8 +139,59 @@ def localize(model, plan: Mapping[str, str], tp: int) -> None:
         for pname, p in list(mod.named_parameters(recurse=False)):
             if id(p) in new:
                 setattr(mod, pname, new[id(p)])
-    if hasattr(model.config, "vocab_size"):  # the loss's view(-1, vocab_size) of the rank's logits
+    head = model.get_output_embeddings()
+    if loss_parallel and hasattr(model.config, "vocab_size"):  # the loss's view(-1, vocab_size) of the rank's logits
         model.config.vocab_size = -(-model.config.vocab_size // tp)
+    elif head is not None:  # gathered logits: the rank's B·S·V/tp, all-gathered along the vocabulary
+        if head.weight.shape[0] * tp != getattr(model.config, "vocab_size", 0):
+            raise SpecError("tp", tp, f"must divide the vocabulary ({model.config.vocab_size}) for gathered logits "
+                                      "(--no-loss-parallel) under --profile traced")
+        head.register_forward_hook(lambda _m, _a, out: torch.cat([out] * tp, dim=-1))
+    if sp:
+        _sequence_parallel(model, styles, tp, torch)
+
+
+def _sequence_parallel(model, styles: Mapping[str, Style], tp: int, torch) -> None:
+    from trainmem.estimate.traced.kinds import find_stacks
+
+    def scatter(x):
+        if x.shape[1] % tp:
+            raise SpecError("tp", tp, f"sequence parallelism needs tp to divide the traced S={x.shape[1]}")
+        return x.narrow(1, 0, x.shape[1] // tp).clone()
+
+    def gather(x):
+        return torch.cat([x] * tp, dim=1)
+
+    def on_input(fn):  # a forward pre-hook applying fn to the hidden states, positional or keyword
+        def hook(_m, args, kwargs):
+            if args:
+                return (fn(args[0]),) + tuple(args[1:]), kwargs
+            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+            return args, {**kwargs, key: fn(kwargs[key])}
+        return hook
+
+    stacks = find_stacks(model)
+    if len(stacks) > 1:
+        raise SpecError("sp", True, "sequence parallelism is not modelled for an encoder-decoder under --profile traced")
+    blocks = stacks[0].prefix
+    # the embedding's reduce-scatter, made as it returns (outside the blocks, as its own tensor), and
+    # handed to the first block in place of the full output the model made its masks and positions from
+    cut: dict[str, Any] = {}
+    model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: cut.__setitem__("x", scatter(out)))
+    model.get_submodule(blocks + "0").register_forward_pre_hook(
+        on_input(lambda x: cut.pop("x") if "x" in cut else x), with_kwargs=True)
+    parents = sorted({n.rpartition(".")[0] for n, st in styles.items() if st.cut == "out"})
+    for name in parents:
+        if name.startswith(blocks) and name[len(blocks):].isdigit():
+            raise SpecError("sp", True, f"{name} holds column-cut linears itself: its sequence-parallel input is not "
+                                        "modelled under --profile traced")
+        model.get_submodule(name).register_forward_pre_hook(on_input(gather), with_kwargs=True)
+    for name, st in styles.items():
+        if st.cut == "in":
+            model.get_submodule(name).register_forward_hook(lambda _m, _a, out: scatter(out))
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(on_input(gather), with_kwargs=True)
 
 
 def tp_divisors(model, plan: Mapping[str, str], tp: int) -> dict[str, int]:
@@ -151,12 +215,6 @@ def check_tp_layout(par) -> None:
                              ("zero", par.zero, 0), ("fsdp", par.fsdp, None), ("offload", par.offload, ())):
         if value != ok and not (field == "offload" and not value):
             raise SpecError(field, value, "is not modelled under --profile traced with --tp (it models --tp alone)")
-    if par.sp:
-        raise SpecError("sp", True, "sequence parallelism is not modelled under --profile traced (the hf plans "
-                                    "name no sequence-parallel modules); use --profile hf")
-    if not par.loss_parallel:
-        raise SpecError("loss_parallel", False, "gathered logits are not modelled under --profile traced --tp; "
-                                                "use --profile hf")
 
 
 def traced_rank_parts(model, step, impl, par):
@@ -169,14 +227,15 @@ def traced_rank_parts(model, step, impl, par):
 
     check_tp_layout(par)
     config = _config_of(model)
-    tpl = traced_template(config, step, impl, tp=par.tp)
+    layout = dict(tp=par.tp, sp=par.sp, loss_parallel=par.loss_parallel)
+    tpl = traced_template(config, step, impl, **layout)
     if len(tpl.stacks) > 1:
         raise SpecError("tp", par.tp, f"an encoder-decoder ({tpl.model_type}) is modelled on one device only "
                                       "under --profile traced")
     acts = tpl.activations(step.batch, step.seq)
     plain = acts
     if impl.recompute != "none":
-        plain = traced_template(config, step, replace(impl, recompute="none", recompute_every=1), tp=par.tp) \
+        plain = traced_template(config, step, replace(impl, recompute="none", recompute_every=1), **layout) \
             .activations(step.batch, step.seq)
     items = tuple(acts)
     recompute = recompute_per_layer(acts, plain, tpl.stacks)
