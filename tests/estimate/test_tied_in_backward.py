@@ -63,6 +63,22 @@ def test_tied_gradient_lives_through_backward(precision, elem):
     assert _phase(normal, "backward_end").parts["gradients"] == tied.totals_bytes["gradient"]
 
 
+def _head_moment(result) -> int:
+    """Most bytes alive in the trace from the head's first backward op to the last block's first."""
+    rec = result.recording
+    live, top, started = 0, 0, False
+    for e in rec.events:
+        b = rec.blocks[e if e >= 0 else ~e]
+        if b.phase == "backward" and (b.module == "lm_head" or b.module.startswith("model.layers.1")):
+            if b.module != "lm_head":
+                return top
+            started = True
+        live += b.nbytes if e >= 0 else -b.nbytes
+        if started:
+            top = max(top, live)
+    return top
+
+
 def _torchtune_register():
     """torchtune's own ``register_optim_in_bwd_hooks`` (torchtune/training/memory.py). Importing
     torchtune pulls torchao modules this environment's torchao lacks, so the function is compiled
@@ -123,6 +139,10 @@ def test_tied_in_backward_estimate_trace_real(precision, impl):
         one_param, _ = optimizer_step_transient_bytes(spec_from_hf_config(CFG), step, im)
         assert one_param == 2 * TIED_NUMEL * (4 if precision == "fp32" else 2)
         assert _phase(est, "step_in_backward").bytes == est.peak_bytes
+
+    if impl == "fused":  # no temporaries: the head's matmul is the largest moment of step_in_backward
+        assert "the tied head's matmul" in _phase(est, "step_in_backward").note
+        assert _head_moment(t) == _phase(est, "step_in_backward").bytes
 
     real_peak, steps, order = _real_step(step, im)
     assert order[-1] == "model.embed_tokens.weight" and order.count("model.embed_tokens.weight") == 1

@@ -321,7 +321,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     lsm_grad = int(BSV * dtype_bytes(loss_dtype)) if loss == "ce" else 0
     if tied_G:
         add("step_in_backward", *_tied_steps(
-            head={"activations": A - st.loss_act, "work": residual_bytes, "gradients": tied_G, "logits_grad": lsm_grad},
+            # at the head's matmul the logits' gradient is in the logits' dtype (cast back from the loss's)
+            head={"activations": A - st.loss_act, "loss_scalars": loss_scalars, "work": residual_bytes,
+                  "gradients": tied_G, "logits_grad": int(BSV * dtype_bytes(logits_dtype)) if loss == "ce" else 0},
             block=_block_step(_largest_block_grad(items), st.largest_grad, tb, A - head_act, residual_bytes, tied_G),
             last={"activations": acts_end, "loss_scalars": loss_scalars, "gradients": tied_G,
                   "optimizer_temporaries": tb}, rule=rule))
