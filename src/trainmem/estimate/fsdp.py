@@ -32,13 +32,15 @@ __all__ = ["pp_unsharded_working"]
 
 def pp_unsharded_working(*, block_grads: dict[int, float], root_grads: float, first_grads: float,
                          block_params: dict[int, float], gpipe: bool,
-                         reshard_after_forward: bool) -> dict[str, dict[str, float]]:
+                         reshard_after_forward: bool, timeline=None) -> dict[str, dict[str, float]]:
     """Per phase, the unsharded bytes a pipeline stage under FSDP2 holds beyond its shards.
 
     ``block_grads``/``block_params``: each block's unsharded gradient / gathered parameter bytes;
     ``root_grads``: the gradients of parameters outside blocks (the stage's root group);
     ``first_grads``: those of them produced after the blocks' backward (the token embedding);
-    ``gpipe``: all forwards before any backward.
+    ``gpipe``: all forwards before any backward; ``timeline``: the rank's
+    :class:`~trainmem.estimate.pp_schedule.Timeline` under interleaved 1F1B, whose virtual stages
+    each reduce right after their own last backward (estimate/pp_schedule.py).
     """
     every_grad = sum(block_grads.values()) + root_grads
     last_block = max(block_grads) if block_grads else None
@@ -47,11 +49,14 @@ def pp_unsharded_working(*, block_grads: dict[int, float], root_grads: float, fi
         grads = {"forward": 0.0, "backward_start": 0.0,
                  "backward": head + (block_grads[last_block] if last_block is not None else 0),
                  "backward_first_block": every_grad - first_grads}
+    elif timeline is not None:  # the gradients alive at the rank's worst forward / backward
+        grads = {"forward": timeline.forward_grads,
+                 **{p: timeline.backward_grads for p in ("backward_start", "backward", "backward_first_block")}}
     else:  # 1F1B steady state: every gradient exists from the first backward on
         grads = {p: every_grad for p in ("forward", "backward_start", "backward", "backward_first_block")}
     # the end of backward: every unsharded gradient, then perform_reduce_grad's reduce-scatters
     # (the reduce-scatter buffer itself is counted with the other FSDP buffers)
-    grads["backward_end"] = every_grad
+    grads["backward_end"] = every_grad if timeline is None else timeline.end_grads
     out = {p: {"fsdp_pp_unsharded_grads": v} for p, v in grads.items()}
     if reshard_after_forward:  # without it every block stays gathered all step already
         # set_reshard_after_backward(False): a block gathered for its backward stays gathered;

@@ -216,7 +216,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
         persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
-                                             stage=s, last=last, zero=zero, group=group),
+                                             stage=s, last=last, zero=zero, group=group, stage_act_bytes=body),
                                        [i for i in states if state_stage[i.name] == s], states, tp_div)
         if torch_engine and par.pp > 1 and s == last:
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns

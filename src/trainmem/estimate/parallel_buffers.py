@@ -40,6 +40,7 @@ class _Rank:
     last: int  # the last stage's index
     zero: int  # 3 under FSDP
     group: int  # ranks sharing one copy of the sharded states
+    stage_act_bytes: float = 0  # one micro-batch's activations on this stage (the interleaved timeline)
 
 
 def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
@@ -134,24 +135,26 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
                     every(k, v, (ph,))
         if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
             _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
-                          gpipe=par.schedule == "gpipe")
+                          gpipe=par.schedule == "gpipe", rank=r)
     if par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
         every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
     if par.pp > 1:
         tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
         one = tokens * model.hidden_size * act_b
-        # torch.distributed.pipelining allocates a receive buffer per micro-batch; Megatron two
-        count = par.microbatches if impl.profile != "megatron" else 1
-        if r.stage > 0:
-            every("pp_recv_activations", count * one)
-        if r.stage < r.last:
-            every("pp_recv_gradients", count * one)
+        if impl.profile == "megatron":  # Megatron's two receive buffers
+            if r.stage > 0:
+                every("pp_recv_activations", one)
+            if r.stage < r.last:
+                every("pp_recv_gradients", one)
+        else:  # torch.distributed.pipelining: a receive buffer per micro-batch and local (virtual) stage
+            _pp_stage_io(every, par, r.stage, one, tuple(working))
     return persistent, working
 
 
 def _pp_unsharded(working: dict[str, dict[str, int]], stage_params: list[MemoryItem], grad_bytes: dict[str, int],
-                  tp_div: dict[str, int], gathered, reshard_after_forward: bool, *, gpipe: bool) -> None:
+                  tp_div: dict[str, int], gathered, reshard_after_forward: bool, *, gpipe: bool,
+                  rank: _Rank | None = None) -> None:
     """FSDP2 under torch.distributed.pipelining (estimate/fsdp.py): no reduce-scatter until the
     last micro-batch's backward is done; unsharded gradients (and gathered blocks) kept until then."""
     block_grads: dict[int, float] = {}
@@ -169,9 +172,51 @@ def _pp_unsharded(working: dict[str, dict[str, int]], stage_params: list[MemoryI
     working["backward_first_block"] = dict(working["backward"])
     for ph in ("backward", "backward_first_block"):
         working[ph].pop("fsdp_reduce_scatter", None)
+    tl = None
+    if rank is not None and rank.par.schedule == "interleaved" and rank.par.virtual_stages > 1:
+        tl = _interleaved_timeline(rank, block_grads, root - first, first)
     extra = pp_unsharded_working(block_grads=block_grads, root_grads=root, first_grads=first,
-                                 block_params=block_params, gpipe=gpipe, reshard_after_forward=reshard_after_forward)
+                                 block_params=block_params, gpipe=gpipe, reshard_after_forward=reshard_after_forward,
+                                 timeline=tl)
     for ph, parts in extra.items():
         if "fsdp_pp_unsharded_params" in parts:
             working[ph].pop("fsdp_allgather", None)
         working[ph].update({k: int(v) for k, v in parts.items()})
+
+
+def _interleaved_timeline(r: _Rank, block_grads: dict[int, float], head_grads: float, embed_grads: float):
+    """The rank's interleaved 1F1B timeline (estimate/pp_schedule.py): its blocks split over its
+    virtual stages (the embedding's gradients with the first, the head's with the last), each
+    virtual stage's activations its share of the stage's by layers."""
+    from trainmem.estimate.pp_schedule import rank_actions, timeline, virtual_split
+
+    par = r.par
+    v = par.virtual_stages
+    layers = sorted(block_grads)
+    sizes = virtual_split(len(layers), v, r.stage, par.pp)
+    grads, start = [], 0
+    for n in sizes:
+        grads.append(sum(block_grads[li] for li in layers[start:start + n]))
+        start += n
+    grads[0] += embed_grads
+    grads[-1] += head_grads
+    held = [r.stage_act_bytes * n / max(1, len(layers)) for n in sizes]
+    return timeline(rank_actions("interleaved", pp=par.pp, v=v, m=par.microbatches, rank=r.stage), held, grads)
+
+
+def _pp_stage_io(every, par: ParallelSpec, rank: int, one: int, phases: tuple[str, ...]) -> None:
+    """torch.distributed.pipelining's stage I/O on pipeline rank ``rank`` (estimate/pp_schedule.py):
+    ``_PipelineStageBase`` allocates one activation receive buffer per micro-batch for each local
+    stage but the model's first and one gradient receive buffer per micro-batch for each but its
+    last, kept across steps; and every forwarded micro-batch's stage output stays in
+    ``fwd_cache`` until its backward. ``one``: one micro-batch's boundary activation; ``phases``:
+    every working phase of the stage (the receive buffers live in all of them)."""
+    from trainmem.estimate.pp_schedule import local_stages, outputs_in_flight
+
+    v, m = par.virtual_stages, par.microbatches
+    ids = local_stages(par.schedule, pp=par.pp, v=v, rank=rank)
+    total = par.pp * len(ids)
+    every("pp_recv_activations", m * one * sum(1 for g in ids if g > 0), phases)
+    every("pp_recv_gradients", m * one * sum(1 for g in ids if g < total - 1), phases)
+    every("pp_stage_outputs", one * outputs_in_flight(par.schedule, pp=par.pp, v=v, m=m, rank=rank),
+          tuple(p for p in phases if p != "backward_end"))

@@ -7,6 +7,7 @@ micro-batches' activations a stage holds at once under each schedule (GPipe, 1F1
 
 from __future__ import annotations
 
+from trainmem.estimate.pp_schedule import rank_actions, timeline
 from trainmem.inventory import MemoryItem
 from trainmem.names import is_head, layer_index
 from trainmem.specs import ModelSpec, ParallelSpec
@@ -32,8 +33,9 @@ def in_flight(par: ParallelSpec, stage: int) -> float:
     """Micro-batches whose activations a stage holds at once, in units of the stage's layers.
 
     GPipe holds all of them; 1F1B (and zero-bubble ZB-H1, which keeps 1F1B's memory) holds
-    ``pp - stage``; interleaved 1F1B with v chunks holds Megatron's warm-up count plus one,
-    each chunk being 1/v of the stage.
+    ``pp - stage``; interleaved 1F1B with v chunks holds the most chunks its run order
+    (estimate/pp_schedule.py, torch's ``ScheduleInterleaved1F1B``) keeps at once: the warm-up
+    forwards plus one, each chunk being 1/v of the stage.
     """
     m, pp = par.microbatches, par.pp
     if pp == 1:
@@ -42,8 +44,7 @@ def in_flight(par: ParallelSpec, stage: int) -> float:
         return m
     if par.schedule == "interleaved":
         v = par.virtual_stages
-        warmup = (pp - stage - 1) * 2 + (v - 1) * pp
-        return min(m * v, warmup + 1) / v
+        return timeline(rank_actions("interleaved", pp=pp, v=v, m=m, rank=stage), [1 / v] * v, [0.0] * v).max_held
     return min(pp - stage, m)
 
 

@@ -17,7 +17,8 @@ Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder lay
 ``fsdp1`` (``FullyShardedDataParallel``, ``use_orig_params=True``, one unit per decoder layer as
 HF/accelerate's transformer auto-wrap),
 ``tp`` (DTensor ``parallelize_module``, optional sequence parallel), ``pp``
-(``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B; with ``pp_dp`` > 1 the
+(``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B, or ``virtual_stages`` per
+rank under interleaved 1F1B, torchtitan's looped stage ids; with ``pp_dp`` > 1 the
 ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
 PP + FSDP: the schedule keeps unsharded gradients until the last micro-batch).
 """
@@ -53,6 +54,7 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 loss_parallel=True,             # tp: vocab-sharded logits and loss (torchtitan's default)
                 profile_step=False,             # three more steps under torch.profiler(profile_memory=True)
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
+                virtual_stages=1,                  # pp: stages per rank under schedule "interleaved"
                 pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
 
 
@@ -135,12 +137,13 @@ def _pipeline_stage_module(model, stage: int, num_stages: int):
     return Stage()
 
 
-def _pipeline_buffers(stage) -> list:
+def _pipeline_buffers(*stages) -> list:
     """The receive buffers a ``PipelineStage`` allocates per micro-batch and reuses every step."""
     out = []
-    for table in (stage.args_recv_info, stage.grad_recv_info):
-        for infos in table.values():
-            out.extend(getattr(i, "buffer", None) for i in infos)
+    for stage in stages:
+        for table in (stage.args_recv_info, stage.grad_recv_info):
+            for infos in table.values():
+                out.extend(getattr(i, "buffer", None) for i in infos)
     return [t for t in out if t is not None]
 
 
@@ -217,10 +220,16 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
 
     if strategy == "pp":
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch import nn
+        from torch.distributed.pipelining import (
+            PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+        )
 
         npp, pp_rank, pp_group = world // pp_dp, rank // pp_dp, None
-        stage_mod = _pipeline_stage_module(model, pp_rank, npp)
+        v = sc["virtual_stages"] if sc["schedule"] == "interleaved" else 1
+        stage_ids = [pp_rank + j * npp for j in range(v)]  # torchtitan's stage_ids_this_rank, style "loop"
+        stage_mods = [_pipeline_stage_module(model, s, npp * v) for s in stage_ids]
+        stage_mod = stage_mods[0] if v == 1 else nn.ModuleList(stage_mods)
         del model
         model = stage_mod
         if pp_dp > 1:  # torchtitan's apply_fsdp on each stage: every block, then the stage as root
@@ -229,12 +238,17 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
             mesh = init_device_mesh("cpu", (npp, pp_dp), mesh_dim_names=("pp", "dp"))
             pp_group = mesh["pp"].get_group()
-            for layer in stage_mod.layers:
-                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
-            fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
-        stage = PipelineStage(stage_mod, pp_rank, npp, torch.device("cpu"), group=pp_group)
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sc["schedule"]]
-        sched = cls(stage, n_microbatches=nmb, loss_fn=loss_fn)
+            for mod in stage_mods:
+                for layer in mod.layers:
+                    fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
+                fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
+        stages = [PipelineStage(mod, s, npp * v, torch.device("cpu"), group=pp_group)
+                  for mod, s in zip(stage_mods, stage_ids)]
+        if v > 1:
+            sched = ScheduleInterleaved1F1B(stages, n_microbatches=nmb, loss_fn=loss_fn)
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sc["schedule"]]
+            sched = cls(stages[0], n_microbatches=nmb, loss_fn=loss_fn)
         last = pp_rank == npp - 1
 
         def forward_backward():
@@ -313,7 +327,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         tracker.watch(buckets.values())
         tracker.watch(unsharded)
         if strategy == "pp":  # one activation and one gradient receive buffer per micro-batch, kept across steps
-            tracker.watch(_pipeline_buffers(stage))
+            tracker.watch(_pipeline_buffers(*stages))
         tracker.saved_exclude = parameter_storage_keys(model)
         return tracker
 
@@ -330,7 +344,15 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     # saved activations of one micro-batch forward + loss, outside the schedule
     if strategy == "pp":
         mb = ids[:B].clone()  # the schedule's micro-batches are views of ``ids``: count one micro-batch
-        if pp_rank == 0:
+        if v > 1:  # every local stage on its own input, one micro-batch each
+            def fwd():
+                outs = []
+                for mod, s in zip(stage_mods, stage_ids):
+                    x = mb if s == 0 else torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]),
+                                                      requires_grad=True)
+                    outs.append(loss_fn(mod(x), mb) if s == npp * v - 1 else mod(x).sum())
+                return sum(outs)
+        elif pp_rank == 0:
             fwd = lambda: stage_mod(mb)  # noqa: E731
         else:
             h = torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
@@ -366,7 +388,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         "marks": tracker.marks,
         "inflight_activation_bytes": tracker.peak_saved_bytes,
         "ddp_buckets_bytes": storage_bytes(buckets.values()),
-        "pp_recv_buffers_bytes": storage_bytes(_pipeline_buffers(stage)) if strategy == "pp" else 0,
+        "pp_recv_buffers_bytes": storage_bytes(_pipeline_buffers(*stages)) if strategy == "pp" else 0,
         "state_items": grads_seen["items"],
         **extra,
     }
