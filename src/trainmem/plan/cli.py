@@ -59,8 +59,9 @@ def add_parser(subparsers) -> None:
                         "trace; --device cpu)")
     p.add_argument("--attention", choices=ATTENTIONS, action="append",
                    help="only these attention kernels (repeatable; default flash, mem-efficient, eager)")
-    p.add_argument("--recompute", choices=RECOMPUTES[:3], action="append",
-                   help="only these recompute modes (repeatable; default none, selective, full)")
+    p.add_argument("--recompute", choices=RECOMPUTES[:3] + ("op",), action="append",
+                   help="only these recompute modes (repeatable; default none, selective, full; op: "
+                        "torchtitan's op-level policy, searched when named)")
     p.add_argument("--mfu", type=float, default=None, help="share of the bf16 peak large GEMMs reach (default 0.45)")
     p.add_argument("--top", type=_positive_int("--top"), default=5, help="configurations to show (default 5)")
     p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
