@@ -78,6 +78,7 @@ def _cli(capsys, *argv):
     (["--fsdp", "full"], "--fsdp full"), (["--pp", "2"], "--pp 2"), (["--sp"], "--sp"),
     (["--offload", "optimizer"], "--offload optimizer"),
     (["--finetune", "qlora"], "--finetune qlora"),
+    (["--finetune", "qlora", "--quant-impl", "torchao-nf4"], "torchao NF4Tensor"),
 ])
 def test_what_the_trace_cannot_run_is_one_line(capsys, argv, flag):
     rc, out, err = _cli(capsys, *argv)

@@ -36,6 +36,10 @@ def check_finetune(spec: FinetuneSpec | None, *, recompute: str = "none", real: 
     """Refuse, before anything is built, what the tracer cannot run."""
     if spec is None:
         return
+    if spec.mode == "qlora" and spec.quant_impl == "torchao-nf4":
+        raise UnsupportedError("--finetune qlora --quant-impl torchao-nf4 cannot be traced: the tracer builds no torchao "
+                               "NF4Tensor on fake tensors; use estimate (its NF4 layout is checked against torchao's "
+                               "to_nf4 on CPU)")
     if spec.mode == "qlora":
         raise UnsupportedError("--finetune qlora cannot be traced: bitsandbytes' 4-bit Params4bit cannot be a fake "
                                "tensor; use estimate --finetune qlora (checked against bitsandbytes on CPU)")
