@@ -151,7 +151,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     traced = None
     if impl.profile == "traced":  # estimate/traced/tp.py: read off a trace at one TP rank's shapes (--tp alone)
-        from trainmem.estimate.traced.tp import traced_rank_parts
+        from trainmem.estimate.traced import traced_rank_parts
         traced = traced_rank_parts(model, step, impl, par)
         acts, act_stage, recompute_all = traced[0]
     else:

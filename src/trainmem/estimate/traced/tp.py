@@ -217,34 +217,6 @@ def check_tp_layout(par) -> None:
             raise SpecError(field, value, "is not modelled under --profile traced with --tp (it models --tp alone)")
 
 
-def traced_rank_parts(model, step, impl, par):
-    """For ``estimate/parallel.py`` ``rank_classes`` under ``--profile traced --tp``: (activations,
-    their stages, recompute per block), (model states, their stages, TP divisors) and the
-    optimizer step's temporaries, from the template traced at one rank's shapes."""
-    from trainmem.estimate.params import kept_fp32
-    from trainmem.estimate.peak import recompute_per_layer
-    from trainmem.estimate.traced import _config_of, _optimizer_transient, _state_inventory, traced_template
-
-    check_tp_layout(par)
-    config = _config_of(model)
-    layout = dict(tp=par.tp, sp=par.sp, loss_parallel=par.loss_parallel)
-    tpl = traced_template(config, step, impl, **layout)
-    if len(tpl.stacks) > 1:
-        raise SpecError("tp", par.tp, f"an encoder-decoder ({tpl.model_type}) is modelled on one device only "
-                                      "under --profile traced")
-    acts = tpl.activations(step.batch, step.seq)
-    plain = acts
-    if impl.recompute != "none":
-        plain = traced_template(config, step, replace(impl, recompute="none", recompute_every=1), **layout) \
-            .activations(step.batch, step.seq)
-    items = tuple(acts)
-    recompute = recompute_per_layer(acts, plain, tpl.stacks)
-    states = tuple(_state_inventory(tpl, step, kept_fp32(model)))
-    div = {s.name: _divisor(s.name, tpl.tp_div) for s in states}
-    return ((items, (0,) * len(items), recompute), (states, {s.name: 0 for s in states}, div),
-            _optimizer_transient(tpl, step, impl))
-
-
 def _divisor(state: str, div: Mapping[str, int]) -> int:
     """A model state's divisor: its parameter's (``<param>``, ``<param>.grad``, ``<param>.exp_avg``...)."""
     name = state
