@@ -96,6 +96,16 @@ class Config:
                     parts.append(f"--lora-targets {','.join(f.lora_targets)}")
             if f.freeze:
                 parts.append(f"--freeze {','.join(f.freeze)}")
+            # the adapter and 4-bit settings that change memory (docs/finetune.md), so the line reproduces the peak
+            if f.adapters and f.lora_dropout:
+                parts.append(f"--lora-dropout {f.lora_dropout}")
+            if f.adapters and f.adapter_dtype != "float32":
+                parts.append(f"--adapter-dtype {f.adapter_dtype}")
+            if f.mode == "qlora":
+                parts += ([f"--qlora-scope {f.qlora_scope}"] if f.qlora_scope != "all" else []) + \
+                         (["--no-double-quant"] if not f.double_quant else []) + \
+                         (["--quantize-head"] if f.quantize_head else []) + \
+                         ([f"--quant-impl {f.quant_impl}"] if f.quant_impl != "bnb" else [])
         return " ".join(parts)
 
 
@@ -334,6 +344,21 @@ def _fsdp_cpu_offload(c: Config, ctx: Context):
 def _offload_activations(c: Config, ctx: Context):
     if "activations" not in c.par.offload:
         yield replace(c, par=replace(c.par, offload=c.par.offload + ("activations",))), "offload activations to CPU"
+
+
+@choice("qlora_storage", ("finetune.qlora_scope", "finetune.double_quant", "finetune.quantize_head"),
+        note="QLoRA's 4-bit storage (docs/finetune.md): every frozen linear in 4 bits, not only the adapters' targets; "
+             "double-quantized absmax constants; a 4-bit output head. Numerics differ; the step time is priced as before")
+def _qlora_storage(c: Config, ctx: Context):
+    f = c.finetune
+    if f is None or f.mode != "qlora":
+        return
+    if f.qlora_scope == "targeted":
+        yield replace(c, finetune=replace(f, qlora_scope="all")), "QLoRA: every frozen linear in 4 bits (scope all)"
+    if not f.double_quant:
+        yield replace(c, finetune=replace(f, double_quant=True)), "QLoRA: double quantization"
+    if not f.quantize_head and not ctx.model.tied_embeddings:  # the estimator refuses a tied 4-bit head
+        yield replace(c, finetune=replace(f, quantize_head=True)), "QLoRA: 4-bit output head"
 
 
 @choice("finetune", ("finetune.mode",), changes_training=True,
