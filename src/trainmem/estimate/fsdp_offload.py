@@ -17,8 +17,8 @@ set it, read in torch 2.13 (torch/distributed/fsdp/_fully_shard/):
 * the all-gathered (unsharded) parameters are device tensors exactly as without offload, freed
   by ``reshard`` (``FSDPParam.free_unsharded_param``): the gathered block(s) in flight, and the
   root's parameters, which are never resharded after forward. The root's own shard is on the
-  host, so the device holds its whole unsharded size (without offload the estimate counts the
-  shard with the model states and ``(1 − 1/group)`` of the root as the extra gathered part);
+  host, so the device holds its whole unsharded size (without offload the same whole root, beside
+  the shard the estimate counts with the model states: ``FSDPParam.init_all_gather_outputs``);
 * ``_fsdp_collectives.foreach_reduce``: a block's unsharded gradients are copied into the
   reduce-scatter input (device) and freed; the reduce-scatter output (one shard per parameter, in
   ``reduce_dtype``) is a device tensor, each parameter's view of it is copied to the CPU

@@ -108,7 +108,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         big_grad = max(per_layer_grad.values(), default=0)
         if par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
             # the embedding and head units gathered around their own forward/backward only
-            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
+            every("fsdp_root_unsharded", root)  # the whole root, beside its shard (below)
             for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():
                 every("fsdp_allgather", v, (ph,))
             # each unit's unsharded gradients reduce-scattered after its own backward: the head's
@@ -118,9 +118,13 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             every("fsdp_reduce_scatter", max(big_grad, unit_grads["embed"]), ("backward_end",))
         elif par.reshard_after_forward:
             # FSDP2 never reshards the root after forward; one block is gathered ahead of its
-            # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward
-            # (under CPU offload the root's shard is on the host: the device holds all of it)
-            every("fsdp_root_unsharded", root if cpu_offload(par) else root * (1 - 1 / group))
+            # backward, two (current + prefetched) and a reduce-scatter during the blocks' backward.
+            # The gathered root is whole beside its shard: FSDPParam.init_all_gather_outputs
+            # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py) allocates numel × world for
+            # the all-gather output and init_unsharded_param views the parameter into it; the shard
+            # (_sharded_param_data) is another storage (checked on gloo: tiny Llama root 131,328 B
+            # gathered next to its 65,664 B shard, docs/parallel.md)
+            every("fsdp_root_unsharded", root)
             every("fsdp_allgather", big, ("forward", "backward_start"))
             every("fsdp_allgather", 2 * big, ("backward",))
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
