@@ -22,8 +22,15 @@ PLUGGED = (
 )
 
 
+#: the input-file flags only ``estimate`` reads (trainmem/inputs)
+_FILE_FLAGS = ("--config", "--deepspeed", "--megatron-args", "--torchtitan", "--torchtune", "--hf-args")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        if message.startswith("unrecognized arguments") and any(
+                w.split("=")[0] in _FILE_FLAGS for w in message.split()):
+            message += " (input files are read by estimate only: give this command the settings as flags)"
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 
