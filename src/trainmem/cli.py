@@ -147,11 +147,27 @@ def _estimate(args) -> int:
     else:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
+        if impl.compile and args.step_mode != "inference":
+            print(_eager_and_compiled(result, model, step, impl, args))
     if not args.json:
         if fit_text:
             print(fit_text)
         _print_file_notes(files)
     return 0
+
+
+def _eager_and_compiled(result, model, step, impl, args) -> str:
+    """Both saved sets of a compiled step, as trace prints them (issue 13: report what eager and what
+    compile save); the eager one is the same estimate without --compile."""
+    from dataclasses import replace
+
+    from trainmem.cliargs import finetune_from_args, parallel_from_args
+    from trainmem.estimate import estimate
+    from trainmem.report.units import fmt_bytes
+    eager = estimate(model, step, replace(impl, compile=False, compile_scope="model"), parallel_from_args(args),
+                     finetune=finetune_from_args(args))
+    return (f"saved for backward: eager {fmt_bytes(eager.totals_bytes.get('activation', 0))}, compiled "
+            f"{fmt_bytes(result.totals_bytes.get('activation', 0))} (the eager set: the same estimate without --compile)")
 
 
 def _print_file_notes(files: dict) -> None:
