@@ -4,7 +4,7 @@ shapes, the blocks cut by transformers' ``base_model_tp_plan``.
 * The styles' cuts, the block-index wildcard and the state divisors (fast, no model build).
 * Refusals: every layout but ``--tp`` alone, in one line naming the field (fast: before any trace).
 * Against the hand-written hf rules (slow): llama, qwen2, mistral (also a 16-token window past
-  it; under sdpa hf over-counts there, HF_OVER) × fp32/bf16 × eager/sdpa, tp = 2; with sequence parallelism, gathered logits, tp = 4 and
+  it) × fp32/bf16 × eager/sdpa, tp = 2; with sequence parallelism, gathered logits, tp = 4 and
   --recompute full: every ledger, every phase but the first block's backward (apart on one device
   too) and the peak equal, to the byte.
 * Against a real tp = 2 run (tests/parallel/test_traced_tp_dist.py, torchrun, slow): granite.
@@ -95,23 +95,17 @@ def _assert_equal(traced, ruled):
     assert traced.peak_bytes == ruled.peak_bytes and traced.peak.name not in APART
 
 
-# Where the two differ, the trace is what a real run saves: with one KV head per rank, transformers'
-# repeat_kv (expand + reshape) returns a view (PyTorch merges the size-1 head dim), which SDPA saves
-# as it is, where the hf rules count k_repeat and v_repeat as copies. The window materializes SDPA's
-# mask, so repeat_kv runs (without a mask SDPA takes enable_gqa instead). A real tp = 2 run of the
-# tiny Mistral with a 16-token window (tests/parallel/test_traced_tp_dist.py) saves the traced bytes
-# to the byte; hf is 65,536 B (+3.2%) over. Left to the hf rules' owner; strict: a fix fails here.
-HF_OVER = "hf counts repeat_kv's view (one KV head per rank) as copies; a real run saves the traced bytes"
-
-
-def _known(family, attention):
-    return [pytest.mark.xfail(strict=True, reason=HF_OVER)] if (family, attention) == ("mistral_swa", "sdpa") else []
+# With one KV head per rank, transformers' repeat_kv (expand + reshape) returns a view (PyTorch
+# merges the size-1 head dim), which SDPA saves as it is: the window materializes SDPA's mask, so
+# repeat_kv runs (without a mask SDPA takes enable_gqa instead). A real tp = 2 run of the tiny
+# Mistral with a 16-token window (tests/parallel/test_traced_tp_dist.py) saves the traced bytes to
+# the byte; the hf rules (estimate/attention.py attention_core) count no copy there either.
 
 
 @pytest.mark.slow  # a trace at the rank's shapes: ~5-10 s each on 2 shared cores
 @pytest.mark.usefixtures("traced_cache")
 @pytest.mark.parametrize("family, precision, attention", [
-    pytest.param(f, p, a, marks=_known(f, a)) for f in RULED for p in ("fp32", "bf16") for a in ("eager", "sdpa")])
+    (f, p, a) for f in RULED for p in ("fp32", "bf16") for a in ("eager", "sdpa")])
 def test_traced_tp_equals_hf_rules(tmp_path, family, precision, attention):
     _assert_equal(*_both(tmp_path, RULED[family], precision, attention))
 

@@ -13,8 +13,8 @@ between runs as gloo's thread frees collective buffers; measured: cohere -0.11% 
 granite with --sp fp32 -1.16% in one run, -2.18% in another (bf16 -0.20%, not in the test),
 gathered logits +0.09% bf16). And a tiny Mistral with a 16-token window at S = 64, where
 each rank keeps one KV head: transformers' repeat_kv is then a view, which SDPA saves as it is;
-traced equals the run to the byte, the hf rules count 65,536 B (+3.2%) more (peak: traced -1.0%,
-hf +0.8% of the allocator's); tests/estimate/test_traced_tp.py marks that difference.
+traced equals the run to the byte; the hf rules counted 65,536 B (+3.2%) more (two copies) until
+estimate/attention.py learned the view, and now equal the traced bytes (tests/estimate/test_traced_tp.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ B, S = DEFAULTS["batch"], DEFAULTS["seq"]
 CASES = [  # (model type, precision, sp, loss_parallel); untied (the worker cuts embedding and head apart)
     ("cohere", "fp32", False, True), ("cohere", "bf16", False, True),
     ("granite", "fp32", True, True), ("granite", "bf16", False, False),
-    ("mistral", "fp32", False, True),  # with a 16-token window (WINDOW); hf rules exist and count 65,536 B more
+    ("mistral", "fp32", False, True),  # with a 16-token window (WINDOW); hf rules exist and count the same
 ]
 WINDOW = {"mistral": {"sliding_window": 16}}  # S = 64 past it: SDPA's mask materialized, repeat_kv runs
 

@@ -83,7 +83,10 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     if kernel in ("flash", "efficient"):
         if low:  # SDPA is on autocast's lower-precision list
             q, k, v = (ctx.cast(t, low, f"{n}_cast") for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        if not gqa_native and m.num_kv_heads != A:
+        # transformers' repeat_kv (modeling_llama.py / modeling_mistral.py) returns its input when
+        # n_rep == 1, and with ONE KV head expand(B, 1, n_rep, S, hd).reshape(B, n_rep, S, hd) is a
+        # view (the size-1 head dim merges): no copy either way, SDPA keeps k and v themselves
+        if not gqa_native and m.num_kv_heads not in (1, A):
             k = g.new("k_repeat", heads_shape, heads_dims, k.dtype, k.requires_grad)
             v = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.requires_grad)
         cp = ctx.shard.cp
