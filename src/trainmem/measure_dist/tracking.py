@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 from trainmem.trace.storages import StorageTracker, dispatch_mode, is_parameter
 from trainmem.trace.storages import fsdp_unsharded_tensors, local, parameter_storage_keys, storage_key  # noqa: F401
 
-__all__ = ["local", "payload", "storage_key", "storage_bytes", "SavedActivations", "saved_activations",
+__all__ = ["local", "storage_key", "storage_bytes", "SavedActivations", "saved_activations",
            "LiveTracker", "parameter_storage_keys"]
 
 
