@@ -5,8 +5,7 @@ shapes, the blocks cut by transformers' ``base_model_tp_plan``.
 * Refusals: every layout but ``--tp`` alone, in one line naming the field (fast: before any trace).
 * Against the hand-written hf rules (slow): llama, qwen2, mistral (also a 16-token window past
   it) × fp32/bf16 × eager/sdpa, tp = 2; with sequence parallelism, gathered logits, tp = 4 and
-  --recompute full: every ledger, every phase but the first block's backward (apart on one device
-  too) and the peak equal, to the byte.
+  --recompute full: every ledger, every phase and the peak equal, to the byte.
 * Against a real tp = 2 run (tests/parallel/test_traced_tp_dist.py, torchrun, slow): granite.
 """
 
@@ -82,17 +81,10 @@ def _both(tmp_path, cfg, precision, attention, tp=2, recompute="none", **layout)
                      parallel=par) for p in ("traced", "hf")]
 
 
-# The first block's backward (peak.py, estimate/block_backward.py: its node work) reads the two
-# profiles' items apart on one device already (tiny llama fp32 eager: traced 73,736 B under hf there;
-# never the peak): not a TP matter, left to peak.py's owner.
-APART = {"backward_first_block"}
-
-
 def _assert_equal(traced, ruled):
     assert traced.totals_bytes == ruled.totals_bytes  # activations, parameters, gradients, states, buffers
-    assert [(p.name, p.bytes) for p in traced.phases if p.name not in APART] == \
-        [(p.name, p.bytes) for p in ruled.phases if p.name not in APART]
-    assert traced.peak_bytes == ruled.peak_bytes and traced.peak.name not in APART
+    assert [(p.name, p.bytes) for p in traced.phases] == [(p.name, p.bytes) for p in ruled.phases]
+    assert traced.peak_bytes == ruled.peak_bytes
 
 
 # With one KV head per rank, transformers' repeat_kv (expand + reshape) returns a view (PyTorch

@@ -27,15 +27,20 @@ block's tensors are recomputed), or when gradients are stepped in backward.
 
 from __future__ import annotations
 
+import re
+
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import layer_of, split_block
 
 __all__ = ["norm_backward_parts"]  # the block moments: the gated MLP's product, each RMSNorm
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
+_NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
 #: saved by the other RMSNorm variants (Gemma's 1 + w, OLMo-2's and gpt-oss' cast-last): not modelled here
 _OTHER_NORMS = ("one_plus_w", "out_fp32")
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
+#: the same four as ``--profile traced`` names them (estimate/traced: by the op that made each)
+_MLP_TRACED = ("gate_proj.mm", "act_fn.silu", "up_proj.mm", "mul")
 _FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -68,12 +73,15 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     ``grad * act``, two (B, S, F) tensors), when the MLP is the block's last child: ``down_proj``'s
     input gradient (B, S, F) and weight gradient exist, its saved input ``act_mul_up`` was freed and
     so was the block output a later node kept (``residual_mlp``: the final norm's input in fp32)."""
-    ends = [k for k, i in enumerate(acts) if i.name.endswith(".mlp.act_mul_up")]
-    if not ends or ends[-1] < len(_MLP) - 1:
+    for names in (_MLP, _MLP_TRACED):
+        ends = [k for k, i in enumerate(acts) if i.name.endswith(f".mlp.{names[-1]}")]
+        if ends and ends[-1] >= len(names) - 1 and \
+                [i.name.split(".mlp.", 1)[-1] for i in acts[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
+            break
+    else:
         return []
-    at = ends[-1] + 1 - len(_MLP)
-    if [i.name.split(".mlp.", 1)[-1] for i in acts[at:at + len(_MLP)]] != list(_MLP) \
-            or any(not (_child(i.name) or "").startswith("residual") for i in acts[at + len(_MLP):]):
+    # after the MLP only the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
+    if any(not _residual(_child(i.name) or "") for i in acts[ends[-1] + 1:]):
         return []
     prod = acts[ends[-1]]
     down = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj." in i.name)
@@ -81,12 +89,18 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
              "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
 
 
+def _residual(child: str) -> bool:
+    """A residual add's output kept at the block's level (hf rules: ``residual_*``; traced: ``add_N``)."""
+    return re.fullmatch(r"residual.*|add(_\d+)?", child) is not None
+
+
 def _llama_norms(acts: list[MemoryItem]) -> list[int]:
     """Indices of each Llama-style RMSNorm's ``x_fp32`` (its four saved tensors in a row)."""
     out = []
     for at in range(len(acts) - len(_NORM) + 1):
         module = acts[at].name.rpartition(".")[0]
-        if [i.name for i in acts[at:at + len(_NORM)]] == [f"{module}.{n}" for n in _NORM]:
+        if any([i.name for i in acts[at:at + len(_NORM)]] == [f"{module}.{n}" for n in names]
+               for names in (_NORM, _NORM_TRACED)):
             out.append(at)
     return out
 
