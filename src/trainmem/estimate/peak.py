@@ -316,22 +316,25 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     if not optimizer_in_backward:
         add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
         return out
-    # the head's weight gradient exists next to the log-softmax gradient that produced it; by its
-    # hook that gradient and the head's saved input (residual-sized) are freed, the loss's are too
-    lsm_grad = int(BSV * dtype_bytes(loss_dtype)) if loss == "ce" else 0
+    # the head's weight gradient exists next to the logits' gradient that produced it, in the logits'
+    # dtype (bf16 + ce: ToCopyBackward0 casts the fp32 log-softmax gradient back, and the engine frees
+    # that before MmBackward runs; real CPU steps: tests/estimate/test_untied_in_backward.py, tied:
+    # test_tied_in_backward.py); by its hook that gradient and the head's saved input (residual-sized)
+    # are freed, the loss's are too, but for the loss and its seed gradient
+    logits_grad = int(BSV * dtype_bytes(logits_dtype)) if loss == "ce" else 0
     if tied_G:
         add("step_in_backward", *_tied_steps(
-            # at the head's matmul the logits' gradient is in the logits' dtype (cast back from the loss's)
             head={"activations": A - st.loss_act, "loss_scalars": loss_scalars, "work": residual_bytes,
-                  "gradients": tied_G, "logits_grad": int(BSV * dtype_bytes(logits_dtype)) if loss == "ce" else 0},
+                  "gradients": tied_G, "logits_grad": logits_grad},
             block=_block_step(_largest_block_grad(items), st.largest_grad, tb, A - head_act, residual_bytes, tied_G),
             last={"activations": acts_end, "loss_scalars": loss_scalars, "gradients": tied_G,
                   "optimizer_temporaries": tb}, rule=rule))
         return out
-    at_mm = lsm_grad >= tb - residual_bytes
-    held = {"logits_grad": lsm_grad} if at_mm else {"optimizer_temporaries": tb}
+    at_mm = logits_grad >= tb - residual_bytes
+    held = {"logits_grad": logits_grad} if at_mm else {"optimizer_temporaries": tb}
     acts = A - st.loss_act - (0 if at_mm else residual_bytes)
-    add("step_in_backward", {"activations": acts, "work": residual_bytes, "gradients": st.largest_grad, **held},
+    add("step_in_backward", {"activations": acts, "work": residual_bytes, "gradients": st.largest_grad,
+                             "loss_scalars": loss_scalars, **held},
         f"largest parameter stepped in its gradient hook while activations are alive: {rule}; "
         "the larger of its temporaries and the log-softmax gradient that produced it")
     return out
