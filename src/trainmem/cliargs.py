@@ -124,7 +124,7 @@ def add_framework_arg(p: argparse.ArgumentParser) -> None:
     """--framework: whose decoder-block code the hf profile models (``ImplSpec.framework``, docs/litgpt.md)."""
     p.add_argument("--framework", choices=FRAMEWORKS, default=spec_default(ImplSpec, "framework"),
                    help="whose decoder-block code the hf profile models: hf (transformers, default) or litgpt "
-                                                "(LitGPT's Block, RMSNorm and LoRAQKVLinear; Llama, GPT-NeoX and Gemma blocks: "
+                        "(LitGPT's Block, RMSNorm and LoRAQKVLinear; Llama, GPT-NeoX and Gemma blocks: "
                         "docs/litgpt.md) or lit-gpt "
                         "(its Oct 2023 lit_gpt package: RMSNorm in the input dtype)")
 
