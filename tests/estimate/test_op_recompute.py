@@ -126,6 +126,7 @@ def test_trace_on_fake_tensors_equals_real(precision):
     assert fake.totals_at_peak_bytes == real.totals_at_peak_bytes
 
 
+@pytest.mark.slow  # ~4-6 s a case
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_step_peak_within_one_percent(precision):
     step = StepSpec(batch=2, seq=256, precision=precision)

@@ -151,6 +151,7 @@ def _real_step(step, impl) -> tuple[int, int, int]:
     return live.peak, opt_peak, steps
 
 
+@pytest.mark.slow  # 12 cases of ~2-4 s (a trace and a real step each): in the slow set since 2026-12-02
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -173,6 +174,7 @@ def test_optimizer_phase_estimate_trace_real(precision, optimizer, impl):
         assert abs(est.peak_bytes + extra - t.peak_logical_bytes) <= 0.005 * t.peak_logical_bytes
 
 
+@pytest.mark.slow  # 9 cases of ~2-5 s: in the slow set since 2026-12-02
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("optimizer,precision", [("adamw", "fp32"), ("adamw", "bf16"), ("sgd-momentum", "fp32")])
 def test_optimizer_in_backward_estimate_trace_real(optimizer, precision, impl):

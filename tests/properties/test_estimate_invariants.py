@@ -17,6 +17,8 @@ from trainmem.estimate.symbols import scaling, symbol_values
 from trainmem.inventory import Category
 from trainmem.specs import ImplSpec, ParallelSpec
 
+pytestmark = pytest.mark.slow  # ~14 tests of 2-6 s each (100 examples apiece): in the slow set since 2026-12-02
+
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                                            HealthCheck.too_slow])
 LEDGER_KEYS = ("parameter", "gradient", "master_weight", "optimizer_state", "activation")

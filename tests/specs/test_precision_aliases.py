@@ -79,6 +79,7 @@ def test_cli_text_and_json_show_the_typed_alias_and_its_description(capsys):
     assert step["precision_description"] == describe_precision("hf-bf16")
 
 
+@pytest.mark.slow  # ~4-6 s (a trace)
 def test_trace_text_shows_the_description(capsys):
     from trainmem.trace import trace_step
     from trainmem.report.trace_text import render_trace
