@@ -119,7 +119,8 @@ def test_ctrl_c_stops_cleanly_without_partial_output(tmp_path, tiny_config):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "trainmem.cli", "profile", "--model", tiny_config, "--seq", "64",
                              "--run-on", "cpu", "--steps", "100000", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     time.sleep(6)  # imports, model built, inside the timed steps
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

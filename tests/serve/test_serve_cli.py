@@ -15,8 +15,15 @@ from serve_helpers import call
 CMD = [sys.executable, "-m", "trainmem.cli", "serve"]
 
 
+def _sigint_default():
+    """The child starts with Ctrl-C's default disposition, as from a terminal: an ignored SIGINT is
+    inherited across exec, and Python then keeps it ignored (the server never stops; the suite saw it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_prints_the_address_serves_and_stops_on_ctrl_c():
-    proc = subprocess.Popen([*CMD, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*CMD, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
     try:
         line = proc.stdout.readline()  # flushed before serving
         assert line.startswith("trainmem serve: http://127.0.0.1:"), line
