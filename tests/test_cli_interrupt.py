@@ -28,3 +28,33 @@ def test_ctrl_c_inside_a_string_exec_exits_130_under_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "interrupt_during_exec"], capture_output=True, text=True, env=env,
                        timeout=60)
     assert (r.returncode, r.stderr) == (130, "interrupted\n")
+
+
+def _interrupted():
+    raise KeyboardInterrupt
+
+
+def test_in_process_main_gives_back_the_callers_sigint_handler(monkeypatch, capsys):
+    import signal
+
+    import trainmem.cli as cli
+    monkeypatch.setattr(cli, "build_parser", _interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.main(["estimate"]) == 130
+    assert signal.getsignal(signal.SIGINT) is before  # it was left SIG_IGN: a suite calling main() lost Ctrl-C
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_the_trainmem_command_keeps_sigint_ignored_while_it_exits(monkeypatch, capsys):
+    import signal
+
+    import trainmem.cli as cli
+    monkeypatch.setattr(cli, "build_parser", _interrupted)
+    monkeypatch.setattr(sys, "argv", ["trainmem", "estimate"])
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.console() == 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert capsys.readouterr().err == "interrupted\n"

@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from trainmem.dependency_logs import silence_dependency_noise
     loud_again = silence_dependency_noise()  # torchao's CPU-build warnings (dependency_logs.py)
+    sigint_before = None  # SIGINT's handler, kept while a handled Ctrl-C cleans up
     try:  # Ctrl-C while the parser imports the command modules (torch, transformers) exits cleanly too
         parser = build_parser()
         if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         import signal
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting already: a late Ctrl-C must not kill cleanup
+        sigint_before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup
         sys.stderr.write("interrupted\n")
         _forget_unhandled_interrupt()
         return 130
@@ -293,7 +294,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         loud_again()
+        if sigint_before is not None:  # an in-process caller gets its own Ctrl-C handling back
+            import signal
+            signal.signal(signal.SIGINT, sigint_before)
+
+
+def console() -> int:
+    """The ``trainmem`` command: :func:`main`, and after a handled Ctrl-C, SIGINT stays ignored
+    while the interpreter exits, so a late Ctrl-C cannot cut its cleanup short."""
+    code = main()
+    if code == 130:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    raise SystemExit(console())
