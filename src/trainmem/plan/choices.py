@@ -15,6 +15,9 @@ Known limitations:
     Op-level recompute is offered under the hf profile without fine-tuning adapters only.
   - Selective recompute is never offered with a fused attention kernel: it is a no-op there
     (:func:`trainmem.estimate.notes.selective_recompute_noop`).
+  - Precision: fp32 → a 16-bit recipe gains the bf16 matmul rate, which the cost model does not
+    price (every precision runs at the bf16 rate there): 0% on one device, labelled unpriced.
+    fp16 recipes are not offered (loss scaling is not modelled); megatron-bf16 is not a target.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class Config:
 
     def config(self) -> dict:
         p, s, i = self.par, self.step, self.impl
-        out = {"micro_batch": s.batch, "grad_accum": s.grad_accum, "seq": s.seq, "attention": i.attention,
+        out = {"micro_batch": s.batch, "grad_accum": s.grad_accum, "seq": s.seq, "precision": s.precision,
+               "attention": i.attention,
                "recompute": i.recompute, "recompute_every": i.recompute_every, "loss": s.loss,
                "optimizer": s.optimizer, "dp": p.dp, "tp": p.tp, "sp": p.sp, "zero": p.zero, "fsdp": p.fsdp,
                "offload": list(p.offload), "finetune": None if self.finetune is None else self.finetune.mode}
@@ -323,6 +327,41 @@ def _tensor_parallel(c: Config, ctx: Context):
 def _loss_parallel(c: Config, ctx: Context):
     if c.par.tp > 1 and not c.par.loss_parallel and c.step.loss == "ce" and c.impl.profile != "megatron":
         yield replace(c, par=replace(c.par, loss_parallel=True)), f"loss_parallel over TP{c.par.tp}"
+
+
+#: recipes that keep fp32 optimizer states and 16-bit activations, offered from an fp32 start; fsdp-bf16
+#: (FSDP2's MixedPrecisionPolicy, specs/step.py) only where FSDP2 shards the model
+_MIXED = {"amp-bf16": "autocast: fp32 weights, gradients and states, bf16 activations",
+          "mixed-bf16": "bf16 weights and gradients, fp32 master weights and states",
+          "fsdp-bf16": "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 shards and states, "
+                       "bf16 gathered weights and activations"}
+#: the cost model (plan/cost.py step_time) runs every matmul at the GPU's bf16 rate, whatever the precision
+_UNPRICED_MATMULS = "the bf16 matmul speed-up is unpriced: the cost model runs every precision at the bf16 rate"
+_UNPRICED = "bf16 matmul speed-up unpriced"
+
+
+@choice("precision", ("step.precision",),
+        note="16-bit activations and compute weights, fp32 optimizer states (docs/plan.md 'Precision'); "
+             + _UNPRICED_MATMULS)
+def _precision(c: Config, ctx: Context):
+    if c.step.recipe != "fp32" or c.impl.profile == "megatron":
+        return
+    for recipe, what in _MIXED.items():
+        if recipe == "fsdp-bf16" and not (c.par.fsdp and c.par.fsdp_version == 2):
+            continue  # the estimator refuses it without FSDP2 (estimate/__init__.py; torchtitan autocasts there)
+        yield (replace(c, step=replace(c.step, precision=recipe)),
+               f"precision fp32 → {recipe} ({what}; {_UNPRICED})")
+
+
+@choice("pure_bf16", ("step.precision",),
+        note="pure bf16: no fp32 copy anywhere; AdamW's bf16 states and updates lose precision (small updates "
+             "round away), which changes the numerics of training")
+def _pure_bf16(c: Config, ctx: Context):
+    if c.step.recipe not in ("fp32", "amp-bf16", "mixed-bf16", "fsdp-bf16") or c.impl.profile == "megatron":
+        return
+    yield (replace(c, step=replace(c.step, precision="bf16")),
+           f"precision {c.step.precision} → pure bf16 (caveat: bf16 AdamW states and weights lose precision, small "
+           f"updates round away" + (f"; {_UNPRICED})" if c.step.recipe == "fp32" else ")"))
 
 
 @choice("offload_optimizer", ("parallel.offload",), note="optimizer step on the CPU; PCIe traffic every step")
