@@ -40,6 +40,7 @@ from trainmem.estimate.finetune import lora_targeted
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.rules_hf_parts import _activation, _gated_mlp, _layernorm, _rules
 from trainmem.estimate.rules_litgpt import _attention, check_run, litgpt_block, litgpt_rmsnorm
+from trainmem.estimate.rules_prenorm import prenorm_block
 
 __all__ = ["VARIANTS", "litgpt_layer"]
 
@@ -117,7 +118,7 @@ def _softcap_core(ctx: Ctx, q: Sym, k: Sym, v: Sym) -> Sym:
 def gemma_block(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, *, masked: bool = False,
                 moe: bool = False) -> Sym:
     """litgpt/model.py ``Block.forward`` for Gemma / Gemma-2 (non-parallel residual, HF names)."""
-    g, m, rules = ctx.graph, ctx.model, _rules(ctx)
+    m, rules = ctx.model, _rules(ctx)
     if ctx.impl.framework == "lit-gpt":
         raise UnsupportedError(f"{m.name}: lit_gpt 8641822 (--framework lit-gpt) has no Gemma; use --framework litgpt")
     if m.qk_norm or not m.gated or moe:
@@ -128,18 +129,16 @@ def gemma_block(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, *, masked: bo
     else:
         check_run(ctx, kernel, masked)
         core = None
-    h = litgpt_rmsnorm(ctx, x, "input_layernorm")
-    with g.module("self_attn"):
-        a = _attention(ctx, h, cos, sin, kernel, core=core)
-    if rules.sandwich_norms:
-        a = litgpt_rmsnorm(ctx, a, "post_attention_layernorm")
-    x = ctx.add(x, a, "residual_attn")
-    h = litgpt_rmsnorm(ctx, x, "pre_feedforward_layernorm" if rules.sandwich_norms else "post_attention_layernorm")
-    with g.module("mlp"):
-        y = _gated_mlp(ctx, h)  # GemmaMLP: gelu(fc_1(x), approximate="tanh") * fc_2(x) keeps what LLaMAMLP keeps
-    if rules.sandwich_norms:
-        y = litgpt_rmsnorm(ctx, y, "post_feedforward_layernorm")
-    return ctx.add(x, y, "residual_mlp")
+
+    def norm(v: Sym, name: str) -> Sym:
+        return litgpt_rmsnorm(ctx, v, name)
+
+    sandwich = rules.sandwich_norms  # Gemma-2's post-attention and post-feedforward norms
+    # GemmaMLP: gelu(fc_1(x), approximate="tanh") * fc_2(x) keeps what LLaMAMLP keeps
+    return prenorm_block(ctx, x, norm, lambda h: _attention(ctx, h, cos, sin, kernel, core=core),
+                         lambda h: _gated_mlp(ctx, h),
+                         mlp_norm="pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
+                         out_norm=norm if sandwich else None)
 
 
 VARIANTS: tuple[tuple[str, Callable, Callable], ...] = (
