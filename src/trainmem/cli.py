@@ -114,6 +114,9 @@ def _estimate(args) -> int:
     files = apply_inputs(args)
     model, step, impl = specs_from_args(args)
     serving = serving_from_args(args, step.seq)
+    if args.step_mode != "inference":  # a file's compile the compiled rules refuse: eager, with a note
+        from trainmem.inputs.compile_keys import compile_from_files
+        impl = compile_from_files(files, model, step, impl, parallel_from_args(args), finetune_from_args(args))
     if args.step_mode == "inference":
         from trainmem.estimate.inference import inference_estimate
         from trainmem.fitargs import gpu_from_args
@@ -136,6 +139,8 @@ def _estimate(args) -> int:
         out = set_inputs(result.to_dict(), gpu=gpu_from_args(args))
         if files:
             out["inputs"]["files"] = files
+        if impl.compile and args.step_mode != "inference":
+            out["compile"] = _saved_sets(result, model, step, impl, args)
         out.update(fit)
         print(json.dumps(out))
     elif args.tree:
@@ -148,7 +153,7 @@ def _estimate(args) -> int:
         from trainmem.report.text import render_estimate
         print(render_estimate(result, detail=args.detail))
         if impl.compile and args.step_mode != "inference":
-            print(_eager_and_compiled(result, model, step, impl, args))
+            print(_eager_and_compiled(_saved_sets(result, model, step, impl, args)))
     if not args.json:
         if fit_text:
             print(fit_text)
@@ -156,18 +161,18 @@ def _estimate(args) -> int:
     return 0
 
 
-def _eager_and_compiled(result, model, step, impl, args) -> str:
-    """Both saved sets of a compiled step, as trace prints them (issue 13: report what eager and what
-    compile save); the eager one is the same estimate without --compile."""
-    from dataclasses import replace
-
+def _saved_sets(result, model, step, impl, args) -> dict:
+    """Both saved sets of a compiled step (estimate/rules_compiled_report.py; JSON ``compile``)."""
     from trainmem.cliargs import finetune_from_args, parallel_from_args
-    from trainmem.estimate import estimate
+    from trainmem.estimate.rules_compiled_report import saved_sets
+    return saved_sets(result, model, step, impl, parallel_from_args(args), finetune_from_args(args))
+
+
+def _eager_and_compiled(sets: dict) -> str:
+    """Both saved sets, as trace prints them (issue 13: report what eager and what compile save)."""
     from trainmem.report.units import fmt_bytes
-    eager = estimate(model, step, replace(impl, compile=False, compile_scope="model"), parallel_from_args(args),
-                     finetune=finetune_from_args(args))
-    return (f"saved for backward: eager {fmt_bytes(eager.totals_bytes.get('activation', 0))}, compiled "
-            f"{fmt_bytes(result.totals_bytes.get('activation', 0))} (the eager set: the same estimate without --compile)")
+    return (f"saved for backward: eager {fmt_bytes(sets['saved_eager_bytes'])}, compiled "
+            f"{fmt_bytes(sets['saved_compiled_bytes'])} (the eager set: the same estimate without --compile)")
 
 
 def _print_file_notes(files: dict) -> None:

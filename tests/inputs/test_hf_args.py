@@ -79,7 +79,9 @@ def test_unmodelled_settings_are_said(tmp_path):
     a = read_hf_args(args_file(tmp_path, torch_compile=True, optim="lion_32bit", label_smoothing_factor=0.1,
                                auto_find_batch_size=True, activation_checkpointing=True,
                                activation_checkpointing_kwargs={"every_n_layers": 4, "offload": True}))
-    assert a["overrides"]["impl"] == {"recompute": "every-k", "recompute_every": 4, "device": "cpu"}
+    # torch_compile is mapped (whole model: inputs/compile_keys.py), no longer noted as unmodelled
+    assert a["overrides"]["impl"] == {"recompute": "every-k", "recompute_every": 4, "device": "cpu",
+                                      "compile": True, "compile_scope": "model"}
     notes = "\n".join(a["notes"])
     for said in ("torch_compile", "optim='lion_32bit' is not modelled", "label_smoothing_factor",
                  "auto_find_batch_size", "activation_checkpointing_kwargs.offload"):

@@ -20,8 +20,9 @@ Checked against transformers 5.24 (``transformers/training_args.py``, ``trainer.
 * TRL's ``ModelConfig`` keys (``use_peft``, ``lora_*``, ``load_in_4bit``, ``use_bnb_nested_quant``,
   ``dtype``, ``attn_implementation``) -> LoRA/QLoRA and the weights' dtype (``inputs/trl_model.py``).
 
-``torch_compile``, ``use_liger_kernel``, ``label_smoothing_factor``, ``auto_find_batch_size`` and
-activation offload are noted as not modelled. The other arguments (logging, saving, evaluation,
+``torch_compile`` (with ``torch_compile_backend``/``_mode``) -> ``--compile`` over the whole model
+(``inputs/compile_keys.py``); ``use_liger_kernel``, ``label_smoothing_factor``, ``auto_find_batch_size``
+and activation offload are noted as not modelled. The other arguments (logging, saving, evaluation,
 the hub) do not change a training step's memory and are ignored; a key that is not an argument
 of ``TrainingArguments`` is an error naming it.
 """
@@ -33,6 +34,7 @@ from typing import Any
 
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_json, merge_overrides, positive_int, typed, unknown_key
+from trainmem.inputs.compile_keys import hf_compile
 from trainmem.inputs.trl_model import TRL_MODEL_KEYS, trl_model_overrides
 from trainmem.specs.step import DEFAULT_SEQ, PRECISION_ALIASES
 
@@ -70,7 +72,6 @@ TRAINING_ARGUMENTS = (
 TRL_KEYS = ("max_length", "max_seq_length", "packing", "padding_free")
 #: settings that change memory and are not modelled: key -> what the note says
 _NOT_MODELLED = {
-    "torch_compile": "torch.compile saves other tensors than eager mode; the estimate is eager",
     "use_liger_kernel": "Liger's fused kernels (RMSNorm, SwiGLU, fused linear cross-entropy) are not modelled",
     "auto_find_batch_size": "the Trainer halves the batch after an out-of-memory error; the estimate is for the "
                             "batch given",
@@ -122,6 +123,7 @@ def hf_args_overrides(cfg: dict, where: str = "hf-args") -> dict:
         sec, _ = merge_overrides([deepspeed, {"source": "hf-args", "overrides": sec}])
         notes.extend(f"deepspeed: {n}".replace("left to the command line and defaults", "filled from these arguments")
                      for n in deepspeed["notes"])
+    hf_compile(get, impl, notes)
     for key, note in _NOT_MODELLED.items():
         if get(key, bool):
             notes.append(f"{key}: {note}")

@@ -21,7 +21,9 @@ lists which defaults were used.
   ``pipeline_parallel_microbatches``, by default the number of stages).
 * ``[activation_checkpoint] mode`` and ``selective_ac_option`` (``op`` -> selective, an integer
   k -> every k-th block); ``[optimizer] name``; ``[training] enable_cpu_offload`` (with FSDP:
-  parameters and optimizer on the host); ``[compile] enable`` (noted: the estimate is eager).
+  parameters and optimizer on the host); ``[compile] enable`` with ``components``
+  (``model`` -> each block compiled, ``loss`` too -> ``--compile --compile-scope block``/``block-loss``:
+  ``inputs/compile_keys.py``).
 * ``[model] converters = ["float8"]`` with ``[float8]`` (newer: ``quantize.linear.float8`` with
   ``[quantize.linear.float8]``): ``recipe_name`` (none: tensorwise), ``enable_fsdp_float8_all_gather``
   (under FSDP), ``filter_fqns`` (``output`` is the modelled one) -> ``--float8``.
@@ -36,6 +38,7 @@ from typing import Any
 
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_toml, positive_int, table, typed
+from trainmem.inputs.compile_keys import torchtitan_compile
 
 __all__ = ["read_torchtitan"]
 
@@ -105,7 +108,8 @@ def torchtitan_overrides(cfg: dict, where: str = "torchtitan") -> dict:
     if accum is not None:
         step["grad_accum"] = accum
     _checkpoint(get, sec["impl"], notes, where)
-    _host_and_compile(get, par, dims, notes)
+    _host(get, par, dims, notes)
+    torchtitan_compile(get, sec["impl"], notes, where)
     _float8(cfg, raw, sec["impl"], dims, notes, where)
     if defaulted:
         notes.append("torchtitan's defaults for keys the file leaves out: " + ", ".join(defaulted))
@@ -268,15 +272,13 @@ def _grad_accum(get, d: dict[str, int], local_batch: int, notes: list[str], wher
     return global_batch // per_step
 
 
-def _host_and_compile(get, par: dict, d: dict[str, int], notes: list[str]) -> None:
+def _host(get, par: dict, d: dict[str, int], notes: list[str]) -> None:
     # parallelize.py, apply_fsdp(cpu_offload=training.enable_cpu_offload): FSDP's CPUOffloadPolicy
     # keeps parameter and gradient shards on the host, and the optimizer steps there (estimate/fsdp_offload.py)
     if get("training", "enable_cpu_offload", bool, default=False) and d["fsdp"]:
         par["offload"] = ("optimizer", "params")
         notes.append("enable_cpu_offload: FSDP2's CPUOffloadPolicy; sharded parameters, gradients and optimizer "
                      "states in pinned host memory (the host figure)")
-    if get("compile", "enable", bool, default=False):
-        notes.append("[compile] enable: torch.compile saves other tensors than eager mode; the estimate is eager")
 
 
 _FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # the table the converter reads is named alike

@@ -18,7 +18,10 @@ supervised fine-tuning recipes are modelled (``recipes/full_finetune_single_devi
 * ``enable_activation_offloading`` -> ``--offload activations`` on one device (with full or no
   checkpointing; otherwise a note).
 
-Settings that change memory but are not modelled (compile, paged states,
+* ``compile`` -> ``--compile --compile-scope block-loss`` (each layer and the loss compiled alone:
+  ``inputs/compile_keys.py``).
+
+Settings that change memory but are not modelled (paged states,
 DoRA...) are listed in the notes; recipes with more than one model (distillation, DPO, PPO,
 GRPO) and quantization-aware training are refused. Keys that do not change memory (logging,
 checkpointing, schedules) are ignored; any other key is an error naming it. Nothing in the file
@@ -32,6 +35,7 @@ from typing import Any
 
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_mapping, positive_int, typed, unknown_key
+from trainmem.inputs.compile_keys import torchtune_compile
 from trainmem.specs.step import DEFAULT_SEQ
 
 __all__ = ["read_torchtune", "torchtune_overrides"]
@@ -184,8 +188,7 @@ def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
     _checkpointing(get, impl, notes, where)
     _distributed(get, sec["parallel"], notes, where)
     _offloading(get, impl, sec["parallel"], sec["finetune"], notes)
-    if get("compile", (bool, dict)):
-        notes.append("compile: torch.compile saves other tensors than eager mode; the estimate is eager")
+    torchtune_compile(get("compile", (bool, dict)), impl, notes, where)
     _float8(get, impl, sec["parallel"], sec["finetune"], notes)
     out = answer("torchtune", where, raw, sec, notes)
     if needs_model:

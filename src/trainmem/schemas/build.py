@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainmem.fits import FIT_STATES
 from trainmem.schemas import COMMANDS, PHASES, schema_name, schema_path
+from trainmem.specs.impl import COMPILE_SCOPES
 
 __all__ = ["build", "build_all", "write_all"]
 
@@ -68,6 +69,9 @@ BODIES: dict[str, tuple[dict, dict]] = {  # command: (required, optional)
                   "phases": _array(REF["phase"]), "notes": _array({"type": "string"})},
                  {"items": _array(REF["item"]), "peak_rank": {"type": "string"},
                   "fits": _FITS,
+                  # --compile: both saved sets, under trace's meta.compile keys (estimate/rules_compiled_report.py)
+                  "compile": _obj({"scope": {"enum": list(COMPILE_SCOPES)}, "saved_eager_bytes": BYTES,
+                                   "saved_compiled_bytes": BYTES}),
                   "ranks": _array(_obj({"name": {"type": "string"}, "count": {"type": "integer"}, **_PEAK,
                                         "totals_bytes": REF["ledger_bytes"], "phases": _array(REF["phase"])}))}),
     "trace": ({"meta": {"type": "object"}, "peak_bytes": BYTES, "peak_logical_bytes": BYTES,
