@@ -63,11 +63,15 @@ def render_trace(r: TraceResult, *, top: int = 10, modules: int = 10) -> str:
         f", fragmentation at peak {r.fragmentation:.1%}",
         "",
         "alive at the peak:",
-        *(f"  {k:<16}{_gib(v)}" for k, v in r.totals_at_peak_bytes.items() if v),
+        *(f"  {k:<16}{_gib(v)}" for k, v in r.totals_at_peak_bytes.items() if v and k != "paged_optimizer_state"),
         "",
         f"largest {top} tensors at the peak:",
         *(f"  {t.bytes / 2**20:12.2f} MiB  {t.category.value:<15} {t.name}" for t in r.top_at_peak[:top]),
     ]
+    paged = r.totals_at_peak_bytes.get("paged_optimizer_state", 0)
+    if paged:  # trace/low_bit_optim.py: bitsandbytes' managed buffers, never in the allocator's figures
+        lines += ["", f"paged optimizer state (CUDA unified memory, outside PyTorch's allocator, not in the peak): "
+                      f"{_gib(paged).strip()}"]
     off = r.meta.get("offload")
     if off:  # trace/offload.py: torchtune's host copies, never in the device figures above
         lines += ["", f"offloaded to host (not in the peak): {_gib(off['host_peak_bytes']).strip()} at most at once, "

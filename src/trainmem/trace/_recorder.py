@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainmem.trace.storages import Entry, StorageTracker
+from trainmem.trace.low_bit_optim import allocating_paged, is_paged_state
 from trainmem.trace.offload import allocating_on_host
 
 __all__: list[str] = []
@@ -71,6 +72,8 @@ class Recording:
     module_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (module, phase) -> bytes
     module_order: list[str] = field(default_factory=list)
     baseline: int = 0  # number of blocks alive at entry (registered, not allocated in the window)
+    # bitsandbytes' paged optimizer states (CUDA unified memory, trace/low_bit_optim.py): not in events
+    paged: list[Block] = field(default_factory=list)
 
 
 def _short_op(func) -> str:
@@ -111,6 +114,7 @@ class _Recorder(TorchDispatchMode):
         self._handles: list = []
         self._param_keys: set[int] = set()
         self._host_steps: set[int] = set()  # storages of Adam's host-side step counters: never device bytes
+        self._paged: dict[int, Block] = {}  # unified-memory storages (paged optimizer states), by storage key
 
     # -- storages ---------------------------------------------------------------
     def _register(self, t: torch.Tensor, origin: str, module: str, op: str = "", name: str = "") -> Block | None:
@@ -200,6 +204,9 @@ class _Recorder(TorchDispatchMode):
             return  # a host copy made by activation offload (trace/offload.py): never device bytes
         if self._host_steps and t.untyped_storage()._cdata in self._host_steps:
             return  # ``step_t += 1`` (adam.py _single_tensor_adam) outputs a host step counter
+        if allocating_paged() or (self._paged and t.untyped_storage()._cdata in self._paged):
+            self._register_paged(t, func=func)  # unified memory: outside the allocator's events
+            return
         self._op = _short_op(func)  # a storage resized by this op is reallocated by it
         self._register(t, origin, self._current(), self._op)
 
@@ -237,10 +244,26 @@ class _Recorder(TorchDispatchMode):
                 # Adam's 0-dim ``step`` lives on the host on CUDA unless capturable/fused
                 if isinstance(v, torch.Tensor) and k == "step" and v.dim() == 0:
                     self._host_steps.add(v.untyped_storage()._cdata)
+                elif isinstance(v, torch.Tensor) and is_paged_state(v):
+                    self._register_paged(v, name=f"{base}.{k}")
                 elif isinstance(v, torch.Tensor):
                     blk = self._register(v, ORIGIN_STATE, "optimizer", name=f"{base}.{k}")
                     if blk is not None and blk.origin == ORIGIN_OP:
                         blk.origin, blk.name = ORIGIN_STATE, f"{base}.{k}"
+
+    def _register_paged(self, t: torch.Tensor, *, name: str = "", func=None) -> None:
+        """A paged optimizer state (``F.get_paged``'s managed buffer): a block of its own list,
+        never an allocation event, so allocated and reserved leave it out."""
+        key = t.untyped_storage()._cdata
+        blk = self._paged.get(key)
+        if blk is None:
+            nbytes = t.untyped_storage().nbytes()
+            blk = Block(len(self.rec.paged), nbytes, nbytes, _short_op(func) if func else "get_paged", "optimizer",
+                        self._phase, ORIGIN_STATE, tuple(t.shape), str(t.dtype).removeprefix("torch."), -1)
+            self._paged[key] = blk
+            self.rec.paged.append(blk)
+        if name:
+            blk.name = name
 
     def mark_input(self, t: torch.Tensor, name: str = "input") -> None:
         blk = self._register(t, ORIGIN_INPUT, "", name=name)

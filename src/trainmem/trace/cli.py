@@ -78,7 +78,8 @@ def trace_fit(args, result, *, label: str = "") -> tuple[dict, str]:
     fit, text = fit_report(args, allocated_bytes=result.peak_bytes, reserved_bytes=reserved, label=label,
                            reserved_source="from the caching-allocator model's replay of the trace"
                                            + (", expandable_segments" if expandable else ""),
-                           active_note="equals allocated: one stream, no freed blocks still in use", flush=flush)
+                           active_note="equals allocated: one stream, no freed blocks still in use", flush=flush,
+                           paged_bytes=result.totals_at_peak_bytes.get("paged_optimizer_state", 0))
     if unreplayed and unreplayed[0]:  # over usable, and no stream to replay with the flush: two answers
         text += (f"\n  whether a cache flush would let it run is not checked: {UNREPLAYED[unreplayed[0]]}")
     return fit, text

@@ -6,10 +6,18 @@ kernels for their update ops (``bitsandbytes/_ops.py``: ``optimizer_update_8bit_
 needs real values: ``Optimizer8bit.fill_qmap`` builds the two quantization maps with ``.tolist()``.
 It runs with fake tensors switched off and the maps are then remade as fake tensors.
 
+Paged states (``PagedAdamW8bit``, ``PagedAdamW32bit``): on CUDA ``Optimizer8bit.get_state_buffer``
+(``bitsandbytes/optim/optimizer.py``) takes a state of a parameter of 1e5 values or more from
+``F.get_paged`` (``bitsandbytes/functional.py``: ``cget_managed_ptr``, i.e. ``cudaMallocManaged``),
+CUDA unified memory outside PyTorch's caching allocator; smaller ones are ``torch.zeros_like`` on
+the device. On CPU it falls back to plain tensors for all of them. The tracer runs that CUDA branch
+instead (:func:`_cuda_state_buffer`): the buffer is made under :func:`paged_allocation`, which the
+recorder sees, and tagged (:func:`is_paged_state`), so the trace keeps it out of the allocated and
+reserved figures and reports it as ``Category.PAGED_STATE``, as the estimate does. On real CPU
+tensors the buffer is the same ``zeros_like`` the fallback makes: a measured CPU step holds it.
+
 Known limitations:
-  - Paging needs CUDA: on CPU ``get_state_buffer`` falls back to plain tensors (and warns), so a
-    trace counts paged states as optimizer state; the estimate reports them apart
-    (``Category.PAGED_STATE``).
+  - The managed buffer's own rounding (driver pages) is not modelled: paged bytes are logical.
   - torchao's AdamW8bit/AdamW4bit are not traced: their quantization reads tensor values (no fake
     tensors) and their step runs inductor-generated kernels the tracer does not see;
     tests/estimate/test_optimizers_8bit.py checks their states against the real optimizer instead.
@@ -18,9 +26,52 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from trainmem.errors import UnsupportedError
 
-__all__ = ["BNB_CLASSES", "TORCHAO_CLASSES", "make_bnb_optimizer", "make_torchao_optimizer"]
+__all__ = ["BNB_CLASSES", "TORCHAO_CLASSES", "make_bnb_optimizer", "make_torchao_optimizer",
+           "paged_allocation", "allocating_paged", "is_paged_state", "BNB_MIN_PAGED_NUMEL"]
+
+#: ``get_state_buffer``: ``if not self.is_paged or p.numel() < 1e5`` -> a plain device tensor
+BNB_MIN_PAGED_NUMEL = 100_000
+_PAGED_TAG = "_trainmem_paged"  # not bitsandbytes' ``is_paged``: that one makes prefetch_state call cprefetch
+_local = threading.local()
+
+
+def allocating_paged() -> bool:
+    """True while a paged optimizer state is made (its storage is unified memory, not the allocator's)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def paged_allocation():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def is_paged_state(t) -> bool:
+    """Whether ``t`` is a state buffer the tracer made as bitsandbytes' ``F.get_paged`` would."""
+    return getattr(t, _PAGED_TAG, False)
+
+
+def _cuda_state_buffer(opt):
+    """``Optimizer8bit.get_state_buffer``'s CUDA branch (bitsandbytes/optim/optimizer.py), for CPU
+    or fake parameters: paged (tagged, made under :func:`paged_allocation`) from 1e5 values on."""
+    import torch
+
+    def get_state_buffer(p, dtype=torch.float32):
+        if not opt.is_paged or p.numel() < BNB_MIN_PAGED_NUMEL:
+            return torch.zeros_like(p, dtype=dtype, device=p.device)
+        with paged_allocation():  # F.get_paged + F.fill(buff, 0): no caching-allocator block
+            buff = torch.zeros_like(p, dtype=dtype, device=p.device)
+        setattr(buff, _PAGED_TAG, True)
+        return buff
+    return get_state_buffer
 
 #: trainmem optimizer -> bitsandbytes.optim class
 BNB_CLASSES = {"adam8bit": "Adam8bit", "adamw8bit": "AdamW8bit", "paged-adamw8bit": "PagedAdamW8bit",
@@ -43,8 +94,8 @@ def make_bnb_optimizer(name: str, params, lr: float = 1e-4):
         opt = getattr(bnb.optim, BNB_CLASSES[name])(params, lr=lr)
     if any(is_fake(p) for p in params):  # under the tracer's FakeTensorMode: fake copies of the maps
         opt.name2qmap = {k: torch.tensor(v.tolist(), dtype=v.dtype) for k, v in opt.name2qmap.items()}
-    # get_state_buffer warns once that paging falls back on CPU: Known limitations say so instead
-    opt._cpu_paged_warned = True
+    if opt.is_paged and all(p.device.type != "cuda" for p in params):  # on CUDA bitsandbytes pages itself
+        opt.get_state_buffer = _cuda_state_buffer(opt)
     return opt
 
 

@@ -5,6 +5,11 @@ a storage an op made in forward that is still alive when the next backward start
 activation (saved for backward, or held by a checkpoint); one freed before is transient;
 storages made in backward are transient (activation gradients, workspaces) except gradients
 of parameters and tensors recomputed under activation checkpointing (activations).
+
+bitsandbytes' paged optimizer states (``Recording.paged``, trace/low_bit_optim.py) sit in CUDA
+unified memory, outside the caching allocator: they are items and a ledger
+(``totals_at_peak_bytes["paged_optimizer_state"]``, logical bytes) of their own, never in the
+allocated or reserved figures, so the other ledgers still sum to ``peak_bytes``.
 """
 
 from __future__ import annotations
@@ -219,6 +224,7 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
         cat = cats[b.id]
         totals[cat.value] += b.size
         live.append(LiveTensor(names[b.id], cat, b.size, b.op, b.phase, b.shape, b.dtype))
+    totals[Category.PAGED_STATE.value] = sum(b.nbytes for b in rec.paged)
     top = sorted(live, key=lambda t: -t.bytes)[:TOP_AT_PEAK]
     peak_block = blocks[events[peak_at]] if peak_at >= 0 else None
 
@@ -268,4 +274,7 @@ def _items(rec: R.Recording, cats: list[Category], names: list[str]) -> Inventor
             note = "buffer" if b.origin == R.ORIGIN_BUFFER else ""
         out.append(MemoryItem(name=names[b.id], category=cat, shape=b.shape, dtype=b.dtype, bytes=b.nbytes,
                               formula=f"aten.{b.op}" if b.op else "", note=note, key=keys.get(b.id, "")))
+    out += [MemoryItem(name=b.name or f"optimizer.paged.{b.id}", category=Category.PAGED_STATE, shape=b.shape,
+                       dtype=b.dtype, bytes=b.nbytes, formula="bitsandbytes F.get_paged (cudaMallocManaged)",
+                       note="CUDA unified memory, outside the caching allocator") for b in rec.paged]
     return Inventory.of(out)
