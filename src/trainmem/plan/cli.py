@@ -62,6 +62,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--recompute", choices=RECOMPUTES[:3] + ("op",), action="append",
                    help="only these recompute modes (repeatable; default none, selective, full; op: "
                         "torchtitan's op-level policy, searched when named)")
+    from trainmem.cliargs import _names
+    from trainmem.plan.axes import AXES
+    p.add_argument("--search", type=_names("search"), default=(), metavar="AXIS[,AXIS]",
+                   help=f"also search these axes (off by default, each multiplies the estimator calls): "
+                        f"{', '.join(AXES)}; combinations the estimator refuses are skipped with the reason")
     p.add_argument("--mfu", type=float, default=None, help="share of the bf16 peak large GEMMs reach (default 0.45)")
     p.add_argument("--top", type=_positive_int("--top"), default=5, help="configurations to show (default 5)")
     p.add_argument("--rejected", action="store_true", help="also list every rejected configuration and why")
@@ -126,6 +131,8 @@ def run_plan(args) -> int:
         space = replace(space, attention=tuple(dict.fromkeys(args.attention)))
     if args.recompute:
         space = replace(space, recompute=tuple(dict.fromkeys(args.recompute)))
+    if args.search:
+        space = replace(space, axes=tuple(dict.fromkeys(args.search)))
     cost = CostModel() if args.mfu is None else CostModel(mfu=args.mfu)
     model = load_model(args.model)
     seq = default_seq(model.max_positions) if args.seq is None else args.seq

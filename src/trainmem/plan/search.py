@@ -21,8 +21,9 @@ a necessary condition (the replay's reserve is never negative: reserved ≥ allo
 drops no configuration the model would fit and the recheck drops those the reserve pushes over.
 
 Known limitations:
-  - Schedules other than 1F1B, interleaving, hybrid FSDP, expert parallelism and activation
-    offload are not searched; TP stays inside a node.
+  - Schedules other than 1F1B, interleaving, hybrid FSDP and expert parallelism are not searched;
+    TP stays inside a node. Compile, Float8, optimizer variants and activation offload are searched
+    only when named (``SearchSpace.axes``, :mod:`trainmem.plan.axes`).
   - Step times are a first-order model (:mod:`trainmem.plan.cost`) for ranking, not prediction.
 """
 
@@ -31,13 +32,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from trainmem.errors import SpecError
+from trainmem.errors import SpecError, TrainmemError
 from trainmem.estimate import estimate
-from trainmem.estimate.notes import selective_recompute_noop
 from trainmem.families import family_attentions
+from trainmem.plan.axes import IMPL_FIELDS, STEP_FIELDS, Variant, refusal, saved_sets
 from trainmem.plan.cost import CostModel, matmul_parameters, step_time
 from trainmem.plan.hardware import GPU, Reserve
-from trainmem.plan.shard import Breakdown, breakdown, rank_peak
+from trainmem.plan.shard import Breakdown, StagePeak, rank_peak
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["SearchSpace", "Candidate", "Plan", "plan", "SCHEMA"]
@@ -63,6 +64,15 @@ class SearchSpace:
     offload: tuple[tuple[str, ...], ...] = ((), ("optimizer",))
     sp: tuple[bool, ...] = (False, True)
     max_micro_batch: int = 64
+    axes: tuple[str, ...] = ()
+    """Opt-in axes searched as well (:data:`trainmem.plan.axes.AXES`: compile, float8, optimizer-impl,
+    optimizer-8bit, optimizer-in-backward, offload-activations); each multiplies the saved sets."""
+
+    def __post_init__(self) -> None:
+        from trainmem.plan.axes import AXES
+        for name in self.axes:
+            if name not in AXES:
+                raise SpecError("search", name, f"unknown axis (known: {', '.join(AXES)})")
 
 
 @dataclass(frozen=True)
@@ -150,10 +160,10 @@ class _P:
                             microbatches=self.microbatches, zero=self.zero, offload=self.offload)
 
 
-def _config(mb, accum, attn, rc, p: _P) -> dict:
+def _config(mb, accum, attn, rc, p: _P, variant: Variant = Variant()) -> dict:
     return {"micro_batch": mb, "grad_accum": accum, "attention": attn, "recompute": rc, "dp": p.dp,
             "tp": p.tp, "sp": p.sp, "cp": p.cp, "pp": p.pp, "schedule": "1f1b", "zero": p.zero,
-            "offload": list(p.offload)}
+            "offload": list(p.offload), **variant.config()}
 
 
 def _structural(model: ModelSpec, seq: int, gpu: GPU, tp: int, cp: int, pp: int) -> str | None:
@@ -206,40 +216,21 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
     base = StepSpec(batch=1, seq=seq, precision=precision, optimizer=optimizer, loss=loss)
     n_params = matmul_parameters(model)
 
-    # two estimator calls per distinct (attention, recompute) saved set
-    calls = 0
-    kernels: dict[tuple[str, str], tuple[Breakdown, Breakdown]] = {}
-    seen: dict[tuple, str] = {}
-    noops: dict[str, str] = {}
+    # two estimator calls per distinct (attention, recompute, variant of the opt-in axes) saved set
     kernels_run = tuple(a for a in space.attention if a in family_attentions(model.family))
     if not kernels_run:  # gpt-oss runs eager only
         raise SpecError("attention", ",".join(space.attention), f"{model.family} runs only "
                         f"{', '.join(family_attentions(model.family))} attention")
-    for rc in space.recompute:
-        for attn in kernels_run:
-            impl = ImplSpec(profile=profile, attention=attn, recompute=rc)
-            if rc == "selective" and "none" in space.recompute:
-                why = selective_recompute_noop(model, base, impl)
-                if why:  # the same configuration as recompute=none, one attention forward slower
-                    noops[attn] = why
-                    continue
-            b1 = breakdown(estimate(model, base, impl, finetune=finetune))
-            calls += 1
-            sig = (rc, b1)
-            if sig in seen:  # same saved set as a kernel already listed
-                continue
-            seen[sig] = attn
-            b2 = breakdown(estimate(model, replace(base, batch=2), impl, finetune=finetune))
-            calls += 1
-            kernels[(attn, rc)] = (b1, b2)
+    kernels, calls, noops, refused = saved_sets(model, base, profile, kernels_run, space.recompute, space.axes,
+                                                finetune, gpus=gpus, fp8=gpu.fp8_flops is not None)
 
     rejected: list[tuple[dict, str]] = []
-    fitting: list[tuple] = []  # (step time, StagePeak, mb, accum, attention, recompute, _P, StepTime)
+    fitting: list[tuple] = []  # (step time, StagePeak, mb, accum, attention, recompute, _P, StepTime, Variant)
     closest: list[tuple] = []
     evaluated = 0
-    steps: dict[int, StepSpec] = {}
+    steps: dict[tuple, StepSpec] = {}
     scaled: dict[tuple, Breakdown] = {}
-    impls = {k: ImplSpec(profile=profile, attention=k[0], recompute=k[1]) for k in kernels}
+    refusals: dict[tuple, str | None] = {}  # (kernel, layout, accumulates): the axes' layout refusals, memoized
 
     def reject(cfg_fn, why: str) -> None:
         if keep_rejected:
@@ -277,43 +268,57 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                         for off in space.offload:
                             if off and zero == 0:
                                 continue  # offload is a ZeRO feature (DeepSpeed ZeRO-Offload)
-                            for (attn, rc), (b1, b2) in kernels.items():
+                            for (attn, rc, v), kern in kernels.items():
                                 if cp > 1 and attn == "eager":
-                                    reject(lambda: _config(None, None, attn, rc, probe),
+                                    reject(lambda: _config(None, None, attn, rc, probe, v),
                                            f"cp={cp} needs a fused attention kernel (ring attention), not eager")
                                     continue
+                                off_v = off + ("activations",) if v.offload_activations else off
+                                single = dp * tp * cp * pp == 1 and not zero and not off
+                                plain = v == Variant()
                                 for i, mb in enumerate(mbs):
                                     accum = per_rank // mb
-                                    p = _P(dp, tp, sp, cp, pp, accum, zero, off)
-                                    b = scaled.get((attn, rc, mb))
-                                    if b is None:
-                                        b = scaled[(attn, rc, mb)] = b1.scaled(b2, mb)
+                                    p = _P(dp, tp, sp, cp, pp, accum, zero, off_v)
+                                    if not plain:
+                                        rkey = (attn, rc, v, dp, tp, sp, cp, pp, zero, off, accum > 1)
+                                        if rkey not in refusals:
+                                            refusals[rkey] = refusal(model, kern, p, single)
+                                        if refusals[rkey]:
+                                            reject(lambda: _config(mb, accum, attn, rc, p, v), refusals[rkey])
+                                            continue
                                     evaluated += 1
-                                    stages = rank_peak(b, p, accumulate=accum > 1, detail=False)
-                                    worst = max(stages, key=lambda s: s.peak_bytes)
-                                    step = steps.get(mb)
+                                    if v.one_device:  # the closed form does not rebuild these phases
+                                        peak, phase = kern.estimated(model, mb, accum, finetune)
+                                        worst = StagePeak("rank", peak, phase, {}, 0)
+                                    else:
+                                        b = scaled.get((attn, rc, v, mb))
+                                        if b is None:
+                                            b = scaled[(attn, rc, v, mb)] = kern.b1.scaled(kern.b2, mb)
+                                        stages = rank_peak(b, p, accumulate=accum > 1, detail=False)
+                                        worst = max(stages, key=lambda s: s.peak_bytes)
+                                    step = steps.get((mb, kern.step))
                                     if step is None:
-                                        step = steps[mb] = replace(base, batch=mb, grad_accum=accum)
-                                    t = step_time(model, step, impls[(attn, rc)], p, gpu,
-                                                  global_batch=global_batch, cost=cost, n_params=n_params)
+                                        step = steps[(mb, kern.step)] = replace(kern.step, batch=mb, grad_accum=accum)
+                                    t = step_time(model, step, kern.impl, p, gpu, global_batch=global_batch, cost=cost,
+                                                  n_params=n_params, offloaded_activation_bytes=kern.host_bytes(mb))
                                     total = t.total_s
-                                    row = (total, worst, mb, accum, attn, rc, p, t)
+                                    row = (total, worst, mb, accum, attn, rc, p, t, v)
                                     if worst.peak_bytes <= usable:
                                         fitting.append(row)
                                         continue
                                     closest.append(row)
-                                    reject(lambda: _config(mb, accum, attn, rc, p),
+                                    reject(lambda: _config(mb, accum, attn, rc, p, v),
                                            f"peak {worst.peak_bytes} B allocated ({worst.stage} stage, {worst.phase}) "
                                            f"> usable {usable} B (reserved ≥ allocated)")
                                     for mb2 in mbs[i + 1:]:  # peaks only grow with the micro-batch
-                                        reject(lambda: _config(mb2, per_rank // mb2, attn, rc, p),
+                                        reject(lambda: _config(mb2, per_rank // mb2, attn, rc, p, v),
                                                f"micro-batch {mb2} > {mb}, which already does not fit")
                                     break
     tokens = global_batch * seq
 
     def candidate(row) -> Candidate:
-        total, worst, mb, accum, attn, rc, p, t = row
-        return Candidate(_config(mb, accum, attn, rc, p), worst.peak_bytes, total, tokens / total,
+        total, worst, mb, accum, attn, rc, p, t, v = row
+        return Candidate(_config(mb, accum, attn, rc, p, v), worst.peak_bytes, total, tokens / total,
                          worst.peak_bytes <= usable, worst.stage, worst.phase, t.to_dict())
 
     fitting.sort(key=lambda r: (r[0], r[1].peak_bytes))
@@ -325,7 +330,11 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
         c = candidate(row)
         key = _key(c.config)
         if key not in checked:
-            checked[key] = _recheck(model, base, profile, c, usable, finetune)
+            try:
+                checked[key] = _recheck(model, base, profile, c, usable, finetune)
+            except TrainmemError as exc:  # an opt-in axis the estimator refuses here: never shown as fitting
+                checked[key] = replace(c, fits=False, peak_source="refused")
+                rejected.append((c.config, f"the estimator refuses it: {exc}"))
         return checked[key]
 
     if fitting:
@@ -337,7 +346,7 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
                 shown.append(c)
                 if len(shown) == top:
                     break
-            else:
+            elif c.peak_source != "refused":
                 flush = "; fits only by flushing the allocator cache (slower)" \
                     if c.fit_state == "fits_with_cache_flush" else ""
                 rejected.append((c.config, f"per-rank estimate {c.reserved_bytes} B reserved ({c.peak_bytes} B "
@@ -351,14 +360,18 @@ def plan(model: ModelSpec, *, seq: int, global_batch: int, gpu: GPU, gpus: int,
     if len(screened) > MAX_FRONT:  # evenly spaced, both ends kept
         screened = [screened[round(i * (len(screened) - 1) / (MAX_FRONT - 1))] for i in range(MAX_FRONT)]
     pareto = _front([exact(r) for r in screened] + [c for c in shown if c.fits]) if front else []
+    calls += 2 * sum(True in k.phases for k in kernels.values())  # one-device variants accumulating
     stats = {"evaluated": evaluated, "fitting": len(fitting), "estimator_calls": calls,
-             "checked": len(checked), "kernel_sets": [list(k) for k in kernels],
+             "checked": len(checked),
+             "kernel_sets": [[a, rc] + ([v.describe()] if space.axes else []) for a, rc, v in kernels],
              "skipped_kernels": [{"attention": a, "recompute": "selective", "why": w} for a, w in noops.items()],
              "seconds": time.perf_counter() - t0,
              "method": "screen: closed form from two estimator calls (micro-batch 1 and 2) per distinct "
                        "(attention, recompute) saved set, scaled by the parallel degrees, allocated peak against the "
                        "reserved budget (reserved >= allocated); every peak shown: the estimator's per-rank peak "
                        "of that configuration, its reserved peak from the allocator model deciding the fit"}
+    if space.axes:
+        stats.update(axes=list(space.axes), skipped_variants=refused)
     return Plan(model, base, gpu, gpus, global_batch, reserve, usable, tuple(shown), tuple(pareto),
                 tuple(rejected), stats)
 
@@ -394,8 +407,10 @@ def _recheck(model: ModelSpec, base: StepSpec, profile: str, c: Candidate, usabl
     from trainmem.estimate.allocation_order import estimate_fit_state, estimate_reserved
 
     cfg = c.config
-    step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"])
-    impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"])
+    step = replace(base, batch=cfg["micro_batch"], grad_accum=cfg["grad_accum"],
+                   **{k: cfg[k] for k in STEP_FIELDS if k in cfg})
+    impl = ImplSpec(profile=profile, attention=cfg["attention"], recompute=cfg["recompute"],
+                    **{k: cfg[k] for k in IMPL_FIELDS if k in cfg})
     par = ParallelSpec(dp=cfg["dp"], tp=cfg["tp"], sp=cfg["sp"], cp=cfg["cp"], pp=cfg["pp"],
                        microbatches=cfg["grad_accum"], zero=cfg["zero"], offload=tuple(cfg["offload"]))
     e = estimate(model, step, impl, parallel=None if par.is_single else par, finetune=finetune)

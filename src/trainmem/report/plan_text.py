@@ -37,6 +37,10 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
     for k in st.get("skipped_kernels", ()):
         lines.append(f"not offered: {k['attention']} + selective recompute ({k['why'].split(':')[0]}; "
                      "the same memory as recompute=none, one attention forward slower)")
+    if "axes" in st:
+        lines.append(f"also searched (--search): {', '.join(st['axes'])}")
+        for why, n in Counter(k["why"] for k in st.get("skipped_variants", ())).most_common():
+            lines.append(f"not searched: {n} saved set{'s' if n > 1 else ''}: {why}")
     if plan.gpu_counts:
         lines += [""] + gpu_count_lines(plan)
     lines.append("")
