@@ -13,7 +13,21 @@ def _cfg(c: dict) -> str:
     par = f"tp{c['tp']}{'+sp' if c['sp'] else ''} cp{c['cp']} pp{c['pp']} dp{c['dp']}"
     off = f" offload={','.join(c['offload'])}" if c["offload"] else ""
     return (f"mb={c['micro_batch']}×{c['grad_accum']} {c['attention']:<13} recompute={c['recompute']:<9} "
-            f"{par:<26} zero{c['zero']}{off}")
+            f"{par:<26} zero{c['zero']}{off}{_axes(c)}")
+
+
+def _axes(c: dict) -> str:
+    """``plan --search``'s axes where a configuration leaves their defaults (trainmem.plan.axes)."""
+    out = [f"optimizer={c['optimizer']}"] if "optimizer" in c else []
+    if c.get("optimizer_impl", "auto") != "auto":
+        out.append(f"optimizer-impl={c['optimizer_impl']}")
+    if c.get("optimizer_in_backward"):
+        out.append("optimizer-in-backward")
+    if c.get("float8", "none") != "none":
+        out.append(f"float8={c['float8']}")
+    if c.get("compile"):
+        out.append("compile" + (f"={c['compile_scope']}" if c.get("compile_scope", "model") != "model" else ""))
+    return "".join(" " + o for o in out)
 
 
 def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_pareto: int = 12) -> str:
