@@ -35,6 +35,7 @@ from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.loss_value import loss_value
+from trainmem.estimate.rules_compiled_olmo2 import olmo2_block
 from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf_parts import _rmsnorm as _eager_rmsnorm
 from trainmem.families import families, family_of
@@ -78,6 +79,11 @@ def check_compiled(ctx: Ctx) -> None:
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
+        ("model", m.family, m.family in _NARROW and (
+            impl.recompute != "none" or step.recipe not in ("fp32", "bf16", "fp16") or impl.float8 != "none"
+            or ctx.finetune_linear is not None or m.qkv_bias),
+         f"compiled rules for {m.family} cover --recompute none, pure fp32/bf16/fp16, no fine-tuning, Float8 or "
+         "q/k/v biases (trace --compile)"),
         ("float8", impl.float8, impl.float8 != "none" and (
             impl.compile_scope == "model" or impl.recompute != "none"
             or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16") or m.qk_norm or m.qkv_bias),
@@ -87,6 +93,11 @@ def check_compiled(ctx: Ctx) -> None:
     for field, value, bad, why in refusals:
         if bad:
             raise UnsupportedError(f"compile: {field}={value!r} is not modelled: {why}")
+
+
+def _block_rule(ctx: Ctx):
+    """The family's compiled block (:data:`_BLOCKS`), else the Llama one."""
+    return _BLOCKS.get(ctx.model.family, _compiled_block)
 
 
 def compiled_families() -> list[str]:
@@ -119,7 +130,8 @@ def compiled_forward(ctx: Ctx) -> None:
     if ctx.impl.recompute == "full":
         _checkpointed_layers(ctx, x)
         return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)
-    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, lambda _i, x: _compiled_block(ctx, x)))
+    block = _block_rule(ctx)
+    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x)))
 
 
 def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
@@ -129,6 +141,7 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
     g, m = ctx.graph, ctx.model
     B, S, H, A, Akv, F = ctx.B, ctx.S, m.hidden_size, "A·hd", "Akv·hd", m.ffn_size
     a = ctx.low or ctx.param  # the activations' dtype (pure precisions: the weights')
+    fused = family_of(m).rules.fused_gate_up  # Phi-3: fused qkv_proj and gate_up_proj (checked pure only)
     qkv = (("self_attn.q_proj", (m.q_size, H)), ("self_attn.k_proj", (m.kv_size, H)),
            ("self_attn.v_proj", (m.kv_size, H)))
     mlp = (("mlp.gate_proj", (F, H)), ("mlp.up_proj", (F, H)))
@@ -142,8 +155,8 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
                               ("k_proj", "k_norm", m.kv_size, Akv, m.num_kv_heads, "Akv"))
         q = g.new("q_rope", (B, S, m.q_size), ("B", "S", A), a)
         k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", Akv), a)
-        with g.module("v_proj"):
-            v = g.new("out", (B, S, m.kv_size), ("B", "S", Akv), a)
+        with g.module("qkv_proj" if fused else "v_proj"):  # Phi-3: v, a contiguous copy of its qkv slice
+            v = g.new("v" if fused else "out", (B, S, m.kv_size), ("B", "S", Akv), a)
         attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
         with g.module("o_proj"):
             g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
@@ -152,9 +165,11 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
              keep_output=not compiled_input_recomputed(ctx, *mlp))
     with g.module("mlp"):
         _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
-        for name in ("gate_proj", "up_proj"):
+        # Phi-3's gate_up_proj: one output, of which gate and up are views
+        for name, width, sym in (("gate_up_proj", 2 * F, "2·F"),) if fused else (("gate_proj", F, "F"),
+                                                                                  ("up_proj", F, "F")):
             with g.module(name):
-                g.save(g.new("out", (B, S, F), ("B", "S", "F"), a))
+                g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
         g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a),  # down_proj's input
                when=not compiled_input_recomputed(ctx, ("down_proj", (H, F))))
     compiled_scales(ctx, *qkv, ("self_attn.o_proj", (H, m.q_size)), *mlp, ("mlp.down_proj", (H, F)))
@@ -195,9 +210,9 @@ def _per_block(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
     x = _embedding(ctx, "model.embed_tokens")
     with g.module("model.rotary_emb"):
-        rot = (1, ctx.S, m.head_dim)
-        g.save(g.new("cos", rot, ("1", "S", "hd"), x.dtype, False), g.new("sin", rot, ("1", "S", "hd"), x.dtype, False))
-    block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _compiled_block)
+        rot, dt = (1, ctx.S, m.head_dim), "float32" if family_of(m).rules.rope_fp32 else x.dtype  # OLMo-2: fp32
+        g.save(g.new("cos", rot, ("1", "S", "hd"), dt, False), g.new("sin", rot, ("1", "S", "hd"), dt, False))
+    block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _block_rule(ctx))
     x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm"), "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
@@ -299,3 +314,11 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True, keep_outpu
         out = g.new("out", x.shape, x.dims, ctx.low or x.dtype)  # under autocast: the linears' 16-bit input
         g.save(out, when=keep_output)
     return out
+
+
+#: family name -> its compiled block, where it is not the Llama block (_compiled_block)
+_BLOCKS = {"olmo2": olmo2_block}
+#: families whose compiled rules were checked at --recompute none in pure precisions only: OLMo-2, and
+#: Phi-3 (the Llama block with fused qkv_proj and gate_up_proj; Float8, autocast copies and the op policy
+#: name the unfused linears)
+_NARROW = {"olmo2", "phi3"}
