@@ -6,9 +6,11 @@ The model, per rank::
     capacity = context + reserved + headroom
     reserved = allocated + allocator reserve
 
-* ``context``: memory outside PyTorch's caching allocator (CUDA context, kernel images, library
-  handles), per GPU preset (``GPU.context_bytes``, sourced in the preset file), plus NCCL's
-  buffers when more than one rank runs (:data:`NCCL_BYTES`).
+* ``context``: memory beyond the step's tensors, itemized (:mod:`trainmem.device_context`,
+  :func:`context_items`): the CUDA context (kernel images, library handles) stated per GPU preset
+  (``cuda_context_bytes``, sourced in the preset file), cuBLAS's workspaces by architecture
+  (``CublasHandlePool.cpp``; from the caching allocator, but not in trainmem's step figures), plus
+  NCCL's buffers when more than one rank runs (:data:`NCCL_BYTES`).
 * ``allocator reserve``: bytes the caching allocator holds beyond its allocated blocks. A trace
   knows it (``reserved − allocated`` from :mod:`trainmem.trace.allocator`'s replay), a CUDA
   profile measures it; a training estimate replays its own tensors in allocation order through the
@@ -36,8 +38,9 @@ Figures (``--memory-figure``):
   ``min(paged, headroom)``: all of it when it fits beside the step, none when the step fills the GPU.
 
 Known limitations:
-  - ``context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
-    by trainmem; ``trainmem profile`` on a GPU measures the context (``context_bytes``).
+  - ``cuda_context_bytes`` and :data:`NCCL_BYTES` are estimates from the sources cited, not measured
+    by trainmem; ``trainmem profile`` on a GPU measures the context (``context_bytes``). The
+    cuBLAS workspaces follow PyTorch's defaults (a formula per architecture, not measured here).
   - The 5% share is not a model of the allocator; the trace's and the training estimate's reserved
     figures are. Their reserved peak is an unlimited device's; near capacity the real allocator
     frees its cached segments and retries, which :data:`FIT_STATES` states as
@@ -52,13 +55,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from trainmem.device_context import NCCL_BYTES, context_items
 from trainmem.errors import SpecError
 
 if TYPE_CHECKING:
     from trainmem.plan.hardware import GPU
 
 __all__ = ["FIGURES", "FIT_STATES", "Verdict", "verdict", "fit_state", "measured_fit_state", "usable_bytes", "budget_bytes", "context_bytes", "check_figure",
-           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident", "reserved_budget"]
+           "ESTIMATE_RESERVE_FRACTION", "NCCL_BYTES", "paged_resident", "reserved_budget", "context_items"]
 
 FIGURES = ("allocated", "active", "reserved", "device")
 
@@ -86,20 +90,15 @@ FIT_STATES = ("fits", "fits_with_cache_flush", "does_not_fit")
 #: peak instead (``estimate_reserved``), with ``fraction`` an extra margin, 0 by default.
 ESTIMATE_RESERVE_FRACTION = 0.05
 
-#: Per-rank NCCL buffers when the world has more than one rank. Uncertain, an order of magnitude:
-#: NCCL_BUFFSIZE is 4 MiB per channel and protocol by default (NCCL docs, environment variables),
-#: and NVLink rings open up to 32 channels, so a communicator holds a few hundred MiB.
-NCCL_BYTES = 256 << 20
-
-
 def usable_bytes(capacity_bytes: int, fixed_bytes: int, fraction: float) -> int:
     """Capacity less a fixed part and a share of the capacity (``Reserve``'s arithmetic)."""
     return capacity_bytes - fixed_bytes - int(fraction * capacity_bytes)
 
 
 def context_bytes(gpu: GPU, gpus: int = 1) -> int:
-    """Memory outside the caching allocator: the preset's context, and NCCL's buffers on more than one rank."""
-    return gpu.context_bytes + (NCCL_BYTES if gpus > 1 else 0)
+    """Memory beyond the step's tensors: the preset's context (CUDA context and cuBLAS workspaces), and
+    NCCL's buffers on more than one rank; the sum of :func:`context_items`."""
+    return sum(i.bytes for i in context_items(gpu, gpus))
 
 
 def budget_bytes(gpu: GPU, *, reserve_modelled: bool, gpus: int = 1,
@@ -186,6 +185,8 @@ class Verdict:
     """``fits_with_cache_flush``: cached segments given back per step by those releases."""
     flush_reserved_bytes: int = 0
     """``fits_with_cache_flush``: the reserved peak with the releases (≤ usable)."""
+    context_items: tuple = ()
+    """``context_bytes`` item by item (:func:`context_items`: name, bytes, formula, source)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -231,7 +232,8 @@ def verdict(gpu: GPU, *, allocated_bytes: int, reserved_bytes: int | None = None
                    flushed_bytes=flush.flushed_bytes if flushed else 0,
                    flush_reserved_bytes=flush.reserved_bytes if flushed else 0, gpu=gpu.name, gpus=gpus, capacity_bytes=capacity, context_bytes=context,
                    allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, reserve_bytes=reserve, why=why,
-                   reserve_modelled=modelled, paged_bytes=paged_bytes, paged_resident_bytes=resident)
+                   reserve_modelled=modelled, paged_bytes=paged_bytes, paged_resident_bytes=resident,
+                   context_items=tuple(i.to_dict() for i in context_items(gpu, gpus)))
 
 
 def paged_resident(paged_bytes: int, headroom_bytes: int) -> int:

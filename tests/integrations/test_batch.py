@@ -1,8 +1,5 @@
 """trainmem.largest_micro_batch: peak(B) fits and peak(B + 1) does not, by the estimate or the trace."""
 
-import json
-from importlib.resources import files
-
 import pytest
 
 import trainmem
@@ -16,8 +13,9 @@ from trainmem.specs.loaders import load_model
 
 
 def _usable(gpu_file: str) -> int:
-    preset = json.loads(files("trainmem.data").joinpath("gpus").joinpath(gpu_file).read_text())
-    return preset["memory_bytes"] - preset["context_bytes"]  # capacity − context: the reserved figure's budget
+    from trainmem.plan.hardware import load_gpu
+    gpu = load_gpu(gpu_file.removesuffix(".json"))  # its context: CUDA context + cuBLAS workspaces (device_context)
+    return gpu.memory_bytes - gpu.context_bytes  # capacity − context: the reserved figure's budget
 
 
 def test_estimate_backend_is_the_largest_that_fits():

@@ -55,7 +55,7 @@ def test_plan_verdict_is_estimates_at_the_boundary(capsys, model, seq, attn, rc,
     assert c.fits is v["fits"] is fits  # what plan and estimate say now
     assert c.peak_bytes == v["allocated_bytes"] and c.reserved_bytes == v["reserved_bytes"]
     # plan's usable is the reserved figure's: capacity − context, exactly
-    assert p.usable_bytes == v["capacity_bytes"] - v["context_bytes"] == H100.memory_bytes - GIB
+    assert p.usable_bytes == v["capacity_bytes"] - v["context_bytes"] == H100.memory_bytes - H100.context_bytes
     d = c.to_dict()
     assert d["memory_figure"] == "reserved" and d["peak_reserved_bytes"] == c.reserved_bytes
 
@@ -66,7 +66,7 @@ def test_advise_start_verdict_is_estimates():
     a = advise(load_model("llama-3-8b"), step, impl, H100, budget=4)
     e = estimate(load_model("llama-3-8b"), step, impl)
     assert a.start_peak_bytes == e.peak_bytes > FLAT
-    assert a.start_reserved_bytes == estimate_reserved(e).reserved_bytes <= a.usable_bytes == H100.memory_bytes - GIB
+    assert a.start_reserved_bytes == estimate_reserved(e).reserved_bytes <= a.usable_bytes == H100.memory_bytes - H100.context_bytes
     assert a.fits and not a.steps and not a.options
     d = a.to_dict()
     assert d["memory_figure"] == {"figure": "reserved", "peak_reserved_bytes": a.start_reserved_bytes}
@@ -74,9 +74,9 @@ def test_advise_start_verdict_is_estimates():
 
 def test_reserve_fraction_is_an_extra_margin():
     """``--reserve-fraction`` stays: an explicit margin taken off the reserved budget (default 0)."""
-    assert Reserve.modelled(H100).reserved_usable_bytes(H100) == H100.memory_bytes - GIB
+    assert Reserve.modelled(H100).reserved_usable_bytes(H100) == H100.memory_bytes - H100.context_bytes
     assert Reserve.modelled(H100, 0.05).reserved_usable_bytes(H100, 8) == \
-        H100.memory_bytes - GIB - (256 << 20) - int(0.05 * H100.memory_bytes)
+        H100.memory_bytes - H100.context_bytes - (256 << 20) - int(0.05 * H100.memory_bytes)
     from trainmem.cli import build_parser
     for cmd in ("plan", "advise"):
         args = build_parser().parse_args([cmd, "--model", "gpt2", "--gpu", "H100-80GB", "--gpus", "1"])

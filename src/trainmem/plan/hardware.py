@@ -49,15 +49,25 @@ class GPU:
     source: str = ""
     """Where the numbers come from."""
     context_bytes: int = 1 << 30
-    """Device memory a training process holds outside the caching allocator: CUDA context, kernel
-    images, library handles (what nvidia-smi shows beyond ``max_memory_reserved``)."""
+    """Device memory a training process holds beyond its step's tensors (trainmem.device_context):
+    for a preset, ``cuda_context_bytes`` + the BLAS workspaces of ``arch``; given (default 1 GiB) for
+    a custom GPU."""
     context_source: str = ""
-    """Where ``context_bytes`` comes from, and how sure it is."""
+    """Where ``cuda_context_bytes`` (a custom GPU: ``context_bytes``) comes from, and how sure it is."""
+    arch: str = ""
+    """Compute capability (``sm90``) or ROCm target (``gfx942``): the cuBLAS/hipBLAS workspace size."""
+    cuda_context_bytes: int = 0
+    """CUDA context, kernel images and library handles, outside the caching allocator (with ``arch``)."""
 
     def __post_init__(self) -> None:
         v.positive("memory_bytes", self.memory_bytes, maximum=1 << 50)
         v.positive("gpus_per_node", self.gpus_per_node, maximum=1024)
-        v.non_negative("context_bytes", self.context_bytes, maximum=self.memory_bytes)
+        if self.arch:  # itemized: trainmem.device_context; over a small --gpu-memory nothing fits, as it should
+            from trainmem.device_context import blas_workspaces_bytes
+            v.non_negative("cuda_context_bytes", self.cuda_context_bytes, maximum=self.memory_bytes)
+            object.__setattr__(self, "context_bytes", self.cuda_context_bytes + blas_workspaces_bytes(self.arch))
+        else:
+            v.non_negative("context_bytes", self.context_bytes, maximum=self.memory_bytes)
         for name in ("bf16_flops", "fp8_flops", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_bytes_per_s"):
             value = getattr(self, name)
             if name in ("bf16_flops", "fp8_flops") and value is None:

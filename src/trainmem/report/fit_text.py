@@ -27,14 +27,19 @@ def render_verdict(v: Verdict, *, label: str = "") -> str:
         need += f" ({'' if v.reserve_modelled else '≈ '}{fmt_bytes(v.reserved_bytes)} reserved)"
     room = f"headroom {fmt_bytes(v.headroom_bytes)}" if v.headroom_bytes >= 0 else f"short by {fmt_bytes(-v.headroom_bytes)}"
     room += f" against the {'device figure' if v.figure == 'device' else 'reserved peak'}"
+    blas = any(i["name"] == "blas_workspaces" for i in v.context_items)
     parts = [f"{fmt_bytes(v.capacity_bytes)} capacity", f"{fmt_bytes(v.context_bytes)} CUDA context"
-             + (" and NCCL" if v.gpus > 1 else "") + " (an estimate: the GPU preset's)"]
+             + (" and cuBLAS workspaces" if blas else "") + (" and NCCL" if v.gpus > 1 else "")
+             + " (an estimate: the GPU preset's" + ("; --memory-figure device itemizes it)" if blas else ")")]
     if v.figure in ("allocated", "active"):  # what the figure leaves out of reserved
         parts.append(f"{fmt_bytes(v.capacity_bytes - v.context_bytes - v.usable_bytes)} {v.why}")
     usable = " − ".join(parts) if v.figure != "device" else f"{fmt_bytes(v.capacity_bytes)} capacity"
     out = f"{head}: {need}, usable {fmt_bytes(v.usable_bytes)}, {room}\n  usable = {usable}"
     if v.figure in ("reserved", "device"):  # say where the reserve in the need comes from
         out += f"\n  reserved = {fmt_bytes(v.allocated_bytes)} allocated + {fmt_bytes(v.reserve_bytes)} {v.why}"
+    if v.figure == "device" and v.context_items:  # trainmem.device_context: each part and where it comes from
+        out += f"\n  context = " + " + ".join(f"{fmt_bytes(i['bytes'])} {i['name']}" for i in v.context_items)
+        out += "".join(f"\n    {i['name']}: {i['formula']}; {i['source']}" for i in v.context_items)
     if state == "fits_with_cache_flush" and v.flush_reserved_bytes:  # a replay at usable ran (not a measurement)
         out += "\n  " + flush_line(v.flushes, v.flushed_bytes, v.flush_reserved_bytes,
                                     v.capacity_bytes - v.context_bytes, v.allocated_bytes)

@@ -40,7 +40,7 @@ def render_plan(plan, *, rejected: bool = False, max_rejected: int = 50, max_par
         f"precision: {plan.step.precision_description}",
         f"hardware: {plan.gpus} × {g.name} ({fmt_bytes(g.memory_bytes)}, {g.bf16_flops / 1e12:g} TFLOP/s bf16, "
         f"{g.gpus_per_node}/node); usable per rank {fmt_bytes(plan.usable_bytes)} for the reserved peak after "
-        f"reserving {fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate)"
+        f"reserving {fmt_bytes(plan.reserve.fixed_bytes)} (CUDA context, an estimate, and cuBLAS workspaces)"
         + (" + NCCL buffers" if plan.gpus > 1 else "") + f" + {plan.reserve.fraction:.0%} extra margin",
         "fits: the reserved peak (max_memory_reserved; the estimate replayed through the caching-allocator "
         "model) ≤ usable, as estimate --memory-figure reserved; 'flush' marks a configuration over it that fits "
