@@ -1,4 +1,4 @@
-"""trace --finetune: peft LoRA and frozen parameters on the fake model; qlora and parallel flags refused.
+"""trace --finetune: peft LoRA and frozen parameters on the fake model; bnb-legacy QLoRA and parallel flags refused.
 
 Fake == real to the byte for the whole step (eager attention: with SDPA and recompute the fake and
 the real CPU runs differ already without fine-tuning, a backward-only difference this file does
@@ -77,8 +77,7 @@ def _cli(capsys, *argv):
     (["--tp", "4"], "--tp 4"), (["--dp", "8"], "--dp 8"), (["--zero", "3"], "--zero 3"),
     (["--fsdp", "full"], "--fsdp full"), (["--pp", "2"], "--pp 2"), (["--sp"], "--sp"),
     (["--offload", "optimizer"], "--offload optimizer"),
-    (["--finetune", "qlora"], "--finetune qlora"),
-    (["--finetune", "qlora", "--quant-impl", "torchao-nf4"], "torchao NF4Tensor"),
+    (["--finetune", "qlora", "--quant-impl", "bnb-legacy"], "--quant-impl bnb-legacy"),  # qlora: test_trace_qlora.py
 ])
 def test_what_the_trace_cannot_run_is_one_line(capsys, argv, flag):
     rc, out, err = _cli(capsys, *argv)

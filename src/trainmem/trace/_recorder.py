@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from trainmem.trace.storages import Entry, StorageTracker
 from trainmem.trace.low_bit_optim import allocating_paged, is_paged_state
 from trainmem.trace.offload import allocating_on_host
+from trainmem.trace.qlora import quantized_parts
 
 __all__: list[str] = []
 
@@ -208,7 +209,9 @@ class _Recorder(TorchDispatchMode):
             self._register_paged(t, func=func)  # unified memory: outside the allocator's events
             return
         self._op = _short_op(func)  # a storage resized by this op is reallocated by it
-        self._register(t, origin, self._current(), self._op)
+        parts = quantized_parts(t) if is_traceable_wrapper_subclass(t) else None
+        for _, inner in parts or ((None, t),):  # a torchao NF4Tensor: its inner storages (trace/qlora.py)
+            self._register(inner, origin, self._current(), self._op)
 
     # -- model states -------------------------------------------------------------
     def _register_states(self) -> None:
@@ -216,7 +219,8 @@ class _Recorder(TorchDispatchMode):
         if self._model is not None:
             for name, p in self._model.named_parameters(remove_duplicate=True):
                 owner = name.rpartition(".")[0]
-                self._register(p, ORIGIN_PARAMETER, owner, name=name)
+                for suffix, t in quantized_parts(p) or (("", p),):  # a 4-bit weight's storages (trace/qlora.py)
+                    self._register(t, ORIGIN_PARAMETER, owner, name=name + suffix)
                 params.add(id(p))
                 if p.grad is not None:
                     self._register(p.grad, ORIGIN_GRADIENT, owner, name=name + ".grad")

@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from trainmem.fitargs import add_fit_args
     add_fit_args(p)
     from trainmem.cliargs import add_finetune_args, add_parallel_args
-    add_finetune_args(p)  # lora and freeze traced (peft on the fake model); qlora refused in one line
+    add_finetune_args(p)  # lora, freeze and qlora traced (peft on the fake model; trace/qlora.py)
     add_parallel_args(p)  # refused in one line: the trace runs one device (see refuse_parallel)
     p.set_defaults(func=run)
     return p

@@ -1,4 +1,4 @@
-"""Fine-tuning applied to the traced model: frozen parameters and peft LoRA adapters.
+"""Fine-tuning applied to the traced model: frozen parameters, peft LoRA adapters, QLoRA's 4-bit base.
 
 ``apply_finetune(model, spec, model_spec)`` does to the built Hugging Face model what a user's
 script does before training:
@@ -11,13 +11,12 @@ script does before training:
     ``adapter_dtype``: float32 is peft's ``autocast_adapter_dtype=True`` (16-bit adapters upcast,
     peft/tuners/tuners_utils.py ``BaseTuner._cast_adapter_dtype``), ``param`` keeps the base's
     dtype (``autocast_adapter_dtype=False``), bfloat16/float16 cast the adapters afterwards.
+  - ``qlora``: the linears the spec quantizes become bitsandbytes' ``Linear4bit`` or torchao NF4
+    linears first (:mod:`trainmem.trace.qlora`: the libraries' own quantization on fake tensors),
+    then the adapters are added as for ``lora``.
 
 Known limitations:
-  - ``qlora`` is refused: bitsandbytes' ``Params4bit`` is a tensor subclass made with
-    ``torch.Tensor._make_subclass``, which a FakeTensor cannot become (checked with
-    bitsandbytes 0.50.2: "Creating a new Tensor subclass Params4bit but the raw Tensor object is
-    already associated to a python object of type FakeTensor"). ``estimate --finetune qlora`` is
-    checked against bitsandbytes on real CPU tensors instead (tests/finetune/test_qlora_bnb.py).
+  - ``--quant-impl bnb-legacy`` is refused (:func:`trainmem.trace.qlora.check_quant`).
   - ``--recompute op`` with adapters is refused, as the estimator refuses it.
 """
 
@@ -36,13 +35,9 @@ def check_finetune(spec: FinetuneSpec | None, *, recompute: str = "none", real: 
     """Refuse, before anything is built, what the tracer cannot run."""
     if spec is None:
         return
-    if spec.mode == "qlora" and spec.quant_impl == "torchao-nf4":
-        raise UnsupportedError("--finetune qlora --quant-impl torchao-nf4 cannot be traced: the tracer builds no torchao "
-                               "NF4Tensor on fake tensors; use estimate (its NF4 layout is checked against torchao's "
-                               "to_nf4 on CPU)")
     if spec.mode == "qlora":
-        raise UnsupportedError("--finetune qlora cannot be traced: bitsandbytes' 4-bit Params4bit cannot be a fake "
-                               "tensor; use estimate --finetune qlora (checked against bitsandbytes on CPU)")
+        from trainmem.trace.qlora import check_quant
+        check_quant(spec)
     if spec.adapters and recompute == "op":
         raise UnsupportedError("--recompute op with LoRA adapters is not modelled; use --recompute full")
 
@@ -62,6 +57,11 @@ def apply_finetune(model, spec: FinetuneSpec | None, model_spec=None):
         for name, p in model.named_parameters():
             p.requires_grad_(trainable(name))
         return model
+    if spec.mode == "qlora":  # the 4-bit base first, as transformers loads it before peft wraps it
+        from trainmem.trace.qlora import quantize_base
+        for p in model.parameters():
+            p.requires_grad_(False)
+        quantize_base(model, spec)
     return _lora(model, spec)
 
 
