@@ -42,6 +42,7 @@ ORIGIN_STATE = "optimizer_state"
 ORIGIN_INPUT = "input"
 ORIGIN_OP = "op"
 ORIGIN_RECOMPUTE = "recompute"
+ORIGIN_FSDP = "fsdp_unsharded"  # FSDP2's gathered parameters, resized in place (trace/parallel_fsdp.py)
 
 
 @dataclass(slots=True)
@@ -115,6 +116,7 @@ class _Recorder(TorchDispatchMode):
         self._handles: list = []
         self._param_keys: set[int] = set()
         self._host_steps: set[int] = set()  # storages of Adam's host-side step counters: never device bytes
+        self._resizable: list = []  # (tensor, name) whose storage is resized in place (watch_resizable)
         self._paged: dict[int, Block] = {}  # unified-memory storages (paged optimizer states), by storage key
 
     # -- storages ---------------------------------------------------------------
@@ -177,14 +179,20 @@ class _Recorder(TorchDispatchMode):
         the recorder sees the compiled graphs' ops (``trainmem.trace.compiled``)."""
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def _phase_now(self) -> str:
         if self._in_opt:
-            phase = _optimizer_phase()
-        elif torch._C._current_graph_task_id() != -1:
-            phase = "backward"
-        else:
-            phase = "forward" if self._stack or self._phase == "forward" else "other"
+            return _optimizer_phase()
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self._stack or self._phase == "forward" else "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._resizable:  # FSDP2 resizes storages between ops: seen before the op that fills them
+            self._set_phase(self._phase_now())
+            self._op = "resize_"  # UntypedStorage.resize_ (_fsdp_param.py alloc_storage), seen at this op
+            self._storages.refresh()
+        out = func(*args, **(kwargs or {}))
+        phase = self._phase_now()
         if phase != self._phase:
             self._set_phase(phase)
         origin = ORIGIN_RECOMPUTE if self._recompute and phase == "backward" else ORIGIN_OP
@@ -327,7 +335,34 @@ class _Recorder(TorchDispatchMode):
             entry.data.saved = True
         return t
 
+    def watch_resizable(self, tensors, names) -> None:
+        """Storages resized in place between ops (FSDP2's all-gather outputs), followed at every op
+        from entry; ``names`` labels each (the unsharded parameter it holds)."""
+        self._resizable = list(zip(tensors, names))
+
+    def _name_unit_grads(self) -> None:
+        """FSDP2's sharded gradients are views of one reduce-scatter output per unit, claimed by the
+        gradient hooks FSDP2 runs itself (``foreach_reduce``, _fsdp_collectives.py): that storage is
+        named after the unit's module prefix (``model.layers.0.grads``) rather than its last parameter."""
+        by_key: dict[int, list[str]] = {}
+        blocks = {}
+        for name, p in self._model.named_parameters():
+            entry = self._storages.get(p.grad) if p.grad is not None else None
+            if entry is not None and entry.data.id >= 0 and entry.data.origin == ORIGIN_GRADIENT:
+                by_key.setdefault(entry.key, []).append(name)
+                blocks[entry.key] = entry.data
+        for key, names in by_key.items():
+            if len(names) > 1:
+                common = []
+                for parts in zip(*(n.split(".") for n in names)):
+                    if len(set(parts)) > 1:
+                        break
+                    common.append(parts[0])
+                blocks[key].name = ".".join(common or ["root"]) + ".grads"
+
     def _opt_pre(self, opt, args, kwargs) -> None:
+        if self._resizable and self._model is not None and not self._in_opt:
+            self._name_unit_grads()
         self._in_opt += 1
         self._set_phase(_optimizer_phase())
 
@@ -351,6 +386,9 @@ class _Recorder(TorchDispatchMode):
         self._total_units = 2 * max(len(self._names), 1)
         self._open = True
         self._register_states()
+        for t, name in self._resizable:
+            self._register(t, ORIGIN_FSDP, name.rpartition(".")[0], name=name + ".unsharded")
+            self._storages.add(t, resizable=True)
         self.rec.baseline = len(self.rec.blocks)
         self.rec.marks.append((len(self.rec.events), self._phase))
         if self._model is not None:

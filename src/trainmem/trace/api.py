@@ -49,6 +49,11 @@ class Tracer:
         """Count ``tensor``'s storage as an input of the step."""
         self._rec.mark_input(tensor, name)
 
+    def watch_resizable(self, tensors, names) -> None:
+        """Follow these tensors' storages, resized in place between ops (FSDP2's unsharded
+        parameters, :mod:`trainmem.trace.parallel_fsdp`), from entry; call before entering."""
+        self._rec.watch_resizable(list(tensors), list(names))
+
     def __enter__(self) -> "Tracer":
         self._rec.__enter__()
         for i, t in enumerate(self._inputs):

@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_fit_args(p)
     from trainmem.cliargs import add_finetune_args, add_parallel_args
     add_finetune_args(p)  # lora, freeze and qlora traced (peft on the fake model; trace/qlora.py)
-    add_parallel_args(p)  # refused in one line: the trace runs one device (see refuse_parallel)
+    add_parallel_args(p)  # --dp N --fsdp full traced as rank 0 (trace/parallel_fsdp.py); the rest refused in one line
     p.set_defaults(func=run)
     return p
 
@@ -104,17 +104,25 @@ _ONE_DEVICE = {"dp": None, "tp": None, "cp": None, "ep": None, "pp": None, "virt
                "layer_split": None, "zero": 0, "fsdp": None, "no_reshard_after_forward": False}
 
 
+#: What ``--fsdp`` traces beside it: FSDP2 over ``--dp`` ranks (trace/parallel_fsdp.py).
+_FSDP_FLAGS = ("dp", "fsdp", "no_reshard_after_forward")
+
+
 def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
-    """One line naming the first parallel flag given: the tracer runs one process on one device,
-    so no sharding or pipeline can happen in it (a degree of 1 is that device). Returns what
+    """One line naming the first parallel flag given that the tracer cannot run: it runs one
+    process, or with ``--fsdp`` rank 0 of FSDP2 in a fake process group (:func:`fsdp_spec`), so no
+    other sharding or pipeline can happen in it (a degree of 1 is that device). Returns what
     ``--offload`` asks, activations only."""
     from trainmem.errors import UnsupportedError
     for name, single in _ONE_DEVICE.items():
+        if getattr(args, "fsdp", None) and name in _FSDP_FLAGS:
+            continue
         value = getattr(args, name, single)
         if value != single and not (single is None and value == 1):
             flag = "--" + name.replace("_", "-")
             shown = "" if isinstance(value, bool) else f" {value}"
-            raise UnsupportedError(f"{flag}{shown}: trace runs one device and cannot shard or offload a step; "
+            also = " (or FSDP2 alone, --dp N --fsdp full)" if getattr(args, "fsdp", None) else ""
+            raise UnsupportedError(f"{flag}{shown}: trace runs one device{also} and cannot shard or offload a step; "
                                    f"estimate {flag}{shown} gives the per-rank memory")
     offload = tuple(x for x in (getattr(args, "offload", "") or "").split(",") if x)
     for what in offload:
@@ -122,6 +130,19 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
             raise UnsupportedError(f"--offload {what}: trace offloads activations only (one device, no optimizer "
                                    f"or parameter offload); estimate --offload {what} gives the per-rank memory")
     return offload
+
+
+def fsdp_spec(args: argparse.Namespace):
+    """The ParallelSpec ``--dp N --fsdp full`` asks (None without ``--fsdp``), checked in one line."""
+    if not getattr(args, "fsdp", None):
+        return None
+    from trainmem.cliargs import parallel_from_args
+    from trainmem.specs.parallel import ParallelSpec
+    from trainmem.trace.parallel_fsdp import check_fsdp_flags
+
+    par = parallel_from_args(args) or ParallelSpec(fsdp=args.fsdp)
+    check_fsdp_flags(par)
+    return par
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace.finetune import check_finetune
 
     offload = refuse_parallel(args)
+    parallel = fsdp_spec(args)
     finetune = finetune_from_args(args)
     check_finetune(finetune, recompute=args.recompute)
     if finetune is not None and args.profile == "reference":
@@ -176,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     gpu_from_args(args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
-                        head=args.head, experts=args.experts, finetune=finetune, offload=offload)
+                        head=args.head, experts=args.experts, finetune=finetune, offload=offload,
+                        parallel=parallel)
     from trainmem.report.output import say_wrote
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot
@@ -201,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
             print(routing_line(result.meta["moe"]))
         if "compile" in result.meta:
             print(compile_line(result.meta["compile"]))
+        if "fsdp" in result.meta:
+            from trainmem.trace.parallel_fsdp import fsdp_line
+            print(fsdp_line(result.meta["fsdp"]))
         if fit_text:
             print(fit_text)
     return 0

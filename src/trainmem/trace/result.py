@@ -36,6 +36,7 @@ _ORIGIN_CATEGORY = {
     R.ORIGIN_STATE: Category.OPTIMIZER_STATE,
     R.ORIGIN_INPUT: Category.INPUT,
     R.ORIGIN_RECOMPUTE: Category.ACTIVATION,
+    R.ORIGIN_FSDP: Category.TRANSIENT,  # gathered for a unit's forward or backward, freed after it
 }
 
 

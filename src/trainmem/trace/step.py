@@ -58,7 +58,7 @@ from trainmem.trace.torch_state import default_dtype, quiet_fake_tensor_log, tor
 __all__ = ["trace_step"]
 
 
-def _check(step: StepSpec, impl: ImplSpec) -> None:
+def _check(step: StepSpec, impl: ImplSpec, *, fsdp2: bool = False) -> None:
     if step.mode != "train":
         raise UnsupportedError(f"mode={step.mode!r}: the tracer runs training steps only")
     from trainmem.trace.losses import FRAMEWORK_LOSSES  # torchtune's and LitGPT's chunked losses (trace/losses.py)
@@ -73,7 +73,7 @@ def _check(step: StepSpec, impl: ImplSpec) -> None:
         raise UnsupportedError("attention='mem-efficient' has no CPU kernel; trace 'flash' or 'sdpa-math' instead")
     from trainmem.specs.optimizer_impl import check_optimizer
     check_optimizer(step, impl)
-    if step.dtypes.gathered:  # its bf16 weights are FSDP2's all-gather outputs
+    if step.dtypes.gathered and not fsdp2:  # its bf16 weights are FSDP2's all-gather outputs
         raise UnsupportedError(f"precision={step.precision!r} needs FSDP2; trace and profile run one device "
                                "without it: use amp-bf16 (what torchtitan runs without FSDP)")
     if step.dtypes.master and step.dtypes.grad != step.dtypes.param:  # Megatron's fp32 main_grad buffer
@@ -137,7 +137,7 @@ def _inputs(model, step: StepSpec, head: str) -> dict:
 def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                real: bool = False, progress: Callable[[float, str], None] | None = None,
                head: str | None = None, experts: str | None = None, finetune=None,
-               offload: tuple[str, ...] = ()) -> TraceResult:
+               offload: tuple[str, ...] = (), parallel=None) -> TraceResult:
     """Trace one training step of a Hugging Face model.
 
     ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights, any
@@ -151,10 +151,17 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     the host copies are not device memory and ``meta["offload"]`` reports them.
     ``finetune`` (a :class:`~trainmem.specs.finetune.FinetuneSpec`) freezes parameters or adds
     peft LoRA adapters to a config's model (:mod:`trainmem.trace.finetune`).
+    ``parallel`` (a :class:`~trainmem.specs.ParallelSpec`): FSDP2 over ``dp`` ranks, run as rank 0 in
+    torch's fake process group (:mod:`trainmem.trace.parallel_fsdp`); other parallelism is refused.
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
-    _check(step, impl)
+    if parallel is not None and parallel.is_single and parallel.pp == 1:
+        parallel = None
+    if parallel is not None:
+        from trainmem.trace.parallel_fsdp import check_fsdp
+        check_fsdp(parallel, step, impl)
+    _check(step, impl, fsdp2=parallel is not None)
     if step.optimizer.startswith("torchao-"):  # profile measures it on real tensors (trace/low_bit_optim.py)
         raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
                                "tensor values and steps through inductor-compiled kernels the tracer cannot "
@@ -175,10 +182,14 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     dt = step.dtypes
     fake = not real
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    world = contextlib.nullcontext()
+    if parallel is not None:  # the process group and mesh are made outside FakeTensorMode
+        from trainmem.trace.parallel_fsdp import fake_world
+        world = fake_world(parallel.dp)
     try:
-        with quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
+        with world as mesh, quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
-                        offload=offload)
+                        offload=offload, fsdp=(parallel, mesh) if parallel is not None else None)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -219,7 +230,7 @@ def _model_spec_or_none(config: Mapping):
 
 
 def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None,
-         finetune=None, offload: tuple[str, ...] = ()) -> TraceResult:
+         finetune=None, offload: tuple[str, ...] = (), fsdp=None) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
@@ -258,6 +269,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         model_spec = _model_spec_or_none(model_or_config)
         finetune = finetune.for_model(model_spec)  # LoRA targets: the family's default
         model = apply_finetune(model, finetune, model_spec)
+    if fsdp is not None:  # fully_shard before the optimizer sees the parameters (trace/parallel_fsdp.py)
+        from trainmem.trace.parallel_fsdp import apply_fsdp2
+        fsdp_units = apply_fsdp2(model, fsdp[1], fsdp[0], step)
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=torch_dtype(dt.activation)) if dt.autocast
@@ -321,6 +335,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         meta["float8"] = {"recipe": impl.float8, "converted": float8_names}
     if finetune is not None:
         meta["finetune"] = finetune.to_dict()
+    if fsdp is not None:
+        from trainmem.trace.parallel_fsdp import fsdp_meta
+        meta["fsdp"] = fsdp_meta(fsdp[0], fsdp_units)
     runs = model
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report
@@ -335,6 +352,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         if ignore is not None:
             distinct.append(ignore)
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
+        if fsdp is not None:
+            from trainmem.trace.parallel_fsdp import unsharded_storages
+            tracer.watch_resizable(*unsharded_storages(model))
         with tracer:
             if off is not None:
                 off.reset()

@@ -1,0 +1,183 @@
+"""FSDP2 in the trace: the real ``fully_shard`` code run in this one process, as rank 0 of N.
+
+``trace --dp N --fsdp full`` (``trace_step(..., parallel=ParallelSpec(dp=N, fsdp="full"))``)
+starts torch's fake process group (``torch/testing/_internal/distributed/fake_pg.py``:
+``FakeProcessGroup`` completes every collective at once and leaves its output as it is) with
+this process as rank 0 of N, builds a one-dimensional CPU device mesh over it, and shards the
+model with ``fully_shard`` (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``) before the
+optimizer is made. Everything FSDP2 allocates then runs for real on fake tensors: the sharded
+parameters (DTensors whose local shard is ``⌈dim0 / N⌉`` rows), the all-gather input and flat
+output (``foreach_all_gather``, ``_fsdp_collectives.py``), the unsharded parameters (views of
+each parameter's ``all_gather_outputs``, allocated and freed by ``UntypedStorage.resize_``:
+``FSDPParam.alloc_all_gather_outputs`` / ``free_unsharded_param``, ``_fsdp_param.py``), the
+reduce-scatter input and output (``foreach_reduce``) whose output the sharded gradients view.
+
+Units as the estimate assumes them (``estimate/fsdp_streams.py`` ``fsdp_groups``,
+``estimate/fsdp_units.py``): ``fully_shard`` on each decoder block, then on the root (the
+embedding, final norm and head stay in the root, which FSDP2 never reshards after forward:
+``FSDPState._lazy_init`` clears the root's ``post_forward_mesh_info``), as torchtitan's and
+Hugging Face accelerate's FSDP2 wrapping do; with ``fsdp_units="blocks+embed+head"`` the token
+embedding and the final norm with the output layer are units of their own, as torchtitan's
+``apply_fsdp`` (torchtitan/models/llama3/infra/parallelize.py). ``precision="fsdp-bf16"`` is
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every unit.
+
+The recorder follows the in-place resizes (:func:`unsharded_storages` are registered as
+resizable storages and re-read at every op, :mod:`trainmem.trace.storages`), and FSDP2's
+gradients, assigned to ``.grad`` by ``foreach_reduce`` rather than accumulated by autograd, are
+claimed as gradients when the optimizer step starts.
+
+Known limitations:
+  - one process, no streams: on CPU there are no CUDA streams, so the all-gather copy-in and
+    reduce-scatter buffers are recorded on the default stream's pool; the trace's reserved figure
+    is one pool's replay (``estimate/fsdp_streams.py`` models FSDP2's side-stream pools, which
+    keep their blocks reserved apart);
+  - rank 0's shard: with dim 0 not divisible by N the last ranks hold fewer rows (or padding
+    only); rank 0 holds the most;
+  - HSDP (``--fsdp hybrid``), FSDP1, CPU offload, tensor/pipeline/context/expert parallel and
+    ZeRO are refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from trainmem.errors import SpecError, UnsupportedError
+
+__all__ = ["check_fsdp", "check_fsdp_flags", "fake_world", "apply_fsdp2", "unsharded_storages", "fsdp_meta", "fsdp_line"]
+
+
+def check_fsdp_flags(par) -> None:
+    """Refuse, in one line, a parallel layout the FSDP2 trace does not run."""
+    if par.fsdp != "full":
+        raise UnsupportedError(f"--fsdp {par.fsdp}: trace runs FSDP2 full sharding over one mesh dimension; "
+                               f"estimate --fsdp {par.fsdp} gives the per-rank memory")
+    if par.fsdp_version != 2:
+        raise UnsupportedError(f"--fsdp-version {par.fsdp_version}: trace runs FSDP2 (fully_shard); "
+                               f"estimate --fsdp-version {par.fsdp_version} gives the per-rank memory")
+    for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("pp", par.pp, 1),
+                                ("zero", par.zero, 0)):
+        if value != single:
+            raise UnsupportedError(f"--{flag} {value}: trace runs FSDP2 alone (no other parallel dimension); "
+                                   f"estimate --{flag} {value} gives the per-rank memory")
+    if par.offload:
+        what = ",".join(par.offload)
+        raise UnsupportedError(f"--offload {what}: trace runs FSDP2 with shards on the device; "
+                               f"estimate --offload {what} gives the per-rank memory")
+    if par.dp < 2:
+        raise SpecError("dp", par.dp, f"--fsdp {par.fsdp} needs --dp N, N >= 2 ranks to shard over")
+
+
+def check_fsdp(par, step, impl) -> None:
+    """Refuse, in one line, what the FSDP2 trace does not run."""
+    check_fsdp_flags(par)
+    if impl.optimizer_in_backward:
+        raise UnsupportedError("--optimizer-in-backward with --fsdp: trace steps FSDP2's sharded gradients "
+                               "after backward only")
+
+
+@contextlib.contextmanager
+def fake_world(world: int):
+    """Rank 0 of ``world`` in torch's fake process group, and a CPU device mesh over it; the group
+    is destroyed on exit. Made outside ``FakeTensorMode`` (the mesh reads its ranks with ``tolist``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_available():  # pragma: no cover - torch built without distributed
+        raise UnsupportedError("tracing FSDP needs torch.distributed")
+    if dist.is_initialized():
+        raise UnsupportedError("a torch.distributed process group is already initialised in this process; "
+                               "trace FSDP starts its own fake group: call it outside your distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _blocks(model) -> list:
+    """The decoder blocks: the modules whose name is the blocks' prefix and an index
+    (``model.layers.3``, ``transformer.h.3``), in order."""
+    from trainmem.names import layer_index
+
+    out = []
+    for name, m in model.named_modules():
+        head, _, last = name.rpartition(".")
+        if last.isdigit() and layer_index(name) is not None and layer_index(head) is None:
+            out.append(m)
+    return out
+
+
+def _separate_units(model) -> tuple[list, list]:
+    """The token embedding, and the final norm with the output layer, as torchtitan's ``apply_fsdp``
+    wraps them (``fsdp_units="blocks+embed+head"``)."""
+    from trainmem.names import is_head, is_token_embedding, layer_index
+
+    embed = [m for n, m in model.named_modules() if n and is_token_embedding(n + ".weight")
+             and not any(is_token_embedding(p + ".weight") for p in _parents(n))]
+    head = [m for n, m in model.named_modules() if n and layer_index(n) is None and is_head(n + ".weight")
+            and list(m.parameters(recurse=False)) and not any(is_head(p + ".weight") for p in _parents(n))]
+    tied = {id(p) for m in embed[:1] for p in m.parameters()}  # a tied output layer joins the embedding's unit
+    joined = [m for m in head if all(id(p) in tied for p in m.parameters(recurse=False))]
+    return embed[:1] + joined, [m for m in head if m not in joined]
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def apply_fsdp2(model, mesh, par, step) -> int:
+    """``fully_shard`` every unit of ``model`` (see the module docstring); returns the number of units."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trainmem.trace.torch_state import torch_dtype
+
+    dt = step.dtypes
+    mp = (MixedPrecisionPolicy(param_dtype=torch_dtype(dt.compute), reduce_dtype=torch.float32)
+          if dt.gathered else MixedPrecisionPolicy())
+    blocks = _blocks(model)
+    if not blocks:
+        raise UnsupportedError(f"{type(model).__name__}: no decoder blocks found to shard as FSDP units")
+    units = [(b, par.reshard_after_forward) for b in blocks]
+    if par.fsdp_units == "blocks+embed+head":
+        # torchtitan's apply_fsdp, reshard_after_forward_policy "default": the embedding as the blocks,
+        # [norm, output] kept gathered after forward (its backward comes first)
+        embed, head = _separate_units(model)
+        units = [*((u, par.reshard_after_forward) for u in (embed,) if u), *units, *((u, False) for u in (head,) if u)]
+    for unit, reshard in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    # the root without reshard_after_forward, as torchtitan's apply_fsdp: left to FSDP2, which then
+    # keeps the root gathered from forward to backward (FSDPState._lazy_init, _auto_reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return len(units) + 1
+
+
+def unsharded_storages(model) -> tuple[list, list[str]]:
+    """FSDP2's tensors allocated and freed by resizing their storage in place: each parameter's
+    all-gather outputs (its unsharded parameter is a view of them), and the parameter names."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tensors, names = [], []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            for t in fp.all_gather_outputs:
+                tensors.append(t)
+                names.append(fp._param_fqn)
+    return tensors, names
+
+
+def fsdp_meta(par, units: int) -> dict:
+    """What the result states about the sharding it ran."""
+    return {"world_size": par.dp, "rank": 0, "units": units, "fsdp_units": par.fsdp_units,
+            "reshard_after_forward": par.reshard_after_forward, "process_group": "fake"}
+
+
+def fsdp_line(meta: dict) -> str:
+    """What an FSDP trace ran, in one line."""
+    keep = "kept from forward to backward" if not meta["reshard_after_forward"] else "resharded after forward"
+    return (f"FSDP2: rank 0 of {meta['world_size']} (torch's fake process group), {meta['units']} fully_shard units "
+            f"({meta['fsdp_units']} + root; blocks {keep}); no CUDA streams on CPU, so the reserved figure is "
+            "one pool's (estimate models FSDP2's side-stream pools)")
