@@ -1,7 +1,8 @@
-"""Phi-3 and OLMo-2 under torch.compile, against the compiled trace (``trace/compiled.py``:
+"""Phi-3, Gemma and OLMo-2 under torch.compile, against the compiled trace (``trace/compiled.py``:
 inductor's partition). Phi-3: the Llama compiled block (``estimate/rules_compiled.py``) with one
-fused ``qkv_proj`` and one ``gate_up_proj``; OLMo-2: its own block, post-norms and q/k norms over
-the whole projection (``estimate/rules_compiled_olmo2.py``)."""
+fused ``qkv_proj`` and one ``gate_up_proj``; Gemma: the Llama block with a GELU-tanh gate (the
+unit-offset norm and the scaled embedding keep what Llama's do); OLMo-2: its own block, post-norms
+and q/k norms over the whole projection (``estimate/rules_compiled_olmo2.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
             vocab_size=1000, max_position_embeddings=256)
 PHI3 = dict(TINY, model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2)
 OLMO2 = dict(TINY, model_type="olmo2")
+GEMMA = dict(TINY, model_type="gemma", num_key_value_heads=1, head_dim=16)  # MQA, as Gemma-2B
 BLOCK = ImplSpec(device="cpu", compile=True, compile_scope="block")
 # B=2, S=64, H=64, A·hd=64, Akv·hd=32, F=176, fp32, per block.
 # Phi-3 (13 tensors): the input, the input norm's rsqrt and output, q and k rotated, v (a contiguous copy of its
@@ -47,6 +49,14 @@ def test_per_block_fp32_exact():
     assert _saved(OLMO2, "fp32", BLOCK) == (2 * OLMO2_BLOCK + EAGER_HEAD, 2 * 18 + 10)  # 1726980, the trace's
 
 
+def test_gemma_per_block_fp32_exact():
+    # the Llama block with one K/V head (Akv·hd = 16): 6 x 32768 + 2 x 8192 + 3 x 90112 + 2 x 512 + 2048 = 486400;
+    # Gemma's eager final norm (GemmaRMSNorm: normed * (1 + w) in fp32, cast last) keeps its input, rsqrt and
+    # normed product 2 x 32768 + 512 (1 + w: a parameter-sized fp32 256), and the tied head's input 32768
+    head = 1024 + 8192 + 3 * 32768 + 512 + 256 + 512000 + 1024 + 4
+    assert _saved(GEMMA, "fp32", BLOCK) == (2 * 486400 + head, 39)  # 1594116: the trace less embed_scale (4 B)
+
+
 def test_olmo2_whole_model_fp32_exact():
     # the blocks as above; the final norm's input, rsqrt and output 2 x 32768 + 512, the logits 512000, the
     # row max and log-sum-exp 2 x 512, the labels padded to S+1 2*65*8 = 1040, the count 4, the ids 1024
@@ -58,6 +68,7 @@ def test_olmo2_whole_model_fp32_exact():
     (OLMO2, ImplSpec(compile=True, compile_scope="block", recompute="full"), "bf16"),
     (OLMO2, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
     (PHI3, ImplSpec(compile=True, recompute="full"), "bf16"),
+    (GEMMA, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
 ])
 def test_unchecked_settings_are_refused_by_name(config, impl, precision):
     with pytest.raises(UnsupportedError, match=f"model='{config['model_type']}'") as info:
@@ -69,7 +80,8 @@ def test_unchecked_settings_are_refused_by_name(config, impl, precision):
 @pytest.mark.parametrize("config, precision, scope, batch, seq", [
     # measured once more, not in the suite: Phi-3 fp32 whole model B=1 S=96 1190028 (+32 inv_freq), OLMo-2 bf16
     # whole model B=2 S=48 637076 (+32) and fp32 per block (the integers above) == trace
-    (PHI3, "bf16", "model", 2, 48), (PHI3, "bf16", "block-loss", 3, 40),
+    (PHI3, "bf16", "model", 2, 48), (PHI3, "bf16", "block-loss", 3, 40), (GEMMA, "bf16", "model", 2, 48),
+    (GEMMA, "bf16", "block-loss", 3, 40),
     (OLMO2, "fp32", "model", 1, 96), (OLMO2, "bf16", "block", 3, 40), (OLMO2, "bf16", "block-loss", 2, 48)])
 def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq):
     pytest.importorskip("torch")
@@ -77,7 +89,12 @@ def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq
 
     impl = ImplSpec(device="cpu", compile=True, compile_scope=scope)
     traced = trace_step(config, StepSpec(batch=batch, seq=seq, precision=precision), impl).meta["compile"]
-    # a whole-model graph saves the rotary inv_freq buffer itself (hd/2 fp32 = 32 B): the buffer ledger here
-    buf, n = (32, 1) if scope == "model" else (0, 0)
-    assert _saved(config, precision, impl, batch, seq) == (traced["saved_compiled_bytes"] - buf,
-                                                           traced["saved_compiled_tensors"] - n)
+    # the graphs save buffers themselves, counted in the buffer ledger here (estimate/buffers.py): a whole-model
+    # graph the rotary inv_freq (hd/2 fp32 = 32 B), Gemma's scaled embedding its 0-d embed_scale (in the weights'
+    # dtype) under every scope
+    step = StepSpec(batch=batch, seq=seq, precision=precision)
+    names = {"model.embed_tokens.embed_scale"} | ({"model.rotary_emb.inv_freq"} if scope == "model" else set())
+    bufs = [i.bytes for i in estimate(spec_from_hf_config(config), step, impl).inventory
+            if i.category.value == "buffer" and i.name in names]
+    assert _saved(config, precision, impl, batch, seq) == (traced["saved_compiled_bytes"] - sum(bufs),
+                                                           traced["saved_compiled_tensors"] - len(bufs))

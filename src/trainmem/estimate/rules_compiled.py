@@ -53,7 +53,8 @@ def check_compiled(ctx: Ctx) -> None:
     m, step, impl = ctx.model, ctx.step, ctx.impl
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe or m.activation != "swiglu"
+        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe
+                             or m.activation not in _GATED.get(m.family, ("swiglu",))
                              or m.out_bias or m.mlp_bias or m.norm_bias
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
          f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU models (q/k/v biases at most, no "
@@ -214,7 +215,7 @@ def _per_block(ctx: Ctx) -> None:
         g.save(g.new("cos", rot, ("1", "S", "hd"), dt, False), g.new("sin", rot, ("1", "S", "hd"), dt, False))
     block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _block_rule(ctx))
     x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
-    logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm"), "lm_head")
+    logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm), "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
         if ctx.step.loss == "torchtune-chunked-ce":  # each chunk's compute_cross_entropy compiled alone
             from trainmem.estimate.compiled_chunk_loss import compiled_chunk_items
@@ -321,4 +322,7 @@ _BLOCKS = {"olmo2": olmo2_block}
 #: families whose compiled rules were checked at --recompute none in pure precisions only: OLMo-2, and
 #: Phi-3 (the Llama block with fused qkv_proj and gate_up_proj; Float8, autocast copies and the op policy
 #: name the unfused linears)
-_NARROW = {"olmo2", "phi3"}
+_NARROW = {"olmo2", "phi3", "gemma"}
+#: the gated activations a family's compiled block was read with (default SwiGLU): Gemma's GELU-tanh
+#: gate keeps what SiLU's does (gate, up, act·up; the activation's output recomputed)
+_GATED = {"gemma": ("geglu",)}

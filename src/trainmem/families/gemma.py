@@ -29,7 +29,8 @@ def gemma() -> Family:
                   "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
                   "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
                   "attention_dropout": 0.0}),
-        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True), buffers=gemma_buffers)
+        rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True), buffers=gemma_buffers,
+        compiled_rules=True)  # the Llama compiled block with a GELU-tanh gate (estimate/rules_compiled.py)
 
 
 @register_family
