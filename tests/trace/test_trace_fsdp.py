@@ -187,3 +187,34 @@ def test_embedding_and_head_as_their_own_units(cfg):
     for ledger in ("parameter", "gradient", "optimizer_state"):
         assert got[ledger] == est.totals_bytes[ledger], ledger
     assert 0.97 <= est.peak_bytes / traced.peak_logical_bytes <= 1.035
+
+
+@pytest.mark.slow
+def test_float8_all_gather_gathers_fp8_weights():
+    """``--float8 tensorwise --float8-all-gather``: torchao's ``enable_fsdp_float8_all_gather`` under the
+    FSDP2 trace. Each converted weight's shard is cast to fp8 before the all-gather, so a block's flat
+    all-gather output is its 46,080 linear weights in 1 byte plus its two norms in bf16 (46,336 B, the
+    estimate's ``fsdp_allgather``); the sharded ledgers equal the estimate's; fake == real CPU tensors
+    (the same FSDP2 and torchao code under the fake process group) to the byte; the peak (at the loss's
+    backward) is the estimate's less the one-device 1,024 B plus torchao's fp8 scales (4 B each: the
+    7 weights' of both blocks saved for backward, 7 alive)."""
+    from trainmem.trace import trace_step
+
+    step = StepSpec(batch=2, seq=64, precision="fsdp-bf16", optimizer="adamw")
+    impl = ImplSpec(device="cpu", attention="sdpa", float8="tensorwise", float8_all_gather=True)
+    par = ParallelSpec(dp=2, fsdp="full")
+    traced = trace_step(LLAMA, step, impl, parallel=par)
+    (est,) = estimate(spec_from_hf_config(LLAMA), step, impl, parallel=par).ranks
+    got = _ledgers(traced)
+    for ledger in ("parameter", "gradient", "optimizer_state"):
+        assert got[ledger] == est.totals_bytes[ledger], ledger
+    gathered = {b.name: b for b in traced.recording.blocks if b.origin == "fsdp_unsharded"}
+    up = gathered["model.layers.0.mlp.up_proj.weight.unsharded"]
+    assert (up.dtype, up.nbytes) == ("float8_e4m3fn", 176 * 64)
+    assert gathered["model.layers.0.input_layernorm.weight.unsharded"].dtype == "bfloat16"
+    assert gathered["lm_head.weight.unsharded"].dtype == "bfloat16"  # the head is not converted
+    flat = [b.nbytes for b in traced.recording.blocks if b.module == "model.layers.0" and b.op == "empty"]
+    fwd = {p.name: p.parts for p in est.phases}["forward"]
+    assert fwd["fsdp_allgather"] == 46080 + 2 * 64 * 2 == 46336 and 46336 in flat
+    assert trace_step(LLAMA, step, impl, parallel=par, real=True).peak_logical_bytes == traced.peak_logical_bytes
+    assert est.peak_bytes - traced.peak_logical_bytes == 1024 - (14 + 7) * 4

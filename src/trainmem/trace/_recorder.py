@@ -85,6 +85,17 @@ def _short_op(func) -> str:
         return getattr(func, "__name__", str(func))
 
 
+def _inner_tensors(t) -> list:
+    """The plain tensors holding a wrapper subclass's bytes (``__tensor_flatten__``, recursively): the
+    wrapper's own storage has its nominal size and no memory (a torchao ``Float8Tensor`` made by an op
+    under FSDP2's fp8 all-gather is nominally bf16, its ``_data`` fp8)."""
+    out = []
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        out += _inner_tensors(inner) if is_traceable_wrapper_subclass(inner) else [inner]
+    return out
+
+
 def _optimizer_phase() -> str:
     """``optimizer``, or ``step_in_backward`` for a step that runs inside backward (a gradient hook,
     ``--optimizer-in-backward``): the estimate's phase names (trainmem.schemas.PHASES)."""
@@ -218,6 +229,8 @@ class _Recorder(TorchDispatchMode):
             return
         self._op = _short_op(func)  # a storage resized by this op is reallocated by it
         parts = quantized_parts(t) if is_traceable_wrapper_subclass(t) else None
+        if parts is None and is_traceable_wrapper_subclass(t) and getattr(t, "_local_tensor", None) is None:
+            parts = [(None, inner) for inner in _inner_tensors(t)]  # torchao's Float8Tensor (FSDP2 fp8 all-gather)
         for _, inner in parts or ((None, t),):  # a torchao NF4Tensor: its inner storages (trace/qlora.py)
             self._register(inner, origin, self._current(), self._op)
 

@@ -11,8 +11,13 @@ to cast its input; the tracer runs CPU kernels as a stand-in for a CUDA device, 
 :func:`cuda_autocast_state` sets CUDA's autocast state beside CPU's: CPU ops are not affected (autocast
 acts per device), and the Float8Linear takes the path it takes on a GPU.
 
+The fp8 all-gather (``impl.float8_all_gather``, torchao's ``enable_fsdp_float8_all_gather``) runs
+under the FSDP2 trace (:mod:`trainmem.trace.parallel_fsdp`): the converted weights become torchao's
+``WeightWithDynamicFloat8CastTensor``, whose ``fsdp_pre_all_gather`` casts each shard to fp8 before
+FSDP2 gathers it (torchao/float8/fsdp_utils.py).
+
 Known limitations:
-  - the fp8 all-gather needs FSDP2, which one traced device does not run: refused.
+  - the fp8 all-gather needs FSDP2: refused on one device.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ def _torchao_float8():
     return f8
 
 
-def convert_float8(model, impl) -> list[str]:
+def convert_float8(model, impl, *, fsdp: bool = False) -> list[str]:
     """Convert ``model`` in place as torchtitan's Float8 converter does; returns the converted
-    modules' names (torchao offers the filter ``nn.Linear`` modules only)."""
-    if impl.float8_all_gather:
+    modules' names (torchao offers the filter ``nn.Linear`` modules only). ``fsdp``: the model is
+    sharded with FSDP2 next, so the fp8 all-gather can run."""
+    if impl.float8_all_gather and not fsdp:
         raise UnsupportedError("float8_all_gather is FSDP2's fp8 all-gather; the tracer runs one device "
                                "without FSDP: trace without it")
     from trainmem.specs.float8_filter import converted
@@ -60,6 +66,9 @@ def convert_float8(model, impl) -> list[str]:
         return ok
 
     config = f8.Float8LinearConfig.from_recipe_name(impl.float8)
+    if impl.float8_all_gather:  # torchtitan's Float8Converter: enable_fsdp_float8_all_gather
+        import dataclasses
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     f8.convert_to_float8_training(model, module_filter_fn=accept, config=config)
     return names
 

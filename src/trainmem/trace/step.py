@@ -262,7 +262,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     float8_names = None
     if impl.float8 != "none":  # trace/float8.py: torchao's own conversion, filtered as torchtitan does
         from trainmem.trace.float8 import convert_float8
-        float8_names = convert_float8(model, impl)
+        float8_names = convert_float8(model, impl, fsdp=fsdp is not None)
     built = type(model).__name__
     if finetune is not None:  # after checkpointing is enabled, as peft's recipes do
         from trainmem.trace.finetune import apply_finetune
