@@ -218,3 +218,26 @@ def test_float8_all_gather_gathers_fp8_weights():
     assert fwd["fsdp_allgather"] == 46080 + 2 * 64 * 2 == 46336 and 46336 in flat
     assert trace_step(LLAMA, step, impl, parallel=par, real=True).peak_logical_bytes == traced.peak_logical_bytes
     assert est.peak_bytes - traced.peak_logical_bytes == 1024 - (14 + 7) * 4
+
+
+@pytest.mark.slow
+def test_cli_traces_fsdp_and_float8_flags(tmp_path, capsys):
+    """The trace command passes --float8/--float8-all-gather through (it dropped them before) and
+    prints what the FSDP trace ran; --json's figures are trace_step's."""
+    import json
+
+    from trainmem.trace import trace_step
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    argv = ["trace", "--model", str(cfg), "--batch", "2", "--seq", "64", "--device", "cpu", "--dp", "2", "--fsdp",
+            "full", "--precision", "fsdp-bf16", "--float8", "tensorwise", "--float8-all-gather"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    impl = ImplSpec(device="cpu", float8="tensorwise", float8_all_gather=True)
+    traced = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision="fsdp-bf16"), impl,
+                        parallel=ParallelSpec(dp=2, fsdp="full"))
+    assert out["peak_logical_bytes"] == traced.peak_logical_bytes
+    assert out["meta"]["fsdp"]["world_size"] == 2 and len(out["meta"]["float8"]["converted"]) == 14
+    assert main(argv) == 0
+    assert "FSDP2: rank 0 of 2 (torch's fake process group), 3 fully_shard units" in capsys.readouterr().out

@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
                     recompute_every=every or 1, device=args.device, routing=args.routing,
                     optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward,
-                    compile=args.compile, compile_scope=args.compile_scope)
+                    compile=args.compile, compile_scope=args.compile_scope, float8=args.float8,
+                    float8_all_gather=args.float8_all_gather)
     from trainmem.fitargs import check_figure_args, gpu_from_args
     check_figure_args(args, reserved_known=True)  # bad --gpu/--memory-figure before the trace runs
     gpu_from_args(args)

@@ -51,8 +51,8 @@ def convert_float8(model, impl, *, fsdp: bool = False) -> list[str]:
     modules' names (torchao offers the filter ``nn.Linear`` modules only). ``fsdp``: the model is
     sharded with FSDP2 next, so the fp8 all-gather can run."""
     if impl.float8_all_gather and not fsdp:
-        raise UnsupportedError("float8_all_gather is FSDP2's fp8 all-gather; the tracer runs one device "
-                               "without FSDP: trace without it")
+        raise UnsupportedError("float8_all_gather is FSDP2's fp8 all-gather: trace it with --dp N --fsdp full, "
+                               "or without it on one device")
     from trainmem.specs.float8_filter import converted
 
     f8 = _torchao_float8()
