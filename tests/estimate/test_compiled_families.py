@@ -1,7 +1,8 @@
 """Phi-3, Gemma and OLMo-2 under torch.compile, against the compiled trace (``trace/compiled.py``:
 inductor's partition). Phi-3: the Llama compiled block (``estimate/rules_compiled.py``) with one
 fused ``qkv_proj`` and one ``gate_up_proj``; Gemma: the Llama block with a GELU-tanh gate (the
-unit-offset norm and the scaled embedding keep what Llama's do); OLMo-2: its own block, post-norms
+unit-offset norm and the scaled embedding keep what Llama's do), and Gemma-3 with Qwen3's per-head
+q/k norms and the sandwich norms' extras; OLMo-2: its own block, post-norms
 and q/k norms over the whole projection (``estimate/rules_compiled_olmo2.py``)."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
 PHI3 = dict(TINY, model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2)
 OLMO2 = dict(TINY, model_type="olmo2")
 GEMMA = dict(TINY, model_type="gemma", num_key_value_heads=1, head_dim=16)  # MQA, as Gemma-2B
+# a local and a global block, the window not shorter than S (a shorter one is refused)
+GEMMA3 = dict(TINY, model_type="gemma3_text", head_dim=16, sliding_window=512,
+              layer_types=["sliding_attention", "full_attention"])
 BLOCK = ImplSpec(device="cpu", compile=True, compile_scope="block")
 # B=2, S=64, H=64, A·hd=64, Akv·hd=32, F=176, fp32, per block.
 # Phi-3 (13 tensors): the input, the input norm's rsqrt and output, q and k rotated, v (a contiguous copy of its
@@ -57,6 +61,16 @@ def test_gemma_per_block_fp32_exact():
     assert _saved(GEMMA, "fp32", BLOCK) == (2 * 486400 + head, 39)  # 1594116: the trace less embed_scale (4 B)
 
 
+def test_gemma3_per_block_fp32_exact():
+    # the Llama block (502784, as Phi-3's) and: q_proj's and k_proj's outputs 32768 + 16384 and their per-head
+    # fp32 rsqrt B*S*A*4 + B*S*Akv*4 = 2048 + 1024 (Qwen3's), the rsqrt of the norm on o_proj's output 512,
+    # down_proj's output 32768 and its norm's rsqrt 512: 588800 per block (22 tensors)
+    block = 502784 + 32768 + 16384 + 2048 + 1024 + 512 + 32768 + 512
+    # around the blocks as Gemma's, with one cos/sin pair per layer type (4 x 4096)
+    head = 1024 + 4 * 4096 + 3 * 32768 + 512 + 256 + 512000 + 1024 + 4
+    assert _saved(GEMMA3, "fp32", BLOCK) == (2 * block + head, 2 * 22 + 11)  # 1807108: the trace less embed_scale
+
+
 def test_olmo2_whole_model_fp32_exact():
     # the blocks as above; the final norm's input, rsqrt and output 2 x 32768 + 512, the logits 512000, the
     # row max and log-sum-exp 2 x 512, the labels padded to S+1 2*65*8 = 1040, the count 4, the ids 1024
@@ -69,6 +83,7 @@ def test_olmo2_whole_model_fp32_exact():
     (OLMO2, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
     (PHI3, ImplSpec(compile=True, recompute="full"), "bf16"),
     (GEMMA, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
+    (GEMMA3, ImplSpec(compile=True, compile_scope="block", recompute="full"), "bf16"),
 ])
 def test_unchecked_settings_are_refused_by_name(config, impl, precision):
     with pytest.raises(UnsupportedError, match=f"model='{config['model_type']}'") as info:
@@ -81,7 +96,7 @@ def test_unchecked_settings_are_refused_by_name(config, impl, precision):
     # measured once more, not in the suite: Phi-3 fp32 whole model B=1 S=96 1190028 (+32 inv_freq), OLMo-2 bf16
     # whole model B=2 S=48 637076 (+32) and fp32 per block (the integers above) == trace
     (PHI3, "bf16", "model", 2, 48), (PHI3, "bf16", "block-loss", 3, 40), (GEMMA, "bf16", "model", 2, 48),
-    (GEMMA, "bf16", "block-loss", 3, 40),
+    (GEMMA, "bf16", "block-loss", 3, 40), (GEMMA3, "bf16", "block-loss", 3, 40),
     (OLMO2, "fp32", "model", 1, 96), (OLMO2, "bf16", "block", 3, 40), (OLMO2, "bf16", "block-loss", 2, 48)])
 def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq):
     pytest.importorskip("torch")
@@ -98,3 +113,9 @@ def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq
             if i.category.value == "buffer" and i.name in names]
     assert _saved(config, precision, impl, batch, seq) == (traced["saved_compiled_bytes"] - sum(bufs),
                                                            traced["saved_compiled_tensors"] - len(bufs))
+
+
+def test_gemma3_whole_model_is_refused_by_scope():
+    with pytest.raises(UnsupportedError, match="compile_scope='model'") as info:
+        estimate(spec_from_hf_config(GEMMA3), StepSpec(batch=2, seq=48, precision="bf16"), ImplSpec(compile=True))
+    assert "\n" not in str(info.value)

@@ -80,6 +80,11 @@ def check_compiled(ctx: Ctx) -> None:
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
+        ("compile_scope", impl.compile_scope, m.family == "gemma3_text" and impl.compile_scope == "model",
+         "Gemma-3's compiled rules are per block (block, block-loss): under whole-model compile the min-cut also "
+         "keeps each block's residual sum in bf16 (traced: tiny Gemma-3 +12288 B per block), not modelled"),
+        ("softcap", max(m.attn_softcap, m.logit_softcap), m.attn_softcap > 0 or m.logit_softcap > 0,
+         "compiled rules have no tanh soft-capping (Gemma-2; trace --compile)"),
         ("model", m.family, m.family in _NARROW and (
             impl.recompute != "none" or step.recipe not in ("fp32", "bf16", "fp16") or impl.float8 != "none"
             or ctx.finetune_linear is not None or m.qkv_bias),
@@ -142,7 +147,9 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
     g, m = ctx.graph, ctx.model
     B, S, H, A, Akv, F = ctx.B, ctx.S, m.hidden_size, "A·hd", "Akv·hd", m.ffn_size
     a = ctx.low or ctx.param  # the activations' dtype (pure precisions: the weights')
-    fused = family_of(m).rules.fused_gate_up  # Phi-3: fused qkv_proj and gate_up_proj (checked pure only)
+    rules = family_of(m).rules
+    fused = rules.fused_gate_up  # Phi-3: fused qkv_proj and gate_up_proj (checked pure only)
+    sandwich = rules.sandwich_norms  # Gemma-3: a norm on o_proj's and down_proj's outputs, the MLP's is pre_feedforward
     qkv = (("self_attn.q_proj", (m.q_size, H)), ("self_attn.k_proj", (m.kv_size, H)),
            ("self_attn.v_proj", (m.kv_size, H)))
     mlp = (("mlp.gate_proj", (F, H)), ("mlp.up_proj", (F, H)))
@@ -161,8 +168,10 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
         attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
         with g.module("o_proj"):
             g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
+    if sandwich:  # the norm of o_proj's output keeps its rsqrt; the normalized output is recomputed
+        _rsqrt(ctx, "post_attention_layernorm")
     residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), x.dtype)
-    _rmsnorm(ctx, residual, "post_attention_layernorm", keep_input=False,
+    _rmsnorm(ctx, residual, "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", keep_input=False,
              keep_output=not compiled_input_recomputed(ctx, *mlp))
     with g.module("mlp"):
         _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
@@ -173,8 +182,19 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
                 g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
         g.save(g.new("act_mul_up", (B, S, F), ("B", "S", "F"), a),  # down_proj's input
                when=not compiled_input_recomputed(ctx, ("down_proj", (H, F))))
+        if sandwich:  # post_feedforward_layernorm's input
+            with g.module("down_proj"):
+                g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))
+    if sandwich:
+        _rsqrt(ctx, "post_feedforward_layernorm")
     compiled_scales(ctx, *qkv, ("self_attn.o_proj", (H, m.q_size)), *mlp, ("mlp.down_proj", (H, F)))
     return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+
+
+def _rsqrt(ctx: Ctx, norm: str) -> None:
+    """A norm whose input the block keeps anyway: its fp32 ``rsqrt`` (B·S·1)."""
+    with ctx.graph.module(norm):
+        ctx.graph.save(ctx.graph.new("rsqrt", (ctx.B, ctx.S, 1), ("B", "S", "1"), "float32", False))
 
 
 def _head_norm_inputs(ctx: Ctx, *norms: tuple) -> None:
@@ -210,9 +230,13 @@ def _per_block(ctx: Ctx) -> None:
     Under ``--recompute full`` each block keeps its input only (:func:`_checkpointed_block`)."""
     g, m = ctx.graph, ctx.model
     x = _embedding(ctx, "model.embed_tokens")
+    rules = family_of(m).rules
     with g.module("model.rotary_emb"):
-        rot, dt = (1, ctx.S, m.head_dim), "float32" if family_of(m).rules.rope_fp32 else x.dtype  # OLMo-2: fp32
-        g.save(g.new("cos", rot, ("1", "S", "hd"), dt, False), g.new("sin", rot, ("1", "S", "hd"), dt, False))
+        rot, dt = (1, ctx.S, m.head_dim), "float32" if rules.rope_fp32 else x.dtype  # OLMo-2: fp32
+        # Gemma-3: one table per layer type (Gemma3RotaryEmbedding.forward(layer_type)), each passed to its blocks
+        for sfx in (f"_{t}" for t in sorted({k.attention for k in m.kinds})) if rules.rope_per_layer_type else ("",):
+            g.save(g.new(f"cos{sfx}", rot, ("1", "S", "hd"), dt, False),
+                   g.new(f"sin{sfx}", rot, ("1", "S", "hd"), dt, False))
     block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _block_rule(ctx))
     x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm), "lm_head")
@@ -322,7 +346,7 @@ _BLOCKS = {"olmo2": olmo2_block}
 #: families whose compiled rules were checked at --recompute none in pure precisions only: OLMo-2, and
 #: Phi-3 (the Llama block with fused qkv_proj and gate_up_proj; Float8, autocast copies and the op policy
 #: name the unfused linears)
-_NARROW = {"olmo2", "phi3", "gemma"}
+_NARROW = {"olmo2", "phi3", "gemma", "gemma3_text"}
 #: the gated activations a family's compiled block was read with (default SwiGLU): Gemma's GELU-tanh
 #: gate keeps what SiLU's does (gate, up, act·up; the activation's output recomputed)
-_GATED = {"gemma": ("geglu",)}
+_GATED = {"gemma": ("geglu",), "gemma3_text": ("geglu",)}

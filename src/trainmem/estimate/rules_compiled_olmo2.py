@@ -37,7 +37,8 @@ def olmo2_block(ctx: Ctx, x: Sym) -> Sym:
     B, S, H, F, a = ctx.B, ctx.S, m.hidden_size, m.ffn_size, ctx.param
     g.save(x)
     with g.module("self_attn"):
-        for proj, norm, width, sym in (("q_proj", "q_norm", m.q_size, "A·hd"), ("k_proj", "k_norm", m.kv_size, "Akv·hd")):
+        for proj, norm, width, sym in (("q_proj", "q_norm", m.q_size, "A·hd"),
+                                       ("k_proj", "k_norm", m.kv_size, "Akv·hd")):
             with g.module(proj):
                 g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
             _rsqrt(ctx, norm)

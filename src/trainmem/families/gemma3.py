@@ -35,4 +35,5 @@ def gemma3_text() -> Family:
                   "use_bidirectional_attention": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True,
                          rope_per_layer_type=True),
-        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma3_buffers)
+        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma3_buffers,
+        compiled_rules=True)  # the Llama compiled block with q/k and sandwich norms (estimate/rules_compiled.py)
