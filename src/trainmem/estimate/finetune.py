@@ -54,11 +54,11 @@ from trainmem.families import family_of
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.names import embedding_indices, is_token_embedding
 from trainmem.specs import ModelSpec, StepSpec
-from trainmem.specs.finetune import ADAPTER_MARKERS as _ADAPTER
 from trainmem.specs.finetune import FinetuneSpec, trainable_by_name
 from trainmem.specs.finetune import is_embedding_weight as _embedding_weight
 from trainmem.specs.finetune import is_output_layer as _output_layer
 from trainmem.specs.finetune import module_of as _module
+from trainmem.specs.finetune import lora_targeted, quantized_module  # noqa: F401  (importers use these names here)
 
 __all__ = [
     "trainable_predicate", "FinetuneLinear", "finetune_state_items", "finetune_optimizer_transient",
@@ -83,26 +83,6 @@ def is_linear_weight(model: ModelSpec, name: str, shape: tuple[int, ...]) -> boo
     adapts and bitsandbytes quantizes)."""
     return (name.endswith(".weight") and len(shape) == 2 and not _embedding_weight(name)
             and not _output_layer(_module(name)))
-
-
-def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
-    """peft ``check_target_module_exists``: the module name, or a ``.name`` suffix of it."""
-    if not spec.adapters or any(a.strip(".") in module.split(".") for a in _ADAPTER):
-        return False
-    if "all-linear" in spec.lora_targets:
-        return not _output_layer(module)
-    return any(module == t or module.endswith("." + t) for t in spec.lora_targets)
-
-
-def quantized_module(module: str, spec: FinetuneSpec) -> bool:
-    """The module's base weight is 4-bit: under qlora, every linear but the output head
-    (``qlora_scope='all'``: transformers' bitsandbytes integration, torchtune >= 0.3) or only the
-    adapter-targeted ones (``targeted``: torchtune <= 0.2); the head only with ``quantize_head``."""
-    if spec.mode != "qlora":
-        return False
-    if _output_layer(module):
-        return spec.quantize_head
-    return spec.qlora_scope == "all" or lora_targeted(module, spec)
 
 
 def is_quantized_weight(model: ModelSpec, name: str, shape: tuple[int, ...], spec: FinetuneSpec) -> bool:

@@ -186,6 +186,28 @@ def is_output_layer(module: str) -> bool:
     return module in output_layers()
 
 
+def lora_targeted(module: str, spec: FinetuneSpec) -> bool:
+    """peft ``check_target_module_exists``: the module name, or a ``.name`` suffix of it."""
+    if not spec.adapters or any(a.strip(".") in module.split(".") for a in ADAPTER_MARKERS):
+        return False
+    if "all-linear" in spec.lora_targets:
+        return not is_output_layer(module)
+    return any(module == t or module.endswith("." + t) for t in spec.lora_targets)
+
+
+def quantized_module(module: str, spec: FinetuneSpec) -> bool:
+    """The module's base weight is 4-bit: under qlora, every linear but the output head
+    (``qlora_scope='all'``: transformers' bitsandbytes integration, torchtune >= 0.3) or only the
+    adapter-targeted ones (``targeted``: torchtune <= 0.2); the head only with ``quantize_head``.
+    Here, not in estimate/finetune.py, so the tracer (trace/qlora.py) picks the same linears
+    without importing the estimator."""
+    if spec.mode != "qlora":
+        return False
+    if is_output_layer(module):
+        return spec.quantize_head
+    return spec.qlora_scope == "all" or lora_targeted(module, spec)
+
+
 def matches_freeze(name: str, pattern: str) -> bool:
     """A freeze pattern: ``embeddings``, a layer range, or a module name / dotted prefix."""
     if pattern == "embeddings":

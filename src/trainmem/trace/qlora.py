@@ -1,7 +1,7 @@
 """QLoRA's 4-bit base in the tracer: bitsandbytes' or torchao's own quantization, on fake or real tensors.
 
 ``quantize_base(model, spec)`` swaps each linear that the estimator makes 4-bit
-(``trainmem.estimate.finetune.quantized_module``: every linear but the head under ``qlora_scope=all``,
+(``trainmem.specs.finetune.quantized_module``, the estimator's: every linear but the head under ``qlora_scope=all``,
 the adapter targets under ``targeted``, the head with ``quantize_head``) for a 4-bit one, then peft
 adds the adapters as for LoRA (:mod:`trainmem.trace.finetune`):
 
@@ -91,7 +91,7 @@ def quantized_parts(t) -> list[tuple[str, object]] | None:
 def quantize_base(model, spec) -> list[str]:
     """Make 4-bit, in place, the linears of ``model`` that ``spec`` quantizes; their names."""
     import torch
-    from trainmem.estimate.finetune import quantized_module
+    from trainmem.specs.finetune import quantized_module
 
     check_quant(spec)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and quantized_module(n, spec)]
