@@ -189,14 +189,6 @@ def test_trace_runs_bitsandbytes_on_fake_tensors(opt):
     assert abs(e.peak_bytes + extra - t.peak_logical_bytes) <= 0.005 * t.peak_logical_bytes
 
 
-def test_torchao_is_refused_by_the_tracer_in_one_line():
-    pytest.importorskip("torch")
-    from trainmem.errors import UnsupportedError
-    from trainmem.trace import trace_step
-    with pytest.raises(UnsupportedError, match="torchao"):
-        trace_step(CFG, StepSpec(batch=B, seq=S, optimizer="torchao-adamw8bit"), ImplSpec(device="cpu"))
-
-
 # what the integrations read off a live optimizer -------------------------------------------------
 
 def test_live_optimizers_are_read_by_what_they_run():

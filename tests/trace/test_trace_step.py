@@ -106,8 +106,6 @@ def test_result_contract():
 def test_unsupported_choices_are_clear_errors():
     with pytest.raises(UnsupportedError, match="mem-efficient"):
         trace_step(LLAMA, FP32, ImplSpec(attention="mem-efficient"))
-    with pytest.raises(UnsupportedError, match="torchao-adamw4bit"):  # bitsandbytes' optimizers are traced
-        trace_step(LLAMA, StepSpec(batch=1, seq=8, optimizer="torchao-adamw4bit"), ImplSpec())
 
 
 def test_reference_model_from_a_model_spec():

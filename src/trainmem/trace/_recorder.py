@@ -22,6 +22,7 @@ from trainmem.trace.storages import Entry, StorageTracker
 from trainmem.trace.low_bit_optim import allocating_paged, is_paged_state
 from trainmem.trace.offload import allocating_on_host
 from trainmem.trace.qlora import quantized_parts
+from trainmem.trace.torchao_optim import state_parts
 
 __all__: list[str] = []
 
@@ -272,9 +273,10 @@ class _Recorder(TorchDispatchMode):
                 elif isinstance(v, torch.Tensor) and is_paged_state(v):
                     self._register_paged(v, name=f"{base}.{k}")
                 elif isinstance(v, torch.Tensor):
-                    blk = self._register(v, ORIGIN_STATE, "optimizer", name=f"{base}.{k}")
-                    if blk is not None and blk.origin == ORIGIN_OP:
-                        blk.origin, blk.name = ORIGIN_STATE, f"{base}.{k}"
+                    for suffix, t in state_parts(v) or (("", v),):  # torchao's state subclasses: their tensors
+                        blk = self._register(t, ORIGIN_STATE, "optimizer", name=f"{base}.{k}{suffix}")
+                        if blk is not None and blk.origin == ORIGIN_OP:
+                            blk.origin, blk.name = ORIGIN_STATE, f"{base}.{k}{suffix}"
 
     def _register_paged(self, t: torch.Tensor, *, name: str = "", func=None) -> None:
         """A paged optimizer state (``F.get_paged``'s managed buffer): a block of its own list,

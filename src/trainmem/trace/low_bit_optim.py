@@ -18,10 +18,10 @@ tensors the buffer is the same ``zeros_like`` the fallback makes: a measured CPU
 
 Known limitations:
   - The managed buffer's own rounding (driver pages) is not modelled: paged bytes are logical.
-  - torchao's AdamW8bit/AdamW4bit are not traced: their quantization reads tensor values (no fake
-    tensors) and their step runs inductor-generated kernels the tracer does not see;
-    tests/estimate/test_optimizers_8bit.py checks their states against the real optimizer instead.
-    :func:`make_torchao_optimizer` builds them for real measurements (``trainmem profile``).
+
+torchao's AdamW8bit/AdamW4bit: :func:`make_torchao_optimizer` is the real optimizer, stepping through
+its real compiled step with inductor's buffers visible (and its kernels skipped on fake tensors):
+:mod:`trainmem.trace.torchao_optim`.
 """
 
 from __future__ import annotations
@@ -100,9 +100,6 @@ def make_bnb_optimizer(name: str, params, lr: float = 1e-4):
 
 
 def make_torchao_optimizer(name: str, params, lr: float = 1e-4):
-    """torchao's ``name`` over real ``params`` (a measured step; the tracer refuses torchao)."""
-    try:
-        import torchao.optim as ao
-    except ImportError:
-        raise UnsupportedError(f"optimizer={name!r} is torchao's: pip install torchao") from None
-    return getattr(ao, TORCHAO_CLASSES[name])(list(params), lr=lr)
+    """torchao's ``name`` over ``params`` (fake or real tensors), traceable (trace/torchao_optim.py)."""
+    from trainmem.trace.torchao_optim import make_torchao_traced
+    return make_torchao_traced(TORCHAO_CLASSES[name], params, lr=lr)

@@ -30,7 +30,7 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
     from trainmem.trace import low_bit_optim as low
     if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
         return low.make_bnb_optimizer(name, params)
-    if name in low.TORCHAO_CLASSES:  # real tensors only: trace_step refuses torchao
+    if name in low.TORCHAO_CLASSES:  # its compiled step, buffers seen (trace/torchao_optim.py)
         return low.make_torchao_optimizer(name, params)
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
 

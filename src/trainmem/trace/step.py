@@ -36,8 +36,7 @@ torch 2.13's meta kernel for ``aten._grouped_mm`` accepts bf16 only; the fallbac
 tensors and returns the same shapes.
 
 Known limitations:
-  - ``mem-efficient`` attention has no CPU implementation; torchao's optimizers cannot run on fake
-    tensors (:mod:`trainmem.trace.low_bit_optim`); ``chunked-ce`` and ``fused-ce`` are not Hugging Face
+  - ``mem-efficient`` attention has no CPU implementation; ``chunked-ce`` and ``fused-ce`` are not Hugging Face
     options (torchtune's and LitGPT's chunked losses are: :mod:`trainmem.trace.losses`): all raise
     UnsupportedError. bitsandbytes' optimizers are traced on CPU, where paging
     falls back to plain tensors.
@@ -162,10 +161,6 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
         from trainmem.trace.parallel_fsdp import check_fsdp
         check_fsdp(parallel, step, impl)
     _check(step, impl, fsdp2=parallel is not None)
-    if step.optimizer.startswith("torchao-"):  # profile measures it on real tensors (trace/low_bit_optim.py)
-        raise UnsupportedError(f"optimizer={step.optimizer!r} cannot be traced: torchao quantizes by reading "
-                               "tensor values and steps through inductor-compiled kernels the tracer cannot "
-                               "see; use estimate (its states are checked against torchao's own optimizer)")
     from trainmem.trace.finetune import check_finetune
     check_finetune(finetune, recompute=impl.recompute)
     if finetune is not None and not isinstance(model_or_config, Mapping):
