@@ -356,17 +356,21 @@ class _Recorder(TorchDispatchMode):
         self._resizable = list(zip(tensors, names))
 
     def _name_unit_grads(self) -> None:
-        """FSDP2's sharded gradients are views of one reduce-scatter output per unit, claimed by the
-        gradient hooks FSDP2 runs itself (``foreach_reduce``, _fsdp_collectives.py): that storage is
-        named after the unit's module prefix (``model.layers.0.grads``) rather than its last parameter."""
+        """FSDP's sharded gradients are views of one reduce-scatter output per unit: claimed by the
+        gradient hooks FSDP2 runs itself (``foreach_reduce``, _fsdp_collectives.py), assigned by FSDP1
+        (``_reduce_grad``, _runtime_utils.py: the flat parameter's ``.grad``, the original parameters'
+        views of it) without a hook. Each such storage is a gradient, named after the unit's module
+        prefix (``model.layers.0.grads``) rather than one of its parameters."""
         by_key: dict[int, list[str]] = {}
         blocks = {}
         for name, p in self._model.named_parameters():
             entry = self._storages.get(p.grad) if p.grad is not None else None
-            if entry is not None and entry.data.id >= 0 and entry.data.origin == ORIGIN_GRADIENT:
+            if entry is not None and entry.data.id >= 0 and entry.data.origin in (ORIGIN_GRADIENT, ORIGIN_OP):
                 by_key.setdefault(entry.key, []).append(name)
                 blocks[entry.key] = entry.data
         for key, names in by_key.items():
+            blocks[key].origin = ORIGIN_GRADIENT
+            blocks[key].name = blocks[key].name or names[0] + ".grad"
             if len(names) > 1:
                 common = []
                 for parts in zip(*(n.split(".") for n in names)):

@@ -33,8 +33,11 @@ Known limitations:
     keep their blocks reserved apart);
   - rank 0's shard: with dim 0 not divisible by N the last ranks hold fewer rows (or padding
     only); rank 0 holds the most;
-  - HSDP (``--fsdp hybrid``), FSDP1, CPU offload, tensor/pipeline/context/expert parallel and
-    ZeRO are refused in one line.
+  - HSDP (``--fsdp hybrid``), CPU offload, tensor/pipeline/context/expert parallel and ZeRO are
+    refused in one line; FSDP1 (``--fsdp-version 1``, :func:`apply_fsdp1`) runs with ``FULL_SHARD``
+    only: its ``SHARD_GRAD_OP`` path compares storages by ``data_ptr``, 0 on every fake tensor
+    (``_flat_param.py`` ``_same_storage``), and fails; FSDP1's item names keep its
+    ``_fsdp_wrapped_module.`` prefixes (what its ``named_parameters`` reports).
 """
 
 from __future__ import annotations
@@ -51,9 +54,13 @@ def check_fsdp_flags(par) -> None:
     if par.fsdp != "full":
         raise UnsupportedError(f"--fsdp {par.fsdp}: trace runs FSDP2 full sharding over one mesh dimension; "
                                f"estimate --fsdp {par.fsdp} gives the per-rank memory")
-    if par.fsdp_version != 2:
-        raise UnsupportedError(f"--fsdp-version {par.fsdp_version}: trace runs FSDP2 (fully_shard); "
-                               f"estimate --fsdp-version {par.fsdp_version} gives the per-rank memory")
+    if par.fsdp_version == 1 and not par.reshard_after_forward:
+        raise UnsupportedError("--fsdp-version 1 --no-reshard-after-forward: FSDP1's SHARD_GRAD_OP checks its views "
+                               "by data_ptr (_flat_param.py _same_storage), which fake tensors lack; estimate "
+                               "--fsdp-version 1 --no-reshard-after-forward gives the per-rank memory")
+    if par.fsdp_version == 1 and par.fsdp_units != "blocks":
+        raise UnsupportedError(f"--fsdp-units {par.fsdp_units} with --fsdp-version 1: trace wraps FSDP1 per block "
+                               "(HF/accelerate's transformer auto-wrap); estimate gives the per-rank memory")
     for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("pp", par.pp, 1),
                                 ("zero", par.zero, 0)):
         if value != single:
@@ -67,9 +74,13 @@ def check_fsdp_flags(par) -> None:
         raise SpecError("dp", par.dp, f"--fsdp {par.fsdp} needs --dp N, N >= 2 ranks to shard over")
 
 
-def check_fsdp(par, step, impl) -> None:
-    """Refuse, in one line, what the FSDP2 trace does not run."""
+def check_fsdp(par, step, impl, finetune=None) -> None:
+    """Refuse, in one line, what the FSDP trace does not run."""
     check_fsdp_flags(par)
+    if finetune is not None and par.fsdp_version == 1:
+        raise UnsupportedError("--finetune/--freeze with --fsdp-version 1: HF Trainer wraps a peft model with "
+                               "peft's fsdp_auto_wrap_policy (each adapter a unit), which the trace does not "
+                               "apply; estimate --fsdp-version 1 gives the per-rank memory")
     if impl.optimizer_in_backward:
         raise UnsupportedError("--optimizer-in-backward with --fsdp: trace steps FSDP2's sharded gradients "
                                "after backward only")
@@ -127,8 +138,9 @@ def _parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def apply_fsdp2(model, mesh, par, step) -> int:
-    """``fully_shard`` every unit of ``model`` (see the module docstring); returns the number of units."""
+def apply_fsdp2(model, mesh, par, step):
+    """``fully_shard`` every unit of ``model`` (see the module docstring); returns the model to run
+    and the number of units."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -151,15 +163,51 @@ def apply_fsdp2(model, mesh, par, step) -> int:
     # the root without reshard_after_forward, as torchtitan's apply_fsdp: left to FSDP2, which then
     # keeps the root gathered from forward to backward (FSDPState._lazy_init, _auto_reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    return len(units) + 1
+    return model, len(units) + 1
+
+
+def apply_fsdp(model, mesh, par, step):
+    """Shard ``model`` as ``par.fsdp_version`` says; returns the model to run and the number of units."""
+    return (apply_fsdp1 if par.fsdp_version == 1 else apply_fsdp2)(model, mesh, par, step)
+
+
+def apply_fsdp1(model, mesh, par, step):
+    """``FullyShardedDataParallel`` with ``use_orig_params=True``, one unit per decoder block
+    (``ModuleWrapPolicy``, HF/accelerate's transformer auto-wrap) and the root, as the estimate's
+    ``estimate/fsdp1_flat.py``; ``FULL_SHARD``, or ``SHARD_GRAD_OP`` under
+    ``--no-reshard-after-forward``; fsdp-bf16 is ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``.
+    Returns the wrapper (its forward runs the root's hooks) and the number of units."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from trainmem.trace.torch_state import torch_dtype
+
+    blocks = _blocks(model)
+    if not blocks:
+        raise UnsupportedError(f"{type(model).__name__}: no decoder blocks found to wrap as FSDP units")
+    dt = step.dtypes
+    mp = MixedPrecision(param_dtype=torch_dtype(dt.compute), reduce_dtype=torch.float32) if dt.gathered else None
+    strategy = ShardingStrategy.FULL_SHARD if par.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(b) for b in blocks}),
+                                       use_orig_params=True, device_id=torch.device("cpu"), device_mesh=mesh,
+                                       sharding_strategy=strategy, mixed_precision=mp)
+    return wrapped, len(blocks) + 1
 
 
 def unsharded_storages(model) -> tuple[list, list[str]]:
     """FSDP2's tensors allocated and freed by resizing their storage in place: each parameter's
     all-gather outputs (its unsharded parameter is a view of them), and the parameter names."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     tensors, names = [], []
+    for name, m in model.named_modules():  # FSDP1: each unit's padded unsharded flat parameter and low-precision shard
+        flat = m._handle.flat_param if isinstance(m, FullyShardedDataParallel) and m._handle is not None else None
+        unit = name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".") or "root"
+        for attr in ("_full_param_padded", "_mp_shard") if flat is not None else ():
+            if getattr(flat, attr, None) is not None:
+                tensors.append(getattr(flat, attr))
+                names.append(f"{unit}.flat_param{attr}")
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
         for fp in group.fsdp_params if group is not None else ():
@@ -171,13 +219,15 @@ def unsharded_storages(model) -> tuple[list, list[str]]:
 
 def fsdp_meta(par, units: int) -> dict:
     """What the result states about the sharding it ran."""
-    return {"world_size": par.dp, "rank": 0, "units": units, "fsdp_units": par.fsdp_units,
+    return {"world_size": par.dp, "rank": 0, "version": par.fsdp_version, "units": units, "fsdp_units": par.fsdp_units,
             "reshard_after_forward": par.reshard_after_forward, "process_group": "fake"}
 
 
 def fsdp_line(meta: dict) -> str:
     """What an FSDP trace ran, in one line."""
     keep = "kept from forward to backward" if not meta["reshard_after_forward"] else "resharded after forward"
-    return (f"FSDP2: rank 0 of {meta['world_size']} (torch's fake process group), {meta['units']} fully_shard units "
+    what = "FSDP1: rank 0 of {w} (torch's fake process group), {u} flat-parameter units" if meta.get("version") == 1 \
+        else "FSDP2: rank 0 of {w} (torch's fake process group), {u} fully_shard units"
+    return (what.format(w=meta["world_size"], u=meta["units"]) + " "
             f"({meta['fsdp_units']} + root; blocks {keep}); no CUDA streams on CPU, so the reserved figure is "
             "one pool's (estimate models FSDP2's side-stream pools)")

@@ -159,7 +159,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
         parallel = None
     if parallel is not None:
         from trainmem.trace.parallel_fsdp import check_fsdp
-        check_fsdp(parallel, step, impl)
+        check_fsdp(parallel, step, impl, finetune)
     _check(step, impl, fsdp2=parallel is not None)
     from trainmem.trace.finetune import check_finetune
     check_finetune(finetune, recompute=impl.recompute)
@@ -265,8 +265,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         finetune = finetune.for_model(model_spec)  # LoRA targets: the family's default
         model = apply_finetune(model, finetune, model_spec)
     if fsdp is not None:  # fully_shard before the optimizer sees the parameters (trace/parallel_fsdp.py)
-        from trainmem.trace.parallel_fsdp import apply_fsdp2
-        fsdp_units = apply_fsdp2(model, fsdp[1], fsdp[0], step)
+        from trainmem.trace.parallel_fsdp import apply_fsdp
+        model, fsdp_units = apply_fsdp(model, fsdp[1], fsdp[0], step)
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=torch_dtype(dt.activation)) if dt.autocast
