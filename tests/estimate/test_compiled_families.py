@@ -79,11 +79,11 @@ def test_olmo2_whole_model_fp32_exact():
 
 
 @pytest.mark.parametrize("config, impl, precision", [
-    (OLMO2, ImplSpec(compile=True, compile_scope="block", recompute="full"), "bf16"),
+    (OLMO2, ImplSpec(compile=True, recompute="full"), "bf16"),  # full recompute is checked per block only
     (OLMO2, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
     (PHI3, ImplSpec(compile=True, recompute="full"), "bf16"),
     (GEMMA, ImplSpec(compile=True, compile_scope="block"), "amp-bf16"),
-    (GEMMA3, ImplSpec(compile=True, compile_scope="block", recompute="full"), "bf16"),
+    (GEMMA3, ImplSpec(compile=True, compile_scope="block", float8="tensorwise"), "bf16"),
 ])
 def test_unchecked_settings_are_refused_by_name(config, impl, precision):
     with pytest.raises(UnsupportedError, match=f"model='{config['model_type']}'") as info:
@@ -92,17 +92,21 @@ def test_unchecked_settings_are_refused_by_name(config, impl, precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, precision, scope, batch, seq", [
+@pytest.mark.parametrize("config, precision, scope, batch, seq, recompute", [
+    *((config, precision, scope, batch, seq, "none") for config, precision, scope, batch, seq in [
     # measured once more, not in the suite: Phi-3 fp32 whole model B=1 S=96 1190028 (+32 inv_freq), OLMo-2 bf16
     # whole model B=2 S=48 637076 (+32) and fp32 per block (the integers above) == trace
     (PHI3, "bf16", "model", 2, 48), (PHI3, "bf16", "block-loss", 3, 40), (GEMMA, "bf16", "model", 2, 48),
     (GEMMA, "bf16", "block-loss", 3, 40), (GEMMA3, "bf16", "block-loss", 3, 40),
-    (OLMO2, "fp32", "model", 1, 96), (OLMO2, "bf16", "block", 3, 40), (OLMO2, "bf16", "block-loss", 2, 48)])
-def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq):
+    (OLMO2, "fp32", "model", 1, 96), (OLMO2, "bf16", "block", 3, 40), (OLMO2, "bf16", "block-loss", 2, 48)]),
+    # torchtitan's order, each checkpointed block compiled: a block keeps its input (measured once more, not in the
+    # suite: Phi-3 577124, Gemma 592740 bf16 B=3 S=40 == trace less the states and buffers)
+    (OLMO2, "bf16", "block", 3, 40, "full"), (GEMMA3, "bf16", "block", 3, 40, "full")])
+def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq, recompute):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
-    impl = ImplSpec(device="cpu", compile=True, compile_scope=scope)
+    impl = ImplSpec(device="cpu", compile=True, compile_scope=scope, recompute=recompute)
     traced = trace_step(config, StepSpec(batch=batch, seq=seq, precision=precision), impl).meta["compile"]
     # the graphs save buffers themselves, counted in the buffer ledger here (estimate/buffers.py): a whole-model
     # graph the rotary inv_freq (hd/2 fp32 = 32 B), Gemma's scaled embedding its 0-d embed_scale (in the weights'
@@ -111,6 +115,9 @@ def test_estimate_equals_the_compiled_trace(config, precision, scope, batch, seq
     names = {"model.embed_tokens.embed_scale"} | ({"model.rotary_emb.inv_freq"} if scope == "model" else set())
     bufs = [i.bytes for i in estimate(spec_from_hf_config(config), step, impl).inventory
             if i.category.value == "buffer" and i.name in names]
+    # under full recompute autograd also keeps one CPU generator state per block (5056 B of host memory) for the
+    # recomputed SDPA (trace/compiled.py _save_rng_state), which the estimate leaves out
+    bufs += [5056] * config["num_hidden_layers"] * (impl.recompute == "full")
     assert _saved(config, precision, impl, batch, seq) == (traced["saved_compiled_bytes"] - sum(bufs),
                                                            traced["saved_compiled_tensors"] - len(bufs))
 

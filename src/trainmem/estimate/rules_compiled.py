@@ -86,7 +86,7 @@ def check_compiled(ctx: Ctx) -> None:
         ("softcap", max(m.attn_softcap, m.logit_softcap), m.attn_softcap > 0 or m.logit_softcap > 0,
          "compiled rules have no tanh soft-capping (Gemma-2; trace --compile)"),
         ("model", m.family, m.family in _NARROW and (
-            impl.recompute != "none" or step.recipe not in ("fp32", "bf16", "fp16") or impl.float8 != "none"
+            impl.recompute not in ("none", "full") or (impl.recompute == "full" and impl.compile_scope == "model") or step.recipe not in ("fp32", "bf16", "fp16") or impl.float8 != "none"
             or ctx.finetune_linear is not None or m.qkv_bias),
          f"compiled rules for {m.family} cover --recompute none, pure fp32/bf16/fp16, no fine-tuning, Float8 or "
          "q/k/v biases (trace --compile)"),
