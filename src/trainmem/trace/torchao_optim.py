@@ -21,8 +21,8 @@ function (torch._C._dynamo.guards) that bypasses the dispatcher. Three things ma
   AOTAutograd's subclass flattening, inductor's scheduling and memory planning, the wrapper code) is
   torch's own. With real tensors the kernels compile and run.
 
-The step runs a private copy of ``single_param_adam`` (its own code object, so dynamo's cache of
-these compilations is not shared with torchao's function), and the generated modules loaded while it
+The step runs a private copy of ``single_param_adam``, one for fake and one for real tensors (their
+own code objects, so dynamo's caches of these compilations are shared with nothing else), and the generated modules loaded while it
 steps are dropped from inductor's module cache afterwards, so a later real compilation of the same
 source never reuses a module holding no-op kernels.
 
@@ -64,7 +64,8 @@ def _build_qmaps() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _private_single_param_adam():
+def _private_single_param_adam(fake: bool):
+    """A copy per mode: dynamo never offers a real step the no-op kernels compiled for fake tensors."""
     from torchao.optim import adam
     f = adam.single_param_adam
     return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
@@ -85,7 +86,7 @@ def _inductor_buffers_dispatched(fake: bool):
     guards._reinterpret_tensor = lambda t, size, stride, offset: torch.as_strided(t, size, stride, offset)
     if fake:
         AsyncCompile.cpp_pybinding = lambda self, argtypes, source_code: (lambda *args: None)
-    adam.single_param_adam = _private_single_param_adam()
+    adam.single_param_adam = _private_single_param_adam(fake)
     try:
         yield
     finally:
