@@ -51,13 +51,14 @@ __all__ = ["compiled_forward", "check_compiled"]
 def check_compiled(ctx: Ctx) -> None:
     """Refuse what the compiled rules have not been checked on, naming the field and value."""
     m, step, impl = ctx.model, ctx.step, ctx.impl
+    fam = family_of(m)
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (not family_of(m).compiled_rules or m.is_moe
-                             or m.activation not in _GATED.get(m.family, ("swiglu",))
+        ("model", m.family, (not fam.compiled_rules or m.is_moe
+                             or m.activation not in ("swiglu", "geglu")  # Gemma's GELU-tanh gate keeps what SiLU's does
                              or m.out_bias or m.mlp_bias or m.norm_bias
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
-         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU models (q/k/v biases at most, no "
+         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU/GeGLU models (q/k/v biases at most, no "
          "sliding window shorter than S)"),
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
@@ -80,12 +81,12 @@ def check_compiled(ctx: Ctx) -> None:
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
-        ("compile_scope", impl.compile_scope, m.family == "gemma3_text" and impl.compile_scope == "model",
-         "Gemma-3's compiled rules are per block (block, block-loss): under whole-model compile the min-cut also "
-         "keeps each block's residual sum in bf16 (traced: tiny Gemma-3 +12288 B per block), not modelled"),
+        ("compile_scope", impl.compile_scope, impl.compile_scope not in fam.compiled_scopes,
+         f"{m.family}'s compiled rules are checked with --compile-scope {'/'.join(fam.compiled_scopes)} (Gemma-3 "
+         "under whole-model compile also keeps each block's residual sum: +12288 B per tiny bf16 block, traced)"),
         ("softcap", max(m.attn_softcap, m.logit_softcap), m.attn_softcap > 0 or m.logit_softcap > 0,
          "compiled rules have no tanh soft-capping (Gemma-2; trace --compile)"),
-        ("model", m.family, m.family in _NARROW and (
+        ("model", m.family, fam.compiled_narrow and (
             impl.recompute not in ("none", "full") or (impl.recompute == "full" and impl.compile_scope == "model") or step.recipe not in ("fp32", "bf16", "fp16") or impl.float8 != "none"
             or ctx.finetune_linear is not None or m.qkv_bias),
          f"compiled rules for {m.family} cover --recompute none, pure fp32/bf16/fp16, no fine-tuning, Float8 or "
@@ -102,8 +103,8 @@ def check_compiled(ctx: Ctx) -> None:
 
 
 def _block_rule(ctx: Ctx):
-    """The family's compiled block (:data:`_BLOCKS`), else the Llama one."""
-    return _BLOCKS.get(ctx.model.family, _compiled_block)
+    """OLMo-2's compiled block for its post-norms (``BlockRules.post_norms``), else the Llama one."""
+    return olmo2_block if family_of(ctx.model).rules.post_norms else _compiled_block
 
 
 def compiled_families() -> list[str]:
@@ -340,13 +341,3 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True, keep_outpu
         g.save(out, when=keep_output)
     return out
 
-
-#: family name -> its compiled block, where it is not the Llama block (_compiled_block)
-_BLOCKS = {"olmo2": olmo2_block}
-#: families whose compiled rules were checked at --recompute none in pure precisions only: OLMo-2, and
-#: Phi-3 (the Llama block with fused qkv_proj and gate_up_proj; Float8, autocast copies and the op policy
-#: name the unfused linears)
-_NARROW = {"olmo2", "phi3", "gemma", "gemma3_text"}
-#: the gated activations a family's compiled block was read with (default SwiGLU): Gemma's GELU-tanh
-#: gate keeps what SiLU's does (gate, up, act·up; the activation's output recomputed)
-_GATED = {"gemma": ("geglu",), "gemma3_text": ("geglu",)}

@@ -210,6 +210,11 @@ class Family(NameScheme):
     query and value projections, peft's usual pair) and says so in a note."""
     compiled_rules: bool = False
     """The estimator's compiled rules (``estimate/rules_compiled.py``) cover this family."""
+    compiled_narrow: bool = False
+    """Its compiled rules were checked at ``--recompute none`` (and full per block) in pure precisions
+    only, without fine-tuning, Float8 or q/k/v biases (Phi-3, Gemma, Gemma-3, OLMo-2: docs/compile.md)."""
+    compiled_scopes: tuple[str, ...] = ("model", "block", "block-loss")
+    """The ``--compile-scope`` values its compiled rules were checked on (Gemma-3: per block only)."""
     attentions: tuple[str, ...] = ("sdpa", "eager", "flash", "sdpa-math", "mem-efficient")
     """The attention kernels (``ImplSpec.attention``) transformers runs this family with, its default
     first: ``--attention``'s default for the family (:func:`default_attention`). A model class with

@@ -30,7 +30,7 @@ def gemma() -> Family:
                   "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
                   "attention_dropout": 0.0}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True), buffers=gemma_buffers,
-        compiled_rules=True)  # the Llama compiled block with a GELU-tanh gate (estimate/rules_compiled.py)
+        compiled_rules=True, compiled_narrow=True)  # the Llama compiled block with a GELU-tanh gate (estimate/rules_compiled.py)
 
 
 @register_family

@@ -36,4 +36,6 @@ def gemma3_text() -> Family:
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True,
                          rope_per_layer_type=True),
         parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma3_buffers,
-        compiled_rules=True)  # the Llama compiled block with q/k and sandwich norms (estimate/rules_compiled.py)
+        # the Llama compiled block with q/k and sandwich norms (estimate/rules_compiled.py); whole-model compile keeps
+        # each block's residual sum too (traced), not modelled
+        compiled_rules=True, compiled_narrow=True, compiled_scopes=("block", "block-loss"))

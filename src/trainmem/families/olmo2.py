@@ -36,7 +36,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def olmo2() -> Family:
     # peft 0.21.2 maps no "olmo2": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="olmo2", parameters=_parameters, rules=BlockRules(forward="llama", post_norms=True, rope_fp32=True),
-                  peft_default=False, compiled_rules=True,  # estimate/rules_compiled_olmo2.py
+                  peft_default=False, compiled_rules=True, compiled_narrow=True,  # estimate/rules_compiled_olmo2.py
                   **LLAMA_NAMES, config=ConfigSchema(
                       config_class="Olmo2Config", fixed={"qk_norm": True},
                       defaults={"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,

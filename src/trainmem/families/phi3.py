@@ -49,4 +49,4 @@ def phi3() -> Family:
                    packed=("qkv_proj", "gate_up_proj")),
         # peft 0.21.2 maps no "phi3" (only "phi"); the fused projection holding q and v is adapted
         lora_targets=("qkv_proj",), peft_default=False,
-        compiled_rules=True)  # the Llama compiled block with fused outputs (estimate/rules_compiled.py)
+        compiled_rules=True, compiled_narrow=True)  # the Llama compiled block with fused outputs (estimate/rules_compiled.py)
