@@ -63,6 +63,7 @@ class Block:
     free_at: int | None = None
     saved: bool = False  # seen by the saved-tensor pack hook
     name: str = ""  # item name for model states and inputs; ops are named ``<module>.<op>``
+    stream: int = 0  # the CPU stream current at allocation (0: default; FSDP's side streams: 1, 2, ...)
 
 
 @dataclass
@@ -129,6 +130,8 @@ class _Recorder(TorchDispatchMode):
         self._param_keys: set[int] = set()
         self._host_steps: set[int] = set()  # storages of Adam's host-side step counters: never device bytes
         self._resizable: list = []  # (tensor, name) whose storage is resized in place (watch_resizable)
+        self._default_stream = torch.cpu.current_stream()
+        self._streams: dict[int, int] = {}  # id of a side stream -> its number (_stream)
         self._paged: dict[int, Block] = {}  # unified-memory storages (paged optimizer states), by storage key
 
     # -- storages ---------------------------------------------------------------
@@ -146,7 +149,7 @@ class _Recorder(TorchDispatchMode):
         otherwise; ``in_flight``: bytes of the block it replaces, alive until the copy is done."""
         blk = replace(entry.data, id=len(self.rec.blocks), nbytes=entry.nbytes, size=round_up(entry.nbytes),
                       op=entry.data.op if op is None else op, phase=self._phase, alloc_at=len(self.rec.events),
-                      free_at=None, saved=False)
+                      free_at=None, saved=False, stream=self._stream() if self._resizable else 0)
         entry.data = blk
         self.rec.blocks.append(blk)
         self.rec.events.append(blk.id)
@@ -190,6 +193,15 @@ class _Recorder(TorchDispatchMode):
         """torch.compile runs with the recorder on (it would fall back to eager otherwise) and
         the recorder sees the compiled graphs' ops (``trainmem.trace.compiled``)."""
         return True
+
+    def _stream(self) -> int:
+        """The CPU stream current now, numbered in order of first use (0: the default stream). FSDP2 enters
+        its all-gather and reduce-scatter streams with ``device_handle.stream``, which on CPU is
+        ``torch.cpu.stream`` and sets ``torch.cpu.current_stream()`` where a CUDA run switches streams."""
+        current = torch.cpu.current_stream()
+        if current is self._default_stream:
+            return 0
+        return self._streams.setdefault(id(current), len(self._streams) + 1)
 
     def _phase_now(self) -> str:
         if self._in_opt:

@@ -263,7 +263,8 @@ class Replay:
 
 
 def replay(events: Iterable[tuple], *, expandable_segments: bool = False) -> Replay:
-    """Replay ``("alloc", key, nbytes)`` and ``("free", key)`` events through the allocator."""
+    """Replay ``("alloc", key, nbytes[, stream])`` and ``("free", key)`` events through the allocator
+    (a request on a stream other than 0 is served from that stream's pools)."""
     alloc = CachingAllocator(expandable_segments=expandable_segments)
     reserved: list[int] = []
     allocated: list[int] = []
@@ -271,7 +272,7 @@ def replay(events: Iterable[tuple], *, expandable_segments: bool = False) -> Rep
     peak, peak_at, frag, top = 0, -1, 0.0, 0
     for i, ev in enumerate(events):
         if ev[0] == "alloc":
-            addresses[ev[1]], _ = alloc.malloc(ev[1], ev[2])
+            addresses[ev[1]], _ = alloc.malloc(ev[1], ev[2], stream=ev[3] if len(ev) > 3 else 0)
         elif ev[0] == "free":
             alloc.free(ev[1])
         else:

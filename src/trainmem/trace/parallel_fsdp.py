@@ -27,10 +27,9 @@ gradients, assigned to ``.grad`` by ``foreach_reduce`` rather than accumulated b
 claimed as gradients when the optimizer step starts.
 
 Known limitations:
-  - one process, no streams: on CPU there are no CUDA streams, so the all-gather copy-in and
-    reduce-scatter buffers are recorded on the default stream's pool; the trace's reserved figure
-    is one pool's replay (``estimate/fsdp_streams.py`` models FSDP2's side-stream pools, which
-    keep their blocks reserved apart);
+  - streams are pools only: FSDP's side streams are read from ``torch.cpu.current_stream()``
+    (FSDP2 and FSDP1 enter them with ``torch.cpu.stream`` on CPU) and replayed as separate pools; no events
+    between streams, so a block freed on a side stream is reusable there at once;
   - rank 0's shard: with dim 0 not divisible by N the last ranks hold fewer rows (or padding
     only); rank 0 holds the most;
   - HSDP (``--fsdp hybrid``), CPU offload, tensor/pipeline/context/expert parallel and ZeRO are
@@ -46,7 +45,8 @@ import contextlib
 
 from trainmem.errors import SpecError, UnsupportedError
 
-__all__ = ["check_fsdp", "check_fsdp_flags", "fake_world", "apply_fsdp2", "unsharded_storages", "fsdp_meta", "fsdp_line"]
+__all__ = ["check_fsdp", "check_fsdp_flags", "fake_world", "apply_fsdp", "apply_fsdp1", "apply_fsdp2",
+           "unsharded_storages", "fsdp_meta", "fsdp_line"]
 
 
 def check_fsdp_flags(par) -> None:
@@ -229,5 +229,4 @@ def fsdp_line(meta: dict) -> str:
     what = "FSDP1: rank 0 of {w} (torch's fake process group), {u} flat-parameter units" if meta.get("version") == 1 \
         else "FSDP2: rank 0 of {w} (torch's fake process group), {u} fully_shard units"
     return (what.format(w=meta["world_size"], u=meta["units"]) + " "
-            f"({meta['fsdp_units']} + root; blocks {keep}); no CUDA streams on CPU, so the reserved figure is "
-            "one pool's (estimate models FSDP2's side-stream pools)")
+            f"({meta['fsdp_units']} + root; blocks {keep}); reserved: FSDP's side streams as pools of their own")

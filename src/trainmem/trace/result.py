@@ -229,7 +229,7 @@ def analyze(rec: R.Recording, meta: dict | None = None) -> TraceResult:
     top = sorted(live, key=lambda t: -t.bytes)[:TOP_AT_PEAK]
     peak_block = blocks[events[peak_at]] if peak_at >= 0 else None
 
-    ev = [("alloc", e, blocks[e].nbytes) if e >= 0 else ("free", ~e) for e in events]
+    ev = [("alloc", e, blocks[e].nbytes, blocks[e].stream) if e >= 0 else ("free", ~e) for e in events]
     rep = replay(ev)
     rep_x = replay(ev, expandable_segments=True)
 
