@@ -117,6 +117,8 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
     for name, single in _ONE_DEVICE.items():
         if getattr(args, "fsdp", None) and name in _FSDP_FLAGS:
             continue
+        if getattr(args, "tp", None) and not getattr(args, "fsdp", None) and name in ("tp", "sp"):
+            continue  # tensor parallelism as rank 0 of N (trace/parallel_tp.py tp_spec)
         value = getattr(args, name, single)
         if value != single and not (single is None and value == 1):
             flag = "--" + name.replace("_", "-")
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace.finetune import check_finetune
 
     offload = refuse_parallel(args)
-    parallel = fsdp_spec(args)
+    from trainmem.trace.parallel_tp import tp_spec
+    parallel = fsdp_spec(args) or tp_spec(args)
     finetune = finetune_from_args(args)
     check_finetune(finetune, recompute=args.recompute)
     if finetune is not None and args.profile == "reference":
@@ -228,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
         if "fsdp" in result.meta:
             from trainmem.trace.parallel_fsdp import fsdp_line
             print(fsdp_line(result.meta["fsdp"]))
+        if "tp" in result.meta:
+            from trainmem.trace.parallel_tp import tp_line
+            print(tp_line(result.meta["tp"]))
         if fit_text:
             print(fit_text)
     return 0

@@ -151,16 +151,22 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     ``finetune`` (a :class:`~trainmem.specs.finetune.FinetuneSpec`) freezes parameters or adds
     peft LoRA adapters to a config's model (:mod:`trainmem.trace.finetune`).
     ``parallel`` (a :class:`~trainmem.specs.ParallelSpec`): FSDP2 over ``dp`` ranks, run as rank 0 in
-    torch's fake process group (:mod:`trainmem.trace.parallel_fsdp`); other parallelism is refused.
+    torch's fake process group (:mod:`trainmem.trace.parallel_fsdp`), or DTensor tensor parallelism over
+    ``tp`` ranks, the same way (:mod:`trainmem.trace.parallel_tp`); other parallelism is refused.
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
     if parallel is not None and parallel.is_single and parallel.pp == 1:
         parallel = None
-    if parallel is not None:
+    tp = parallel is not None and parallel.tp > 1  # tensor parallelism (trace/parallel_tp.py)
+    if tp:
+        from trainmem.trace.parallel_tp import check_tp
+        check_tp(parallel, step, impl, finetune,
+                 config=dict(model_or_config) if isinstance(model_or_config, Mapping) else None)
+    elif parallel is not None:
         from trainmem.trace.parallel_fsdp import check_fsdp
         check_fsdp(parallel, step, impl, finetune)
-    _check(step, impl, fsdp2=parallel is not None)
+    _check(step, impl, fsdp2=parallel is not None and not tp)
     from trainmem.trace.finetune import check_finetune
     check_finetune(finetune, recompute=impl.recompute)
     if finetune is not None and not isinstance(model_or_config, Mapping):
@@ -180,11 +186,12 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     world = contextlib.nullcontext()
     if parallel is not None:  # the process group and mesh are made outside FakeTensorMode
         from trainmem.trace.parallel_fsdp import fake_world
-        world = fake_world(parallel.dp)
+        world = fake_world(parallel.tp if tp else parallel.dp)
     try:
         with world as mesh, quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
-                        offload=offload, fsdp=(parallel, mesh) if parallel is not None else None)
+                        offload=offload, fsdp=(parallel, mesh) if parallel is not None and not tp else None,
+                        tp=(parallel, mesh) if tp else None)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -225,7 +232,7 @@ def _model_spec_or_none(config: Mapping):
 
 
 def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None,
-         finetune=None, offload: tuple[str, ...] = (), fsdp=None) -> TraceResult:
+         finetune=None, offload: tuple[str, ...] = (), fsdp=None, tp=None) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
@@ -267,6 +274,10 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if fsdp is not None:  # fully_shard before the optimizer sees the parameters (trace/parallel_fsdp.py)
         from trainmem.trace.parallel_fsdp import apply_fsdp
         model, fsdp_units = apply_fsdp(model, fsdp[1], fsdp[0], step)
+    if tp is not None:  # parallelize_module before the optimizer sees the parameters (trace/parallel_tp.py)
+        from trainmem.trace.parallel_tp import apply_tp
+        model = apply_tp(model, tp[1], tp[0], step.seq)
+    from trainmem.trace.parallel_tp import step_context
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
     autocast = (torch.autocast("cpu", dtype=torch_dtype(dt.activation)) if dt.autocast
@@ -304,8 +315,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
 
     def one_step() -> None:
         for _ in range(step.grad_accum):
-            loss = loss_of(runs)
-            (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
+            with step_context(tp[0] if tp is not None else None):  # TP: loss_parallel() over forward and backward
+                loss = loss_of(runs)
+                (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
             del loss
         if masters is not None:
             for m, p in zip(masters, params):
@@ -333,6 +345,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if fsdp is not None:
         from trainmem.trace.parallel_fsdp import fsdp_meta
         meta["fsdp"] = fsdp_meta(fsdp[0], fsdp_units)
+    if tp is not None:
+        from trainmem.trace.parallel_tp import tp_meta
+        meta["tp"] = tp_meta(tp[0])
     runs = model
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report
