@@ -61,13 +61,16 @@ def test_what_tp_trace_cannot_run_is_one_line(capsys, argv, flag):
     assert err.count("\n") == 1 and flag in err
 
 
-def test_tp_with_compile_is_refused():
+@pytest.mark.parametrize("impl,sp,match", [
+    (ImplSpec(device="cpu", compile=True), False, "--compile with --tp"),
+    (ImplSpec(device="cpu", optimizer_impl="foreach"), False, "foreach kernels refuse a mix"),
+])
+def test_what_tp_trace_refuses_before_building(impl, sp, match):
     from trainmem.errors import UnsupportedError
     from trainmem.trace import trace_step
 
-    with pytest.raises(UnsupportedError, match="--compile with --tp"):
-        trace_step(LLAMA, StepSpec(batch=1, seq=16), ImplSpec(device="cpu", compile=True),
-                   parallel=ParallelSpec(tp=2))
+    with pytest.raises(UnsupportedError, match=match):
+        trace_step(LLAMA, StepSpec(batch=1, seq=16), impl, parallel=ParallelSpec(tp=2, sp=sp))
 
 
 def _ledgers(items) -> dict[str, int]:

@@ -30,6 +30,8 @@ Known limitations:
     and saved activations are exact (tests/trace/test_trace_tp.py);
   - the fake group completes each collective at once and leaves its output as it is: buffers
     the real backend keeps while a collective is in flight (gloo's, NCCL's) are not seen;
+  - ``--optimizer-impl foreach`` without ``--sp`` is refused: the norms stay plain tensors and torch's
+    foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
     models without a ``base_model_tp_plan`` are refused in one line; TP with any other parallel
     dimension, fsdp-bf16, compile, Float8 and fine-tuning too.
@@ -73,6 +75,10 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
         if given:
             raise UnsupportedError(f"{what} with --tp: not traced under tensor parallelism; estimate gives the "
                                    "per-rank memory")
+    if impl.optimizer_impl == "foreach" and not par.sp:
+        raise UnsupportedError("--optimizer-impl foreach with --tp and no --sp: torch's foreach kernels refuse a mix "
+                               "of DTensor and plain parameters (the norms stay plain without --sp); use --sp, "
+                               "for-loop or fused, or estimate")
     if step.loss != "ce":
         raise UnsupportedError(f"--loss {step.loss} with --tp: trace runs the model's own cross-entropy under "
                                "loss_parallel()")
