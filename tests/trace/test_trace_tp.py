@@ -54,6 +54,7 @@ def _cli(capsys, *argv):
     (["--sp"], "--sp"),
     (["--tp", "3"], "tp=3"),  # llama-3-8b: 32 heads, 8 KV heads
     (["--tp", "2", "--sp", "--seq", "15"], "tp=2"),
+    (["--tp", "2", "--profile", "reference"], "--tp"),  # trainmem's reference model has no tp plan
 ])
 def test_what_tp_trace_cannot_run_is_one_line(capsys, argv, flag):
     rc, out, err = _cli(capsys, *argv)

@@ -64,10 +64,17 @@ def check_tp_flags(par) -> None:
 
 
 def check_tp(par, step, impl, finetune=None, config=None) -> None:
-    """Refuse, in one line, what the TP trace does not run (``config``: a config.json dict, checked
-    before the model is built)."""
+    """Refuse, in one line, what the TP trace does not run (``config``: what trace_step was given; a
+    config.json dict is checked before the model is built)."""
+    from collections.abc import Mapping
+
+    from trainmem.specs import ModelSpec
+
     check_tp_flags(par)
-    if isinstance(config, dict):
+    if isinstance(config, ModelSpec):
+        raise UnsupportedError("--tp: trace cuts a transformers model by its base_model_tp_plan; trainmem's "
+                               "reference model has none (use --profile hf, or estimate --tp)")
+    if isinstance(config, Mapping):
         _check_sizes(config.get, par.tp, step.seq, par.sp)
     for what, given in (("--compile", impl.compile), ("--float8", impl.float8 != "none"),
                         ("--optimizer-in-backward", impl.optimizer_in_backward),
@@ -95,6 +102,9 @@ def check_tp_model(model, tp: int, seq: int, sp: bool) -> dict[str, str]:
     """The model's plan (``tp_plan_of``), its heads and sequence checked against ``tp`` in one line."""
     from trainmem.estimate.traced.kinds import tp_plan_of
 
+    if not hasattr(getattr(model, "config", None), "model_type"):
+        raise UnsupportedError(f"--tp: trace cuts a transformers model by its base_model_tp_plan; "
+                               f"{type(model).__name__} has none (use --profile hf, or estimate --tp)")
     plan = tp_plan_of(model)
     if not plan:
         raise UnsupportedError(f"--tp: model_type={model.config.model_type!r} has no base_model_tp_plan in "

@@ -161,8 +161,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     tp = parallel is not None and parallel.tp > 1  # tensor parallelism (trace/parallel_tp.py)
     if tp:
         from trainmem.trace.parallel_tp import check_tp
-        check_tp(parallel, step, impl, finetune,
-                 config=dict(model_or_config) if isinstance(model_or_config, Mapping) else None)
+        check_tp(parallel, step, impl, finetune, config=model_or_config)
     elif parallel is not None:
         from trainmem.trace.parallel_fsdp import check_fsdp
         check_fsdp(parallel, step, impl, finetune)
