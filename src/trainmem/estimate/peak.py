@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
-from trainmem.names import is_embedding, is_embedding_indices, is_head, layer_of, stack_block
+from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
 
 __all__ = ["Phase", "PhasedResult", "LayerStats", "phases", "layer_stats", "recompute_per_layer"]
 
@@ -192,8 +192,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
     stored_G = 0 if optimizer_in_backward else G  # gradients that outlive their hook
-    # the tied weight's head gradient waits in backward for the embedding's (its hook fires once)
-    tied_G = _head_weight_grad(items) if optimizer_in_backward and tied_head and loss != "none" else 0
+    # a tied weight's head gradient waits in backward for the embedding's: autograd sums the two
+    # before the weight's one AccumulateGrad node (and its hook) runs
+    tied_sum = _head_weight_grad(items) if tied_head and loss != "none" else 0
+    tied_G = tied_sum if optimizer_in_backward else 0  # ... and, in backward, steps and frees it
     M = by_cat.get(Category.MASTER_WEIGHT, 0)
     O = by_cat.get(Category.OPTIMIZER_STATE, 0)
     A = by_cat.get(Category.ACTIVATION, 0)
@@ -301,14 +303,20 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     end_note = ("all gradients exist, block activations freed" if not optimizer_in_backward
                 else "gradients were stepped and freed in backward, block activations freed")
     g_end, work_end = stored_G, residual_bytes
-    if tied_G and tied_G >= residual_bytes:
+    # the gradients alive beside this micro-batch's tied-weight gradients: the sum becomes the
+    # weight's .grad (AccumulateGrad steals it; counted in stored_G) unless a .grad from an earlier
+    # micro-batch exists; in backward the hook steps it and no gradient is stored
+    before = stored_G - (tied_sum if stored_G and grad_accum == 1 else 0)
+    if tied_sum:  # the token embedding's backward runs last: the others (positions) freed their ids
+        acts_end -= _later_embedding_indices(items)
+    if tied_sum and tied_sum >= residual_bytes:
         # torch/csrc/autograd/input_buffer.cpp (accumulate): the head's gradient (a transposed mm
         # result) and the embedding's are summed out of place, after the embedding node released
-        # its output gradient; the sum is what the hook steps
-        g_end, work_end = 3 * tied_G, 0
+        # its output gradient; the sum is what AccumulateGrad (and its hook) gets
+        g_end, work_end = before + 3 * tied_sum, 0
         end_note += "; the tied weight's head and embedding gradients and their sum"
-    elif tied_G:
-        g_end = 2 * tied_G
+    elif tied_sum:
+        g_end = before + 2 * tied_sum
         end_note += "; the tied weight's head and embedding gradients"
     add("backward_end", {"gradients": g_end, "activations": acts_end, "work": work_end,
                          "loss_scalars": loss_scalars}, end_note)
@@ -381,6 +389,14 @@ def _embedding_outputs(items) -> int:
     base = items.base if isinstance(items, Inventory) else items
     return sum(i.bytes for i in base if i.category is Category.ACTIVATION and layer_of(i.name) is None
                and is_embedding(i.name) and not is_embedding_indices(i.name))
+
+
+def _later_embedding_indices(items) -> int:
+    """The ids kept by embeddings other than the token embedding (GPT-2's learned positions): they
+    run after it in forward, so their backward nodes run (and free them) before its own."""
+    base = items.base if isinstance(items, Inventory) else items
+    return sum(i.bytes for i in base if i.category is Category.ACTIVATION and is_embedding_indices(i.name)
+               and not is_token_embedding(i.name))
 
 
 def _head_weight_grad(items) -> int:
