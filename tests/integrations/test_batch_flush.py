@@ -20,7 +20,7 @@ from trainmem.integrations.text import check_lines
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import load_model
 
-USABLE = 84_447_068_160
+USABLE = 84_379_959_296  # 79.65 GiB less the context: 1 GiB and two 32 MiB cuBLAS workspaces (device_context.py)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,12 @@ def test_check_run_states_the_three_answers(mistral):
     assert (flush.fit_state, flush.fits, flush.runs) == ("fits_with_cache_flush", False, True)
     assert flush.predicted_reserved_bytes == 85_685_436_416 > USABLE
     f = flush.flush
-    assert (f.fits, f.flushes, f.flushed_bytes, f.reserved_bytes) == (True, 1, 9_181_331_456, 84_393_590_784)
+    assert (f.fits, f.flushes, f.flushed_bytes, f.reserved_bytes) == (True, 1, 9_181_331_456, 84_276_150_272)
     assert flush.advice is not None  # advise's ladder: what makes it fit without flushing
     d = flush.to_dict()
     assert d["fits"] is False and d["fit_state"] == "fits_with_cache_flush" and d["flush"]["flushes"] == 1
     text = "\n".join(check_lines(flush))
-    assert "fits ONLY BY FLUSHING THE ALLOCATOR CACHE (reserved peak over by 1.15 GiB)" in text
+    assert "fits ONLY BY FLUSHING THE ALLOCATOR CACHE (reserved peak over by 1.22 GiB)" in text
     assert "release_cached_blocks" in text and "applied in order to fit without flushing" in text
 
 
@@ -56,7 +56,7 @@ def test_largest_micro_batch_reports_both_bounds(mistral):
     assert fit.fit_state == "fits_with_cache_flush" and fit.flush.flushes == 1
     d = fit.to_dict()
     assert (d["batch"], d["batch_with_flush"], d["fit_state"]) == (4, 5, "fits_with_cache_flush")
-    assert d["flush"]["reserved_bytes"] == 84_393_590_784
+    assert d["flush"]["reserved_bytes"] == 84_276_150_272
 
 
 def test_nothing_runs_without_the_flush_gives_none_and_one(mistral):

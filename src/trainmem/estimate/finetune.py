@@ -286,7 +286,20 @@ def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int,
         return 0, ""
     numel, name = max(sizes)
     b = dtype_bytes(spec.compute_dtype)
+    if spec.quant_impl == "torchao-nf4":
+        return torchao_nf4_dequant_bytes(numel, b, spec.quant_block), (
+            f"dequantizing {name} (torchao NF4Tensor.get_original_weight: int64 codes 8·numel + "
+            f"3·numel·{b:g} + scalers numel/{spec.quant_block}·{b:g})")
     return int(numel * b), f"dequantized {name} (largest 4-bit weight, numel·{b:g})"
+
+
+def torchao_nf4_dequant_bytes(numel: int, b: float, block: int) -> int:
+    """The working set of torchao's ``NF4Tensor.get_original_weight``
+    (torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py), whose locals live until it
+    returns: the two nibble halves widened to int64 (``.to(torch.long)``: 2·(numel/2)·8), their
+    looked-up values and the scaled values (numel·b each), the block scalers (numel/block·b), and
+    ``torch.stack``'s output, the weight itself (numel·b), made while all of them are alive."""
+    return int(8 * numel + 3 * numel * b + numel // block * b)
 
 
 def head_dequant(model: ModelSpec, step: StepSpec, spec: FinetuneSpec | None) -> tuple[int, int]:
