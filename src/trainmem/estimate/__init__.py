@@ -182,6 +182,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.bnb_legacy import with_held_inputs
         ph = with_held_inputs(ph, acts, loop_holds_graph=step.loss == "litgpt-chunked-ce")
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
-        ph = with_dequant_transient(ph, *dequant_transient(model, finetune), *head_dequant(model, step, finetune))
+        ph = with_dequant_transient(ph, *dequant_transient(model, finetune, impl.compile),
+                                    *head_dequant(model, step, finetune))
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,
                     **({"parallel": parallel, "host": host} if offload else {}))

@@ -274,10 +274,13 @@ def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec, impl=N
 
 # QLoRA's dequantization temporaries -------------------------------------------------------------------
 
-def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int, str]:
+def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None, compiled: bool = False) -> tuple[int, str]:
     """One dequantized base weight at a time, in the compute dtype, while a 4-bit matmul runs in a
     block (forward, and again for the input gradient in backward): the largest 4-bit block weight.
-    Zero unless qlora. The output head's, when it is 4-bit, is :func:`head_dequant`."""
+    Zero unless qlora. The output head's, when it is 4-bit, is :func:`head_dequant`. Eager torchao
+    NF4 holds more (:func:`torchao_nf4_dequant_bytes`); ``compiled``: inductor fuses its pointwise
+    ops, so at most the weight itself is made (a real inductor call on CPU showed only its output's
+    storage; not checked at scale or on CUDA)."""
     if spec is None or spec.mode != "qlora":
         return 0, ""
     sizes = [(math.prod(s), n) for n, s in parameter_shapes(model)
@@ -286,7 +289,7 @@ def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None) -> tuple[int,
         return 0, ""
     numel, name = max(sizes)
     b = dtype_bytes(spec.compute_dtype)
-    if spec.quant_impl == "torchao-nf4":
+    if spec.quant_impl == "torchao-nf4" and not compiled:
         return torchao_nf4_dequant_bytes(numel, b, spec.quant_block), (
             f"dequantizing {name} (torchao NF4Tensor.get_original_weight: int64 codes 8·numel + "
             f"3·numel·{b:g} + scalers numel/{spec.quant_block}·{b:g})")
