@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from trainmem.errors import ConfigError, SpecError, UnsupportedError
 
-__all__ = ["build_hf_model", "choose_head", "HF_ATTENTION", "HEADS"]
+__all__ = ["build_hf_model", "choose_head", "HF_ATTENTION", "HEADS", "tp_plan_of"]
 
 #: trainmem attention name -> transformers ``attn_implementation``.
 HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa", "sdpa-math": "sdpa",
@@ -182,3 +182,12 @@ def _keep_strict_fp32(model, dtype) -> None:
         for name, t in (*model.named_parameters(), *model.named_buffers()):
             if pattern.search(name):
                 t.data = t.data.float()
+
+
+def tp_plan_of(model) -> dict[str, str]:
+    """transformers' ``base_model_tp_plan`` (module pattern -> colwise/rowwise/...), prefixed as
+    the model names its modules; empty when the model has none."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    return {f"{prefix}{k}": str(v) for k, v in plan.items()}

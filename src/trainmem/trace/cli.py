@@ -118,7 +118,7 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
         if getattr(args, "fsdp", None) and name in _FSDP_FLAGS:
             continue
         if getattr(args, "tp", None) and not getattr(args, "fsdp", None) and name in ("tp", "sp"):
-            continue  # tensor parallelism as rank 0 of N (trace/parallel_tp.py tp_spec)
+            continue  # tensor parallelism as rank 0 of N (tp_spec; trace/parallel_tp.py)
         value = getattr(args, name, single)
         if value != single and not (single is None and value == 1):
             flag = "--" + name.replace("_", "-")
@@ -132,6 +132,20 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
             raise UnsupportedError(f"--offload {what}: trace offloads activations only (one device, no optimizer "
                                    f"or parameter offload); estimate --offload {what} gives the per-rank memory")
     return offload
+
+
+def tp_spec(args):
+    """The ParallelSpec ``trace --tp N [--sp]`` asks (None without ``--tp``), checked in one line."""
+    from trainmem.errors import SpecError
+    if not getattr(args, "tp", None) or args.tp == 1:
+        if getattr(args, "sp", False):
+            raise SpecError("sp", True, "sequence parallelism needs --tp N, N >= 2")
+        return None
+    from trainmem.cliargs import parallel_from_args
+    from trainmem.trace.parallel_tp import check_tp_flags
+    par = parallel_from_args(args)
+    check_tp_flags(par)
+    return par
 
 
 def fsdp_spec(args: argparse.Namespace):
@@ -159,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace.finetune import check_finetune
 
     offload = refuse_parallel(args)
-    from trainmem.trace.parallel_tp import tp_spec
     parallel = fsdp_spec(args) or tp_spec(args)
     finetune = finetune_from_args(args)
     check_finetune(finetune, recompute=args.recompute)

@@ -6,7 +6,7 @@ outside ``FakeTensorMode``) and cuts the model with ``parallelize_module``
 (``torch/distributed/tensor/parallel/api.py``) before the optimizer is made, so every DTensor
 parameter, redistribute and collective output is made by torch itself, on fake tensors.
 
-The blocks are cut as transformers' ``base_model_tp_plan`` says (``estimate/traced/kinds.py``
+The blocks are cut as transformers' ``base_model_tp_plan`` says (``models/hf.py``
 ``tp_plan_of``), its ``colwise``/``rowwise`` styles as torch's ``ColwiseParallel``/``RowwiseParallel``
 (transformers ``integrations/tensor_parallel.py`` ``ColwiseParallel``/``RowwiseParallel``: weights
 ``Shard(0)``/``Shard(-1)``, outputs ``Shard(-1)``/``Replicate``). The embedding and the output layer
@@ -43,7 +43,7 @@ import contextlib
 
 from trainmem.errors import SpecError, UnsupportedError
 
-__all__ = ["check_tp", "check_tp_flags", "apply_tp", "check_tp_model", "step_context", "strided_offsets_on_real_tensors", "tp_meta", "tp_line", "tp_spec"]
+__all__ = ["check_tp", "check_tp_flags", "apply_tp", "check_tp_model", "step_context", "strided_offsets_on_real_tensors", "tp_meta", "tp_line"]
 
 
 def check_tp_flags(par) -> None:
@@ -100,7 +100,7 @@ def _styles(plan: dict[str, str]) -> None:
 
 def check_tp_model(model, tp: int, seq: int, sp: bool) -> dict[str, str]:
     """The model's plan (``tp_plan_of``), its heads and sequence checked against ``tp`` in one line."""
-    from trainmem.estimate.traced.kinds import tp_plan_of
+    from trainmem.models.hf import tp_plan_of
 
     if not hasattr(getattr(model, "config", None), "model_type"):
         raise UnsupportedError(f"--tp: trace cuts a transformers model by its base_model_tp_plan; "
@@ -242,16 +242,3 @@ def tp_line(meta: dict) -> str:
     head = "loss_parallel head" if meta["loss_parallel"] else "head's logits all-gathered"
     return (f"TP: rank 0 of {meta['world_size']} (torch's fake process group), DTensor parallelize_module of "
             f"transformers' base_model_tp_plan{sp}; vocab-parallel embedding, {head}")
-
-
-def tp_spec(args):
-    """The ParallelSpec ``trace --tp N [--sp]`` asks (None without ``--tp``), checked in one line."""
-    if not getattr(args, "tp", None) or args.tp == 1:
-        if getattr(args, "sp", False):
-            raise SpecError("sp", True, "sequence parallelism needs --tp N, N >= 2")
-        return None
-    from trainmem.cliargs import parallel_from_args
-
-    par = parallel_from_args(args)
-    check_tp_flags(par)
-    return par

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from trainmem.errors import UnsupportedError
+from trainmem.models.hf import tp_plan_of  # noqa: F401 - kept importable here (K.tp_plan_of)
 
 __all__ = ["Stack", "find_stack", "find_stacks", "layer_signatures", "reduced_config", "reduced_stacks_config",
            "meta_model", "parameter_shapes_of", "layer_count_key"]
@@ -162,10 +163,3 @@ def parameter_shapes_of(model) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def tp_plan_of(model) -> dict[str, str]:
-    """transformers' ``base_model_tp_plan`` (module pattern -> colwise/rowwise/...), prefixed as
-    the model names its modules; empty when the model has none."""
-    plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    base = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}." if base and hasattr(model, base) else ""
-    return {f"{prefix}{k}": str(v) for k, v in plan.items()}
