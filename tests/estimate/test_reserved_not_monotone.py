@@ -67,7 +67,7 @@ def test_reserved_peak_drops_from_3584_to_4096_through_segment_sizes(mistral):
 def test_release_and_retry_fits_what_the_unlimited_reserved_peak_refuses(mistral):
     from trainmem.estimate.allocation_order import fits_with_release
     est = estimate(mistral, StepSpec(batch=1, seq=3584, precision="bf16"), ImplSpec(attention="mem-efficient"))
-    usable = int(78.65 * (1 << 30))  # H100-80GB less the 1 GiB context
+    usable = int(78.58 * (1 << 30))  # H100-80GB less its context (1 GiB and two 32 MiB cuBLAS workspaces)
     assert estimate_reserved(est).reserved_bytes > usable  # 84.95 GiB on an unlimited device
     assert fits_with_release(est, usable)                  # 68.97 GiB suffice with the release
     assert not fits_with_release(est, est.peak_bytes)      # never below the allocated peak

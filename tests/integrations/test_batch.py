@@ -55,7 +55,7 @@ def test_trace_backend_on_a_config():
     from trainmem.trace import trace_step
     impl = ImplSpec(attention="eager", device="cpu")
     step = StepSpec(seq=128, precision="fp32")
-    fit = trainmem.largest_micro_batch(LLAMA, step=step, impl=impl, gpu_memory="1.05GiB", backend="trace",
+    fit = trainmem.largest_micro_batch(LLAMA, step=step, impl=impl, gpu_memory="1.11GiB", backend="trace",
                                        max_batch=256)
     b = fit.batch
     assert b is not None and not fit.capped

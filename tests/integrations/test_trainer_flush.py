@@ -22,6 +22,7 @@ from transformers import Trainer  # noqa: E402
 from trainmem.estimate import estimate  # noqa: E402
 from trainmem.estimate.allocation_order import estimate_reserved  # noqa: E402
 from trainmem.integrations.hf import TrainMemCallback, run_from_trainer  # noqa: E402
+from trainmem.integrations.check import resolve_budget  # noqa: E402
 
 CFG = dict(LLAMA, hidden_size=256, intermediate_size=688, vocab_size=32000)
 SEQ = 256
@@ -39,8 +40,10 @@ def test_a_run_that_fits_only_by_flushing_warns_and_trains_on(tmp_path, caplog):
     args = dict(per_device_train_batch_size=2, max_steps=1)
     run = run_from_trainer(model, training_args(tmp_path, **args), None, train_dataset=data)
     reserved = estimate_reserved(estimate(run.model, run.step, run.impl)).reserved_bytes
-    # usable = capacity − the 1 GiB context of a size-only device = the reserved peak − 1 byte
-    cb = TrainMemCallback(gpu_memory=GIB + reserved - 1, on_oom="stop", measure_steps=1)
+    # usable = capacity − the context of a size-only device (H100-80GB's: 1 GiB and two cuBLAS
+    # workspaces, trainmem/device_context.py) = the reserved peak − 1 byte
+    context = resolve_budget(gpu_memory=GIB).reserve.fixed_bytes
+    cb = TrainMemCallback(gpu_memory=context + reserved - 1, on_oom="stop", measure_steps=1)
     trainer = Trainer(model=model, args=training_args(tmp_path, **args), train_dataset=data, callbacks=[cb])
     with caplog.at_level(logging.INFO, logger="trainmem"):
         trainer.train()
