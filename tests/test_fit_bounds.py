@@ -2,9 +2,9 @@
 largest that runs only by flushing the allocator cache (trainmem.fits.FIT_STATES;
 measure.sweeps.bisect_max_runs).
 
-Mistral-7B, bf16 AdamW (foreach), S=1024 on H100-80GB (usable 84,447,068,160 B reserved): B=4 fits,
+Mistral-7B, bf16 AdamW (foreach), S=1024 on H100-80GB (usable 84,379,959,296 B reserved): B=4 fits,
 B=5 runs with one cache flush per step, B=6 does not run (tests/integrations/test_batch_flush.py
-has the bytes); over the sequence at B=1 the bisection finds S=4352 and, with the flush, S=5312.
+has the bytes); over the sequence at B=1 the bisection finds S=4352 and, with the flush, S=5248.
 """
 
 import json
@@ -102,7 +102,7 @@ def test_serve_largest_seq_reports_both_bounds(mistral):
     from trainmem.serve.api import _largest
     step = StepSpec(batch=1, seq=1024, precision="bf16")
     got = _largest("seq", mistral, step, ImplSpec(), None, None, USABLE)
-    assert (got["value"], got["value_with_flush"]) == (4352, 5312)
+    assert (got["value"], got["value_with_flush"]) == (4352, 5248)  # 5312 before the cuBLAS workspaces (7a97d99)
 
 
 @pytest.mark.slow  # about 15 estimates of Llama-3-8B through the CLI
