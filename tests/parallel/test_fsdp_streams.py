@@ -100,5 +100,11 @@ def test_side_streams_match_real_fsdp2():
                 if op == "aten.empty.memory_format":
                     real.setdefault(stream, []).append((kind, n))
             assert set(real) == {COPY_IN, REDUCE_SCATTER}, (precision, set(real))
-            assert real[COPY_IN] == want[COPY_IN], precision
-            assert real[REDUCE_SCATTER] == want[REDUCE_SCATTER], precision
+            for stream in (COPY_IN, REDUCE_SCATTER):
+                # every allocation and every free, in order and to the byte; how a free interleaves
+                # with the next prefetch's allocation varies between runs (gloo's work thread drops
+                # its reference to the buffer when it finishes: seen once in a clean-clone run at
+                # 68e00ae, one free after the next all-gather's allocation on the copy-in stream)
+                for kind in ("alloc", "free"):
+                    assert ([n for k, n in real[stream] if k == kind]
+                            == [n for k, n in want[stream] if k == kind]), (precision, stream, kind)
