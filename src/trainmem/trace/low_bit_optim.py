@@ -26,10 +26,8 @@ its real compiled step with inductor's buffers visible (and its kernels skipped 
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 from trainmem.errors import UnsupportedError
+from trainmem.trace.scoped_flag import ScopedFlag
 
 __all__ = ["BNB_CLASSES", "TORCHAO_CLASSES", "make_bnb_optimizer", "make_torchao_optimizer",
            "paged_allocation", "allocating_paged", "is_paged_state", "BNB_MIN_PAGED_NUMEL"]
@@ -37,21 +35,10 @@ __all__ = ["BNB_CLASSES", "TORCHAO_CLASSES", "make_bnb_optimizer", "make_torchao
 #: ``get_state_buffer``: ``if not self.is_paged or p.numel() < 1e5`` -> a plain device tensor
 BNB_MIN_PAGED_NUMEL = 100_000
 _PAGED_TAG = "_trainmem_paged"  # not bitsandbytes' ``is_paged``: that one makes prefetch_state call cprefetch
-_local = threading.local()
-
-
-def allocating_paged() -> bool:
-    """True while a paged optimizer state is made (its storage is unified memory, not the allocator's)."""
-    return getattr(_local, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def paged_allocation():
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
+_flag = ScopedFlag()
+allocating_paged = _flag.active
+"""True while a paged optimizer state is made (its storage is unified memory, not the allocator's)."""
+paged_allocation = _flag.scope
 
 
 def is_paged_state(t) -> bool:

@@ -35,29 +35,19 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
+
+from trainmem.trace.scoped_flag import ScopedFlag
 
 __all__ = ["OffloadActivations", "offload_activations", "on_host", "allocating_on_host", "offload_region"]
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
 MAX_FWD_STASH = 5  # torchtune OffloadActivations(max_fwd_stash_size=5)
 
-_local = threading.local()
-
-
-def allocating_on_host() -> bool:
-    """True while an offload hook makes a host copy (its storage is not device memory)."""
-    return getattr(_local, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def on_host():
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
+_flag = ScopedFlag()
+allocating_on_host = _flag.active
+"""True while an offload hook makes a host copy (its storage is not device memory)."""
+on_host = _flag.scope
 
 
 def _offloadable(t, min_bytes: int) -> bool:
