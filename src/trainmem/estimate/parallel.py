@@ -34,6 +34,7 @@ from functools import lru_cache
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
+from trainmem.estimate.compiled_sharded import check_compiled_parallel
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
@@ -124,6 +125,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
     if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp1_flat.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     lp.check(impl.profile, par)
+    check_compiled_parallel(impl, par)  # compile under FSDP2 only (estimate/compiled_sharded.py)
     if impl.float8 != "none" and par.tp > 1 and (step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") or (
             impl.float8 == "tensorwise" and (not par.sp or impl.recompute not in ("none", "full")))):
         # estimate/float8.py _tp_fp8_input: torchao's Float8 TP styles as torchtitan applies them (with SP)
@@ -260,7 +262,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 ph = lp.sharded_loss_phases(ph, B=lstep.batch, S=lstep.seq, local_vocab=logits_width(lm),
                                             loss_dtype=lsm.dtype if lsm else "float32")
         if finetune is not None:  # QLoRA: this rank dequantizes its own (TP-local) largest 4-bit weight
-            ph = with_dequant_transient(ph, *dequant_transient(lm, finetune),
+            ph = with_dequant_transient(ph, *dequant_transient(lm, finetune, impl.compile),
                                         *(head_dequant(lm, lstep, finetune) if s == last else (0, 0)))
         name = "rank" if par.pp == 1 else f"pp_stage_{s}"
         inv = Inventory(tuple(items) + tuple(
@@ -289,8 +291,10 @@ def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune,
     acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
     plain = acts
     if impl.recompute != "none":
-        plain, _ = activation_items_with_savers(lm, lstep, replace(impl, recompute="none", recompute_every=1),
-                                                finetune, shard)
+        plain_impl = replace(impl, recompute="none", recompute_every=1)
+        if impl.compile and finetune is not None:  # a fully recomputed compiled block recomputes the eager
+            plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set, as estimate()
+        plain, _ = activation_items_with_savers(lm, lstep, plain_impl, finetune, shard)
     act_stage = tuple(_stage_of(sv, list(stages)) for sv in savers)
     return tuple(acts), act_stage, recompute_per_layer(Inventory(acts), Inventory(plain))
 

@@ -60,9 +60,10 @@ def check_compiled(ctx: Ctx) -> None:
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
          f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU/GeGLU models (q/k/v biases at most, no "
          "sliding window shorter than S)"),
-        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16") and not (
+        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
-         "compiled rules cover pure fp32/bf16/fp16, and amp-bf16 with --compile-scope block or block-loss"),
+         "compiled rules cover pure fp32/bf16/fp16 (fsdp-bf16's gathered weights: bf16), and amp-bf16 with "
+         "--compile-scope block or block-loss"),
         ("loss", step.loss, step.loss != "ce" and not (step.loss == "torchtune-chunked-ce" and impl.compile_scope != "model"),
          "compiled rules cover the full cross-entropy, and torchtune's chunked one with --compile-scope block "
          "(loss eager) or block-loss (estimate/compiled_chunk_loss.py)"),
@@ -73,7 +74,8 @@ def check_compiled(ctx: Ctx) -> None:
          "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
-        ("parallel", "sharded", ctx.shard != Shard(), "compiled rules are for one device"),
+        ("parallel", "sharded", ctx.shard != Shard(), "compiled rules cover one device's shapes and FSDP2 "
+         "(--dp N --fsdp full: estimate/compiled_sharded.py), not tensor, context or expert parallelism"),
         ("finetune", _finetune_mode(ctx), _finetune_mode(ctx) not in ("off", "full", "lora", "qlora") or (
             ctx.finetune_linear is not None and not _recomputed_blocks(ctx)) or (
             _finetune_mode(ctx) == "qlora" and ctx.finetune_linear.spec.quant_impl != "torchao-nf4"),

@@ -226,6 +226,17 @@ def _compile_blocks(model, compile_one) -> list[tuple[object, str, object, objec
     return swaps
 
 
+def _reshard(model) -> None:
+    """FSDP2 keeps the root's parameters unsharded after a forward no backward follows
+    (``FSDPState._lazy_init`` clears the root's ``post_forward_mesh_info``): free them, as the step's own
+    backward would, so the traced step starts from the shards alone (``FSDPModule.reshard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 @contextlib.contextmanager
 def _eager_blocks(record: Compiled):
     """The per-block compiled model with its blocks eager again, for the eager saved set."""
@@ -261,6 +272,7 @@ def report(model, compiled_model, record: Compiled, forward) -> dict:
     del out
     compiled, out = saved_tensors(model, lambda: forward(compiled_model))
     del out
+    _reshard(model)
     return {"backend": BACKEND_NAME, "scope": record.scope, "regions": len(record.regions),
             "saved_values": [len(r) for r in record.regions],
             "saved_eager_bytes": sum(t.nbytes for t in eager), "saved_eager_tensors": len(eager),

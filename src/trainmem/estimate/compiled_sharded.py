@@ -1,0 +1,47 @@
+"""``--compile`` under FSDP2 (``--dp N --fsdp full``): which parallel layouts the compiled rules cover.
+
+FSDP2 keeps its hooks out of Dynamo: ``_pre_forward``/``_post_forward`` and the backward hooks of
+``FSDPState`` are wrapped by ``_dynamo_disable`` (``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``,
+``torch._dynamo.disable(..., recursive=True, reason="skipping FSDP hooks")``; torch 2.4-2.6 read
+``torch._dynamo.config.skip_fsdp_hooks`` for the same purpose). Whether the block is compiled before
+``fully_shard`` (torchtitan's ``apply_compile``, torchtune's ``compile_model`` then ``shard_model``) or
+after, the all-gather runs eagerly before the compiled region and the region's inputs are the unsharded
+parameters (views of FSDP's all-gather outputs): it partitions exactly as on one device and saves the same
+set. So a rank keeps the one-device compiled saved set at its own batch, and FSDP2's timeline (sharded
+states, all-gather and reduce-scatter buffers, ``estimate/fsdp_streams.py``) is unchanged. Checked with
+the real ``fully_shard`` and per-block ``torch.compile`` in the fake process group
+(``tests/trace/test_trace_compile_fsdp.py``: each region's saved values equal the one-device regions'; the
+estimate's ledgers and saved set equal the trace's, ``tests/estimate/test_compiled_fsdp.py``).
+
+Under ``fsdp-bf16`` (``MixedPrecisionPolicy(param_dtype=bfloat16)``) the compiled block reads bf16
+gathered weights and bf16 activations: pure bf16's saved set.
+
+Known limitations (refused by :func:`check_compiled_parallel`, one line each):
+  - pipeline parallelism, FSDP1 and HSDP: not traced with compile;
+  - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
+    with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``.
+"""
+
+from __future__ import annotations
+
+from trainmem.errors import UnsupportedError
+from trainmem.specs import ImplSpec, ParallelSpec
+
+__all__ = ["check_compiled_parallel"]
+
+
+def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
+    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under."""
+    if not impl.compile or par.is_single:
+        return
+    refusals = (
+        ("pp", par.pp, par.pp > 1, "compiled stages under pipeline parallelism are not traced"),
+        ("fsdp", par.fsdp, par.fsdp == "hybrid", "HSDP is not traced with compile (FSDP2 full sharding is)"),
+        ("fsdp_version", par.fsdp_version, bool(par.fsdp) and par.fsdp_version == 1,
+         "FSDP1's flat parameters under compile are not traced (FSDP2 is: --fsdp-version 2)"),
+        ("offload", ",".join(par.offload), bool(par.fsdp) and bool(par.offload),
+         "compiled blocks under FSDP are traced with shards and activations on the device"),
+    )
+    for field, value, bad, why in refusals:
+        if bad:
+            raise UnsupportedError(f"compile: {field}={value!r} is not modelled: {why}")
