@@ -35,6 +35,7 @@ from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.loss_value import loss_value
+from trainmem.estimate.rules_compiled_moe import checkpointed_moe_arange, compiled_moe, router_checked
 from trainmem.estimate.rules_compiled_olmo2 import olmo2_block
 from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf_parts import _rmsnorm as _eager_rmsnorm
@@ -54,12 +55,18 @@ def check_compiled(ctx: Ctx) -> None:
     fam = family_of(m)
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (not fam.compiled_rules or m.is_moe
+        ("model", m.family, (not fam.compiled_rules or m.num_shared_experts
                              or m.activation not in ("swiglu", "geglu")  # Gemma's GELU-tanh gate keeps what SiLU's does
                              or m.out_bias or m.mlp_bias or m.norm_bias
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
-         f"compiled rules cover dense {'/'.join(compiled_families())} SwiGLU/GeGLU models (q/k/v biases at most, no "
+         f"compiled rules cover {'/'.join(compiled_families())} SwiGLU/GeGLU models (q/k/v biases at most, no "
          "sliding window shorter than S)"),
+        ("model", m.family, m.is_moe and (step.recipe != "bf16" or impl.recompute not in ("none", "full")
+                                          or impl.float8 != "none" or ctx.finetune_linear is not None
+                                          or not router_checked(m.num_experts)),
+         "compiled MoE rules (estimate/rules_compiled_moe.py) cover bf16 grouped_mm experts at --recompute none "
+         "or full, no fine-tuning or Float8, routers of at most 16 or at least 128 experts (torch 2.13's grouped_mm "
+         "meta kernel is bf16 only; trace --compile)"),
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),
          "compiled rules cover pure fp32/bf16/fp16 (fsdp-bf16's gathered weights: bf16), and amp-bf16 with "
@@ -105,8 +112,11 @@ def check_compiled(ctx: Ctx) -> None:
 
 
 def _block_rule(ctx: Ctx):
-    """OLMo-2's compiled block for its post-norms (``BlockRules.post_norms``), else the Llama one."""
-    return olmo2_block if family_of(ctx.model).rules.post_norms else _compiled_block
+    """``(i, x) -> output``: OLMo-2's compiled block for its post-norms (``BlockRules.post_norms``), else the
+    Llama one, with the MoE MLP in block ``i`` where its kind has one (``rules_compiled_moe.py``)."""
+    if family_of(ctx.model).rules.post_norms:
+        return lambda _i, x: olmo2_block(ctx, x)
+    return lambda i, x: _compiled_block(ctx, x, moe=ctx.model.kind(i).mlp == "moe")
 
 
 def compiled_families() -> list[str]:
@@ -139,11 +149,10 @@ def compiled_forward(ctx: Ctx) -> None:
     if ctx.impl.recompute == "full":
         _checkpointed_layers(ctx, x)
         return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)
-    block = _block_rule(ctx)
-    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x)))
+    _head_and_loss(ctx, _layers(ctx, "model.layers.", x, _block_rule(ctx)))
 
 
-def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
+def _compiled_block(ctx: Ctx, x: Sym, *, moe: bool = False) -> Sym:
     """One decoder block's saved set inside a compiled region (its input ``x`` included). Under
     autocast (amp-bf16, per-block scopes only) the block's input stays in the weights' dtype and
     everything the linears make or read is in autocast's dtype, plus the 16-bit weight copies."""
@@ -177,6 +186,9 @@ def _compiled_block(ctx: Ctx, x: Sym) -> Sym:
     _rmsnorm(ctx, residual, "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", keep_input=False,
              keep_output=not compiled_input_recomputed(ctx, *mlp))
     with g.module("mlp"):
+        if moe:  # the router and grouped_mm experts (Qwen3-MoE, Mixtral; bf16, no autocast copies)
+            compiled_moe(ctx)
+            return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
         _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
         # Phi-3's gate_up_proj: one output, of which gate and up are views
         for name, width, sym in (("gate_up_proj", 2 * F, "2·F"),) if fused else (("gate_proj", F, "F"),
@@ -240,8 +252,8 @@ def _per_block(ctx: Ctx) -> None:
         for sfx in (f"_{t}" for t in sorted({k.attention for k in m.kinds})) if rules.rope_per_layer_type else ("",):
             g.save(g.new(f"cos{sfx}", rot, ("1", "S", "hd"), dt, False),
                    g.new(f"sin{sfx}", rot, ("1", "S", "hd"), dt, False))
-    block = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute, _block_rule(ctx))
-    x = _layers(ctx, "model.layers.", x, lambda _i, x: block(ctx, x))
+    recomputed_rule = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute)
+    x = _layers(ctx, "model.layers.", x, (lambda _i, x: recomputed_rule(ctx, x)) if recomputed_rule else _block_rule(ctx))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm), "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
         if ctx.step.loss == "torchtune-chunked-ce":  # each chunk's compute_cross_entropy compiled alone
@@ -323,6 +335,7 @@ def _checkpointed_layers(ctx: Ctx, x: Sym) -> None:
     B, S, H, a = ctx.B, ctx.S, m.hidden_size, ctx.param
     with g.module("model"):
         g.save(g.new("causal_mask", (B, 1, S, S), ("B", "1", "S", "S"), a, False))
+    checkpointed_moe_arange(ctx)
 
     def layer(_i: int, x: Sym) -> Sym:
         g.save(x)

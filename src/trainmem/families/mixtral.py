@@ -18,7 +18,8 @@ def _read(c: ConfigReader) -> dict:
 
 @register_family
 def mixtral() -> Family:
-    return llama_family("mixtral", ConfigSchema(
+    # compiled_rules: the Llama block with estimate/rules_compiled_moe.py's MLP
+    return llama_family("mixtral", compiled_rules=True, config=ConfigSchema(
         config_class="MixtralConfig", read=_read, bias=False, keys=MOE_KEYS,
         defaults={**MISTRAL_DEFAULTS, "num_experts_per_tok": 2, "num_local_experts": 8, "sliding_window": None},
         aliases={"num_local_experts": "num_experts"},

@@ -49,7 +49,7 @@ def _parameters(m: "ModelSpec") -> lay.Params:
 def qwen3_moe() -> Family:
     # peft 0.21.2 maps no "qwen3_moe": q_proj, v_proj (peft's usual pair) are adapted, with a note
     return Family(name="qwen3_moe", parameters=_parameters, rules=BlockRules(forward="llama", router_cast=True),
-                  peft_default=False,
+                  peft_default=False, compiled_rules=True,  # with estimate/rules_compiled_moe.py's MLP
                   **LLAMA_NAMES, config=ConfigSchema(
                       config_class="Qwen3MoeConfig", read=_read, required=_SIZES, aliases={"num_local_experts": "num_experts"},
                       fixed={"qk_norm": True}, keys={"num_experts": "num_experts", "top_k": "num_experts_per_tok",
