@@ -38,6 +38,7 @@ from trainmem.estimate.compiled_sharded import check_compiled_parallel
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
+from trainmem.estimate import fsdp_timeline as ft
 from trainmem.estimate.fsdp_offload import (
     composes_with_activation_offload, cpu_offload, offload_states, rank_activation_offload,
 )
@@ -217,9 +218,12 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             if extra:
                 items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
+        own_states = [i for i in states if state_stage[i.name] == s]
+        tl = (ft.units(own_states, world=group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad))
+              if ft.applies(par, step, impl, finetune) else None)  # FSDP2 per tensor: estimate/fsdp_timeline.py
         persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
-                                             stage=s, last=last, zero=zero, group=group, stage_act_bytes=body),
-                                       [i for i in states if state_stage[i.name] == s], states, tp_div)
+                                             stage=s, last=last, zero=zero, group=group, stage_act_bytes=body,
+                                             timeline=tl), own_states, states, tp_div)
         if torch_engine and par.pp > 1 and s == last:
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns
             lb = dtype_bytes(d.activation if d.autocast else d.compute)
@@ -241,7 +245,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 working.setdefault(ph, {}).update(parts)
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         ph = phases(
-            items, B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
+            items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute)),
+            B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
             logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
             grad_accum=(step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3)) and par.pp > 1
@@ -250,8 +255,11 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             optimizer_transient=(tb, rule),
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                                // (par.tp if par.sp else 1)),
-            persistent=persistent, working=working,
+            persistent=persistent, working=working, node_moments=tl is not None,
+            tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         )
+        if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
+            ph = ft.regrade(ph, tl)
         if par.tp > 1 and torch_engine and s == last and step.loss == "ce":  # estimate/loss_parallel.py
             if lp.gathered_logits(par):
                 ph = [*ph, lp.gather_phase(next(p for p in ph if p.name == "forward"), B=lstep.batch, S=lstep.seq,

@@ -41,6 +41,7 @@ class _Rank:
     zero: int  # 3 under FSDP
     group: int  # ranks sharing one copy of the sharded states
     stage_act_bytes: float = 0  # one micro-batch's activations on this stage (the interleaved timeline)
+    timeline: object = None  # FSDP2's per-unit sizes where estimate/fsdp_timeline.py models the step
 
 
 def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
@@ -56,7 +57,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
 
     def every(name: str, value: int, phases=_FWD_BWD) -> None:
         for p in phases:
-            working[p][name] = working[p].get(name, 0) + int(value)
+            working.setdefault(p, {})[name] = working.get(p, {}).get(name, 0) + int(value)
 
     stage_params = [i for i in stage_states if i.category is Category.PARAMETER]
     # gradient buffers hold only the gradients that exist (fine-tuning freezes parameters; its
@@ -106,7 +107,12 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
                 root += numel * gathered(i)
         big = max(per_layer.values(), default=0)
         big_grad = max(per_layer_grad.values(), default=0)
-        if par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
+        if r.timeline is not None:  # each FSDP2 tensor at each phase: estimate/fsdp_timeline.py
+            from trainmem.estimate.fsdp_timeline import working as timeline_working
+            for ph, parts in timeline_working(r.timeline, reshard=par.reshard_after_forward).items():
+                for k, v in parts.items():
+                    every(k, v, (ph,))
+        elif par.reshard_after_forward and par.fsdp_units != "blocks" and par.fsdp_version == 2:
             # the embedding and head units gathered around their own forward/backward only
             every("fsdp_root_unsharded", root)  # the whole root, beside its shard (below)
             for ph, v in unit_gathered(block=big, **units, tied=model.tied_embeddings).items():

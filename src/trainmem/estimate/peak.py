@@ -172,7 +172,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            persistent: dict[str, int] | None = None,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
            optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
-           stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False) -> list[Phase]:
+           stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False,
+           node_moments: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -182,7 +183,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``stack_held``: an encoder-decoder's last stack's locals at its end, besides the kept tensors
     (``--profile traced``, ``traced/record.py`` ``_held``): the ``stack_end`` phase. ``stacks``: its
     template's stacks of blocks (``Template.stacks``), blocks counted through both (:func:`layer_stats`).
-    ``tied_head``: the output layer is the input embedding's weight (see the module docstring)."""
+    ``tied_head``: the output layer is the input embedding's weight (see the module docstring).
+    ``node_moments``: model a block's node moments beside the ``working`` buffers too (they are the
+    same through the block's backward: FSDP2's, estimate/fsdp_timeline.py)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -263,7 +266,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         def inside(li: int, grads_before: int, acts_before: int, parts: dict, note: str) -> tuple[dict, str]:
             """The larger of a block's working set and its nodes' moments (estimate/block_backward.py):
             its MLP product's and RMSNorms' backward, with the block's gradients made by then."""
-            if li in recompute_bytes or optimizer_in_backward or working.get("backward"):
+            if li in recompute_bytes or optimizer_in_backward or (working.get("backward") and not node_moments):
                 return parts, note
             for nb in norm_backward_parts(items, li, residual_bytes):
                 # the first block's attention backward frees what the blocks share (rotary cos/sin:

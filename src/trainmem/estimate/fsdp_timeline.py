@@ -1,0 +1,184 @@
+"""FSDP2's tensors at each phase of the step, per ``fully_shard`` unit: what the estimate's phases
+hold under ``--fsdp full`` with one unit per decoder block and the rest in the root.
+
+Per unit ``u`` (the root ``R``, blocks ``0 .. L-1``), on this rank (torch 2.13,
+``torch/distributed/fsdp/_fully_shard/``):
+
+* ``gathered[u]``: the unsharded parameters, each a view of its ``all_gather_outputs`` (padded shard
+  × world, ``param_dtype``: ``FSDPParam.init_all_gather_outputs``, ``_fsdp_param.py``), and the
+  same size again for the flat all-gather output (``foreach_all_gather``, ``_fsdp_collectives.py``);
+* ``unsharded_grads[u]``: the gradients autograd makes for the unsharded parameters (the parameters'
+  own numel, ``param_dtype``), alive until the unit's ``post_backward``;
+* ``rs_input[u]``: ``foreach_reduce``'s reduce-scatter input (padded numel × world, ``reduce_dtype``).
+  ``FSDPParamGroup.post_backward`` frees the previous unit's before allocating its own
+  (``comm_ctx.reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` = 1), so exactly one is
+  alive from one unit's post-backward to the next's; ``_root_post_backward_final_callback``
+  (``_fsdp_state.py``) clears the last;
+* ``rs_output[u]``: the sharded gradients (views of the reduce-scatter output), from the unit's
+  post-backward on: the estimate's gradient items.
+
+The phases (``reshard``: ``reshard_after_forward`` on the blocks; the root is never resharded after
+forward, ``FSDPState._lazy_init``):
+
+* ``forward`` (the loss, inside the root's forward for Hugging Face models): the root gathered, the
+  last block's flat all-gather output (``wait_for_unshard`` defers its free to the next unit's
+  unshard, or to the root's ``_post_forward``, which runs after the loss) and, kept, every block;
+* ``backward_start`` (the loss's backward): the root's ``pre_backward`` prefetched the last block
+  (``_backward_prefetch``: the unit before it in ``post_forward_order``), its flat output alive;
+  kept: every block;
+* ``backward`` (the last block's backward): that block gathered (its flat output freed after the
+  copy-out in backward) and the flat output of the block before, prefetched by its
+  ``pre_backward``; no reduce-scatter has run; the root's and this block's gradients so far are
+  unsharded: autograd's, in ``param_dtype``. Kept: every block gathered (``post_backward``
+  reshards each after its backward);
+* ``backward_first_block``: block 0 gathered (block 0 prefetches nothing), block 1's reduce-scatter
+  input, the later blocks' sharded gradients, the root's unsharded ones;
+* ``backward_end`` (the embedding's backward): block 0's reduce-scatter input, every block's
+  sharded gradients, the root's unsharded gradients (reduced in the final callback);
+* ``optimizer``: the sharded gradients only.
+
+:func:`autograd_view` gives :func:`~trainmem.estimate.peak.phases` the gradients autograd makes (it
+then counts the gradients made by each moment, inside a block's backward too), and
+:func:`regrade` turns the units already reduce-scattered by a phase into their sharded gradients.
+
+Known limitations: one unit per block with the root (``--fsdp-units blocks``), one micro-batch, no
+pipeline, tensor, expert or context parallelism, no Float8 or quantized all-gather, no fine-tuning,
+no CPU offload (:func:`applies`); elsewhere the estimate keeps its per-phase upper bounds
+(estimate/parallel_buffers.py). The moment inside the root's post-backward (the root's
+reduce-scatter input beside its unsharded gradients, the root resharded) is not a phase: it holds
+less than the embedding's backward whenever the root's gathered parameters are at least its
+reduce-scatter input (param_dtype at least as wide as reduce_dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.names import layer_of
+
+__all__ = ["Units", "applies", "units", "working", "autograd_view", "regrade"]
+
+
+@dataclass(frozen=True)
+class Units:
+    """This rank's FSDP2 units: the root and each block (keyed by block index)."""
+
+    root_gathered: int
+    gathered: dict[int, int] = field(default_factory=dict)
+    unsharded_grads: dict[int, int] = field(default_factory=dict)
+    rs_input: dict[int, int] = field(default_factory=dict)
+    rs_output: dict[int, int] = field(default_factory=dict)
+    root_unsharded_grads: int = 0
+    root_rs_output: int = 0
+
+
+def applies(par, step, impl, finetune=None) -> bool:
+    """The layouts the timeline models (see the module's known limitations)."""
+    from trainmem.estimate.fsdp_offload import cpu_offload
+
+    return (bool(par.fsdp) and par.fsdp_version == 2 and impl.profile not in ("megatron", "traced")
+            and par.fsdp_units == "blocks" and par.pp == 1 and par.tp == 1 and par.ep == 1 and par.cp == 1
+            and max(step.grad_accum, par.microbatches) == 1 and not impl.optimizer_in_backward and impl.float8 == "none"
+            and finetune is None and not cpu_offload(par) and not par.offload)
+
+
+def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_bytes: int) -> Units:
+    """Per-unit sizes from the unsharded model states; ``param_bytes``: ``param_dtype``'s element
+    size, ``grad_bytes``: the sharded gradients' (``reduce_dtype``)."""
+    has_grad = {i.name.removesuffix(".grad") for i in stage_states if i.category is Category.GRADIENT}
+    root = [0, 0, 0]  # gathered, unsharded grads, sharded grads
+    blocks: dict[int, list[int]] = {}  # gathered, unsharded grads, rs input, rs output
+    for p in stage_states:
+        if p.category is not Category.PARAMETER:
+            continue
+        numel = math.prod(p.shape)
+        shard = math.ceil(numel / world)  # the estimate's shard (FSDP2 pads dim 0: see fsdp_streams)
+        trained = p.name in has_grad
+        li = layer_of(p.name)
+        row = root if li is None else blocks.setdefault(li, [0, 0, 0, 0])
+        row[0] += shard * world * param_bytes
+        row[1] += numel * param_bytes if trained else 0
+        if li is None:
+            row[2] += math.ceil(shard * grad_bytes) if trained else 0
+        else:
+            row[2] += shard * world * grad_bytes if trained else 0
+            row[3] += math.ceil(shard * grad_bytes) if trained else 0
+    return Units(root_gathered=root[0], root_unsharded_grads=root[1], root_rs_output=root[2],
+                 gathered={li: r[0] for li, r in blocks.items()},
+                 unsharded_grads={li: r[1] for li, r in blocks.items()},
+                 rs_input={li: r[2] for li, r in blocks.items()},
+                 rs_output={li: r[3] for li, r in blocks.items()})
+
+
+def working(u: Units, *, reshard: bool) -> dict[str, dict[str, int]]:
+    """FSDP2's buffers per phase (parts named as estimate/parallel_buffers.py names them:
+    ``fsdp_allgather`` the blocks gathered and their flat all-gather outputs when resharded,
+    ``fsdp_unsharded_params`` the blocks kept gathered, ``fsdp_reduce_scatter`` the reduce-scatter
+    input alive)."""
+    layers = sorted(u.gathered)
+    if not layers:
+        return {p: {"fsdp_root_unsharded": u.root_gathered}
+                for p in ("forward", "backward_start", "backward", "backward_end")}
+    first, last = layers[0], layers[-1]
+    before_last = u.gathered[layers[-2]] if len(layers) > 1 else 0  # prefetched by the last block
+    every = sum(u.gathered.values())
+    out: dict[str, dict[str, int]] = {}
+    if reshard:
+        out["forward"] = {"fsdp_allgather": u.gathered[last]}
+        out["backward_start"] = {"fsdp_allgather": u.gathered[last]}
+        out["backward"] = {"fsdp_allgather": u.gathered[last] + before_last}
+    else:
+        out["forward"] = {"fsdp_unsharded_params": every, "fsdp_allgather": u.gathered[last]}
+        out["backward_start"] = {"fsdp_unsharded_params": every}
+        out["backward"] = {"fsdp_unsharded_params": every}
+    if first != last:
+        out["backward_first_block"] = {("fsdp_allgather" if reshard else "fsdp_unsharded_params"): u.gathered[first],
+                                       "fsdp_reduce_scatter": u.rs_input[layers[1]]}
+    out["backward_end"] = {"fsdp_reduce_scatter": u.rs_input[first]}
+    for parts in out.values():
+        parts["fsdp_root_unsharded"] = u.root_gathered
+    return out
+
+
+def autograd_view(items: list[MemoryItem], stage_states: list[MemoryItem], *, param_bytes: int) -> list[MemoryItem]:
+    """``items`` with each sharded gradient replaced by the unsharded one autograd makes
+    (the parameter's numel in ``param_dtype``)."""
+    full = {i.name: i for i in stage_states if i.category is Category.PARAMETER}
+    out = []
+    for it in items:
+        p = full.get(it.name.removesuffix(".grad")) if it.category is Category.GRADIENT else None
+        if p is None:
+            out.append(it)
+            continue
+        numel = math.prod(p.shape)
+        out.append(MemoryItem.make(it.name, it.category, p.shape, _dtype_of(param_bytes, it.dtype),
+                                   numel * param_bytes, "unsharded gradient (FSDP2, before its reduce-scatter)"))
+    return out
+
+
+def _dtype_of(nbytes: int, fallback: str) -> str:
+    return fallback if dtype_bytes(fallback) == nbytes else {2: "bfloat16", 4: "float32"}.get(nbytes, fallback)
+
+
+def regrade(phases: list, u: Units) -> list:
+    """The phases :func:`~trainmem.estimate.peak.phases` made from :func:`autograd_view`, with the
+    units reduce-scattered by each phase holding their sharded gradients instead of autograd's."""
+    layers = sorted(u.gathered)
+    reduced = {"backward_first_block": layers[1:], "backward_end": layers}
+    out = []
+    for ph in phases:
+        if ph.name == "optimizer":
+            done, root = layers, True
+        else:
+            done, root = reduced.get(ph.name, ()), False
+        drop = sum(u.unsharded_grads[li] for li in done) + (u.root_unsharded_grads if root else 0)
+        add = sum(u.rs_output[li] for li in done) + (u.root_rs_output if root else 0)
+        if not drop and not add:
+            out.append(ph)
+            continue
+        parts = dict(ph.parts)
+        parts["gradients"] = parts.get("gradients", 0) - drop + add
+        out.append(replace(ph, parts=parts, bytes=ph.bytes - drop + add))
+    return out
