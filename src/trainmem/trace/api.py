@@ -42,12 +42,18 @@ class Tracer:
             optimizers = [optimizer]
         self._rec = _Recorder(model, optimizers, progress=progress)
         self._inputs = list(inputs)
+        self._buffers: list = []
         self._meta = meta or {}
         self.result: TraceResult | None = None
 
     def mark_input(self, tensor, name: str = "input") -> None:
         """Count ``tensor``'s storage as an input of the step."""
         self._rec.mark_input(tensor, name)
+
+    def mark_buffer(self, tensor, name: str) -> None:
+        """Count ``tensor``'s storage as a buffer of the step, made before it and kept after (a
+        pipeline stage's receive buffers, :mod:`trainmem.trace.parallel_pp`); call before entering."""
+        self._buffers.append((tensor, name))
 
     def watch_resizable(self, tensors, names) -> None:
         """Follow these tensors' storages, resized in place between ops (FSDP2's unsharded
@@ -59,6 +65,11 @@ class Tracer:
         for i, t in enumerate(self._inputs):
             self._rec.mark_input(t, "input" if len(self._inputs) == 1 else f"input.{i}")
         self._inputs = []
+        from trainmem.trace._recorder import ORIGIN_BUFFER
+        for t, name in self._buffers:
+            blk = self._rec._register(t, ORIGIN_BUFFER, "", name=name)
+            if blk is not None:
+                blk.origin, blk.name = ORIGIN_BUFFER, name
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

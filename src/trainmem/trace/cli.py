@@ -38,6 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from trainmem.cliargs import add_finetune_args, add_parallel_args
     add_finetune_args(p)  # lora, freeze and qlora traced (peft on the fake model; trace/qlora.py)
     add_parallel_args(p)  # --dp N --fsdp full traced as rank 0 (trace/parallel_fsdp.py); the rest refused in one line
+    p.add_argument("--pp-rank", type=int, default=0, metavar="R",
+                   help="with --pp: the pipeline rank traced (default 0; estimate --pp reports every stage's)")
     p.set_defaults(func=run)
     return p
 
@@ -117,6 +119,8 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
     for name, single in _ONE_DEVICE.items():
         if getattr(args, "fsdp", None) and name in _FSDP_FLAGS:
             continue
+        if _pipeline_alone(args) and name in _PP_FLAGS:
+            continue  # one rank of torch.distributed.pipelining (pp_spec; trace/parallel_pp.py)
         if getattr(args, "tp", None) and not getattr(args, "fsdp", None) and name in ("tp", "sp"):
             continue  # tensor parallelism as rank 0 of N (tp_spec; trace/parallel_tp.py)
         value = getattr(args, name, single)
@@ -132,6 +136,29 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
             raise UnsupportedError(f"--offload {what}: trace offloads activations only (one device, no optimizer "
                                    f"or parameter offload); estimate --offload {what} gives the per-rank memory")
     return offload
+
+
+#: What ``--pp`` traces beside it: one pipeline rank's schedule (trace/parallel_pp.py).
+_PP_FLAGS = ("pp", "virtual_stages", "microbatches", "schedule", "layer_split")
+
+
+def _pipeline_alone(args) -> bool:
+    return bool((getattr(args, "pp", None) or 1) > 1 and not getattr(args, "tp", None)
+                and not getattr(args, "fsdp", None))
+
+
+def pp_spec(args: argparse.Namespace):
+    """The ParallelSpec ``trace --pp N`` asks (None without ``--pp``), checked in one line."""
+    from trainmem.errors import SpecError
+    if not _pipeline_alone(args):
+        if getattr(args, "pp_rank", 0):
+            raise SpecError("pp_rank", args.pp_rank, "needs --pp N, N >= 2")
+        return None
+    from trainmem.cliargs import parallel_from_args
+    from trainmem.trace.parallel_pp import check_pp_flags
+    par = parallel_from_args(args)
+    check_pp_flags(par, args.pp_rank)
+    return par
 
 
 def tp_spec(args):
@@ -173,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace.finetune import check_finetune
 
     offload = refuse_parallel(args)
-    parallel = fsdp_spec(args) or tp_spec(args)
+    parallel = fsdp_spec(args) or tp_spec(args) or pp_spec(args)
     finetune = finetune_from_args(args)
     check_finetune(finetune, recompute=args.recompute)
     if finetune is not None and args.profile == "reference":
@@ -216,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     result = trace_step(config, step, impl, real=args.real, progress=_bar if show else None,
                         head=args.head, experts=args.experts, finetune=finetune, offload=offload,
-                        parallel=parallel)
+                        parallel=parallel, pp_rank=getattr(args, "pp_rank", 0))
     from trainmem.report.output import say_wrote
     if args.snapshot:
         from trainmem.trace.snapshot import write_snapshot
@@ -247,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         if "tp" in result.meta:
             from trainmem.trace.parallel_tp import tp_line
             print(tp_line(result.meta["tp"]))
+        if "pp" in result.meta:
+            from trainmem.trace.parallel_pp import pp_line
+            print(pp_line(result.meta["pp"]))
         if fit_text:
             print(fit_text)
     return 0

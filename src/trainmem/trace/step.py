@@ -136,7 +136,7 @@ def _inputs(model, step: StepSpec, head: str) -> dict:
 def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | None = None, *,
                real: bool = False, progress: Callable[[float, str], None] | None = None,
                head: str | None = None, experts: str | None = None, finetune=None,
-               offload: tuple[str, ...] = (), parallel=None) -> TraceResult:
+               offload: tuple[str, ...] = (), parallel=None, pp_rank: int = 0) -> TraceResult:
     """Trace one training step of a Hugging Face model.
 
     ``model_or_config`` is a ``config.json`` dict (a Hugging Face model with random weights, any
@@ -152,12 +152,19 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     peft LoRA adapters to a config's model (:mod:`trainmem.trace.finetune`).
     ``parallel`` (a :class:`~trainmem.specs.ParallelSpec`): FSDP2 over ``dp`` ranks, run as rank 0 in
     torch's fake process group (:mod:`trainmem.trace.parallel_fsdp`), or DTensor tensor parallelism over
-    ``tp`` ranks, the same way (:mod:`trainmem.trace.parallel_tp`); other parallelism is refused.
+    ``tp`` ranks, the same way (:mod:`trainmem.trace.parallel_tp`), or pipeline rank ``pp_rank`` of
+    ``pp`` under torch.distributed.pipelining's schedule (:mod:`trainmem.trace.parallel_pp`); other
+    parallelism is refused.
     """
     step = step or StepSpec()
     impl = impl or ImplSpec()
     if parallel is not None and parallel.is_single and parallel.pp == 1:
         parallel = None
+    pp = None
+    if parallel is not None and parallel.pp > 1 and parallel.tp == 1 and parallel.fsdp is None:
+        from trainmem.trace.parallel_pp import check_pp  # one pipeline rank (trace/parallel_pp.py)
+        check_pp(parallel, step, impl, finetune, config=model_or_config, rank=pp_rank)
+        pp, parallel = (parallel, pp_rank), None
     tp = parallel is not None and parallel.tp > 1  # tensor parallelism (trace/parallel_tp.py)
     if tp:
         from trainmem.trace.parallel_tp import check_tp
@@ -186,9 +193,12 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     if parallel is not None:  # the process group and mesh are made outside FakeTensorMode
         from trainmem.trace.parallel_fsdp import fake_world
         world = fake_world(parallel.tp if tp else parallel.dp)
+    if pp is not None:  # the fake process group, made outside FakeTensorMode
+        from trainmem.trace.parallel_pp import pp_world
+        world = pp_world(*pp)
     try:
         with world as mesh, quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
-            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune,
+            return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune, pp=pp,
                         offload=offload, fsdp=(parallel, mesh) if parallel is not None and not tp else None,
                         tp=(parallel, mesh) if tp else None)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
@@ -231,7 +241,7 @@ def _model_spec_or_none(config: Mapping):
 
 
 def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=None, experts=None,
-         finetune=None, offload: tuple[str, ...] = (), fsdp=None, tp=None) -> TraceResult:
+         finetune=None, offload: tuple[str, ...] = (), fsdp=None, tp=None, pp=None) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import is_fake
     from trainmem.trace.api import Tracer
@@ -276,6 +286,10 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if tp is not None:  # parallelize_module before the optimizer sees the parameters (trace/parallel_tp.py)
         from trainmem.trace.parallel_tp import apply_tp
         model = apply_tp(model, tp[1], tp[0], step.seq)
+    pipe = None
+    if pp is not None:  # this rank's stages, before the optimizer sees their parameters (trace/parallel_pp.py)
+        from trainmem.trace.parallel_pp import apply_pp
+        model, pipe = apply_pp(model, *pp, step)
     from trainmem.trace.parallel_tp import step_context
 
     params, masters, optimizer = make_optimizer_for(model, step, impl)
@@ -292,6 +306,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     else:
         inputs = _inputs(model, step, head)
     ids = inputs["input_ids"]
+    if pipe is not None:  # the whole batch's ids on the first stage, the targets on the last
+        inputs = pipe.inputs
     routing, moe_meta = _routing(model, impl, fake=is_fake(ids)) if not reference else (
         contextlib.nullcontext(), None)
 
@@ -314,6 +330,10 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
 
     def one_step() -> None:
         for _ in range(step.grad_accum):
+            if pipe is not None:  # the schedule runs every micro-batch's forward, loss and backward
+                with autocast:  # around the whole step, as torchtitan's train step
+                    pipe.step()
+                continue
             with step_context(tp[0] if tp is not None else None):  # TP: loss_parallel() over forward and backward
                 loss = loss_of(runs)
                 (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
@@ -347,6 +367,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if tp is not None:
         from trainmem.trace.parallel_tp import tp_meta
         meta["tp"] = tp_meta(tp[0])
+    if pp is not None:
+        from trainmem.trace.parallel_pp import pp_meta
+        meta["pp"] = pp_meta(*pp)
     runs = model
     if impl.compile:  # trace/compiled.py: torch.compile, partitioned as inductor does, no codegen
         from trainmem.trace.compiled import compile_model, report
@@ -361,6 +384,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         if ignore is not None:
             distinct.append(ignore)
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
+        for t, name in zip(*(pipe.buffers() if pipe is not None else ((), ()))):
+            tracer.mark_buffer(t, name)  # the stages' receive buffers, kept across steps
         if fsdp is not None:
             from trainmem.trace.parallel_fsdp import unsharded_storages
             tracer.watch_resizable(*unsharded_storages(model))
