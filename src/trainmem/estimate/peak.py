@@ -173,7 +173,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
            optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
            stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False,
-           node_moments: bool = False) -> list[Phase]:
+           node_moments: bool = False, accumulate_transients: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -185,7 +185,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     template's stacks of blocks (``Template.stacks``), blocks counted through both (:func:`layer_stats`).
     ``tied_head``: the output layer is the input embedding's weight (see the module docstring).
     ``node_moments``: model a block's node moments beside the ``working`` buffers too (they are the
-    same through the block's backward: FSDP2's, estimate/fsdp_timeline.py)."""
+    same through the block's backward: FSDP2's, estimate/fsdp_timeline.py).
+    ``accumulate_transients``: with ``grad_accum`` > 1, each new gradient beside the stored ``.grad``
+    it is added into (estimate/grad_accum.py; one device)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -326,6 +328,14 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     tb, rule = optimizer_transient
     if not optimizer_in_backward:
         add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
+        if accumulate_transients:  # estimate/grad_accum.py: the new gradients of a later micro-batch
+            from trainmem.estimate.grad_accum import with_accumulation
+            out = with_accumulation(
+                out, items, grad_accum=grad_accum, loss=loss, loss_dtype=loss_dtype,
+                logits_grad=int(BSV * dtype_bytes(logits_dtype)), residual_bytes=residual_bytes,
+                head_grad=_head_weight_grad(items), tied=tied_head and loss != "none", gradients=G,
+                head_acts=A - st.loss_act, block_acts=A - head_act, static=static,
+                bufs={**persistent, **{k: v for k, v in working.get("backward_start", {}).items() if v}})
         return out
     # the head's weight gradient exists next to the logits' gradient that produced it, in the logits'
     # dtype (bf16 + ce: ToCopyBackward0 casts the fp32 log-softmax gradient back, and the engine frees
