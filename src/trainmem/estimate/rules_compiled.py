@@ -65,7 +65,7 @@ def check_compiled(ctx: Ctx) -> None:
                                           or impl.float8 != "none" or ctx.finetune_linear is not None
                                           or not router_checked(m.num_experts)),
          "compiled MoE rules (estimate/rules_compiled_moe.py) cover bf16 grouped_mm experts at --recompute none "
-         "or full, no fine-tuning or Float8, routers of at most 16 or at least 128 experts (torch 2.13's grouped_mm "
+         "or full, no fine-tuning or Float8, routers of at most 16 or at least 32 experts (torch 2.13's grouped_mm "
          "meta kernel is bf16 only; trace --compile)"),
         ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") and not (
             step.recipe == "amp-bf16" and impl.compile_scope != "model"),

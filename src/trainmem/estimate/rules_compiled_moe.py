@@ -12,8 +12,8 @@ does) keeps ``topk``'s int64 indices (T·k) and:
   while E <= 4; for E > 4 the softmax's amax and sum are reductions the min-cut does not recompute
   (``should_ban_recomputation``, "reduction op": input over four times the output), and the cut
   keeps the fp32 probabilities (4·T·E; read at E = 8, 16) or the logits with both reductions'
-  fp32 outputs (a·T·E + 8·T; read at E = 128); which one follows the min-cut's weights, so routers
-  of 17 to 127 experts are refused;
+  fp32 outputs (a·T·E + 8·T; read at E = 32, 64, 128); which one follows the min-cut's weights, so
+  routers of 17 to 31 experts are refused;
 * with the renormalization, the fp32 top-k values (T·k) and, for k > 4, their fp32 sum (T·1, the
   same ban); without it, the sorted weights ``sample_weights[perm]`` in the activation dtype (T·k).
 
@@ -25,7 +25,7 @@ input), the second's output (T·k·H, read by the weighting's backward) and the 
 ``inv_perm`` (int64, T·k); ``act(gate)`` and the weighted, unsorted rows are recomputed.
 
     per MoE block   a·T·k·(2H + 3Fe) + 32·T·k + 4·E             experts; top-k ids, perm, perm // k, inv_perm
-                  + a·T·E (E <= 4), 4·T·E (4 < E <= 16), a·T·E + 8·T (E >= 128)   router
+                  + a·T·E (E <= 4), 4·T·E (4 < E <= 16), a·T·E + 8·T (E >= 32)   router
                   + 4·T·k (+ 4·T if k > 4)  renormalized, else a·T·k  top-k values (and sum), or sorted weights
 
 The rest of the block is the Llama compiled block (``estimate/rules_compiled.py``), with Qwen3's
@@ -44,8 +44,8 @@ __all__ = ["compiled_moe", "checkpointed_moe_arange", "router_checked"]
 # once their input is over 4x their output (partitioners.py should_ban_recomputation, "reduction op"), so
 # for E > 4 the cut keeps either the fp32 probabilities or the logits with both reductions' outputs; which
 # is cheaper depends on the min-cut's weights (get_node_weight: bytes x 1.1 ** distance from backward),
-# read at E = 8, 16 (probabilities) and 128 (logits and reductions; Qwen3-30B-A3B's); between is not read
-PROBS_MAX_E, LOGITS_MIN_E = 16, 128
+# read at E = 8, 16 (probabilities) and 32, 64, 128 (logits and reductions; 128: Qwen3-30B-A3B); 17..31 not read
+PROBS_MAX_E, LOGITS_MIN_E = 16, 32
 
 
 def router_checked(num_experts: int) -> bool:
