@@ -103,7 +103,11 @@ def adapter_parameters(model: ModelSpec, spec: FinetuneSpec) -> list[tuple[str, 
     out = []
     for name, shape in parameter_shapes(model):
         module = _module(name)
-        if is_linear_weight(model, name, shape) and lora_targeted(module, spec):
+        # an untied output layer is adapted only when named (lora_targeted: never under all-linear):
+        # peft's LoRA wraps lm_head as any Linear, LitGPT's lora_head=True makes it a LoRALinear
+        # (litgpt/lora.py GPT.__init__); its adapters train like the others
+        head = _output_layer(module) and name.endswith(".weight") and len(shape) == 2
+        if (is_linear_weight(model, name, shape) or head) and lora_targeted(module, spec):
             fan_in, fan_out = _linear_in_out(model, shape)
             r = spec.lora_rank
             out.append((f"{module}.lora_A.default.weight", (r, fan_in), name))

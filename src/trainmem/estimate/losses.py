@@ -46,7 +46,7 @@ torchtune loss against torchtune's own class).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainmem.estimate.loss_value import loss_value
 from trainmem.inventory import dtype_bytes
@@ -146,10 +146,26 @@ def torchtune_head(ctx, h, name: str):
     H, V = m.hidden_size, m.vocab_size
     out = h
     with g.module(name):
+        lora = _lora_head(ctx)
         for c, (n, sym) in enumerate(_chunk_dims(ctx.S, ctx.step.loss)):
-            x = h if ctx.B == 1 else g.new(f"input_chunk{c}", (ctx.B, n, H), ("B", sym, "H"), h.dtype, h.requires_grad)
+            if ctx.B > 1:
+                x = g.new(f"input_chunk{c}", (ctx.B, n, H), ("B", sym, "H"), h.dtype, h.requires_grad)
+            elif lora:  # the chunk, a view of h: the adapter's dropout makes chunk-sized tensors from it
+                x = replace(h, shape=(1, n, H), dims=(h.dims[0], sym, h.dims[-1]), uid=g.key(h))
+            else:
+                x = h
             out = ctx.linear(x, V, "V", weight=(V, H), label=f"out_chunk{c}")
+        if lora and g.saved.get(g.key(h)) is not None:
+            g.saved[g.key(h)] = h  # a kept chunk view (dropout p = 0, or a trainable head) keeps h's storage
     return out
+
+
+def _lora_head(ctx) -> bool:
+    """The head is a LoRA target (litgpt/lora.py ``GPT``'s ``lm_head`` a ``LoRALinear`` under
+    ``lora_head=True``; peft's ``lora.Linear`` when ``lm_head`` is named)."""
+    from trainmem.specs.finetune import lora_targeted
+    spec = getattr(ctx.finetune_linear, "spec", None)
+    return spec is not None and lora_targeted(".".join(ctx.graph.scope), spec)
 
 
 def _torchtune_items(ctx, rg: bool) -> None:
