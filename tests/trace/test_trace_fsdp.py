@@ -39,11 +39,11 @@ def _cli(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--dp", "2", "--fsdp", "full", "--tp", "2"], "--tp 2"),
+    (["--dp", "2", "--fsdp", "full", "--tp", "2", "--cp", "2"], "--cp 2"),  # TP + FSDP2: tests/trace/test_trace_2d.py
     (["--dp", "2", "--fsdp", "full", "--pp", "2"], "--pp 2"),
     (["--dp", "2", "--fsdp", "full", "--zero", "3"], "--zero 3"),
-    (["--dp", "4", "--fsdp", "hybrid", "--fsdp-group", "2"], "--fsdp-group 2"),
-    (["--dp", "2", "--fsdp", "hybrid"], "--fsdp hybrid"),
+    (["--dp", "4", "--fsdp", "hybrid", "--fsdp-group", "3"], "fsdp_group=3"),  # HSDP: tests/trace/test_trace_hsdp.py
+    (["--dp", "2", "--fsdp", "hybrid", "--fsdp-version", "1"], "--fsdp-version 1"),
     (["--dp", "2", "--fsdp", "full", "--fsdp-version", "1", "--no-reshard-after-forward"], "--fsdp-version 1"),
     (["--dp", "2", "--fsdp", "full", "--offload", "params"], "--offload params"),
     (["--fsdp", "full"], "dp=1"), (["--dp", "1", "--fsdp", "full"], "dp=1"),

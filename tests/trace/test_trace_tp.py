@@ -50,7 +50,7 @@ def _cli(capsys, *argv):
     (["--tp", "2", "--ep", "2"], "--ep 2"),
     (["--tp", "2", "--zero", "1"], "--zero 1"),
     (["--tp", "2", "--dp", "2"], "--dp 2"),
-    (["--tp", "2", "--dp", "2", "--fsdp", "full"], "--tp 2"),  # TP with FSDP2 stays refused
+    (["--tp", "2", "--dp", "2", "--fsdp", "full", "--fsdp-version", "1"], "--tp 2"),  # FSDP2: test_trace_2d.py
     (["--sp"], "--sp"),
     (["--tp", "3"], "tp=3"),  # llama-3-8b: 32 heads, 8 KV heads
     (["--tp", "2", "--sp", "--seq", "15"], "tp=2"),

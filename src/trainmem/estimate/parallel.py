@@ -188,8 +188,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         n = in_flight(par, s)
         stage_states = apply_pp(states, [state_stage[it.name] for it in states], s)
         divisors = {it.name: tp_div[it.name] for it in stage_states}
-        if torch_engine and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
-            divisors[emb_grad] //= par.tp  # DTensor gives the vocab-parallel embedding a replicated gradient
+        if torch_engine and not par.fsdp and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
+            # DTensor gives the vocab-parallel embedding a replicated gradient; FSDP2 reduce-scatters it into
+            # the sharded parameter's layout (its TP-local rows ÷ dp: trace/parallel_2d.py)
+            divisors[emb_grad] //= par.tp
         sharded = (fsdp1_states(stage_states, world=group) if par.fsdp and par.fsdp_version == 1
                    else apply_zero(stage_states, divisors, zero=zero, group=group))
         # FSDP's CPU offload (estimate/fsdp_offload.py) keeps every sharded model state on the host

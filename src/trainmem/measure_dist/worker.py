@@ -13,10 +13,12 @@ three steps (AdamW ``foreach=True``, ``zero_grad(set_to_none=True)``) and measur
   ``baseline_bytes`` (alive before it) and ``inflight_activation_bytes`` (most saved
   activation bytes alive at once; several micro-batches under pipelining).
 
-Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer and root),
+Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer and root; HSDP on a
+(dp_replicate, dp_shard) mesh with ``hsdp_replicas`` > 1),
 ``fsdp1`` (``FullyShardedDataParallel``, ``use_orig_params=True``, one unit per decoder layer as
 HF/accelerate's transformer auto-wrap),
-``tp`` (DTensor ``parallelize_module``, optional sequence parallel), ``pp``
+``tp`` (DTensor ``parallelize_module``, optional sequence parallel; with ``tp_dp`` > 1 then FSDP2 on a
+(dp_shard, tp) mesh, torchtitan's 2-D layout), ``pp``
 (``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B, or ``virtual_stages`` per
 rank under interleaved 1F1B, torchtitan's looped stage ids; with ``pp_dp`` > 1 the
 ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
@@ -55,7 +57,10 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 profile_step=False,             # three more steps under torch.profiler(profile_memory=True)
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 virtual_stages=1,                  # pp: stages per rank under schedule "interleaved"
-                pp_dp=1)                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
+                pp_dp=1,                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
+                hsdp_replicas=1,                   # fsdp: > 1 is HSDP, mesh (dp_replicate, dp_shard)
+                tp_dp=1,                           # tp: > 1 adds FSDP2 over a (dp_shard, tp) mesh (world = tp_dp × tp)
+                root_reshard_auto=True)            # fsdp, tp_dp: the root's reshard_after_forward left to FSDP2
 
 
 def _dtype(precision: str):
@@ -103,6 +108,20 @@ def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True) -> None:
         else:
             plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
         parallelize_module(layer, mesh, plan)
+
+
+def _apply_fsdp(model, mesh, sc: dict) -> None:
+    """``fully_shard`` each decoder layer, then the root, over ``mesh`` (None: every rank)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (MixedPrecisionPolicy(param_dtype=_dtype(sc["mp_param_dtype"]), reduce_dtype=torch.float32)
+          if sc["mp_param_dtype"] else MixedPrecisionPolicy())
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
+    # torchtitan's apply_fsdp leaves the root's to FSDP2, which keeps the root gathered (FSDPState._lazy_init)
+    root = {} if sc["root_reshard_auto"] else {"reshard_after_forward": sc["reshard_after_forward"]}
+    fully_shard(model, mesh=mesh, mp_policy=mp, **root)
 
 
 def _pipeline_stage_module(model, stage: int, num_stages: int):
@@ -167,6 +186,8 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     buckets: dict[int, object] = {}
     pp_dp = sc["pp_dp"] if strategy == "pp" else 1
     data_rank = rank if strategy in ("ddp", "fsdp", "fsdp1") else rank % pp_dp
+    if strategy == "tp" and sc["tp_dp"] > 1:  # the tp ranks of one dp_shard rank read the same batch
+        data_rank = rank // (world // sc["tp_dp"])
     for name, p in model.named_parameters():
         if any(f in name for f in sc["freeze"]):
             p.requires_grad_(False)
@@ -190,13 +211,12 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
         net.register_comm_hook(None, hook)
     elif strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
 
-        mp = (MixedPrecisionPolicy(param_dtype=_dtype(sc["mp_param_dtype"]), reduce_dtype=torch.float32)
-              if sc["mp_param_dtype"] else MixedPrecisionPolicy())
-        for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
-        fully_shard(model, reshard_after_forward=sc["reshard_after_forward"], mp_policy=mp)
+        replicas = sc["hsdp_replicas"]  # HSDP: fully_shard on a 2-D mesh shards over its last dimension
+        mesh = (init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
+                if replicas > 1 else None)
+        _apply_fsdp(model, mesh, sc)
         net = model
     elif strategy == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -208,7 +228,12 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     elif strategy == "tp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"], sc["loss_parallel"])
+        if sc["tp_dp"] > 1:  # torchtitan's 2-D layout: apply_tp on the tp sub-mesh, then apply_fsdp on dp_shard
+            mesh = init_device_mesh("cpu", (sc["tp_dp"], world // sc["tp_dp"]), mesh_dim_names=("dp_shard", "tp"))
+            _apply_tp(model, mesh["tp"], sc["sp"], sc["loss_parallel"])
+            _apply_fsdp(model, mesh["dp_shard"], sc)
+        else:
+            _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"], sc["loss_parallel"])
         net = model
     else:
         net = model

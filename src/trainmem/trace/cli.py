@@ -106,8 +106,9 @@ _ONE_DEVICE = {"dp": None, "tp": None, "cp": None, "ep": None, "pp": None, "virt
                "layer_split": None, "zero": 0, "fsdp": None, "no_reshard_after_forward": False}
 
 
-#: What ``--fsdp`` traces beside it: FSDP2 over ``--dp`` ranks (trace/parallel_fsdp.py).
-_FSDP_FLAGS = ("dp", "fsdp", "no_reshard_after_forward")
+#: What ``--fsdp`` traces beside it: FSDP2 over ``--dp`` ranks (trace/parallel_fsdp.py), HSDP's shard
+#: group, and TP on a second mesh dimension (trace/parallel_2d.py).
+_FSDP_FLAGS = ("dp", "fsdp", "no_reshard_after_forward", "fsdp_group", "tp", "sp")
 
 
 def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
@@ -121,13 +122,13 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
             continue
         if _pipeline_alone(args) and name in _PP_FLAGS:
             continue  # one rank of torch.distributed.pipelining (pp_spec; trace/parallel_pp.py)
-        if getattr(args, "tp", None) and not getattr(args, "fsdp", None) and name in ("tp", "sp"):
+        if getattr(args, "tp", None) and name in ("tp", "sp"):
             continue  # tensor parallelism as rank 0 of N (tp_spec; trace/parallel_tp.py)
         value = getattr(args, name, single)
         if value != single and not (single is None and value == 1):
             flag = "--" + name.replace("_", "-")
             shown = "" if isinstance(value, bool) else f" {value}"
-            also = " (or FSDP2 alone, --dp N --fsdp full)" if getattr(args, "fsdp", None) else ""
+            also = " (or FSDP2/HSDP over --dp N, with or without --tp)" if getattr(args, "fsdp", None) else ""
             raise UnsupportedError(f"{flag}{shown}: trace runs one device{also} and cannot shard or offload a step; "
                                    f"estimate {flag}{shown} gives the per-rank memory")
     offload = tuple(x for x in (getattr(args, "offload", "") or "").split(",") if x)
@@ -176,9 +177,13 @@ def tp_spec(args):
 
 
 def fsdp_spec(args: argparse.Namespace):
-    """The ParallelSpec ``--dp N --fsdp full`` asks (None without ``--fsdp``), checked in one line."""
+    """The ParallelSpec ``--dp N --fsdp full|hybrid [--fsdp-group G] [--tp T [--sp]]`` asks (None
+    without ``--fsdp``), checked in one line."""
     if not getattr(args, "fsdp", None):
         return None
+    if getattr(args, "fsdp_group", None) is not None and args.fsdp != "hybrid":
+        from trainmem.errors import SpecError
+        raise SpecError("fsdp_group", args.fsdp_group, f"needs --fsdp hybrid, not --fsdp {args.fsdp}")
     from trainmem.cliargs import parallel_from_args
     from trainmem.specs.parallel import ParallelSpec
     from trainmem.trace.parallel_fsdp import check_fsdp_flags
@@ -274,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
         if "tp" in result.meta:
             from trainmem.trace.parallel_tp import tp_line
             print(tp_line(result.meta["tp"]))
+        if "mesh" in result.meta:
+            from trainmem.trace.parallel_2d import mesh_line
+            print(mesh_line(result.meta["mesh"]))
         if "pp" in result.meta:
             from trainmem.trace.parallel_pp import pp_line
             print(pp_line(result.meta["pp"]))

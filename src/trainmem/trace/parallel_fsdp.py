@@ -32,8 +32,9 @@ Known limitations:
     between streams, so a block freed on a side stream is reusable there at once;
   - rank 0's shard: with dim 0 not divisible by N the last ranks hold fewer rows (or padding
     only); rank 0 holds the most;
-  - HSDP (``--fsdp hybrid``), CPU offload, tensor/pipeline/context/expert parallel and ZeRO are
-    refused in one line; FSDP1 (``--fsdp-version 1``, :func:`apply_fsdp1`) runs with ``FULL_SHARD``
+  - CPU offload, pipeline/context/expert parallel and ZeRO are refused in one line (HSDP and TP with
+    FSDP2 run on a 2-D mesh: :mod:`trainmem.trace.parallel_2d`); FSDP1 (``--fsdp-version 1``,
+    :func:`apply_fsdp1`) runs with ``FULL_SHARD``
     only: its ``SHARD_GRAD_OP`` path compares storages by ``data_ptr``, 0 on every fake tensor
     (``_flat_param.py`` ``_same_storage``), and fails; FSDP1's item names keep its
     ``_fsdp_wrapped_module.`` prefixes (what its ``named_parameters`` reports).
@@ -45,15 +46,19 @@ import contextlib
 
 from trainmem.errors import SpecError, UnsupportedError
 
-__all__ = ["check_fsdp", "check_fsdp_flags", "fake_world", "apply_fsdp", "apply_fsdp1", "apply_fsdp2",
+__all__ = ["check_fsdp", "check_fsdp_flags", "shard_ranks", "fake_world", "apply_fsdp", "apply_fsdp1",
+           "apply_fsdp2",
            "unsharded_storages", "fsdp_meta", "fsdp_line"]
 
 
 def check_fsdp_flags(par) -> None:
     """Refuse, in one line, a parallel layout the FSDP2 trace does not run."""
-    if par.fsdp != "full":
-        raise UnsupportedError(f"--fsdp {par.fsdp}: trace runs FSDP2 full sharding over one mesh dimension; "
-                               f"estimate --fsdp {par.fsdp} gives the per-rank memory")
+    if par.fsdp == "hybrid" and par.dp % shard_ranks(par):  # HSDP: a mesh of two dimensions (trace/parallel_2d.py)
+        raise SpecError("fsdp_group", par.fsdp_group, f"must divide the data-parallel ranks (dp={par.dp})")
+    if par.fsdp_version == 1 and (par.fsdp == "hybrid" or par.tp > 1):
+        what = "--fsdp hybrid" if par.fsdp == "hybrid" else f"--tp {par.tp}"
+        raise UnsupportedError(f"--fsdp-version 1 with {what}: trace runs FSDP1 alone (FULL_SHARD over one mesh "
+                               "dimension); estimate gives the per-rank memory")
     if par.fsdp_version == 1 and not par.reshard_after_forward:
         raise UnsupportedError("--fsdp-version 1 --no-reshard-after-forward: FSDP1's SHARD_GRAD_OP checks its views "
                                "by data_ptr (_flat_param.py _same_storage), which fake tensors lack; estimate "
@@ -61,10 +66,10 @@ def check_fsdp_flags(par) -> None:
     if par.fsdp_version == 1 and par.fsdp_units != "blocks":
         raise UnsupportedError(f"--fsdp-units {par.fsdp_units} with --fsdp-version 1: trace wraps FSDP1 per block "
                                "(HF/accelerate's transformer auto-wrap); estimate gives the per-rank memory")
-    for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("pp", par.pp, 1),
-                                ("zero", par.zero, 0)):
+    for flag, value, single in (("cp", par.cp, 1), ("ep", par.ep, 1), ("pp", par.pp, 1), ("zero", par.zero, 0)):
         if value != single:
-            raise UnsupportedError(f"--{flag} {value}: trace runs FSDP2 alone (no other parallel dimension); "
+            raise UnsupportedError(f"--{flag} {value}: trace runs FSDP2 alone or with --tp (no other parallel "
+                                   "dimension); "
                                    f"estimate --{flag} {value} gives the per-rank memory")
     if par.offload:
         what = ",".join(par.offload)
@@ -72,6 +77,12 @@ def check_fsdp_flags(par) -> None:
                                f"estimate --offload {what} gives the per-rank memory")
     if par.dp < 2:
         raise SpecError("dp", par.dp, f"--fsdp {par.fsdp} needs --dp N, N >= 2 ranks to shard over")
+
+
+def shard_ranks(par) -> int:
+    """Ranks in one FSDP shard group: ``fsdp_group`` under hybrid sharding (at most ``dp``, as the
+    estimate's ``shard_group``, estimate/parallel_zero.py), else every data-parallel rank."""
+    return min(par.fsdp_group, par.dp) if par.fsdp == "hybrid" else par.dp
 
 
 def check_fsdp(par, step, impl, finetune=None) -> None:
@@ -87,9 +98,11 @@ def check_fsdp(par, step, impl, finetune=None) -> None:
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
-    """Rank 0 of ``world`` in torch's fake process group, and a CPU device mesh over it; the group
+def fake_world(world: int | tuple[int, ...], names: tuple[str, ...] | None = None):
+    """Rank 0 of ``world`` in torch's fake process group, and a CPU device mesh over it (``world``
+    a shape: a mesh of that shape, its dimensions named ``names``, over their product); the group
     is destroyed on exit. Made outside ``FakeTensorMode`` (the mesh reads its ranks with ``tolist``)."""
+    import math
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -99,9 +112,10 @@ def fake_world(world: int):
     if dist.is_initialized():
         raise UnsupportedError("a torch.distributed process group is already initialised in this process; "
                                "trace FSDP starts its own fake group: call it outside your distributed job")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    shape = tuple(world) if isinstance(world, tuple) else (world,)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     try:
-        yield init_device_mesh("cpu", (world,))
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
 
@@ -219,8 +233,11 @@ def unsharded_storages(model) -> tuple[list, list[str]]:
 
 def fsdp_meta(par, units: int) -> dict:
     """What the result states about the sharding it ran."""
-    return {"world_size": par.dp, "rank": 0, "version": par.fsdp_version, "units": units, "fsdp_units": par.fsdp_units,
+    meta = {"world_size": par.dp, "rank": 0, "version": par.fsdp_version, "units": units, "fsdp_units": par.fsdp_units,
             "reshard_after_forward": par.reshard_after_forward, "process_group": "fake"}
+    if par.fsdp == "hybrid":  # HSDP (trace/parallel_2d.py): sharded within a group, replicated across groups
+        meta.update(sharding="hybrid", shard_group=shard_ranks(par), replicas=par.dp // shard_ranks(par))
+    return meta
 
 
 def fsdp_line(meta: dict) -> str:
@@ -228,5 +245,7 @@ def fsdp_line(meta: dict) -> str:
     keep = "kept from forward to backward" if not meta["reshard_after_forward"] else "resharded after forward"
     what = "FSDP1: rank 0 of {w} (torch's fake process group), {u} flat-parameter units" if meta.get("version") == 1 \
         else "FSDP2: rank 0 of {w} (torch's fake process group), {u} fully_shard units"
+    if meta.get("sharding") == "hybrid":
+        what += f", HSDP: sharded over {meta['shard_group']}, replicated {meta['replicas']}x (all-reduced in place)"
     return (what.format(w=meta["world_size"], u=meta["units"]) + " "
             f"({meta['fsdp_units']} + root; blocks {keep}); reserved: FSDP's side streams as pools of their own")

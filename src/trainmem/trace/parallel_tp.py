@@ -34,7 +34,8 @@ Known limitations:
     foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
     models without a ``base_model_tp_plan`` are refused in one line; TP with any other parallel
-    dimension, fsdp-bf16, compile, Float8 and fine-tuning too.
+    dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`), compile, Float8 and
+    fine-tuning too, and fsdp-bf16 without FSDP2.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ def check_tp_flags(par) -> None:
     """Refuse, in one line, a layout the TP trace does not run: ``--tp N [--sp]`` alone."""
     if par.tp < 2:
         raise SpecError("tp", par.tp, "tensor parallelism needs --tp N, N >= 2 ranks")
-    for flag, value, single in (("dp", par.dp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("pp", par.pp, 1),
-                                ("zero", par.zero, 0)):
+    if par.fsdp is not None:  # TP + FSDP2 on a (dp_shard, tp) mesh (trace/parallel_2d.py), dp checked there
+        from trainmem.trace.parallel_fsdp import check_fsdp_flags
+        check_fsdp_flags(par)
+    for flag, value, single in (("dp", par.dp if par.fsdp is None else 1, 1), ("cp", par.cp, 1), ("ep", par.ep, 1),
+                                ("pp", par.pp, 1), ("zero", par.zero, 0)):
         if value != single:
-            raise UnsupportedError(f"--{flag} {value} with --tp: trace runs tensor parallelism alone; "
-                                   f"estimate --tp {par.tp} --{flag} {value} gives the per-rank memory")
-    if par.fsdp is not None:
-        raise UnsupportedError(f"--fsdp {par.fsdp} with --tp: trace runs FSDP2 or TP alone; estimate gives "
-                               "the per-rank memory")
+            raise UnsupportedError(f"--{flag} {value} with --tp: trace runs tensor parallelism alone or with "
+                                   f"--fsdp; estimate --tp {par.tp} --{flag} {value} gives the per-rank memory")
     if par.offload:
         raise UnsupportedError(f"--offload {','.join(par.offload)} with --tp: trace runs TP with every state "
                                "on the device; estimate gives the per-rank memory")
@@ -78,11 +79,12 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
         _check_sizes(config.get, par.tp, step.seq, par.sp)
     for what, given in (("--compile", impl.compile), ("--float8", impl.float8 != "none"),
                         ("--optimizer-in-backward", impl.optimizer_in_backward),
-                        ("--finetune", finetune is not None), ("--precision fsdp-bf16", step.dtypes.gathered)):
+                        ("--finetune", finetune is not None),
+                        ("--precision fsdp-bf16", step.dtypes.gathered and par.fsdp is None)):
         if given:
             raise UnsupportedError(f"{what} with --tp: not traced under tensor parallelism; estimate gives the "
                                    "per-rank memory")
-    if impl.optimizer_impl == "foreach" and not par.sp:
+    if impl.optimizer_impl == "foreach" and not par.sp and par.fsdp is None:  # under FSDP2 every parameter is a DTensor
         raise UnsupportedError("--optimizer-impl foreach with --tp and no --sp: torch's foreach kernels refuse a mix "
                                "of DTensor and plain parameters (the norms stay plain without --sp); use --sp, "
                                "for-loop or fused, or estimate")

@@ -152,7 +152,8 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     peft LoRA adapters to a config's model (:mod:`trainmem.trace.finetune`).
     ``parallel`` (a :class:`~trainmem.specs.ParallelSpec`): FSDP2 over ``dp`` ranks, run as rank 0 in
     torch's fake process group (:mod:`trainmem.trace.parallel_fsdp`), or DTensor tensor parallelism over
-    ``tp`` ranks, the same way (:mod:`trainmem.trace.parallel_tp`), or pipeline rank ``pp_rank`` of
+    ``tp`` ranks, the same way (:mod:`trainmem.trace.parallel_tp`), or both, and HSDP, on a 2-D mesh
+    (:mod:`trainmem.trace.parallel_2d`), or pipeline rank ``pp_rank`` of
     ``pp`` under torch.distributed.pipelining's schedule (:mod:`trainmem.trace.parallel_pp`); other
     parallelism is refused.
     """
@@ -166,13 +167,14 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
         check_pp(parallel, step, impl, finetune, config=model_or_config, rank=pp_rank)
         pp, parallel = (parallel, pp_rank), None
     tp = parallel is not None and parallel.tp > 1  # tensor parallelism (trace/parallel_tp.py)
+    fsdp = parallel is not None and (parallel.fsdp is not None or not tp)  # with TP: a 2-D mesh (trace/parallel_2d.py)
     if tp:
         from trainmem.trace.parallel_tp import check_tp
         check_tp(parallel, step, impl, finetune, config=model_or_config)
-    elif parallel is not None:
+    if fsdp:
         from trainmem.trace.parallel_fsdp import check_fsdp
         check_fsdp(parallel, step, impl, finetune)
-    _check(step, impl, fsdp2=parallel is not None and not tp)
+    _check(step, impl, fsdp2=fsdp)
     from trainmem.trace.finetune import check_finetune
     check_finetune(finetune, recompute=impl.recompute)
     if finetune is not None and not isinstance(model_or_config, Mapping):
@@ -189,18 +191,19 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     dt = step.dtypes
     fake = not real
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    world = contextlib.nullcontext()
-    if parallel is not None:  # the process group and mesh are made outside FakeTensorMode
-        from trainmem.trace.parallel_fsdp import fake_world
-        world = fake_world(parallel.tp if tp else parallel.dp)
+    world = contextlib.nullcontext((None, None))
+    if parallel is not None:  # the process group and meshes are made outside FakeTensorMode
+        from trainmem.trace.parallel_2d import parallel_world
+        world = parallel_world(parallel)
     if pp is not None:  # the fake process group, made outside FakeTensorMode
         from trainmem.trace.parallel_pp import pp_world
         world = pp_world(*pp)
     try:
-        with world as mesh, quiet_fake_tensor_log(), mode, _attention_context(impl), masks_as_on_real_tensors():
+        with world as (fsdp_mesh, tp_mesh), quiet_fake_tensor_log(), mode, _attention_context(impl), \
+                masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune, pp=pp,
-                        offload=offload, fsdp=(parallel, mesh) if parallel is not None and not tp else None,
-                        tp=(parallel, mesh) if tp else None)
+                        offload=offload, fsdp=(parallel, fsdp_mesh) if fsdp else None,
+                        tp=(parallel, tp_mesh) if tp else None)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -280,12 +283,12 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         model_spec = _model_spec_or_none(model_or_config)
         finetune = finetune.for_model(model_spec)  # LoRA targets: the family's default
         model = apply_finetune(model, finetune, model_spec)
-    if fsdp is not None:  # fully_shard before the optimizer sees the parameters (trace/parallel_fsdp.py)
-        from trainmem.trace.parallel_fsdp import apply_fsdp
-        model, fsdp_units = apply_fsdp(model, fsdp[1], fsdp[0], step)
     if tp is not None:  # parallelize_module before the optimizer sees the parameters (trace/parallel_tp.py)
         from trainmem.trace.parallel_tp import apply_tp
         model = apply_tp(model, tp[1], tp[0], step.seq)
+    if fsdp is not None:  # fully_shard after TP (torchtitan's order), before the optimizer (trace/parallel_fsdp.py)
+        from trainmem.trace.parallel_fsdp import apply_fsdp
+        model, fsdp_units = apply_fsdp(model, fsdp[1], fsdp[0], step)
     pipe = None
     if pp is not None:  # this rank's stages, before the optimizer sees their parameters (trace/parallel_pp.py)
         from trainmem.trace.parallel_pp import apply_pp
@@ -367,6 +370,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if tp is not None:
         from trainmem.trace.parallel_tp import tp_meta
         meta["tp"] = tp_meta(tp[0])
+    from trainmem.trace.parallel_2d import is_2d, mesh_meta
+    if fsdp is not None and is_2d(fsdp[0]):  # HSDP, TP + FSDP2 (trace/parallel_2d.py)
+        meta["mesh"] = mesh_meta(fsdp[0])
     if pp is not None:
         from trainmem.trace.parallel_pp import pp_meta
         meta["pp"] = pp_meta(*pp)
