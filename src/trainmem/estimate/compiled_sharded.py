@@ -19,7 +19,9 @@ gathered weights and bf16 activations: pure bf16's saved set.
 Known limitations (refused by :func:`check_compiled_parallel`, one line each):
   - pipeline parallelism, FSDP1 and HSDP: not traced with compile;
   - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
-    with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``.
+    with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
+  - ``--recompute op`` under FSDP2: its saved set equals the trace's (less the CPU generator states), but
+    the step peak read 0.855 of the trace's (0.924 on one device), a gap not explained yet.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
          "FSDP1's flat parameters under compile are not traced (FSDP2 is: --fsdp-version 2)"),
         ("offload", ",".join(par.offload), bool(par.fsdp) and bool(par.offload),
          "compiled blocks under FSDP are traced with shards and activations on the device"),
+        # traced: the saved set matches, but the step peak reads 0.855 of the trace (one device: 0.924)
+        ("recompute", impl.recompute, bool(par.fsdp) and impl.recompute not in ("none", "full"),
+         "compiled blocks under FSDP2 are checked with --recompute none or full"),
     )
     for field, value, bad, why in refusals:
         if bad:
