@@ -132,6 +132,28 @@ def test_tp_fsdp_trace_against_the_estimate(precision, sp):
     assert lo <= est.peak_bytes / result.peak_logical_bytes <= hi
 
 
+@pytest.mark.slow  # reuses the cached traces above when run with them
+@pytest.mark.parametrize("precision", ["fp32", "fsdp-bf16"])
+def test_tp_fsdp_gathers_the_tp_local_weights(precision):
+    """Each all-gather runs over the dp_shard ranks and returns the TP-local weight: a column-cut
+    weight's out/tp rows, a row-cut one's in/tp columns, in the compute dtype; a block's gathered
+    parameters sum to the estimate's flat all-gather output for that unit (estimate/fsdp_streams.py)."""
+    from trainmem.estimate import estimate
+    from trainmem.estimate.fsdp_streams import fsdp_groups
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    par = ParallelSpec(dp=2, tp=2, sp=True, fsdp="full")
+    blocks = {b.name: b.nbytes for b in traced(precision, par).recording.blocks if b.origin == "fsdp_unsharded"}
+    width = 4 if precision == "fp32" else 2
+    assert blocks["model.layers.0.mlp.up_proj.weight.unsharded"] == 176 // 2 * 64 * width  # (176/2, 64)
+    assert blocks["model.layers.0.self_attn.o_proj.weight.unsharded"] == 64 * 64 // 2 * width  # (64, 64/2)
+    assert blocks["model.layers.0.input_layernorm.weight.unsharded"] == 64 * width  # not cut by TP
+    whole = estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"),
+                     IMPL, parallel=par)
+    (unit,) = [g for g in fsdp_groups(whole) if g.name == "layers.0"]
+    assert sum(n for k, n in blocks.items() if k.startswith("model.layers.0.")) == unit.output_bytes
+
+
 @pytest.mark.slow  # a world of 8 (~25 s)
 def test_hsdp_with_tp_allocates_what_fsdp_with_tp_does():
     par = ParallelSpec(dp=4, fsdp_group=2, tp=2, sp=True, fsdp="hybrid")
