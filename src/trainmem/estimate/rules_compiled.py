@@ -35,6 +35,7 @@ from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.loss_value import loss_value
+from trainmem.estimate.rules_compiled_attention import compiled_eager_attention, eager_checked, eager_mask
 from trainmem.estimate.rules_compiled_moe import checkpointed_moe_arange, compiled_moe, router_checked
 from trainmem.estimate.rules_compiled_olmo2 import olmo2_block
 from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
@@ -79,8 +80,10 @@ def check_compiled(ctx: Ctx) -> None:
             and step.recipe in ("fp32", "bf16", "fp16") and not m.qk_norm),
          "compiled rules cover --recompute none and full, and op per block on --device cpu in a pure precision "
          "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
-        ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
-         "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient)"),
+        ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient") and not (
+            resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
+         "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 at "
+         "--recompute none with grouped K/V heads in the Llama block (estimate/rules_compiled_attention.py)"),
         ("parallel", "sharded", ctx.shard != Shard(), "compiled rules cover one device's shapes and FSDP2 "
          "(--dp N --fsdp full: estimate/compiled_sharded.py), not tensor, context or expert parallelism"),
         ("finetune", _finetune_mode(ctx), _finetune_mode(ctx) not in ("off", "full", "lora", "qlora") or (
@@ -177,7 +180,10 @@ def _compiled_block(ctx: Ctx, x: Sym, *, moe: bool = False) -> Sym:
         k = g.new("k_rope", (B, S, m.kv_size), ("B", "S", Akv), a)
         with g.module("qkv_proj" if fused else "v_proj"):  # Phi-3: v, a contiguous copy of its qkv slice
             v = g.new("v" if fused else "out", (B, S, m.kv_size), ("B", "S", Akv), a)
-        attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
+        if resolve_kernel(ctx) == "eager":  # --attention eager: keeps o_proj's input
+            compiled_eager_attention(ctx, q)
+        else:
+            attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
         with g.module("o_proj"):
             g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
     if sandwich:  # the norm of o_proj's output keeps its rsqrt; the normalized output is recomputed
@@ -252,6 +258,8 @@ def _per_block(ctx: Ctx) -> None:
         for sfx in (f"_{t}" for t in sorted({k.attention for k in m.kinds})) if rules.rope_per_layer_type else ("",):
             g.save(g.new(f"cos{sfx}", rot, ("1", "S", "hd"), dt, False),
                    g.new(f"sin{sfx}", rot, ("1", "S", "hd"), dt, False))
+    if resolve_kernel(ctx) == "eager":
+        eager_mask(ctx)
     recomputed_rule = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute)
     x = _layers(ctx, "model.layers.", x, (lambda _i, x: recomputed_rule(ctx, x)) if recomputed_rule else _block_rule(ctx))
     logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm), "lm_head")
