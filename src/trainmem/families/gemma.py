@@ -44,4 +44,6 @@ def gemma2() -> Family:
                   "sliding_window": 4096, "layer_types": None}),
         rules=BlockRules(forward="llama", unit_offset_norm=True, scaled_embedding=True, sandwich_norms=True),
         attentions=("eager", "flash"),  # Gemma2PreTrainedModel: _supports_sdpa = False (soft-capping)
-        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma_buffers)
+        parameters=lambda m: llama_parameters(m, sandwich_norms=True), buffers=gemma_buffers,
+        # the Gemma-3 compiled block without q/k norms, eager attention per block (estimate/rules_compiled_attention.py)
+        compiled_rules=True, compiled_scopes=("block", "block-loss"))
