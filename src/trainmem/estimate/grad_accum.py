@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from trainmem.estimate.phase import Phase
 from trainmem.estimate.block_backward import _FP32_TRANSIENTS, _OTHER_NORMS, _llama_norms
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import is_head, is_token_embedding, layer_of
@@ -147,7 +148,5 @@ def _head_phase(items, static, bufs, *, gradients: int, scalar: int, pending: in
 
 
 def _phase(name: str, static: dict[str, int], bufs: dict[str, int], parts: dict[str, int], note: str):
-    from trainmem.estimate.peak import Phase
-
     full = {k: v for k, v in {**static, **parts, **bufs}.items() if v or k in static}
     return Phase(name, sum(full.values()), full, note)

@@ -42,22 +42,11 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
+from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
 from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
 
 __all__ = ["Phase", "PhasedResult", "LayerStats", "phases", "layer_stats", "recompute_per_layer"]
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    bytes: int
-    parts: dict[str, int] = field(default_factory=dict)
-    note: str = ""
-
-    def to_dict(self) -> dict:
-        from trainmem.schemas import part_key  # /2: ledger parts named as the categories (singular)
-        return {"name": self.name, "bytes": self.bytes, "parts": {part_key(k): v for k, v in self.parts.items()},
-                "note": self.note}
 
 
 class PhasedResult:
