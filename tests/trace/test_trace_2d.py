@@ -13,7 +13,11 @@ Measured on the tiny Llama (hidden 64, 2 layers, untied, B 2, S 64, AdamW), dp 2
     nothing unexplained; the optimizer phase: trace - estimate = the input ids (the one-device
     difference, as under FSDP2 alone);
   - step peak estimate/trace: 1.049 fp32 --sp, 1.083 fsdp-bf16 --sp, 1.054 fp32 without --sp, inside
-    the TP trace's band (1.07-1.09 under loss_parallel; FSDP2 alone 0.98-1.03).
+    the TP trace's band (1.07-1.09 under loss_parallel; FSDP2 alone 0.96-1.0006);
+  - not asserted: the last block's backward, where the estimate is 41,336 B (fp32 --sp) over the trace's
+    top (TP alone: 14,328 B): estimate/fsdp_timeline.py (FSDP2 per tensor) applies to tp == 1 only, and
+    the older buffer model counts a reduce-scatter input and the root's sharded gradients there
+    (docs/trace.md "HSDP and TP + FSDP2 in the trace");
   - HSDP + TP (dp 4 in groups of 2, tp 2: a (dp_replicate, dp_shard, tp) mesh, world 8) allocates
     what dp 2 x tp 2 allocates, event for event.
 """

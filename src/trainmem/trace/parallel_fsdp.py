@@ -245,7 +245,7 @@ def fsdp_line(meta: dict) -> str:
     keep = "kept from forward to backward" if not meta["reshard_after_forward"] else "resharded after forward"
     what = "FSDP1: rank 0 of {w} (torch's fake process group), {u} flat-parameter units" if meta.get("version") == 1 \
         else "FSDP2: rank 0 of {w} (torch's fake process group), {u} fully_shard units"
-    if meta.get("sharding") == "hybrid":
-        what += f", HSDP: sharded over {meta['shard_group']}, replicated {meta['replicas']}x (all-reduced in place)"
+    hsdp = (f"; HSDP: sharded over {meta['shard_group']} ranks, {meta['replicas']} replicas (gradients all-reduced "
+            "in place)" if meta.get("sharding") == "hybrid" else "")
     return (what.format(w=meta["world_size"], u=meta["units"]) + " "
-            f"({meta['fsdp_units']} + root; blocks {keep}); reserved: FSDP's side streams as pools of their own")
+            f"({meta['fsdp_units']} + root; blocks {keep}){hsdp}; reserved: FSDP's side streams as pools of their own")
