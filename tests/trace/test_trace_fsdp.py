@@ -40,7 +40,8 @@ def _cli(capsys, *argv):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--dp", "2", "--fsdp", "full", "--tp", "2", "--cp", "2"], "--cp 2"),  # TP + FSDP2: tests/trace/test_trace_2d.py
-    (["--dp", "2", "--fsdp", "full", "--pp", "2"], "--pp 2"),
+    (["--dp", "2", "--fsdp", "hybrid", "--pp", "2", "--microbatches", "2"], "--fsdp hybrid"),  # FSDP2 under PP:
+    # tests/trace/test_trace_pp.py
     (["--dp", "2", "--fsdp", "full", "--zero", "3"], "--zero 3"),
     (["--dp", "4", "--fsdp", "hybrid", "--fsdp-group", "3"], "fsdp_group=3"),  # HSDP: tests/trace/test_trace_hsdp.py
     (["--dp", "2", "--fsdp", "hybrid", "--fsdp-version", "1"], "--fsdp-version 1"),

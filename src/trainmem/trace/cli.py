@@ -143,13 +143,12 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
 _PP_FLAGS = ("pp", "virtual_stages", "microbatches", "schedule", "layer_split")
 
 
-def _pipeline_alone(args) -> bool:
-    return bool((getattr(args, "pp", None) or 1) > 1 and not getattr(args, "tp", None)
-                and not getattr(args, "fsdp", None))
+def _pipeline_alone(args) -> bool:  # alone or with FSDP2 on each stage (--dp N --fsdp full)
+    return bool((getattr(args, "pp", None) or 1) > 1 and not getattr(args, "tp", None))
 
 
 def pp_spec(args: argparse.Namespace):
-    """The ParallelSpec ``trace --pp N`` asks (None without ``--pp``), checked in one line."""
+    """The ParallelSpec ``trace --pp N [--dp N --fsdp full]`` asks (None without ``--pp``), checked in one line."""
     from trainmem.errors import SpecError
     if not _pipeline_alone(args):
         if getattr(args, "pp_rank", 0):
@@ -205,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmem.trace.finetune import check_finetune
 
     offload = refuse_parallel(args)
-    parallel = fsdp_spec(args) or tp_spec(args) or pp_spec(args)
+    parallel = pp_spec(args) or fsdp_spec(args) or tp_spec(args)
     finetune = finetune_from_args(args)
     check_finetune(finetune, recompute=args.recompute)
     if finetune is not None and args.profile == "reference":

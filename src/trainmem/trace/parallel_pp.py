@@ -29,11 +29,20 @@ parameters' dtype). The receive buffers ``PipelineStage`` allocates once per mic
 across steps (``_PipelineStage._setup_forward_recv_info`` / ``_create_grad_recv_info``, stage.py) are
 registered as buffers of the traced step.
 
+``--dp N --fsdp full`` with ``--pp`` shards every stage with FSDP2 over its data-parallel ranks, as
+torchtitan's ``apply_fsdp`` under PP and the torchrun worker (``pp_dp``) do: the ranks form a (pp, dp)
+fake mesh, this process is data-parallel rank 0 of its stage, each block and then the stage are
+``fully_shard``-ed and the pipeline's P2P runs on the mesh's ``pp`` group. The schedule turns gradient
+sync off until a stage's last micro-batch (``_PipelineStageBase.backward_maybe_with_nosync``,
+``perform_reduce_grad``), so autograd's unsharded gradients live across the micro-batches and each unit
+reduce-scatters once per step; the recorder follows FSDP's resized storages as under ``--fsdp`` alone.
+
 Known limitations:
   - Llama-like decoders only (``model.embed_tokens``, ``model.layers``, ``model.norm`` and
     ``lm_head``, the HF base model taking ``inputs_embeds``); the ``lm`` head, cross-entropy loss,
     no fine-tuning, compile, Float8, optimizer-in-backward or offload; ``--grad-accum`` 1 (the
-    micro-batches are the accumulation); zero-bubble schedules are not run;
+    micro-batches are the accumulation); zero-bubble schedules are not run; FSDP2 under PP with
+    gpipe/1f1b, full sharding per block, fp32 or bf16 only (no fsdp-bf16, HSDP, interleaved);
   - ``--layer-split`` with ``interleaved`` is refused (a rank's virtual stages are not contiguous);
   - P2P transfers complete at once: a real backend's staging copies (NCCL's, gloo's) are not seen.
 """
@@ -57,14 +66,23 @@ def check_pp_flags(par, rank: int = 0) -> None:
     if par.schedule not in _SCHEDULES:
         raise UnsupportedError(f"--schedule {par.schedule}: trace runs gpipe, 1f1b and interleaved; estimate "
                                f"--schedule {par.schedule} gives the per-rank memory")
-    for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, 0),
-                                ("dp", par.dp, 1)):
+    for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, 0)):
         if value != single:
-            raise UnsupportedError(f"--{flag} {value} with --pp: trace runs pipeline parallelism alone; "
-                                   f"estimate --pp {par.pp} --{flag} {value} gives the per-rank memory")
+            raise UnsupportedError(f"--{flag} {value} with --pp: trace runs pipeline parallelism alone or with "
+                                   f"FSDP2; estimate --pp {par.pp} --{flag} {value} gives the per-rank memory")
+    if par.dp > 1 and par.fsdp is None:
+        raise UnsupportedError(f"--dp {par.dp} with --pp: trace runs each stage FSDP2-sharded (--fsdp full), not "
+                               f"replicated; estimate --pp {par.pp} --dp {par.dp} gives the per-rank memory")
     if par.fsdp is not None:
-        raise UnsupportedError(f"--fsdp {par.fsdp} with --pp: trace runs pipeline parallelism alone; estimate "
-                               "gives the per-rank memory")
+        if par.fsdp != "full" or par.fsdp_version != 2 or par.fsdp_units != "blocks":
+            raise UnsupportedError(f"--fsdp {par.fsdp} (version {par.fsdp_version}, units {par.fsdp_units}) with "
+                                   "--pp: trace runs FSDP2 full sharding per block and stage; estimate gives the "
+                                   "per-rank memory")
+        if par.dp < 2:
+            raise SpecError("dp", par.dp, "--fsdp full with --pp needs --dp N, N >= 2 ranks per stage")
+        if par.schedule == "interleaved":
+            raise UnsupportedError("--schedule interleaved with --pp and --fsdp: trace runs FSDP2 under gpipe and "
+                                   "1f1b; estimate gives the per-rank memory")
     if par.offload:
         raise UnsupportedError(f"--offload {','.join(par.offload)} with --pp: trace runs every stage's states on "
                                "the device; estimate gives the per-rank memory")
@@ -122,7 +140,8 @@ def pp_world(par, rank: int):
     if dist.is_initialized():
         raise UnsupportedError("a torch.distributed process group is already initialised in this process; "
                                "trace --pp starts its own fake group: call it outside your distributed job")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.pp)
+    # with FSDP2 the ranks form a (pp, dp) mesh (apply_pp): this rank is (rank, 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank * par.dp, world_size=par.pp * par.dp)
     try:
         yield None, None  # no device mesh (the pipeline uses the default group)
     finally:
@@ -237,6 +256,7 @@ def apply_pp(model, par, rank: int, step):
                       head if g == total - 1 else None, model.config, g == 0) for g in ids]
     loss = model.loss_function  # Hugging Face's causal-LM cross-entropy (loss/loss_utils.py ForCausalLMLoss)
     del model
+    group = _shard_stages(mods, par, step) if par.fsdp is not None else None
     B, S, H = step.batch, step.seq, base.config.hidden_size
     act = torch_dtype(step.dtypes.param)  # the residual stream's dtype (RMSNorm and the adds keep it)
     V = rank_model.config.vocab_size
@@ -245,8 +265,28 @@ def apply_pp(model, par, rank: int, step):
     for g, mod in zip(ids, mods):
         x = torch.randint(0, V, (B, S)) if g == 0 else torch.empty(B, S, H, dtype=act, requires_grad=True)
         y = torch.empty(B, S, V if g == total - 1 else H, dtype=act, requires_grad=True)
-        stages.append(PipelineStage(mod, g, total, torch.device("cpu"), input_args=x, output_args=y))
+        stages.append(PipelineStage(mod, g, total, torch.device("cpu"), input_args=x, output_args=y, group=group))
     return rank_model, Pipeline(par, stages, rank_model, step, loss)
+
+
+def _shard_stages(mods, par, step):
+    """FSDP2 on each stage over the data-parallel mesh dimension, as torchtitan's ``apply_fsdp`` under
+    PP and ``measure_dist/worker.py`` (``pp_dp``): ``fully_shard`` every block, then the stage as the
+    root; the (pp, dp) mesh is made with fake tensors off (it reads its ranks back). Returns the
+    pipeline's process group (the mesh's ``pp`` dimension)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with unset_fake_temporarily():
+        mesh = init_device_mesh("cpu", (par.pp, par.dp), mesh_dim_names=("pp", "dp"))
+    for mod in mods:
+        for layer in mod.model.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=par.reshard_after_forward,
+                        mp_policy=MixedPrecisionPolicy())
+        fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=par.reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy())
+    return mesh["pp"].get_group()
 
 
 class Pipeline:
@@ -286,6 +326,14 @@ class Pipeline:
         kwargs = {"target": self.ids, "losses": []} if self.last else {}
         with _sends_hold_their_tensors():
             self.schedule.step(*((self.ids,) if self.first else ()), **kwargs)
+
+    def register(self, tracer, rank_model) -> None:
+        """Tell ``tracer`` about the receive buffers and, under FSDP2, the storages FSDP resizes in place."""
+        for t, name in zip(*self.buffers()):
+            tracer.mark_buffer(t, name)  # kept across steps
+        if self.par.fsdp is not None:
+            from trainmem.trace.parallel_fsdp import unsharded_storages
+            tracer.watch_resizable(*unsharded_storages(rank_model))
 
     def buffers(self) -> tuple[list, list[str]]:
         """The receive buffers each stage keeps across steps, one per micro-batch and direction."""
@@ -338,8 +386,11 @@ def _sends_hold_their_tensors():
 
 def pp_meta(par, rank: int) -> dict:
     """What the result states about the pipeline it ran."""
-    return {"pp": par.pp, "rank": rank, "schedule": par.schedule, "microbatches": par.microbatches,
-            "stages": stage_ids(par, rank), "process_group": "fake"}
+    out = {"pp": par.pp, "rank": rank, "schedule": par.schedule, "microbatches": par.microbatches,
+           "stages": stage_ids(par, rank), "process_group": "fake"}
+    if par.fsdp is not None:
+        out["fsdp"] = {"dp": par.dp, "dp_rank": 0, "reshard_after_forward": par.reshard_after_forward}
+    return out
 
 
 def pp_line(meta: dict) -> str:
@@ -347,4 +398,6 @@ def pp_line(meta: dict) -> str:
     stages = ", ".join(str(s) for s in meta["stages"])
     return (f"pipeline: rank {meta['rank']} of {meta['pp']} (torch's fake process group), stage(s) {stages}, "
             f"{meta['schedule']} over {meta['microbatches']} micro-batches (torch.distributed.pipelining); "
-            f"other ranks: --pp-rank")
+            f"other ranks: --pp-rank"
+            + (f"; each stage FSDP2-sharded over {meta['fsdp']['dp']} ranks (traced: data-parallel rank 0)"
+               if "fsdp" in meta else ""))

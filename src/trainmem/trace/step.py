@@ -162,7 +162,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     if parallel is not None and parallel.is_single and parallel.pp == 1:
         parallel = None
     pp = None
-    if parallel is not None and parallel.pp > 1 and parallel.tp == 1 and parallel.fsdp is None:
+    if parallel is not None and parallel.pp > 1 and parallel.tp == 1:  # alone or with FSDP2 per stage
         from trainmem.trace.parallel_pp import check_pp  # one pipeline rank (trace/parallel_pp.py)
         check_pp(parallel, step, impl, finetune, config=model_or_config, rank=pp_rank)
         pp, parallel = (parallel, pp_rank), None
@@ -390,8 +390,8 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
         if ignore is not None:
             distinct.append(ignore)
         tracer = Tracer(model, optimizer, inputs=distinct, meta=meta, progress=progress)
-        for t, name in zip(*(pipe.buffers() if pipe is not None else ((), ()))):
-            tracer.mark_buffer(t, name)  # the stages' receive buffers, kept across steps
+        if pipe is not None:  # the stages' receive buffers; under FSDP2 the storages it resizes
+            pipe.register(tracer, model)
         if fsdp is not None:
             from trainmem.trace.parallel_fsdp import unsharded_storages
             tracer.watch_resizable(*unsharded_storages(model))
