@@ -43,9 +43,20 @@ def test_compiled_eager_attention_exact():
     assert _saved(LLAMA, whole) == (2 * BLOCK + head, 43)  # 1097236: the trace less inv_freq (32 B)
 
 
+def test_compiled_eager_attention_fp32_exact():
+    # fp32 keeps the softmax's output (the second bmm's input) and neither the scores, the reductions nor the mask;
+    # per block (14 tensors): input, norm outputs, o_proj, q, K, V, attention output 8 x 32768, rsqrt 2 x 512, the
+    # probabilities 2*4*64*64*4 = 131072, gate, up, act·up 3 x 90112; around them ids 1024, cos/sin 2 x 4096, the
+    # final norm's input, normed product and output 3 x 32768, rsqrt 512, log_softmax 512000, targets 1024, count 4
+    block = 8 * 32768 + 2 * 512 + 131072 + 3 * 90112
+    head = 1024 + 8192 + 3 * 32768 + 512 + 512000 + 1024 + 4
+    impl = ImplSpec(device="cpu", compile=True, compile_scope="block", attention="eager")
+    assert _saved(LLAMA, impl, StepSpec(batch=2, seq=64, precision="fp32")) == (2 * block + head, 38)  # 1950212
+
+
 @pytest.mark.parametrize("config, precision, impl", [
-    (LLAMA, "fp32", ImplSpec(device="cpu", compile=True, attention="eager")),  # fp32 keeps the softmax itself
-    (dict(LLAMA, num_key_value_heads=4), "bf16", ImplSpec(device="cpu", compile=True, attention="eager")),
+    (LLAMA, "fp16", ImplSpec(device="cpu", compile=True, attention="eager")),  # not traced
+    (dict(LLAMA, num_key_value_heads=1), "bf16", ImplSpec(device="cpu", compile=True, attention="eager")),
 ])
 def test_unchecked_eager_attention_is_refused_by_name(config, precision, impl):
     with pytest.raises(UnsupportedError, match="attention='eager'") as info:
@@ -54,14 +65,15 @@ def test_unchecked_eager_attention_is_refused_by_name(config, precision, impl):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, scope, batch, seq", [
-    (LLAMA, "model", 1, 96), (LLAMA, "block-loss", 3, 40), (QWEN2, "block", 2, 48)])
-def test_estimate_equals_the_compiled_trace(config, scope, batch, seq):
+@pytest.mark.parametrize("config, scope, batch, seq, precision", [
+    (LLAMA, "model", 1, 96, "bf16"), (LLAMA, "block-loss", 3, 40, "bf16"), (QWEN2, "block", 2, 48, "bf16"),
+    (LLAMA, "model", 2, 48, "fp32"), (dict(LLAMA, num_key_value_heads=4), "block", 2, 40, "bf16")])
+def test_estimate_equals_the_compiled_trace(config, scope, batch, seq, precision):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
     impl = ImplSpec(device="cpu", compile=True, compile_scope=scope, attention="eager")
-    step = StepSpec(batch=batch, seq=seq, precision="bf16")
+    step = StepSpec(batch=batch, seq=seq, precision=precision)
     traced = trace_step(config, step, impl).meta["compile"]
     inv_freq = [32] if scope == "model" else []  # the whole-model graph saves the rotary inv_freq, a buffer
     assert _saved(config, impl, step) == (traced["saved_compiled_bytes"] - sum(inv_freq),

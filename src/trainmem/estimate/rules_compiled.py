@@ -82,8 +82,8 @@ def check_compiled(ctx: Ctx) -> None:
          "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient") and not (
             resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
-         "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 at "
-         "--recompute none with grouped K/V heads in the Llama block (estimate/rules_compiled_attention.py)"),
+         "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 or fp32 "
+         "at --recompute none with more than one K/V head in the Llama block (estimate/rules_compiled_attention.py)"),
         ("parallel", "sharded", ctx.shard != Shard(), "compiled rules cover one device's shapes and FSDP2 "
          "(--dp N --fsdp full: estimate/compiled_sharded.py), not tensor, context or expert parallelism"),
         ("finetune", _finetune_mode(ctx), _finetune_mode(ctx) not in ("off", "full", "lora", "qlora") or (

@@ -17,10 +17,16 @@ A 16-bit compiled block keeps:
 
     per block   a·(4·B·A·S·hd + 2·B·A·S·S) + 8·B·A·S
 
-Per block (``--compile-scope block``) the eager causal mask (B·1·S·S, in the activation dtype),
-built once outside the blocks, enters every block and is kept once; a whole-model graph builds it
-from ``iota`` and recomputes it. Checked at S=64 in bf16 for grouped K/V heads (1 < Akv < A); in
-fp32 the softmax's own output is the second bmm's input and is kept instead (not checked: refused).
+In fp32 the softmax's own output is the second bmm's input: the block keeps it (4·B·A·S·S) and
+neither the scores nor the reductions:
+
+    per block   4·(4·B·A·S·hd + B·A·S·S)                        fp32
+
+Per block (``--compile-scope block``) a 16-bit step keeps the eager causal mask (B·1·S·S, in the
+activation dtype; one per layer type), built once outside the blocks and read by every block's
+recomputed softmax; fp32 does not need it. A whole-model graph builds it from ``iota`` and
+recomputes it. Read at S=16, 64 and 128 in bf16 and S=64 in fp32, with grouped (1 < Akv < A) and
+full (Akv = A) K/V heads; one K/V head is refused (``repeat_kv`` may be a view there, not traced).
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ __all__ = ["compiled_eager_attention", "eager_checked", "eager_mask"]
 
 
 def eager_checked(ctx: Ctx) -> bool:
-    """Where the rule was read: bf16, no recompute, grouped K/V heads, the Llama block (no q/k norms, no
-    MoE, not a ``compiled_narrow`` family), no Float8 or fine-tuning."""
+    """Where the rule was read: bf16 (fp32 without soft-capping), no recompute, more than one K/V head,
+    the Llama block (no q/k norms, no MoE, not a ``compiled_narrow`` family), no Float8 or fine-tuning."""
     m, impl = ctx.model, ctx.impl
-    return (ctx.step.recipe == "bf16" and impl.recompute == "none" and 1 < m.num_kv_heads < m.num_heads
+    return ((ctx.step.recipe == "bf16" or (ctx.step.recipe == "fp32" and not m.attn_softcap))
+            and impl.recompute == "none" and 1 < m.num_kv_heads <= m.num_heads
             and not (m.qk_norm or m.is_moe or family_of(m).compiled_narrow) and impl.float8 == "none"
             and ctx.finetune_linear is None)
 
@@ -48,11 +55,12 @@ def compiled_eager_attention(ctx: Ctx, q: Sym) -> Sym:
     B, S, A, hd, a = ctx.B, ctx.S, m.num_heads, m.head_dim, ctx.param
     heads, heads_dims = (B, A, S, hd), ("B", "A", "S", "hd")
     scores, scores_dims = (B, A, S, S), ("B", "A", "S", "S")
-    g.save(q, g.new("k_repeat", heads, heads_dims, a),
-           g.new("v_repeat", heads, heads_dims, a), g.new("scores", scores, scores_dims, a, op="bmm"),
-           g.new("row_max", (B, A, S, 1), ("B", "A", "S", "1"), "float32"),
-           g.new("row_sum", (B, A, S, 1), ("B", "A", "S", "1"), "float32"),
-           g.new("probs", scores, scores_dims, a))
+    g.save(q, g.new("k_repeat", heads, heads_dims, a), g.new("v_repeat", heads, heads_dims, a))
+    if a != "float32":  # the scores and the softmax's reductions, from which the fp32 softmax is recomputed
+        g.save(g.new("scores", scores, scores_dims, a, op="bmm"),
+               g.new("row_max", (B, A, S, 1), ("B", "A", "S", "1"), "float32"),
+               g.new("row_sum", (B, A, S, 1), ("B", "A", "S", "1"), "float32"))
+    g.save(g.new("probs", scores, scores_dims, a))  # the second bmm's input (fp32: the softmax's own output)
     out = g.new("attn_out", (B, S, A * hd), ("B", "S", "A·hd"), a)
     g.save(out)
     return out
@@ -63,6 +71,8 @@ def eager_mask(ctx: Ctx) -> None:
     (``masking_utils.create_causal_mask``, and ``create_sliding_window_causal_mask`` for Gemma-2's
     sliding layers, even with a window not shorter than S), each passed to its blocks and kept once."""
     g, B, S = ctx.graph, ctx.B, ctx.S
+    if ctx.param == "float32":  # fp32 keeps the softmax's output, not what recomputes it (the masked scores)
+        return
     types = sorted({k.attention for k in ctx.model.kinds})
     with g.module("model"):
         for t in types:
