@@ -5,13 +5,13 @@ litgpt 0.5.13's ``lora.GPT`` with ``lora_head=True`` makes ``lm_head`` a ``LoRAL
 ``GPT.__init__``), run once per 128-token split (litgpt/model.py ``GPT.forward(lm_head_chunk_size=128)``):
 its adapters ``lora_A`` (r, H) and ``lora_B`` (V, r) train (gradient, AdamW states), and each chunk's
 ``LoRALinear.forward`` keeps the dropout mask, the dropout output and the rank-r product, all chunk-sized
-(at B=1 the chunk is a view of the head input). The slow test runs the real model on CPU (bf16, foreach
-AdamW, litgpt's ``chunked_cross_entropy``) and holds the estimate's step peak to the live-storage peak
-(trace/saved.py ``step_peak_bytes``); the LoRA head's share (peak with it less peak without it) is
-equal to the byte but 8 B (the real step holds 8 B more with the LoRA head, not found).
-Gradient accumulation is left out here: from the second micro-batch the head's forward runs beside the
-previous micro-batch's logits (litgpt/finetune/lora.py ``fit`` keeps ``logits`` bound), which the
-estimate does not take as a moment of its own.
+(at B=1 the chunk is a view of the head input). Inside the last chunk's forward the frozen output, the
+scaled adapter output and their sum are alive beside the earlier chunks' logits, the head input and the
+loop's previous ``logits`` (litgpt/finetune/lora.py ``fit`` keeps them bound until the new forward returns,
+across optimizer steps too): with a LoRA head that moment tops the loss backward at these shapes.
+The slow test runs the real model on CPU (bf16, foreach AdamW, litgpt's ``chunked_cross_entropy``) in
+``fit``'s loop, the previous step's logits held, and holds the estimate's step peak to the live-storage
+peak (trace/live.py ``LiveStorages``, the held logits in its baseline).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 H, A, KV, F, V, L, R, S = 256, 4, 2, 512, 4096, 2, 8, 256
 
 
-def _estimate(B: int, head: bool, dropout: float):
+def _estimate(B: int, head: bool, dropout: float, accum: int = 1):
     from trainmem.estimate import estimate
     from trainmem.specs import ImplSpec, StepSpec
     from trainmem.specs.finetune import FinetuneSpec
@@ -31,7 +31,7 @@ def _estimate(B: int, head: bool, dropout: float):
                num_key_value_heads=KV, vocab_size=V)
     ft = FinetuneSpec(mode="lora", lora_rank=R, lora_alpha=16, adapter_dtype="param", lora_dropout=dropout,
                       lora_targets=("q_proj", "v_proj") + (("lm_head",) if head else ()))
-    step = StepSpec(batch=B, seq=S, precision="bf16", optimizer="adamw", loss="litgpt-chunked-ce")
+    step = StepSpec(batch=B, seq=S, precision="bf16", optimizer="adamw", loss="litgpt-chunked-ce", grad_accum=accum)
     return estimate(spec_from_hf_config(cfg), step, ImplSpec(device="cpu", framework="litgpt", optimizer_impl="foreach"),
                     finetune=ft)
 
@@ -58,42 +58,47 @@ def test_lora_head_keeps_chunk_sized_tensors(B):
     assert kept == 2 * (2 * B * 128 * H * 2 + B * 128 * R * 2) == B * 266_240
 
 
-def _real(B: int, head: bool, dropout: float) -> int:
+def _real(B: int, dropout: float, accum: int) -> int:
     torch = pytest.importorskip("torch")
     lora = pytest.importorskip("litgpt.lora")
     from litgpt.utils import chunked_cross_entropy
 
-    from trainmem.trace.saved import step_peak_bytes
+    from trainmem.trace.live import LiveStorages
 
     torch.manual_seed(0)
     config = lora.Config(name="tiny", n_layer=L, n_embd=H, n_head=A, n_query_groups=KV, intermediate_size=F,
                          block_size=S, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", bias=False,
                          parallel_residual=False, rotary_percentage=1.0, padded_vocab_size=V, vocab_size=V,
                          lora_r=R, lora_alpha=16, lora_dropout=dropout, lora_query=True, lora_value=True,
-                         lora_head=head)
+                         lora_head=True)
     model = lora.GPT(config).to(torch.bfloat16)
     lora.mark_only_lora_as_trainable(model)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     ids, targets = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    loop = {}  # fit's locals: logits stay bound until the next forward returns
 
-    def step():  # litgpt/finetune/lora.py fit, one micro-batch
-        logits = model(ids, lm_head_chunk_size=128)
-        logits[-1] = logits[-1][..., :-1, :]
-        chunked_cross_entropy(logits, targets[..., 1:]).backward()
+    def step():  # litgpt/finetune/lora.py fit, one optimizer step
+        for _ in range(accum):
+            loop["logits"] = logits = model(ids, lm_head_chunk_size=128)
+            logits[-1] = logits[-1][..., :-1, :]
+            (chunked_cross_entropy(logits, targets[..., 1:]) / accum).backward()
         opt.step()
         opt.zero_grad()
 
-    step()  # the optimizer state exists from here on
-    return step_peak_bytes(model, opt, step)
+    step()  # the optimizer state and the previous step's logits exist from here on
+    live = LiveStorages([*model.parameters(), *model.buffers(), *loop["logits"],
+                         *(v for state in opt.state.values() for v in state.values())])
+    with live:  # (a list of the baseline kept here would keep the old logits alive)
+        step()
+    return live.peak
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,dropout", [(1, 0.05), (2, 0.05), (2, 0.0)])
-def test_lora_head_matches_real_litgpt(B, dropout):
-    est = {h: _estimate(B, h, dropout).peak_bytes for h in (False, True)}
-    real = {h: _real(B, h, dropout) for h in (False, True)}
-    assert est[True] - est[False] == real[True] - real[False] - 8, (est, real)
-    # the rest is LitGPT LoRA's, with or without the head: the estimate is 8·B·S + 5,906 B under the real step
-    # (7,954 B at B=1, 10,002 at B=2; not the head's, not looked into here)
-    assert abs(est[True] - real[True]) <= 5e-4 * real[True], (est, real)
+@pytest.mark.parametrize("B,dropout,accum", [(1, 0.05, 1), (2, 0.05, 1), (2, 0.0, 1), (2, 0.05, 2)])
+def test_lora_head_matches_real_litgpt(B, dropout, accum):
+    est, real = _estimate(B, True, dropout, accum), _real(B, dropout, accum)
+    assert est.peak.name == "forward" and "LoRA head chunk" in est.peak.note, est.peak
+    # measured: the estimate is 5,912 B under at grad-accum 1 (B=1 and 2), 10,010 B at 2 (without the
+    # head, LitGPT LoRA's backward_start is 8·B·S + 5,906 B under; not the head's, not looked into here)
+    assert 0 <= real - est.peak_bytes <= 4e-4 * real, (est.peak_bytes, real)

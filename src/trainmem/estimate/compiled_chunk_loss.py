@@ -63,8 +63,9 @@ def compiled_chunk_items(ctx, logits) -> None:
 
 
 def compiled_chunk_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str, hidden_row_bytes: int = 0,
-                          head_weight_grad: int = 0) -> LossPhases:
-    """The arithmetic of the module docstring (same signature as ``framework_loss_phases``)."""
+                          head_weight_grad: int = 0, lora_head_input: int | None = None) -> LossPhases:
+    """The arithmetic of the module docstring (same signature as ``framework_loss_phases``; torchtune's
+    recipe frees its logits, so ``lora_head_input`` adds no head-forward moment)."""
     if loss != LOSS:
         raise ValueError(f"loss={loss!r}: only {LOSS} compiles its chunk function alone")
     d = dtype_bytes(logits_dtype)

@@ -53,7 +53,7 @@ from trainmem.inventory import dtype_bytes
 from trainmem.specs.step import FRAMEWORK_LOSSES, LITGPT_CHUNK, TORCHTUNE_CHUNKS
 
 __all__ = ["FRAMEWORK_LOSSES", "TORCHTUNE_CHUNKS", "LITGPT_CHUNK", "chunk_lengths", "LossPhases",
-           "framework_loss_phases", "framework_loss_items", "torchtune_head"]
+           "framework_loss_phases", "framework_loss_items", "torchtune_head", "lora_head_input"]
 
 
 def chunk_lengths(loss: str, S: int) -> list[int]:
@@ -198,12 +198,17 @@ class LossPhases:
     head_backward: dict[str, int] | None = None
     """Beside the activations less the loss's kept set, while the head's chunk matmuls run backward
     and their weight gradients are summed (None: one chunk, or no trainable head weight)."""
+    head_forward: dict[str, int] | None = None
+    """Beside the activations less the loss's kept set, inside the last head chunk's forward (LitGPT
+    with a LoRA head only: :func:`_lora_head_forward`); the forward phase takes it when it is larger."""
 
 
 def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: str, hidden_row_bytes: int = 0,
-                          head_weight_grad: int = 0) -> LossPhases:
+                          head_weight_grad: int = 0, lora_head_input: int | None = None) -> LossPhases:
     """The pure arithmetic of the module docstring. ``hidden_row_bytes``: H·d (one row of the head's
-    input gradient); ``head_weight_grad``: the bytes of the head weight's gradient (0 if frozen)."""
+    input gradient); ``head_weight_grad``: the bytes of the head weight's gradient (0 if frozen);
+    ``lora_head_input``: None unless the head has LoRA adapters, else the bytes of the head input
+    alive beside the kept set (:func:`lora_head_input`)."""
     d = dtype_bytes(logits_dtype)
     rows = _rows(loss, B, S)
     logits = int(B * S * V * d)
@@ -235,8 +240,33 @@ def framework_loss_phases(loss: str, *, B: int, S: int, V: int, logits_dtype: st
     bwd = max(work * r * V + lsm_b * V * sum(rows[:j + 1]) + d * V * sum(rows[j + 1:])
               + (targets[j] if B == 1 else sum(targets[:j])) + tw * j + (3 if j else 2) * scalar
               for j, r in enumerate(rows)) - kept  # the kept set is counted in the activations
+    head_fwd = _lora_head_forward(B, S, V, d, lora_head_input) if held and lora_head_input is not None else None
     return LossPhases({k: int(v) for k, v in fwd.items() if v}, {"logits_grad": int(bwd)}, held,
-                      _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad))
+                      _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad), head_fwd)
+
+
+def _lora_head_forward(B: int, S: int, V: int, d: float, head_input: int) -> dict[str, int]:
+    """Inside LitGPT's last head chunk with a LoRA head (litgpt/lora.py ``LoRALinear.forward``:
+    ``pretrained + lora``, ``lora = (dropout(x) @ lora_A.T @ lora_B.T) * scaling``, the matmul's output
+    freed by the scaling): the frozen output, the scaled adapter output and their sum, three chunk-sized
+    logits, beside the earlier chunks' logits and the head input (``GPT.forward``'s ``x``). The loss has
+    kept nothing yet; the loop's ``logits`` (the held ledger) are the previous micro-batch's, still bound
+    until this forward returns (litgpt/finetune/lora.py ``fit``). Measured on CPU against litgpt 0.5.13
+    (tests/estimate/test_litgpt_lora_head.py): with a wide vocabulary this tops the loss backward."""
+    lens = chunk_lengths("litgpt-chunked-ce", S)
+    parts = {"logits": d * V * B * sum(lens[:-1]), "head_chunk": 3 * d * V * B * lens[-1], "head_input": head_input}
+    return {k: int(v) for k, v in parts.items() if v}
+
+
+def lora_head_input(items, B: int, S: int, hidden_row_bytes: int) -> int | None:
+    """None unless the head has LoRA adapters (``lm_head.lora_*`` parameters); else the head input's bytes
+    (B·S·H·d), 0 where it is kept already (B=1 with a trainable head weight: mm keeps it whole)."""
+    from trainmem.inventory import Category, Inventory
+    base = items.base if isinstance(items, Inventory) else items
+    if not any(i.category is Category.PARAMETER and i.name.startswith("lm_head.lora_") for i in base):
+        return None
+    kept = B == 1 and any(i.category is Category.GRADIENT and i.name.startswith("lm_head.weight") for i in base)
+    return 0 if kept else B * S * hidden_row_bytes
 
 
 def _head_backward(loss, B, S, V, d, scalar, hidden_row_bytes, head_weight_grad) -> dict[str, int] | None:

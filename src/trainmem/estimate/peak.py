@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
 from trainmem.estimate.phase import Phase
-from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases
+from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
 from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
 
 __all__ = ["Phase", "PhasedResult", "LayerStats", "phases", "layer_stats", "recompute_per_layer"]
@@ -220,12 +220,18 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         from trainmem.estimate.compiled_chunk_loss import compiled_chunk_phases
         fl = (compiled_chunk_phases if compiled_loss else framework_loss_phases)(
             loss, B=B, S=S, V=vocab, logits_dtype=logits_dtype, hidden_row_bytes=residual_bytes // (B * S),
-            head_weight_grad=_head_weight_grad(items))
+            head_weight_grad=_head_weight_grad(items),
+            lora_head_input=lora_head_input(items, B, S, residual_bytes // (B * S)))
         if fl.held:  # LitGPT's loop keeps its logits bound in every phase
             persistent["logits_held"] = fl.held
         # inside the last chunk the loss value (total / count) is not made yet
-        add("forward", {"gradients": g_acc, "activations": A - st.loss_value, **fl.forward},
-            f"end of forward, inside the last chunk of {loss}: saved activations + the chunks' logits")
+        fwd = {"gradients": g_acc, "activations": A - st.loss_value, **fl.forward}
+        head = {"gradients": g_acc, "activations": A - st.loss_act, **(fl.head_forward or {})}
+        if fl.head_forward and sum(head.values()) > sum(fwd.values()):
+            add("forward", head, "inside the last LoRA head chunk: its frozen and adapter outputs and their sum, "
+                                 "the earlier chunks' logits, the loop's previous logits (estimate/losses.py)")
+        else:
+            add("forward", fwd, f"end of forward, inside the last chunk of {loss}: saved activations + the chunks' logits")
         add("backward_start", {"gradients": g_acc, "activations": A, **fl.backward_start},
             f"{loss} backward, chunk by chunk: one chunk's log-softmax gradients + the logit gradients so far")
         if fl.head_backward:
