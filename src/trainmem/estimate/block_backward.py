@@ -41,6 +41,9 @@ _OTHER_NORMS = ("one_plus_w", "out_fp32")
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
 #: the same four as ``--profile traced`` names them (estimate/traced: by the op that made each)
 _MLP_TRACED = ("gate_proj.mm", "act_fn.silu", "up_proj.mm", "mul")
+#: (the MLP's saved tensors ending with its last product, its down projection, what may follow inside the MLP)
+_MLPS = ((_MLP, "down_proj", ()), (_MLP_TRACED, "down_proj", ()),
+         (("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x", "act.out"), "c_proj", ("dropout.mask",)))
 _FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -69,24 +72,40 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
 
 
 def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
-    """The moment of a Llama MLP's ``act_fn(gate) * up`` backward (``MulBackward0``: ``grad * up`` and
-    ``grad * act``, two (B, S, F) tensors), when the MLP is the block's last child: ``down_proj``'s
-    input gradient (B, S, F) and weight gradient exist, its saved input ``act_mul_up`` was freed and
-    so was the block output a later node kept (``residual_mlp``: the final norm's input in fp32)."""
-    for names in (_MLP, _MLP_TRACED):
+    """The moment of an MLP's last product's backward, when the MLP is the block's last child
+    (``MulBackward0``: ``grad * other`` and ``grad * self``, two (B, S, F) tensors,
+    ``tools/autograd/derivatives.yaml`` ``mul.Tensor``): a Llama MLP's ``act_fn(gate) * up``, or HF
+    GPT-2's ``gelu_new`` (``NewGELUActivation.forward``: ``0.5 * x * (1 + tanh(...))``, the product of
+    ``half_x`` and ``one_plus_tanh`` last). The down projection's input gradient (B, S, F) and weight
+    gradient exist (Conv1D: ``addmm`` backward's ``mm`` for each, and its bias gradient's ``sum``),
+    its saved input (the product) was freed, the MLP's dropout mask too, and so was the block output
+    a later node kept (``residual_mlp``: the final norm's input)."""
+    for names, down, tail in _MLPS:
         ends = [k for k, i in enumerate(acts) if i.name.endswith(f".mlp.{names[-1]}")]
         if ends and ends[-1] >= len(names) - 1 and \
                 [i.name.split(".mlp.", 1)[-1] for i in acts[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
             break
     else:
         return []
-    # after the MLP only the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
-    if any(not _residual(_child(i.name) or "") for i in acts[ends[-1] + 1:]):
+    # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
+    if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
         return []
     prod = acts[ends[-1]]
-    down = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj." in i.name)
-    return [{"block_gradients": down, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]),
-             "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
+    grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name)
+    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]),
+            "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
+    if tail and not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
+        # GPT-2's Conv1D (``torch.addmm(bias, x, weight)``), one dtype: the end of ``AddmmBackward0``
+        # (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``, ``mat2``'s ``x.T @ grad``,
+        # then ``self``'s ``grad`` reduced to the bias's shape by ``sum_to`` in the engine's
+        # ``validate_outputs``, torch/csrc/autograd/engine.cpp). Its saved input (the product) is still
+        # held; its output gradient (the dropout's backward output, residual-sized) too. The new weight
+        # and bias gradients are ``new_gradients``: the .grad on a first micro-batch, beside it after.
+        dropout = any(i.name.split(".mlp.", 1)[-1] in tail for i in acts[ends[-1] + 1:])
+        out.append({"block_gradients": grads, "new_gradients": grads,
+                    "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:]), "after_attention": 0,
+                    "work": residual_bytes * (1 + dropout) + prod.bytes})
+    return out
 
 
 def _residual(child: str) -> bool:

@@ -80,6 +80,8 @@ class LayerStats:
     loss_act: int = 0
     loss_value: int = 0
     """The loss the caller holds (``loss.value``, estimate/loss_value.py): made at the end of the loss."""
+    nll_saved: int = 0
+    """``nll_loss``'s saved target and total weight (``loss.target``, ``loss.total_weight``)."""
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -97,6 +99,8 @@ class LayerStats:
                     self.loss_act += it.bytes
                     if it.name == "loss.value":
                         self.loss_value += it.bytes
+                    elif it.name in ("loss.target", "loss.total_weight"):
+                        self.nll_saved += it.bytes
         elif it.category is Category.GRADIENT:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
@@ -127,6 +131,8 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
             outside.append(it)
     if any(it.name.startswith("lm_head.") for it in outside):  # untied head: the embedding's gradient comes last
         st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
+    else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) come last
+        st.late_grad = sum(it.bytes for it in outside if is_embedding(it.name) and not is_token_embedding(it.name))
     for r in items.repeats:
         # one pass over the template, then its per-block sums land on every repeated block
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes]
@@ -214,7 +220,11 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         upcast = int(BSV * lb) if loss_dtype != logits_dtype else 0
         add("forward", {"gradients": g_acc, "activations": A, "logits": logits + upcast},
             "end of forward: saved activations + logits (and their upcast copy) held by the output")
-        add("backward_start", {"gradients": g_acc, "activations": A, "logits_grad": int(2 * BSV * lb)},
+        # log_softmax's backward runs after NllLossBackward0 released its saved target and total weight
+        # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
+        # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
+        add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved, "logits_grad": int(2 * BSV * lb),
+                               "loss_seed": lb if st.nll_saved else 0},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
         from trainmem.estimate.compiled_chunk_loss import compiled_chunk_phases
@@ -271,7 +281,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
                 # node_work: the residual gradient, the node's temporaries, and the loss and its seed
                 # gradient (ones_like), alive through backward
-                at = {"gradients": grads_before + (0 if grad_accum > 1 else nb["block_gradients"]),
+                at = {"gradients": grads_before + nb.get("new_gradients", 0 if grad_accum > 1 else nb["block_gradients"]),
                       "activations": acts_before - nb["freed_activations"] - shared,
                       "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)}
                 if sum(at.values()) > sum(parts.values()):
