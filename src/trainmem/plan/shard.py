@@ -62,8 +62,11 @@ __all__ = ["Breakdown", "breakdown", "rank_peak", "StagePeak", "clear_cache", "R
 
 _TP_DIMS = frozenset({"A", "Akv", "F", "Fe"})
 _CATEGORIES = (Category.PARAMETER, Category.GRADIENT, Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE)
-#: the TP roles a state total is kept under: replicated (÷ 1), TP-sharded (÷ tp), experts (÷ ep, or ÷ tp without EP)
-ROLES = ("replicated", "tp", "experts")
+#: the TP roles a state total is kept under: replicated (÷ 1), TP-sharded (÷ tp), experts (÷ ep, or ÷ tp without EP),
+#: and the token embedding's gradient under the torch engines: DTensor's vocab-parallel embedding gives it a
+#: replicated gradient (÷ 1), which FSDP2 reduce-scatters into the sharded parameter's layout (÷ tp, then the
+#: shard group; estimate/parallel.py rank_classes, checked by trace/parallel_2d.py)
+ROLES = ("replicated", "tp", "experts", "vocab_grad")
 _PROBE_TP, _PROBE_EP = 2, 3  # _tp_factor's answer at these degrees names the role: 1, 2 or 3
 
 
@@ -174,7 +177,7 @@ def breakdown(e: Estimate) -> Breakdown:
             continue
         replicated_grad = (li is None and torch_engine and it.category is Category.GRADIENT
                            and is_token_embedding(it.name))
-        r = 0 if replicated_grad else _role(it.name, li, memo)
+        r = 3 if replicated_grad else _role(it.name, li, memo)
         if emb is not None and it.name.startswith(emb):
             tied[_role(it.name.replace(emb, "lm_head.weight", 1), None, memo)][k] += it.bytes
         if li is not None:
@@ -241,14 +244,14 @@ def _totals(prefix: str, roles: tuple, fraction: float = 1.0) -> list[MemoryItem
     return out
 
 
-def _role_divisors(tp: int, ep: int) -> dict[str, int]:
+def _role_divisors(tp: int, ep: int, fsdp: bool) -> dict[str, int]:
     """Each role's TP/EP divisor, as the estimator's ``_tp_factor`` gives its items."""
-    return {"replicated": 1, "tp": tp, "experts": ep * (tp if ep == 1 else 1)}
+    return {"replicated": 1, "tp": tp, "experts": ep * (tp if ep == 1 else 1), "vocab_grad": tp if fsdp else 1}
 
 
 @lru_cache(maxsize=4096)
 def _stage_states(states: tuple, tp: int, ep: int, pp: int, layer_split: tuple, zero: int, group: int,
-                  offload: tuple, stage: int) -> tuple[float, float, float, float, float, float]:
+                  offload: tuple, stage: int, fsdp: bool = False) -> tuple[float, float, float, float, float, float]:
     """(parameters, gradients, master weights, optimizer states, optimizer temporaries, host
     bytes) of pipeline stage ``stage``, through the estimator's own pipeline steps."""
     num_layers, block, embed, head, tied, temporaries = states
@@ -265,7 +268,7 @@ def _stage_states(states: tuple, tp: int, ep: int, pp: int, layer_split: tuple, 
         items += here
         stage_of += [s] * len(here)
     kept = apply_pp(items, stage_of, stage)
-    role_div = _role_divisors(tp, ep)
+    role_div = _role_divisors(tp, ep, fsdp)
     sharded = apply_zero(kept, {it.name: role_div[it.name.split(".")[-2]] for it in kept}, zero=zero, group=group)
     on_device, host = apply_offload(sharded, offload)
     sums = dict.fromkeys(_CATEGORIES, 0)
@@ -301,14 +304,14 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
     block_act = (b.act_split / p.tp + b.act_replicated / rep) / L / p.cp  # one block, one micro-batch
     states = (L, b.block_states, b.embed_states, b.head_states, b.tied_head_states, b.optimizer_temporaries)
     ep = getattr(p, "ep", 1)  # the planner's records have no EP: 1
-    role_div = tuple(_role_divisors(p.tp, ep).values())
+    role_div = tuple(_role_divisors(p.tp, ep, p.fsdp is not None).values())
     layers = stage_layers(_Depth(L), p)
     stages = [("first", 0)] + ([("last", p.pp - 1)] if p.pp > 1 else [])
     out = []
     for name, s in stages:
         first, last = s == 0, s == p.pp - 1
         P, G, M, O, temps, host = _stage_states(states, p.tp, ep, p.pp, tuple(p.layer_split), zero, group,
-                                                tuple(p.offload), s)
+                                                tuple(p.offload), s, p.fsdp is not None)
         gathered = 2 * sum(n / d for n, d in zip(b.largest_block_params, role_div)) if zero >= 3 else 0.0
         A_blocks = in_flight(p, s) * (layers[s][1] - layers[s][0]) * block_act
         A_first = b.act_first / p.cp if first else 0.0
