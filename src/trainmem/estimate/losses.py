@@ -259,11 +259,14 @@ def _lora_head_forward(B: int, S: int, V: int, d: float, head_input: int) -> dic
 
 
 def lora_head_input(items, B: int, S: int, hidden_row_bytes: int) -> int | None:
-    """None unless the head has LoRA adapters (``lm_head.lora_*`` parameters); else the head input's bytes
-    (B·S·H·d), 0 where it is kept already (B=1 with a trainable head weight: mm keeps it whole)."""
+    """None unless the head has LoRA adapters (``lm_head.lora_*`` parameters) over a 16/32-bit weight; else
+    the head input's bytes (B·S·H·d), 0 where it is kept already (B=1 with a trainable head weight: mm keeps
+    it whole). A 4-bit head (``--quantize-head``: ``lm_head.weight.absmax`` and the like) is left to the
+    forward phase as before: its dequantized weight is alive at that moment too, not modelled here."""
     from trainmem.inventory import Category, Inventory
     base = items.base if isinstance(items, Inventory) else items
-    if not any(i.category is Category.PARAMETER and i.name.startswith("lm_head.lora_") for i in base):
+    params = [i.name for i in base if i.category is Category.PARAMETER and i.name.startswith("lm_head.")]
+    if not any(n.startswith("lm_head.lora_") for n in params) or any(n.startswith("lm_head.weight.") for n in params):
         return None
     kept = B == 1 and any(i.category is Category.GRADIENT and i.name.startswith("lm_head.weight") for i in base)
     return 0 if kept else B * S * hidden_row_bytes
