@@ -221,12 +221,15 @@ def _pp_stage_io(every, par: ParallelSpec, rank: int, one: int, phases: tuple[st
     last, kept across steps; and every forwarded micro-batch's stage output stays in
     ``fwd_cache`` until its backward. ``one``: one micro-batch's boundary activation; ``phases``:
     every working phase of the stage (the receive buffers live in all of them)."""
-    from trainmem.estimate.pp_schedule import local_stages, outputs_in_flight
+    from trainmem.estimate.pp_schedule import local_stages, stage_outputs_held
 
     v, m = par.virtual_stages, par.microbatches
     ids = local_stages(par.schedule, pp=par.pp, v=v, rank=rank)
     total = par.pp * len(ids)
     every("pp_recv_activations", m * one * sum(1 for g in ids if g > 0), phases)
     every("pp_recv_gradients", m * one * sum(1 for g in ids if g < total - 1), phases)
-    every("pp_stage_outputs", one * outputs_in_flight(par.schedule, pp=par.pp, v=v, m=m, rank=rank),
-          tuple(p for p in phases if p != "backward_end"))
+    # the most alive at once, and those the schedule's sends still hold after the last backward
+    held, at_end = stage_outputs_held(par.schedule, pp=par.pp, v=v, m=m, rank=rank)
+    every("pp_stage_outputs", one * held, tuple(p for p in phases if p != "backward_end"))
+    if at_end and "backward_end" in phases:
+        every("pp_stage_outputs", one * at_end, ("backward_end",))

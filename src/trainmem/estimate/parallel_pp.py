@@ -12,7 +12,7 @@ from trainmem.inventory import MemoryItem
 from trainmem.names import is_head, layer_index
 from trainmem.specs import ModelSpec, ParallelSpec
 
-__all__ = ["stage_layers", "in_flight", "apply_pp"]
+__all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases"]
 
 
 def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
@@ -60,3 +60,19 @@ def _stage_of(name: str, stages: list[tuple[int, int]]) -> int:
 def apply_pp(items, stage_of, stage: int) -> list[MemoryItem]:
     """The items stage ``stage`` keeps (``stage_of``: each item's stage, in order)."""
     return [it for it, st in zip(items, stage_of) if st == stage]
+
+
+def recv_input_aliases(stage_acts: list[MemoryItem], first_layer: int) -> list[MemoryItem]:
+    """A receiving stage's input as its first block saves it, given as what it is: the receive buffer.
+    ``_PipelineStageBase._retrieve_recv_activations`` (torch/distributed/pipelining/stage.py) hands
+    the forward ``info.buffer`` itself (detached, a view of the same storage), so the block input
+    the stage keeps per micro-batch (the item of a layer before ``first_layer`` that ``_stage_of``
+    gave this stage) is ``buffers.pp_recv_activations``, not a tensor of its own: 0 bytes here."""
+    out = []
+    for it in stage_acts:
+        li = layer_index(it.name)
+        if li is not None and li < first_layer:
+            it = MemoryItem.make(it.name, it.category, it.shape, it.dtype, 0, "0", it.dims, it.key)
+            it.__dict__["note"] = "the stage's receive buffer (buffers.pp_recv_activations)"
+        out.append(it)
+    return out

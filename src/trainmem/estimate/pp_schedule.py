@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "rank_actions", "virtual_split", "Timeline", "timeline", "local_stages", "outputs_in_flight"]
+__all__ = ["Action", "rank_actions", "virtual_split", "Timeline", "timeline", "local_stages", "outputs_in_flight",
+           "stage_outputs_held"]
 
 Action = tuple[str, int, int]  # ("F" | "B" | "R", local virtual stage, micro-batch; -1 for "R")
 
@@ -127,12 +128,54 @@ def local_stages(schedule: str, *, pp: int, v: int, rank: int) -> list[int]:
     return [rank + j * pp for j in range(v if schedule == "interleaved" else 1)]
 
 
-def outputs_in_flight(schedule: str, *, pp: int, v: int, m: int, rank: int) -> int:
-    """Most stage outputs the rank holds at once: ``_PipelineStageBase.forward_one_chunk``
-    (torch/distributed/pipelining/stage.py) keeps each micro-batch's output in ``fwd_cache``
-    until that micro-batch's backward pops it; the model's last stage is left out (its output,
-    the logits, is counted apart as ``output_chunks``)."""
+def _send_holds(schedule: str, actions: list[Action], m: int, rank: int, pp: int) -> dict[tuple[int, int], int]:
+    """Index of the action after which the schedule drops the last reference its sends keep to
+    micro-batch ``mb``'s stage output of local stage ``j`` (``len(actions)``: when ``step`` returns).
+    torch/distributed/pipelining/schedules.py (torch 2.13), a real send Work holding its tensor (gloo):
+    ``ScheduleGPipe._step_microbatches`` keeps every forward send's Work in ``fwd_sends_to_wait`` until it
+    returns; ``_PipelineScheduleRuntime._step_microbatches`` (interleaved) every send in ``send_ops``
+    until its last action (as do its zero-bubble schedules, ``ScheduleInterleavedZeroBubble`` and
+    ``ScheduleZBVZeroBubble``, also runtimes); ``Schedule1F1B._step_microbatches`` keeps the last warm-up send it fired,
+    micro-batch ``w - 2`` (``w = min(m, pp - rank)``), in ``send_work`` until the 1B1F loop ends (after
+    backward ``m - w``), and each forward's send ops (``P2POp`` holds the tensor) in ``fwd_sends`` until
+    the next forward, the last one's until it returns."""
+    end = len(actions)
+    if schedule != "1f1b":
+        return {(j, mb): end for kind, j, mb in actions if kind == "F"}
+    fwd = [i for i, (kind, _, _) in enumerate(actions) if kind == "F"]
+    out = {(0, k): (fwd[k + 1] if k + 1 < m else end) for k in range(m)}
+    w = min(m, pp - rank)
+    if w >= 2:
+        out[0, w - 2] = max(out[0, w - 2], actions.index(("B", 0, m - w)))
+    return out
+
+
+def stage_outputs_held(schedule: str, *, pp: int, v: int, m: int, rank: int) -> tuple[int, int]:
+    """Most stage outputs the rank holds at once, and how many it still holds after its last backward.
+    ``_PipelineStageBase.forward_one_chunk`` (torch/distributed/pipelining/stage.py) keeps each
+    micro-batch's output in ``fwd_cache`` until its backward pops it; the schedule's sends keep some
+    longer (:func:`_send_holds`). The model's last stage is left out: it sends nothing and its output,
+    the logits, is counted apart as ``output_chunks``."""
     v = v if schedule == "interleaved" else 1
     ids = local_stages(schedule, pp=pp, v=v, rank=rank)
-    held = [0.0 if g == pp * v - 1 else 1.0 for g in ids]
-    return int(timeline(rank_actions(schedule, pp=pp, v=v, m=m, rank=rank), held, [0.0] * v).max_held)
+    acts = rank_actions(schedule, pp=pp, v=v, m=m, rank=rank)
+    holds = _send_holds(schedule, acts, m, rank, pp)
+    sends = {j for j, g in enumerate(ids) if g != pp * v - 1}
+    alive: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+    top = 0
+    for i, (kind, j, mb) in enumerate(acts):
+        if j not in sends:
+            continue
+        if kind == "F":
+            alive.add((j, mb))
+            top = max(top, len(alive))
+        elif kind == "B":
+            done.add((j, mb))
+        alive = {o for o in alive if o not in done or holds[o] > i}
+    return top, len(alive)
+
+
+def outputs_in_flight(schedule: str, *, pp: int, v: int, m: int, rank: int) -> int:
+    """Most stage outputs the rank holds at once (:func:`stage_outputs_held`)."""
+    return stage_outputs_held(schedule, pp=pp, v=v, m=m, rank=rank)[0]
