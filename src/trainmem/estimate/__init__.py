@@ -178,6 +178,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         stack_held=stack_held, stacks=stacks,
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
+        recomputed=plain if impl.recompute == "full" and not offload else None,  # estimate/block_backward.py
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -21,8 +21,9 @@ accumulation). The norm's fp32 input copy is still saved (the pow node reads it)
 
 The gated MLP's ``act_fn(gate) * up`` backward is the other moment (:func:`_gated_mlp`). With a small
 hidden state against the vocabulary (the head's weight gradient large, the loss's tensors small) one
-of them is the step's top; they are not modelled for other norms, MoE blocks, under recompute (the
-block's tensors are recomputed), or when gradients are stepped in backward.
+of them is the step's top; they are not modelled for other norms, MoE blocks, under op-level recompute,
+or when gradients are stepped in backward. Under ``--recompute full`` they are read on the block's
+recomputed tensors (``recomputed``: the inventory without checkpointing).
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ _MLPS = ((_MLP, "down_proj", ()), (_MLP_TRACED, "down_proj", ()),
 _FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
-def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int
-                        ) -> list[dict[str, int]]:
+def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
+                        recomputed: "Inventory | None" = None) -> list[dict[str, int]]:
     """One moment per Llama-style RMSNorm of the last block, in forward order (the input norm, then
     the pre-MLP norm): ``block_gradients`` (the block's weight gradients made by
     then: those of the norm and of every child of the block after it), ``freed_activations`` (the
     block's saved tensors after the norm's fp32 input, to take off the activations) and
-    ``work``. Empty when the block has another kind of norm or routed experts."""
+    ``work``. Empty when the block has another kind of norm or routed experts. ``recomputed``: the
+    inventory without checkpointing, whose block tensors a checkpointed block recomputes before its
+    nodes run (``--recompute full``)."""
     block = _block_items(items, last)
-    acts = [i for i in block if i.category is Category.ACTIVATION]
+    acts = [i for i in (_block_items(recomputed, last) if recomputed is not None else block)
+            if i.category is Category.ACTIVATION]
     if any(i.name.rpartition(".")[2] in _OTHER_NORMS or ".experts." in i.name for i in acts):
         return []
     out = _gated_mlp(block, acts, residual_bytes)

@@ -81,7 +81,8 @@ class LayerStats:
     loss_value: int = 0
     """The loss the caller holds (``loss.value``, estimate/loss_value.py): made at the end of the loss."""
     nll_saved: int = 0
-    """``nll_loss``'s saved target and total weight (``loss.target``, ``loss.total_weight``)."""
+    """``nll_loss``'s saved target and total weight (``loss.target``, ``loss.total_weight``; traced: the
+    int64 target by the op that made it, ``loss.nll_loss_forward``)."""
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -99,8 +100,8 @@ class LayerStats:
                     self.loss_act += it.bytes
                     if it.name == "loss.value":
                         self.loss_value += it.bytes
-                    elif it.name in ("loss.target", "loss.total_weight"):
-                        self.nll_saved += it.bytes
+                    elif it.name in ("loss.total_weight", "loss.nll_loss_forward") or it.dtype == "int64":
+                        self.nll_saved += it.bytes  # --profile traced: the target by its op, loss.clone
         elif it.category is Category.GRADIENT:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
@@ -168,7 +169,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            working: dict[str, int] | dict[str, dict[str, int]] | None = None,
            optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
            stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False,
-           node_moments: bool = False, accumulate_transients: bool = False) -> list[Phase]:
+           node_moments: bool = False, accumulate_transients: bool = False,
+           recomputed: Inventory | None = None) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -182,7 +184,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``node_moments``: model a block's node moments beside the ``working`` buffers too (they are the
     same through the block's backward: FSDP2's, estimate/fsdp_timeline.py).
     ``accumulate_transients``: with ``grad_accum`` > 1, each new gradient beside the stored ``.grad``
-    it is added into (estimate/grad_accum.py; one device)."""
+    it is added into (estimate/grad_accum.py; one device). ``recomputed``: the inventory without
+    checkpointing under ``--recompute full``: a checkpointed block's node moments run on its recomputed
+    tensors (estimate/block_backward.py)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -273,9 +277,12 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         def inside(li: int, grads_before: int, acts_before: int, parts: dict, note: str) -> tuple[dict, str]:
             """The larger of a block's working set and its nodes' moments (estimate/block_backward.py):
             its MLP product's and RMSNorms' backward, with the block's gradients made by then."""
-            if li in recompute_bytes or optimizer_in_backward or (working.get("backward") and not node_moments):
+            if (li in recompute_bytes and recomputed is None) or optimizer_in_backward or \
+                    (working.get("backward") and not node_moments):
                 return parts, note
-            for nb in norm_backward_parts(items, li, residual_bytes):
+            # a checkpointed block recomputed its forward first: its tensors are alive beside the rest
+            acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
+            for nb in norm_backward_parts(items, li, residual_bytes, recomputed if li in recompute_bytes else None):
                 # the first block's attention backward frees what the blocks share (rotary cos/sin:
                 # their saved-by-rope references are gone); the embedding keeps its indices
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
