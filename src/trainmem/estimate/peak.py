@@ -292,7 +292,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                       "activations": acts_before - nb["freed_activations"] - shared,
                       "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)}
                 if sum(at.values()) > sum(parts.values()):
-                    parts, note = at, (f"{note.split(':')[0]}, at its MLP product's or an RMSNorm's backward: "
+                    parts, note = at, (f"{note.split(':')[0].split(', at its')[0]}, at its MLP product's or an RMSNorm's backward: "
                                        "gradients so far, the residual gradient and the node's temporaries")
             return parts, note
 
