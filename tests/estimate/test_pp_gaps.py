@@ -5,6 +5,8 @@
   ``stage_outputs_held``): 1F1B's ``send_work`` keeps the last warm-up send until the 1B1F loop ends,
   GPipe's ``fwd_sends_to_wait`` and the interleaved runtime's ``send_ops`` every send until ``step``
   returns;
+* input gradients the sends keep (``stage_io_held``): GPipe's ``bwd_sends_to_wait`` and the runtime's
+  ``send_ops`` every one until ``step`` returns, 1F1B's ``bwd_sends``/``send_work`` the previous one;
 * a receiving stage's input is its receive buffer (estimate/parallel_pp.py ``recv_input_aliases``).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from trainmem.estimate import estimate
-from trainmem.estimate.pp_schedule import stage_outputs_held
+from trainmem.estimate.pp_schedule import stage_io_held, stage_outputs_held
 from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
 
@@ -35,6 +37,17 @@ ONE = 2 * 64 * 64 * 4  # B·S·H·4 = 32,768 B
 ])
 def test_stage_outputs_the_sends_keep(schedule, pp, v, m, rank, held):
     assert stage_outputs_held(schedule, pp=pp, v=v, m=m, rank=rank) == held
+
+
+@pytest.mark.parametrize("schedule,rank,io", [
+    # (outputs, sent input gradients) at the worst forward, worst backward, after the last backward
+    ("gpipe", 1, {"forward": (0, 0), "backward": (0, 0), "end": (0, 4)}),  # bwd_sends_to_wait: all 4 at the end
+    ("1f1b", 0, {"forward": (3, 0), "backward": (3, 0), "end": (1, 0)}),  # stage 0 receives no gradient to send
+    ("1f1b", 1, {"forward": (0, 1), "backward": (0, 1), "end": (0, 1)}),  # the previous backward's, until the next
+    ("interleaved", 1, {"forward": (4, 5), "backward": (4, 5), "end": (4, 8)}),  # send_ops: every send to the end
+])
+def test_what_the_sends_keep_at_the_worst_moments(schedule, rank, io):
+    assert stage_io_held(schedule, pp=2, v=2, m=4, rank=rank, held=[1e6, 1e6], one=1) == io
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -19,7 +19,7 @@ stages):
       12 B) + backward's 0-d gradient seed (4 B, as on one device); its input, the receive buffer itself
       (stage.py ``_retrieve_recv_activations``), is counted once, as pp_recv_activations (the first
       block's saved input is 0 B there: estimate/parallel_pp.py ``recv_input_aliases``);
-  - the step peak (logical): estimate/trace 0.985-0.9995 (PEAK_RATIO; see docs/trace.md).
+  - the step peak (logical): estimate/trace 0.988-1.015 (PEAK_RATIO; see docs/trace.md).
 
 A real gloo send Work references its tensor until the schedule drops the Work, and the schedules
 keep some (Schedule1F1B: the last warm-up send it fires in ``send_work`` through the steady phase;
@@ -114,9 +114,10 @@ HELD_MINUS_ESTIMATE = {
 OUTPUTS_HELD = {("gpipe", 0): 4 * ONE, ("1f1b", 0): 3 * ONE, ("interleaved", 0): 8 * ONE, ("interleaved", 1): 4 * ONE}
 CASES = [("gpipe", 0), ("gpipe", 1), ("1f1b", 0), ("1f1b", 1), ("interleaved", 0), ("interleaved", 1)]
 # estimate / trace step peak (logical bytes), measured; docs/trace.md says what each side holds that the other
-# does not (the first stages' SwiGLU backward work, the input gradients the sends keep)
-PEAK_RATIO = {("gpipe", 0): 0.9948, ("gpipe", 1): 0.9995, ("1f1b", 0): 0.9876, ("1f1b", 1): 0.9913,
-              ("interleaved", 0): 0.9866, ("interleaved", 1): 0.9847}
+# does not (the first stages' SwiGLU backward work; under interleaved the estimate's outputs and sent input
+# gradients at its own worst moment, not the trace's)
+PEAK_RATIO = {("gpipe", 0): 0.9948, ("gpipe", 1): 0.9995, ("1f1b", 0): 0.9876, ("1f1b", 1): 0.9990,
+              ("interleaved", 0): 0.9977, ("interleaved", 1): 1.0154}
 
 
 @pytest.mark.slow  # ~10-25 s each on 2 shared cores
@@ -162,7 +163,7 @@ def test_cli_traces_a_pipeline_rank(capsys, tmp_path):
 
 
 # estimate / trace step peak under FSDP2 per stage (dp 2), measured
-FSDP_PEAK_RATIO = {("1f1b", 0): 0.9942, ("1f1b", 1): 1.0154}
+FSDP_PEAK_RATIO = {("1f1b", 0): 0.9942, ("1f1b", 1): 1.0242}
 
 
 @pytest.mark.slow  # ~20-45 s each on 2 shared cores
@@ -174,7 +175,7 @@ def test_fsdp2_under_pp_reduces_once_after_the_last_microbatch(rank):
     ``perform_reduce_grad``), so autograd's unsharded gradients accumulate across the 4 micro-batches and
     each FSDP unit (2 blocks + the stage root) makes its reduce-scatter input once per step, not per
     micro-batch: 3 inputs, together the stage's unsharded gradients (2 x the sharded ones). Peak
-    estimate/trace 0.994 (rank 0) and 1.015 (rank 1)."""
+    estimate/trace 0.994 (rank 0) and 1.024 (rank 1)."""
     from trainmem.trace import trace_step
 
     par = ParallelSpec(pp=2, dp=2, fsdp="full", schedule="1f1b", microbatches=4)

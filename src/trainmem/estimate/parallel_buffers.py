@@ -158,7 +158,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             if r.stage < r.last:
                 every("pp_recv_gradients", one)
         else:  # torch.distributed.pipelining: a receive buffer per micro-batch and local (virtual) stage
-            _pp_stage_io(every, par, r.stage, one, tuple(working))
+            _pp_stage_io(every, par, r.stage, one, tuple(working), r.stage_act_bytes)
     return persistent, working
 
 
@@ -214,22 +214,26 @@ def _interleaved_timeline(r: _Rank, block_grads: dict[int, float], head_grads: f
     return timeline(rank_actions("interleaved", pp=par.pp, v=v, m=par.microbatches, rank=r.stage), held, grads)
 
 
-def _pp_stage_io(every, par: ParallelSpec, rank: int, one: int, phases: tuple[str, ...]) -> None:
+def _pp_stage_io(every, par: ParallelSpec, rank: int, one: int, phases: tuple[str, ...], act_bytes: float) -> None:
     """torch.distributed.pipelining's stage I/O on pipeline rank ``rank`` (estimate/pp_schedule.py):
     ``_PipelineStageBase`` allocates one activation receive buffer per micro-batch for each local
     stage but the model's first and one gradient receive buffer per micro-batch for each but its
     last, kept across steps; and every forwarded micro-batch's stage output stays in
     ``fwd_cache`` until its backward. ``one``: one micro-batch's boundary activation; ``phases``:
-    every working phase of the stage (the receive buffers live in all of them)."""
-    from trainmem.estimate.pp_schedule import local_stages, stage_outputs_held
+    every working phase of the stage (the receive buffers live in all of them); ``act_bytes``: one
+    micro-batch's activations on the stage. Outputs and sent input gradients: ``stage_io_held``."""
+    from trainmem.estimate.pp_schedule import local_stages, stage_io_held
 
     v, m = par.virtual_stages, par.microbatches
     ids = local_stages(par.schedule, pp=par.pp, v=v, rank=rank)
     total = par.pp * len(ids)
     every("pp_recv_activations", m * one * sum(1 for g in ids if g > 0), phases)
     every("pp_recv_gradients", m * one * sum(1 for g in ids if g < total - 1), phases)
-    # the most alive at once, and those the schedule's sends still hold after the last backward
-    held, at_end = stage_outputs_held(par.schedule, pp=par.pp, v=v, m=m, rank=rank)
-    every("pp_stage_outputs", one * held, tuple(p for p in phases if p != "backward_end"))
-    if at_end and "backward_end" in phases:
-        every("pp_stage_outputs", one * at_end, ("backward_end",))
+    # stage outputs and sent input gradients at the worst forward, backward and after the last backward
+    io = stage_io_held(par.schedule, pp=par.pp, v=v, m=m, rank=rank, held=[act_bytes / len(ids)] * len(ids),
+                       one=one)
+    for key, at in (("forward", ("forward",)), ("backward", ("backward_start", "backward", "backward_first_block")),
+                    ("end", ("backward_end",))):
+        for name, n in zip(("pp_stage_outputs", "pp_sent_input_grads"), io[key]):
+            if n:
+                every(name, one * n, tuple(p for p in at if p in phases))

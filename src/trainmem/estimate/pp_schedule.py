@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "rank_actions", "virtual_split", "Timeline", "timeline", "local_stages", "outputs_in_flight",
-           "stage_outputs_held"]
+__all__ = ["Action", "rank_actions", "virtual_split", "Timeline", "timeline", "local_stages", "stage_outputs_held",
+           "stage_io_held"]
 
 Action = tuple[str, int, int]  # ("F" | "B" | "R", local virtual stage, micro-batch; -1 for "R")
 
@@ -176,6 +176,37 @@ def stage_outputs_held(schedule: str, *, pp: int, v: int, m: int, rank: int) -> 
     return top, len(alive)
 
 
-def outputs_in_flight(schedule: str, *, pp: int, v: int, m: int, rank: int) -> int:
-    """Most stage outputs the rank holds at once (:func:`stage_outputs_held`)."""
-    return stage_outputs_held(schedule, pp=pp, v=v, m=m, rank=rank)[0]
+def stage_io_held(schedule: str, *, pp: int, v: int, m: int, rank: int, held: list[float],
+                  one: float) -> dict[str, tuple[int, int]]:
+    """(stage outputs, input gradients) the rank holds at its worst forward (after it), at its worst
+    backward (as it starts) and after its last backward ("end"), the worst being where ``held``
+    activations (``held[j]``: one micro-batch of local stage ``j``) plus these ``one``-sized tensors
+    peak. Outputs as :func:`stage_outputs_held`. Each backward of a stage but the model's first sends
+    its input gradient (``get_bwd_send_ops``): ``ScheduleGPipe`` keeps every send in
+    ``bwd_sends_to_wait`` and the runtime schedules (interleaved, zero-bubble) in ``send_ops`` until
+    ``step`` returns; ``Schedule1F1B`` keeps the last one in ``bwd_sends`` (1B1F loop, a ``P2POp``)
+    or ``send_work`` (cool-down) until the next backward is done, the last one until it returns
+    (torch/distributed/pipelining/schedules.py, torch 2.13)."""
+    v = v if schedule == "interleaved" else 1
+    ids = local_stages(schedule, pp=pp, v=v, rank=rank)
+    acts = rank_actions(schedule, pp=pp, v=v, m=m, rank=rank)
+    holds = _send_holds(schedule, acts, m, rank, pp)
+    out_stages = {j for j, g in enumerate(ids) if g != pp * v - 1}
+    grad_stages = {j for j, g in enumerate(ids) if g > 0}
+    alive: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+    cur, sent = 0.0, 0
+    fwd, bwd = (-1.0, 0, 0), (-1.0, 0, 0)
+    for i, (kind, j, mb) in enumerate(acts):
+        if kind == "F":
+            cur += held[j]
+            alive |= {(j, mb)} if j in out_stages else set()
+            fwd = max(fwd, (cur + (len(alive) + sent) * one, len(alive), sent))
+        elif kind == "B":
+            bwd = max(bwd, (cur + (len(alive) + sent) * one, len(alive), sent))
+            cur -= held[j]
+            done.add((j, mb))
+            if j in grad_stages:
+                sent = 1 if schedule == "1f1b" else sent + 1
+        alive = {o for o in alive if o not in done or holds[o] > i}
+    return {"forward": fwd[1:], "backward": bwd[1:], "end": (len(alive), sent)}
