@@ -75,7 +75,7 @@ def _cli(capsys, *argv):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--tp", "4", "--cp", "2"], "--cp 2"), (["--dp", "8"], "--dp 8"), (["--zero", "3"], "--zero 3"),
-    (["--fsdp", "full"], "--fsdp full"), (["--pp", "2"], "--pp 2"), (["--sp"], "--sp"),
+    (["--fsdp", "full"], "--fsdp full"), (["--pp", "2", "--microbatches", "2", "--grad-accum", "2"], "--grad-accum 2"), (["--sp"], "--sp"),
     (["--offload", "optimizer"], "--offload optimizer"),
     (["--finetune", "qlora", "--quant-impl", "bnb-legacy"], "--quant-impl bnb-legacy"),  # qlora: test_trace_qlora.py
 ])

@@ -168,6 +168,11 @@ def allocation_events(est) -> list[tuple]:
     # nll_loss backward makes the log-softmax output's gradient, log_softmax backward the logits'
     # (loss dtype), the upcast's backward casts it to the logits' dtype; each input freed after use
     lg = phases["backward_start"].parts.get("logits_grad", 0) if "backward_start" in phases else 0
+    # NllLossBackward0 releases its saved target and total weight before log_softmax's backward
+    # runs (torch/csrc/autograd/engine.cpp: release_variables after call_function; estimate/peak.py)
+    for it in loss:
+        if it.name in ("loss.target", "loss.total_weight"):
+            free(it.name)
     alloc("logits_grad.0", lg // 2)
     alloc("logits_grad.1", lg - lg // 2)
     free("logits_grad.0")
