@@ -97,7 +97,7 @@ def test_hsdp_is_refused_in_one_line(capsys, tmp_path):
     assert rc == 2 and err.count("\n") == 1 and "fsdp='hybrid'" in err, err
 
 
-@pytest.mark.slow  # three FSDP2 traces with compiled blocks, ~30 s each on 2 shared cores
+@pytest.mark.slow  # three FSDP2 traces with compiled blocks (and one on one device), ~30 s each on 2 shared cores
 @pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("fsdp-bf16", "none"), ("fp32", "full")])
 def test_estimate_equals_the_fsdp2_compiled_trace(precision, recompute):
     from trainmem.trace import trace_step
@@ -115,5 +115,13 @@ def test_estimate_equals_the_fsdp2_compiled_trace(precision, recompute):
     # per block, which the estimate leaves out (docs/compile.md "With --recompute full")
     host = 2 * 5056 if recompute == "full" else 0
     assert traced.meta["compile"]["saved_compiled_bytes"] + 4 == rank.totals_bytes["activation"] + host
-    # measured 1.019 fp32, 1.0005 fsdp-bf16, 0.981 fp32 with full recompute
-    assert 0.97 <= rank.peak_bytes / traced.peak_logical_bytes <= 1.03
+    if recompute == "none":  # measured 1.019 fp32, 1.0005 fsdp-bf16
+        assert 0.97 <= rank.peak_bytes / traced.peak_logical_bytes <= 1.03
+        return
+    # --recompute full: a checkpointed compiled block's backward moment (the trace peaks at a mul inside
+    # it) is not modelled on one device either (estimate/trace 0.935 there); since the FSDP2 timeline is
+    # per tensor (estimate/fsdp_timeline.py) that gap is what is left: FSDP2 adds no shortfall of its own
+    # (measured: 162,056 B short under FSDP2, 0.928, against 167,944 B on one device)
+    one = estimate(spec_from_hf_config(LLAMA), step, _impl(recompute=recompute))
+    one_traced = trace_step(LLAMA, step, _impl(recompute=recompute))
+    assert 0 < traced.peak_logical_bytes - rank.peak_bytes <= one_traced.peak_logical_bytes - one.peak_bytes

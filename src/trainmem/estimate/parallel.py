@@ -260,6 +260,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                                // (par.tp if par.sp else 1)),
             persistent=persistent, working=working, node_moments=tl is not None,
+            # FSDP2 per tensor, --recompute full: a checkpointed block's node moments run on its recomputed
+            # tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
+            recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
+                        if tl is not None and impl.recompute == "full" and not act_off and traced is None else None),
             tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         )
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
@@ -293,7 +297,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
 
 def clear_caches() -> None:
     """Forget the memoized activations and states (benchmarks time cold runs with it)."""
-    for f in (_local_activations, _states, _local_states, _state_stages, _tp_divisors, _tp_factor):
+    for f in (_local_activations, _plain_activations, _states, _local_states, _state_stages, _tp_divisors, _tp_factor):
         f.cache_clear()
 
 
@@ -301,14 +305,18 @@ def clear_caches() -> None:
 def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard,
                        stages: tuple[tuple[int, int], ...]):
     acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
-    plain = acts
-    if impl.recompute != "none":
-        plain_impl = replace(impl, recompute="none", recompute_every=1)
-        if impl.compile and finetune is not None:  # a fully recomputed compiled block recomputes the eager
-            plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set, as estimate()
-        plain, _ = activation_items_with_savers(lm, lstep, plain_impl, finetune, shard)
+    plain = _plain_activations(lm, lstep, impl, finetune, shard) if impl.recompute != "none" else acts
     act_stage = tuple(_stage_of(sv, list(stages)) for sv in savers)
     return tuple(acts), act_stage, recompute_per_layer(Inventory(acts), Inventory(plain))
+
+
+@lru_cache(maxsize=64)
+def _plain_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard) -> tuple:
+    """What the rank's blocks would save without checkpointing: what a checkpointed block recomputes."""
+    plain_impl = replace(impl, recompute="none", recompute_every=1)
+    if impl.compile and finetune is not None:  # a fully recomputed compiled block recomputes the eager
+        plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set, as estimate()
+    return tuple(activation_items_with_savers(lm, lstep, plain_impl, finetune, shard)[0])
 
 
 @lru_cache(maxsize=16)
