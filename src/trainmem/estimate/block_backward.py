@@ -33,19 +33,20 @@ import re
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import layer_of, split_block
 
-__all__ = ["norm_backward_parts"]  # the block moments: the gated MLP's product, each RMSNorm
+# the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
+__all__ = ["norm_backward_parts", "llama_norm_indices", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
 #: saved by the other RMSNorm variants (Gemma's 1 + w, OLMo-2's and gpt-oss' cast-last): not modelled here
-_OTHER_NORMS = ("one_plus_w", "out_fp32")
+OTHER_NORM_KINDS = ("one_plus_w", "out_fp32")
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
 #: the same four as ``--profile traced`` names them (estimate/traced: by the op that made each)
 _MLP_TRACED = ("gate_proj.mm", "act_fn.silu", "up_proj.mm", "mul")
 #: (the MLP's saved tensors ending with its last product, its down projection, what may follow inside the MLP)
 _MLPS = ((_MLP, "down_proj", ()), (_MLP_TRACED, "down_proj", ()),
          (("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x", "act.out"), "c_proj", ("dropout.mask",)))
-_FP32_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
+FP32_NORM_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
 def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
@@ -60,10 +61,10 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     block = _block_items(items, last)
     acts = [i for i in (_block_items(recomputed, last) if recomputed is not None else block)
             if i.category is Category.ACTIVATION]
-    if any(i.name.rpartition(".")[2] in _OTHER_NORMS or ".experts." in i.name for i in acts):
+    if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
     out = _gated_mlp(block, acts, residual_bytes)
-    for at in _llama_norms(acts):
+    for at in llama_norm_indices(acts):
         after = acts[at:]
         children = {_child(i.name) for i in after}
         out.append({"block_gradients": sum(i.bytes for i in block
@@ -71,7 +72,7 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
                     "freed_activations": sum(i.bytes for i in after[1:]),
                     # the attention ran its backward: a first block's rope freed the shared cos/sin
                     "after_attention": int(any(c not in (_child(acts[at].name), "mlp") for c in children)),
-                    "work": residual_bytes + _FP32_TRANSIENTS * acts[at].bytes})
+                    "work": residual_bytes + FP32_NORM_TRANSIENTS * acts[at].bytes})
     return out
 
 
@@ -117,7 +118,7 @@ def _residual(child: str) -> bool:
     return re.fullmatch(r"residual.*|add(_\d+)?", child) is not None
 
 
-def _llama_norms(acts: list[MemoryItem]) -> list[int]:
+def llama_norm_indices(acts: list[MemoryItem]) -> list[int]:
     """Indices of each Llama-style RMSNorm's ``x_fp32`` (its four saved tensors in a row)."""
     out = []
     for at in range(len(acts) - len(_NORM) + 1):

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainmem.estimate.phase import Phase
-from trainmem.estimate.block_backward import _FP32_TRANSIENTS, _OTHER_NORMS, _llama_norms
+from trainmem.estimate.block_backward import FP32_NORM_TRANSIENTS, OTHER_NORM_KINDS, llama_norm_indices
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import is_head, is_token_embedding, layer_of
 
@@ -75,9 +75,9 @@ def _final_norm_input(items) -> int:
     """The fp32 input copy a Llama-style final RMSNorm saves (0: another norm, or none in fp32)."""
     acts = [i for i in _base(items) if i.category is Category.ACTIVATION and layer_of(i.name) is None
             and is_head(i.name) and not i.name.startswith("loss.")]
-    if any(i.name.rpartition(".")[2] in _OTHER_NORMS for i in acts):
+    if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS for i in acts):
         return 0
-    at = _llama_norms(acts)
+    at = llama_norm_indices(acts)
     return acts[at[-1]].bytes if at else 0
 
 
@@ -139,7 +139,7 @@ def _head_phase(items, static, bufs, *, gradients: int, scalar: int, pending: in
     parts, note = {"gradients": gradients, **moment[0], "loss_scalars": 2 * scalar, "accum_loss": scalar}, moment[1]
     x = _final_norm_input(items)
     norm = {"gradients": gradients, "tied_pending": pending, "activations": block_acts + x,
-            "node_work": _FP32_TRANSIENTS * x, "loss_scalars": 2 * scalar, "accum_loss": scalar}
+            "node_work": FP32_NORM_TRANSIENTS * x, "loss_scalars": 2 * scalar, "accum_loss": scalar}
     if x and sum(norm.values()) > sum(parts.values()):
         parts, note = norm, ("the final RMSNorm's backward with every .grad stored: every block's activations, its "
                              "fp32 input and five fp32 temporaries of that size" +
