@@ -76,7 +76,16 @@ def test_trace_fsdp2_under_pp_equals_a_real_gloo_step():
     each stage ``fully_shard``-ed per block and as the stage root (the worker's ``pp_dp``; ~75 s of torchrun):
     for data-parallel rank 0 of each stage, sharded parameters, gradients, AdamW states, buffers and receive
     buffers == real to the byte, and the trace's peak + AdamW's step counters == the real op-boundary peak
-    (4,587,148 B on pipeline rank 0, 3,721,764 B on rank 1), unsharded gradients kept across micro-batches."""
+    (4,587,148 B on pipeline rank 0, 3,721,764 B on rank 1), unsharded gradients kept across micro-batches.
+
+    One allowance, for a race in the real run, not in the model: gloo runs every collective on a worker thread
+    (``ProcessGroupGloo.cpp`` ``runLoop``: ``AsyncWork::execute`` marks the work complete, and only then does the
+    thread retake its lock and reset ``workInProgress_``), so a finished all-gather's or reduce-scatter's buffers
+    can outlive FSDP2's last reference to them until that thread is scheduled again. The CI run at 4e1e908
+    (2 loaded cores) read pipeline rank 0's peak 65,536 B over the trace, one of rank 0's stage-root buffers
+    (the embedding, 256 x 64 x 4); 10 local runs, 5 of them under extra load, read the trace's figure. So the
+    real peak may exceed the trace by exactly one of the stage's FSDP2 collective buffers, and only when a
+    storage of that size is live and unattributed at the real peak (``peak_other_sizes``)."""
     from trainmem.trace import trace_step
 
     (ranks,) = run_torchrun_many(4, [dict(strategy="pp", pp_dp=2, schedule="1f1b", microbatches=M)], timeout=900)
@@ -95,5 +104,18 @@ def test_trace_fsdp2_under_pp_equals_a_real_gloo_step():
                "recv": recv, "peak": traced.peak_logical_bytes + real["states_bytes"]["optimizer_step"]}
         want = {**{k: real["states_bytes"][k] for k in ("parameter", "gradient", "optimizer_state", "buffer")},
                 "recv": real["pp_recv_buffers_bytes"], "peak": real["peak_bytes"]}
-        bad += [f"pipeline rank {r} {k}: trace {got[k]} != real {want[k]}" for k in want if got[k] != want[k]]
+        late = want["peak"] - got["peak"]
+        if late in _gloo_held_buffers(r) and late in real["peak_other_sizes"]:  # see the docstring
+            want["peak"] = got["peak"]
+        bad += [f"pipeline rank {r} {k}: trace {got[k]} != real {want[k]} (real peak after {real['peak_op']}, "
+                f"{real['peak_parts']}, unattributed {real['peak_other_sizes']})" for k in want if got[k] != want[k]]
     assert not bad, "\n".join(bad)
+
+
+def _gloo_held_buffers(stage: int, dp: int = 2) -> set[int]:
+    """The byte sizes of stage ``stage``'s FSDP2 collective buffers (fp32, 2 stages of the tiny Llama):
+    all-gather output = reduce-scatter input = the group's unsharded bytes, and its 1/dp shard."""
+    H, I, V, q, kv = 64, 176, 256, 64, 32  # DEFAULT_CONFIG: hidden, intermediate, vocab, q and k/v widths
+    block = (H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H) * 4  # 46,208 parameters = 184,832 B
+    root = (V * H if stage == 0 else H + V * H) * 4  # embedding, or final norm + lm_head: 65,536 / 65,792 B
+    return {n // k for n in (block, root) for k in (1, dp)}

@@ -115,6 +115,7 @@ class LiveTracker:
         self.saved_exclude: set[int] = set()  # parameter storages: not activations
         self.peak_op = ""  # the op after which the peak was sampled
         self.peak_parts: dict[str, int] = {}  # at the peak: watched, saved activations, other
+        self.peak_other_sizes: list[int] = []  # at the peak: the largest storages neither watched nor saved
         #: live bytes (and parts) after the first call of each op named here: phase marks
         self.marks: dict[str, dict[str, int]] = {}
         self.mark_ops = {"aten._log_softmax_backward_data.default": "loss_backward"}
@@ -144,6 +145,9 @@ class LiveTracker:
         if total > self.peak_bytes:
             self.peak_bytes, self.peak_op = total, op
             self.peak_parts = self._parts(total)
+            known = self._watched | self._saved
+            self.peak_other_sizes = sorted((e.nbytes for k, e in self.storages.entries.items() if k not in known),
+                                           reverse=True)[:16]
         mark = self.mark_ops.get(op)
         if mark and mark not in self.marks:
             self.marks[mark] = self._parts(total)

@@ -18,7 +18,8 @@ Strategies: ``single``, ``ddp``, ``fsdp`` (FSDP2 ``fully_shard`` per decoder lay
 ``fsdp1`` (``FullyShardedDataParallel``, ``use_orig_params=True``, one unit per decoder layer as
 HF/accelerate's transformer auto-wrap),
 ``tp`` (DTensor ``parallelize_module``, optional sequence parallel; with ``tp_dp`` > 1 then FSDP2 on a
-(dp_shard, tp) mesh, torchtitan's 2-D layout), ``pp``
+(dp_shard, tp) mesh, torchtitan's 2-D layout; with ``compile`` ``"partition"`` or ``"inductor"`` each decoder
+layer then ``torch.compile``-d, :func:`_compile_blocks`), ``pp``
 (``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B, or ``virtual_stages`` per
 rank under interleaved 1F1B, torchtitan's looped stage ids; with ``pp_dp`` > 1 the
 ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
@@ -122,6 +123,38 @@ def _apply_fsdp(model, mesh, sc: dict) -> None:
     # torchtitan's apply_fsdp leaves the root's to FSDP2, which keeps the root gathered (FSDPState._lazy_init)
     root = {} if sc["root_reshard_auto"] else {"reshard_after_forward": sc["reshard_after_forward"]}
     fully_shard(model, mesh=mesh, mp_policy=mp, **root)
+
+
+def _compile_blocks(model, backend: str) -> list:
+    """torchtitan's ``apply_compile`` after ``apply_tp`` (torchtitan/models/llama3/infra/parallelize.py):
+    each decoder layer replaced by its ``torch.compile``-d wrapper. ``backend`` ``"partition"``: trainmem's
+    (``trace/compiled.py`` ``partitioning_backend``: inductor's decompositions and partition, the graphs run
+    as they are, no codegen), whose partitioned regions' saved values fill the returned list as they are
+    compiled (name, shape, dtype, bytes); any other string is handed to ``torch.compile`` (``"inductor"``)."""
+    import torch
+
+    from trainmem.trace.compiled import Compiled, partitioning_backend
+
+    record = Compiled()
+    chosen = partitioning_backend(record) if backend == "partition" else backend
+    regions: list = []
+    record.regions = _RegionList(regions)
+    layers = model.model.layers
+    for name, layer in list(layers.named_children()):
+        layers.register_module(name, torch.compile(layer, backend=chosen, dynamic=False))
+    return regions
+
+
+class _RegionList(list):
+    """The record's regions, appended to ``out`` as plain lists (JSON)."""
+
+    def __init__(self, out: list) -> None:
+        super().__init__()
+        self._out = out
+
+    def append(self, saved) -> None:
+        super().append(saved)
+        self._out.append([[v.name, list(v.shape), v.dtype, v.nbytes] for v in saved])
 
 
 def _pipeline_stage_module(model, stage: int, num_stages: int):
@@ -234,6 +267,8 @@ def run(scenario: dict, rank: int, world: int) -> dict:
             _apply_fsdp(model, mesh["dp_shard"], sc)
         else:
             _apply_tp(model, init_device_mesh("cpu", (world,)), sc["sp"], sc["loss_parallel"])
+        if sc.get("compile"):  # not in DEFAULTS: the eager scenarios' results stay as they were
+            extra["compiled_regions"] = _compile_blocks(model, sc["compile"])
         net = model
     else:
         net = model
@@ -410,6 +445,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         "peak_bytes": tracker.peak_bytes,
         "peak_op": tracker.peak_op,
         "peak_parts": tracker.peak_parts,
+        "peak_other_sizes": tracker.peak_other_sizes,
         "marks": tracker.marks,
         "inflight_activation_bytes": tracker.peak_saved_bytes,
         "ddp_buckets_bytes": storage_bytes(buckets.values()),
