@@ -86,17 +86,6 @@ def test_layouts_not_checked_under_compile_are_refused_in_one_line(capsys, tmp_p
     assert err.count("\n") == 1 and "compile" in err and field in err, err
 
 
-def test_hsdp_is_refused_in_one_line(capsys, tmp_path):
-    import json
-
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(LLAMA))
-    rc = main(["estimate", "--model", str(cfg), "--seq", "64", "--device", "cpu", "--compile", "--dp", "4",
-               "--fsdp", "hybrid", "--fsdp-group", "2"])
-    out, err = capsys.readouterr()
-    assert rc == 2 and err.count("\n") == 1 and "fsdp='hybrid'" in err, err
-
-
 @pytest.mark.slow  # three FSDP2 traces with compiled blocks (and one on one device), ~30 s each on 2 shared cores
 @pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("fsdp-bf16", "none"), ("fp32", "full")])
 def test_estimate_equals_the_fsdp2_compiled_trace(precision, recompute):

@@ -16,8 +16,13 @@ estimate's ledgers and saved set equal the trace's, ``tests/estimate/test_compil
 Under ``fsdp-bf16`` (``MixedPrecisionPolicy(param_dtype=bfloat16)``) the compiled block reads bf16
 gathered weights and bf16 activations: pure bf16's saved set.
 
+HSDP (``--fsdp hybrid --fsdp-group G``) is ``fully_shard`` on a ``(dp_replicate, dp_shard)`` mesh whose hooks
+are the same dynamo-disabled ones (trace/parallel_2d.py): a rank allocates what FSDP2 over its G shard ranks
+does and its compiled blocks save the one-device set (tests/estimate/test_compiled_hsdp.py: estimate ==
+FSDP2 over G to the byte; against the 2-D trace, ledgers and saved set to the byte).
+
 Known limitations (refused by :func:`check_compiled_parallel`, one line each):
-  - pipeline parallelism, FSDP1 and HSDP: not traced with compile;
+  - pipeline parallelism and FSDP1: not traced with compile;
   - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
     with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
   - ``--recompute op`` under FSDP2: its saved set equals the trace's (less the CPU generator states), but
@@ -38,7 +43,6 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
         return
     refusals = (
         ("pp", par.pp, par.pp > 1, "compiled stages under pipeline parallelism are not traced"),
-        ("fsdp", par.fsdp, par.fsdp == "hybrid", "HSDP is not traced with compile (FSDP2 full sharding is)"),
         ("fsdp_version", par.fsdp_version, bool(par.fsdp) and par.fsdp_version == 1,
          "FSDP1's flat parameters under compile are not traced (FSDP2 is: --fsdp-version 2)"),
         ("offload", ",".join(par.offload), bool(par.fsdp) and bool(par.offload),
