@@ -55,9 +55,9 @@ def test_cli_estimates_compiled_hsdp(capsys, tmp_path):
 
 
 # estimate / trace step peak (logical bytes), measured; the same as under FSDP2 over dp 2 (test_compiled_fsdp.py),
-# whose trace reads the same peaks. fp32 + full recompute: the one-device compiled gap (a checkpointed compiled
-# block's backward moment is not modelled; docs/compile.md), 162,056 B short here as under FSDP2
-PEAK_RATIO = {("fp32", "none"): 0.9812, ("fsdp-bf16", "none"): 1.0000, ("fp32", "full"): 0.9279}
+# whose trace reads the same peaks. fp32 + full recompute: the checkpointed compiled block's backward moment
+# (estimate/compiled_recompute.py), exact as under FSDP2 (2,246,344 B both; 0.9279 before it was modelled)
+PEAK_RATIO = {("fp32", "none"): 0.9812, ("fsdp-bf16", "none"): 1.0000, ("fp32", "full"): 1.0}
 
 
 @pytest.mark.slow  # one 2-D FSDP2 trace with compiled blocks each, ~30-40 s on 2 shared cores

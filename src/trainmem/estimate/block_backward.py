@@ -34,7 +34,7 @@ from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
-__all__ = ["norm_backward_parts", "llama_norm_indices", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
+__all__ = ["norm_backward_parts", "llama_norm_indices", "block_items", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
@@ -58,8 +58,8 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     ``work``. Empty when the block has another kind of norm or routed experts. ``recomputed``: the
     inventory without checkpointing, whose block tensors a checkpointed block recomputes before its
     nodes run (``--recompute full``)."""
-    block = _block_items(items, last)
-    acts = [i for i in (_block_items(recomputed, last) if recomputed is not None else block)
+    block = block_items(items, last)
+    acts = [i for i in (block_items(recomputed, last) if recomputed is not None else block)
             if i.category is Category.ACTIVATION]
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
@@ -135,7 +135,7 @@ def _child(name: str) -> str | None:
     return parts[2].split(".", 1)[0] if parts else None
 
 
-def _block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[MemoryItem]:
+def block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[MemoryItem]:
     """Block ``last``'s own items in inventory order: its base items, or the template of the repeat
     that copies onto it (names inside the block are the same)."""
     inv = items if isinstance(items, Inventory) else Inventory(items)

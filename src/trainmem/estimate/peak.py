@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
+from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
 from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
@@ -282,7 +283,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 return parts, note
             # a checkpointed block recomputed its forward first: its tensors are alive beside the rest
             acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
-            for nb in norm_backward_parts(items, li, residual_bytes, recomputed if li in recompute_bytes else None):
+            rec_li = recomputed if li in recompute_bytes else None
+            # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
+            for nb in (*norm_backward_parts(items, li, residual_bytes, rec_li),
+                       *compiled_checkpoint_moments(items, li, residual_bytes, rec_li)):
                 # the first block's attention backward frees what the blocks share (rotary cos/sin:
                 # their saved-by-rope references are gone); the embedding keeps its indices
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0

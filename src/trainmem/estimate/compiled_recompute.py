@@ -1,0 +1,112 @@
+"""The moments inside a checkpointed compiled block's backward (``--compile`` per block, ``--recompute full``).
+
+A block compiled around its checkpoint keeps only its input (``rules_compiled.py`` ``_checkpointed_block``).
+Its backward graph first runs the ``tag_activation_checkpoint`` region again (the partitioner must
+recompute those nodes: ``torch/_functorch/partitioners.py`` ``must_recompute``, ``min_cut_rematerialization_partition``)
+and then the block's backward, op by op on inductor's decompositions (``torch/_inductor/decomposition.py``
+``select_decomp_table``), each value freed after its last use (the boxed calling convention,
+``torch/_functorch/_aot_autograd/runtime_wrappers.py``). Unlike the region without checkpointing, whose
+min-cut recomputes cheap pointwise values from a small saved set, here every forward value the
+backward reads is recomputed and held until that read: what eager autograd would save, not the compiled
+saved set. From the compiled saved set ``C`` of the block (the inventory without checkpointing), that is
+
+* each RMSNorm's input in fp32 (``x.to(float32)``, B·S·H·4: the decomposed norm backward reads it; a
+  16-bit input is freed once its fp32 copy exists, so the checkpoint's kept input is freed too) and its
+  normalized product ``x·rsqrt`` in the activation dtype (the weight gradient reads it); the attention's
+  residual sum replaces ``o_proj``'s output, which it frees;
+* SwiGLU's ``silu(gate)`` (B·S·F), which the product's backward reads; under a 16-bit dtype the gate as
+  the fp32 copy ``silu``'s decomposition makes (``pw_cast_for_opmath``), its 16-bit output freed.
+
+Two moments of the MLP's backward, both beside the residual stream's gradient (B·S·H), are modelled
+(:func:`compiled_checkpoint_moments`); the larger one, or the block's working set
+(``estimate/peak.py``), is the phase:
+
+* the product ``silu(gate)·up`` (``mul.Tensor``, two ``mul`` nodes): down_proj's weight gradient, the
+  product's gradient (B·S·F) and ``grad·up``, while ``silu(gate)`` and ``up`` are held (``silu(gate)`` is
+  freed before ``grad·silu(gate)``: 2·B·S·F of work, not eager's 3);
+* SiLU's backward (``silu_backward`` decomposed in fp32: the upcast gradient, ``sigmoid(gate)`` and
+  their product, 3·B·S·F·4): down_proj's and up_proj's weight gradients and up_proj's input gradient
+  (B·S·H) exist, ``silu(gate)``, ``up`` and the product were freed.
+
+Checked against the trace (``trace/compiled.py``: the same partitioned graphs run op by op, no fusion)
+for a tiny Llama, fp32 and bf16, on one device and under FSDP2 (``tests/estimate/test_compiled_recompute.py``).
+
+Known limitations:
+  - Inductor proper fuses these pointwise chains: no fp32 temporary of SiLU's backward and no
+    normalized product is materialized there, so a real compiled step holds less; the trace and this
+    estimate are the unfused graphs' moments, an upper bound of inductor's (docs/compile.md).
+  - Only the Llama block's compiled set in a pure precision is read (two RMSNorms, SwiGLU, no autocast
+    weight copies, Float8, q/k norms, sandwich norms, fused projections or experts): anything else
+    returns no moment, and the block's working set alone stands (as before).
+  - The attention's and the norms' backward moments are not modelled (lower than the MLP's where traced).
+"""
+
+from __future__ import annotations
+
+from trainmem.estimate.block_backward import block_items
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import split_block
+
+__all__ = ["compiled_checkpoint_moments"]
+
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_MLP = ("mlp.gate_proj.out", "mlp.up_proj.out", "mlp.act_mul_up")
+_REQUIRED = (*(f"{n}.{p}" for n in _NORMS for p in ("rsqrt", "out")), "self_attn.o_proj.out", *_MLP)
+_OTHER_SELF_ATTN = ("norm", "weight_cast", "scale", "q_proj", "k_proj")  # q/k norms, autocast copies, Float8
+_FP32 = dtype_bytes("float32")
+
+
+def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
+                                recomputed: "Inventory | None" = None) -> list[dict[str, int]]:
+    """The two MLP moments of block ``last``'s backward when it is a checkpointed compiled Llama block
+    whose compiled saved set (without checkpointing) is ``recomputed``; empty otherwise. Each moment is a
+    dict as ``block_backward.norm_backward_parts`` returns: ``block_gradients`` (and ``new_gradients``:
+    the compiled backward returns its weight gradients as new tensors, beside a stored ``.grad``),
+    ``freed_activations`` (of the recomputed set and the checkpoint's kept input), ``after_attention``
+    and ``work``: the residual stream's gradient, the op's temporaries and what the recomputation holds
+    beyond the compiled set (see the module docstring)."""
+    if recomputed is None:
+        return []
+    kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
+    if not _llama_compiled(kept):
+        return []
+    gate, up, prod = (kept[n] for n in _MLP)
+    a = dtype_bytes(gate.dtype)
+    outs = [kept[f"{n}.out"] for n in _NORMS]
+    if any(o.dtype != gate.dtype for o in outs):
+        return []
+    gate_numel = gate.bytes // a
+    # what the recomputation holds beyond the compiled set: each norm's fp32 input and normalized
+    # product, silu(gate), the 16-bit gate's fp32 copy; o_proj's output is freed by the residual sum
+    held = (sum(o.bytes // a * _FP32 + o.bytes for o in outs) + gate.bytes + gate_numel * (_FP32 - a)
+            - kept["self_attn.o_proj.out"].bytes)
+    # the checkpoint's kept input: its fp32 self is the input norm's (counted in ``held``), a 16-bit one is freed
+    block_input = outs[0].bytes
+    after = kept.get("residual_mlp")  # the block's output, the next block's input: freed by its backward
+    freed = prod.bytes + (after.bytes if after else 0) + block_input
+    grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
+                    and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
+    product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
+               "freed_activations": freed, "after_attention": 0,
+               "work": residual_bytes + 2 * prod.bytes + held}
+    silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
+            "new_gradients": grads["down_proj"] + grads["up_proj"],
+            "freed_activations": freed + up.bytes, "after_attention": 0,
+            # up_proj's input gradient, then silu_backward's three fp32 temporaries; silu(gate) was freed
+            "work": residual_bytes + outs[1].bytes + 3 * gate_numel * _FP32 + held - gate.bytes}
+    return [product, silu]
+
+
+def _inner(name: str) -> str:
+    """The path inside the block (``mlp.up_proj.out``), or the name outside blocks."""
+    parts = split_block(name)
+    return parts[2] if parts else name
+
+
+def _llama_compiled(kept: dict[str, MemoryItem]) -> bool:
+    """The Llama block's compiled set: its two norms' rsqrt and output, the attention's kept tensors,
+    o_proj's output, gate, up and their product, and nothing else (the block output aside)."""
+    if any(n not in kept for n in _REQUIRED):
+        return False
+    extra = set(kept) - set(_REQUIRED) - {"residual_mlp"}
+    return all(n.startswith("self_attn.") and not any(k in n for k in _OTHER_SELF_ATTN) for n in extra)

@@ -1,0 +1,74 @@
+"""A checkpointed compiled block's backward moment (``--compile --compile-scope block --recompute full``,
+``estimate/compiled_recompute.py``): the block's backward graph recomputes its forward and holds what
+its backward reads until that read; the step peaks in the MLP's backward. Exact against the trace
+(``trace/compiled.py``: inductor's partition run op by op, the same as the real CPU step with that
+backend, tests/trace/test_compiled.py); inductor proper fuses and holds less (docs/compile.md).
+Under FSDP2: tests/estimate/test_compiled_fsdp.py."""
+
+import pytest
+
+from trainmem.estimate import estimate
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
+FULL = ImplSpec(device="cpu", attention="sdpa", compile=True, compile_scope="block", recompute="full")
+
+
+def _step(precision):
+    return StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
+
+
+def _peak(precision):
+    e = estimate(spec_from_hf_config(LLAMA), _step(precision), FULL)
+    return e.peak_bytes, e.peak.name
+
+
+def test_fp32_peaks_at_the_product_backward_of_the_first_block():
+    # B=2, S=64, H=64, F=176, 4 heads (2 K/V) of 16, V=256, untied, AdamW, fp32. Resident: parameters
+    # 500992, AdamW's two states 1001984, inv_freq and original_inv_freq 64. Gradients made before block
+    # 0's backward: lm_head 65536, final norm 256, block 1's 184832; block 0's down_proj 45056: 295680.
+    # Kept: ids 1024, eager cos/sin 2 x 4096, block 0's input (the embedding) 32768: 41984.
+    # Recomputed and held: two norms' rsqrt 2 x 512, normed product and output 4 x 32768, q 32768,
+    # k and v 2 x 16384, SDPA output 32768 and logsumexp 2048, the residual sum 32768, gate, silu(gate)
+    # and up 3 x 90112: 535552 (the product act*up was freed by down_proj's weight gradient).
+    # Work: the residual stream's gradient 32768, the product's gradient and grad*up 2 x 90112; the
+    # loss and its seed gradient 8.
+    # 1503040 + 295680 + 41984 + 535552 + 212992 + 8 = 2589256 (the trace's peak, to the byte)
+    assert _peak("fp32") == (2589256, "backward_first_block")
+
+
+def test_bf16_peaks_at_silu_backward_of_the_first_block():
+    # bf16: resident 250496 + 500992 + 64; gradients 125312 before block 0, then its down_proj and
+    # up_proj 2 x 22528: 170368. Kept: ids 1024, cos/sin 2 x 2048 (the block's bf16 input was freed
+    # once the input norm's fp32 copy was made). Recomputed and held: per norm its fp32 input 32768,
+    # rsqrt 512, bf16 normed product and output 2 x 16384; q 16384, k and v 2 x 8192, SDPA output 16384
+    # and logsumexp 2048; the gate as silu's fp32 copy 90112: 273408. Work: the residual gradient
+    # 16384, up_proj's input gradient 16384, silu_backward in fp32 (upcast gradient, sigmoid, their
+    # product) 3 x 90112; the loss and its seed gradient 8.
+    # 751552 + 170368 + 5120 + 273408 + 303104 + 8 = 1503560 (the trace's peak, to the byte)
+    assert _peak("bf16") == (1503560, "backward_first_block")
+
+
+def test_other_blocks_keep_the_working_set_alone():
+    # an eager recomputed set (compile off) has no compiled moment: the eager rules' stand (block_backward.py)
+    from trainmem.estimate.activations import activation_inventory
+    from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
+
+    m = spec_from_hf_config(LLAMA)
+    eager = activation_inventory(m, _step("fp32"), ImplSpec(device="cpu", attention="sdpa"))
+    compiled = activation_inventory(m, _step("fp32"), ImplSpec(device="cpu", attention="sdpa", compile=True,
+                                                                compile_scope="block"))
+    assert compiled_checkpoint_moments(compiled, 0, 32768, eager) == []
+    assert compiled_checkpoint_moments(compiled, 0, 32768, None) == []
+    assert len(compiled_checkpoint_moments(compiled, 0, 32768, compiled)) == 2
+
+
+@pytest.mark.slow  # two compiled traces, ~15 s each on 2 shared cores
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_peak_equals_the_compiled_trace(precision):
+    from trainmem.trace import trace_step
+
+    traced = trace_step(LLAMA, _step(precision), FULL)
+    assert _peak(precision)[0] == traced.peak_logical_bytes  # 2589256 fp32, 1503560 bf16 (above)
