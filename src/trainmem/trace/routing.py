@@ -62,6 +62,22 @@ def _forced_index(like, num_experts: int, hot_fraction: float):
     return torch.cat([same, rest])
 
 
+def _derived_index(like, num_experts: int, hot_fraction: float):
+    """The same ids as :func:`_forced_index`, computed from ``like`` (this block's router ids) for a compiled
+    region. Built from constants, every block's ids would be one value of the graph: Dynamo and the joint
+    graph's CSE (``torch/_functorch/compile_utils.py`` ``fx_graph_cse``) merge the blocks' identical
+    ``arange`` chains, the partitioner then keeps one block's sort permutation and offsets for all of them, and
+    under checkpointing saves them outside the checkpoints as a hoisted constant. ``like.clamp(max=0)`` is zero
+    for ids (never negative) but not to the compiler, which does fold ``like * 0`` into a ``full`` (read in the
+    partitioned graph), so each block's positions, hence its permutation, are its own tensor, as with a real
+    router."""
+    tokens, k = like.shape
+    hot = math.ceil(hot_fraction * tokens) * k
+    pos = (like.reshape(-1).clamp(max=0) + 1).cumsum(0) - 1  # arange(T·k): token t, slot j at t·k + j
+    # the first hot tokens choose experts 0 .. k-1; the rest (t' counted from the first) (t'·k + j) mod E
+    return (pos % k).where(pos < hot, pos - hot).remainder(num_experts).view(tokens, k)
+
+
 def experts_modules(model) -> list:
     """The modules built by transformers' ``use_experts_implementation`` (they take ``top_k_index``)."""
     return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
@@ -70,11 +86,15 @@ def experts_modules(model) -> list:
 @contextlib.contextmanager
 def force_routing(model, hot_fraction: float):
     """Replace every experts module's ``top_k_index`` with the fixed assignment while active."""
+    import torch
+
     def hook(module, args, kwargs):
+        # eager: integer factories, which ConcreteInts keeps concrete for the per-expert loop
+        forced = _derived_index if torch.compiler.is_compiling() else _forced_index
         if "top_k_index" in kwargs:
-            kwargs["top_k_index"] = _forced_index(kwargs["top_k_index"], module.num_experts, hot_fraction)
+            kwargs["top_k_index"] = forced(kwargs["top_k_index"], module.num_experts, hot_fraction)
         else:
-            args = (args[0], _forced_index(args[1], module.num_experts, hot_fraction), *args[2:])
+            args = (args[0], forced(args[1], module.num_experts, hot_fraction), *args[2:])
         return args, kwargs
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in experts_modules(model)]
