@@ -80,8 +80,11 @@ def test_estimate_equals_trace(precision, seq, accum):
 LLAMA1 = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
 #: --recompute full: the block moments on the recomputed tensors (were 1,597,448 B under on the Llama,
-#: 524,808 B on GPT-2 fp32 S128); the cases measured equal (GPT-2 fp32 S128 is still 131,072 B under)
-FULL = [(LLAMA1, "bf16", 256), (GPT2, "fp32", 64), (GPT2, "bf16", 64), (GPT2, "bf16", 128), (GPT2, "amp-bf16", 64)]
+#: 524,808 B on GPT-2 fp32 S128). GPT-2 fp32 S128 was then still 131,072 B under: checkpointing turns the
+#: KV cache off, so at B == 1 the math kernel's bmm keeps V as a view of the whole c_attn output (Ctx.kv_cache,
+#: attention_core ``fused``)
+FULL = [(LLAMA1, "bf16", 256), (GPT2, "fp32", 64), (GPT2, "fp32", 128), (GPT2, "bf16", 64), (GPT2, "bf16", 128),
+        (GPT2, "amp-bf16", 64)]
 
 
 @pytest.mark.slow  # one fake-tensor trace each, ~1-3 s
@@ -94,3 +97,36 @@ def test_recompute_full_equals_trace(cfg, precision, seq):
     impl = ImplSpec(device="cpu", recompute="full")
     est, t = estimate(spec_from_hf_config(cfg), step, impl), trace_step(cfg, step, impl)
     assert est.peak_bytes == t.peak_logical_bytes, (est.peak_phase, est.peak_bytes, t.peak_logical_bytes)
+
+
+#: GPT-2 eager attention at B == 1: q (and, without the KV cache, k and v) reach bmm as views of the c_attn
+#: output, which bmm then keeps whole (3·S·H per block); at B == 2 they are copies. fp32 S128 recompute none
+#: was 262,144 B (2 blocks x 2·S·H·4) under before attention_core's ``fused``
+EAGER = [(b, r) for b in (1, 2) for r in ("none", "full")]
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~2-3 s
+@pytest.mark.parametrize("batch,recompute", EAGER)
+def test_gpt2_eager_views_equal_trace(batch, recompute):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step = StepSpec(batch=batch, seq=128, precision="fp32", optimizer="sgd")
+    impl = ImplSpec(device="cpu", attention="eager", recompute=recompute)
+    est, t = estimate(spec_from_hf_config(GPT2), step, impl), trace_step(GPT2, step, impl)
+    assert est.peak_bytes == t.peak_logical_bytes, (est.peak_phase, est.peak_bytes, t.peak_logical_bytes)
+
+
+def test_gpt2_eager_keeps_the_fused_output_at_batch_one():
+    """The saved set's arithmetic (fast): at B == 1 a block's eager attention keeps the c_attn output
+    (S·3H·4 = 128·384·4 = 196,608 B) where B == 2 keeps per-sample copies of q and kᵀ (2·S·H·4 each)
+    beside the KV cache's V copy."""
+    def attn_bytes(batch):
+        est = estimate(spec_from_hf_config(GPT2), StepSpec(batch=batch, seq=128, precision="fp32", optimizer="sgd"),
+                       ImplSpec(device="cpu", attention="eager"))
+        return {i.name.rpartition(".")[2]: i.bytes for i in est.inventory
+                if i.name.startswith("transformer.h.0.attn.") and i.category.value == "activation"}
+
+    one, two = attn_bytes(1), attn_bytes(2)
+    assert one["out"] == 128 * 3 * H * 4 and "q" not in one and one["k_t"] == one["v_repeat"] == 128 * H * 4
+    assert two["q"] == two["k_t"] == two["v_repeat"] == 2 * 128 * H * 4 and "out" not in two

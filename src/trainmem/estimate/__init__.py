@@ -150,11 +150,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
         acts = activation_inventory(model, step, impl)
         states = model_state_inventory(model, step, impl.profile)
-        plain = activation_inventory(model, step, plain_impl) if impl.recompute != "none" else None
+        plain = activation_inventory(model, step, plain_impl, kv_cache=False) if impl.recompute != "none" else None
     else:  # fine-tuning may freeze some blocks and not others: every block is its own
         acts = Inventory(activation_items(model, step, impl, finetune))
         states = Inventory(model_state_items(model, step, finetune))
-        plain = (Inventory(activation_items(model, step, plain_impl, finetune))
+        plain = (Inventory(activation_items(model, step, plain_impl, finetune, kv_cache=False))
                  if impl.recompute != "none" else None)
     inv = states + acts
     recompute = recompute_per_layer(acts, plain, stacks) if plain is not None else {}

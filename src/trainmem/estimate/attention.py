@@ -55,7 +55,7 @@ def resolve_kernel(ctx: Ctx, masked: bool = False) -> str:
 
 def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
                    softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False,
-                   q_copy: bool = False, masked: bool = False) -> Sym:
+                   q_copy: bool = False, masked: bool = False, fused: Sym | None = None) -> Sym:
     """Run one attention core inside the current module scope.
 
     ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
@@ -66,6 +66,12 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     made contiguous (RoPE by ``torch.cat``), so ``transpose(1, 2).contiguous()`` copies it.
     ``q_copy``: ``q`` is a strided view (GPT-2's split of the fused QKV output); bmm reshapes it
     into a heads-wide copy, which is what eager attention keeps.
+    ``fused``: the fused QKV output of which ``q`` (and ``k``, ``v`` where they are ``fused`` itself: no KV
+    cache) are strided (B, A, S, hd) views. ``matmul`` reshapes each to (B·A, S, hd) for bmm: with B == 1
+    the size-1 batch dim merges with any stride and the reshape is a view, so bmm keeps the whole fused
+    output's storage; with B > 1 it copies (``aten/src/ATen/native/LinearAlgebra.cpp`` ``_matmul_impl``,
+    ``TensorShape.cpp`` ``reshape`` -> ``computeStride``). The math kernel pre-scales q and k (fresh
+    tensors), so there only V can stay a view.
     ``masked``: SDPA gets an explicit mask (:func:`window_mask`). transformers then repeats K/V
     (``sdpa_attention.use_gqa_in_sdpa`` is False with a mask), and SDPA turns the boolean mask into
     an additive one in the query's dtype on every call (``attention.cpp``
@@ -104,12 +110,16 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         # the CPU math kernel upcasts 16-bit q, k, v to fp32 and computes in fp32
         q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.requires_grad) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         low = None
-    if q_copy:
+    def view_kept(t: Sym) -> bool:  # a strided view of ``fused`` that bmm keeps as is (B == 1)
+        return fused is not None and t is fused and B == 1
+
+    if q_copy and not (kernel == "eager" and view_kept(q)):
         q = g.new("q", heads_shape, heads_dims, q.dtype, q.requires_grad)
     qm = ctx.cast(q, low, "q_cast") if low else q
     k_in = ctx.cast(k, low, "k_cast") if low else k
     # the K operand reaches bmm as a fresh (B·A, hd, S) copy: repeat_kv, or the transpose's reshape
-    kt = g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.requires_grad)
+    kt = k_in if kernel == "eager" and view_kept(k_in) else \
+        g.new("k_t", heads_shape, heads_dims, k_in.dtype, k_in.requires_grad)
     g.save(qm, when=kt.requires_grad)  # bmm keeps each operand for the other's gradient
     g.save(kt, when=qm.requires_grad)
     # Q·Kᵀ's bmm output; the scaling (or the math kernel's pre-scaled q) makes the next tensor
@@ -128,7 +138,7 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         probs = ctx.cast(probs, low, "probs_cast")
         v = ctx.cast(v, low, "v_cast")
     # V likewise reaches bmm as a fresh heads-wide copy (repeat_kv, the KV-cache cat, or a reshape)
-    vv = g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.requires_grad)
+    vv = v if view_kept(v) else g.new("v_repeat", heads_shape, heads_dims, v.dtype, v.requires_grad)
     g.save(probs, when=vv.requires_grad)
     g.save(vv, when=probs.requires_grad)
     # P·V's bmm output (B, A, S, hd); transpose(1, 2).contiguous() copies it into attn_out

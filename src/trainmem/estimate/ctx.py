@@ -67,6 +67,11 @@ class Ctx:
     shard: Shard = Shard()
     """This rank's cut of the block (``model`` is already the rank-local model: heads, FFN width
     and vocabulary divided by ``tp``; ``step.seq`` is the rank's ``S / cp``)."""
+    kv_cache: bool = True
+    """transformers' KV cache is on (``use_cache``): a training forward still builds a DynamicCache and
+    attention reads K/V from its ``torch.cat`` copies. Gradient checkpointing turns it off
+    (``GPT2Model.forward`` and the other ``*Model.forward``: ``if self.gradient_checkpointing and
+    self.training: use_cache = False``), so a checkpointed block recomputes without it."""
 
     def __post_init__(self) -> None:
         d = self.step.dtypes

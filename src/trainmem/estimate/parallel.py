@@ -316,7 +316,7 @@ def _plain_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune,
     plain_impl = replace(impl, recompute="none", recompute_every=1)
     if impl.compile and finetune is not None:  # a fully recomputed compiled block recomputes the eager
         plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set, as estimate()
-    return tuple(activation_items_with_savers(lm, lstep, plain_impl, finetune, shard)[0])
+    return tuple(activation_items_with_savers(lm, lstep, plain_impl, finetune, shard, kv_cache=False)[0])
 
 
 @lru_cache(maxsize=16)

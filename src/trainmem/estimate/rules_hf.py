@@ -21,7 +21,7 @@ from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.heads import task_head
 from trainmem.estimate.rules_hf_masks import _checkpoint_extras, _eager_window_masks
-from trainmem.estimate.rules_hf_moe import _moe
+from trainmem.estimate.rules_hf_moe import _moe, load_balancing_items
 from trainmem.estimate.rules_hf_parts import (_activation, _embedding, _gated_mlp, _head, _heads, _layernorm, _layers,
                                               _loss, _policy, _qkv_proj, _rmsnorm, _rope, _rules)
 from trainmem.estimate.rules_prenorm import prenorm_block
@@ -128,6 +128,8 @@ def _llama(ctx: Ctx) -> None:
         h = ctx.sp_gather(h, "input_gathered")
     logits = _head(ctx, h, "lm_head")
     _loss(ctx, logits)
+    if m.router_aux_loss:  # after the cross-entropy (estimate/rules_hf_moe.py)
+        load_balancing_items(ctx)
 
 
 def _llama_layer(ctx: Ctx, x: Sym, cos: Sym, sin: Sym, kernel: str, held: list[Sym] = (), *,
@@ -238,11 +240,16 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
             k = _rope(ctx, g.new("k", *heads, qkv.dtype, qkv.requires_grad), cos, sin, "k_rope")
         else:
             q = k = qkv  # strided views of the c_attn output (SDPA keeps q as such; eager copies it)
-        k = g.new("k_cache", *heads, k.dtype, k.requires_grad)
-        v = g.new("v_cache", *heads, qkv.dtype, qkv.requires_grad)
+        v = qkv
+        if ctx.kv_cache or neox or kernel not in ("eager", "math"):
+            # attention reads K/V from the DynamicCache's cat copies (without a cache, under checkpointing,
+            # GPT-2's eager and math paths read the c_attn views: attention_core ``fused``; the fused
+            # kernels and GPT-NeoX are not checked without it)
+            k = g.new("k_cache", *heads, k.dtype, k.requires_grad)
+            v = g.new("v_cache", *heads, qkv.dtype, qkv.requires_grad)
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
             o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=True, softmax_fp32=neox, out_copy=neox,
-                               q_copy=not neox and kernel in ("eager", "math"))
+                               q_copy=not neox and kernel in ("eager", "math"), fused=None if neox else qkv)
         with g.module("dense" if neox else "c_proj"):
             a = ctx.linear(o, H, "H", weight=(H, H), bias=m.out_bias)
         a = ctx.dropout(a, m.hidden_dropout, "resid_dropout", module=True)
