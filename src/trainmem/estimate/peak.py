@@ -84,6 +84,12 @@ class LayerStats:
     nll_saved: int = 0
     """``nll_loss``'s saved target and total weight (``loss.target``, ``loss.total_weight``; traced: the
     int64 target by the op that made it, ``loss.nll_loss_forward``)."""
+    aux_saved: int = 0
+    """The load-balancing loss's kept set (``loss.load_balancing.*``, estimate/rules_hf_moe.py): released
+    before the cross-entropy's backward, whose branch runs after it."""
+    router_grads: dict[int, int] = field(default_factory=dict)
+    """Block -> its router logits' gradient from the load-balancing loss (the bytes of its kept softmax,
+    ``probs_layer{i}``): alive from the loss's backward until that block's router backward."""
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -103,10 +109,18 @@ class LayerStats:
                         self.loss_value += it.bytes
                     elif it.name in ("loss.total_weight", "loss.nll_loss_forward") or it.dtype == "int64":
                         self.nll_saved += it.bytes  # --profile traced: the target by its op, loss.clone
+                    elif it.name.startswith(AUX_LOSS):
+                        self.aux_saved += it.bytes
+                        layer = it.name.rpartition("probs_layer")[2]
+                        if layer.isdigit():
+                            self.router_grads[int(layer)] = it.bytes
         elif it.category is Category.GRADIENT:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
                 self.grad_layer[li] = self.grad_layer.get(li, 0) + it.bytes
+
+
+AUX_LOSS = "loss.load_balancing."  # estimate/rules_hf_moe.py load_balancing_items
 
 
 def _block_reader(stacks: tuple[tuple[str, int], ...] = ()):
@@ -228,8 +242,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         # log_softmax's backward runs after NllLossBackward0 released its saved target and total weight
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
         # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
-        add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved, "logits_grad": int(2 * BSV * lb),
-                               "loss_seed": lb if st.nll_saved else 0},
+        add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved,
+                               "logits_grad": int(2 * BSV * lb), "loss_seed": lb if st.nll_saved else 0,
+                               "router_logits_grad": sum(st.router_grads.values())},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
         from trainmem.estimate.compiled_chunk_loss import compiled_chunk_phases
@@ -271,7 +286,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
         g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else tied_G
-        parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work}
+        parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work,
+                 "router_logits_grad": sum(st.router_grads.values())}  # every block's router backward is to come
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
                 "block activations, the output gradient and the gradient of its largest tensor")
 
@@ -294,7 +310,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 # gradient (ones_like), alive through backward
                 at = {"gradients": grads_before + nb.get("new_gradients", 0 if grad_accum > 1 else nb["block_gradients"]),
                       "activations": acts_before - nb["freed_activations"] - shared,
-                      "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)}
+                      "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0),
+                      "router_logits_grad": parts.get("router_logits_grad", 0)}
                 if sum(at.values()) > sum(parts.values()):
                     parts, note = at, (f"{note.split(':')[0].split(', at its')[0]}, at its MLP product's or an RMSNorm's backward: "
                                        "gradients so far, the residual gradient and the node's temporaries")
@@ -312,7 +329,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             g_first = G if grad_accum > 1 else G - grad_layer.get(first, 0) - st.late_grad
             acts0 = A - head_act - sum(act_layer.values()) + act_layer.get(first, 0)
             add("backward_first_block", *inside(
-                first, g_first, acts0, {"gradients": g_first, "activations": acts0, "recompute_and_work": work0},
+                first, g_first, acts0, {"gradients": g_first, "activations": acts0, "recompute_and_work": work0,
+                                        "router_logits_grad": st.router_grads.get(first, 0)},
                 "backward of the first block, the last to run: every later gradient exists, its "
                 "recomputed block activations, the output gradient and the gradient of its largest tensor"))
     # the embedding's backward runs last: the blocks' shared inputs (rotary cos/sin) and the embedding

@@ -36,6 +36,7 @@ implementation in bf16, and torch 2.13's meta kernel of ``aten._grouped_mm`` ref
 
 from __future__ import annotations
 
+from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx
 
 __all__ = ["compiled_moe", "checkpointed_moe_arange", "router_checked"]
@@ -56,6 +57,9 @@ def router_checked(num_experts: int) -> bool:
 def compiled_moe(ctx: Ctx) -> None:
     """The router's and the experts' saved set inside a compiled block (T = B·S tokens)."""
     g, m = ctx.graph, ctx.model
+    if m.router_aux_loss:  # the router logits leave each block's graph for the loss: another saved set, not read
+        raise UnsupportedError("compile: output_router_logits=True is not modelled: the load-balancing loss is "
+                               "modelled eager (estimate/rules_hf_moe.py load_balancing_items); trace --compile")
     H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
     T, a = ctx.B * ctx.S, ctx.low or ctx.param
     Tk, Tks = (T * k,), ("B·S·k",)

@@ -68,3 +68,33 @@ def _routed_experts(ctx: Ctx, h: Sym, w_dtype: str) -> Sym:
             shared = _gated_mlp(ctx, h, (m.num_shared_experts * F, "Es·Fe"))
         y = ctx.add(y, shared, "moe_shared_sum")
     return y
+
+
+def load_balancing_items(ctx: Ctx) -> None:
+    """The routers' load-balancing loss (``output_router_logits``), after the cross-entropy: transformers'
+    ``load_balancing_loss_func`` (``models/qwen3_moe/modeling_qwen3_moe.py``, Mixtral's the same) runs,
+    per MoE block, ``softmax`` on the router logits the model returned (the activation dtype a: softmax keeps its
+    output, a·T·E), a ``topk`` whose values are dropped (its node and indices die with them) and
+    ``histc`` counts (no gradient); ``probs.float().sum(0)`` keeps nothing. After the blocks,
+    ``tokens_per_expert * router_prob_per_expert`` keeps the counts over the rows (fp32, E): the other factor
+    has no gradient. ``loss += coef * aux`` is in place and keeps nothing.
+
+        kept   Σ over MoE blocks a·T·E  +  4·E
+
+    In backward this branch runs before the cross-entropy's (higher sequence numbers): its kept tensors are
+    released and each block's router-logit gradient (a·T·E) waits for that block's router backward
+    (estimate/peak.py ``router_logits_grad``)."""
+    from trainmem.errors import SpecError
+
+    g, m = ctx.graph, ctx.model
+    if ctx.step.loss != "ce" or ctx.low or ctx.shard.tp > 1 or ctx.shard.cp > 1:
+        raise SpecError("output_router_logits", True, "the load-balancing loss is modelled with --loss ce, a pure "
+                                                        "precision (fp32/bf16/fp16) and no tp or cp (here loss="
+                                                        f"{ctx.step.loss}, precision={ctx.step.precision}, "
+                                                        f"tp={ctx.shard.tp}, cp={ctx.shard.cp})")
+    T, E = ctx.B * ctx.S, m.num_experts
+    with g.module("loss.load_balancing"):
+        for i, kind in enumerate(m.kinds):
+            if kind.mlp == "moe":
+                g.save(g.new(f"probs_layer{i}", (T, E), ("B·S", "E"), ctx.step.dtypes.activation))
+        g.save(g.new("tokens_per_expert", (E,), ("E",), "float32", False))

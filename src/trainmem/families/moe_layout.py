@@ -9,7 +9,17 @@ from trainmem.families import layout as lay
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.model import ModelSpec
 
-__all__ = ["attention", "dense_mlp", "experts", "kind_blocks"]
+__all__ = ["attention", "dense_mlp", "experts", "kind_blocks", "router_aux_loss"]
+
+
+def router_aux_loss(c) -> bool:
+    """``output_router_logits``: the CausalLM adds ``load_balancing_loss_func``'s loss (a bool in the config)."""
+    from trainmem.errors import SpecError
+
+    value = c("output_router_logits")
+    if not isinstance(value, bool):
+        raise SpecError("output_router_logits", value, "must be true or false")
+    return value
 
 
 def attention(at: str, m: "ModelSpec") -> lay.Params:

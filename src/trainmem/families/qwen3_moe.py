@@ -11,7 +11,7 @@ from trainmem.families.base import BlockRules, ConfigSchema, Family, register_fa
 from trainmem.families.config import ConfigReader
 from trainmem.families.kinds import qwen_windows
 from trainmem.families.llama import LLAMA_NAMES
-from trainmem.families.moe_layout import attention, dense_mlp, experts, kind_blocks
+from trainmem.families.moe_layout import attention, dense_mlp, experts, kind_blocks, router_aux_loss
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainmem.specs.layer_kind import LayerKind
@@ -27,7 +27,7 @@ def _read(c: ConfigReader) -> dict:
     # Qwen3MoeDecoderLayer.__init__: MoE where not mlp_only and (i + 1) % decoder_sparse_step == 0
     moe = [i not in only and c("num_experts") > 0 and (i + 1) % step == 0 for i in range(L)]
     windows = qwen_windows(c) or tuple({} for _ in range(L))
-    return {"router_norm_topk": bool(c("norm_topk_prob")),
+    return {"router_norm_topk": bool(c("norm_topk_prob")), "router_aux_loss": router_aux_loss(c),
             "layer_kinds": tuple({**w, "mlp": "moe" if moe[i] else "dense"} for i, w in enumerate(windows))}
 
 
@@ -60,4 +60,5 @@ def qwen3_moe() -> Family:
                                 "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
                                 "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
                                 "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
-                                "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None}))
+                                "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None,
+                                "output_router_logits": False}))

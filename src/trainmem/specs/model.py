@@ -119,6 +119,9 @@ class ModelSpec:
     router_norm_topk: bool = True
     """The router renormalizes its top-k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``;
     Mixtral always does)."""
+    router_aux_loss: bool = False
+    """The step adds the routers' load-balancing loss (transformers' ``output_router_logits``,
+    ``load_balancing_loss_func``): it keeps each MoE block's softmax of the router logits until backward."""
     router_group_mask: bool = False
     """The router masks the scores it picks the top-k weights from to the best expert groups
     (DeepSeek-V2's ``topk_method="group_limited_greedy"``): autograd keeps that (B·S, E) mask."""
@@ -211,6 +214,7 @@ class ModelSpec:
         v.boolean("attn_sinks", self.attn_sinks)
         v.boolean("attn_temperature_tuning", self.attn_temperature_tuning)
         v.boolean("router_norm_topk", self.router_norm_topk)
+        v.boolean("router_aux_loss", self.router_aux_loss)
         v.boolean("router_group_mask", self.router_group_mask)
         if isinstance(self.layer_kinds, (str, bytes)) or not isinstance(self.layer_kinds, (tuple, list)):
             raise SpecError("layer_kinds", self.layer_kinds, "must be a list of layer kinds, one per block")
