@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
+from trainmem.estimate.compiled_tp import compiled_tp_refusals
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
@@ -84,8 +85,10 @@ def check_compiled(ctx: Ctx) -> None:
             resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 or fp32 "
          "at --recompute none with more than one K/V head in the Llama block (estimate/rules_compiled_attention.py)"),
-        ("parallel", "sharded", ctx.shard != Shard(), "compiled rules cover one device's shapes and FSDP2 "
-         "(--dp N --fsdp full: estimate/compiled_sharded.py), not tensor, context or expert parallelism"),
+        ("parallel", "sharded", ctx.shard != Shard() and ctx.shard.tp == 1, "compiled rules cover one device's "
+         "shapes, FSDP2 (--dp N --fsdp full: estimate/compiled_sharded.py) and TP (estimate/compiled_tp.py), not "
+         "context or expert parallelism"),
+        *compiled_tp_refusals(ctx),
         ("finetune", _finetune_mode(ctx), _finetune_mode(ctx) not in ("off", "full", "lora", "qlora") or (
             ctx.finetune_linear is not None and not _recomputed_blocks(ctx)) or (
             _finetune_mode(ctx) == "qlora" and ctx.finetune_linear.spec.quant_impl != "torchao-nf4"),
@@ -186,17 +189,17 @@ def _compiled_block(ctx: Ctx, x: Sym, *, moe: bool = False) -> Sym:
             compiled_eager_attention(ctx, q)
         else:
             attention_core(ctx, q, k, v, kernel=resolve_kernel(ctx), gqa_native=m.head_dim <= 256)  # keeps o_proj's input
-        with g.module("o_proj"):
-            g.save(g.new("out", (B, S, H), ("B", "S", "H"), a))  # the residual sum is recomputed from it
+        with g.module("o_proj"):  # the residual sum is recomputed from it (under SP: its reduce-scattered S/tp)
+            g.save(ctx.sp_scatter(g.new("out", (B, S, H), ("B", "S", "H"), a), "out_sp"))
     if sandwich:  # the norm of o_proj's output keeps its rsqrt; the normalized output is recomputed
         _rsqrt(ctx, "post_attention_layernorm")
-    residual = g.new("residual_attn", (B, S, H), ("B", "S", "H"), x.dtype)
+    residual = g.new("residual_attn", x.shape, x.dims, x.dtype)  # SP: S/tp, as the block input
     _rmsnorm(ctx, residual, "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", keep_input=False,
              keep_output=not compiled_input_recomputed(ctx, *mlp))
     with g.module("mlp"):
         if moe:  # the router and grouped_mm experts (Qwen3-MoE, Mixtral; bf16, no autocast copies)
             compiled_moe(ctx)
-            return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+            return g.new("residual_mlp", x.shape, x.dims, x.dtype)
         _weight_copies(ctx, ("gate_proj", F, "F", H, "H"), ("up_proj", F, "F", H, "H"), ("down_proj", H, "H", F, "F"))
         # Phi-3's gate_up_proj: one output, of which gate and up are views
         for name, width, sym in (("gate_up_proj", 2 * F, "2·F"),) if fused else (("gate_proj", F, "F"),
@@ -211,7 +214,7 @@ def _compiled_block(ctx: Ctx, x: Sym, *, moe: bool = False) -> Sym:
     if sandwich:
         _rsqrt(ctx, "post_feedforward_layernorm")
     compiled_scales(ctx, *qkv, ("self_attn.o_proj", (H, m.q_size)), *mlp, ("mlp.down_proj", (H, F)))
-    return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+    return g.new("residual_mlp", x.shape, x.dims, x.dtype)
 
 
 def _rsqrt(ctx: Ctx, norm: str) -> None:
@@ -253,6 +256,8 @@ def _per_block(ctx: Ctx) -> None:
     Under ``--recompute full`` each block keeps its input only (:func:`_checkpointed_block`)."""
     g, m = ctx.graph, ctx.model
     x = _embedding(ctx, "model.embed_tokens")
+    with g.module("model.embed_tokens"):  # SP: the vocab-parallel embedding reduce-scatters (estimate/compiled_tp.py)
+        x = ctx.sp_scatter(x, "out_sp")
     rules = family_of(m).rules
     with g.module("model.rotary_emb"):
         rot, dt = (1, ctx.S, m.head_dim), "float32" if rules.rope_fp32 else x.dtype  # OLMo-2: fp32
@@ -264,7 +269,10 @@ def _per_block(ctx: Ctx) -> None:
         eager_mask(ctx)
     recomputed_rule = {"full": _checkpointed_block, "op": _op_block}.get(ctx.impl.recompute)
     x = _layers(ctx, "model.layers.", x, (lambda _i, x: recomputed_rule(ctx, x)) if recomputed_rule else _block_rule(ctx))
-    logits = _head(ctx, _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm), "lm_head")
+    h = _eager_rmsnorm(ctx, x, "model.norm", gemma=family_of(m).rules.unit_offset_norm)
+    with g.module("lm_head"):  # SP: the head's input all-gathered (estimate/compiled_tp.py)
+        h = ctx.sp_gather(h, "input_gathered")
+    logits = _head(ctx, h, "lm_head")
     if ctx.impl.compile_scope == "block-loss":  # torchtune's compile_loss: the loss is its own region
         if ctx.step.loss == "torchtune-chunked-ce":  # each chunk's compute_cross_entropy compiled alone
             from trainmem.estimate.compiled_chunk_loss import compiled_chunk_items
@@ -363,6 +371,7 @@ def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, keep_input: bool = True, keep_outpu
     with g.module(name):
         g.save(g.new("rsqrt", x.shape[:-1] + (1,), x.dims[:-1] + ("1",), "float32", False))
         out = g.new("out", x.shape, x.dims, ctx.low or x.dtype)  # under autocast: the linears' 16-bit input
-        g.save(out, when=keep_output)
+        # SP: the all-gathered output instead, a collective's output the partitioner must save (compiled_tp.py)
+        g.save(ctx.sp_gather(out, "out_gathered"), when=keep_output)
     return out
 
