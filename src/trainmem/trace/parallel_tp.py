@@ -34,8 +34,11 @@ Known limitations:
     foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
     models without a ``base_model_tp_plan`` are refused in one line; TP with any other parallel
-    dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`), compile, Float8 and
-    fine-tuning too, and fsdp-bf16 without FSDP2.
+    dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`), Float8 and fine-tuning too,
+    and fsdp-bf16 without FSDP2;
+  - ``--compile`` runs as torchtitan applies it, each block compiled after the cut (``--compile-scope block``,
+    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none``, without FSDP2
+    (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py, docs/compile.md).
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
                                "reference model has none (use --profile hf, or estimate --tp)")
     if isinstance(config, Mapping):
         _check_sizes(config.get, par.tp, step.seq, par.sp)
-    for what, given in (("--compile", impl.compile), ("--float8", impl.float8 != "none"),
+    if impl.compile:  # compiled blocks after the cut: trace/compiled.py per block (estimate/compiled_tp.py)
+        _check_compiled(par, impl)
+    for what, given in (("--float8", impl.float8 != "none"),
                         ("--optimizer-in-backward", impl.optimizer_in_backward),
                         ("--finetune", finetune is not None),
                         ("--precision fsdp-bf16", step.dtypes.gathered and par.fsdp is None)):
@@ -91,6 +96,25 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
     if step.loss != "ce":
         raise UnsupportedError(f"--loss {step.loss} with --tp: trace runs the model's own cross-entropy under "
                                "loss_parallel()")
+
+
+def _check_compiled(par, impl) -> None:
+    """``--compile`` under TP as torchtitan applies it (``apply_tp``, then ``apply_compile``): each block
+    compiled after ``parallelize_module``, alone (no FSDP2), without checkpointing; refused in one line."""
+    for field, value, ok, why in (
+            ("compile_scope", impl.compile_scope, impl.compile_scope == "block",
+             "TP blocks are compiled one by one (torchtitan's apply_compile): --compile-scope block"),
+            ("recompute", impl.recompute, impl.recompute == "none",
+             "torch 2.13 refuses a checkpointed compiled DTensor block (AOTAutograd's save_from_forward finds a "
+             "DeviceMesh among the saved tensors)"),
+            ("fsdp", par.fsdp, par.fsdp is None, "compiled TP blocks are traced without FSDP2"),
+            # checked on real tensors (trace_step(real=True)): with --sp the step runs and its peak equals the
+            # fake trace's; without, the embedding's Redistribute.backward (torch/distributed/tensor/_redistribute.py)
+            # gets a plain-tensor gradient from the compiled block 0 and fails (aot_eager too), though fake tensors run
+            ("sp", par.sp, par.sp, "torch 2.13 fails a real compiled TP step without sequence parallelism (the "
+             "embedding's redistribute gets a plain gradient back from the compiled block); use --sp, as torchtitan")):
+        if not ok:
+            raise UnsupportedError(f"--compile with --tp: {field}={value!r} is not traced: {why}")
 
 
 def _styles(plan: dict[str, str]) -> None:

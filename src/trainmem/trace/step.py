@@ -384,8 +384,9 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     offloading = offload_activations(model) if "activations" in offload else contextlib.nullcontext()
     with selective, routing, offloading as off:
         one_step()
-        if impl.compile:
-            meta["compile"] = report(model, runs, compiled, loss_of)
+        if impl.compile:  # TP: the report's forwards under loss_parallel too (trace/parallel_tp.py)
+            with step_context(tp[0] if tp is not None else None):
+                meta["compile"] = report(model, runs, compiled, pipe.microbatch_forward if pipe is not None else loss_of)
         distinct = list({id(t): t for t in inputs.values()}.values())  # labels are often the ids
         if ignore is not None:
             distinct.append(ignore)
