@@ -20,8 +20,8 @@ def _step(precision):
     return StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
 
 
-def _peak(precision):
-    e = estimate(spec_from_hf_config(LLAMA), _step(precision), FULL)
+def _peak(precision, impl=FULL):
+    e = estimate(spec_from_hf_config(LLAMA), _step(precision), impl)
     return e.peak_bytes, e.peak.name
 
 
@@ -51,6 +51,18 @@ def test_bf16_peaks_at_silu_backward_of_the_first_block():
     assert _peak("bf16") == (1503560, "backward_first_block")
 
 
+def test_whole_model_compile_holds_more_across_its_blocks():
+    # one region around both checkpointed blocks (estimate/compiled_recompute.py _one_region_held). Kept: the
+    # materialized causal mask B·S·S·4 = 32768 and no eager cos/sin (2·S·hd·4 = 8192): +24576. Held beside
+    # block 0's recomputed set: cos and sin, recomputed once, 8192; repeat_kv's K and V at 4 heads instead of
+    # k and v at 2, 2·B·S·(A - Akv)·hd·4 = 32768; the rotary backward's zero-filled q- and k-shaped buffers,
+    # made in block 1's backward, B·S·(A + Akv)·hd·4 = 49152: +90112.  2589256 + 24576 + 90112 = 2703944
+    # bf16: 1503560 + (16384 - 4096) + (4096 + 16384 + 24576) = 1560904 (both the trace's peak, to the byte)
+    whole = ImplSpec(device="cpu", attention="sdpa", compile=True, recompute="full")
+    assert _peak("fp32", whole) == (2703944, "backward_first_block")
+    assert _peak("bf16", whole) == (1560904, "backward_first_block")
+
+
 def test_other_blocks_keep_the_working_set_alone():
     # an eager recomputed set (compile off) has no compiled moment: the eager rules' stand (block_backward.py)
     from trainmem.estimate.activations import activation_inventory
@@ -66,22 +78,28 @@ def test_other_blocks_keep_the_working_set_alone():
 
 
 # another shape: H 128, F 352, 3 blocks, 4/2 heads, V 128 (measured estimate == trace, 3 blocks: fp32 B=2 S=64
-# 10,405,000 B, bf16 B=1 S=128 5,638,792 B, fp16 B=2 S=32 5,051,016 B; the working set alone read 0.954, 0.881, 0.983)
+# 10,405,000 B, bf16 B=1 S=128 5,638,792 B, fp16 B=2 S=32 5,051,016 B; the working set alone read 0.954, 0.881, 0.983;
+# whole-model compile: fp32 B=2 S=64 10,601,608 B, fp16 B=2 S=32 5,096,072 B, and with 4 K/V heads bf16 B=1 S=96
+# 5,774,984 B, where the working set alone read 0.937, 0.974, 0.928)
 WIDER = dict(LLAMA, hidden_size=128, intermediate_size=352, num_hidden_layers=3, vocab_size=128)
 
 
-@pytest.mark.slow  # four compiled traces, ~15 s each on 2 shared cores
-@pytest.mark.parametrize("config,precision,batch,seq,accum,phase", [
-    (LLAMA, "fp32", 2, 64, 1, "backward_first_block"), (LLAMA, "bf16", 2, 64, 1, "backward_first_block"),
-    (WIDER, "fp16", 2, 32, 1, "backward_first_block"),
+@pytest.mark.slow  # six compiled traces, ~15 s each on 2 shared cores
+@pytest.mark.parametrize("config,precision,batch,seq,accum,scope,phase", [
+    (LLAMA, "fp32", 2, 64, 1, "block", "backward_first_block"), (LLAMA, "bf16", 2, 64, 1, "block", "backward_first_block"),
+    (WIDER, "fp16", 2, 32, 1, "block", "backward_first_block"),
     # two micro-batches: every .grad of the first exists all through the second's backward and the compiled
     # backward returns new weight gradients beside them, so the last block's moment (more activations
     # alive) is the top; measured 1645132 B (fp32: 2872396 B, also == trace)
-    (LLAMA, "bf16", 2, 64, 2, "backward")])
-def test_estimate_peak_equals_the_compiled_trace(config, precision, batch, seq, accum, phase):
+    (LLAMA, "bf16", 2, 64, 2, "block", "backward"),
+    # whole-model compile: 2703944 B (above); without grouped K/V heads q and k share one zero-filled buffer
+    (LLAMA, "fp32", 2, 64, 1, "model", "backward_first_block"),
+    (dict(WIDER, num_key_value_heads=4), "bf16", 1, 96, 1, "model", "backward_first_block")])
+def test_estimate_peak_equals_the_compiled_trace(config, precision, batch, seq, accum, scope, phase):
     from trainmem.trace import trace_step
 
     step = StepSpec(batch=batch, seq=seq, precision=precision, optimizer="adamw", grad_accum=accum)
-    e = estimate(spec_from_hf_config(config), step, FULL)
+    impl = ImplSpec(device="cpu", attention="sdpa", compile=True, compile_scope=scope, recompute="full")
+    e = estimate(spec_from_hf_config(config), step, impl)
     # 2589256 fp32, 1503560 bf16 (above), 5051016 fp16 (WIDER)
-    assert (e.peak_bytes, e.peak.name) == (trace_step(config, step, FULL).peak_logical_bytes, phase)
+    assert (e.peak_bytes, e.peak.name) == (trace_step(config, step, impl).peak_logical_bytes, phase)

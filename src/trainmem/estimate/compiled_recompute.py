@@ -1,6 +1,7 @@
 """The moments inside a checkpointed compiled block's backward (``--compile`` per block, ``--recompute full``).
 
-A block compiled around its checkpoint keeps only its input (``rules_compiled.py`` ``_checkpointed_block``).
+A block compiled around its checkpoint keeps only its input (``rules_compiled.py`` ``_checkpointed_block``; whole-model
+compile: ``_checkpointed_layers``).
 Its backward graph first runs the ``tag_activation_checkpoint`` region again (the partitioner must
 recompute those nodes: ``torch/_functorch/partitioners.py`` ``must_recompute``, ``min_cut_rematerialization_partition``)
 and then the block's backward, op by op on inductor's decompositions (``torch/_inductor/decomposition.py``
@@ -28,8 +29,12 @@ Two moments of the MLP's backward, both beside the residual stream's gradient (B
   their product, 3·B·S·F·4): down_proj's and up_proj's weight gradients and up_proj's input gradient
   (B·S·H) exist, ``silu(gate)``, ``up`` and the product were freed.
 
+Whole-model compile (one region around every checkpointed block) holds more beside them (:func:`_one_region_held`).
+
 Checked against the trace (``trace/compiled.py``: the same partitioned graphs run op by op, no fusion)
-for a tiny Llama, fp32 and bf16, on one device and under FSDP2 (``tests/estimate/test_compiled_recompute.py``).
+for a tiny and a wider Llama, fp32, bf16 and fp16, per block and whole-model, on one device
+(``tests/estimate/test_compiled_recompute.py``) and under FSDP2 and HSDP (``test_compiled_fsdp.py``,
+``test_compiled_hsdp.py``).
 
 Known limitations:
   - These are the unfused graphs' moments (the trace's), not inductor's. Inductor fuses the pointwise
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import split_block
+from trainmem.names import layer_of, split_block
 
 __all__ = ["compiled_checkpoint_moments"]
 
@@ -56,6 +61,7 @@ _MLP = ("mlp.gate_proj.out", "mlp.up_proj.out", "mlp.act_mul_up")
 _REQUIRED = (*(f"{n}.{p}" for n in _NORMS for p in ("rsqrt", "out")), "self_attn.o_proj.out", *_MLP)
 _OTHER_SELF_ATTN = ("norm", "weight_cast", "scale", "q_proj", "k_proj")  # q/k norms, autocast copies, Float8
 _FP32 = dtype_bytes("float32")
+_ROOT = "model"  # the decoder's module path, where whole-model compile's rules keep the causal mask
 
 
 def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
@@ -86,6 +92,7 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     block_input = outs[0].bytes
     after = kept.get("residual_mlp")  # the block's output, the next block's input: freed by its backward
     freed = prod.bytes + (after.bytes if after else 0) + block_input
+    held += _one_region_held(items, kept, last, a)
     grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
                     and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
     product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
@@ -97,6 +104,36 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
             # up_proj's input gradient, then silu_backward's three fp32 temporaries; silu(gate) was freed
             "work": residual_bytes + outs[1].bytes + 3 * gate_numel * _FP32 + held - gate.bytes}
     return [product, silu]
+
+
+def _one_region_held(items: "Inventory | list[MemoryItem]", kept: dict[str, MemoryItem], last: int, a: int) -> int:
+    """What whole-model compile (one region around every checkpointed block: its materialized causal mask is
+    kept, ``rules_compiled.py`` ``_checkpointed_layers``) holds beside a block's recomputed set, 0 per block:
+
+    * the rotary cos and sin (1, S, hd), recomputed once when the region's backward starts and read by
+      every block's recompute (per block they are eager inputs, kept: ``model.rotary_emb``);
+    * with grouped K/V heads, ``repeat_kv``'s expanded K and V (B, A, S, hd) instead of the recomputed
+      k and v: the SDPA call gets the mask, so transformers expands the heads (``use_gqa_in_sdpa`` is
+      false with a mask; per block ``is_causal`` and ``enable_gqa``);
+    * once a later block ran its attention backward, the zero-filled q- and k-shaped buffers of the
+      rotary ``cat``'s backward (``slice_backward`` decomposed to ``full`` + ``slice_scatter``): one
+      graph, so the partition's constants are shared by the blocks and live until the first block's
+      (one buffer when q and k have the same shape: without grouped K/V heads).
+
+    Read off the trace of the tiny Llama (fp32 90,112 B, bf16 45,056 B at the first block's moment) and
+    checked on a wider one with and without grouped heads (tests/estimate/test_compiled_recompute.py)."""
+    inv = items if isinstance(items, Inventory) else Inventory(items)
+    lse, q, k = kept.get("self_attn.lse"), kept["self_attn.q_rope"], kept["self_attn.k_rope"]
+    if lse is None or not any(i.name == f"{_ROOT}.causal_mask" for i in inv.base):
+        return 0
+    heads = lse.shape[1]  # the CPU SDPA's logsumexp: (B, A, S)
+    seq, hd = q.shape[1], q.shape[-1] // heads
+    cos_sin = 2 * seq * hd * a
+    expanded = 2 * (q.bytes - k.bytes)  # K and V at A heads, less k and v at Akv (0 without grouped heads)
+    later = any(d > last for r in inv.repeats for d in (r.src, *r.dsts)) or any(
+        (layer_of(i.name) or -1) > last for i in inv.base)
+    zeros = q.bytes + (k.bytes if k.shape != q.shape else 0)  # equal shapes: one constant (no grouped heads)
+    return cos_sin + expanded + (zeros if later else 0)
 
 
 def _inner(name: str) -> str:
