@@ -69,7 +69,9 @@ def _cli(capsys, *argv):
     (["--pp", "2", "--microbatches", "2", "--dp", "2", "--fsdp", "hybrid"], "--fsdp hybrid"),
     (["--pp", "2", "--microbatches", "4", "--dp", "2", "--fsdp", "full", "--schedule", "interleaved",
       "--virtual-stages", "2"], "--schedule interleaved"),
-    (["--pp", "2", "--microbatches", "2", "--compile"], "--compile"),
+    (["--pp", "2", "--microbatches", "2", "--compile"], "--compile-scope model"),  # per-block compile only
+    (["--pp", "2", "--microbatches", "4", "--compile", "--compile-scope", "block", "--schedule", "interleaved",
+      "--virtual-stages", "2"], "--schedule interleaved"),
     (["--pp", "2", "--microbatches", "2", "--grad-accum", "2"], "--grad-accum 2"),
     (["--pp", "2", "--microbatches", "2", "--profile", "reference"], "--pp"),
 ])

@@ -21,8 +21,16 @@ are the same dynamo-disabled ones (trace/parallel_2d.py): a rank allocates what 
 does and its compiled blocks save the one-device set (tests/estimate/test_compiled_hsdp.py: estimate ==
 FSDP2 over G to the byte; against the 2-D trace, ledgers and saved set to the byte).
 
+Pipeline parallelism (``--pp N``, ``--compile-scope block``): torchtitan cuts the model into stage models and
+then runs ``parallelize_fn`` (``apply_compile``: each block compiled) on each, so a stage's blocks are
+one-device compiled regions and a stage keeps, per micro-batch in flight, the compiled saved set of its own
+blocks; with FSDP2 per stage as above (tests/estimate/test_compiled_pp.py; against the real schedule with
+compiled stages, tests/trace/test_trace_pp_compile.py).
+
 Known limitations (refused by :func:`check_compiled_parallel`, one line each):
-  - pipeline parallelism and FSDP1: not traced with compile;
+  - FSDP1: not traced with compile; under pipeline parallelism another scope than ``block`` (a stage model
+    has no loss of its own to compile; whole-model compile of a stage is not traced) and schedules other
+    than gpipe and 1f1b;
   - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
     with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
   - ``--recompute op`` under FSDP2: its saved set equals the trace's (less the CPU generator states), but
@@ -42,7 +50,11 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
     if not impl.compile or par.is_single:
         return
     refusals = (
-        ("pp", par.pp, par.pp > 1, "compiled stages under pipeline parallelism are not traced"),
+        # torchtitan compiles each stage model's blocks (apply_compile inside parallelize_fn, per stage)
+        ("compile_scope", impl.compile_scope, par.pp > 1 and impl.compile_scope != "block",
+         "compiled stages under pipeline parallelism are traced with per-block compile (--compile-scope block)"),
+        ("schedule", par.schedule, par.pp > 1 and par.schedule not in ("gpipe", "1f1b"),
+         "compiled stages are traced under the gpipe and 1f1b schedules"),
         ("fsdp_version", par.fsdp_version, bool(par.fsdp) and par.fsdp_version == 1,
          "FSDP1's flat parameters under compile are not traced (FSDP2 is: --fsdp-version 2)"),
         ("offload", ",".join(par.offload), bool(par.fsdp) and bool(par.offload),

@@ -37,10 +37,18 @@ sync off until a stage's last micro-batch (``_PipelineStageBase.backward_maybe_w
 ``perform_reduce_grad``), so autograd's unsharded gradients live across the micro-batches and each unit
 reduce-scatters once per step; the recorder follows FSDP's resized storages as under ``--fsdp`` alone.
 
+``--compile --compile-scope block`` compiles each block of the rank's stage (``trace/compiled.py``
+``compile_model`` on the stage module, after the cut and any ``fully_shard``), as torchtitan does:
+``pipeline_llama`` cuts the model, then ``parallelize_fn`` runs ``apply_compile`` on every stage model
+(torchtitan/models/llama3/infra/parallelize.py). The schedule calls the stage module, so each block is its
+own region with the one-device block's inputs; the saved sets the result reports are one micro-batch's
+through the stage (:meth:`Pipeline.microbatch_forward`).
+
 Known limitations:
   - Llama-like decoders only (``model.embed_tokens``, ``model.layers``, ``model.norm`` and
     ``lm_head``, the HF base model taking ``inputs_embeds``); the ``lm`` head, cross-entropy loss,
-    no fine-tuning, compile, Float8, optimizer-in-backward or offload; ``--grad-accum`` 1 (the
+    no fine-tuning, Float8, optimizer-in-backward or offload; compile per block under gpipe and 1f1b
+    only (an interleaved rank's virtual stages keep their own copies of the block table); ``--grad-accum`` 1 (the
     micro-batches are the accumulation); zero-bubble schedules are not run; FSDP2 under PP with
     gpipe/1f1b, full sharding per block, fp32 or bf16 only (no fsdp-bf16, HSDP, interleaved);
   - ``--layer-split`` with ``interleaved`` is refused (a rank's virtual stages are not contiguous);
@@ -111,7 +119,13 @@ def check_pp(par, step, impl, finetune=None, config=None, rank: int = 0) -> None
     if isinstance(config, ModelSpec):
         raise UnsupportedError("--pp: trace cuts a transformers model into stages; trainmem's reference model is "
                                "not cut (use --profile hf, or estimate --pp)")
-    for what, given in (("--compile", impl.compile), ("--float8", impl.float8 != "none"),
+    if impl.compile and (impl.compile_scope != "block" or par.schedule == "interleaved"):
+        # per-block compile of the stage's own blocks, one stage per rank: an interleaved rank's virtual
+        # stages hold their own copies of the block table (_cut)
+        what = f"--compile-scope {impl.compile_scope}" if impl.compile_scope != "block" else "--schedule interleaved"
+        raise UnsupportedError(f"--compile with --pp and {what}: trace compiles each stage's blocks "
+                               "(--compile-scope block) under gpipe and 1f1b; estimate gives the per-rank memory")
+    for what, given in (("--float8", impl.float8 != "none"),
                         ("--optimizer-in-backward", impl.optimizer_in_backward),
                         ("fine-tuning (--finetune/--freeze)", finetune is not None),
                         (f"--loss {step.loss}", step.loss != "ce"),
@@ -191,14 +205,25 @@ def _stage_class():
 
     class PipelineStageModule(nn.Module):
         """One pipeline stage: the Hugging Face base model restricted to the stage's layers (token
-        ids in on the first stage, the residual stream after), and the output layer on the last."""
+        ids in on the first stage, the residual stream after), and the output layer on the last.
+        ``loss_function`` is the schedule's loss, settable as transformers' ``PreTrainedModel.loss_function``
+        is (``trace/compiled.py`` compiles it in its place under ``--compile-scope block-loss``)."""
 
-        def __init__(self, base, lm_head, config, first: bool) -> None:
+        def __init__(self, base, lm_head, config, first: bool, loss) -> None:
             super().__init__()
             self.model = base
             self.lm_head = lm_head
             self.config = config
             self._first = first
+            self._hf_loss = loss
+
+        @property
+        def loss_function(self):
+            return self.__dict__.get("_loss_function", self._hf_loss)
+
+        @loss_function.setter
+        def loss_function(self, value):
+            self.__dict__["_loss_function"] = value
 
         def forward(self, x):
             out = self.model(input_ids=x) if self._first else self.model(inputs_embeds=x)
@@ -248,13 +273,13 @@ def apply_pp(model, par, rank: int, step):
     kept = {g for s in ids for g in range(*bounds[s])}
     rank_base = _cut(base, (lo, hi), first=first_rank, last=last_rank)
     rank_base.layers._modules = {k: m for k, m in rank_base.layers._modules.items() if int(k) in kept}
-    rank_model = Stage(rank_base, head if last_rank else None, model.config, first_rank)
+    loss = model.loss_function  # Hugging Face's causal-LM cross-entropy (loss/loss_utils.py ForCausalLMLoss)
+    rank_model = Stage(rank_base, head if last_rank else None, model.config, first_rank, loss)
     if len(ids) == 1:
         mods = [rank_model]
     else:
         mods = [Stage(_cut(rank_base, bounds[g], first=g == 0, last=g == total - 1),
-                      head if g == total - 1 else None, model.config, g == 0) for g in ids]
-    loss = model.loss_function  # Hugging Face's causal-LM cross-entropy (loss/loss_utils.py ForCausalLMLoss)
+                      head if g == total - 1 else None, model.config, g == 0, loss) for g in ids]
     del model
     group = _shard_stages(mods, par, step) if par.fsdp is not None else None
     B, S, H = step.batch, step.seq, base.config.hidden_size
@@ -266,7 +291,7 @@ def apply_pp(model, par, rank: int, step):
         x = torch.randint(0, V, (B, S)) if g == 0 else torch.empty(B, S, H, dtype=act, requires_grad=True)
         y = torch.empty(B, S, V if g == total - 1 else H, dtype=act, requires_grad=True)
         stages.append(PipelineStage(mod, g, total, torch.device("cpu"), input_args=x, output_args=y, group=group))
-    return rank_model, Pipeline(par, stages, rank_model, step, loss)
+    return rank_model, Pipeline(par, stages, rank_model, step)
 
 
 def _shard_stages(mods, par, step):
@@ -294,7 +319,7 @@ class Pipeline:
     first stage, the targets on the last (``sched.step(ids)`` / ``step(target=ids)``, as
     torchtitan's train step calls it)."""
 
-    def __init__(self, par, stages, rank_model, step, hf_loss) -> None:
+    def __init__(self, par, stages, rank_model, step) -> None:
         import torch
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining._utils import InferenceMode
@@ -302,7 +327,7 @@ class Pipeline:
         self.par, self.stages = par, stages
         vocab = rank_model.config.vocab_size
         def loss_fn(logits, labels):  # Hugging Face's causal-LM cross-entropy, as model(ids, labels=ids)
-            return hf_loss(logits, labels, vocab_size=vocab)
+            return rank_model.loss_function(logits, labels, vocab_size=vocab)
 
         cls = getattr(pipelining, _SCHEDULES[par.schedule])
         self.schedule = cls(stages if par.schedule == "interleaved" else stages[0], n_microbatches=par.microbatches,
@@ -316,6 +341,26 @@ class Pipeline:
         self.first = any(s.is_first for s in stages)
         self.last = any(s.is_last for s in stages)
         self.ids = torch.randint(0, vocab, (step.batch * par.microbatches, step.seq))
+        self._mb = step.batch
+
+    def microbatch_forward(self, stage_module):
+        """One micro-batch through ``stage_module`` (this rank's one stage) as the schedule runs it: its
+        input the first micro-batch's ids, or on a later stage a received (B, S, H) tensor needing a gradient
+        (``_retrieve_recv_activations``: the receive buffer, detached); on the last stage the loss. What
+        ``trace/compiled.py`` ``report`` measures the saved sets of. The ids are copied: the schedule's
+        micro-batches are views of the whole batch's ids (``tensor_split``), the step's input, whose storage
+        the saved-tensor hooks would count whole."""
+        import torch
+
+        (stage,) = self.stages
+        ids = self.ids[:self._mb].clone()
+        if self.first:
+            x = ids
+        else:
+            info = stage.args_recv_info[0][0]
+            x = torch.empty(info.buffer.shape, dtype=info.buffer.dtype, requires_grad=True)
+        out = stage_module(x)
+        return stage_module.loss_function(out, ids, vocab_size=stage_module.config.vocab_size) if self.last else out
 
     @property
     def inputs(self) -> dict:
