@@ -237,7 +237,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         lb = dtype_bytes(loss_dtype)
         logits = int(BSV * dtype_bytes(logits_dtype))
         upcast = int(BSV * lb) if loss_dtype != logits_dtype else 0
-        add("forward", {"gradients": g_acc, "activations": A, "logits": logits + upcast},
+        # inside the cross-entropy the load-balancing loss (after it) is not made yet; the output holds every MoE
+        # block's router logits for it (transformers' OutputRecorder), the bytes of its kept softmax each
+        add("forward", {"gradients": g_acc, "activations": A - st.aux_saved, "logits": logits + upcast,
+                        "router_logits": sum(st.router_grads.values())},
             "end of forward: saved activations + logits (and their upcast copy) held by the output")
         # log_softmax's backward runs after NllLossBackward0 released its saved target and total weight
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
@@ -308,7 +311,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
                 # node_work: the residual gradient, the node's temporaries, and the loss and its seed
                 # gradient (ones_like), alive through backward
-                at = {"gradients": grads_before + nb.get("new_gradients", 0 if grad_accum > 1 else nb["block_gradients"]),
+                at = {"gradients": grads_before + nb.get("new_gradients", nb.get("accum_new_gradients", 0)
+                                                         if grad_accum > 1 else nb["block_gradients"]),
                       "activations": acts_before - nb["freed_activations"] - shared,
                       "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0),
                       "router_logits_grad": parts.get("router_logits_grad", 0)}
