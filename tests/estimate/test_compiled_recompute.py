@@ -51,6 +51,19 @@ def test_bf16_peaks_at_silu_backward_of_the_first_block():
     assert _peak("bf16") == (1503560, "backward_first_block")
 
 
+def test_amp_bf16_peaks_at_silu_backward_with_autocast_copies():
+    # amp-bf16 (fp32 weights and residual stream, CPU autocast): resident 500992 + 1001984 + 64; gradients
+    # 250624 + down_proj's and up_proj's 2 x 45056 (fp32, cast from the bf16 mm) = 340736. Kept: ids 1024,
+    # fp32 cos/sin 2 x 4096, block 0's fp32 input 32768 (the input norm's fp32 input itself): 41984.
+    # Recomputed and held: rsqrt 2 x 512, the fp32 normalized products 2 x 32768, the bf16 norm outputs
+    # 2 x 16384, q 16384, k, v 2 x 8192, SDPA output 16384, logsumexp 2048, the fp32 residual sum 32768,
+    # the bf16 weight copies not yet read by their input-gradient mm (q 8192, k, v 2 x 4096, o 8192,
+    # gate 22528), silu's fp32 copy of the gate 90112: 320512. Work: the fp32 residual gradient 32768,
+    # up_proj's input gradient cast back to fp32 32768, silu_backward's 3 x 90112; the loss scalars 8.
+    # 1503040 + 340736 + 41984 + 320512 + 335880 = 2542152 (the trace's peak, to the byte)
+    assert _peak("amp-bf16") == (2542152, "backward_first_block")
+
+
 def test_whole_model_compile_holds_more_across_its_blocks():
     # one region around both checkpointed blocks (estimate/compiled_recompute.py _one_region_held). Kept: the
     # materialized causal mask B·S·S·4 = 32768 and no eager cos/sin (2·S·hd·4 = 8192): +24576. Held beside
@@ -80,14 +93,15 @@ def test_other_blocks_keep_the_working_set_alone():
 # another shape: H 128, F 352, 3 blocks, 4/2 heads, V 128 (measured estimate == trace, 3 blocks: fp32 B=2 S=64
 # 10,405,000 B, bf16 B=1 S=128 5,638,792 B, fp16 B=2 S=32 5,051,016 B; the working set alone read 0.954, 0.881, 0.983;
 # whole-model compile: fp32 B=2 S=64 10,601,608 B, fp16 B=2 S=32 5,096,072 B, and with 4 K/V heads bf16 B=1 S=96
-# 5,774,984 B, where the working set alone read 0.937, 0.974, 0.928)
+# 5,774,984 B, where the working set alone read 0.937, 0.974, 0.928; amp-bf16 per block B=1 S=96 10,117,256 B, 0.981)
 WIDER = dict(LLAMA, hidden_size=128, intermediate_size=352, num_hidden_layers=3, vocab_size=128)
 
 
-@pytest.mark.slow  # six compiled traces, ~15 s each on 2 shared cores
+@pytest.mark.slow  # seven compiled traces, ~15-25 s each on 2 shared cores
 @pytest.mark.parametrize("config,precision,batch,seq,accum,scope,phase", [
     (LLAMA, "fp32", 2, 64, 1, "block", "backward_first_block"), (LLAMA, "bf16", 2, 64, 1, "block", "backward_first_block"),
     (WIDER, "fp16", 2, 32, 1, "block", "backward_first_block"),
+    (LLAMA, "amp-bf16", 2, 64, 1, "block", "backward_first_block"),  # 2542152 (above)
     # two micro-batches: every .grad of the first exists all through the second's backward and the compiled
     # backward returns new weight gradients beside them, so the last block's moment (more activations
     # alive) is the top; measured 1645132 B (fp32: 2872396 B, also == trace)

@@ -13,10 +13,13 @@ saved set. From the compiled saved set ``C`` of the block (the inventory without
 
 * each RMSNorm's input in fp32 (``x.to(float32)``, B·S·H·4: the decomposed norm backward reads it; a
   16-bit input is freed once its fp32 copy exists, so the checkpoint's kept input is freed too) and its
-  normalized product ``x·rsqrt`` in the activation dtype (the weight gradient reads it); the attention's
-  residual sum replaces ``o_proj``'s output, which it frees;
+  normalized product ``x·rsqrt`` in the input's dtype (``LlamaRMSNorm`` casts it back before the weight;
+  the weight gradient reads it); the attention's residual sum replaces ``o_proj``'s output, which it frees;
 * SwiGLU's ``silu(gate)`` (B·S·F), which the product's backward reads; under a 16-bit dtype the gate as
-  the fp32 copy ``silu``'s decomposition makes (``pw_cast_for_opmath``), its 16-bit output freed.
+  the fp32 copy ``silu``'s decomposition makes (``pw_cast_for_opmath``), its 16-bit output freed;
+* under autocast (amp-bf16: the residual stream fp32, what the linears make bf16) the bf16 weight copies
+  of the compiled set, each until its linear's input-gradient mm (down_proj's, then up_proj's, before
+  the moments below); the residual gradient and up_proj's input gradient (cast back) are in fp32.
 
 Two moments of the MLP's backward, both beside the residual stream's gradient (B·S·H), are modelled
 (:func:`compiled_checkpoint_moments`); the larger one, or the block's working set
@@ -32,7 +35,7 @@ Two moments of the MLP's backward, both beside the residual stream's gradient (B
 Whole-model compile (one region around every checkpointed block) holds more beside them (:func:`_one_region_held`).
 
 Checked against the trace (``trace/compiled.py``: the same partitioned graphs run op by op, no fusion)
-for a tiny and a wider Llama, fp32, bf16 and fp16, per block and whole-model, on one device
+for a tiny and a wider Llama, fp32, bf16, fp16 and amp-bf16, per block and whole-model, on one device
 (``tests/estimate/test_compiled_recompute.py``) and under FSDP2 and HSDP (``test_compiled_fsdp.py``,
 ``test_compiled_hsdp.py``).
 
@@ -42,9 +45,15 @@ Known limitations:
     kernel writes the product, ``grad·silu(gate)`` and the SiLU gradient at once: a real CPU step of the
     tiny Llama above peaked 12,288 B above the trace in fp32 and 200,716 B below it in bf16
     (docs/compile.md, "Per-block compilation"). Neither is a bound on the other.
-  - Only the Llama block's compiled set in a pure precision is read (two RMSNorms, SwiGLU, no autocast
-    weight copies, Float8, q/k norms, sandwich norms, fused projections or experts): anything else
-    returns no moment, and the block's working set alone stands (as before).
+  - Only the Llama block's compiled set is read (two RMSNorms, a gated MLP; no Float8, q/k norms, sandwich
+    norms, fused projections or experts): anything else returns no moment, and the block's working set
+    alone stands (as before). The temporaries are SiLU's: Gemma's GELU-tanh recompute holds four fp32
+    B·S·F values (x/2, the tanh's input, tanh, 1 + tanh) and its backward two more, so there these
+    moments stay under the trace (tiny Gemma, MQA, V 128, B 2 S 64: 0.859 bf16, 0.890 fp32; 0.667 and
+    0.822 with the working set alone).
+  - Fine-tuning (LoRA, QLoRA) under compile reads the eager set as its recomputed one (estimate/__init__.py)
+    and gets no moment here: tiny Llama bf16, LoRA q/v, block-loss: estimate/trace 0.822, the trace's
+    peak at the same SiLU moment with frozen weights (no norm outputs held) and fp32 adapter inputs.
   - The attention's and the norms' backward moments are not modelled (lower than the MLP's where traced).
 """
 
@@ -59,7 +68,8 @@ __all__ = ["compiled_checkpoint_moments"]
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _MLP = ("mlp.gate_proj.out", "mlp.up_proj.out", "mlp.act_mul_up")
 _REQUIRED = (*(f"{n}.{p}" for n in _NORMS for p in ("rsqrt", "out")), "self_attn.o_proj.out", *_MLP)
-_OTHER_SELF_ATTN = ("norm", "weight_cast", "scale", "q_proj", "k_proj")  # q/k norms, autocast copies, Float8
+_OTHER_SELF_ATTN = ("norm", "scale", "q_proj.out", "k_proj.out")  # q/k norms and their inputs, Float8 scales
+_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the MLP's, whose autocast weight copies may be kept
 _FP32 = dtype_bytes("float32")
 _ROOT = "model"  # the decoder's module path, where whole-model compile's rules keep the causal mask
 
@@ -79,30 +89,34 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     if not _llama_compiled(kept):
         return []
     gate, up, prod = (kept[n] for n in _MLP)
-    a = dtype_bytes(gate.dtype)
+    a = dtype_bytes(gate.dtype)  # what the linears make (autocast: 16-bit beside a fp32 residual stream)
     outs = [kept[f"{n}.out"] for n in _NORMS]
-    if any(o.dtype != gate.dtype for o in outs):
-        return []
-    gate_numel = gate.bytes // a
-    # what the recomputation holds beyond the compiled set: each norm's fp32 input and normalized
-    # product, silu(gate), the 16-bit gate's fp32 copy; o_proj's output is freed by the residual sum
-    held = (sum(o.bytes // a * _FP32 + o.bytes for o in outs) + gate.bytes + gate_numel * (_FP32 - a)
-            - kept["self_attn.o_proj.out"].bytes)
-    # the checkpoint's kept input: its fp32 self is the input norm's (counted in ``held``), a 16-bit one is freed
-    block_input = outs[0].bytes
     after = kept.get("residual_mlp")  # the block's output, the next block's input: freed by its backward
-    freed = prod.bytes + (after.bytes if after else 0) + block_input
-    held += _one_region_held(items, kept, last, a)
+    if any(o.dtype != gate.dtype for o in outs) or after is None:
+        return []
+    x = dtype_bytes(after.dtype)  # the residual stream's dtype: the block's input, the norms' products
+    tokens_h, gate_numel = outs[0].bytes // a, gate.bytes // a  # B·S·H, B·S·F
+    # what the recomputation holds beyond the compiled set: each norm's fp32 input and normalized
+    # product (in the input's dtype: Llama casts it back before the weight), silu(gate), the 16-bit
+    # gate's fp32 copy; o_proj's output is freed by the residual sum
+    held = (len(outs) * tokens_h * (_FP32 + x) + gate.bytes + gate_numel * (_FP32 - a)
+            - kept["self_attn.o_proj.out"].bytes + _one_region_held(items, kept, last, a))
+    # the checkpoint's kept input: a fp32 one is the input norm's (counted in ``held``), a 16-bit one is freed;
+    # the residual stream's gradient and up_proj's input gradient (autocast's cast backward: in x) are x too
+    block_input = residual = up_dx = tokens_h * x
+    # autocast's weight copies are freed by their linear's input-gradient mm, down_proj's first, then up_proj's
+    copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) for c in ("down_proj", "up_proj")}
+    freed = prod.bytes + after.bytes + block_input + copies["down_proj"]
     grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
                     and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
     product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
                "freed_activations": freed, "after_attention": 0,
-               "work": residual_bytes + 2 * prod.bytes + held}
+               "work": residual + 2 * prod.bytes + held}
     silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
             "new_gradients": grads["down_proj"] + grads["up_proj"],
-            "freed_activations": freed + up.bytes, "after_attention": 0,
+            "freed_activations": freed + up.bytes + copies["up_proj"], "after_attention": 0,
             # up_proj's input gradient, then silu_backward's three fp32 temporaries; silu(gate) was freed
-            "work": residual_bytes + outs[1].bytes + 3 * gate_numel * _FP32 + held - gate.bytes}
+            "work": residual + up_dx + 3 * gate_numel * _FP32 + held - gate.bytes}
     return [product, silu]
 
 
@@ -147,5 +161,5 @@ def _llama_compiled(kept: dict[str, MemoryItem]) -> bool:
     o_proj's output, gate, up and their product, and nothing else (the block output aside)."""
     if any(n not in kept for n in _REQUIRED):
         return False
-    extra = set(kept) - set(_REQUIRED) - {"residual_mlp"}
+    extra = set(kept) - set(_REQUIRED) - {"residual_mlp"} - {f"mlp.{c}.weight_cast" for c in _LINEARS}
     return all(n.startswith("self_attn.") and not any(k in n for k in _OTHER_SELF_ATTN) for n in extra)
