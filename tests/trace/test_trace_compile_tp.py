@@ -13,7 +13,8 @@ AdamW, tp 2 with sequence parallelism:
   - with inductor itself (worker compile="inductor", C++ code; measured once, ~200 s, not run here) the real
     step saves the same bytes and reads the same op-boundary peak as with trainmem's backend;
   - the real op-boundary peak (LiveTracker) is the trace's - 428 B in both precisions (the real run also holds
-    the 84 B of AdamW step counters; the other -512 B is not explained here);
+    the 84 B of AdamW step counters; the other -512 B is a (64,) int64, the model's position ids ``model.add``,
+    alive at the trace's peak at nll_loss_forward and not at the real one: why is not explained here);
   - estimate/trace step peak 1.0725 (fp32), 1.0991 (bf16): the TP trace's own gap under loss_parallel
     (tests/trace/test_trace_tp.py: 1.0668, 1.0897 eager with --sp).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from dataclasses import replace
 
 import pytest
 
@@ -53,7 +55,7 @@ def test_what_the_compiled_tp_trace_cannot_run_is_one_line(capsys, argv, field):
 
 
 @functools.lru_cache(maxsize=None)
-def _traced(precision: str):
+def _traced(precision: str, loss_parallel: bool = True):
     """The trace and every region its compiled blocks partitioned (``trace/compiled.py`` saved_values)."""
     from trainmem.trace import compiled, trace_step
 
@@ -67,7 +69,7 @@ def _traced(precision: str):
     compiled.saved_values = record
     try:
         traced = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"), BLOCK,
-                            parallel=TP_SP)
+                            parallel=replace(TP_SP, loss_parallel=loss_parallel))
     finally:
         compiled.saved_values = read
     return traced, seen
@@ -116,23 +118,25 @@ def test_compiled_tp_trace_equals_a_real_gloo_step(precision):
     assert 0.999 <= real["peak_bytes"] / traced.peak_logical_bytes <= 1.0
 
 
-# estimate / trace step peak, measured 1.0725 (fp32), 1.0991 (bf16)
-PEAK_RATIO = {"fp32": (1.06, 1.09), "bf16": (1.08, 1.11)}
+# estimate / trace step peak, measured 1.0725 (fp32), 1.0991 (bf16); with the logits all-gathered
+# (--no-loss-parallel) 0.9560 (eager TP: 0.9704), its saved set 775,428 B (+ the full-vocabulary log-softmax)
+PEAK_RATIO = {("fp32", True): (1.06, 1.09), ("bf16", True): (1.08, 1.11), ("fp32", False): (0.945, 0.965)}
 
 
-@pytest.mark.slow  # the traces of the test above (cached), and the estimate
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_estimate_equals_the_compiled_tp_trace(precision):
+@pytest.mark.slow  # the traces of the test above (cached), one more without loss_parallel (~55 s), the estimate
+@pytest.mark.parametrize("precision,loss_parallel", list(PEAK_RATIO))
+def test_estimate_equals_the_compiled_tp_trace(precision, loss_parallel):
     from trainmem.estimate import estimate
     from trainmem.specs.loaders import spec_from_hf_config
 
-    traced, _ = _traced(precision)
+    traced, _ = _traced(precision, loss_parallel)
     step = StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
-    (rank,) = estimate(spec_from_hf_config(LLAMA), step, BLOCK, parallel=TP_SP).ranks
+    (rank,) = estimate(spec_from_hf_config(LLAMA), step, BLOCK,
+                       parallel=replace(TP_SP, loss_parallel=loss_parallel)).ranks
     led = _ledgers(traced.items)
     for ledger in ("parameter", "gradient", "optimizer_state", "buffer"):
         assert led[ledger] == rank.totals_bytes[ledger], ledger
     # the saved set autograd holds (saved_tensors_hooks) + the fp32 loss the caller holds
     assert traced.meta["compile"]["saved_compiled_bytes"] + 4 == rank.totals_bytes["activation"]
-    lo, hi = PEAK_RATIO[precision]
+    lo, hi = PEAK_RATIO[precision, loss_parallel]
     assert lo <= rank.peak_bytes / traced.peak_logical_bytes <= hi
