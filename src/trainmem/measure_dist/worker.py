@@ -302,6 +302,11 @@ def run(scenario: dict, rank: int, world: int) -> dict:
                 for layer in mod.layers:
                     fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
                 fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
+        if sc.get("compile"):  # torchtitan: apply_compile on each stage model's blocks (after its apply_fsdp)
+            from types import SimpleNamespace
+
+            regions = [_compile_blocks(SimpleNamespace(model=mod), sc["compile"]) for mod in stage_mods]
+            extra["compiled_regions"] = regions[0] if v == 1 else regions  # filled as the regions compile
         stages = [PipelineStage(mod, s, npp * v, torch.device("cpu"), group=pp_group)
                   for mod, s in zip(stage_mods, stage_ids)]
         if v > 1:
