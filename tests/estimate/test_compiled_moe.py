@@ -104,26 +104,12 @@ def test_estimate_equals_the_compiled_trace(config, scope, recompute):
 @pytest.mark.slow
 @pytest.mark.parametrize("config, recompute", [(QWEN_K8, "none"), (MIXTRAL, "none"), (QWEN, "none"), (QWEN, "full")])
 def test_whole_model_estimate_equals_a_real_compiled_model_and_its_trace(config, recompute):
-    torch = pytest.importorskip("torch")
-    from trainmem.models.hf import build_hf_model
+    pytest.importorskip("torch")
     from trainmem.trace import trace_step
-    from trainmem.trace.compiled import compile_model
-    from trainmem.trace.recompute import enable_recompute
-    from trainmem.trace.saved import saved_tensors
 
     impl = ImplSpec(device="cpu", compile=True, recompute=recompute)
-    torch.manual_seed(0)
-    model = build_hf_model(config, dtype=torch.bfloat16)
-    model.train()
-    enable_recompute(model, impl)
-    runs, _ = compile_model(model, impl)
-    ids = torch.randint(0, 1000, (2, 64))
-    runs(ids, labels=ids).loss.backward()
-    saved, out = saved_tensors(model, lambda: runs(ids, labels=ids).loss, buffers=False)  # inv_freq: a buffer
-    del out
-    rng = [t for t in saved if t.nbytes == 5056 and t.dtype == "uint8"]  # full recompute's generator states
-    assert len(rng) == config["num_hidden_layers"] * (recompute == "full")
-    real = (sum(t.nbytes for t in saved) - 5056 * len(rng), len(saved) - len(rng))
+    real, rng, model = real_compiled_saved(config, impl)
+    assert rng == config["num_hidden_layers"] * (recompute == "full")
     assert _saved(config, impl) == real
     # the trace: each block's forced ids are its own tensor (trace/routing.py _derived_index); with constant ids
     # the partitioner shared block 0's permutation and offsets (tiny Qwen3-MoE: 829,508 B for 833,076; with
@@ -131,5 +117,27 @@ def test_whole_model_estimate_equals_a_real_compiled_model_and_its_trace(config,
     # autograd saves (head_dim / 2 fp32 values)
     traced = trace_step(config, BF16, impl).meta["compile"]
     inv_freq = model.model.rotary_emb.inv_freq.nbytes  # 32 B
-    assert (traced["saved_compiled_bytes"] - 5056 * len(rng) - inv_freq,
-            traced["saved_compiled_tensors"] - len(rng) - 1) == real
+    assert (traced["saved_compiled_bytes"] - 5056 * rng - inv_freq, traced["saved_compiled_tensors"] - rng - 1) == real
+
+
+def real_compiled_saved(config, impl):
+    """``((bytes, tensors), generator states, model)``: what a compiled bf16 step on real CPU tensors, the
+    router choosing its own experts, saves for backward, less ``inv_freq`` (a buffer) and full recompute's
+    CPU generator states (5,056 B of host memory each, counted apart)."""
+    import torch
+    from trainmem.models.hf import build_hf_model
+    from trainmem.trace.compiled import compile_model
+    from trainmem.trace.recompute import enable_recompute
+    from trainmem.trace.saved import saved_tensors
+
+    torch.manual_seed(0)
+    model = build_hf_model(config, dtype=torch.bfloat16)
+    model.train()
+    enable_recompute(model, impl)
+    runs, _ = compile_model(model, impl)
+    ids = torch.randint(0, 1000, (2, 64))
+    runs(ids, labels=ids).loss.backward()
+    saved, out = saved_tensors(model, lambda: runs(ids, labels=ids).loss, buffers=False)
+    del out
+    rng = [t for t in saved if t.nbytes == 5056 and t.dtype == "uint8"]
+    return (sum(t.nbytes for t in saved) - 5056 * len(rng), len(saved) - len(rng)), len(rng), model

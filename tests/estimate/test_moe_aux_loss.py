@@ -65,9 +65,11 @@ def test_bad_values_are_refused_in_one_line():
     with pytest.raises(SpecError, match=r"^output_router_logits='yes': must be true or false$"):
         spec_from_hf_config(dict(QWEN, output_router_logits="yes"))
     model = spec_from_hf_config(_aux(QWEN))
-    with pytest.raises(UnsupportedError, match="compile: output_router_logits=True is not modelled") as info:
-        estimate(model, _step("bf16"), ImplSpec(device="cpu", compile=True))
-    assert "\n" not in str(info.value)
+    for impl in (ImplSpec(device="cpu", compile=True, compile_scope="block"),
+                 ImplSpec(device="cpu", compile=True, recompute="full")):
+        with pytest.raises(UnsupportedError, match="compile: output_router_logits=True is not modelled") as info:
+            estimate(model, _step("bf16"), impl)
+        assert "\n" not in str(info.value)
     with pytest.raises(SpecError, match="output_router_logits=True: .*loss=chunked-ce"):
         estimate(model, StepSpec(batch=2, seq=64, precision="bf16", loss="chunked-ce"), CPU)
 
@@ -129,3 +131,40 @@ def test_inside_the_blocks_backward_every_router_gradient_to_come_is_alive(dense
     assert est[1]["backward"] - est[0]["backward"] == added
     # the first block's backward runs last: only its own router gradient is still to come
     assert est[1]["backward_first_block"] - est[0]["backward_first_block"] == (0 if dense else 1024)
+
+
+WHOLE = ImplSpec(device="cpu", compile=True)  # whole-model compile, --recompute none
+
+
+def _compiled_kept(config):
+    items = activation_items(spec_from_hf_config(config), BF16, WHOLE)
+    return sum(i.bytes for i in items if not i.name.endswith("loss.value")), sum(
+        1 for i in items if not i.name.endswith("loss.value"))
+
+
+BF16 = StepSpec(batch=2, seq=64, precision="bf16")
+
+
+@pytest.mark.parametrize("config, added", [
+    # the loss's region keeps each block's softmax in fp32 (128·E·4) and the counts (4·E)
+    (QWEN, 2 * 2048 + 16), (MIXTRAL, 2 * 4096 + 32),
+    (dict(QWEN, num_experts=16, num_experts_per_tok=8), 2 * 8192 + 64),  # trace: 1,608,436 B less inv_freq
+    (dict(QWEN, num_experts=128, num_experts_per_tok=8), 2 * 65536 + 512)])  # trace: 1,775,668 B less inv_freq
+def test_whole_model_compile_keeps_the_softmax_in_fp32(config, added):
+    base, n = _compiled_kept(config)
+    assert _compiled_kept(_aux(config)) == (base + added, n + 3)
+
+
+@pytest.mark.slow  # a whole-model compiled trace and a real compiled step each, ~1 min on 2 shared cores
+@pytest.mark.parametrize("config", [QWEN, MIXTRAL])
+def test_whole_model_compile_equals_the_trace_and_a_real_compiled_step(config):
+    pytest.importorskip("torch")
+    from test_compiled_moe import real_compiled_saved
+    from trainmem.trace import trace_step
+
+    traced = trace_step(_aux(config), BF16, WHOLE).meta["compile"]
+    assert traced["regions"] == 2  # the model, then the load-balancing loss
+    # the trace also counts inv_freq, a buffer autograd saves (head_dim / 2 fp32 values: 32 B)
+    kept = _compiled_kept(_aux(config))  # Qwen3-MoE 837,188 B in 64, Mixtral 841,332 B in 56
+    assert kept == (traced["saved_compiled_bytes"] - 32, traced["saved_compiled_tensors"] - 1)
+    assert kept == real_compiled_saved(_aux(config), WHOLE)[0]

@@ -87,9 +87,10 @@ class LayerStats:
     aux_saved: int = 0
     """The load-balancing loss's kept set (``loss.load_balancing.*``, estimate/rules_hf_moe.py): released
     before the cross-entropy's backward, whose branch runs after it."""
-    router_grads: dict[int, int] = field(default_factory=dict)
-    """Block -> its router logits' gradient from the load-balancing loss (the bytes of its kept softmax,
-    ``probs_layer{i}``): alive from the loss's backward until that block's router backward."""
+    router_rows: dict[int, int] = field(default_factory=dict)
+    """Block -> the elements of its router logits (those of its kept softmax, ``probs_layer{i}``), whose
+    gradient from the load-balancing loss is alive from the loss's backward until that block's router
+    backward, in the logits' dtype (compiled, the kept softmax is fp32)."""
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -113,7 +114,7 @@ class LayerStats:
                         self.aux_saved += it.bytes
                         layer = it.name.rpartition("probs_layer")[2]
                         if layer.isdigit():
-                            self.router_grads[int(layer)] = it.bytes
+                            self.router_rows[int(layer)] = it.bytes // dtype_bytes(it.dtype)
         elif it.category is Category.GRADIENT:
             self.largest_grad = max(self.largest_grad, it.bytes)
             if li is not None:
@@ -207,6 +208,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
         working = {p: dict(working) for p in ("forward", "backward_start", "backward", "backward_end")}
     st = layer_stats(items, stacks)
+    # the load-balancing loss's router-logit gradients, in the logits' dtype (the LM head's: a pure precision)
+    router_grads = {li: n * dtype_bytes(logits_dtype) for li, n in st.router_rows.items()}
     by_cat, act_layer, largest, grad_layer, head_act = st.by_cat, st.act_layer, st.largest, st.grad_layer, st.head_act
     P = by_cat.get(Category.PARAMETER, 0)
     G = by_cat.get(Category.GRADIENT, 0)
@@ -240,14 +243,14 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         # inside the cross-entropy the load-balancing loss (after it) is not made yet; the output holds every MoE
         # block's router logits for it (transformers' OutputRecorder), the bytes of its kept softmax each
         add("forward", {"gradients": g_acc, "activations": A - st.aux_saved, "logits": logits + upcast,
-                        "router_logits": sum(st.router_grads.values())},
+                        "router_logits": sum(router_grads.values())},
             "end of forward: saved activations + logits (and their upcast copy) held by the output")
         # log_softmax's backward runs after NllLossBackward0 released its saved target and total weight
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
         # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
         add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved,
                                "logits_grad": int(2 * BSV * lb), "loss_seed": lb if st.nll_saved else 0,
-                               "router_logits_grad": sum(st.router_grads.values())},
+                               "router_logits_grad": sum(router_grads.values())},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
         from trainmem.estimate.compiled_chunk_loss import compiled_chunk_phases
@@ -290,7 +293,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         work = rec + residual_bytes + big
         g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else tied_G
         parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work,
-                 "router_logits_grad": sum(st.router_grads.values())}  # every block's router backward is to come
+                 "router_logits_grad": sum(router_grads.values())}  # every block's router backward is to come
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
                 "block activations, the output gradient and the gradient of its largest tensor")
 
@@ -334,7 +337,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             acts0 = A - head_act - sum(act_layer.values()) + act_layer.get(first, 0)
             add("backward_first_block", *inside(
                 first, g_first, acts0, {"gradients": g_first, "activations": acts0, "recompute_and_work": work0,
-                                        "router_logits_grad": st.router_grads.get(first, 0)},
+                                        "router_logits_grad": router_grads.get(first, 0)},
                 "backward of the first block, the last to run: every later gradient exists, its "
                 "recomputed block activations, the output gradient and the gradient of its largest tensor"))
     # the embedding's backward runs last: the blocks' shared inputs (rotary cos/sin) and the embedding

@@ -37,7 +37,8 @@ from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
 from trainmem.estimate.graph import OpPolicy, Sym
 from trainmem.estimate.loss_value import loss_value
 from trainmem.estimate.rules_compiled_attention import compiled_eager_attention, eager_checked, eager_mask
-from trainmem.estimate.rules_compiled_moe import checkpointed_moe_arange, compiled_moe, router_checked
+from trainmem.estimate.rules_compiled_moe import (checkpointed_moe_arange, compiled_load_balancing, compiled_moe,
+                                                  router_checked)
 from trainmem.estimate.rules_compiled_olmo2 import olmo2_block
 from trainmem.estimate.rules_hf_parts import _embedding, _head, _layers, _loss
 from trainmem.estimate.rules_hf_parts import _rmsnorm as _eager_rmsnorm
@@ -96,6 +97,10 @@ def check_compiled(ctx: Ctx) -> None:
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
         ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
+        # per block the recorded router logits break each block graph into regions (estimate/rules_compiled_moe.py)
+        ("output_router_logits", m.router_aux_loss, m.router_aux_loss and (
+            impl.compile_scope != "model" or impl.recompute != "none"),
+         "the compiled load-balancing loss is read under whole-model compile at --recompute none (trace --compile)"),
         ("compile_scope", impl.compile_scope, impl.compile_scope not in fam.compiled_scopes,
          f"{m.family}'s compiled rules are checked with --compile-scope {'/'.join(fam.compiled_scopes)} (Gemma-3 "
          "under whole-model compile also keeps each block's residual sum: +12288 B per tiny bf16 block, traced)"),
@@ -158,6 +163,8 @@ def compiled_forward(ctx: Ctx) -> None:
         _checkpointed_layers(ctx, x)
         return _head_and_loss(ctx, g.new("residual_mlp", (B, S, H), ("B", "S", "H"), a), keep_input=False)
     _head_and_loss(ctx, _layers(ctx, "model.layers.", x, _block_rule(ctx)))
+    if m.router_aux_loss:  # after the cross-entropy (estimate/rules_compiled_moe.py)
+        compiled_load_balancing(ctx)
 
 
 def _compiled_block(ctx: Ctx, x: Sym, *, moe: bool = False) -> Sym:

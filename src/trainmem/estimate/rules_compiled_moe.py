@@ -36,10 +36,9 @@ implementation in bf16, and torch 2.13's meta kernel of ``aten._grouped_mm`` ref
 
 from __future__ import annotations
 
-from trainmem.errors import UnsupportedError
 from trainmem.estimate.ctx import Ctx
 
-__all__ = ["compiled_moe", "checkpointed_moe_arange", "router_checked"]
+__all__ = ["compiled_moe", "checkpointed_moe_arange", "router_checked", "compiled_load_balancing"]
 
 # the router's softmax (fp32, over E experts): its amax and sum are reductions the min-cut never recomputes
 # once their input is over 4x their output (partitioners.py should_ban_recomputation, "reduction op"), so
@@ -57,9 +56,6 @@ def router_checked(num_experts: int) -> bool:
 def compiled_moe(ctx: Ctx) -> None:
     """The router's and the experts' saved set inside a compiled block (T = B·S tokens)."""
     g, m = ctx.graph, ctx.model
-    if m.router_aux_loss:  # the router logits leave each block's graph for the loss: another saved set, not read
-        raise UnsupportedError("compile: output_router_logits=True is not modelled: the load-balancing loss is "
-                               "modelled eager (estimate/rules_hf_moe.py load_balancing_items); trace --compile")
     H, E, k, F = m.hidden_size, m.num_experts, m.top_k, m.expert_ffn_size
     T, a = ctx.B * ctx.S, ctx.low or ctx.param
     Tk, Tks = (T * k,), ("B·S·k",)
@@ -95,3 +91,22 @@ def checkpointed_moe_arange(ctx: Ctx) -> None:
         with ctx.graph.module("model"):
             Tk = ctx.B * ctx.S * m.top_k
             ctx.graph.save(ctx.graph.new("experts_arange", (Tk,), ("B·S·k",), "int64", False))
+
+
+def compiled_load_balancing(ctx: Ctx) -> None:
+    """Whole-model compile with the load-balancing loss (``output_router_logits``; eager:
+    ``estimate/rules_hf_moe.py`` ``load_balancing_items``): the router logits leave the model graph as outputs
+    (transformers' OutputRecorder), a second region runs ``load_balancing_loss_func`` and keeps each MoE
+    block's softmax in fp32 (the decomposed softmax upcasts the logits; the cut keeps its fp32 output, not the
+    16-bit cast eager keeps) and the counts (fp32, E). Inside the blocks nothing changes: a router's kept
+    logits (E <= 4, E >= 32) are the region's output, the same storage. Read at E = 4, 8, 16 and 128 (k = 2,
+    2, 8, 8), bf16, B=2, S=64:
+
+        kept   Σ over MoE blocks 4·B·S·E  +  4·E"""
+    g, m = ctx.graph, ctx.model
+    T, E = ctx.B * ctx.S, m.num_experts
+    with g.module("loss.load_balancing"):
+        for i, kind in enumerate(m.kinds):
+            if kind.mlp == "moe":
+                g.save(g.new(f"probs_layer{i}", (T, E), ("B·S", "E"), "float32"))
+        g.save(g.new("tokens_per_expert", (E,), ("E",), "float32", False))
