@@ -72,6 +72,10 @@ def test_bad_values_are_refused_in_one_line():
         assert "\n" not in str(info.value)
     with pytest.raises(SpecError, match="output_router_logits=True: .*loss=chunked-ce"):
         estimate(model, StepSpec(batch=2, seq=64, precision="bf16", loss="chunked-ce"), CPU)
+    gpt_oss = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedError, match=r"^gpt_oss output_router_logits=True: .* qwen3_moe and mixtral only"):
+        spec_from_hf_config(dict(gpt_oss, output_router_logits=True))  # its own load-balancing loss, not modelled
 
 
 @pytest.mark.slow  # four fake-tensor traces and two real forwards, ~1 min on 2 shared cores

@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _read(c: ConfigReader) -> dict:
     L = c("num_hidden_layers")
+    # GptOssForCausalLM adds load_balancing_loss_func's loss too; only Qwen3-MoE's and Mixtral's are modelled
+    c.refuse_if("output_router_logits", "the load-balancing loss is modelled for qwen3_moe and mixtral only "
+                                        "(estimate/rules_hf_moe.py)")
     return {"layer_kinds": from_layer_types(c, pattern_types(c, 2), window=c("sliding_window"), moe=[True] * L)}
 
 
@@ -53,4 +56,5 @@ def gpt_oss() -> Family:
                                 "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
                                 "head_dim": 64, "hidden_act": "silu", "tie_word_embeddings": False,
                                 "attention_bias": True, "attention_dropout": 0.0, "sliding_window": 128,
-                                "layer_types": None, "num_local_experts": 128, "num_experts_per_tok": 4}))
+                                "layer_types": None, "num_local_experts": 128, "num_experts_per_tok": 4,
+                                "output_router_logits": False}))
