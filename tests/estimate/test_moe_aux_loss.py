@@ -172,3 +172,17 @@ def test_whole_model_compile_equals_the_trace_and_a_real_compiled_step(config):
     kept = _compiled_kept(_aux(config))  # Qwen3-MoE 837,188 B in 64, Mixtral 841,332 B in 56
     assert kept == (traced["saved_compiled_bytes"] - 32, traced["saved_compiled_tensors"] - 1)
     assert kept == real_compiled_saved(_aux(config), WHOLE)[0]
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~10 s on 2 shared cores
+@pytest.mark.parametrize("recompute, peak", [("full", 2_047_816), ("selective", 2_817_896)])
+def test_checkpointed_blocks_change_nothing_of_it(recompute, peak):
+    """The router logits leave a checkpointed block as its recorded output; the loss's kept set and the router-logit
+    gradients are the same as without checkpointing (2,048 B over the step without the loss, at the loss's backward)."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    impl = ImplSpec(device="cpu", recompute=recompute)
+    est = estimate(spec_from_hf_config(_aux(QWEN)), _step("bf16"), impl)
+    assert est.peak_bytes == trace_step(_aux(QWEN), _step("bf16"), impl).peak_logical_bytes == peak
+    assert est.peak_bytes - estimate(spec_from_hf_config(QWEN), _step("bf16"), impl).peak_bytes == 2048
