@@ -28,6 +28,19 @@ def test_tokens_per_expert_is_exact():
     assert tokens_per_expert(8, 4, 2, 0.5) == (6, 6, 2, 2)
 
 
+@pytest.mark.parametrize("tokens, k, experts, hot", [(16, 2, 4, 0.0), (16, 2, 4, 0.5), (16, 2, 4, 1.0),
+                                                     (13, 8, 16, 0.25), (7, 3, 5, 0.3)])
+def test_compiled_ids_are_the_same_assignment(tokens, k, experts, hot):
+    """Under compile the ids come from the block's own router ids (trace/routing.py _derived_index): the
+    same ids, whatever the router chose."""
+    from trainmem.trace.routing import _derived_index, _forced_index
+
+    like = torch.randint(0, experts, (tokens, k))
+    ids = _derived_index(like, experts, hot)
+    assert torch.equal(ids, _forced_index(like, experts, hot))
+    assert tuple(torch.bincount(ids.reshape(-1), minlength=experts).tolist()) == tokens_per_expert(tokens, experts, k, hot)
+
+
 def test_routing_values_are_validated():
     assert routing_hot_fraction("balanced") == 0.0
     assert routing_hot_fraction("worst") == 1.0

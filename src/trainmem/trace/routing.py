@@ -11,7 +11,8 @@ fixed assignment built from ``ImplSpec.routing`` (see :func:`trainmem.specs.impl
     a token's k choices are distinct while ``k <= E``.
 
 The router itself still runs (its logits, softmax and top-k weights are allocated as in
-training); only its expert ids are replaced. The hook is a forward pre-hook on every module that
+training); only its expert ids are replaced. Under ``torch.compile`` the same ids are computed from each
+block's own router ids (:func:`_derived_index`), so that no two blocks share them as one graph value. The hook is a forward pre-hook on every module that
 transformers' ``use_experts_implementation`` decorator built (``transformers/integrations/moe.py``:
 ``forward(hidden_states, top_k_index, top_k_weights)``), so it covers every family that routes
 through that interface.
