@@ -22,17 +22,29 @@ CFG = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidd
 
 def test_norm_moments_as_integers():
     e = estimate(spec_from_hf_config(CFG), StepSpec(batch=1, seq=256, precision="bf16"), IMPL)
-    mlp, first, post = norm_backward_parts(e.inventory, 0, 256 * 512 * 2)  # the MLP's, then the norms'
+    # the MLP's two, the attention's input projections', then the norms'
+    mlp, down, qkv, first, post = norm_backward_parts(e.inventory, 0, 256 * 512 * 2)
     # the MLP product's backward: down_proj's weight gradient (512·1024·2), its input gradient and the
     # product's two gradients (3·256·1024·2) beside the residual gradient; its saved input freed
     assert mlp == {"block_gradients": 1048576, "freed_activations": 524288, "after_attention": 0,
                    "work": 262144 + 3 * 524288}
+    # the end of down_proj's backward: its weight gradient (new beside .grad from a second micro-batch) and
+    # input gradient (256·1024·2); the product still saved (the block's output is the final norm's: nothing
+    # after the product is freed)
+    assert down == {"block_gradients": 1048576, "new_gradients": 1048576, "freed_activations": 0,
+                    "after_attention": 0, "work": 262144 + 524288}
     # pre-MLP norm: the MLP's three weight gradients (3·1024·512·2) and the norm's (512·2); freed: its
     # rsqrt (256·4), normed_cast and out (2·256·512·2) and the MLP's four (B,S,F) bf16 tensors (4·256·1024·2)
     assert post == {"block_gradients": 3 * 1048576 + 1024, "freed_activations": 1024 + 2 * 262144 + 4 * 524288,
                     "after_attention": 0, "work": 262144 + 5 * 256 * 512 * 4}
     # input norm: every weight gradient of the block (attention q, o 512·512·2, k, v 256·512·2)
     assert first["after_attention"] == 1 and first["block_gradients"] == 3 * 1048576 + 3 * 524288 + 2 * 1024
+    # the end of q_proj's backward: every weight gradient but the input norm's; the input norm's saved
+    # tensors (rsqrt 256·4, normed_cast and out 2·256·512·2) still held; the residual gradient, v's and k's
+    # input gradients summed, q's output gradient and q_proj's input gradient (4·256·512·2)
+    assert qkv == {"block_gradients": first["block_gradients"] - 1024, "accum_new_gradients": 512 * 512 * 2,
+                   "freed_activations": first["freed_activations"] - 1024 - 2 * 262144, "after_attention": 1,
+                   "work": 4 * 262144}
     ph = {p.name: p for p in e.phases}
     assert e.peak_phase == "backward" and ph["backward"].parts["node_work"] == post["work"] + 8
     # the head's weight gradient and the final norm's exist; the untied embedding's does not yet
@@ -48,7 +60,7 @@ def test_recompute_runs_the_moments_on_the_recomputed_block():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,precision,S,layers,top", [
+@pytest.mark.parametrize("family,precision,S,layers,top,vocab", [(*c, 1000) if len(c) == 5 else c for c in [
     ("llama", "bf16", 256, 1, "0.post_attention_layernorm"),  # the reported config, 307,196 B under before
     ("qwen2", "bf16", 256, 1, "0.post_attention_layernorm"),
     ("llama", "fp16", 256, 3, "2.post_attention_layernorm"),
@@ -57,12 +69,17 @@ def test_recompute_runs_the_moments_on_the_recomputed_block():
     ("llama", "bf16", 128, 2, "0.input_layernorm"),  # the first block of two (backward_first_block)
     ("llama", "fp32", 256, 1, "0.mlp"),  # fp32: the MLP product's backward, 571,400 B under before
     ("qwen2", "fp32", 256, 2, "0.mlp"),  # ... in the first block of two, 526,336 B under before
-])
-def test_estimate_equals_trace(family, precision, S, layers, top):
+    # fp32, a small vocabulary, the weights outweighing the activations (S 64): the end of the first block's
+    # q_proj backward (B 1: 522,496 B under before; Qwen2's q_proj bias gradient is made last)
+    ("llama", "fp32", 64, 2, "0.self_attn.q_proj", 128),
+    ("qwen2", "fp32", 64, 2, "0.self_attn.q_proj", 128),
+    ("qwen3", "fp32", 64, 2, "0.self_attn.q_proj", 128),
+]])
+def test_estimate_equals_trace(family, precision, S, layers, top, vocab):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
-    cfg = {**CFG, "model_type": family, "num_hidden_layers": layers}
+    cfg = {**CFG, "model_type": family, "num_hidden_layers": layers, "vocab_size": vocab}
     step = StepSpec(batch=1, seq=S, precision=precision)
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
@@ -85,4 +102,22 @@ def test_backward_end_equals_trace(family, precision):
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
     assert t.peak_module == "model.embed_tokens" and e.peak_phase == "backward_end"
+    assert t.peak_logical_bytes == e.peak_bytes
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~2 s
+@pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("bf16", "none"), ("fp32", "full"),
+                                                 ("bf16", "full")])
+def test_second_micro_batch_tops_at_the_down_projection(precision, recompute):
+    """--grad-accum 2, H 512 > B·S 64: from the second micro-batch down_proj's new weight gradient (512·1024)
+    sits beside its .grad with its input gradient and its still-saved input (the end of MmBackward0), the
+    last block's top; SGD, vocabulary 128 (bf16 with full recompute was 524,288 B under at S 256, AdamW)."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    cfg = {**CFG, "num_hidden_layers": 2, "vocab_size": 128}
+    step = StepSpec(batch=1, seq=64, precision=precision, optimizer="sgd", grad_accum=2)
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute=recompute)
+    t, e = trace_step(cfg, step, impl), estimate(spec_from_hf_config(cfg), step, impl)
+    assert t.peak_module == "model.layers.1.mlp" and e.peak_phase == "backward"
     assert t.peak_logical_bytes == e.peak_bytes

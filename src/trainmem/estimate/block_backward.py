@@ -63,7 +63,8 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
             if i.category is Category.ACTIVATION]
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
-    out = _gated_mlp(block, acts, residual_bytes)
+    out = _gated_mlp(block, acts, residual_bytes) + _input_projections(block, acts, residual_bytes,
+                                                                       checkpointed=recomputed is not None)
     for at in llama_norm_indices(acts):
         after = acts[at:]
         children = {_child(i.name) for i in after}
@@ -74,6 +75,39 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
                     "after_attention": int(any(c not in (_child(acts[at].name), "mlp") for c in children)),
                     "work": residual_bytes + FP32_NORM_TRANSIENTS * acts[at].bytes})
     return out
+
+
+def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
+                       checkpointed: bool = False) -> list[dict[str, int]]:
+    """The end of the attention's first input projection's backward (``q_proj``: forward runs q, k, v, so
+    its ``MmBackward0`` runs last; derivatives.yaml ``mm``: ``grad @ weight`` and ``x.T @ grad``), in one
+    dtype. Every block gradient but the input norm's exists (q_proj's is new: ``accum_new_gradients``
+    beside its .grad from a second micro-batch); of the block's activations only the input norm's remain
+    (the attention's backward ran: a first block's rope freed the shared cos/sin, unless the block is
+    checkpointed: the non-reentrant checkpoint's frame keeps its inputs until the norm's saved tensors are
+    unpacked, torch/utils/checkpoint.py ``_checkpoint_hook``); alive besides: the
+    residual gradient, the norm output's gradient summed so far from v and k (``InputBuffer::accumulate``,
+    torch/csrc/autograd/input_buffer.cpp), q's output gradient made contiguous for the view's backward
+    (B·S·A·hd) and q_proj's input gradient (B·S·H). In fp32 this is the first block's top when the weights
+    outweigh the activations (no RMSNorm casts: ``llama_norm_indices`` finds no fp32 moment)."""
+    grads = [i for i in block if i.category is Category.GRADIENT]
+    q = [i for i in grads if ".self_attn.q_proj." in i.name]
+    first = next((k for k, i in enumerate(acts) if _child(i.name) == "self_attn"), None)
+    if not q or first is None or first == 0 or not all(any(f".self_attn.{p}." in i.name for i in grads)
+                                                        for p in ("k_proj", "v_proj")) \
+            or any(i.name.endswith("_cast") for i in acts if _child(i.name) == "self_attn"):
+        return []
+    norm = _child(acts[first - 1].name)  # the input norm, whose saved tensors come right before
+    x = acts[first - 1]  # its output: the projections' input (B, S, H)
+    weight = next((i for i in q if i.shape is not None and len(i.shape) == 2), None)
+    if weight is None or not x.shape or weight.shape[1] != x.shape[-1] or \
+            any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
+        return []  # checked on one device and data parallel: not with flat (FSDP, ZeRO) or TP/CP-cut tensors
+    q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
+    return [{"block_gradients": sum(i.bytes for i in grads if _child(i.name) != norm),
+             "accum_new_gradients": sum(i.bytes for i in q),
+             "freed_activations": sum(i.bytes for i in acts[first:]), "after_attention": int(not checkpointed),
+             "work": residual_bytes + 2 * x.bytes + q_out}]
 
 
 def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
@@ -99,13 +133,15 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name)
     out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]),
             "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
-    if tail and not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
-        # GPT-2's Conv1D (``torch.addmm(bias, x, weight)``), one dtype: the end of ``AddmmBackward0``
-        # (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``, ``mat2``'s ``x.T @ grad``,
-        # then ``self``'s ``grad`` reduced to the bias's shape by ``sum_to`` in the engine's
-        # ``validate_outputs``, torch/csrc/autograd/engine.cpp). Its saved input (the product) is still
-        # held; its output gradient (the dropout's backward output, residual-sized) too. The new weight
-        # and bias gradients are ``new_gradients``: the .grad on a first micro-batch, beside it after.
+    if not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
+        # The end of the down projection's backward, one dtype. GPT-2's Conv1D (``torch.addmm(bias, x,
+        # weight)``): ``AddmmBackward0`` (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``,
+        # ``mat2``'s ``x.T @ grad``, then ``self``'s ``grad`` reduced to the bias's shape by ``sum_to`` in the
+        # engine's ``validate_outputs``, torch/csrc/autograd/engine.cpp); a Llama ``nn.Linear`` without bias:
+        # ``MmBackward0``, the same two products. Its saved input (the product) is still held; its output
+        # gradient (the residual gradient, and GPT-2's dropout's backward output) too. The new weight (and
+        # bias) gradients are ``new_gradients``: the .grad on a first micro-batch, beside it after, which
+        # makes this the larger moment when the weight outgrows the product (H > B·S).
         dropout = any(i.name.split(".mlp.", 1)[-1] in tail for i in acts[ends[-1] + 1:])
         out.append({"block_gradients": grads, "new_gradients": grads,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:]), "after_attention": 0,
