@@ -69,7 +69,7 @@ def test_compiled_qlora_dequantizes_to_the_weight_alone_under_fsdp():
 
 
 @pytest.mark.parametrize("argv,field", [
-    (["--pp", "2", "--compile-scope", "block-loss"], "compile_scope='block-loss'"),  # PP: per-block compile only
+    (["--pp", "2", "--compile-scope", "model"], "compile_scope='model'"),  # PP: per-block compile (and loss) only
     (["--fsdp-version", "1"], "fsdp_version=1"),
     (["--offload", "params"], "offload='params'"),
     (["--tp", "2"], "parallel="),

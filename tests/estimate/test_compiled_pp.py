@@ -1,4 +1,4 @@
-"""``estimate --compile --compile-scope block --pp N``: compiled blocks on pipeline stages (estimate/compiled_sharded.py).
+"""``estimate --compile --compile-scope block(-loss) --pp N``: compiled blocks on pipeline stages (estimate/compiled_sharded.py).
 
 torchtitan cuts the model into stage models first (``pipeline_llama``) and then runs ``parallelize_fn`` on
 each, whose ``apply_compile`` compiles every block of the stage (torchtitan/models/llama3/infra/parallelize.py);
@@ -52,9 +52,34 @@ def test_a_stage_keeps_the_one_device_compiled_set_of_its_blocks(schedule, preci
     assert seen.keys() == one.keys()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_compiled_loss_saves_the_output_chunk_on_the_last_stage(precision):
+    """``--compile-scope block-loss`` (torchtitan's default ``components = ["model", "loss"]``): the compiled
+    loss's saved set goes to the last stage, its saved logits (B·S·V) as the schedule's output chunk, counted
+    once in ``buffers.pp_output_chunks`` (estimate/parallel_pp.py output_chunk_aliases); the other stage keeps
+    what it keeps under ``--compile-scope block``."""
+    model = spec_from_hf_config(LLAMA)
+    step = StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
+    par = ParallelSpec(pp=2, schedule="1f1b", microbatches=4)
+    impl = dict(device="cpu", attention="sdpa", compile=True)
+    one = {i.name: i for i in estimate(model, step, ImplSpec(**impl, compile_scope="block-loss")).inventory
+           if i.category.value == "activation"}
+    acts = [{i.name: i.bytes for i in r.inventory if i.category.value == "activation"}
+            for r in estimate(model, step, ImplSpec(**impl, compile_scope="block-loss"), parallel=par).ranks]
+    block = [{i.name: i.bytes for i in r.inventory if i.category.value == "activation"}
+             for r in estimate(model, step, ImplSpec(**impl, compile_scope="block"), parallel=par).ranks]
+    loss = {k: v.bytes for k, v in one.items() if k.startswith("loss.")}
+    logits = 2 * 64 * 256 * (4 if precision == "fp32" else 2)  # B·S·V in the logits' dtype
+    assert one["lm_head.out"].bytes == logits and acts[1]["lm_head.out"] == 0
+    assert acts[0] == block[0]
+    assert acts[1] == {**{k: v for k, v in block[1].items() if not k.startswith("loss.")}, "lm_head.out": 0, **loss}
+    chunks = [i.bytes for i in estimate(model, step, ImplSpec(**impl, compile_scope="block-loss"), parallel=par)
+              .ranks[1].inventory if i.name == "buffers.pp_output_chunks"]
+    assert chunks == [4 * logits]  # 4 micro-batches' logits, once
+
+
 @pytest.mark.parametrize("argv,field", [
     (["--compile-scope", "model"], "compile_scope='model'"),
-    (["--compile-scope", "block-loss"], "compile_scope='block-loss'"),
     (["--compile-scope", "block", "--schedule", "interleaved", "--virtual-stages", "2"], "schedule='interleaved'"),
     (["--compile-scope", "block", "--schedule", "zero-bubble"], "schedule='zero-bubble'"),
 ])

@@ -25,12 +25,13 @@ Pipeline parallelism (``--pp N``, ``--compile-scope block``): torchtitan cuts th
 then runs ``parallelize_fn`` (``apply_compile``: each block compiled) on each, so a stage's blocks are
 one-device compiled regions and a stage keeps, per micro-batch in flight, the compiled saved set of its own
 blocks; with FSDP2 per stage as above (tests/estimate/test_compiled_pp.py; against the real schedule with
-compiled stages, tests/trace/test_trace_pp_compile.py).
+compiled stages, tests/trace/test_trace_pp_compile.py). ``--compile-scope block-loss`` (torchtitan's default
+``[compile] components = ["model", "loss"]``) compiles the last stage's loss too: its saved set goes to the last
+stage, the logits it saves being the schedule's output chunk (estimate/parallel_pp.py ``output_chunk_aliases``).
 
 Known limitations (refused by :func:`check_compiled_parallel`, one line each):
-  - FSDP1: not traced with compile; under pipeline parallelism another scope than ``block`` (a stage model
-    has no loss of its own to compile; whole-model compile of a stage is not traced) and schedules other
-    than gpipe and 1f1b;
+  - FSDP1: not traced with compile; under pipeline parallelism the ``model`` scope (whole-model compile of
+    a stage is not traced) and schedules other than gpipe and 1f1b;
   - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
     with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
   - ``--recompute op`` under FSDP2: its saved set equals the trace's (less the CPU generator states), but
@@ -51,8 +52,9 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
         return
     refusals = (
         # torchtitan compiles each stage model's blocks (apply_compile inside parallelize_fn, per stage)
-        ("compile_scope", impl.compile_scope, par.pp > 1 and impl.compile_scope != "block",
-         "compiled stages under pipeline parallelism are traced with per-block compile (--compile-scope block)"),
+        ("compile_scope", impl.compile_scope, par.pp > 1 and impl.compile_scope not in ("block", "block-loss"),
+         "compiled stages under pipeline parallelism are traced with per-block compile (--compile-scope block "
+         "or block-loss)"),
         ("schedule", par.schedule, par.pp > 1 and par.schedule not in ("gpipe", "1f1b"),
          "compiled stages are traced under the gpipe and 1f1b schedules"),
         ("fsdp_version", par.fsdp_version, bool(par.fsdp) and par.fsdp_version == 1,

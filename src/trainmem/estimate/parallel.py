@@ -47,7 +47,9 @@ from trainmem.estimate.heads import logits_width
 from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.parallel_buffers import _buffers, _Rank
-from trainmem.estimate.parallel_pp import _stage_of, apply_pp, in_flight, recv_input_aliases, stage_layers
+from trainmem.estimate.parallel_pp import (
+    _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers,
+)
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
 from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
@@ -185,6 +187,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         stage_acts = apply_pp(acts, act_stage, s)
         if s > 0 and torch_engine:  # the received input is the receive buffer (estimate/parallel_pp.py)
             stage_acts = recv_input_aliases(stage_acts, a)
+        if s == last and par.pp > 1 and torch_engine and impl.compile and impl.compile_scope == "block-loss":
+            stage_acts = output_chunk_aliases(stage_acts)  # the compiled loss's saved logits: the output chunk
         head_acts = [it for it in stage_acts if it.name.split(".")[0] in outputs]  # the output layer, loss, task heads
         if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
             stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,

@@ -12,7 +12,7 @@ from trainmem.inventory import MemoryItem
 from trainmem.names import is_head, layer_index
 from trainmem.specs import ModelSpec, ParallelSpec
 
-__all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases"]
+__all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases", "output_chunk_aliases"]
 
 
 def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
@@ -68,11 +68,24 @@ def recv_input_aliases(stage_acts: list[MemoryItem], first_layer: int) -> list[M
     the forward ``info.buffer`` itself (detached, a view of the same storage), so the block input
     the stage keeps per micro-batch (the item of a layer before ``first_layer`` that ``_stage_of``
     gave this stage) is ``buffers.pp_recv_activations``, not a tensor of its own: 0 bytes here."""
-    out = []
-    for it in stage_acts:
-        li = layer_index(it.name)
-        if li is not None and li < first_layer:
-            it = MemoryItem.make(it.name, it.category, it.shape, it.dtype, 0, "0", it.dims, it.key)
-            it.__dict__["note"] = "the stage's receive buffer (buffers.pp_recv_activations)"
-        out.append(it)
+    return [_aliased(it, "the stage's receive buffer (buffers.pp_recv_activations)")
+            if (li := layer_index(it.name)) is not None and li < first_layer else it for it in stage_acts]
+
+
+def output_chunk_aliases(stage_acts: list[MemoryItem]) -> list[MemoryItem]:
+    """The last stage's logits as the compiled loss saves them (``--compile-scope block-loss``,
+    ``rules_compiled._compiled_loss`` keeps its input, the (B, S, V) head output), given as what they are:
+    the schedule's output chunk. ``_PipelineStageBase.forward_one_chunk`` (torch/distributed/pipelining/
+    stage.py) stores the stage's output in ``output_chunks`` and the schedule's ``_maybe_compute_loss``
+    passes that very tensor to the loss, so the region's saved input is ``buffers.pp_output_chunks``'
+    storage: 0 B here. The loss's own tensors (under ``loss.``) are new storages and stay."""
+    return [_aliased(it, "the schedule's output chunk (buffers.pp_output_chunks)")
+            if it.dims[-1:] == ("V",) and is_head(it.name) and not it.name.startswith("loss.") else it
+            for it in stage_acts]
+
+
+def _aliased(it: MemoryItem, note: str) -> MemoryItem:
+    """``it`` as a view of a storage another item counts: 0 bytes, with a note saying which."""
+    out = MemoryItem.make(it.name, it.category, it.shape, it.dtype, 0, "0", it.dims, it.key)
+    out.__dict__["note"] = note
     return out

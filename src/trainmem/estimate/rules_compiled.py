@@ -336,8 +336,8 @@ def _compiled_loss(ctx: Ctx, logits: Sym) -> None:
     ``log_softmax`` output), the row max and log-sum-exp, the labels padded to S+1, the count."""
     g = ctx.graph
     B, S = ctx.B, ctx.S
-    g.save(logits)
-    with g.module("loss"):
+    with g.module("loss"):  # kept by the loss: a pipeline's last stage keeps it (estimate/parallel_pp.py _stage_of)
+        g.save(logits)
         kept = (g.new("row_max", (B * S, 1), ("B·S", "1"), "float32", False),
                 g.new("logsumexp", (B * S, 1), ("B·S", "1"), "float32", False),
                 g.new("labels_padded", (B, S + 1), ("B", "S+1"), "int64", False))

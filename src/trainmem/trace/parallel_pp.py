@@ -119,12 +119,15 @@ def check_pp(par, step, impl, finetune=None, config=None, rank: int = 0) -> None
     if isinstance(config, ModelSpec):
         raise UnsupportedError("--pp: trace cuts a transformers model into stages; trainmem's reference model is "
                                "not cut (use --profile hf, or estimate --pp)")
-    if impl.compile and (impl.compile_scope != "block" or par.schedule == "interleaved"):
-        # per-block compile of the stage's own blocks, one stage per rank: an interleaved rank's virtual
+    if impl.compile and (impl.compile_scope not in ("block", "block-loss") or par.schedule == "interleaved"):
+        # per-block compile of the stage's own blocks (and, block-loss, torchtitan's default components
+        # ["model", "loss"], the stage's loss_function), one stage per rank: an interleaved rank's virtual
         # stages hold their own copies of the block table (_cut)
-        what = f"--compile-scope {impl.compile_scope}" if impl.compile_scope != "block" else "--schedule interleaved"
+        what = (f"--compile-scope {impl.compile_scope}" if impl.compile_scope not in ("block", "block-loss")
+                else "--schedule interleaved")
         raise UnsupportedError(f"--compile with --pp and {what}: trace compiles each stage's blocks "
-                               "(--compile-scope block) under gpipe and 1f1b; estimate gives the per-rank memory")
+                               "(--compile-scope block or block-loss) under gpipe and 1f1b; estimate gives the "
+                               "per-rank memory")
     for what, given in (("--float8", impl.float8 != "none"),
                         ("--optimizer-in-backward", impl.optimizer_in_backward),
                         ("fine-tuning (--finetune/--freeze)", finetune is not None),
