@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import norm_backward_parts
+from trainmem.estimate.compiled_ce_loss import compiled_ce_backward
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
@@ -91,6 +92,7 @@ class LayerStats:
     """Block -> the elements of its router logits (those of its kept softmax, ``probs_layer{i}``), whose
     gradient from the load-balancing loss is alive from the loss's backward until that block's router
     backward, in the logits' dtype (compiled, the kept softmax is fp32)."""
+    compiled_ce: bool = False
     largest_grad: int = 0
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
@@ -110,6 +112,8 @@ class LayerStats:
                         self.loss_value += it.bytes
                     elif it.name in ("loss.total_weight", "loss.nll_loss_forward") or it.dtype == "int64":
                         self.nll_saved += it.bytes  # --profile traced: the target by its op, loss.clone
+                    elif it.name == "loss.logsumexp":  # a compiled ForCausalLMLoss (estimate/compiled_ce_loss.py)
+                        self.compiled_ce = True
                     elif it.name.startswith(AUX_LOSS):
                         self.aux_saved += it.bytes
                         layer = it.name.rpartition("probs_layer")[2]
@@ -248,8 +252,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         # log_softmax's backward runs after NllLossBackward0 released its saved target and total weight
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
         # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
-        add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved,
-                               "logits_grad": int(2 * BSV * lb), "loss_seed": lb if st.nll_saved else 0,
+        # compiled, the recomputed fp32 log-softmax's first step, its logits input freed (estimate/compiled_ce_loss.py)
+        ce = (logits, compiled_ce_backward(BSV)) if st.compiled_ce else (0, int(2 * BSV * lb))
+        add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved - ce[0],
+                               "logits_grad": ce[1], "loss_seed": lb if st.nll_saved else 0,
                                "router_logits_grad": sum(router_grads.values())},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
