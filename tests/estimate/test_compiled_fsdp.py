@@ -72,7 +72,8 @@ def test_compiled_qlora_dequantizes_to_the_weight_alone_under_fsdp():
     (["--pp", "2", "--compile-scope", "model"], "compile_scope='model'"),  # PP: per-block compile (and loss) only
     (["--fsdp-version", "1"], "fsdp_version=1"),
     (["--offload", "params"], "offload='params'"),
-    (["--tp", "2"], "parallel="),
+    (["--tp", "2"], "sp=False"),  # TP + FSDP2 is modelled with --sp only (estimate/compiled_tp.py)
+    (["--dp", "4", "--fsdp", "hybrid", "--tp", "2", "--sp"], "parallel="),  # HSDP beside TP: not checked
     (["--recompute", "op"], "recompute='op'"),
 ])
 def test_layouts_not_checked_under_compile_are_refused_in_one_line(capsys, tmp_path, argv, field):

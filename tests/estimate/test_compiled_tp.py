@@ -69,8 +69,27 @@ def test_what_compiled_tp_does_not_model_is_refused(change, field):
         estimate(spec_from_hf_config(LLAMA), args["step"], args["impl"], parallel=args["parallel"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fsdp-bf16"])
+def test_tp_then_fsdp2_keeps_the_compiled_tp_blocks_and_fsdp2s_states(precision):
+    """torchtitan's 2-D layout compiled (apply_tp, apply_compile, apply_fsdp): the compiled TP set beside
+    FSDP2's sharded states; fsdp-bf16 saves pure bf16's set (tests/trace/test_trace_compile_2d.py: == trace)."""
+    step = StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
+    two_d = ParallelSpec(dp=2, tp=2, sp=True, fsdp="full")
+    (rank,) = estimate(spec_from_hf_config(LLAMA), step, BLOCK, parallel=two_d).ranks
+    tp_step = replace(step, precision="bf16") if precision == "fsdp-bf16" else step
+    tp_alone = estimate(spec_from_hf_config(LLAMA), tp_step, BLOCK, parallel=ParallelSpec(tp=2, sp=True))
+    (eager,) = estimate(spec_from_hf_config(LLAMA), step, replace(BLOCK, compile=False, compile_scope="model"), parallel=two_d).ranks
+    acts = {i.name: i.bytes for i in rank.inventory.items if i.category.value == "activation"}
+    assert acts == {i.name: i.bytes for i in tp_alone.inventory.items if i.category.value == "activation"}
+    for ledger in ("parameter", "gradient", "optimizer_state", "buffer"):
+        assert rank.totals_bytes[ledger] == eager.totals_bytes[ledger], ledger
+    # 2 blocks x 46,080 + embedding and head 2 x 256 x 64 over dp x tp, the 5 norms of 64 over dp: fp32 125,568
+    width = 2 if precision == "bf16" else 4
+    assert rank.totals_bytes["parameter"] == width * ((2 * 46_080 + 2 * 256 * 64) // 4 + 5 * 64 // 2)
+
+
 @pytest.mark.parametrize("argv,field", [
-    (["--dp", "2", "--fsdp", "full"], "fsdp=full"),
+    (["--dp", "4", "--fsdp", "hybrid", "--fsdp-group", "2"], "fsdp=hybrid"),
     (["--dp", "2"], "dp=2"),
     (["--cp", "2"], "cp=2"),
 ])

@@ -36,8 +36,16 @@ Refused (:func:`compiled_tp_refusals`, :func:`check_compiled_tp_layout`, one lin
   - ``--recompute full`` (and op): in torch 2.13 a checkpointed compiled DTensor block fails in
     AOTAutograd's ``save_from_forward`` (a ``DeviceMesh`` among the saved tensors) on the fake process group;
   - whole-model compile and ``block-loss`` (the loss under ``loss_parallel`` is eager in torchtitan);
-  - context and expert parallelism, TP with FSDP2 (``--dp``), fine-tuning, Float8, autocast, and families
-    other than the plain Llama block (no fused, sandwich or post norms, q/k norms, MoE, eager attention).
+  - context, expert and pipeline parallelism, DDP/ZeRO and HSDP beside TP, fine-tuning, Float8, autocast, and
+    families other than the plain Llama block (no fused, sandwich or post norms, q/k norms, MoE, eager attention).
+
+TP then FSDP2 full sharding (``--dp D --fsdp full``, torchtitan's 2-D layout: ``apply_tp``, ``apply_compile``,
+``apply_fsdp`` on the ``dp_shard`` sub-mesh) is the composition: FSDP2's hooks are dynamo-disabled
+(estimate/compiled_sharded.py), so the region's inputs are the TP-local weights FSDP2 all-gathered and each
+block keeps the compiled TP set above; the states and buffers are FSDP2's over the TP-local shards
+(estimate/parallel.py, as eager). Under ``fsdp-bf16`` the block reads bf16 weights: pure bf16's set. Traced
+and checked against a real 4-rank gloo step in tests/trace/test_trace_compile_2d.py (saved set and ledgers
+to the byte; peak estimate/trace 1.033 fp32, 1.091 bf16, 1.074 fsdp-bf16).
 """
 
 from __future__ import annotations
@@ -50,15 +58,18 @@ __all__ = ["compiled_tp_refusals", "check_compiled_tp_layout"]
 
 
 def check_compiled_tp_layout(impl, par) -> None:
-    """Refuse, in one line, ``--compile`` with TP beside any other parallel dimension (not traced)."""
+    """Refuse, in one line, ``--compile`` with TP beside a parallel dimension it was not traced with: TP alone,
+    or TP then FSDP2 ``full`` on the dp sub-mesh (torchtitan's 2-D layout, trace/parallel_2d.py)."""
     if not impl.compile or par.tp == 1:
         return
-    others = {"dp": par.dp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "zero": par.zero or 1}
+    fsdp2_full = par.fsdp == "full" and par.fsdp_version == 2
+    others = {"dp": 1 if fsdp2_full else par.dp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "zero": par.zero or 1}
     extra = {k: v for k, v in others.items() if v != 1}
-    if extra or par.fsdp:
+    if extra or (par.fsdp and not fsdp2_full):
         raise UnsupportedError(f"compile: parallel='tp={par.tp} " + " ".join(f"{k}={v}" for k, v in extra.items())
-                               + (f" fsdp={par.fsdp}" if par.fsdp else "") + "' is not modelled: compiled blocks "
-                               "under TP are checked with tensor (and sequence) parallelism alone")
+                               + (f" fsdp={par.fsdp}" if par.fsdp else "")
+                               + "' is not modelled: compiled blocks under TP are checked alone and with FSDP2 "
+                               "full sharding (--dp N --fsdp full)")
 
 
 def compiled_tp_refusals(ctx) -> list[tuple]:
@@ -80,8 +91,9 @@ def compiled_tp_refusals(ctx) -> list[tuple]:
         ("recompute", impl.recompute, impl.recompute != "none",
          "compiled blocks under TP are checked at --recompute none (torch 2.13 refuses a checkpointed compiled "
          "DTensor block on the fake process group: a DeviceMesh among its saved tensors)"),
-        ("precision", ctx.step.precision, ctx.step.recipe not in ("fp32", "bf16"),
-         "compiled rules under TP cover pure fp32 and bf16"),
+        # fsdp-bf16 (TP + FSDP2's MixedPrecisionPolicy): bf16 gathered weights, pure bf16's saved set (traced)
+        ("precision", ctx.step.precision, ctx.step.recipe not in ("fp32", "bf16", "fsdp-bf16"),
+         "compiled rules under TP cover pure fp32 and bf16, and fsdp-bf16 under FSDP2"),
         ("model", m.family, not plain_block or resolve_kernel(ctx) not in ("flash", "efficient"),
          "compiled rules under TP cover the plain Llama block (no fused projections, extra or q/k norms, MoE) with "
          "a fused attention kernel"),
