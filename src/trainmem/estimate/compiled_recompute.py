@@ -47,10 +47,13 @@ Known limitations:
     (docs/compile.md, "Per-block compilation"). Neither is a bound on the other.
   - Only the Llama block's compiled set is read (two RMSNorms, a gated MLP; no Float8, q/k norms, sandwich
     norms, fused projections or experts): anything else returns no moment, and the block's working set
-    alone stands (as before). The temporaries are SiLU's: Gemma's GELU-tanh recompute holds four fp32
-    B·S·F values (x/2, the tanh's input, tanh, 1 + tanh) and its backward two more, so there these
-    moments stay under the trace (tiny Gemma, MQA, V 128, B 2 S 64: 0.859 bf16, 0.890 fp32; 0.667 and
-    0.822 with the working set alone).
+    alone stands (as before). The activation's values are SiLU's or Gemma's GELU-tanh's (``_ACTIVATIONS``,
+    with Gemma's RMSNorm: tiny Gemma, MQA, V 128, tied, B 2 S 64, estimate == trace 1,516,362 B bf16 and
+    2,458,700 B fp32, where SiLU's counts read 0.859 and 0.890; a wider one, H 128 F 352 3 blocks, bf16
+    B 1 S 96 MQA: 5,376,650 B, fp16 B 2 S 32 with 2 K/V heads: 5,166,730 B, both exact). ``ModelSpec.activation``
+    "geglu" also stands for an erf GELU (``hidden_act="gelu"``), whose decomposition holds other values: not
+    checked. ``peak.phases`` passes :func:`block_math` on as its ``block_math``, from the one-device estimate
+    only (estimate/__init__.py); under FSDP2 a Gemma block reads SiLU's counts.
   - Fine-tuning (LoRA, QLoRA) under compile reads the eager set as its recomputed one (estimate/__init__.py)
     and gets no moment here: tiny Llama bf16, LoRA q/v, block-loss: estimate/trace 0.822, the trace's
     peak at the same SiLU moment with frozen weights (no norm outputs held) and fp32 adapter inputs.
@@ -63,7 +66,7 @@ from trainmem.estimate.block_backward import block_items
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
 
-__all__ = ["compiled_checkpoint_moments"]
+__all__ = ["block_math", "compiled_checkpoint_moments"]
 
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _MLP = ("mlp.gate_proj.out", "mlp.up_proj.out", "mlp.act_mul_up")
@@ -71,19 +74,33 @@ _REQUIRED = (*(f"{n}.{p}" for n in _NORMS for p in ("rsqrt", "out")), "self_attn
 _OTHER_SELF_ATTN = ("norm", "scale", "q_proj.out", "k_proj.out")  # q/k norms and their inputs, Float8 scales
 _LINEARS = ("gate_proj", "up_proj", "down_proj")  # the MLP's, whose autocast weight copies may be kept
 _FP32 = dtype_bytes("float32")
+# per gated MLP activation (ModelSpec.activation): how many fp32 B·S·F values its recomputed forward holds
+# for its backward (in place of the compiled set's gate) and how many its decomposed backward writes at once
+_ACTIVATIONS = {
+    # silu's decomposition upcasts the gate (torch/_prims_common/wrappers.py pw_cast_for_opmath: one fp32 copy,
+    # the gate itself in fp32); silu_backward: the upcast gradient, sigmoid(gate) and their product
+    "swiglu": (1, 3),
+    # Gemma's GELU-tanh (torch/_refs/nn/functional gelu, approximate="tanh"): x/2, the tanh's input, tanh and
+    # 1 + tanh are held, the gate's fp32 copy freed; gelu_backward (torch/_decomp/decompositions.py): the upcast
+    # gradient and one product at a time (read off the trace of a tiny Gemma; an erf GeGLU is not checked)
+    "geglu": (4, 2),
+}
 _ROOT = "model"  # the decoder's module path, where whole-model compile's rules keep the causal mask
 
 
 def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
-                                recomputed: "Inventory | None" = None) -> list[dict[str, int]]:
+                                recomputed: "Inventory | None" = None, *, activation: str = "swiglu",
+                                unit_offset_norm: bool = False) -> list[dict[str, int]]:
     """The two MLP moments of block ``last``'s backward when it is a checkpointed compiled Llama block
     whose compiled saved set (without checkpointing) is ``recomputed``; empty otherwise. Each moment is a
     dict as ``block_backward.norm_backward_parts`` returns: ``block_gradients`` (and ``new_gradients``:
     the compiled backward returns its weight gradients as new tensors, beside a stored ``.grad``),
     ``freed_activations`` (of the recomputed set and the checkpoint's kept input), ``after_attention``
     and ``work``: the residual stream's gradient, the op's temporaries and what the recomputation holds
-    beyond the compiled set (see the module docstring)."""
-    if recomputed is None:
+    beyond the compiled set (see the module docstring). ``activation``: the gated MLP's (``_ACTIVATIONS``; any
+    other gets no moment); ``unit_offset_norm``: Gemma's RMSNorm, which holds its normalized product in fp32
+    and ``1 + weight`` (fp32, H) for its backward (``GemmaRMSNorm.forward``: the weight applied before the cast)."""
+    if recomputed is None or activation not in _ACTIVATIONS:
         return []
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
     if not _llama_compiled(kept):
@@ -96,10 +113,13 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
         return []
     x = dtype_bytes(after.dtype)  # the residual stream's dtype: the block's input, the norms' products
     tokens_h, gate_numel = outs[0].bytes // a, gate.bytes // a  # B·S·H, B·S·F
+    act_held, act_work = _ACTIVATIONS[activation]
     # what the recomputation holds beyond the compiled set: each norm's fp32 input and normalized
-    # product (in the input's dtype: Llama casts it back before the weight), silu(gate), the 16-bit
-    # gate's fp32 copy; o_proj's output is freed by the residual sum
-    held = (len(outs) * tokens_h * (_FP32 + x) + gate.bytes + gate_numel * (_FP32 - a)
+    # product (in the input's dtype: Llama casts it back before the weight; Gemma's in fp32, with its fp32
+    # 1 + weight), the activation's output and its fp32 values in place of the gate (SiLU: the 16-bit gate's
+    # fp32 copy); o_proj's output is freed by the residual sum
+    norm = 2 * tokens_h * _FP32 + outs[0].shape[-1] * _FP32 if unit_offset_norm else tokens_h * (_FP32 + x)
+    held = (len(outs) * norm + gate.bytes + gate_numel * (act_held * _FP32 - a)
             - kept["self_attn.o_proj.out"].bytes + _one_region_held(items, kept, last, a))
     # the checkpoint's kept input: a fp32 one is the input norm's (counted in ``held``), a 16-bit one is freed;
     # the residual stream's gradient and up_proj's input gradient (autocast's cast backward: in x) are x too
@@ -115,9 +135,16 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
             "new_gradients": grads["down_proj"] + grads["up_proj"],
             "freed_activations": freed + up.bytes + copies["up_proj"], "after_attention": 0,
-            # up_proj's input gradient, then silu_backward's three fp32 temporaries; silu(gate) was freed
-            "work": residual + up_dx + 3 * gate_numel * _FP32 + held - gate.bytes}
+            # up_proj's input gradient, then the activation's backward temporaries; its output was freed
+            "work": residual + up_dx + act_work * gate_numel * _FP32 + held - gate.bytes}
     return [product, silu]
+
+
+def block_math(model) -> dict:
+    """What :func:`compiled_checkpoint_moments` reads of the model beyond the inventory (``peak.phases``'s
+    ``block_math``): the gated MLP's activation and whether its RMSNorm is Gemma's (``Rules.unit_offset_norm``)."""
+    from trainmem.families import family_of
+    return {"activation": model.activation, "unit_offset_norm": family_of(model).rules.unit_offset_norm}
 
 
 def _one_region_held(items: "Inventory | list[MemoryItem]", kept: dict[str, MemoryItem], last: int, a: int) -> int:
