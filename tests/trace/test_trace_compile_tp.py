@@ -31,12 +31,13 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from compiled_regions import BLOCK, trace_with_regions  # noqa: E402
+
 from trainmem.cli import main  # noqa: E402
-from trainmem.specs import ImplSpec, ParallelSpec, StepSpec  # noqa: E402
+from trainmem.specs import ParallelSpec, StepSpec  # noqa: E402
 
 LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
-BLOCK = ImplSpec(device="cpu", attention="sdpa", compile=True, compile_scope="block")
 TP_SP = ParallelSpec(tp=2, sp=True)
 
 
@@ -45,7 +46,6 @@ TP_SP = ParallelSpec(tp=2, sp=True)
     (["--tp", "2", "--sp", "--compile", "--compile-scope", "block-loss"], "compile_scope='block-loss'"),
     (["--tp", "2", "--compile", "--compile-scope", "block"], "sp=False"),
     (["--tp", "2", "--sp", "--compile", "--compile-scope", "block", "--recompute", "full"], "recompute='full'"),
-    (["--tp", "2", "--sp", "--compile", "--compile-scope", "block", "--dp", "2", "--fsdp", "full"], "fsdp='full'"),
 ])
 def test_what_the_compiled_tp_trace_cannot_run_is_one_line(capsys, argv, field):
     rc = main(["trace", "--model", "llama-3-8b", "--seq", "16", *argv])
@@ -57,22 +57,8 @@ def test_what_the_compiled_tp_trace_cannot_run_is_one_line(capsys, argv, field):
 @functools.lru_cache(maxsize=None)
 def _traced(precision: str, loss_parallel: bool = True):
     """The trace and every region its compiled blocks partitioned (``trace/compiled.py`` saved_values)."""
-    from trainmem.trace import compiled, trace_step
-
-    seen: list = []
-    read = compiled.saved_values
-
-    def record(backward_graph):
-        seen.append(read(backward_graph))
-        return seen[-1]
-
-    compiled.saved_values = record
-    try:
-        traced = trace_step(LLAMA, StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"), BLOCK,
-                            parallel=replace(TP_SP, loss_parallel=loss_parallel))
-    finally:
-        compiled.saved_values = read
-    return traced, seen
+    return trace_with_regions(LLAMA, StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"), BLOCK,
+                              replace(TP_SP, loss_parallel=loss_parallel))
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,8 +37,9 @@ Known limitations:
     dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`), Float8 and fine-tuning too,
     and fsdp-bf16 without FSDP2;
   - ``--compile`` runs as torchtitan applies it, each block compiled after the cut (``--compile-scope block``,
-    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none``, without FSDP2
-    (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py, docs/compile.md).
+    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none``, alone or with
+    FSDP2 on the dp sub-mesh (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py,
+    tests/trace/test_trace_compile_2d.py, docs/compile.md).
 """
 
 from __future__ import annotations
@@ -100,14 +101,15 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
 
 def _check_compiled(par, impl) -> None:
     """``--compile`` under TP as torchtitan applies it (``apply_tp``, then ``apply_compile``): each block
-    compiled after ``parallelize_module``, alone (no FSDP2), without checkpointing; refused in one line."""
+    compiled after ``parallelize_module`` (then FSDP2, if asked), without checkpointing; refused in one line."""
     for field, value, ok, why in (
             ("compile_scope", impl.compile_scope, impl.compile_scope == "block",
              "TP blocks are compiled one by one (torchtitan's apply_compile): --compile-scope block"),
             ("recompute", impl.recompute, impl.recompute == "none",
              "torch 2.13 refuses a checkpointed compiled DTensor block (AOTAutograd's save_from_forward finds a "
              "DeviceMesh among the saved tensors)"),
-            ("fsdp", par.fsdp, par.fsdp is None, "compiled TP blocks are traced without FSDP2"),
+            # FSDP2 on the dp sub-mesh after the compiled TP blocks: traced (tests/trace/test_trace_compile_2d.py);
+            # (FSDP1 beside TP is refused by ParallelSpec itself)
             # checked on real tensors (trace_step(real=True)): with --sp the step runs and its peak equals the
             # fake trace's; without, the embedding's Redistribute.backward (torch/distributed/tensor/_redistribute.py)
             # gets a plain-tensor gradient from the compiled block 0 and fails (aot_eager too), though fake tensors run
