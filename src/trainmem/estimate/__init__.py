@@ -16,6 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
+from trainmem.estimate.autocast_cache import autocast_cached_casts, autocast_head_input
 from trainmem.estimate.buffers import buffer_inventory
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
@@ -163,6 +164,10 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         inv, recompute, working, host = apply_offload(model, step, impl, states, acts, recompute, finetune)
     inv = inv + buffer_inventory(model, step, impl.profile)  # estimate/buffers.py: resident all step, in every phase
     d = step.dtypes
+    held = ({"autocast_weight_cache": autocast_cached_casts(acts, plain), "head_input_unsaved": autocast_head_input(acts)}
+            if d.autocast and not impl.compile and finetune is None and not offload else {})
+    if any(held.values()):  # alive to the end of the forward and loss (estimate/autocast_cache.py): the forward phase's
+        working = {**(working or {}), "forward": {**(working or {}).get("forward", {}), **held}}
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
     ph = phases(
