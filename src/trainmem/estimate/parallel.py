@@ -48,7 +48,7 @@ from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.parallel_buffers import _buffers, _Rank
 from trainmem.estimate.parallel_pp import (
-    _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers,
+    _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers, stage_node_moments,
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
@@ -254,6 +254,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             for ph, parts in act_off[1].items():
                 working.setdefault(ph, {}).update(parts)
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
+        moments = tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
         ph = phases(
             items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute)),
             B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
@@ -265,11 +266,13 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             optimizer_transient=(tb, rule),
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                                // (par.tp if par.sp else 1)),
-            persistent=persistent, working=working, node_moments=tl is not None,
-            # FSDP2 per tensor, --recompute full: a checkpointed block's node moments run on its recomputed
-            # tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
+            persistent=persistent, working=working, node_moments=moments,
+            grad_received=moments and s != last,  # the stage's output gradient: pp_recv_gradients
+            logits_held=torch_engine and par.pp > 1 and s == last,  # the schedule's output chunks (pp_output_chunks)
+            # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
+            # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
             recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
-                        if tl is not None and impl.recompute == "full" and not act_off and traced is None else None),
+                        if moments and impl.recompute == "full" and not act_off and traced is None else None),
             tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         )
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients

@@ -150,7 +150,8 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
         st.add(it, li)
         if li is None and it.category is Category.GRADIENT:
             outside.append(it)
-    if any(it.name.startswith("lm_head.") for it in outside):  # untied head: the embedding's gradient comes last
+    # untied head, or no head (a pipeline stage before the last): the embedding's gradient comes last
+    if any(it.name.startswith("lm_head.") for it in outside) or not any(is_head(it.name) for it in outside):
         st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
     else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) come last
         st.late_grad = sum(it.bytes for it in outside if is_embedding(it.name) and not is_token_embedding(it.name))
@@ -190,7 +191,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            optimizer_in_backward: bool = False, compiled_loss: bool = False, stack_held: int = 0,
            stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False,
            node_moments: bool = False, accumulate_transients: bool = False,
-           recomputed: Inventory | None = None) -> list[Phase]:
+           recomputed: Inventory | None = None, block_math: dict | None = None,
+           grad_received: bool = False, logits_held: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -206,7 +208,12 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``accumulate_transients``: with ``grad_accum`` > 1, each new gradient beside the stored ``.grad``
     it is added into (estimate/grad_accum.py; one device). ``recomputed``: the inventory without
     checkpointing under ``--recompute full``: a checkpointed block's node moments run on its recomputed
-    tensors (estimate/block_backward.py)."""
+    tensors (estimate/block_backward.py). ``block_math``: the block's MLP activation and norm kind
+    (``activation``, ``unit_offset_norm``) its compiled checkpoint moments read (estimate/compiled_recompute.py).
+    ``grad_received``: the last block's output gradient is a receive buffer counted in ``working`` (a pipeline
+    stage before the last: ``pp_recv_gradients``), not a new residual gradient in its eager moments before the
+    residual sum. ``logits_held``: the logits outlive the loss (a pipeline's output chunks), so the compiled
+    loss's backward does not free them."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -253,7 +260,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
         # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
         # compiled, the recomputed fp32 log-softmax's first step, its logits input freed (estimate/compiled_ce_loss.py)
-        ce = (logits, compiled_ce_backward(BSV)) if st.compiled_ce else (0, int(2 * BSV * lb))
+        ce = (0 if logits_held else logits, compiled_ce_backward(BSV)) if st.compiled_ce else (0, int(2 * BSV * lb))
         add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved - ce[0],
                                "logits_grad": ce[1], "loss_seed": lb if st.nll_saved else 0,
                                "router_logits_grad": sum(router_grads.values())},
@@ -313,8 +320,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
             rec_li = recomputed if li in recompute_bytes else None
             # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
-            for nb in (*norm_backward_parts(items, li, residual_bytes, rec_li),
-                       *compiled_checkpoint_moments(items, li, residual_bytes, rec_li)):
+            eager_nb = norm_backward_parts(items, li, residual_bytes, rec_li)
+            compiled_nb = compiled_checkpoint_moments(items, li, residual_bytes, rec_li, **(block_math or {}))
+            for nb in (*eager_nb, *compiled_nb):
                 # the first block's attention backward frees what the blocks share (rotary cos/sin:
                 # their saved-by-rope references are gone); the embedding keeps its indices
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
@@ -323,7 +331,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 at = {"gradients": grads_before + nb.get("new_gradients", nb.get("accum_new_gradients", 0)
                                                          if grad_accum > 1 else nb["block_gradients"]),
                       "activations": acts_before - nb["freed_activations"] - shared,
-                      "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0),
+                      "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)
+                      - (residual_bytes if grad_received and li == last and not nb["after_attention"]
+                         and any(nb is e for e in eager_nb) else 0),
                       "router_logits_grad": parts.get("router_logits_grad", 0)}
                 if sum(at.values()) > sum(parts.values()):
                     parts, note = at, (f"{note.split(':')[0].split(', at its')[0]}, at its MLP product's or an RMSNorm's backward: "
