@@ -2,6 +2,8 @@
 ``estimate/compiled_recompute.py`` ``_ACTIVATIONS`` and ``unit_offset_norm``): GELU-tanh's recomputed values
 and GemmaRMSNorm's fp32 normalized product, against the Llama-style (SiLU) counts on the same inventory."""
 
+import pytest
+
 from trainmem.estimate.activations import activation_inventory
 from trainmem.estimate.compiled_recompute import block_math, compiled_checkpoint_moments
 from trainmem.specs import ImplSpec, StepSpec
@@ -28,3 +30,23 @@ def test_gemma_gelu_tanh_and_unit_offset_norm_hold_more():
     llama = compiled_checkpoint_moments(acts, 0, 16384, plain)
     assert [g["work"] - w["work"] for g, w in zip(gemma, llama)] == [3 * 90112 + 33280, 2 * 90112 + 33280]
     assert compiled_checkpoint_moments(acts, 0, 16384, plain, activation="relu") == []
+
+
+def test_gemma_peaks_at_gelu_backward():
+    # the whole step, == the trace's peak to the byte (bf16 0.859, fp32 0.890 with SiLU's counts)
+    from trainmem.estimate import estimate
+
+    full = ImplSpec(device="cpu", attention="sdpa", compile=True, compile_scope="block", recompute="full")
+    for precision, peak in (("bf16", 1516362), ("fp32", 2458700)):
+        e = estimate(spec_from_hf_config(GEMMA), StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"), full)
+        assert (e.peak_bytes, e.peak.name) == (peak, "backward_first_block")
+
+
+@pytest.mark.slow  # one compiled trace, ~45 s on 2 shared cores
+def test_gemma_estimate_peak_equals_the_compiled_trace():
+    from trainmem.estimate import estimate
+    from trainmem.trace import trace_step
+
+    full = ImplSpec(device="cpu", attention="sdpa", compile=True, compile_scope="block", recompute="full")
+    e = estimate(spec_from_hf_config(GEMMA), STEP, full)
+    assert e.peak_bytes == trace_step(GEMMA, STEP, full).peak_logical_bytes  # 1516362

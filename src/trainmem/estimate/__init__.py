@@ -18,6 +18,7 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
 from trainmem.estimate.autocast_cache import autocast_cached_casts, autocast_head_input
 from trainmem.estimate.buffers import buffer_inventory
+from trainmem.estimate.compiled_recompute import block_math
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.losses import FRAMEWORK_LOSSES
@@ -184,6 +185,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
         recomputed=plain if impl.recompute == "full" and not offload else None,  # estimate/block_backward.py
+        block_math=block_math(model),  # estimate/compiled_recompute.py: the MLP activation, Gemma's norm
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

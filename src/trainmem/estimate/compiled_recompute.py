@@ -51,12 +51,18 @@ Known limitations:
     with Gemma's RMSNorm: tiny Gemma, MQA, V 128, tied, B 2 S 64, estimate == trace 1,516,362 B bf16 and
     2,458,700 B fp32, where SiLU's counts read 0.859 and 0.890; a wider one, H 128 F 352 3 blocks, bf16
     B 1 S 96 MQA: 5,376,650 B, fp16 B 2 S 32 with 2 K/V heads: 5,166,730 B, both exact). ``ModelSpec.activation``
-    "geglu" also stands for an erf GELU (``hidden_act="gelu"``), whose decomposition holds other values: not
-    checked. ``peak.phases`` passes :func:`block_math` on as its ``block_math``, from the one-device estimate
-    only (estimate/__init__.py); under FSDP2 a Gemma block reads SiLU's counts.
+    "geglu" also stands for an erf GELU (a Llama with ``hidden_act="gelu"``), which holds one fp32 B·S·F less:
+    tiny Llama bf16 B 2 S 64 estimate 1,683,784 B, trace 1,593,672 B (90,112 B over; Gemma's "gelu" is tanh).
+    ``peak.phases`` passes :func:`block_math` on as its ``block_math``, from the one-device estimate only
+    (estimate/__init__.py); under FSDP2 a Gemma block reads SiLU's counts.
   - Fine-tuning (LoRA, QLoRA) under compile reads the eager set as its recomputed one (estimate/__init__.py)
-    and gets no moment here: tiny Llama bf16, LoRA q/v, block-loss: estimate/trace 0.822, the trace's
-    peak at the same SiLU moment with frozen weights (no norm outputs held) and fp32 adapter inputs.
+    and gets no moment here. Tiny Llama (V 256) bf16 B 2 S 64, LoRA q/v r 8, block-loss, full recompute:
+    estimate 736,456 B (the compiled loss's backward), trace 828,616 B (0.889), its peak at the same SiLU
+    moment of block 0, holding (read off the trace) the residual gradient, both norms' fp32 inputs and rsqrt,
+    the input norm's output (the adapters' lora_A weight gradients read it) and the two B·S·r adapter
+    outputs, v (base + adapter), q, k, the SDPA output and logsumexp, the gate's fp32 copy, up_proj's input
+    gradient and SiLU's three fp32 temporaries; no normalized product (frozen norm weights) and no
+    post-attention norm output (frozen gate/up); the frozen embedding's output, the block input, stays alive.
   - The attention's and the norms' backward moments are not modelled (lower than the MLP's where traced).
 """
 
