@@ -114,11 +114,12 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     gate, up, prod = (kept[n] for n in _MLP)
     a = dtype_bytes(gate.dtype)  # what the linears make (autocast: 16-bit beside a fp32 residual stream)
     outs = [kept[f"{n}.out"] for n in _NORMS]
-    after = kept.get("residual_mlp")  # the block's output, the next block's input: freed by its backward
-    if any(o.dtype != gate.dtype for o in outs) or after is None:
+    # the block's output, the next block's input: freed by its backward (the last block's is the final norm's)
+    after = kept.get("residual_mlp")
+    if any(o.dtype != gate.dtype for o in outs):
         return []
-    x = dtype_bytes(after.dtype)  # the residual stream's dtype: the block's input, the norms' products
     tokens_h, gate_numel = outs[0].bytes // a, gate.bytes // a  # B·S·H, B·S·F
+    x = residual_bytes // tokens_h  # the residual stream's dtype: the block's input, the norms' products
     act_held, act_work = _ACTIVATIONS[activation]
     # what the recomputation holds beyond the compiled set: each norm's fp32 input and normalized
     # product (in the input's dtype: Llama casts it back before the weight; Gemma's in fp32, with its fp32
@@ -132,7 +133,7 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     block_input = residual = up_dx = tokens_h * x
     # autocast's weight copies are freed by their linear's input-gradient mm, down_proj's first, then up_proj's
     copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) for c in ("down_proj", "up_proj")}
-    freed = prod.bytes + after.bytes + block_input + copies["down_proj"]
+    freed = prod.bytes + (after.bytes if after is not None else 0) + block_input + copies["down_proj"]
     grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
                     and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
     product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
