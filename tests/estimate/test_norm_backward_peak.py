@@ -107,11 +107,13 @@ def test_backward_end_equals_trace(family, precision):
 
 @pytest.mark.slow  # one fake-tensor trace each, ~2 s
 @pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("bf16", "none"), ("fp32", "full"),
-                                                 ("bf16", "full")])
+                                                 ("bf16", "full"), ("amp-bf16", "none")])
 def test_second_micro_batch_tops_at_the_down_projection(precision, recompute):
     """--grad-accum 2, H 512 > B·S 64: from the second micro-batch down_proj's new weight gradient (512·1024)
     sits beside its .grad with its input gradient and its still-saved input (the end of MmBackward0), the
-    last block's top; SGD, vocabulary 128 (bf16 with full recompute was 524,288 B under at S 256, AdamW)."""
+    last block's top; SGD, vocabulary 128 (bf16 with full recompute was 524,288 B under at S 256, AdamW).
+    Under autocast the bf16 weight gradient is cast to the fp32 weight's (ToCopyBackward0) after the node
+    released its saved copy and input: amp-bf16 was 917,512 B under."""
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 

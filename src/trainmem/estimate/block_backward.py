@@ -119,21 +119,35 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     gradient exist (Conv1D: ``addmm`` backward's ``mm`` for each, and its bias gradient's ``sum``),
     its saved input (the product) was freed, the MLP's dropout mask too, and so was the block output
     a later node kept (``residual_mlp``: the final norm's input)."""
+    # a Llama MLP under autocast keeps its linears' bf16 weight and input copies among its tensors: it is
+    # matched without them (GPT-2's as it is)
+    core = [i for i in acts if not i.name.endswith((".weight_cast", ".input_cast"))]
     for names, down, tail in _MLPS:
-        ends = [k for k, i in enumerate(acts) if i.name.endswith(f".mlp.{names[-1]}")]
+        seq = acts if tail else core
+        ends = [k for k, i in enumerate(seq) if i.name.endswith(f".mlp.{names[-1]}")]
         if ends and ends[-1] >= len(names) - 1 and \
-                [i.name.split(".mlp.", 1)[-1] for i in acts[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
+                [i.name.split(".mlp.", 1)[-1] for i in seq[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
+            ends = [acts.index(seq[ends[-1]])]
             break
     else:
         return []
+    weight_copy = 0 if tail else sum(i.bytes for i in acts if i.name.endswith(f".mlp.{down}.weight_cast"))
     # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
     if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
         return []
     prod = acts[ends[-1]]
     grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name)
-    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]),
+    # under autocast down_proj's node also released its saved bf16 weight copy
+    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy,
             "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
-    if not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
+    if weight_copy:
+        # autocast: down_proj's MmBackward0 made a bf16 weight gradient (the copy's size) and its input gradient,
+        # then released its saved copy and input (the product); the copy's ToCopyBackward0 casts the weight
+        # gradient to the weight's fp32 (new beside .grad from a second micro-batch) while the bf16 one is alive
+        out.append({"block_gradients": grads, "new_gradients": grads,
+                    "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy, "after_attention": 0,
+                    "work": residual_bytes + weight_copy + prod.bytes})
+    elif not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
         # The end of the down projection's backward, one dtype. GPT-2's Conv1D (``torch.addmm(bias, x,
         # weight)``): ``AddmmBackward0`` (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``,
         # ``mat2``'s ``x.T @ grad``, then ``self``'s ``grad`` reduced to the bias's shape by ``sum_to`` in the
