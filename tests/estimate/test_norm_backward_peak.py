@@ -123,3 +123,32 @@ def test_second_micro_batch_tops_at_the_down_projection(precision, recompute):
     t, e = trace_step(cfg, step, impl), estimate(spec_from_hf_config(cfg), step, impl)
     assert t.peak_module == "model.layers.1.mlp" and e.peak_phase == "backward"
     assert t.peak_logical_bytes == e.peak_bytes
+
+
+def test_final_norm_moment_as_integers():
+    """The final RMSNorm's backward (estimate/block_backward.py ``final_norm_moment``): its fp32 input and
+    five fp32 x-sized temporaries beside the loss and its seed (no residual gradient yet). 1 layer,
+    B 1, S 512, H 512: x is 512·512·4 = 1,048,576 B; a 16-bit model keeps its fp32 copy in the head."""
+    from trainmem.estimate.block_backward import final_norm_moment
+
+    cfg = {**CFG, "vocab_size": 128, "intermediate_size": 512}
+    for precision, copy in (("bf16", 512 * 512 * 4), ("fp32", 0), ("amp-bf16", 0)):
+        e = estimate(spec_from_hf_config(cfg), StepSpec(batch=1, seq=512, precision=precision, optimizer="sgd"), IMPL)
+        assert final_norm_moment(e.inventory, head_act=0, loss_scalars=8) == (copy, 5 * 512 * 512 * 4 + 8)
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~2-4 s
+@pytest.mark.parametrize("precision,batch,seq", [("bf16", 1, 512), ("fp32", 1, 512), ("amp-bf16", 1, 512),
+                                                 ("fp16", 2, 256)])
+def test_final_norm_backward_tops_the_step(precision, batch, seq):
+    """A wide head-side step (1 layer, V 128, S·B 512, SGD): the top is the final norm's backward ("model"
+    ``mul``), which read 2,093,048-2,098,176 B under the trace before it was modelled (amp-bf16 2 layers S 256:
+    524,288 B)."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    cfg = {**CFG, "vocab_size": 128, "intermediate_size": 512}
+    step = StepSpec(batch=batch, seq=seq, precision=precision, optimizer="sgd")
+    t, e = trace_step(cfg, step, IMPL), estimate(spec_from_hf_config(cfg), step, IMPL)
+    assert (t.peak_module, t.peak_op) == ("model", "mul") and e.peak_phase == "backward"
+    assert t.peak_logical_bytes == e.peak_bytes

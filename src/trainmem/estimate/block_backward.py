@@ -34,7 +34,7 @@ from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
-__all__ = ["norm_backward_parts", "llama_norm_indices", "block_items", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
+__all__ = ["norm_backward_parts", "final_norm_moment", "llama_norm_indices", "block_items", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
@@ -194,3 +194,22 @@ def block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[Memory
         if last in r.dsts:
             out += [i for i in r.items if layer_of(i.name) == r.src]
     return out
+
+
+def final_norm_moment(items: "Inventory | list[MemoryItem]", *, head_act: int, loss_scalars: int) -> tuple[int, int] | None:
+    """The final Llama-style RMSNorm's backward, after the head's: (the head activations still alive, the
+    node's bytes). Its fp32 input (a 16-bit model's ``x_fp32`` copy, kept in the head; an fp32 or autocast
+    one is the last block's output, kept in the block) and ``FP32_NORM_TRANSIENTS`` fp32 x-sized
+    temporaries beside the loss and its seed; no residual gradient yet (this node makes it). None when
+    the final norm is not a Llama-style RMSNorm (``model.norm.rsqrt`` and ``normed``/``x_fp32``)."""
+    inv = items if isinstance(items, Inventory) else Inventory(items)
+    norm = {i.name.rpartition(".")[2]: i for i in inv.base
+            if i.name.startswith("model.norm.") and i.category is Category.ACTIVATION}
+    if "rsqrt" not in norm or set(norm) & set(OTHER_NORM_KINDS):
+        return None
+    # the hf rules' names, or --profile traced's (named by the op that made each: _to_copy is the fp32 copy)
+    copy = norm.get("x_fp32") or next((i for i in (norm.get("_to_copy"),) if i is not None and i.dtype == "float32"), None)
+    x = copy or norm.get("normed") or norm.get("mul")
+    if x is None or x.dtype != "float32" or any("/tp" in d or "/cp" in d for d in x.dims):
+        return None  # checked on one device (and data parallel), not on a TP/CP-cut norm
+    return (copy.bytes if copy is not None else 0), FP32_NORM_TRANSIENTS * x.bytes + loss_scalars

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.estimate.block_backward import norm_backward_parts
+from trainmem.estimate.block_backward import final_norm_moment, norm_backward_parts
 from trainmem.estimate.compiled_ce_loss import compiled_ce_backward
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
@@ -126,6 +126,11 @@ class LayerStats:
 
 
 AUX_LOSS = "loss.load_balancing."  # estimate/rules_hf_moe.py load_balancing_items
+
+
+def node_moments_off(working: dict, node_moments: bool) -> bool:
+    """Whether the block working set alone stands (a distributed working set, without node moments)."""
+    return bool(working.get("backward")) and not node_moments
 
 
 def _block_reader(stacks: tuple[tuple[str, int], ...] = ()):
@@ -341,6 +346,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             return parts, note
 
         parts, note = inside(last, G if grad_accum > 1 else grads_head - st.late_grad, A - head_act, parts, note)
+        fn = final_norm_moment(items, head_act=head_act, loss_scalars=2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)
+        if fn and not optimizer_in_backward and not node_moments_off(working, node_moments):
+            at = {"gradients": G if grad_accum > 1 else grads_head - st.late_grad, "activations": A - head_act + fn[0],
+                  "node_work": fn[1], "router_logits_grad": parts.get("router_logits_grad", 0)}
+            if sum(at.values()) > sum(parts.values()):
+                parts, note = at, ("the final RMSNorm's backward: the head's gradients, the blocks' activations "
+                                   "and the norm's five fp32 temporaries (estimate/block_backward.py)")
         add("backward", parts, note)
         first = min(blocks)
         if first != last and not optimizer_in_backward:
