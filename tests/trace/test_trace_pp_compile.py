@@ -50,7 +50,8 @@ PEAK_RATIO = {
     ("gpipe", 0, "fp32", "none", 1): 0.9882, ("gpipe", 1, "fp32", "none", 1): 0.9994,
     ("1f1b", 0, "bf16", "none", 1): 0.8946, ("1f1b", 1, "bf16", "none", 1): 0.9981,
     ("1f1b", 0, "fp32", "full", 1): 0.9993, ("1f1b", 1, "fp32", "full", 1): 0.9987,
-    ("gpipe", 0, "bf16", "full", 1): 0.8940, ("gpipe", 1, "bf16", "full", 1): 0.8849,
+    # GPipe bf16 full rank 1 (the last block's compiled checkpoint moment, restored in 51502cd): 0.8849 before
+    ("gpipe", 0, "bf16", "full", 1): 0.8940, ("gpipe", 1, "bf16", "full", 1): 0.9597,
     ("1f1b", 0, "fp32", "none", 2): 0.9742, ("1f1b", 1, "fp32", "none", 2): 1.0035,
 }
 
@@ -64,7 +65,7 @@ def _case_id(case) -> str:
 # compiled too; the same ledgers and mechanisms, the compiled loss's saved logits being the schedule's output chunk
 PEAK_RATIO_BLOCK_LOSS = {
     ("1f1b", 0, "fp32", "none", 1): 0.9678, ("1f1b", 1, "fp32", "none", 1): 0.9991,
-    ("1f1b", 1, "bf16", "none", 1): 0.9981, ("gpipe", 1, "bf16", "full", 1): 0.8543,
+    ("1f1b", 1, "bf16", "none", 1): 0.9981, ("gpipe", 1, "bf16", "full", 1): 0.9423,  # 0.8543 before 51502cd
 }
 
 
