@@ -319,7 +319,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             """The larger of a block's working set and its nodes' moments (estimate/block_backward.py):
             its MLP product's and RMSNorms' backward, with the block's gradients made by then."""
             if (li in recompute_bytes and recomputed is None) or optimizer_in_backward or \
-                    (working.get("backward") and not node_moments):
+                    node_moments_off(working, node_moments):
                 return parts, note
             # a checkpointed block recomputed its forward first: its tensors are alive beside the rest
             acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
