@@ -65,6 +65,11 @@ def test_2d_trace_equals_a_real_gloo_step(case):
             assert led[ledger] == r["states_bytes"][ledger], (ledger, r["rank"])
         assert r["states_bytes"]["optimizer_step"] == STEP_COUNTERS == 156
         assert led["activation"] + led["input"] == r["activation_bytes"] + 8  # the loss and its gradient seed
-        assert traced.peak_logical_bytes + STEP_COUNTERS == r["peak_bytes"], r["rank"]  # op-boundary peak, exact
-        assert r["peak_op"].split(".")[1] == traced.peak_op
+        # op-boundary peak, exact: the least of four tracked steps (gloo's worker thread may hold a finished
+        # collective's buffers past FSDP2's last reference, which only adds bytes; test_trace_pp_real.py)
+        real_peak = min(r["peak_bytes"], *r["op_boundary_peaks_bytes"])
+        assert traced.peak_logical_bytes + STEP_COUNTERS == real_peak, (r["rank"], r["peak_bytes"],
+                                                                        r["op_boundary_peaks_bytes"])
+        if r["peak_bytes"] == real_peak:  # step 3 not perturbed: its peak op
+            assert r["peak_op"].split(".")[1] == traced.peak_op
     assert lo <= ranks[0]["profiled_peak_bytes"] / traced.peak_logical_bytes <= hi
