@@ -31,12 +31,13 @@ So the rules are ``rules_compiled``'s per-block rules with the rank-local model 
 ``(tp-1)/tp · (2·B·S·H + 2·4·B·S)·bytes`` for the input and ``o_proj`` output on S/tp and the fp32 rsqrt
 pair (the gathered norm outputs are the one-device size).
 
-Refused (:func:`compiled_tp_refusals`, :func:`check_compiled_tp_layout`, one line each), as not traced:
+Refused (:func:`compiled_tp_refusals`, and the layouts by estimate/compiled_3d.py ``check_compiled_tp_layout``,
+one line each), as not traced:
   - TP without sequence parallelism (above);
   - ``--recompute full`` (and op): in torch 2.13 a checkpointed compiled DTensor block fails in
     AOTAutograd's ``save_from_forward`` (a ``DeviceMesh`` among the saved tensors) on the fake process group;
   - whole-model compile and ``block-loss`` (the loss under ``loss_parallel`` is eager in torchtitan);
-  - context, expert and pipeline parallelism, DDP/ZeRO and HSDP beside TP, fine-tuning, Float8, autocast, and
+  - context and expert parallelism, DDP/ZeRO and HSDP beside TP, fine-tuning, Float8, autocast, and
     families other than the plain Llama block (no fused, sandwich or post norms, q/k norms, MoE, eager attention).
 
 TP then FSDP2 full sharding (``--dp D --fsdp full``, torchtitan's 2-D layout: ``apply_tp``, ``apply_compile``,
@@ -45,31 +46,16 @@ TP then FSDP2 full sharding (``--dp D --fsdp full``, torchtitan's 2-D layout: ``
 block keeps the compiled TP set above; the states and buffers are FSDP2's over the TP-local shards
 (estimate/parallel.py, as eager). Under ``fsdp-bf16`` the block reads bf16 weights: pure bf16's set. Traced
 and checked against a real 4-rank gloo step in tests/trace/test_trace_compile_2d.py (saved set and ledgers
-to the byte; peak estimate/trace 1.033 fp32, 1.091 bf16, 1.074 fsdp-bf16).
+to the byte; peak estimate/trace 1.033 fp32, 1.091 bf16, 1.074 fsdp-bf16). With pipeline stages too
+(torchtitan's 3-D layout): estimate/compiled_3d.py.
 """
 
 from __future__ import annotations
 
-from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import resolve_kernel
 from trainmem.families import family_of
 
-__all__ = ["compiled_tp_refusals", "check_compiled_tp_layout"]
-
-
-def check_compiled_tp_layout(impl, par) -> None:
-    """Refuse, in one line, ``--compile`` with TP beside a parallel dimension it was not traced with: TP alone,
-    or TP then FSDP2 ``full`` on the dp sub-mesh (torchtitan's 2-D layout, trace/parallel_2d.py)."""
-    if not impl.compile or par.tp == 1:
-        return
-    fsdp2_full = par.fsdp == "full" and par.fsdp_version == 2
-    others = {"dp": 1 if fsdp2_full else par.dp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "zero": par.zero or 1}
-    extra = {k: v for k, v in others.items() if v != 1}
-    if extra or (par.fsdp and not fsdp2_full):
-        raise UnsupportedError(f"compile: parallel='tp={par.tp} " + " ".join(f"{k}={v}" for k, v in extra.items())
-                               + (f" fsdp={par.fsdp}" if par.fsdp else "")
-                               + "' is not modelled: compiled blocks under TP are checked alone and with FSDP2 "
-                               "full sharding (--dp N --fsdp full)")
+__all__ = ["compiled_tp_refusals"]
 
 
 def compiled_tp_refusals(ctx) -> list[tuple]:

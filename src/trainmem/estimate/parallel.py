@@ -35,7 +35,7 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.compiled_sharded import check_compiled_parallel
-from trainmem.estimate.compiled_tp import check_compiled_tp_layout
+from trainmem.estimate.compiled_3d import check_compiled_tp_layout
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
@@ -130,7 +130,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     lp.check(impl.profile, par)
     check_compiled_parallel(impl, par)  # compile under FSDP2 only (estimate/compiled_sharded.py)
-    check_compiled_tp_layout(impl, par)  # compile under TP alone (estimate/compiled_tp.py)
+    check_compiled_tp_layout(impl, par)  # compile under TP, + FSDP2 and/or PP (estimate/compiled_3d.py)
     if impl.float8 != "none" and par.tp > 1 and (step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") or (
             impl.float8 == "tensorwise" and (not par.sp or impl.recompute not in ("none", "full")))):
         # estimate/float8.py _tp_fp8_input: torchao's Float8 TP styles as torchtitan applies them (with SP)
