@@ -185,7 +185,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
         recomputed=plain if impl.recompute == "full" and not offload else None,  # estimate/block_backward.py
-        block_math=block_math(model),  # estimate/compiled_recompute.py: the MLP activation, Gemma's norm
+        # estimate/compiled_recompute.py: the MLP activation, Gemma's norm; a fine-tuned compiled block recomputes
+        # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
+        block_math=block_math(model, eager_set=impl.compile and finetune is not None),
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

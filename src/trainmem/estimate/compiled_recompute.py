@@ -69,6 +69,7 @@ Known limitations:
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
+from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
 
@@ -96,7 +97,7 @@ _ROOT = "model"  # the decoder's module path, where whole-model compile's rules 
 
 def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
                                 recomputed: "Inventory | None" = None, *, activation: str = "swiglu",
-                                unit_offset_norm: bool = False) -> list[dict[str, int]]:
+                                unit_offset_norm: bool = False, eager_set: bool = False) -> list[dict[str, int]]:
     """The two MLP moments of block ``last``'s backward when it is a checkpointed compiled Llama block
     whose compiled saved set (without checkpointing) is ``recomputed``; empty otherwise. Each moment is a
     dict as ``block_backward.norm_backward_parts`` returns: ``block_gradients`` (and ``new_gradients``:
@@ -105,9 +106,15 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     and ``work``: the residual stream's gradient, the op's temporaries and what the recomputation holds
     beyond the compiled set (see the module docstring). ``activation``: the gated MLP's (``_ACTIVATIONS``; any
     other gets no moment); ``unit_offset_norm``: Gemma's RMSNorm, which holds its normalized product in fp32
-    and ``1 + weight`` (fp32, H) for its backward (``GemmaRMSNorm.forward``: the weight applied before the cast)."""
+    and ``1 + weight`` (fp32, H) for its backward (``GemmaRMSNorm.forward``: the weight applied before the cast).
+    ``eager_set``: the blocks are compiled and ``recomputed`` is their eager set (fine-tuning:
+    estimate/compiled_finetune_moment.py, a Llama block with SiLU and a plain RMSNorm only)."""
     if recomputed is None or activation not in _ACTIVATIONS:
         return []
+    if eager_set:
+        return [] if unit_offset_norm or activation != "swiglu" else finetune_checkpoint_moments(
+            items, last, residual_bytes, recomputed, act_held=_ACTIVATIONS[activation][0],
+            act_work=_ACTIVATIONS[activation][1])
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
     if not _llama_compiled(kept):
         return []
@@ -147,11 +154,13 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     return [product, silu]
 
 
-def block_math(model) -> dict:
+def block_math(model, *, eager_set: bool = False) -> dict:
     """What :func:`compiled_checkpoint_moments` reads of the model beyond the inventory (``peak.phases``'s
-    ``block_math``): the gated MLP's activation and whether its RMSNorm is Gemma's (``Rules.unit_offset_norm``)."""
+    ``block_math``): the gated MLP's activation, whether its RMSNorm is Gemma's (``Rules.unit_offset_norm``)
+    and whether the recomputed set of a compiled block is the eager one (``eager_set``: fine-tuning)."""
     from trainmem.families import family_of
-    return {"activation": model.activation, "unit_offset_norm": family_of(model).rules.unit_offset_norm}
+    return {"activation": model.activation, "unit_offset_norm": family_of(model).rules.unit_offset_norm,
+            "eager_set": eager_set}
 
 
 def _one_region_held(items: "Inventory | list[MemoryItem]", kept: dict[str, MemoryItem], last: int, a: int) -> int:
