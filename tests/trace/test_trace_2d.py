@@ -48,7 +48,7 @@ IMPL = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")
     (["--dp", "2", "--tp", "3", "--fsdp", "full"], "tp=3"),  # llama-3-8b: 32 heads, 8 KV heads
     (["--dp", "2", "--tp", "2", "--fsdp", "full", "--sp", "--seq", "15"], "tp=2"),
     (["--dp", "2", "--tp", "2", "--fsdp", "full", "--cp", "2"], "--cp 2"),
-    (["--dp", "2", "--tp", "2", "--fsdp", "full", "--pp", "2"], "--pp 2"),
+    (["--dp", "2", "--tp", "2", "--fsdp", "full", "--pp", "2", "--schedule", "interleaved"], "--schedule interleaved"),
     (["--dp", "1", "--tp", "2", "--fsdp", "full"], "dp=1"),
     (["--dp", "2", "--tp", "2", "--fsdp", "full", "--offload", "optimizer"], "--offload optimizer"),
     (["--dp", "2", "--tp", "2", "--fsdp", "full", "--profile", "reference"], "--tp"),

@@ -45,7 +45,8 @@ def _cli(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--tp", "2", "--pp", "2"], "--pp 2"),
+    # TP inside pipeline stages runs (tests/estimate/test_compiled_3d.py); compiled, it needs --sp as TP alone
+    (["--tp", "2", "--pp", "2", "--microbatches", "2", "--compile", "--compile-scope", "block"], "sp=False"),
     (["--tp", "2", "--cp", "2"], "--cp 2"),
     (["--tp", "2", "--ep", "2"], "--ep 2"),
     (["--tp", "2", "--zero", "1"], "--zero 1"),

@@ -143,8 +143,8 @@ def refuse_parallel(args: argparse.Namespace) -> tuple[str, ...]:
 _PP_FLAGS = ("pp", "virtual_stages", "microbatches", "schedule", "layer_split")
 
 
-def _pipeline_alone(args) -> bool:  # alone or with FSDP2 on each stage (--dp N --fsdp full)
-    return bool((getattr(args, "pp", None) or 1) > 1 and not getattr(args, "tp", None))
+def _pipeline_alone(args) -> bool:  # alone, with FSDP2 on each stage (--dp N --fsdp full) and/or TP (--tp N)
+    return bool((getattr(args, "pp", None) or 1) > 1)
 
 
 def pp_spec(args: argparse.Namespace):

@@ -37,6 +37,16 @@ sync off until a stage's last micro-batch (``_PipelineStageBase.backward_maybe_w
 ``perform_reduce_grad``), so autograd's unsharded gradients live across the micro-batches and each unit
 reduce-scatters once per step; the recorder follows FSDP's resized storages as under ``--fsdp`` alone.
 
+``--tp N [--sp]`` with ``--pp`` (and ``--dp D --fsdp full``: torchtitan's 3-D layout) cuts every block with
+:func:`trainmem.trace.parallel_tp.apply_tp` on the ``tp`` slice of a (pp[, dp], tp) fake mesh, this process
+being its rank (R, 0[, 0]), before the stage cut (torchtitan cuts the stages first and runs ``apply_tp`` per stage
+model; the modules, and so what each holds, are the same), then FSDP2 on the ``dp`` slice; the pipeline's P2P
+runs on the ``pp`` group. Under SP the residual stream crosses stages as it does in torchtitan, the rank's local
+S/tp tokens (torchtitan's ``RowwiseParallel(output_layouts=Shard(1))`` keeps ``use_local_output``): a stage
+sends its output's local tensor and wraps what it receives as a ``Shard(1)`` DTensor (``DTensor.from_local``,
+no copy), so the receive buffers are B × S/tp × H; the last stage's logits stay vocab-sharded for
+``loss_parallel()``, which wraps the schedule's step.
+
 ``--compile --compile-scope block`` compiles each block of the rank's stage (``trace/compiled.py``
 ``compile_model`` on the stage module, after the cut and any ``fully_shard``), as torchtitan does:
 ``pipeline_llama`` cuts the model, then ``parallelize_fn`` runs ``apply_compile`` on every stage model
@@ -48,7 +58,8 @@ Known limitations:
   - Llama-like decoders only (``model.embed_tokens``, ``model.layers``, ``model.norm`` and
     ``lm_head``, the HF base model taking ``inputs_embeds``); the ``lm`` head, cross-entropy loss,
     no fine-tuning, Float8, optimizer-in-backward or offload; compile per block under gpipe and 1f1b
-    only (an interleaved rank's virtual stages keep their own copies of the block table); ``--grad-accum`` 1 (the
+    only (an interleaved rank's virtual stages keep their own copies of the block table), under TP as
+    trace/parallel_tp.py allows it (--sp, --recompute none); ``--grad-accum`` 1 (the
     micro-batches are the accumulation); zero-bubble schedules are not run; FSDP2 under PP with
     gpipe/1f1b, full sharding per block, fp32 or bf16 only (no fsdp-bf16, HSDP, interleaved);
   - ``--layer-split`` with ``interleaved`` is refused (a rank's virtual stages are not contiguous);
@@ -74,10 +85,19 @@ def check_pp_flags(par, rank: int = 0) -> None:
     if par.schedule not in _SCHEDULES:
         raise UnsupportedError(f"--schedule {par.schedule}: trace runs gpipe, 1f1b and interleaved; estimate "
                                f"--schedule {par.schedule} gives the per-rank memory")
-    for flag, value, single in (("tp", par.tp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, 0)):
+    for flag, value, single in (("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, 0)):
         if value != single:
             raise UnsupportedError(f"--{flag} {value} with --pp: trace runs pipeline parallelism alone or with "
-                                   f"FSDP2; estimate --pp {par.pp} --{flag} {value} gives the per-rank memory")
+                                   f"FSDP2 and/or TP; estimate --pp {par.pp} --{flag} {value} gives the per-rank "
+                                   "memory")
+    if par.tp > 1:  # TP inside each stage (trace/parallel_tp.py), on the stage's tp mesh slice
+        from dataclasses import replace
+
+        from trainmem.trace.parallel_tp import check_tp_flags
+        check_tp_flags(replace(par, pp=1))
+        if par.schedule == "interleaved":  # stage 1's forward fails in torch 2.13's runtime schedule (not read into)
+            raise UnsupportedError("--schedule interleaved with --pp and --tp: trace runs TP stages under gpipe and "
+                                   "1f1b; estimate gives the per-rank memory")
     if par.dp > 1 and par.fsdp is None:
         raise UnsupportedError(f"--dp {par.dp} with --pp: trace runs each stage FSDP2-sharded (--fsdp full), not "
                                f"replicated; estimate --pp {par.pp} --dp {par.dp} gives the per-rank memory")
@@ -116,6 +136,11 @@ def check_pp(par, step, impl, finetune=None, config=None, rank: int = 0) -> None
     from trainmem.specs import ModelSpec
 
     check_pp_flags(par, rank)
+    if par.tp > 1:  # the TP trace's own checks: plan sizes, compile after the cut (trace/parallel_tp.py)
+        from dataclasses import replace
+
+        from trainmem.trace.parallel_tp import check_tp
+        check_tp(replace(par, pp=1), step, impl, finetune, config=config)
     if isinstance(config, ModelSpec):
         raise UnsupportedError("--pp: trace cuts a transformers model into stages; trainmem's reference model is "
                                "not cut (use --profile hf, or estimate --pp)")
@@ -157,12 +182,37 @@ def pp_world(par, rank: int):
     if dist.is_initialized():
         raise UnsupportedError("a torch.distributed process group is already initialised in this process; "
                                "trace --pp starts its own fake group: call it outside your distributed job")
-    # with FSDP2 the ranks form a (pp, dp) mesh (apply_pp): this rank is (rank, 0)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank * par.dp, world_size=par.pp * par.dp)
+    # with FSDP2 the ranks form a (pp, dp) mesh (apply_pp), with TP a (pp[, dp], tp) one: this rank is (rank, 0[, 0])
+    dist.init_process_group("fake", store=FakeStore(), rank=rank * par.dp * par.tp,
+                            world_size=par.pp * par.dp * par.tp)
     try:
-        yield None, None  # no device mesh (the pipeline uses the default group)
+        if par.tp == 1:
+            yield None, None  # no device mesh (the pipeline uses the default group)
+        else:  # torchtitan's (pp, dp_shard, tp) mesh: the stage's TP slice; P2P and FSDP2 use the others (apply_pp)
+            from torch.distributed.device_mesh import init_device_mesh
+            _forget_meshes_of_other_worlds()
+            dims = (("pp", par.pp),) + ((("dp", par.dp),) if par.fsdp is not None else ()) + (("tp", par.tp),)
+            yield None, init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))["tp"]
     finally:
         dist.destroy_process_group()
+
+
+def _forget_meshes_of_other_worlds() -> None:
+    """Clear DTensor's caches of sharding decisions and redistribute plans. Their keys hold ``DeviceMesh``
+    objects, which compare by rank map, layout and names (``DeviceMesh.__eq__``, torch/distributed/device_mesh.py),
+    not by this process's rank or groups: a cached output spec from a trace as another pipeline rank in the same
+    process carries that world's mesh, whose group names no longer resolve (the C++ dispatch cache,
+    ``torch._C._clear_DTensor_sharding_propagator_cache``; ``DTensor._op_dispatcher.sharding_propagator``,
+    torch/distributed/tensor/_sharding_prop.py; ``_gen_transform_infos`` and the planner cache, _redistribute.py)."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def stage_ids(par, rank: int) -> list[int]:
@@ -212,13 +262,14 @@ def _stage_class():
         ``loss_function`` is the schedule's loss, settable as transformers' ``PreTrainedModel.loss_function``
         is (``trace/compiled.py`` compiles it in its place under ``--compile-scope block-loss``)."""
 
-        def __init__(self, base, lm_head, config, first: bool, loss) -> None:
+        def __init__(self, base, lm_head, config, first: bool, loss, sp_mesh=None) -> None:
             super().__init__()
             self.model = base
             self.lm_head = lm_head
             self.config = config
             self._first = first
             self._hf_loss = loss
+            self._sp_mesh = sp_mesh
 
         @property
         def loss_function(self):
@@ -229,9 +280,14 @@ def _stage_class():
             self.__dict__["_loss_function"] = value
 
         def forward(self, x):
+            if self._sp_mesh is not None and not self._first:  # TP+SP: the received local S/tp tokens
+                from torch.distributed.tensor import DTensor, Shard
+                x = DTensor.from_local(x, self._sp_mesh, [Shard(1)], run_check=False)
             out = self.model(input_ids=x) if self._first else self.model(inputs_embeds=x)
             h = out.last_hidden_state
-            return self.lm_head(h) if self.lm_head is not None else h
+            if self.lm_head is not None:
+                return self.lm_head(h)
+            return h.to_local() if self._sp_mesh is not None else h  # sent as the rank's local tokens
 
     return PipelineStageModule
 
@@ -277,44 +333,66 @@ def apply_pp(model, par, rank: int, step):
     rank_base = _cut(base, (lo, hi), first=first_rank, last=last_rank)
     rank_base.layers._modules = {k: m for k, m in rank_base.layers._modules.items() if int(k) in kept}
     loss = model.loss_function  # Hugging Face's causal-LM cross-entropy (loss/loss_utils.py ForCausalLMLoss)
-    rank_model = Stage(rank_base, head if last_rank else None, model.config, first_rank, loss)
+    tp_mesh = _tp_mesh(model) if par.tp > 1 else None  # parallel_tp.apply_tp ran on the whole model first
+    sp_mesh = tp_mesh if par.sp else None
+    rank_model = Stage(rank_base, head if last_rank else None, model.config, first_rank, loss, sp_mesh)
     if len(ids) == 1:
         mods = [rank_model]
     else:
         mods = [Stage(_cut(rank_base, bounds[g], first=g == 0, last=g == total - 1),
-                      head if g == total - 1 else None, model.config, g == 0, loss) for g in ids]
+                      head if g == total - 1 else None, model.config, g == 0, loss, sp_mesh) for g in ids]
     del model
-    group = _shard_stages(mods, par, step) if par.fsdp is not None else None
-    B, S, H = step.batch, step.seq, base.config.hidden_size
+    root = tp_mesh._get_root_mesh() if tp_mesh is not None else None
+    group = (_shard_stages(mods, par, step, root) if par.fsdp is not None
+             else root["pp"].get_group() if root is not None else None)
+    B, S, H = step.batch, step.seq // (par.tp if par.sp else 1), base.config.hidden_size
     act = torch_dtype(step.dtypes.param)  # the residual stream's dtype (RMSNorm and the adds keep it)
     V = rank_model.config.vocab_size
     from torch.distributed.pipelining import PipelineStage
     stages = []
     for g, mod in zip(ids, mods):
-        x = torch.randint(0, V, (B, S)) if g == 0 else torch.empty(B, S, H, dtype=act, requires_grad=True)
+        x = torch.randint(0, V, (B, step.seq)) if g == 0 else torch.empty(B, S, H, dtype=act, requires_grad=True)
         y = torch.empty(B, S, V if g == total - 1 else H, dtype=act, requires_grad=True)
         stages.append(PipelineStage(mod, g, total, torch.device("cpu"), input_args=x, output_args=y, group=group))
     return rank_model, Pipeline(par, stages, rank_model, step)
 
 
-def _shard_stages(mods, par, step):
+def _tp_mesh(model):
+    """The TP mesh the model's DTensor parameters live on (a ``tp`` slice of the (pp, tp) mesh, pp_world)."""
+    from torch.distributed.tensor import DTensor
+
+    return next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+
+
+def _shard_stages(mods, par, step, root=None):
     """FSDP2 on each stage over the data-parallel mesh dimension, as torchtitan's ``apply_fsdp`` under
     PP and ``measure_dist/worker.py`` (``pp_dp``): ``fully_shard`` every block, then the stage as the
-    root; the (pp, dp) mesh is made with fake tensors off (it reads its ranks back). Returns the
-    pipeline's process group (the mesh's ``pp`` dimension)."""
+    root; the (pp, dp) mesh is made with fake tensors off (it reads its ranks back). With TP the mesh is
+    ``root``, pp_world's (pp, dp, tp) one, and FSDP2 shards the blocks' TP-local DTensor shards over ``dp``
+    (as trace/parallel_2d.py). Returns the pipeline's process group (the mesh's ``pp`` dimension)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
+
+    from trainmem.trace.parallel_2d import meshes_on_real_tensors
+
+    mesh = root
+    if mesh is None:
+        with unset_fake_temporarily():
+            mesh = init_device_mesh("cpu", (par.pp, par.dp), mesh_dim_names=("pp", "dp"))
+    with meshes_on_real_tensors():  # FSDP2 over TP concatenates meshes (DeviceMesh._concatenate)
+        _fully_shard_stages(mods, mesh["dp"], par)
+    return mesh["pp"].get_group()
+
+
+def _fully_shard_stages(mods, mesh, par) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    with unset_fake_temporarily():
-        mesh = init_device_mesh("cpu", (par.pp, par.dp), mesh_dim_names=("pp", "dp"))
     for mod in mods:
         for layer in mod.model.layers:
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=par.reshard_after_forward,
+            fully_shard(layer, mesh=mesh, reshard_after_forward=par.reshard_after_forward,
                         mp_policy=MixedPrecisionPolicy())
-        fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=par.reshard_after_forward,
+        fully_shard(mod, mesh=mesh, reshard_after_forward=par.reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy())
-    return mesh["pp"].get_group()
 
 
 class Pipeline:

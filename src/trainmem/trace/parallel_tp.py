@@ -34,7 +34,8 @@ Known limitations:
     foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
     models without a ``base_model_tp_plan`` are refused in one line; TP with any other parallel
-    dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`), Float8 and fine-tuning too,
+    dimension but FSDP2 (a 2-D mesh, :mod:`trainmem.trace.parallel_2d`) and pipeline stages (a (pp[, dp], tp)
+    mesh, :mod:`trainmem.trace.parallel_pp`), Float8 and fine-tuning too,
     and fsdp-bf16 without FSDP2;
   - ``--compile`` runs as torchtitan applies it, each block compiled after the cut (``--compile-scope block``,
     :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none``, alone or with

@@ -162,7 +162,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
     if parallel is not None and parallel.is_single and parallel.pp == 1:
         parallel = None
     pp = None
-    if parallel is not None and parallel.pp > 1 and parallel.tp == 1:  # alone or with FSDP2 per stage
+    if parallel is not None and parallel.pp > 1:  # alone, with FSDP2 per stage, or with TP inside each stage
         from trainmem.trace.parallel_pp import check_pp  # one pipeline rank (trace/parallel_pp.py)
         check_pp(parallel, step, impl, finetune, config=model_or_config, rank=pp_rank)
         pp, parallel = (parallel, pp_rank), None
@@ -203,7 +203,7 @@ def trace_step(model_or_config, step: StepSpec | None = None, impl: ImplSpec | N
                 masks_as_on_real_tensors():
             return _run(model_or_config, step, impl, dt, progress, head=head, experts=experts, finetune=finetune, pp=pp,
                         offload=offload, fsdp=(parallel, fsdp_mesh) if fsdp else None,
-                        tp=(parallel, tp_mesh) if tp else None)
+                        tp=(parallel, tp_mesh) if tp else (pp[0], tp_mesh) if tp_mesh is not None else None)
     except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as exc:
         raise UnsupportedError(f"op {exc.func} has a data-dependent output and cannot run on fake tensors; "
                                "trace with real=True (--real) on a small config") from None
@@ -334,7 +334,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     def one_step() -> None:
         for _ in range(step.grad_accum):
             if pipe is not None:  # the schedule runs every micro-batch's forward, loss and backward
-                with autocast:  # around the whole step, as torchtitan's train step
+                with autocast, step_context(tp[0] if tp is not None else None):  # as torchtitan's train step
                     pipe.step()
                 continue
             with step_context(tp[0] if tp is not None else None):  # TP: loss_parallel() over forward and backward
