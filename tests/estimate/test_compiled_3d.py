@@ -18,6 +18,7 @@ real schedule; slow, ~8-10 s a case): tiny Llama (4 layers), B 2 per micro-batch
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -94,14 +95,21 @@ def test_what_the_compiled_3d_layout_does_not_model_is_one_line(change, field):
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
-def test_torchtitans_405b_runs_stay_uncompiled_under_full_recompute(capsys):
-    """bench/published/cases.json's torchtitan-llama3.1-405b-3d-1f1b args with --compile: refused in one line,
-    not for the layout but for --recompute full under compiled TP (estimate/compiled_tp.py)."""
-    rc = main(["estimate", "--model", "llama-3.1-405b", "--precision", "fsdp-bf16", "--fsdp", "full", "--dp", "8",
-               "--tp", "8", "--sp", "--pp", "8", "--microbatches", "8", "--batch", "4", "--seq", "8192",
-               "--recompute", "full", "--schedule", "1f1b", "--compile", "--compile-scope", "block"])
+@pytest.mark.parametrize("row,field", [
+    ("3d-1f1b", "recompute='full'"), ("3d-interleaved-1f1b", "schedule='interleaved'"),
+    ("4d-fsdp8-cp1-s32k", "recompute='full'"), ("4d-fsdp4-cp2-s64k", "cp=2"),
+])
+def test_torchtitans_405b_rows_stay_uncompiled(capsys, row, field):
+    """bench/published/cases.json's torchtitan-llama3.1-405b rows with --compile --compile-scope block: refused in
+    one line, not for TP x PP but for what else the run does (full activation checkpointing under compiled TP,
+    the interleaved schedule, context parallelism), as the rows' assumptions say."""
+    from pathlib import Path
+
+    cases = json.loads((Path(__file__).parents[2] / "bench" / "published" / "cases.json").read_text())["cases"]
+    (case,) = [c for c in cases if c["id"] == f"torchtitan-llama3.1-405b-{row}"]
+    rc = main(["estimate", "--model", case["model_arg"], *case["args"], "--compile", "--compile-scope", "block"])
     out, err = capsys.readouterr()
-    assert rc == 2 and out == "" and err.count("\n") == 1 and "recompute='full'" in err, err
+    assert rc == 2 and out == "" and err.count("\n") == 1 and field in err, err
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -111,8 +119,6 @@ def test_torchtitans_405b_runs_stay_uncompiled_under_full_recompute(capsys):
 ])
 def test_what_the_3d_trace_does_not_run_is_one_line(capsys, tmp_path, argv, words):
     pytest.importorskip("torch")
-    import json
-
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA))
     rc = main(["trace", "--model", str(cfg), "--seq", "64", "--batch", "2", "--device", "cpu", "--tp", "2", "--sp",
