@@ -40,6 +40,29 @@ def test_launcher_kills_a_run_past_its_timeout():
         run_torchrun(2, {"strategy": "single"}, timeout=1)
 
 
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="reads descendants from /proc")
+def test_a_timeout_kills_workers_in_sessions_of_their_own():
+    """torchrun's agent starts each worker with ``start_new_session``; killing the agent's session left
+    them alive holding our pipes (a CI run waited 20 minutes in the test above). Here a parent starts
+    such a child, the two share our stdout; ``_kill_tree`` must end both so the pipe closes at once."""
+    import subprocess
+    import sys
+    import time
+
+    from trainmem.measure_dist.launch import _kill_tree
+
+    child = "import time; time.sleep(600)"
+    parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}], "
+              "start_new_session=True); print('started', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == "started"
+    start = time.monotonic()
+    _kill_tree(proc.pid)
+    proc.communicate(timeout=20)  # EOF only once the child is gone too
+    assert time.monotonic() - start < 20
+
+
 def _same_on_every_rank(ranks: list[dict], key: str):
     values = [r[key] for r in ranks]
     assert all(v == values[0] for v in values), f"{key} differs across ranks: {values}"

@@ -22,6 +22,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, read from Linux's /proc (empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the process ended while we read
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill torchrun and its workers. Killing torchrun's session is not enough: torch's elastic agent
+    starts each worker in a session of its own (``start_new_session`` in
+    torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py,
+    ``SubprocessHandler._popen``), so a worker outlives a killed agent,
+    keeps our stdout/stderr pipes open, and ``communicate`` waits for its store timeout."""
+    workers = _descendants(pid)  # read before the agent dies: its orphans are re-parented to init
+    for target in (pid, *workers):
+        try:
+            if target == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _tail(text: str, limit: int = 6000) -> str:
     """The first worker traceback (torchrun's own summary comes last and hides it) and the end."""
     if len(text) <= limit:
@@ -55,8 +89,11 @@ def run_torchrun_many(nproc: int, scenarios: list[dict], timeout: float = 300) -
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session we started
-            out, err = proc.communicate()
+            _kill_tree(proc.pid)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process we could not see still holds the pipes
+                out, err = "", "(no stderr: the pipes stayed open after the kill)"
             raise DistributedRunError(f"torchrun ({what}) exceeded {timeout} s; stderr:\n{_tail(err)}") from None
         if proc.returncode != 0:
             raise DistributedRunError(f"torchrun ({what}) exited with {proc.returncode}; "
