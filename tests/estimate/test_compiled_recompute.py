@@ -86,8 +86,11 @@ def test_other_blocks_keep_the_working_set_alone():
     compiled = activation_inventory(m, _step("fp32"), ImplSpec(device="cpu", attention="sdpa", compile=True,
                                                                 compile_scope="block"))
     assert compiled_checkpoint_moments(compiled, 0, 32768, eager) == []
-    assert compiled_checkpoint_moments(compiled, 0, 32768, None) == []
     assert len(compiled_checkpoint_moments(compiled, 0, 32768, compiled)) == 2
+    # not checkpointed: the compiled block's own moments (estimate/compiled_block_moment.py), one in fp32
+    assert compiled_checkpoint_moments(compiled, 0, 32768, None) == []  # unless asked (one device)
+    assert len(compiled_checkpoint_moments(compiled, 0, 32768, None, uncheckpointed=True)) == 1
+    assert compiled_checkpoint_moments(eager, 0, 32768, None, uncheckpointed=True) == []
 
 
 # another shape: H 128, F 352, 3 blocks, 4/2 heads, V 128 (measured estimate == trace, 3 blocks: fp32 B=2 S=64

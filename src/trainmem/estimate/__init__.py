@@ -187,7 +187,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         recomputed=plain if impl.recompute == "full" and not offload else None,  # estimate/block_backward.py
         # estimate/compiled_recompute.py: the MLP activation, Gemma's norm; a fine-tuned compiled block recomputes
         # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
-        block_math=block_math(model, eager_set=impl.compile and finetune is not None),
+        block_math=block_math(model, eager_set=impl.compile and finetune is not None,
+                              one_graph=impl.compile and impl.compile_scope == "model"),
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -44,6 +44,7 @@ moments are not modelled (lower where traced); one device only (``peak.phases`` 
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
+from trainmem.estimate.compiled_block_moment import block_grads
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import as_block, is_token_embedding, split_block
 
@@ -85,8 +86,7 @@ def finetune_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     kept = [i for i in block_items(items, last) if i.category is Category.ACTIVATION]
     names = {i.name for i in eager}
     freed = sum(i.bytes for i in eager) + sum(i.bytes for i in kept if i.name not in names) + block_input
-    grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
-                    and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
+    grads = block_grads(block_items(items, last))
     gate32 = gate.bytes // dtype_bytes(gate.dtype) * _FP32  # B·S·F in fp32
     residual, up_dx = residual_bytes, tokens * wide.shape[-1] * x
     out = []

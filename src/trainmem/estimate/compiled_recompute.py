@@ -55,20 +55,15 @@ Known limitations:
     tiny Llama bf16 B 2 S 64 estimate 1,683,784 B, trace 1,593,672 B (90,112 B over; Gemma's "gelu" is tanh).
     ``peak.phases`` passes :func:`block_math` on as its ``block_math``, from the one-device estimate only
     (estimate/__init__.py); under FSDP2 a Gemma block reads SiLU's counts.
-  - Fine-tuning (LoRA, QLoRA) under compile reads the eager set as its recomputed one (estimate/__init__.py)
-    and gets no moment here. Tiny Llama (V 256) bf16 B 2 S 64, LoRA q/v r 8, block-loss, full recompute:
-    estimate 736,456 B (the compiled loss's backward), trace 828,616 B (0.889), its peak at the same SiLU
-    moment of block 0, holding (read off the trace) the residual gradient, both norms' fp32 inputs and rsqrt,
-    the input norm's output (the adapters' lora_A weight gradients read it) and the two B·S·r adapter
-    outputs, v (base + adapter), q, k, the SDPA output and logsumexp, the gate's fp32 copy, up_proj's input
-    gradient and SiLU's three fp32 temporaries; no normalized product (frozen norm weights) and no
-    post-attention norm output (frozen gate/up); the frozen embedding's output, the block input, stays alive.
+  - Fine-tuning (LoRA, QLoRA, frozen parameters) under compile reads the eager set as its recomputed one
+    (estimate/__init__.py): its moments are read off that set (``eager_set``, estimate/compiled_finetune_moment.py).
   - The attention's and the norms' backward moments are not modelled (lower than the MLP's where traced).
 """
 
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
+from trainmem.estimate.compiled_block_moment import block_grads, uncheckpointed_moments
 from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
@@ -97,7 +92,8 @@ _ROOT = "model"  # the decoder's module path, where whole-model compile's rules 
 
 def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
                                 recomputed: "Inventory | None" = None, *, activation: str = "swiglu",
-                                unit_offset_norm: bool = False, eager_set: bool = False) -> list[dict[str, int]]:
+                                unit_offset_norm: bool = False, eager_set: bool = False,
+                                uncheckpointed: bool = False, one_graph: bool = False) -> list[dict[str, int]]:
     """The two MLP moments of block ``last``'s backward when it is a checkpointed compiled Llama block
     whose compiled saved set (without checkpointing) is ``recomputed``; empty otherwise. Each moment is a
     dict as ``block_backward.norm_backward_parts`` returns: ``block_gradients`` (and ``new_gradients``:
@@ -108,8 +104,20 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     other gets no moment); ``unit_offset_norm``: Gemma's RMSNorm, which holds its normalized product in fp32
     and ``1 + weight`` (fp32, H) for its backward (``GemmaRMSNorm.forward``: the weight applied before the cast).
     ``eager_set``: the blocks are compiled and ``recomputed`` is their eager set (fine-tuning:
-    estimate/compiled_finetune_moment.py, a Llama block with SiLU and a plain RMSNorm only)."""
-    if recomputed is None or activation not in _ACTIVATIONS:
+    estimate/compiled_finetune_moment.py, a Llama block with SiLU and a plain RMSNorm only). Without
+    ``recomputed`` (no checkpointing) and with ``uncheckpointed`` (one device, where it is checked), a compiled
+    Llama block's own moments (estimate/compiled_block_moment.py; ``one_graph``: whole-model compile, one
+    backward graph for every block)."""
+    if recomputed is None:
+        if not uncheckpointed:
+            return []
+        own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
+        if activation != "swiglu" or unit_offset_norm or not _llama_compiled(own) or "self_attn.k_rope" not in own:
+            return []  # the zero-filled pairs are read off the roped k (Float8's layout, say, has none: not checked)
+        # one graph: the pairs of every block up to this one (the later ones' were freed by their attention)
+        pairs = sum(1 for d in range(last + 1) if block_items(items, d)) if one_graph else 1
+        return uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes, zero_pairs=pairs)
+    if activation not in _ACTIVATIONS:
         return []
     if eager_set:
         return [] if unit_offset_norm or activation != "swiglu" else finetune_checkpoint_moments(
@@ -141,8 +149,7 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     # autocast's weight copies are freed by their linear's input-gradient mm, down_proj's first, then up_proj's
     copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) for c in ("down_proj", "up_proj")}
     freed = prod.bytes + (after.bytes if after is not None else 0) + block_input + copies["down_proj"]
-    grads = {c: sum(i.bytes for i in block_items(items, last) if i.category is Category.GRADIENT
-                    and f".mlp.{c}." in i.name) for c in ("down_proj", "up_proj")}
+    grads = block_grads(block_items(items, last))
     product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
                "freed_activations": freed, "after_attention": 0,
                "work": residual + 2 * prod.bytes + held}
@@ -154,13 +161,15 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     return [product, silu]
 
 
-def block_math(model, *, eager_set: bool = False) -> dict:
+def block_math(model, *, eager_set: bool = False, one_graph: bool = False) -> dict:
     """What :func:`compiled_checkpoint_moments` reads of the model beyond the inventory (``peak.phases``'s
-    ``block_math``): the gated MLP's activation, whether its RMSNorm is Gemma's (``Rules.unit_offset_norm``)
-    and whether the recomputed set of a compiled block is the eager one (``eager_set``: fine-tuning)."""
+    ``block_math``, from the one-device estimate): the gated MLP's activation, whether its RMSNorm is Gemma's
+    (``Rules.unit_offset_norm``), whether the recomputed set of a compiled block is the eager one (``eager_set``:
+    fine-tuning), whether one graph holds every block (``one_graph``: whole-model compile), and that a block
+    compiled without checkpointing gets its own moments (``uncheckpointed``: checked on one device)."""
     from trainmem.families import family_of
     return {"activation": model.activation, "unit_offset_norm": family_of(model).rules.unit_offset_norm,
-            "eager_set": eager_set}
+            "eager_set": eager_set, "uncheckpointed": True, "one_graph": one_graph}
 
 
 def _one_region_held(items: "Inventory | list[MemoryItem]", kept: dict[str, MemoryItem], last: int, a: int) -> int:
