@@ -21,8 +21,9 @@ DATA = Path(__file__).parent / "data" / "torchtune"
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
          "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
-        "vocab_size": 1000, "n_positions": 256}  # a family without compiled rules
+NEOX = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 64, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000,
+        "max_position_embeddings": 256}  # a family without compiled rules
 
 
 def write(tmp_path, name: str, text: str) -> str:
@@ -119,7 +120,7 @@ def test_torchtune_compile_equals_the_flags(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("config, args, why", [
-    (GPT2, {"torch_compile": True}, "no compiled rules for gpt2"),
+    (NEOX, {"torch_compile": True}, "no compiled rules for gpt_neox"),
     # bf16=True over fp32 weights is autocast (amp-bf16), which whole-model compile rules refuse
     (LLAMA, {"torch_compile": True, "bf16": True}, "precision='hf-bf16' is not modelled"),
 ])
@@ -141,8 +142,8 @@ def test_refused_compile_from_a_file_is_eager_with_one_note(tmp_path, capsys, co
 
 
 def test_typed_compile_is_still_refused(tmp_path, capsys):
-    model = write(tmp_path, "config.json", json.dumps(GPT2))
+    model = write(tmp_path, "config.json", json.dumps(NEOX))
     path = write(tmp_path, "args.json", json.dumps({"torch_compile": True}))
     assert main(["estimate", "--model", model, "--seq", "64", "--hf-args", path, "--compile"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "compile: model='gpt2' is not modelled" in err
+    assert err.count("\n") == 1 and "compile: model='gpt_neox' is not modelled" in err

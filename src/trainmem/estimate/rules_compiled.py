@@ -29,6 +29,8 @@ fused attention kernels, no activation checkpointing or ``--recompute full``
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.compiled_tp import compiled_tp_refusals
@@ -47,6 +49,10 @@ from trainmem.names import EMBEDDING_INDICES, EMBEDDING_OUTPUT
 
 __all__ = ["compiled_forward", "check_compiled"]
 
+#: families whose compiled rules live in a module of their own (imported on use: it imports this one), each
+#: with ``forward(ctx)`` and ``refusals(ctx)`` (check_compiled's rows); the Llama block's checks do not apply
+_OWN_RULES = {"gpt2": "trainmem.estimate.rules_compiled_gpt2"}
+
 # the families with Family.compiled_rules (families/); a sliding window shorter than S is refused:
 # there the compiled step keeps a mask and another kernel's set (a tiny Mistral, window 32, S=64:
 # 1685044 bytes traced, 1586740 by these rules)
@@ -56,14 +62,15 @@ def check_compiled(ctx: Ctx) -> None:
     """Refuse what the compiled rules have not been checked on, naming the field and value."""
     m, step, impl = ctx.model, ctx.step, ctx.impl
     fam = family_of(m)
+    own = import_module(_OWN_RULES[fam.name]) if fam.compiled_rules and fam.name in _OWN_RULES else None
     refusals = [
         ("profile", impl.profile, impl.profile != "hf", "compiled rules follow Hugging Face modules (--profile hf)"),
-        ("model", m.family, (not fam.compiled_rules or m.num_shared_experts
+        ("model", m.family, not fam.compiled_rules or own is None and (m.num_shared_experts
                              or m.activation not in ("swiglu", "geglu")  # Gemma's GELU-tanh gate keeps what SiLU's does
                              or m.out_bias or m.mlp_bias or m.norm_bias
                              or any(window_mask(ctx, k) for k in set(m.kinds))),
-         f"compiled rules cover {'/'.join(compiled_families())} SwiGLU/GeGLU models (q/k/v biases at most, no "
-         "sliding window shorter than S)"),
+         f"compiled rules cover {'/'.join(compiled_families())} (SwiGLU/GeGLU blocks with q/k/v biases at most, no "
+         "sliding window shorter than S; GPT-2's block: estimate/rules_compiled_gpt2.py)"),
         ("model", m.family, m.is_moe and (step.recipe != "bf16" or impl.recompute not in ("none", "full")
                                           or impl.float8 != "none" or ctx.finetune_linear is not None
                                           or not router_checked(m.num_experts)),
@@ -82,6 +89,9 @@ def check_compiled(ctx: Ctx) -> None:
             and step.recipe in ("fp32", "bf16", "fp16") and not m.qk_norm),
          "compiled rules cover --recompute none and full, and op per block on --device cpu in a pure precision "
          "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
+        # before the kernel: dropout turns SDPA into its math ops (GPT-2, CPU: a bool mask per dropout kept too)
+        ("dropout", max(m.attn_dropout, m.hidden_dropout), m.attn_dropout > 0 or m.hidden_dropout > 0,
+         "compiled rules have no dropout (nanoGPT's dropout=0.0; docs/compile.md)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient") and not (
             resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 or fp32 "
@@ -96,7 +106,6 @@ def check_compiled(ctx: Ctx) -> None:
          "compiled rules cover full, LoRA and torchao-nf4 QLoRA fine-tuning with --recompute full and "
          "--compile-scope block or block-loss (a checkpointed compiled block keeps its input: "
          "tests/estimate/test_compiled_chunk_loss.py)"),
-        ("dropout", m.attn_dropout, m.attn_dropout > 0 or m.hidden_dropout > 0, "compiled rules have no dropout"),
         # per block the recorded router logits break each block graph into regions (estimate/rules_compiled_moe.py)
         ("output_router_logits", m.router_aux_loss, m.router_aux_loss and (
             impl.compile_scope != "model" or impl.recompute != "none"),
@@ -118,6 +127,7 @@ def check_compiled(ctx: Ctx) -> None:
             or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16") or m.qk_norm or m.qkv_bias),
          "compiled Float8 rules cover --compile-scope block or block-loss, "
          "--recompute none, fp32/bf16/fp16/amp-bf16, no q/k norms or biases (estimate/float8.py; trace --compile)"),
+        *(own.refusals(ctx) if own else ()),
     ]
     for field, value, bad, why in refusals:
         if bad:
@@ -150,6 +160,8 @@ def _finetune_mode(ctx: Ctx) -> str:
 
 def compiled_forward(ctx: Ctx) -> None:
     check_compiled(ctx)
+    if family_of(ctx.model).name in _OWN_RULES:
+        return import_module(_OWN_RULES[family_of(ctx.model).name]).forward(ctx)
     if ctx.impl.compile_scope != "model":
         return _per_block(ctx)
     g, m = ctx.graph, ctx.model

@@ -62,4 +62,5 @@ def gpt2() -> Family:
         # GPT2ForSequenceClassification: score (no bias); GPT2ForTokenClassification: classifier, with an
         # inline CrossEntropyLoss (no upcast)
         task_heads=TaskHeads("score", False, "classifier", True, False),
-        lora_targets=("c_attn",), buffers=no_buffers)  # peft: "gpt2": ["c_attn"]; no buffers in 5.24
+        lora_targets=("c_attn",), buffers=no_buffers,  # peft: "gpt2": ["c_attn"]; no buffers in 5.24
+        compiled_rules=True)  # its own compiled block (estimate/rules_compiled_gpt2.py)

@@ -155,11 +155,16 @@ def partitioning_backend(record: Compiled):
     """The ``trainmem_partition`` backend: inductor's decompositions and partition, no codegen."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
+    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
 
     def partition(joint, joint_inputs, **kwargs):
-        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        # inductor's compile_fx runs aot_autograd under V.set_fake_mode; its joint-graph passes read it (a
+        # dropout's seeds: fx_passes/replace_random.py fuse_seed_creation_pass), so the backend sets it too
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            fw, bw = partition_fn(joint, joint_inputs, **kwargs)
         _plain_rng_ops(fw)
         _plain_rng_ops(bw)
         record.regions.append(saved_values(bw))
