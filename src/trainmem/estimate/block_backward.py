@@ -24,13 +24,20 @@ hidden state against the vocabulary (the head's weight gradient large, the loss'
 of them is the step's top; they are not modelled for other norms, MoE blocks, under op-level recompute,
 or when gradients are stepped in backward. Under ``--recompute full`` they are read on the block's
 recomputed tensors (``recomputed``: the inventory without checkpointing).
+
+Blocks without an RMSNorm get the linear nodes' moments, read from registries of saved-tensor layouts
+(:data:`_MLPS`, :data:`_INPUT_PROJECTIONS`): GPT-NeoX's MLP (the down projection's end, ``GeluBackward0``,
+the up projection's end) and its fused ``query_key_value``'s end; under autocast each linear's top is
+its weight copy's ``ToCopyBackward0`` (:func:`_cast_weight_moment`), and a parallel-residual block keeps
+the attention branch's bf16 output gradient waiting through the MLP's (:func:`_parallel_branch_gradient`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
@@ -40,12 +47,32 @@ _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's sav
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
 #: saved by the other RMSNorm variants (Gemma's 1 + w, OLMo-2's and gpt-oss' cast-last): not modelled here
 OTHER_NORM_KINDS = ("one_plus_w", "out_fp32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlpNodes:
+    """An MLP whose backward's last nodes are modelled: its saved tensors in forward order, ending with
+    the down projection's saved input, and what that input's node returns."""
+
+    saved: tuple[str, ...]  # names under ``.mlp.``
+    down: str  # the down projection's child name
+    tail: tuple[str, ...] = ()  # saved inside the MLP after it (GPT-2's dropout mask)
+    #: the gradients the node that made the down projection's input returns: MulBackward0's two
+    #: (derivatives.yaml ``mul.Tensor``: ``grad * other``, ``grad * self``), GeluBackward0's one
+    #: (``gelu``: ``gelu_backward(grad, self, approximate)``, its output freed, its input still saved)
+    act_grads: int = 2
+    up: str | None = None  # the one up projection whose backward ends the MLP's, where modelled
+
+
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
 #: the same four as ``--profile traced`` names them (estimate/traced: by the op that made each)
 _MLP_TRACED = ("gate_proj.mm", "act_fn.silu", "up_proj.mm", "mul")
-#: (the MLP's saved tensors ending with its last product, its down projection, what may follow inside the MLP)
-_MLPS = ((_MLP, "down_proj", ()), (_MLP_TRACED, "down_proj", ()),
-         (("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x", "act.out"), "c_proj", ("dropout.mask",)))
+_MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, down="down_proj"),
+         MlpNodes(saved=("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x", "act.out"), down="c_proj",
+                  tail=("dropout.mask",)),
+         # GPT-NeoX (``GPTNeoXMLP``: dense_h_to_4h, exact GELU, dense_4h_to_h)
+         MlpNodes(saved=("dense_h_to_4h.out", "act.out"), down="dense_4h_to_h", act_grads=1,
+                  up="dense_h_to_4h"))
 FP32_NORM_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -63,8 +90,9 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
             if i.category is Category.ACTIVATION]
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
-    out = _gated_mlp(block, acts, residual_bytes) + _input_projections(block, acts, residual_bytes,
-                                                                       checkpointed=recomputed is not None)
+    checkpointed = recomputed is not None
+    out = _gated_mlp(block, acts, residual_bytes, checkpointed=checkpointed) + \
+        _input_projections(block, acts, residual_bytes, checkpointed=checkpointed)
     for at in llama_norm_indices(acts):
         after = acts[at:]
         children = {_child(i.name) for i in after}
@@ -77,76 +105,123 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class InputProjections:
+    """An attention's input projections: the one whose backward runs last (forward runs it first) and
+    the others reading the same norm output, whose input gradients are summed before it runs."""
+
+    attention: str  # the block's attention child
+    last: str
+    others: tuple[str, ...] = ()
+
+
+_INPUT_PROJECTIONS = (InputProjections(attention="self_attn", last="q_proj", others=("k_proj", "v_proj")),
+                      # GPT-NeoX's fused projection (``GPTNeoXAttention.query_key_value``, with a bias)
+                      InputProjections(attention="attention", last="query_key_value"))
+
+
 def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
                        checkpointed: bool = False) -> list[dict[str, int]]:
-    """The end of the attention's first input projection's backward (``q_proj``: forward runs q, k, v, so
-    its ``MmBackward0`` runs last; derivatives.yaml ``mm``: ``grad @ weight`` and ``x.T @ grad``), in one
-    dtype. Every block gradient but the input norm's exists (q_proj's is new: ``accum_new_gradients``
-    beside its .grad from a second micro-batch); of the block's activations only the input norm's remain
-    (the attention's backward ran: a first block's rope freed the shared cos/sin, unless the block is
-    checkpointed: the non-reentrant checkpoint's frame keeps its inputs until the norm's saved tensors are
-    unpacked, torch/utils/checkpoint.py ``_checkpoint_hook``); alive besides: the
-    residual gradient, the norm output's gradient summed so far from v and k (``InputBuffer::accumulate``,
-    torch/csrc/autograd/input_buffer.cpp), q's output gradient made contiguous for the view's backward
-    (B·S·A·hd) and q_proj's input gradient (B·S·H). In fp32 this is the first block's top when the weights
-    outweigh the activations (no RMSNorm casts: ``llama_norm_indices`` finds no fp32 moment)."""
+    """The end of the attention's first input projection's backward (``q_proj``, GPT-NeoX's fused
+    ``query_key_value``: :data:`_INPUT_PROJECTIONS`; derivatives.yaml ``mm``: ``grad @ weight`` and
+    ``x.T @ grad``, ``addmm``'s bias gradient ``sum_to`` in the engine's ``validate_outputs``). Every block
+    gradient but the input norm's exists (the projection's is new: ``accum_new_gradients`` beside its .grad
+    from a second micro-batch); of the block's activations only the input norm's remain (the attention's
+    backward ran: a first block's rope freed the shared cos/sin, unless the block is checkpointed: the
+    non-reentrant checkpoint's frame keeps its inputs until the norm's saved tensors are unpacked,
+    torch/utils/checkpoint.py ``_checkpoint_hook``). Alive besides, in one dtype: the residual gradient,
+    the norm output's gradient summed so far from v and k (``InputBuffer::accumulate``,
+    torch/csrc/autograd/input_buffer.cpp), the projection's output gradient made contiguous for the view's
+    backward (B·S·A·hd, GPT-NeoX's B·S·3H) and its input gradient (B·S·H). In fp32 this is the first block's
+    top when the weights outweigh the activations (no RMSNorm casts: ``llama_norm_indices`` finds no fp32
+    moment). Under autocast (the bf16 copies ``*_cast``) the top is the weight copy's ToCopyBackward0 after
+    the projection's node released its saved copies (:func:`_cast_weight_moment`)."""
     grads = [i for i in block if i.category is Category.GRADIENT]
-    q = [i for i in grads if ".self_attn.q_proj." in i.name]
-    first = next((k for k, i in enumerate(acts) if _child(i.name) == "self_attn"), None)
-    if not q or first is None or first == 0 or not all(any(f".self_attn.{p}." in i.name for i in grads)
-                                                        for p in ("k_proj", "v_proj")) \
-            or any(i.name.endswith("_cast") for i in acts if _child(i.name) == "self_attn"):
-        return []
-    norm = _child(acts[first - 1].name)  # the input norm, whose saved tensors come right before
-    x = acts[first - 1]  # its output: the projections' input (B, S, H)
-    weight = next((i for i in q if i.shape is not None and len(i.shape) == 2), None)
-    if weight is None or not x.shape or weight.shape[1] != x.shape[-1] or \
-            any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
-        return []  # checked on one device and data parallel: not with flat (FSDP, ZeRO) or TP/CP-cut tensors
-    q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
-    return [{"block_gradients": sum(i.bytes for i in grads if _child(i.name) != norm),
-             "accum_new_gradients": sum(i.bytes for i in q),
-             "freed_activations": sum(i.bytes for i in acts[first:]), "after_attention": int(not checkpointed),
-             "work": residual_bytes + 2 * x.bytes + q_out}]
-
-
-def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
-    """The moment of an MLP's last product's backward, when the MLP is the block's last child
-    (``MulBackward0``: ``grad * other`` and ``grad * self``, two (B, S, F) tensors,
-    ``tools/autograd/derivatives.yaml`` ``mul.Tensor``): a Llama MLP's ``act_fn(gate) * up``, or HF
-    GPT-2's ``gelu_new`` (``NewGELUActivation.forward``: ``0.5 * x * (1 + tanh(...))``, the product of
-    ``half_x`` and ``one_plus_tanh`` last). The down projection's input gradient (B, S, F) and weight
-    gradient exist (Conv1D: ``addmm`` backward's ``mm`` for each, and its bias gradient's ``sum``),
-    its saved input (the product) was freed, the MLP's dropout mask too, and so was the block output
-    a later node kept (``residual_mlp``: the final norm's input)."""
-    # a Llama MLP under autocast keeps its linears' bf16 weight and input copies among its tensors: it is
-    # matched without them (GPT-2's as it is)
-    core = [i for i in acts if not i.name.endswith((".weight_cast", ".input_cast"))]
-    for names, down, tail in _MLPS:
-        seq = acts if tail else core
-        ends = [k for k, i in enumerate(seq) if i.name.endswith(f".mlp.{names[-1]}")]
-        if ends and ends[-1] >= len(names) - 1 and \
-                [i.name.split(".mlp.", 1)[-1] for i in seq[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
-            ends = [acts.index(seq[ends[-1]])]
+    for proj in _INPUT_PROJECTIONS:
+        q = [i for i in grads if f".{proj.attention}.{proj.last}." in i.name]
+        first = next((k for k, i in enumerate(acts) if _child(i.name) == proj.attention), None)
+        if q and first and all(any(f".{proj.attention}.{p}." in i.name for i in grads) for p in proj.others):
             break
     else:
         return []
+    cast = [i for i in acts if f".{proj.attention}.{proj.last}." in i.name and i.name.endswith("_cast")]
+    weight = next((i for i in q if i.shape is not None and len(i.shape) == 2), None)
+    if weight is None or any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
+        return []  # checked on one device and data parallel: not with flat (FSDP, ZeRO) or TP/CP-cut tensors
+    norm = _child(acts[first - 1].name)  # the input norm, whose saved tensors come right before
+    at = {"block_gradients": sum(i.bytes for i in grads if _child(i.name) != norm),
+          "accum_new_gradients": sum(i.bytes for i in q),
+          "freed_activations": sum(i.bytes for i in acts[first:]), "after_attention": int(not checkpointed)}
+    if cast:
+        # the norm output's gradient (the residual stream's shape and dtype: fp32, as the norm runs in it),
+        # summed from each projection's input copy's ToCopyBackward0; the projection's bias not cast yet
+        new, work = _cast_weight_moment(cast, q, weight)
+        return [{**at, "block_gradients": at["block_gradients"] - sum(i.bytes for i in q) + new,
+                 "accum_new_gradients": new, "work": 2 * residual_bytes + work}]
+    x = acts[first - 1]  # its output: the projections' input (B, S, H)
+    if not x.shape or weight.shape[1] != x.shape[-1] or any(i.name.endswith("_cast") for i in acts
+                                                              if _child(i.name) == proj.attention):
+        return []
+    q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
+    if checkpointed:  # the bias gradient is made after the node freed its recomputed input (_gated_mlp)
+        at["block_gradients"] -= sum(i.bytes for i in q) - weight.bytes
+    return [{**at, "work": residual_bytes + (1 + bool(proj.others)) * x.bytes + q_out}]
+
+
+def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight: MemoryItem) -> tuple[int, int]:
+    """A linear's weight copy's ToCopyBackward0 under autocast, which casts the bf16 weight gradient to
+    the fp32 weight's dtype while the bf16 one is alive (the linear's node released its saved copies):
+    (the new fp32 weight gradient, the bf16 weight gradient and, for an ``addmm`` with a bias, the bias's
+    bf16 gradient, whose own cast runs next, as the trace shows)."""
+    copy = sum(i.bytes for i in cast if i.name.endswith(".weight_cast"))
+    bias = sum(i.bytes for i in grads) - weight.bytes
+    return weight.bytes, copy + bias * copy // weight.bytes
+
+
+def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
+               checkpointed: bool = False) -> list[dict[str, int]]:
+    """The moments of an MLP's last nodes' backward, when the MLP is the block's last child
+    (:data:`_MLPS`). The node that made the down projection's input: a Llama MLP's ``act_fn(gate) * up``
+    and HF GPT-2's ``gelu_new`` (``NewGELUActivation.forward``: ``0.5 * x * (1 + tanh(...))``, the
+    product of ``half_x`` and ``one_plus_tanh`` last) end on ``MulBackward0`` (two (B, S, F) gradients),
+    GPT-NeoX's exact GELU on ``GeluBackward0`` (one). The down projection's input gradient (B, S, F) and
+    weight gradient exist (Conv1D and ``nn.Linear`` with a bias: ``addmm`` backward's ``mm`` for each, and
+    its bias gradient's ``sum``), its saved input (the product) was freed, the MLP's dropout mask too, and
+    so was the block output a later node kept (``residual_mlp``: the final norm's input)."""
+    # a Llama MLP under autocast keeps its linears' bf16 weight and input copies among its tensors: it is
+    # matched without them (GPT-2's as it is)
+    core = [i for i in acts if not i.name.endswith((".weight_cast", ".input_cast"))]
+    for mlp in _MLPS:
+        names, seq = mlp.saved, acts if mlp.tail else core
+        ends = [k for k, i in enumerate(seq) if i.name.endswith(f".mlp.{names[-1]}")]
+        if ends and ends[-1] >= len(names) - 1 and \
+                [i.name.split(".mlp.", 1)[-1] for i in seq[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
+            # the MLP's first saved tensor (its up projection's output) and its last, in ``acts``
+            start, ends = acts.index(seq[ends[-1] + 1 - len(names)]), [acts.index(seq[ends[-1]])]
+            break
+    else:
+        return []
+    down, tail = mlp.down, mlp.tail
     weight_copy = 0 if tail else sum(i.bytes for i in acts if i.name.endswith(f".mlp.{down}.weight_cast"))
     # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
     if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
         return []
     prod = acts[ends[-1]]
-    grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name)
+    down_grads = [i for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name]
+    grads = sum(i.bytes for i in down_grads)
+    pending = _parallel_branch_gradient(acts, prod, residual_bytes)
     # under autocast down_proj's node also released its saved bf16 weight copy
     out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy,
-            "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
+            "after_attention": 0, "work": residual_bytes + pending + (1 + mlp.act_grads) * prod.bytes}]
     if weight_copy:
-        # autocast: down_proj's MmBackward0 made a bf16 weight gradient (the copy's size) and its input gradient,
-        # then released its saved copy and input (the product); the copy's ToCopyBackward0 casts the weight
-        # gradient to the weight's fp32 (new beside .grad from a second micro-batch) while the bf16 one is alive
-        out.append({"block_gradients": grads, "new_gradients": grads,
+        # autocast: down_proj's MmBackward0 (AddmmBackward0) made a bf16 weight gradient (the copy's size), its
+        # input gradient and, with a bias, the bias's bf16 gradient (``sum_to`` in the engine's
+        # ``validate_outputs``), then released its saved copy and input (the product); then the copy's cast
+        weight = next(i for i in down_grads if i.shape is not None and len(i.shape) == 2)
+        new, work = _cast_weight_moment([i for i in acts if f".mlp.{down}." in i.name], down_grads, weight)
+        out.append({"block_gradients": new, "new_gradients": new,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy, "after_attention": 0,
-                    "work": residual_bytes + weight_copy + prod.bytes})
+                    "work": residual_bytes + pending + work + prod.bytes})
     elif not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
         # The end of the down projection's backward, one dtype. GPT-2's Conv1D (``torch.addmm(bias, x,
         # weight)``): ``AddmmBackward0`` (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``,
@@ -160,7 +235,55 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
         out.append({"block_gradients": grads, "new_gradients": grads,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:]), "after_attention": 0,
                     "work": residual_bytes * (1 + dropout) + prod.bytes})
-    return out
+    return out + _up_projection_end(block, acts, start, mlp, prod, grads, residual_bytes, pending,
+                                    checkpointed=checkpointed)
+
+
+def _up_projection_end(block: list[MemoryItem], acts: list[MemoryItem], start: int, mlp: MlpNodes,
+                       prod: MemoryItem, down_grads: int, residual_bytes: int, pending: int, *,
+                       checkpointed: bool) -> list[dict[str, int]]:
+    """The end of the one up projection's backward (``AddmmBackward0``; GPT-NeoX's ``dense_h_to_4h``), the
+    MLP's last node: every saved tensor of the MLP from ``start`` on was freed but the projection's input
+    (the norm's output, released after the node), the MLP's weight gradients exist; alive beside the
+    residual gradient (and a parallel block's waiting branch gradient, ``pending``): the activation
+    node's output (the projection's output gradient, B·S·F) and the input gradient (B·S·H). The bias's
+    ``sum_to`` (the engine's ``validate_outputs``) runs after the node: before that release in eager, after
+    it when checkpointed (the recomputed input's one reference is the node's unpacked local:
+    torch/utils/checkpoint.py ``_checkpoint_hook`` ``unpack_hook`` drops the frame's handle), so a
+    checkpointed block tops before its bias gradient exists. Under autocast the node released its bf16
+    input and weight copies too and freed its output gradient; the top is the weight copy's cast
+    (:func:`_cast_weight_moment`), beside the norm output's fp32 gradient (the input copy's
+    ToCopyBackward0: the residual stream's shape and dtype)."""
+    up = [i for i in block if i.category is Category.GRADIENT and f".mlp.{mlp.up}." in i.name]
+    weight = next((i for i in up if i.shape is not None and len(i.shape) == 2), None)
+    if weight is None or not prod.shape or weight.shape[0] != prod.shape[-1]:
+        return []
+    freed = sum(i.bytes for i in acts[start:])
+    casts = [i for i in acts[:start] if f".mlp.{mlp.up}." in i.name and i.name.endswith("_cast")]
+    if casts:
+        new, work = _cast_weight_moment(casts, up, weight)
+        return [{"block_gradients": down_grads + new, "accum_new_gradients": new,
+                 "freed_activations": freed + sum(i.bytes for i in casts), "after_attention": 0,
+                 "work": 2 * residual_bytes + pending + work}]
+    new = weight.bytes if checkpointed else sum(i.bytes for i in up)
+    return [{"block_gradients": down_grads + new, "accum_new_gradients": new, "freed_activations": freed,
+             "after_attention": 0,
+             "work": residual_bytes + pending + prod.bytes + prod.bytes * weight.shape[1] // weight.shape[0]}]
+
+
+def _parallel_branch_gradient(acts: list[MemoryItem], prod: MemoryItem, residual_bytes: int) -> int:
+    """The attention branch's output gradient waiting while the MLP's nodes run, in a parallel-residual
+    block under autocast (GPT-NeoX's ``use_parallel_residual``: ``mlp_output + attn_output + hidden_states``,
+    the two bf16 branch outputs summed first): the engine casts the fp32 residual gradient to the bf16
+    sum's dtype (``validate_outputs``, torch/csrc/autograd/engine.cpp) and ``AddBackward0`` hands that one
+    tensor to both branches, so it waits in the attention's input buffer. In one dtype the branches get
+    the residual gradient itself (nothing new); a sequential block saves its ``residual_attn``."""
+    children = {_child(i.name) for i in acts}
+    out = next((i for i in acts if _child(i.name) == "residual_mlp"), None)
+    if out is None or "residual_attn" in children or not children & {"attention", "self_attn", "attn"} \
+            or out.dtype == prod.dtype:
+        return 0
+    return residual_bytes * dtype_bytes(prod.dtype) // dtype_bytes(out.dtype)
 
 
 def _residual(child: str) -> bool:
