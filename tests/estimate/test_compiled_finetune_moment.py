@@ -107,3 +107,46 @@ def test_estimate_equals_the_compiled_trace_less_the_callers_ids(precision, ft, 
     t = trace_step(LLAMA, _step(precision), TORCHTUNE, finetune=ft)
     assert next(i for i in e.inventory.base if i.name == "model.embed_tokens.indices").bytes == 0  # not saved
     assert (e.peak_bytes, e.peak.name) == (t.peak_logical_bytes - _ids(t), phase)
+
+
+QLORA_LLAMA = dict(LLAMA, hidden_size=256, intermediate_size=512, num_key_value_heads=4)  # to_nf4: 64·256 multiples
+QLORA = FinetuneSpec(mode="qlora", quant_impl="torchao-nf4", lora_targets=("q_proj", "v_proj", "gate_proj"))
+
+
+def test_qlora_holds_each_dequantized_weight_until_its_input_gradient():
+    # H 256, F 512, 4 heads (4 K/V), bf16 base, fp32 adapters. At block 0's SiLU backward the recompute holds the
+    # dequantized q, k, v, o (4 x 131072) and gate (262144) weights: their input-gradient mms are still to run
+    # (up's and down's ran); the phase's one dequantized weight (finetune.py, the largest: 262144) is among them.
+    # The adapters' fp32 casts of the input norm's output (q's and v's, 131072 each in the eager set) are one
+    # tensor in the compiled graph (CSE). The trace's SiLU moment is 4,193,668 B (the caller's ids 1024 included)
+    e = estimate(spec_from_hf_config(QLORA_LLAMA), _step("bf16"), TORCHTUNE, finetune=QLORA)
+    first = {p.name: p for p in e.phases}["backward_first_block"]
+    assert (e.peak_bytes, e.peak.name, first.parts["dequant_temporary"]) == (4193668 - 1024, "backward_first_block",
+                                                                             262144)
+
+
+def _silu_moments(trace) -> list[int]:
+    """The trace's logical bytes at each silu_backward's product (the op after its fp32 sigmoid), in order."""
+    rec, logical, out, after = trace.recording, 0, [], False
+    for e in rec.events:
+        b = rec.blocks[e if e >= 0 else ~e]
+        logical += b.nbytes if e >= 0 else -b.nbytes
+        if e >= 0 and after:
+            out.append(logical)
+        after = e >= 0 and b.phase == "backward" and b.op == "sigmoid" and b.dtype == "float32"
+    return out
+
+
+@pytest.mark.slow  # one QLoRA compiled trace, ~11 s on 2 shared cores
+def test_qlora_moments_equal_the_traces_and_its_peak_is_the_unfused_nf4_dequantization():
+    pytest.importorskip("torchao")
+    from trainmem.trace import trace_step
+
+    e = estimate(spec_from_hf_config(QLORA_LLAMA), _step("bf16"), TORCHTUNE, finetune=QLORA)
+    t = trace_step(QLORA_LLAMA, _step("bf16"), TORCHTUNE, finetune=QLORA)
+    phases = {p.name: p.bytes for p in e.phases}
+    # block 1's, then block 0's SiLU backward: 4,136,324 and 4,193,668 B, less the caller's ids
+    assert [phases["backward"], phases["backward_first_block"]] == [m - _ids(t) for m in _silu_moments(t)]
+    # the trace's peak (4,849,028 B) is torchao's dequantization run unfused (its int64 codes, NF4's lookup):
+    # the compiled rule counts the weight alone, as inductor fuses it (finetune.py dequant_transient)
+    assert t.peak_op == "index" and t.peak_logical_bytes > e.peak_bytes

@@ -30,9 +30,17 @@ first block recomputes what a later block with the same trainable weights saves 
 not its own eager set, taken without checkpointing where a frozen embedding's output requires no grad (no
 input norm tensors, nor the attention's with adapters on the MLP only).
 
-Tiny Llama (H 64, F 176, 4/2 heads, V 256, untied), B 2, S 64, AdamW, LoRA q/v r 8, block-loss: estimate =
-trace 828,616 B bf16 (block 0's SiLU backward; 0.889 before) and 1,277,256 B fp32 (block 1's product; 0.954
-before), ``tests/estimate/test_compiled_finetune_moment.py``.
+QLoRA (torchao NF4, the only 4-bit base compiled): the recompute dequantizes each 4-bit weight for its forward
+and the backward's input-gradient mm reads that weight again, so every 4-bit weight whose mm is still to run is
+held (``_four_bit``); and the adapters' casts of one input to their dtype are one tensor in the compiled graph.
+
+Tiny Llama (H 64, F 176, 4/2 heads, V 256, untied), B 2, S 64, AdamW, block-loss, full recompute: estimate =
+trace less the caller's token ids (1024 B, not saved by a frozen embedding, not counted), LoRA q/v r 8 bf16
+827,592 B (block 0's SiLU backward; 0.889 before) and fp32 1,276,232 B (block 1's product; 0.954), fp16, LoRA on
+every linear (0.857 before) and full fine-tuning with a frozen embedding; QLoRA q/v/gate (H 256, F 512, 4 heads)
+bf16: 4,192,644 B = both SiLU moments of the trace, whose peak (4,849,028 B) is torchao's dequantization run
+unfused (int64 codes), which the compiled rule counts as the weight alone (``finetune.dequant_transient``)
+(``tests/estimate/test_compiled_finetune_moment.py``).
 
 Known limitations: only the Llama block with SiLU and a plain RMSNorm in a pure precision (fp32, bf16,
 fp16) is read (Gemma's norm, another activation, autocast's per-linear input casts, which the compiled
@@ -42,6 +50,8 @@ moments are not modelled (lower where traced); one device only (``peak.phases`` 
 """
 
 from __future__ import annotations
+
+import math
 
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads
@@ -57,6 +67,9 @@ _ACT, _PROD = "mlp.act_fn.out", "mlp.act_mul_up"
 _LINEAR_OUT = ("out", "lora_out", "lora_sum")
 _NORM2 = "post_attention_layernorm"
 _OUT = "residual_mlp"  # the block's output: the next block's input, which no node of this block reads
+# the linears that read one input (the input norm's output, the post-attention norm's)
+_SHARED_INPUT = {**dict.fromkeys(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attention"),
+                 **dict.fromkeys(("mlp.gate_proj", "mlp.up_proj"), "mlp")}
 
 
 def finetune_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
@@ -89,6 +102,7 @@ def finetune_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     grads = block_grads(block_items(items, last))
     gate32 = gate.bytes // dtype_bytes(gate.dtype) * _FP32  # B·S·F in fp32
     residual, up_dx = residual_bytes, tokens * wide.shape[-1] * x
+    weights = _four_bit(items, last, dtype_bytes(gate.dtype))
     out = []
     for gone, g, work in (
             # down_proj's input gradient and grad·up while silu(gate), up and the gate are held
@@ -96,11 +110,39 @@ def finetune_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
             # up_proj's input gradient, then silu_backward's fp32 temporaries; silu(gate) and up were freed
             (("mlp.down_proj.", _PROD, "mlp.up_proj.", _ACT), grads["down_proj"] + grads["up_proj"],
              residual + up_dx + act_work * gate32)):
-        # the recomputed values still held: the gate as the activation's fp32 values, the block output not at all
-        kept_now = sum(i.bytes for n, i in held.items() if i is not gate and n != _OUT and not n.startswith(gone))
+        # the recomputed values still held: the gate as the activation's fp32 values, the block output not at all;
+        # QLoRA: each 4-bit weight dequantized by the recompute until its input-gradient mm, less the one
+        # dequantized weight finetune.with_dequant_transient adds to the phase (the largest block weight's)
+        dequant = sum(b for n, b in weights.items() if not n.startswith(gone)) - max(weights.values(), default=0)
         out.append({"block_gradients": g, "new_gradients": g, "freed_activations": freed, "after_attention": 0,
-                    "work": work + kept_now + act_held * gate32})
+                    "work": work + _held_now(held, gone, gate) + act_held * gate32 + dequant})
     return out
+
+
+def _held_now(held: dict[str, MemoryItem], gone: tuple[str, ...], gate: MemoryItem) -> int:
+    """The recomputed values still held once the items under ``gone`` were read: not the gate (held as its fp32
+    copy) nor the block's output. The adapters' casts of one input (peft's ``_cast_input_dtype`` to the adapter's
+    dtype) are one tensor in the compiled graph (``torch/_functorch/partitioners.py`` runs ``fx_graph_cse``,
+    ``torch/_functorch/compile_utils.py``) where eager autograd saves each linear's: held while any reader waits."""
+    casts: dict[str, int] = {}
+    total = 0
+    for n, i in held.items():
+        if i is gate or n == _OUT or n.startswith(gone):
+            continue
+        linear = n.rpartition(".")[0]
+        if n.endswith(".lora_input_cast") and linear in _SHARED_INPUT:
+            casts[_SHARED_INPUT[linear]] = i.bytes
+        else:
+            total += i.bytes
+    return total + sum(casts.values())
+
+
+def _four_bit(items: "Inventory | list[MemoryItem]", last: int, b: int) -> dict[str, int]:
+    """Block ``last``'s 4-bit weights (QLoRA, torchao NF4: ``nf4`` items) dequantized to ``b`` bytes an element,
+    by path inside the block: the checkpoint's recompute dequantizes each (``NF4Tensor``'s ``linear``) and the
+    backward's input-gradient mm reads that weight again, so it is held from the recompute to that mm."""
+    return {_inner(i.name): math.prod(i.shape) * b for i in block_items(items, last)
+            if i.category is Category.PARAMETER and i.dtype == "nf4" and i.shape}
 
 
 def _recomputed_set(items: "Inventory | list[MemoryItem]", recomputed: "Inventory | list[MemoryItem]",
