@@ -23,7 +23,9 @@ layer then ``torch.compile``-d, :func:`_compile_blocks`), ``pp``
 (``torch.distributed.pipelining``, one stage per rank, GPipe or 1F1B, or ``virtual_stages`` per
 rank under interleaved 1F1B, torchtitan's looped stage ids; with ``pp_dp`` > 1 the
 ranks form a (pp, dp) mesh and every stage is FSDP2-sharded over its dp group, as torchtitan's
-PP + FSDP: the schedule keeps unsharded gradients until the last micro-batch).
+PP + FSDP: the schedule keeps unsharded gradients until the last micro-batch; with ``pp_tp`` > 1 a (pp[, dp], tp)
+mesh, torchtitan's 3-D layout: each stage cut, then ``_apply_tp`` on its ``tp`` slice, then FSDP2 on ``dp``; under
+sequence parallelism the stages exchange the rank's local S/tp tokens, :func:`_pipeline_stage_module`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 virtual_stages=1,                  # pp: stages per rank under schedule "interleaved"
                 pp_dp=1,                           # pp: FSDP2 degree of each stage (world = pp × pp_dp)
+                pp_tp=1,                           # pp: TP degree inside each stage (world = pp × pp_dp × pp_tp)
                 hsdp_replicas=1,                   # fsdp: > 1 is HSDP, mesh (dp_replicate, dp_shard)
                 tp_dp=1,                           # tp: > 1 adds FSDP2 over a (dp_shard, tp) mesh (world = tp_dp × tp)
                 root_reshard_auto=True)            # fsdp, tp_dp: the root's reshard_after_forward left to FSDP2
@@ -71,8 +74,21 @@ def _dtype(precision: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
-def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True) -> None:
-    """torchtitan's Llama plan on Hugging Face module names; with ``sp`` the residual stream is
+#: Where _apply_tp finds the parts it cuts: a Hugging Face causal LM, and a pipeline stage (_pipeline_stage_module)
+HF_PARTS = dict(embed="model.embed_tokens", norm="model.norm", head="lm_head", layers="model.layers")
+STAGE_PARTS = dict(embed="embed_tokens", norm="norm", head="lm_head", layers="layers")
+
+
+def _module_at(model, name: str):
+    for attr in name.split("."):
+        model = getattr(model, attr, None)
+    return model
+
+
+def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True, parts: dict = HF_PARTS) -> None:
+    """torchtitan's Llama plan on Hugging Face module names (``parts``: where the embedding, final norm,
+    output layer and blocks are; a pipeline stage lacks some, and its plan their entries, as torchtitan's
+    ``apply_tp`` runs on each stage model, whose missing parts are None); with ``sp`` the residual stream is
     a DTensor sharded over the sequence (dim 1) and norms run on the local tokens. With
     ``loss_parallel`` the logits stay vocab-sharded for a vocab-parallel loss (torchtitan's
     default); without, they are all-gathered to the full vocabulary, a plain tensor on every rank
@@ -84,16 +100,16 @@ def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True) -> None:
     )
 
     out = dict(output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
+    embed, norm, head = parts["embed"], parts["norm"], parts["head"]
     if sp:
-        top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                     use_local_output=False),
-               "model.norm": SequenceParallel(),
-               "lm_head": ColwiseParallel(input_layouts=Shard(1), **out)}
+        top = {embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+               norm: SequenceParallel(),
+               head: ColwiseParallel(input_layouts=Shard(1), **out)}
     else:
-        top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-               "lm_head": ColwiseParallel(**out)}
-    parallelize_module(model, mesh, top)
-    for layer in model.model.layers:
+        top = {embed: RowwiseParallel(input_layouts=Replicate()),
+               head: ColwiseParallel(**out)}
+    parallelize_module(model, mesh, {k: v for k, v in top.items() if _module_at(model, k) is not None})
+    for layer in _module_at(model, parts["layers"]):
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
                 "mlp.up_proj": ColwiseParallel()}
@@ -158,9 +174,14 @@ class _RegionList(list):
         self._out.append([[v.name, list(v.shape), v.dtype, v.nbytes] for v in saved])
 
 
-def _pipeline_stage_module(model, stage: int, num_stages: int):
+def _pipeline_stage_module(model, stage: int, num_stages: int, sp_mesh=None):
     """Stage ``stage`` of a Hugging Face Llama split by layers: stage 0 owns the embedding,
-    the last stage the final norm and LM head (the loss runs in the schedule's ``loss_fn``)."""
+    the last stage the final norm and LM head (the loss runs in the schedule's ``loss_fn``).
+    With ``sp_mesh`` (TP with sequence parallelism inside the stage) the residual stream crosses stages
+    as the rank's local S/tp tokens: a stage sends its output's local tensor and wraps what it receives
+    as a ``Shard(1)`` DTensor, as torchtitan's row-parallel outputs keep ``use_local_output`` (its plan,
+    torchtitan/models/llama3/infra/parallelize.py ``apply_tp``, leaves the residual stream plain local
+    tokens between blocks; this plan keeps DTensors inside the stage)."""
     import torch
     from torch import nn
 
@@ -178,6 +199,9 @@ def _pipeline_stage_module(model, stage: int, num_stages: int):
             self.lm_head = model.lm_head if last else None
 
         def forward(self, x):
+            if sp_mesh is not None and not first:
+                from torch.distributed.tensor import DTensor, Shard
+                x = DTensor.from_local(x, sp_mesh, [Shard(1)], run_check=False)
             h = self.embed_tokens(x) if first else x
             pos = torch.arange(h.shape[1]).unsqueeze(0)
             pe = self.rotary_emb(h, pos)
@@ -185,6 +209,8 @@ def _pipeline_stage_module(model, stage: int, num_stages: int):
                 h = layer(h, position_embeddings=pe, position_ids=pos)  # no mask: SDPA is_causal
             if last:
                 h = self.lm_head(self.norm(h))
+            elif sp_mesh is not None:
+                h = h.to_local()  # sent as the rank's local tokens
             return h
 
     return Stage()
@@ -219,7 +245,8 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     extra: dict = {}
     buckets: dict[int, object] = {}
     pp_dp = sc["pp_dp"] if strategy == "pp" else 1
-    data_rank = rank if strategy in ("ddp", "fsdp", "fsdp1") else rank % pp_dp
+    pp_tp = sc["pp_tp"] if strategy == "pp" else 1  # the tp ranks of one (pp, dp) rank read the same batch
+    data_rank = rank if strategy in ("ddp", "fsdp", "fsdp1") else (rank // pp_tp) % pp_dp
     if strategy == "tp" and sc["tp_dp"] > 1:  # the tp ranks of one dp_shard rank read the same batch
         data_rank = rank // (world // sc["tp_dp"])
     for name, p in model.named_parameters():
@@ -277,7 +304,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     import contextlib
 
     loss_context = contextlib.nullcontext
-    if strategy == "tp" and sc["loss_parallel"]:  # torchtitan/distributed/utils.py, get_train_context
+    if (strategy == "tp" or pp_tp > 1) and sc["loss_parallel"]:  # torchtitan/distributed/utils.py, get_train_context
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
 
     if strategy == "pp":
@@ -286,19 +313,26 @@ def run(scenario: dict, rank: int, world: int) -> dict:
             PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
         )
 
-        npp, pp_rank, pp_group = world // pp_dp, rank // pp_dp, None
+        npp, pp_rank, pp_group = world // (pp_dp * pp_tp), rank // (pp_dp * pp_tp), None
         v = sc["virtual_stages"] if sc["schedule"] == "interleaved" else 1
         stage_ids = [pp_rank + j * npp for j in range(v)]  # torchtitan's stage_ids_this_rank, style "loop"
-        stage_mods = [_pipeline_stage_module(model, s, npp * v) for s in stage_ids]
+        if pp_dp > 1 or pp_tp > 1:  # torchtitan's (pp, dp_shard, tp) mesh, its degree-1 dimensions left out
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dims = [("pp", npp)] + [("dp", pp_dp)] * (pp_dp > 1) + [("tp", pp_tp)] * (pp_tp > 1)
+            mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+            pp_group = mesh["pp"].get_group()
+        sp_mesh = mesh["tp"] if pp_tp > 1 and sc["sp"] else None
+        stage_mods = [_pipeline_stage_module(model, s, npp * v, sp_mesh) for s in stage_ids]
         stage_mod = stage_mods[0] if v == 1 else nn.ModuleList(stage_mods)
         del model
         model = stage_mod
+        if pp_tp > 1:  # torchtitan's parallelize_fn per stage model: apply_tp first
+            for mod in stage_mods:
+                _apply_tp(mod, mesh["tp"], sc["sp"], sc["loss_parallel"], STAGE_PARTS)
         if pp_dp > 1:  # torchtitan's apply_fsdp on each stage: every block, then the stage as root
-            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (npp, pp_dp), mesh_dim_names=("pp", "dp"))
-            pp_group = mesh["pp"].get_group()
             for mod in stage_mods:
                 for layer in mod.layers:
                     fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=sc["reshard_after_forward"])
@@ -318,12 +352,13 @@ def run(scenario: dict, rank: int, world: int) -> dict:
         last = pp_rank == npp - 1
 
         def forward_backward():
-            if pp_rank == 0:
-                sched.step(ids)
-            elif last:
-                sched.step(target=ids, losses=[])
-            else:
-                sched.step()
+            with loss_context():  # TP: the last stage's vocab-sharded logits (torchtitan's train context)
+                if pp_rank == 0:
+                    sched.step(ids)
+                elif last:
+                    sched.step(target=ids, losses=[])
+                else:
+                    sched.step()
     else:
         def forward_backward():
             with loss_context():
@@ -410,18 +445,19 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     # saved activations of one micro-batch forward + loss, outside the schedule
     if strategy == "pp":
         mb = ids[:B].clone()  # the schedule's micro-batches are views of ``ids``: count one micro-batch
+        S_in = S // pp_tp if sp_mesh is not None else S  # a later stage receives the rank's local tokens
         if v > 1:  # every local stage on its own input, one micro-batch each
             def fwd():
                 outs = []
                 for mod, s in zip(stage_mods, stage_ids):
-                    x = mb if s == 0 else torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]),
+                    x = mb if s == 0 else torch.randn(B, S_in, cfg["hidden_size"], dtype=_dtype(sc["precision"]),
                                                       requires_grad=True)
                     outs.append(loss_fn(mod(x), mb) if s == npp * v - 1 else mod(x).sum())
                 return sum(outs)
         elif pp_rank == 0:
             fwd = lambda: stage_mod(mb)  # noqa: E731
         else:
-            h = torch.randn(B, S, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
+            h = torch.randn(B, S_in, cfg["hidden_size"], dtype=_dtype(sc["precision"]), requires_grad=True)
             fwd = (lambda: loss_fn(stage_mod(h), mb)) if last else (lambda: stage_mod(h))
     else:
         fwd = lambda: net(ids, labels=ids).loss  # noqa: E731
@@ -447,7 +483,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
     return {
         "rank": rank, "world_size": world, "scenario": sc,
-        "pp_stage": rank // pp_dp if strategy == "pp" else None,
+        "pp_stage": rank // (pp_dp * pp_tp) if strategy == "pp" else None,
         "activation_bytes": saved.total_bytes,
         "activation_items": sorted(saved.items, key=lambda i: -i["nbytes"]),
         "states_bytes": states,

@@ -1,0 +1,81 @@
+"""``trace --tp 2 --sp --pp 2`` (torchtitan's TP x PP layout) against a real 4-rank gloo step (torchrun;
+``measure_dist/worker.py``, strategy ``pp`` with ``pp_tp=2``: a (pp, tp) DeviceMesh; each stage cut, then the
+worker's ``_apply_tp`` on ``mesh["tp"]``, then ``PipelineStage`` on ``mesh["pp"]``'s group, the stages exchanging
+the rank's local S/tp tokens; the schedule's step under ``loss_parallel()``). Tiny Llama (DEFAULT_CONFIG, 4
+layers), B 2 per micro-batch, S 64, fp32, AdamW foreach, 4 micro-batches, GPipe and 1F1B.
+
+For tp-rank 0 of each pipeline rank (global ranks 0 and 2; the trace is rank (R, 0) of its fake mesh):
+  - parameters, gradients, AdamW states, module buffers and PipelineStage's receive buffers (4 x B·S/2·H·4 =
+    65,536 B per rank): trace == real to the byte (the real AdamW CPU step counters, 76 B on pipeline rank 0 and
+    80 B on rank 1, are its ``optimizer_step`` ledger, not traced);
+  - step peak: trace + the step counters == the least of the real step's op-boundary peaks (``LiveTracker``, a
+    dispatch mode, as the tracer; ``tracked_repeats``: gloo's worker threads may hold a finished collective's
+    buffers a moment longer, test_trace_pp_real.py) to the byte;
+  - saved activations held at once: trace == real less test_trace_pp_real.py's two named mechanisms, here with
+    the rank's local tokens: the first stage's embedding saves a view of the whole batch's ids (M·B·S·8, counted
+    by the trace as its input), the last stage's first block saves the receive buffer of every micro-batch in
+    flight (GPipe 4, 1F1B 1; B·S/2·H·4 each, counted by the trace as buffers).
+Measured (one launch, ~60 s of torchrun on 2 busy cores, + 4 traces ~45 s): real op-boundary peaks GPipe 3,830,924 /
+4,445,108 B, 1F1B 2,588,812 / 2,135,464 B (pipeline rank 0 / 1), each == trace + step counters; one of GPipe rank
+0's three tracked steps read 32,768 B more (gloo's late release, a B·S/2·H·4 tensor; the least is the peak).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from trainmem.measure_dist.launch import run_torchrun_many  # noqa: E402
+from trainmem.measure_dist.worker import DEFAULT_CONFIG, DEFAULTS  # noqa: E402
+from trainmem.specs import ImplSpec, ParallelSpec, StepSpec  # noqa: E402
+from test_trace_pp import held_activations  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCHEDULES = ("gpipe", "1f1b")
+M, TP = 4, 2
+
+
+def _compare(traced, real, schedule: str) -> dict[str, tuple[int, int]]:
+    """What the trace says and what the real tp-rank-0 step measured, by quantity: {name: (trace, real)}."""
+    B, S, H = DEFAULTS["batch"], DEFAULTS["seq"], DEFAULT_CONFIG["hidden_size"]
+    one, ids = B * (S // TP) * H * 4, B * S * 8  # a received local-token tensor (fp32), one micro-batch's ids
+    first = real["pp_stage"] == 0
+    led: dict[str, int] = collections.defaultdict(int)
+    for it in traced.items:
+        led[it.category.value] += it.bytes
+    recv = sum(i.bytes for i in traced.items if i.name.startswith("pipeline.stage"))
+    got = {**{k: led[k] for k in ("parameter", "gradient", "optimizer_state")}, "buffer": led["buffer"] - recv,
+           "recv": recv, "peak": traced.peak_logical_bytes + real["states_bytes"]["optimizer_step"],
+           "saved": held_activations(traced, saved_only=True)
+           + (M * ids if first else (M if schedule == "gpipe" else 1) * one)}
+    want = {**{k: real["states_bytes"][k] for k in ("parameter", "gradient", "optimizer_state", "buffer")},
+            "recv": real["pp_recv_buffers_bytes"], "peak": min(real["peak_bytes"], *real["op_boundary_peaks_bytes"]),
+            "saved": real["inflight_activation_bytes"]}
+    return {k: (got[k], want[k]) for k in want}
+
+
+def test_trace_tp2_sp_pp2_equals_a_real_4_rank_gloo_step():
+    from trainmem.trace import trace_step
+
+    runs = run_torchrun_many(4, [dict(strategy="pp", pp_tp=TP, sp=True, schedule=s, microbatches=M,
+                                      tracked_repeats=3) for s in SCHEDULES], timeout=900)
+    step = StepSpec(batch=DEFAULTS["batch"], seq=DEFAULTS["seq"], precision="fp32", optimizer="adamw")
+    impl = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach")
+    bad = []
+    for schedule, ranks in zip(SCHEDULES, runs):
+        assert [r["pp_stage"] for r in ranks] == [0, 0, 1, 1]
+        for real in ranks[::TP]:  # tp-rank 0 of pipeline ranks 0 and 1
+            r = real["pp_stage"]
+            par = ParallelSpec(pp=2, tp=TP, sp=True, schedule=schedule, microbatches=M)
+            traced = trace_step(DEFAULT_CONFIG, step, impl, parallel=par, pp_rank=r)
+            cmp = _compare(traced, real, schedule)
+            bad += [f"{schedule} rank {r} {k}: trace {t} != real {w} (real peak after {real['peak_op']}, "
+                    f"{real['peak_parts']}, tracked {real['op_boundary_peaks_bytes']})"
+                    for k, (t, w) in cmp.items() if t != w]
+    assert not bad, "\n".join(bad)
