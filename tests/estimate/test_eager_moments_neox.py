@@ -75,14 +75,18 @@ def test_neox_autocast_moments_as_integers():
     assert qkv["work"] == 2 * R + 3 * H * H * 2 + 3 * H * 2 and qkv["accum_new_gradients"] == 3 * H * H * 4
 
 
-def test_llama_autocast_q_proj_cast_as_integers():
-    """Llama under amp-bf16 (B 1, S 64): q_proj's weight cast after its MmBackward0 released its copies; the
-    norm output's fp32 gradient (q's, k's and v's input-copy casts summed) and the bf16 weight gradient."""
+def test_llama_autocast_projection_casts_as_integers():
+    """Llama under amp-bf16 (B 1, S 64): q_proj's and gate_proj's weight casts after their MmBackward0
+    released their copies; the norm output's fp32 gradient (the input-copy casts summed: q's, k's and v's;
+    gate's and up's) and the bf16 weight gradient beside the new fp32 one."""
     e = estimate(spec_from_hf_config(LLAMA), StepSpec(batch=1, seq=64, precision="amp-bf16", optimizer="sgd"),
                  ImplSpec(attention="sdpa", device="cpu"))
     r = 64 * 512 * 4  # 131,072 B
-    qkv = next(m for m in norm_backward_parts(e.inventory, 0, r) if m.get("accum_new_gradients"))
-    assert qkv["accum_new_gradients"] == 512 * 512 * 4 and qkv["work"] == r + r + 512 * 512 * 2
+    q, gate = (m for m in norm_backward_parts(e.inventory, 0, r) if m.get("accum_new_gradients"))
+    assert q["accum_new_gradients"] == 512 * 512 * 4 and q["work"] == r + r + 512 * 512 * 2
+    assert gate["accum_new_gradients"] == 1024 * 512 * 4 and gate["work"] == r + r + 1024 * 512 * 2
+    # the MLP's gradients only (down, up 2·1024·512·4 and gate's): the attention's backward has not run
+    assert gate["block_gradients"] == 3 * 1024 * 512 * 4 and gate["after_attention"] == 0
 
 
 #: (config, precision, batch, seq, recompute, the trace's top): each new moment as the step's top, and how
@@ -101,6 +105,9 @@ CASES = [
     (LLAMA, "amp-bf16", 1, 64, "none", "model.layers.0.self_attn.q_proj"),  # q_proj's cast: 653,568
     (LLAMA, "amp-bf16", 1, 64, "full", "model.layers.0.self_attn.q_proj"),  # 719,616
     ({**LLAMA, "model_type": "qwen2"}, "amp-bf16", 2, 32, "none", "model.layers.0.self_attn.q_proj"),  # 652,544
+    (LLAMA, "amp-bf16", 2, 64, "none", "model.layers.0.mlp.gate_proj"),  # gate_proj's cast: 1,048,576
+    (LLAMA, "amp-bf16", 2, 96, "full", "model.layers.0.mlp.gate_proj"),  # 524,288
+    ({**LLAMA, "model_type": "qwen2"}, "amp-bf16", 2, 96, "none", "model.layers.0.mlp.gate_proj"),  # 524,288
 ]
 
 

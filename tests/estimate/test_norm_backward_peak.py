@@ -22,8 +22,8 @@ CFG = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidd
 
 def test_norm_moments_as_integers():
     e = estimate(spec_from_hf_config(CFG), StepSpec(batch=1, seq=256, precision="bf16"), IMPL)
-    # the MLP's two, the attention's input projections', then the norms'
-    mlp, down, qkv, first, post = norm_backward_parts(e.inventory, 0, 256 * 512 * 2)
+    # the MLP's two, the attention's and the MLP's input projections', then the norms'
+    mlp, down, qkv, gate, first, post = norm_backward_parts(e.inventory, 0, 256 * 512 * 2)
     # the MLP product's backward: down_proj's weight gradient (512·1024·2), its input gradient and the
     # product's two gradients (3·256·1024·2) beside the residual gradient; its saved input freed
     assert mlp == {"block_gradients": 1048576, "freed_activations": 524288, "after_attention": 0,
@@ -45,6 +45,11 @@ def test_norm_moments_as_integers():
     assert qkv == {"block_gradients": first["block_gradients"] - 1024, "accum_new_gradients": 512 * 512 * 2,
                    "freed_activations": first["freed_activations"] - 1024 - 2 * 262144, "after_attention": 1,
                    "work": 4 * 262144}
+    # the end of gate_proj's backward (block_backward.py _input_projections): the MLP's three weight gradients;
+    # its four (B,S,F) tensors freed; the residual gradient, the norm output's gradient from up_proj, gate's
+    # input gradient (3·256·512·2) and output gradient (256·1024·2)
+    assert gate == {"block_gradients": 3 * 1048576, "accum_new_gradients": 1048576,
+                    "freed_activations": 4 * 524288, "after_attention": 0, "work": 3 * 262144 + 524288}
     ph = {p.name: p for p in e.phases}
     assert e.peak_phase == "backward" and ph["backward"].parts["node_work"] == post["work"] + 8
     # the head's weight gradient and the final norm's exist; the untied embedding's does not yet

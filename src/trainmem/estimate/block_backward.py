@@ -107,65 +107,69 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
 
 @dataclass(frozen=True, kw_only=True)
 class InputProjections:
-    """An attention's input projections: the one whose backward runs last (forward runs it first) and
-    the others reading the same norm output, whose input gradients are summed before it runs."""
+    """A child's input projections reading one norm's output: the one whose backward runs last (forward
+    runs it first) and the others, whose input gradients are summed before it runs."""
 
-    attention: str  # the block's attention child
+    child: str  # the block's child (its attention, its MLP)
     last: str
     others: tuple[str, ...] = ()
+    attention: bool = True  # the child is the attention (its backward frees what the blocks share)
 
 
-_INPUT_PROJECTIONS = (InputProjections(attention="self_attn", last="q_proj", others=("k_proj", "v_proj")),
+_INPUT_PROJECTIONS = (InputProjections(child="self_attn", last="q_proj", others=("k_proj", "v_proj")),
                       # GPT-NeoX's fused projection (``GPTNeoXAttention.query_key_value``, with a bias)
-                      InputProjections(attention="attention", last="query_key_value"))
+                      InputProjections(child="attention", last="query_key_value"),
+                      # a gated MLP (``gate_proj(x)`` runs before ``up_proj(x)``)
+                      InputProjections(child="mlp", last="gate_proj", others=("up_proj",), attention=False))
 
 
 def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
                        checkpointed: bool = False) -> list[dict[str, int]]:
-    """The end of the attention's first input projection's backward (``q_proj``, GPT-NeoX's fused
-    ``query_key_value``: :data:`_INPUT_PROJECTIONS`; derivatives.yaml ``mm``: ``grad @ weight`` and
-    ``x.T @ grad``, ``addmm``'s bias gradient ``sum_to`` in the engine's ``validate_outputs``). Every block
-    gradient but the input norm's exists (the projection's is new: ``accum_new_gradients`` beside its .grad
-    from a second micro-batch); of the block's activations only the input norm's remain (the attention's
-    backward ran: a first block's rope freed the shared cos/sin, unless the block is checkpointed: the
-    non-reentrant checkpoint's frame keeps its inputs until the norm's saved tensors are unpacked,
-    torch/utils/checkpoint.py ``_checkpoint_hook``). Alive besides, in one dtype: the residual gradient,
-    the norm output's gradient summed so far from v and k (``InputBuffer::accumulate``,
-    torch/csrc/autograd/input_buffer.cpp), the projection's output gradient made contiguous for the view's
-    backward (B·S·A·hd, GPT-NeoX's B·S·3H) and its input gradient (B·S·H). In fp32 this is the first block's
-    top when the weights outweigh the activations (no RMSNorm casts: ``llama_norm_indices`` finds no fp32
-    moment). Under autocast (the bf16 copies ``*_cast``) the top is the weight copy's ToCopyBackward0 after
-    the projection's node released its saved copies (:func:`_cast_weight_moment`)."""
-    grads = [i for i in block if i.category is Category.GRADIENT]
-    for proj in _INPUT_PROJECTIONS:
-        q = [i for i in grads if f".{proj.attention}.{proj.last}." in i.name]
-        first = next((k for k, i in enumerate(acts) if _child(i.name) == proj.attention), None)
-        if q and first and all(any(f".{proj.attention}.{p}." in i.name for i in grads) for p in proj.others):
-            break
-    else:
-        return []
-    cast = [i for i in acts if f".{proj.attention}.{proj.last}." in i.name and i.name.endswith("_cast")]
-    weight = next((i for i in q if i.shape is not None and len(i.shape) == 2), None)
-    if weight is None or any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
+    """The end of a child's first input projection's backward (``q_proj``, GPT-NeoX's fused
+    ``query_key_value``, a gated MLP's ``gate_proj``: :data:`_INPUT_PROJECTIONS`; derivatives.yaml ``mm``:
+    ``grad @ weight`` and ``x.T @ grad``, ``addmm``'s bias gradient ``sum_to`` in the engine's
+    ``validate_outputs``). The gradients of the child and of every child after it exist (the projection's
+    is new: ``accum_new_gradients`` beside its .grad from a second micro-batch); of the block's activations
+    those from the child on were freed (after the attention's backward a first block's rope freed the shared
+    cos/sin, unless the block is checkpointed: the non-reentrant checkpoint's frame keeps its inputs until
+    the norm's saved tensors are unpacked, torch/utils/checkpoint.py ``_checkpoint_hook``). Alive besides, in
+    one dtype: the residual gradient, the norm output's gradient summed so far from the others (v and k:
+    ``InputBuffer::accumulate``, torch/csrc/autograd/input_buffer.cpp), the projection's output gradient
+    (made contiguous for q's view backward: B·S·A·hd, GPT-NeoX's B·S·3H, gate's B·S·F) and its input gradient
+    (B·S·H). In fp32 q_proj's is the first block's top when the weights outweigh the activations (no RMSNorm
+    casts: ``llama_norm_indices`` finds no fp32 moment). Under autocast (the bf16 copies ``*_cast``) the top
+    is the weight copy's ToCopyBackward0 after the projection's node released its saved copies
+    (:func:`_cast_weight_moment`)."""
+    if any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
         return []  # checked on one device and data parallel: not with flat (FSDP, ZeRO) or TP/CP-cut tensors
-    norm = _child(acts[first - 1].name)  # the input norm, whose saved tensors come right before
-    at = {"block_gradients": sum(i.bytes for i in grads if _child(i.name) != norm),
-          "accum_new_gradients": sum(i.bytes for i in q),
-          "freed_activations": sum(i.bytes for i in acts[first:]), "after_attention": int(not checkpointed)}
-    if cast:
-        # the norm output's gradient (the residual stream's shape and dtype: fp32, as the norm runs in it),
-        # summed from each projection's input copy's ToCopyBackward0; the projection's bias not cast yet
-        new, work = _cast_weight_moment(cast, q, weight)
-        return [{**at, "block_gradients": at["block_gradients"] - sum(i.bytes for i in q) + new,
-                 "accum_new_gradients": new, "work": 2 * residual_bytes + work}]
-    x = acts[first - 1]  # its output: the projections' input (B, S, H)
-    if not x.shape or weight.shape[1] != x.shape[-1] or any(i.name.endswith("_cast") for i in acts
-                                                              if _child(i.name) == proj.attention):
-        return []
-    q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
-    if checkpointed:  # the bias gradient is made after the node freed its recomputed input (_gated_mlp)
-        at["block_gradients"] -= sum(i.bytes for i in q) - weight.bytes
-    return [{**at, "work": residual_bytes + (1 + bool(proj.others)) * x.bytes + q_out}]
+    grads = [i for i in block if i.category is Category.GRADIENT]
+    out = []
+    for proj in _INPUT_PROJECTIONS:
+        q = [i for i in grads if f".{proj.child}.{proj.last}." in i.name]
+        first = next((k for k, i in enumerate(acts) if _child(i.name) == proj.child), None)
+        weight = next((i for i in q if i.shape is not None and len(i.shape) == 2), None)
+        if weight is None or not first or \
+                not all(any(f".{proj.child}.{p}." in i.name for i in grads) for p in proj.others):
+            continue
+        children = {_child(i.name) for i in acts[first:]}
+        at = {"block_gradients": sum(i.bytes for i in grads if _child(i.name) in children),
+              "accum_new_gradients": sum(i.bytes for i in q), "freed_activations": sum(i.bytes for i in acts[first:]),
+              "after_attention": int(proj.attention and not checkpointed)}
+        cast = [i for i in acts if f".{proj.child}.{proj.last}." in i.name and i.name.endswith("_cast")]
+        x = acts[first - 1]  # the norm's output, the projections' input (B, S, H), in one dtype
+        if cast:
+            # the norm output's gradient (the residual stream's shape and dtype: fp32, as the norm runs in it),
+            # summed from each projection's input copy's ToCopyBackward0; the projection's bias not cast yet
+            new, work = _cast_weight_moment(cast, q, weight)
+            out.append({**at, "block_gradients": at["block_gradients"] - sum(i.bytes for i in q) + new,
+                        "accum_new_gradients": new, "work": 2 * residual_bytes + work})
+        elif x.shape and weight.shape[1] == x.shape[-1] and \
+                not any(i.name.endswith("_cast") for i in acts if _child(i.name) == proj.child):
+            if checkpointed:  # the bias gradient is made after the node freed its recomputed input (_gated_mlp)
+                at["block_gradients"] -= sum(i.bytes for i in q) - weight.bytes
+            q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
+            out.append({**at, "work": residual_bytes + (1 + bool(proj.others)) * x.bytes + q_out})
+    return out
 
 
 def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight: MemoryItem) -> tuple[int, int]:
