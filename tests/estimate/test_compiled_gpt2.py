@@ -60,6 +60,7 @@ def test_bf16_whole_model_exact():
     block = 2 * (256 + 256 + 16384) + 49152 + 3 * 16384 + 2048 + 16384 + 2 * 65536
     head = 1024 + 512 + (16384 + 8192) + 16384 + (16384 + 256 + 256 + 16384) + 256000 + LOSS
     assert _saved(GPT2, "bf16") == (2 * block + head, 42)  # 897044, the trace's and the real step's
+    assert _saved(GPT2, "fp16") == (2 * block + head, 42)  # the trace's too (fp16 B=3 S=40 per block: slow)
 
 
 def test_per_block_exact():
@@ -131,7 +132,7 @@ def test_the_cuda_norm_statistics_are_fp32():
 @pytest.mark.parametrize("change, field", [
     (dict(config=dict(GPT2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)), "dropout=0.1"),  # HF's default
     (dict(impl=dict(recompute="op", compile_scope="block")), "recompute='op'"),
-    (dict(precision="fp16"), "precision='fp16'"),
+    (dict(precision="mixed-bf16", impl=dict(compile_scope="block")), "precision='mixed-bf16'"),
     (dict(precision="amp-bf16"), "precision='amp-bf16'"),  # whole-model autocast: per block only
     (dict(impl=dict(attention="eager")), "attention='eager'"),
     (dict(parallel=ParallelSpec(tp=2)), "parallel"),
@@ -199,7 +200,11 @@ def test_per_tensor_against_a_real_compiled_step(config, precision, scope, recom
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, precision, scope, recompute, batch, seq", [
-    CASES[4], (WIDE, "fp32", "model", "none", 2, 64), (WIDE, "bf16", "model", "none", 4, 128)])
+    CASES[4], (WIDE, "fp32", "model", "none", 2, 64), (WIDE, "bf16", "model", "none", 4, 128),
+    (GPT2, "fp16", "block-loss", "none", 3, 40),
+    # 12 blocks, GPT-2 small's depth: each block compiled (trace/compiled.py lifts Dynamo's recompile limit of 8,
+    # which the DynamicCache's per-layer guard would reach: the last 4 blocks ran eager, 786432 B more)
+    (dict(GPT2, n_layer=12), "bf16", "block", "none", 2, 64)])
 def test_estimate_equals_the_compiled_trace(config, precision, scope, recompute, batch, seq):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
@@ -212,20 +217,22 @@ def test_estimate_equals_the_compiled_trace(config, precision, scope, recompute,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, scope, recompute, under", [
-    ("bf16", "model", "none", 0), ("amp-bf16", "block", "none", 0),  # 3553800 and 5298696 B
-    # fp32: the trace peaks inside the compiled loss's forward (the logits, logits - max and its exp: three
-    # fp32 B*S*V, and the labels' copies) at 5548048 B, 2056 above the loss backward the estimate models
-    # (ratio 0.9996); Llama's block-loss has the same gap (5460296 against 5462352)
-    ("fp32", "model", "none", 2056)])
-def test_peak_against_the_trace(precision, scope, recompute, under):
+@pytest.mark.parametrize("precision, scope, recompute, exact", [
+    ("bf16", "model", "none", True), ("amp-bf16", "block", "none", True),  # 3553800 and 5298696 B
+    # fp32: the trace peaks inside the compiled loss's forward (the logits, logits - max and its exp: three fp32
+    # B*S*V, and the labels' copies) at 5548048 B, a little above the loss backward the estimate models (2056 B
+    # at be3e022, 1544 B once peak.py's compiled-loss moments moved); Llama's fp32 block-loss, whose loss is the
+    # same region, has the same gap (5460808 against 5462352)
+    ("fp32", "model", "none", False)])
+def test_peak_against_the_trace(precision, scope, recompute, exact):
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
     step, impl = StepSpec(batch=2, seq=64, precision=precision), ImplSpec(device="cpu", compile=True,
                                                                           compile_scope=scope, recompute=recompute)
     est = estimate(spec_from_hf_config(GPT2), step, impl).peak_bytes
-    assert trace_step(GPT2, step, impl).peak_logical_bytes - est == under
+    traced = trace_step(GPT2, step, impl).peak_logical_bytes
+    assert est == traced if exact else 0 <= traced - est < traced / 1000
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ final norm's mean and rstd (its input is recomputed with the last block) and its
 as the Llama rules (``rules_compiled._checkpointed_block``). Each recomputed SDPA also replays a CPU
 generator state (5056 B of host memory, left out as in the Llama rules).
 
-Checked (``tests/estimate/test_compiled_gpt2.py``): dropout 0.0 (nanoGPT's); fp32 and bf16 under every
+Checked (``tests/estimate/test_compiled_gpt2.py``): dropout 0.0 (nanoGPT's); fp32, bf16 and fp16 under every
 scope, amp-bf16 per block; --recompute none and full; the SDPA kernel. Dropout above 0 is refused in
 ``rules_compiled.check_compiled``: on CPU inductor's ``replace_random_passes`` keeps a bool mask per
 dropout and SDPA with dropout decomposes into its math ops (scores, softmax statistics, a
@@ -61,8 +61,8 @@ def refusals(ctx: Ctx) -> list[tuple[str, object, bool, str]]:
     return [
         ("recompute", impl.recompute, impl.recompute not in ("none", "full"),
          "GPT-2's compiled rules cover --recompute none and full"),
-        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "amp-bf16"),
-         "GPT-2's compiled rules cover fp32, bf16, and amp-bf16 per block"),
+        ("precision", step.precision, step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16"),
+         "GPT-2's compiled rules cover fp32, bf16, fp16, and amp-bf16 per block"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient"),
          "GPT-2's compiled rules need a fused SDPA kernel (sdpa, flash, mem-efficient)"),
         ("activation", m.activation, m.activation != "gelu_tanh", "GPT-2's compiled rules cover gelu_new"),

@@ -191,6 +191,11 @@ def compile_model(model, impl):
     record.scope = scope = getattr(impl, "compile_scope", "model")
     if scope in ("block", "block-loss"):
         record.blocks = _compile_blocks(model, lambda block: torch.compile(block, backend=backend, dynamic=False))
+        # transformers' blocks read their DynamicCache layer by index (cache_utils.py DynamicLayer.update:
+        # `if not self.is_initialized`), a guard per block: one recompile each, and past Dynamo's recompile_limit
+        # (8) the later blocks would run eager, which no per-block recipe does (torchtitan's and torchtune's
+        # blocks have no cache: every block compiled)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(record.blocks))
         if scope == "block-loss":  # torchtune's compile_loss: the loss function compiled alone
             # transformers' PreTrainedModel.loss_function (a property over _loss_function); under peft
             # the wrapped model's
