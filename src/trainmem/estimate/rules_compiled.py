@@ -91,7 +91,8 @@ def check_compiled(ctx: Ctx) -> None:
          "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
         # before the kernel: dropout turns SDPA into its math ops (GPT-2, CPU: a bool mask per dropout kept too)
         ("dropout", max(m.attn_dropout, m.hidden_dropout), m.attn_dropout > 0 or m.hidden_dropout > 0,
-         "compiled rules have no dropout (nanoGPT's dropout=0.0; docs/compile.md)"),
+         "compiled rules have no dropout (nanoGPT's 0.0: --model a config.json with its dropout keys at 0.0; "
+         "docs/compile.md)"),
         ("attention", impl.attention, resolve_kernel(ctx) not in ("flash", "efficient") and not (
             resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 or fp32 "
