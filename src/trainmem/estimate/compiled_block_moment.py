@@ -15,10 +15,13 @@ after its last use. After down_proj's backward (its weight gradient; the product
   product). In fp32 this moment is lower than the first (no upcast) and is not counted.
 
 Beside both: the residual stream's gradient; the block's output (the next block's input, or the final norm's)
-was freed by that reader's backward; and two zero-filled k-shaped buffers (B·Akv·S·hd each) the backward graph
-makes at its start and frees at the block's attention backward, read off the trace (their shape and lifetime
-are the rotary slices' of k; with one graph for the whole model, every block's pair is made when the graph
-starts, so block ``i``'s moment holds ``i + 1`` pairs).
+was freed by that reader's backward; and the zero-filled tangents of the graph's outputs the loss does not
+read: without checkpointing transformers keeps the KV cache (``use_cache``, the config's default; checkpointing
+turns it off), so each block's graph returns its roped k and its v, and their gradients, never made, are
+materialized as zeros when the backward starts (``torch/autograd/function.py`` ``set_materialize_grads``,
+default on, for the compiled ``autograd.Function``), B·Akv·S·hd each, freed once the attention's backward adds
+its gradients to them. With one graph for the whole model every block's pair is made when that graph's
+backward starts (:func:`cache_tangents`), and the logits' tangent too (``estimate/compiled_ce_loss.py``).
 
 Checked against the trace (``trace/compiled.py``, the same partitioned graphs run op by op, no fusion): tiny
 Llama (H 64, F 176, 4/2 heads, 4 blocks, V 32, untied), B 2 S 64, AdamW: estimate = trace, whole-model bf16
@@ -30,19 +33,21 @@ precision is read (``compiled_recompute._llama_compiled``); autocast, other acti
 
 from __future__ import annotations
 
-from trainmem.inventory import Category, MemoryItem, dtype_bytes
+from trainmem.estimate.block_backward import block_items
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import split_block
 
-__all__ = ["uncheckpointed_moments"]
+__all__ = ["uncheckpointed_moments", "cache_tangents", "block_grads"]
 
 _FP32 = dtype_bytes("float32")
+_CACHE = ("self_attn.k_rope", "self_attn.v_proj.out")  # what transformers' DynamicCache holds of a compiled block
 
 
 def uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, *,
-                           zero_pairs: int) -> list[dict[str, int]]:
+                           tangents: int) -> list[dict[str, int]]:
     """The MLP moments (dicts as ``compiled_checkpoint_moments`` returns) of a compiled Llama block whose saved
     set, by path inside the block, is ``kept``; ``grads``: down_proj's and up_proj's weight gradient bytes;
-    ``zero_pairs``: the blocks whose zero-filled k-shaped pair is alive (1 per block, the block index + 1 in one
-    graph)."""
+    ``tangents``: the zero-filled tangents alive (:func:`cache_tangents`)."""
     gate, up, prod = kept["mlp.gate_proj.out"], kept["mlp.up_proj.out"], kept["mlp.act_mul_up"]
     a = dtype_bytes(gate.dtype)
     out = kept["input_layernorm.out"]
@@ -51,22 +56,33 @@ def uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, int], r
     gate32 = gate.bytes // a * _FP32  # B·S·F in fp32
     # the gate's fp32 copy (16-bit: the 16-bit gate is freed; fp32: the gate is it)
     copy, copied = (gate32, gate.bytes) if a < _FP32 else (0, 0)
-    zeros = 2 * zero_pairs * kept["self_attn.k_rope"].bytes
     block_out = kept["residual_mlp"].bytes if "residual_mlp" in kept else 0
     freed = prod.bytes + block_out + copied
     moments = [{"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
                 "freed_activations": freed, "after_attention": 0,
-                "work": residual_bytes + prod.bytes + 2 * gate32 + copy + zeros}]
+                "work": residual_bytes + prod.bytes + 2 * gate32 + copy + tangents}]
     if a < _FP32:
         up_dx = residual_bytes  # up_proj's input gradient, B·S·H in the block's dtype
         moments.append({"block_gradients": grads["down_proj"] + grads["up_proj"],
                         "new_gradients": grads["down_proj"] + grads["up_proj"],
                         "freed_activations": freed + up.bytes, "after_attention": 0,
-                        "work": residual_bytes + up_dx + copy + 3 * gate32 + zeros})
+                        "work": residual_bytes + up_dx + copy + 3 * gate32 + tangents})
     return moments
+
+
+def cache_tangents(items: "Inventory | list[MemoryItem]", blocks: "range | tuple[int, ...]") -> int:
+    """The zero-filled tangents of the KV cache entries (each block's roped k and its v, kept without
+    checkpointing: compiled names ``self_attn.k_rope``, ``self_attn.v_proj.out``) of ``blocks``."""
+    return sum(i.bytes for b in blocks for i in block_items(items, b) if i.category is Category.ACTIVATION
+               and _inner(i.name) in _CACHE)
 
 
 def block_grads(block: list[MemoryItem]) -> dict[str, int]:
     """down_proj's and up_proj's weight gradient bytes among a block's items."""
     return {c: sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{c}." in i.name)
             for c in ("down_proj", "up_proj")}
+
+
+def _inner(name: str) -> str:
+    parts = split_block(name)
+    return parts[2] if parts else name

@@ -63,7 +63,7 @@ Known limitations:
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
-from trainmem.estimate.compiled_block_moment import block_grads, uncheckpointed_moments
+from trainmem.estimate.compiled_block_moment import block_grads, cache_tangents, uncheckpointed_moments
 from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
@@ -113,10 +113,10 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
             return []
         own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
         if activation != "swiglu" or unit_offset_norm or not _llama_compiled(own) or "self_attn.k_rope" not in own:
-            return []  # the zero-filled pairs are read off the roped k (Float8's layout, say, has none: not checked)
-        # one graph: the pairs of every block up to this one (the later ones' were freed by their attention)
-        pairs = sum(1 for d in range(last + 1) if block_items(items, d)) if one_graph else 1
-        return uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes, zero_pairs=pairs)
+            return []  # the cache tangents are the roped k and v (Float8's layout, say, has none: not checked)
+        # one graph: the cache tangents of every block up to this one (the later ones' were read by their attention)
+        tangents = cache_tangents(items, range(last + 1) if one_graph else (last,))
+        return uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes, tangents=tangents)
     if activation not in _ACTIVATIONS:
         return []
     if eager_set:

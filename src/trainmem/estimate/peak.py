@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import final_norm_moment, norm_backward_parts
-from trainmem.estimate.compiled_ce_loss import compiled_ce_backward
+from trainmem.estimate.compiled_ce_loss import compiled_ce_backward, graph_tangents
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
@@ -106,15 +106,16 @@ class LayerStats:
                 self.largest[li] = max(self.largest.get(li, 0), it.bytes)
             elif is_head(it.name):
                 self.head_act += it.bytes
-                if it.name.startswith("loss."):
+                name = it.name.removeprefix("lm_head.")  # whole-model compile's loss (rules_compiled.py _head_and_loss)
+                if name.startswith("loss."):
                     self.loss_act += it.bytes
-                    if it.name == "loss.value":
+                    if name == "loss.value":
                         self.loss_value += it.bytes
-                    elif it.name in ("loss.total_weight", "loss.nll_loss_forward") or it.dtype == "int64":
+                    elif name in ("loss.total_weight", "loss.nll_loss_forward") or it.dtype == "int64":
                         self.nll_saved += it.bytes  # --profile traced: the target by its op, loss.clone
-                    elif it.name == "loss.logsumexp":  # a compiled ForCausalLMLoss (estimate/compiled_ce_loss.py)
+                    elif name == "loss.logsumexp":  # a compiled ForCausalLMLoss (estimate/compiled_ce_loss.py)
                         self.compiled_ce = True
-                    elif it.name.startswith(AUX_LOSS):
+                    elif name.startswith(AUX_LOSS):
                         self.aux_saved += it.bytes
                         layer = it.name.rpartition("probs_layer")[2]
                         if layer.isdigit():
@@ -265,9 +266,13 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         # (torch/csrc/autograd/engine.cpp, Node::release_variables after call_function); the seed
         # gradient of the loss (torch/autograd/__init__.py _make_grads: ones_like) is alive
         # compiled, the recomputed fp32 log-softmax's first step, its logits input freed (estimate/compiled_ce_loss.py)
-        ce = (0 if logits_held else logits, compiled_ce_backward(BSV)) if st.compiled_ce else (0, int(2 * BSV * lb))
+        held = 0 if logits_held else logits
+        ce = (held, compiled_ce_backward(BSV, held, B * S)) if st.compiled_ce else (0, int(2 * BSV * lb))
         add("backward_start", {"gradients": g_acc, "activations": A - st.nll_saved - st.aux_saved - ce[0],
                                "logits_grad": ce[1], "loss_seed": lb if st.nll_saved else 0,
+                               # one graph: its outputs' zero-filled tangents (estimate/compiled_ce_loss.py)
+                               "zero_tangents": graph_tangents(items, logits) if st.compiled_ce and (
+                                   block_math or {}).get("one_graph") else 0,
                                "router_logits_grad": sum(router_grads.values())},
             f"loss backward: activations + grad of the log-softmax output and of the logits (2·B·S·V·{lb:g})")
     elif loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
