@@ -40,6 +40,13 @@ scope, amp-bf16 per block; --recompute none and full; the SDPA kernel. Dropout a
 ``rules_compiled.check_compiled``: on CPU inductor's ``replace_random_passes`` keeps a bool mask per
 dropout and SDPA with dropout decomposes into its math ops (scores, softmax statistics, a
 B·A·S·S mask), a different saved set (docs/compile.md).
+
+Known limitations:
+  - Checked on CPU kernels only (the tracer runs them whatever ``--device``): on CUDA the norms' 16-bit
+    mean and rstd are fp32 by the decomposition's source, not traced; the k/v copies and the min-cut's
+    choices are assumed to carry over, and the CUDA SDPA kernels keep their own log-sum-exp layout.
+  - The first norm's choice (:func:`_embeddings_kept`) uses the distances read from one graph; near its
+    threshold (B=2, H about 346) the int truncations of the real weights may tip it the other way.
 """
 
 from __future__ import annotations
