@@ -38,13 +38,39 @@ def test_the_eager_set_reads_as_the_compiled_set_without_fine_tuning(precision):
                                                       compile_scope="block"), kv_cache=False)
     eager = activation_inventory(m, step, ImplSpec(device="cpu", attention="sdpa"), kv_cache=False)
     residual = 2 * 64 * 64 * dtype_bytes(step.dtypes.compute)  # B·S·H
-
-    def added(moments, plain, li):
-        return [recompute_per_layer(kept, plain)[li][0] - w["freed_activations"] + w["work"] + w["block_gradients"]
-                for w in moments]
     for li in (0, 1):
-        on_compiled = added(compiled_checkpoint_moments(kept, li, residual, compiled), compiled, li)
-        on_eager = added(finetune_checkpoint_moments(kept, li, residual, eager, act_held=1, act_work=3), eager, li)
+        on_compiled = _added(kept, compiled, li, compiled_checkpoint_moments(kept, li, residual, compiled))
+        on_eager = _added(kept, eager, li, finetune_checkpoint_moments(kept, li, residual, eager, act_held=1,
+                                                                       act_work=3))
+        assert len(on_eager) == 2 and on_eager == on_compiled
+
+
+def _added(kept, plain, li, moments):
+    """What each moment adds to the phase beyond what it holds outside the block (peak.phases' arithmetic)."""
+    return [recompute_per_layer(kept, plain)[li][0] - w["freed_activations"] + w["work"] + w["block_gradients"]
+            for w in moments]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gemmas_eager_set_reads_as_its_compiled_set(precision):
+    # GELU-tanh (four fp32 B·S·F held, two written at once) and GemmaRMSNorm (its fp32 normalized product and
+    # 1 + weight, in the eager set itself): the compiled set's reading (compiled_recompute.py, == trace) again
+    from trainmem.estimate.compiled_recompute import _ACTIVATIONS
+    gemma = dict(model_type="gemma", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=16, vocab_size=128, max_position_embeddings=256,
+                 tie_word_embeddings=True)
+    m, step = spec_from_hf_config(gemma), _step(precision)
+    kept = model_state_inventory(m, step, "hf") + activation_inventory(m, step, FULL_BLOCK)
+    compiled = activation_inventory(m, step, ImplSpec(device="cpu", attention="sdpa", compile=True,
+                                                      compile_scope="block"), kv_cache=False)
+    eager = activation_inventory(m, step, ImplSpec(device="cpu", attention="sdpa"), kv_cache=False)
+    residual = 2 * 64 * 64 * dtype_bytes(step.dtypes.compute)
+    held, work = _ACTIVATIONS["geglu"]
+    for li in (0, 1):
+        on_compiled = _added(kept, compiled, li, compiled_checkpoint_moments(
+            kept, li, residual, compiled, activation="geglu", unit_offset_norm=True))
+        on_eager = _added(kept, eager, li, finetune_checkpoint_moments(kept, li, residual, eager, act_held=held,
+                                                                       act_work=work))
         assert len(on_eager) == 2 and on_eager == on_compiled
 
 

@@ -104,7 +104,7 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     other gets no moment); ``unit_offset_norm``: Gemma's RMSNorm, which holds its normalized product in fp32
     and ``1 + weight`` (fp32, H) for its backward (``GemmaRMSNorm.forward``: the weight applied before the cast).
     ``eager_set``: the blocks are compiled and ``recomputed`` is their eager set (fine-tuning:
-    estimate/compiled_finetune_moment.py, a Llama block with SiLU and a plain RMSNorm only). Without
+    estimate/compiled_finetune_moment.py). Without
     ``recomputed`` (no checkpointing) and with ``uncheckpointed`` (one device, where it is checked), a compiled
     Llama block's own moments (estimate/compiled_block_moment.py; ``one_graph``: whole-model compile, one
     backward graph for every block)."""
@@ -119,10 +119,9 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
         return uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes, tangents=tangents)
     if activation not in _ACTIVATIONS:
         return []
-    if eager_set:
-        return [] if unit_offset_norm or activation != "swiglu" else finetune_checkpoint_moments(
-            items, last, residual_bytes, recomputed, act_held=_ACTIVATIONS[activation][0],
-            act_work=_ACTIVATIONS[activation][1])
+    if eager_set:  # the eager set holds Gemma's fp32 normalized product and 1 + weight itself
+        return finetune_checkpoint_moments(items, last, residual_bytes, recomputed,
+                                           act_held=_ACTIVATIONS[activation][0], act_work=_ACTIVATIONS[activation][1])
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
     if not _llama_compiled(kept):
         return []
