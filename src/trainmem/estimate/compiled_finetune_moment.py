@@ -47,8 +47,9 @@ input (``_held_now``); the bf16 weight copies are held until their linear's inpu
 1,199,944 B = trace less the ids (0.900 before). Read on the eager set without fine-tuning, both moments equal
 ``compiled_recompute.py``'s on the compiled set in fp32, bf16, fp16 and amp-bf16.
 
-Known limitations: only the Llama block with SiLU and a plain RMSNorm is read (Gemma's norm, another
-activation: no moment, the working set alone stands, as before); the attention's and norms' backward
+Known limitations: only a Llama-style block is read, with the activations of ``compiled_recompute._ACTIVATIONS``
+(Gemma's GELU-tanh and norm read off its eager set equal the compiled set's reading, though compiled Gemma
+refuses fine-tuning for now); the attention's and norms' backward
 moments are not modelled (lower where traced); one device only (``peak.phases`` gets the flag from
 ``estimate/__init__.py`` alone).
 """
