@@ -127,11 +127,13 @@ def test_what_the_3d_trace_does_not_run_is_one_line(capsys, tmp_path, argv, word
     assert rc == 2 and out == "" and err.count("\n") == 1 and words in err, err
 
 
-# (schedule, rank, precision, dp): estimate / trace step peak (logical bytes), measured; tp 2 with SP, pp 2
+# (schedule, rank, precision, dp): estimate / trace step peak (logical bytes), measured; tp 2 with SP, pp 2.
+# The trace's stages hold no KV cache (trace/parallel_pp.py, as torchtitan's; tests/trace/test_trace_3d_real.py),
+# the estimate still counts its zero tangents (cache_tangents): before that fix 0.9960, 0.8835, 1.0995, 0.9422, 1.0227
 PEAK_RATIO = {
-    ("gpipe", 0, "fp32", 1): 0.9960, ("gpipe", 1, "fp32", 1): 1.0328,
-    ("1f1b", 0, "bf16", 1): 0.8835, ("1f1b", 1, "bf16", 1): 1.0995,
-    ("1f1b", 0, "fp32", 2): 0.9422, ("1f1b", 1, "fp32", 2): 1.0227,
+    ("gpipe", 0, "fp32", 1): 1.0011, ("gpipe", 1, "fp32", 1): 1.0328,
+    ("1f1b", 0, "bf16", 1): 0.9010, ("1f1b", 1, "bf16", 1): 1.1163,
+    ("1f1b", 0, "fp32", 2): 0.9633, ("1f1b", 1, "fp32", 2): 1.0504,
 }
 
 

@@ -283,7 +283,12 @@ def _stage_class():
             if self._sp_mesh is not None and not self._first:  # TP+SP: the received local S/tp tokens
                 from torch.distributed.tensor import DTensor, Shard
                 x = DTensor.from_local(x, self._sp_mesh, [Shard(1)], run_check=False)
-            out = self.model(input_ids=x) if self._first else self.model(inputs_embeds=x)
+            # no KV cache: torchtitan's stage models have none, and with transformers' default (config.use_cache)
+            # each block would hand its K/V to a DynamicCache, which under --compile makes them graph outputs whose
+            # gradients AOTAutograd materializes as zeros in backward (measured against the real run,
+            # tests/trace/test_trace_3d_real.py)
+            out = (self.model(input_ids=x, use_cache=False) if self._first
+                   else self.model(inputs_embeds=x, use_cache=False))
             h = out.last_hidden_state
             if self.lm_head is not None:
                 return self.lm_head(h)
