@@ -87,8 +87,8 @@ def _module_at(model, name: str):
 
 def _apply_tp(model, mesh, sp: bool, loss_parallel: bool = True, parts: dict = HF_PARTS) -> None:
     """torchtitan's Llama plan on Hugging Face module names (``parts``: where the embedding, final norm,
-    output layer and blocks are; a pipeline stage lacks some, and its plan their entries, as torchtitan's
-    ``apply_tp`` runs on each stage model, whose missing parts are None); with ``sp`` the residual stream is
+    output layer and blocks are; a pipeline stage lacks some, whose entries are left out of the plan: torchtitan
+    runs ``apply_tp`` on each stage model, its missing parts None); with ``sp`` the residual stream is
     a DTensor sharded over the sequence (dim 1) and norms run on the local tokens. With
     ``loss_parallel`` the logits stay vocab-sharded for a vocab-parallel loss (torchtitan's
     default); without, they are all-gathered to the full vocabulary, a plain tensor on every rank
