@@ -1,6 +1,7 @@
 """Eager backward moments of LayerNorm/GELU blocks and of autocast's weight casts (estimate/block_backward.py,
 issue 13): GPT-NeoX's MLP (dense_h_to_4h, exact GELU, dense_4h_to_h) and fused query_key_value, its parallel
-residual under autocast, and the input projection's weight-cast moment of a Llama block under autocast.
+residual under autocast, the input projections' weight-cast moments of a Llama block under autocast, GPT-2's
+MLP under autocast, and a checkpointed block's kept output.
 
 Before, the tiny GPT-NeoX below (h128, F512, 2 layers, V128, SGD, B 1-2, S 32-96) read estimate/trace
 0.92-0.99 (eager, fp32 / bf16 / amp-bf16, recompute none / full) and the tiny Llama (h512, 2 layers, V128)
@@ -21,6 +22,7 @@ NEOX = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_h
             num_attention_heads=4, vocab_size=128, max_position_embeddings=512)
 LLAMA = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+GPT2 = dict(model_type="gpt2", n_embd=128, n_layer=2, n_head=4, vocab_size=128, n_positions=512)
 H, F = 128, 512
 R = 96 * H * 4  # B 1, S 96: the residual stream's gradient, fp32 (49,152 B)
 
@@ -89,8 +91,42 @@ def test_llama_autocast_projection_casts_as_integers():
     assert gate["block_gradients"] == 3 * 1024 * 512 * 4 and gate["after_attention"] == 0
 
 
+def test_gpt2_autocast_c_proj_cast_bias_first():
+    """GPT-2 amp-bf16 (B 1, S 64): c_proj's ``torch.addmm(bias, x, weight)`` casts its bias copy back before
+    its weight copy (the traces' order: the autocast wrapper's argument order), so at the weight's cast the
+    fp32 bias gradient exists and the bf16 one was freed; the product moment is read past the bf16 copies."""
+    e = estimate(spec_from_hf_config(GPT2), StepSpec(batch=1, seq=64, precision="amp-bf16", optimizer="sgd"),
+                 ImplSpec(attention="sdpa", device="cpu"))
+    r = 64 * H * 4  # 32,768 B
+    prod, cast = norm_backward_parts(e.inventory, 1, r)
+    assert prod["work"] == r + 3 * 64 * F * 2  # c_proj's input gradient and the product's two, bf16
+    # the new fp32 weight and bias gradients; the bf16 weight gradient (F·H·2) and c_proj's input gradient
+    assert cast == {"block_gradients": F * H * 4 + H * 4, "new_gradients": F * H * 4 + H * 4,
+                    "freed_activations": prod["freed_activations"], "after_attention": 0,
+                    "work": r + F * H * 2 + 64 * F * 2}
+
+
+def test_checkpointed_first_block_frees_its_kept_output():
+    """--recompute full, Llama bf16, 2 blocks (B 1, S 32): block 0 keeps its output (32·512·2 B) as block 1's
+    checkpoint input, which its recomputation does not make (block 1's RMSNorm saves its own fp32 copy);
+    block 1's first node released it, so every moment of block 0 has it freed. The checkpoint's frame still
+    holds the rotary cos/sin at the input norm's moment (was 16,128 B over the trace: 32,768 B kept, 16,640 B
+    of cos/sin and position ids freed)."""
+    from trainmem.estimate.activations import activation_inventory
+
+    step = StepSpec(batch=1, seq=32, precision="bf16", optimizer="sgd")
+    model = spec_from_hf_config(LLAMA)
+    e = estimate(model, step, ImplSpec(attention="sdpa", device="cpu", recompute="full"))
+    plain = activation_inventory(model, step, ImplSpec(attention="sdpa", device="cpu"), kv_cache=False)
+    with_rec = norm_backward_parts(e.inventory, 0, 32 * 512 * 2, plain)
+    eager = norm_backward_parts(estimate(model, step, ImplSpec(attention="sdpa", device="cpu")).inventory, 0,
+                                32 * 512 * 2)
+    assert [m["freed_activations"] - n["freed_activations"] for m, n in zip(with_rec, eager)] == [32 * 512 * 2] * 6
+    assert with_rec[-2]["after_attention"] == 0 and eager[-2]["after_attention"] == 1  # the input norm's
+
+
 #: (config, precision, batch, seq, recompute, the trace's top): each new moment as the step's top, and how
-#: far under the trace the estimate was before (B)
+#: far under (or over) the trace the estimate was before (B)
 CASES = [
     (NEOX, "fp32", 1, 96, "none", "gpt_neox.layers.0.post_mlp_dropout"),  # dense_4h_to_h's end: 151,560
     (NEOX, "fp32", 1, 96, "full", "gpt_neox.layers.0.mlp.act"),  # GELU, the recomputed qkv output: 311,816
@@ -108,6 +144,15 @@ CASES = [
     (LLAMA, "amp-bf16", 2, 64, "none", "model.layers.0.mlp.gate_proj"),  # gate_proj's cast: 1,048,576
     (LLAMA, "amp-bf16", 2, 96, "full", "model.layers.0.mlp.gate_proj"),  # 524,288
     ({**LLAMA, "model_type": "qwen2"}, "amp-bf16", 2, 96, "none", "model.layers.0.mlp.gate_proj"),  # 524,288
+    # GPT-2 under autocast and full recompute: its gelu_new product's moment with the bf16 copies (read without
+    # them) and c_proj's weight cast, bias cast first (Conv1D's addmm(bias, x, weight)): 164,360, 33,288
+    (GPT2, "amp-bf16", 2, 64, "full", "transformer.h.0.mlp.act"),
+    ({**GPT2, "vocab_size": 1000}, "amp-bf16", 1, 128, "full", "transformer.h.0.mlp.act"),
+    # the first block's norms under full recompute, over before (B): 262,144, 16,128, 146,688, 97,792
+    ({**LLAMA, "vocab_size": 1000}, "bf16", 1, 256, "full", "model.layers.0.post_attention_layernorm"),
+    (LLAMA, "bf16", 1, 32, "full", "model.layers.0.input_layernorm"),
+    (LLAMA, "bf16", 2, 96, "full", "model.layers.0.input_layernorm"),
+    ({**LLAMA, "model_type": "qwen2"}, "bf16", 2, 64, "full", "model.layers.0.input_layernorm"),
 ]
 
 

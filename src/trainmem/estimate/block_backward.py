@@ -62,6 +62,10 @@ class MlpNodes:
     #: (``gelu``: ``gelu_backward(grad, self, approximate)``, its output freed, its input still saved)
     act_grads: int = 2
     up: str | None = None  # the one up projection whose backward ends the MLP's, where modelled
+    #: under autocast the down projection's bias copy is cast back before its weight copy: GPT-2's Conv1D
+    #: (``torch.addmm(bias, x, weight)``); ``nn.Linear`` casts its weight's first. The casts' backward nodes
+    #: run in the order the op's autocast wrapper made them (argument order), as the traces show
+    bias_first: bool = False
 
 
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
@@ -69,7 +73,7 @@ _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama M
 _MLP_TRACED = ("gate_proj.mm", "act_fn.silu", "up_proj.mm", "mul")
 _MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, down="down_proj"),
          MlpNodes(saved=("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x", "act.out"), down="c_proj",
-                  tail=("dropout.mask",)),
+                  tail=("dropout.mask",), bias_first=True),
          # GPT-NeoX (``GPTNeoXMLP``: dense_h_to_4h, exact GELU, dense_4h_to_h)
          MlpNodes(saved=("dense_h_to_4h.out", "act.out"), down="dense_4h_to_h", act_grads=1,
                   up="dense_h_to_4h"))
@@ -99,9 +103,19 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
         out.append({"block_gradients": sum(i.bytes for i in block
                                            if i.category is Category.GRADIENT and _child(i.name) in children),
                     "freed_activations": sum(i.bytes for i in after[1:]),
-                    # the attention ran its backward: a first block's rope freed the shared cos/sin
-                    "after_attention": int(any(c not in (_child(acts[at].name), "mlp") for c in children)),
+                    # the attention ran its backward: a first block's rope freed the shared cos/sin (a
+                    # checkpointed block's frame holds them: _input_projections)
+                    "after_attention": int(not checkpointed and
+                                           any(c not in (_child(acts[at].name), "mlp") for c in children)),
                     "work": residual_bytes + FP32_NORM_TRANSIENTS * acts[at].bytes})
+    if checkpointed and last < _last_block(items):
+        # what the checkpointed block keeps that its recomputation does not make: its output, kept as the next
+        # block's checkpoint input (a 16-bit RMSNorm after it saves its own fp32 copy instead), which the next
+        # block's first node released when it unpacked it (not checked for a stage's last block, whose output
+        # a pipeline schedule holds)
+        made = {i.name for i in acts}
+        kept = sum(i.bytes for i in block if i.category is Category.ACTIVATION and i.name not in made)
+        out = [{**m, "freed_activations": m["freed_activations"] + kept} for m in out]
     return out
 
 
@@ -172,14 +186,15 @@ def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual
     return out
 
 
-def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight: MemoryItem) -> tuple[int, int]:
+def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight: MemoryItem, *,
+                        bias_first: bool = False) -> tuple[int, int]:
     """A linear's weight copy's ToCopyBackward0 under autocast, which casts the bf16 weight gradient to
     the fp32 weight's dtype while the bf16 one is alive (the linear's node released its saved copies):
-    (the new fp32 weight gradient, the bf16 weight gradient and, for an ``addmm`` with a bias, the bias's
-    bf16 gradient, whose own cast runs next, as the trace shows)."""
+    (the new fp32 gradients, the bf16 weight gradient and, for an ``addmm`` with a bias, the bias's bf16
+    gradient, whose own cast runs next; ``bias_first``: it ran before, its fp32 gradient made)."""
     copy = sum(i.bytes for i in cast if i.name.endswith(".weight_cast"))
     bias = sum(i.bytes for i in grads) - weight.bytes
-    return weight.bytes, copy + bias * copy // weight.bytes
+    return (weight.bytes + bias, copy) if bias_first else (weight.bytes, copy + bias * copy // weight.bytes)
 
 
 def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
@@ -196,7 +211,7 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     # matched without them (GPT-2's as it is)
     core = [i for i in acts if not i.name.endswith((".weight_cast", ".input_cast"))]
     for mlp in _MLPS:
-        names, seq = mlp.saved, acts if mlp.tail else core
+        names, seq = mlp.saved, core
         ends = [k for k, i in enumerate(seq) if i.name.endswith(f".mlp.{names[-1]}")]
         if ends and ends[-1] >= len(names) - 1 and \
                 [i.name.split(".mlp.", 1)[-1] for i in seq[ends[-1] + 1 - len(names):ends[-1] + 1]] == list(names):
@@ -206,7 +221,7 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     else:
         return []
     down, tail = mlp.down, mlp.tail
-    weight_copy = 0 if tail else sum(i.bytes for i in acts if i.name.endswith(f".mlp.{down}.weight_cast"))
+    weight_copy = sum(i.bytes for i in acts if i.name.endswith(f".mlp.{down}.weight_cast"))
     # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
     if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
         return []
@@ -221,8 +236,11 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
         # autocast: down_proj's MmBackward0 (AddmmBackward0) made a bf16 weight gradient (the copy's size), its
         # input gradient and, with a bias, the bias's bf16 gradient (``sum_to`` in the engine's
         # ``validate_outputs``), then released its saved copy and input (the product); then the copy's cast
-        weight = next(i for i in down_grads if i.shape is not None and len(i.shape) == 2)
-        new, work = _cast_weight_moment([i for i in acts if f".mlp.{down}." in i.name], down_grads, weight)
+        weight = next((i for i in down_grads if i.shape is not None and len(i.shape) == 2), None)
+        # (flat-sharded gradients have no weight shape: the copy's bytes alone, as before the bias was split off)
+        new, work = (_cast_weight_moment([i for i in acts if f".mlp.{down}." in i.name], down_grads, weight,
+                                         bias_first=mlp.bias_first)
+                     if weight is not None else (grads, weight_copy))
         out.append({"block_gradients": new, "new_gradients": new,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy, "after_attention": 0,
                     "work": residual_bytes + pending + work + prod.bytes})
@@ -310,6 +328,13 @@ def _child(name: str) -> str | None:
     """The block's direct child an item belongs to (``mlp`` for ``model.layers.3.mlp.up_proj.out``)."""
     parts = split_block(name)
     return parts[2].split(".", 1)[0] if parts else None
+
+
+def _last_block(items: "Inventory | list[MemoryItem]") -> int:
+    """The highest block index among ``items`` (a repeat's copies included); -1 without blocks."""
+    inv = items if isinstance(items, Inventory) else Inventory(items)
+    return max([li for li in (layer_of(i.name) for i in inv.base) if li is not None]
+               + [d for r in inv.repeats for d in r.dsts], default=-1)
 
 
 def block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[MemoryItem]:
