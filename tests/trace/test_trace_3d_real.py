@@ -35,8 +35,11 @@ position ids (HF's base-model forward, ``arange(S) + past_seen_tokens``: (S,) in
 which the real stages (ids made by the stage, torchtitan-like) do not hold. With the collector off (``gc.disable``)
 all four traces + step counters == real (GPipe 3,218,572 / 3,822,516 B, 1F1B 2,300,044 / 1,979,816 B); with a
 collection every 10 allocations GPipe reads +512 B on both ranks, 1F1B still equal; with the default thresholds
-three or all four read +512 B, run to run. Why a collection keeps them alive is not found; the compiled traces here
-run with the collector off, a deterministic figure (the eager traces equal the real peaks with it on).
+three or all four read +512 B, run to run. With it on, Dynamo traces a frame again during the recorded step's first
+forward, and one of its ``LazyCache`` objects (torch/_dynamo/variables/lazy.py) holds the ids, in a reference cycle
+that a later collection frees (seen with gc.get_referrers; why the frame is traced again, e.g. a guarded object
+collected, is not checked). The compiled traces here run with the collector off, a deterministic figure (the eager
+traces equal the real peaks with it on).
 """
 
 from __future__ import annotations
