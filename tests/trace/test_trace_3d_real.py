@@ -37,9 +37,11 @@ all four traces + step counters == real (GPipe 3,218,572 / 3,822,516 B, 1F1B 2,3
 collection every 10 allocations GPipe reads +512 B on both ranks, 1F1B still equal; with the default thresholds
 three or all four read +512 B, run to run. With it on, Dynamo traces a frame again during the recorded step's first
 forward, and one of its ``LazyCache`` objects (torch/_dynamo/variables/lazy.py) holds the ids, in a reference cycle
-that a later collection frees (seen with gc.get_referrers; why the frame is traced again, e.g. a guarded object
-collected, is not checked). The compiled traces here run with the collector off, a deterministic figure (the eager
-traces equal the real peaks with it on).
+that a later collection frees (seen with gc.get_referrers). The re-trace is a recompile of the compiled block in the
+recorded step (TORCH_LOGS=recompiles: guard ``len(torch.nn.modules.module._global_forward_hooks) != 0`` fails, the
+global forward hooks differing between the trace's two steps), with the collector off too, where the ids are freed
+at their forward's end all the same; why only a collection mid-recompile keeps them is not found. The compiled
+traces here run with the collector off, a deterministic figure (the eager traces equal the real peaks with it on).
 """
 
 from __future__ import annotations
