@@ -31,6 +31,8 @@ gloo step of the compiled pipeline: :func:`test_compiled_pp2_against_a_real_gloo
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -140,8 +142,8 @@ def test_compiled_pp2_against_a_real_gloo_pipeline_step():
     from trainmem.trace import compiled, trace_step
 
     schedules, m = ("gpipe", "1f1b"), 4
-    runs = run_torchrun_many(2, [dict(strategy="pp", schedule=s, microbatches=m, compile="partition")
-                                 for s in schedules], timeout=900)
+    runs = run_torchrun_many(2, [dict(strategy="pp", schedule=s, microbatches=m, compile="partition",
+                                      tracked_repeats=3) for s in schedules], timeout=900)
     B, S, H = DEFAULTS["batch"], DEFAULTS["seq"], DEFAULT_CONFIG["hidden_size"]
     one, ids = B * S * H * 4, B * S * 8
     step = StepSpec(batch=B, seq=S, precision="fp32", optimizer="adamw")
@@ -152,10 +154,14 @@ def test_compiled_pp2_against_a_real_gloo_pipeline_step():
         for real in ranks:
             r, regions = real["rank"], []
             compiled.saved_values = lambda graph: regions.append(read(graph)) or regions[-1]
+            collecting = gc.isenabled()
+            gc.disable()  # the collector's timing moves a compiled trace's peak by 512 B (test_trace_3d_real.py)
             try:
                 traced = trace_step(DEFAULT_CONFIG, step, impl, parallel=ParallelSpec(pp=2, schedule=schedule,
                                                                                       microbatches=m), pp_rank=r)
             finally:
+                if collecting:
+                    gc.enable()
                 compiled.saved_values = read
             led = _ledgers(traced.items)
             recv = sum(i.bytes for i in traced.items if i.name.startswith("pipeline.stage"))
@@ -168,7 +174,10 @@ def test_compiled_pp2_against_a_real_gloo_pipeline_step():
                    # two equal ones (why Dynamo compiles the second block again there is not checked)
                    "regions": [g for i, g in enumerate(graphs) if g not in graphs[:i]]}
             want = {**{k: real["states_bytes"][k] for k in ("parameter", "gradient", "optimizer_state", "buffer")},
-                    "recv": real["pp_recv_buffers_bytes"], "peak": real["peak_bytes"],
+                    "recv": real["pp_recv_buffers_bytes"],
+                    # the least of four tracked steps: gloo may release a finished send's buffers late, which only
+                    # adds bytes (test_trace_pp_real.py)
+                    "peak": min(real["peak_bytes"], *real["op_boundary_peaks_bytes"]),
                     "saved": real["inflight_activation_bytes"], "regions": real["compiled_regions"]}
             bad += [f"{schedule} rank {r} {k}: trace {got[k]} != real {want[k]}" for k in want if got[k] != want[k]]
     assert not bad, "\n".join(bad)

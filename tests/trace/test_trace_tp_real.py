@@ -50,7 +50,9 @@ def test_trace_tp2_sp_equals_a_real_gloo_step():
         assert led[ledger] == real["states_bytes"][ledger], ledger
     assert real["states_bytes"]["optimizer_step"] == STEP_COUNTERS
     assert led["activation"] + led["input"] == real["activation_bytes"] + 8  # the loss and its gradient seed
-    assert traced.peak_logical_bytes + STEP_COUNTERS == real["peak_bytes"]  # the op-boundary peak, exact
+    # the op-boundary peak, exact: the least of four tracked steps (gloo may release a finished collective's
+    # buffers late, which only adds bytes: test_trace_pp_real.py)
+    assert traced.peak_logical_bytes + STEP_COUNTERS == min(real["peak_bytes"], *real["op_boundary_peaks_bytes"])
     # measured 1.039 on idle cores; 1.083 in CI at a1d9a01 (2 loaded cores): +131,072 B, two 65,536 B
     # loss-parallel gloo buffers that gloo's worker threads had not yet released (ProcessGroupGloo.cpp
     # runLoop) in all three profiled steps; the op-boundary peak above stays exact
