@@ -48,7 +48,7 @@ from trainmem.errors import SpecError, UnsupportedError
 
 __all__ = ["check_fsdp", "check_fsdp_flags", "shard_ranks", "fake_world", "apply_fsdp", "apply_fsdp1",
            "apply_fsdp2",
-           "unsharded_storages", "fsdp_meta", "fsdp_line"]
+           "unsharded_storages", "fsdp_meta", "fsdp_line", "forget_meshes_of_other_worlds"]
 
 
 def check_fsdp_flags(par) -> None:
@@ -114,10 +114,30 @@ def fake_world(world: int | tuple[int, ...], names: tuple[str, ...] | None = Non
                                "trace FSDP starts its own fake group: call it outside your distributed job")
     shape = tuple(world) if isinstance(world, tuple) else (world,)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    forget_meshes_of_other_worlds()
     try:
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+        forget_meshes_of_other_worlds()
+
+
+def forget_meshes_of_other_worlds() -> None:
+    """Clear DTensor's caches of sharding decisions and redistribute plans. Their keys hold ``DeviceMesh``
+    objects, which compare by rank map, layout and names (``DeviceMesh.__eq__``, torch/distributed/device_mesh.py),
+    not by this process's rank or groups: a cached output spec from an earlier trace in the same process (another
+    pipeline rank, another layout) carries that world's mesh, whose group names no longer resolve (the C++
+    dispatch cache, ``torch._C._clear_DTensor_sharding_propagator_cache``; ``DTensor._op_dispatcher.sharding_propagator``,
+    torch/distributed/tensor/_sharding_prop.py; ``_gen_transform_infos`` and the planner cache, _redistribute.py)."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def _blocks(model) -> list:

@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 
 from trainmem.errors import SpecError, UnsupportedError
+from trainmem.trace.parallel_fsdp import forget_meshes_of_other_worlds
 
 __all__ = ["check_pp_flags", "check_pp", "pp_world", "apply_pp", "Pipeline", "pp_meta", "pp_line"]
 
@@ -190,29 +191,12 @@ def pp_world(par, rank: int):
             yield None, None  # no device mesh (the pipeline uses the default group)
         else:  # torchtitan's (pp, dp_shard, tp) mesh: the stage's TP slice; P2P and FSDP2 use the others (apply_pp)
             from torch.distributed.device_mesh import init_device_mesh
-            _forget_meshes_of_other_worlds()
+            forget_meshes_of_other_worlds()
             dims = (("pp", par.pp),) + ((("dp", par.dp),) if par.fsdp is not None else ()) + (("tp", par.tp),)
             yield None, init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))["tp"]
     finally:
         dist.destroy_process_group()
-
-
-def _forget_meshes_of_other_worlds() -> None:
-    """Clear DTensor's caches of sharding decisions and redistribute plans. Their keys hold ``DeviceMesh``
-    objects, which compare by rank map, layout and names (``DeviceMesh.__eq__``, torch/distributed/device_mesh.py),
-    not by this process's rank or groups: a cached output spec from a trace as another pipeline rank in the same
-    process carries that world's mesh, whose group names no longer resolve (the C++ dispatch cache,
-    ``torch._C._clear_DTensor_sharding_propagator_cache``; ``DTensor._op_dispatcher.sharding_propagator``,
-    torch/distributed/tensor/_sharding_prop.py; ``_gen_transform_infos`` and the planner cache, _redistribute.py)."""
-    import torch
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    type(propagator)._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
+        forget_meshes_of_other_worlds()
 
 
 def stage_ids(par, rank: int) -> list[int]:
