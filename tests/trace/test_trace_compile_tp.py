@@ -66,7 +66,8 @@ def _real() -> dict[str, list[dict]]:
     from trainmem.measure_dist.launch import run_torchrun_many
 
     cases = ("fp32", "bf16")
-    scenarios = [dict(strategy="tp", config=LLAMA, precision=p, sp=True, compile="partition") for p in cases]
+    scenarios = [dict(strategy="tp", config=LLAMA, precision=p, sp=True, compile="partition", tracked_repeats=3)
+                 for p in cases]
     return dict(zip(cases, run_torchrun_many(2, scenarios, timeout=900)))
 
 
@@ -101,7 +102,9 @@ def test_compiled_tp_trace_equals_a_real_gloo_step(precision):
         assert led[ledger] == real["states_bytes"][ledger], ledger
     assert real["states_bytes"]["optimizer_step"] == 84  # 21 AdamW step counters, not in the trace
     # measured: real - trace == -428 B in fp32 and bf16 (see the module docstring)
-    assert 0.999 <= real["peak_bytes"] / traced.peak_logical_bytes <= 1.0
+    # the least of four tracked steps: gloo may release a finished collective's buffers late (test_trace_pp_real.py)
+    real_peak = min(real["peak_bytes"], *real["op_boundary_peaks_bytes"])
+    assert 0.999 <= real_peak / traced.peak_logical_bytes <= 1.0, (real["peak_bytes"], real["op_boundary_peaks_bytes"])
 
 
 # estimate / trace step peak, measured 1.0725 (fp32), 1.0991 (bf16); with the logits all-gathered
