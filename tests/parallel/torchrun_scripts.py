@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 def launch(worker: str, scenarios: dict, nproc: int = 2, timeout: int = 300) -> dict:
@@ -36,7 +36,7 @@ def launch(worker: str, scenarios: dict, nproc: int = 2, timeout: int = 300) -> 
     return {k: [ranks[r][i] for r in range(nproc)] for i, k in enumerate(scenarios)}
 
 
-def worker_main(run: Callable[[dict], dict]) -> int:
+def worker_main(run: Callable[[dict], dict]) -> NoReturn:
     """A worker script's entry point under torchrun: ``argv = OUT_DIR '<scenarios json>'``."""
     import torch.distributed as dist
 
@@ -50,7 +50,9 @@ def worker_main(run: Callable[[dict], dict]) -> int:
         os.replace(path + ".tmp", path)
     finally:
         dist.destroy_process_group()
-    return 0
+    from trainmem.measure_dist.leave import leave
+
+    leave(0)  # gloo's threads may still hold tensors: no interpreter finalization (measure_dist/leave.py)
 
 
 def tp_warm_model(sc: dict):

@@ -559,4 +559,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from trainmem.measure_dist.leave import leave
+
+    leave(main())
