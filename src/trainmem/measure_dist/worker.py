@@ -57,7 +57,8 @@ DEFAULTS = dict(strategy="single", config=DEFAULT_CONFIG, batch=2, seq=64, preci
                 lora=False,                     # peft LoRA r=8 on q_proj, v_proj (the base frozen)
                 sp=False,                       # tp
                 loss_parallel=True,             # tp: vocab-sharded logits and loss (torchtitan's default)
-                profile_step=False,             # three more steps under torch.profiler(profile_memory=True)
+                profile_step=False,             # three more steps under torch.profiler(profile_memory=True),
+                                                # then three op-boundary-tracked ones (unless tracked_repeats)
                 tracked_repeats=0,              # more op-boundary-tracked steps (gloo's release race only adds bytes)
                 schedule="gpipe", microbatches=4,  # pp; batch is the micro-batch size
                 virtual_stages=1,                  # pp: stages per rank under schedule "interleaved"
@@ -469,17 +470,14 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     opt.zero_grad(set_to_none=True)
     dist.barrier()
 
-    if sc["tracked_repeats"] and not sc["profile_step"]:
-        # gloo's worker thread may hold a finished collective's buffers a moment past the last Python
-        # reference (ProcessGroupGloo.cpp runLoop); that only adds bytes, so the least of several
-        # tracked steps is the step's own peak
-        extra["op_boundary_peaks_bytes"] = [_tracked_peak(new_tracker(), step) for _ in range(sc["tracked_repeats"])]
     if sc["profile_step"]:
         peaks = [baseline + _profiled_peak(step) for _ in range(3)]
         extra["profiled_peak_bytes"], extra["profiled_peaks_bytes"] = min(peaks), peaks  # see _profiled_peak
-        # the op-boundary peak of three more steps: it too sees collective buffers gloo has not
-        # yet released (fp32 gathered logits: 3,588,580 B, once 3,785,188 B)
-        extra["op_boundary_peaks_bytes"] = [_tracked_peak(new_tracker(), step) for _ in range(3)]
+    if repeats := sc["tracked_repeats"] or (3 if sc["profile_step"] else 0):
+        # gloo's worker thread may hold a finished collective's buffers a moment past the last Python
+        # reference (ProcessGroupGloo.cpp runLoop; fp32 gathered logits: 3,588,580 B, once 3,785,188 B); that
+        # only adds bytes, so the least of several tracked steps is the step's own peak
+        extra["op_boundary_peaks_bytes"] = [_tracked_peak(new_tracker(), step) for _ in range(repeats)]
 
     return {
         "rank": rank, "world_size": world, "scenario": sc,
