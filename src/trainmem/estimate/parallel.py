@@ -34,6 +34,7 @@ from functools import lru_cache
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
+from trainmem.estimate.compiled_op_moment import recomputes_blocks
 from trainmem.estimate.compiled_sharded import check_compiled_parallel
 from trainmem.estimate.compiled_3d import check_compiled_tp_layout
 from trainmem.estimate.ctx import Shard
@@ -272,7 +273,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
             # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
             recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
-                        if moments and impl.recompute == "full" and not act_off and traced is None else None),
+                        if moments and recomputes_blocks(impl) and not act_off and traced is None else None),
             tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         )
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
