@@ -52,9 +52,11 @@ def test_per_block_float8_exact():
 
 def test_unchecked_compiled_float8_is_refused_by_name():
     qwen2 = dict(LLAMA, model_type="qwen2")  # q/k/v biases: not checked with Float8 under compile
-    for config, kw in [(LLAMA, dict(compile_scope="model")), (LLAMA, dict(recompute="full")), (qwen2, {})]:
-        impl = ImplSpec(device="cpu", compile=True, float8="tensorwise", **{"compile_scope": "block", **kw})
-        with pytest.raises(UnsupportedError, match="float8='tensorwise'"):
+    # --recompute full: tensorwise only (tests/estimate/test_float8_compiled_recompute.py)
+    for config, kw in [(LLAMA, dict(compile_scope="model")), (LLAMA, dict(recompute="full", float8="rowwise")),
+                       (qwen2, {})]:
+        impl = ImplSpec(device="cpu", compile=True, **{"compile_scope": "block", "float8": "tensorwise", **kw})
+        with pytest.raises(UnsupportedError, match=f"float8='{impl.float8}'"):
             activation_items(spec_from_hf_config(config), StepSpec(batch=1, seq=16, precision="bf16"), impl)
 
 

@@ -37,8 +37,7 @@ Known limitations (refused by :func:`check_compiled_parallel`, one line each):
   - ``--recompute op`` under HSDP or with pipeline stages (not traced). Under FSDP2 (``--fsdp full``) a block's
     backward moment is the one-device one (estimate/compiled_op_moment.py; the 0.855 read before was that moment,
     missing): tiny Llama B 2 S 64, estimate == trace 2,325,960 B fp32, 1,846,472 B fsdp-bf16, 1,371,912 B bf16;
-    Qwen2 (q/k/v biases) fsdp-bf16 1,780,936 B, fp32 1.021 (the last block's working set, ``peak.phases``, counts
-    the whole recomputed set where the attention's recompute is deferred; 1.019 on one device).
+    Qwen2 (q/k/v biases, the attention's recompute deferred) fp32 2,276,808 B, fsdp-bf16 1,780,936 B.
 """
 
 from __future__ import annotations
@@ -68,6 +67,10 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
         ("recompute", impl.recompute, bool(par.fsdp) and impl.recompute not in ("none", "full") and not (
             impl.recompute == "op" and par.fsdp == "full" and par.pp == 1),
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op with --fsdp full alone"),
+        # estimate/compiled_float8_recompute.py; --recompute none under FSDP2 (fsdp-bf16) read 0.945 of the trace's peak
+        ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and (
+            impl.recompute != "full" or impl.float8_all_gather),
+         "compiled Float8 under FSDP2 is checked with --recompute full and no --float8-all-gather"),
     )
     for field, value, bad, why in refusals:
         if bad:

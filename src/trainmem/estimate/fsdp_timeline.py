@@ -42,7 +42,8 @@ then counts the gradients made by each moment, inside a block's backward too), a
 :func:`regrade` turns the units already reduce-scattered by a phase into their sharded gradients.
 
 Known limitations: one unit per block with the root (``--fsdp-units blocks``), one micro-batch, no
-pipeline, tensor, expert or context parallelism, no Float8 or quantized all-gather, no fine-tuning,
+pipeline, tensor, expert or context parallelism, no Float8 all-gather (torchao's Float8Linear without
+``enable_fsdp_float8_all_gather`` has plain parameters: FSDP2 gathers them as any), no fine-tuning,
 no CPU offload (:func:`applies`); elsewhere the estimate keeps its per-phase upper bounds
 (estimate/parallel_buffers.py). The moment inside the root's post-backward (the root's
 reduce-scatter input beside its unsharded gradients, the root resharded) is not a phase: it holds
@@ -80,7 +81,8 @@ def applies(par, step, impl, finetune=None) -> bool:
 
     return (bool(par.fsdp) and par.fsdp_version == 2 and impl.profile not in ("megatron", "traced")
             and par.fsdp_units == "blocks" and par.pp == 1 and par.tp == 1 and par.ep == 1 and par.cp == 1
-            and max(step.grad_accum, par.microbatches) == 1 and not impl.optimizer_in_backward and impl.float8 == "none"
+            and max(step.grad_accum, par.microbatches) == 1 and not impl.optimizer_in_backward
+            and not impl.float8_all_gather
             and finetune is None and not cpu_offload(par) and not par.offload)
 
 

@@ -1,0 +1,107 @@
+"""The moment inside a checkpointed compiled block's backward with torchao's Float8 (``--float8 tensorwise``,
+``--compile`` per block, ``--recompute full``): torchtitan's Float8 + ``apply_compile`` + full activation checkpointing.
+
+The block keeps its input alone (``rules_compiled.py`` ``_checkpointed_block``), as without Float8. Its backward graph
+(``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``: the ``tag_activation_checkpoint``
+region is recomputed, ``must_recompute``) runs down_proj's input gradient first (it reads the fp8 grad_output and
+down_proj's weight, no recomputed value), then the block's forward again up to ``act(gate)·up`` (down_proj's forward is
+not recomputed: its output is read by no backward node), then down_proj's weight gradient, whose fp8 cast of
+``act(gate)·up`` is the step's peak in the traces read (:func:`float8_checkpoint_moments`).
+
+What the recomputed forward holds there, beyond what the bf16 block's recompute holds (estimate/compiled_recompute.py):
+
+* each converted linear's fp8 weight and its fp32 inverse scale (``_scaled_mm``'s ``scale_b``), out·in + 4 B: the
+  forward's cast (torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args.forward``, ``hp_tensor_to_float8_dynamic``
+  on ``weight_hp_t``) is the same node as the backward's re-cast of ``weight_hp_t`` for the input gradient
+  (``matmul_with_hp_or_float8_args.backward``: tensorwise, one scale per tensor, no dim-dependent layout), so the joint
+  graph computes it once and holds it until the input-gradient mm; the input's forward cast is freed after its mm;
+* the fp8 grad_output of down_proj (1 B per element, + its fp32 scale), kept from the input-gradient mm for the
+  weight gradient, and that input gradient (the product's, a·B·S·F);
+* the cast of ``act(gate)·up`` itself (torchao/float8/float8_utils.py ``to_fp8_saturated`` after
+  ``hp_tensor_and_scale_to_float8``: ``x.to(float32) * scale``, then the clamps): its fp32 copy and the scaled product
+  (2·B·S·F·4), the 16-bit product freed by its copy, and the fp32 scale (4 B);
+* the recomputed forward's values a backward node reads: per RMSNorm the fp32 input, ``rsqrt``, the normalized
+  product in the input's dtype and the output (the q/k/v and gate/up inputs, re-cast for the weight gradients);
+  the attention's v, roped q and k, the SDPA output and log-sum-exp; SiLU's fp32 gate (``pw_cast_for_opmath``) and
+  its 16-bit output; up. o_proj's output and the block's input are freed once the residual sum is made.
+
+Checked against the trace (``trace/compiled.py``: the partitioned graphs run op by op on fake tensors, no fusion) in
+bf16 on one device and under FSDP2 (``tests/estimate/test_float8_compiled_recompute.py``). Inductor fuses the casts'
+pointwise chains (no fp32 copy of the product on a GPU: the fused cast kernel reads bf16 and writes fp8), so this is
+the unfused graph's moment, as compiled_recompute.py's are.
+
+Known limitations: ``rowwise`` is refused (``rules_compiled.check_compiled``): its weights are re-cast per column for
+the input gradient, and the recomputed forward holds each weight's ``abs`` and fp32 copy instead (tiny Llama bf16,
+B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled). Only the Llama block with every linear
+converted (SiLU, two RMSNorms, no fused projections) in a pure 16-bit precision or fsdp-bf16 is read.
+"""
+
+from __future__ import annotations
+
+from trainmem.estimate.block_backward import block_items
+from trainmem.estimate.compiled_block_moment import block_grads
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import split_block
+
+__all__ = ["float8_checkpoint_moments"]
+
+_FP32 = dtype_bytes("float32")
+_SCALE = _FP32  # tensorwise: one fp32 scale per cast (estimate/float8.py fp8_cast_bytes)
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+# the recomputed linears (down_proj's forward is not recomputed) and the path of the activation giving (out, in)
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_KEPT = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.v_proj.out", "self_attn.sdpa_out", "self_attn.lse",
+         "self_attn.o_proj.out", "mlp.gate_proj.out", "mlp.up_proj.out", *(f"{n}.rsqrt" for n in _NORMS))
+
+
+def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, residual_bytes: int,
+                              recomputed: "Inventory | list[MemoryItem]") -> list[dict[str, int]]:
+    """Block ``last``'s Float8 moment (see the module docstring) as ``compiled_recompute.compiled_checkpoint_moments``
+    returns its moments, or nothing unless ``recomputed`` (the block's compiled saved set without checkpointing) is the
+    tensorwise Float8 set of a Llama block with every linear converted (``estimate/float8.py`` ``compiled_scales``:
+    an amax and an inverse scale per converted linear; ``compiled_input_recomputed``: no norm output or product)."""
+    kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
+    if any(n not in kept for n in _KEPT) or any(f"{n}.scale_inv" not in kept for n in _LINEARS) or any(
+            f"{n}.out" in kept for n in _NORMS) or "mlp.act_mul_up" in kept:
+        return []
+    q, k, v = (kept[n] for n in _KEPT[:3])
+    gate, up, o = kept["mlp.gate_proj.out"], kept["mlp.up_proj.out"], kept["self_attn.o_proj.out"]
+    a = dtype_bytes(gate.dtype)  # what the linears make
+    tokens_h = o.bytes // a  # B·S·H
+    x = residual_bytes // tokens_h  # the residual stream's dtype: the block input, the norms' inputs
+    if x != a:  # autocast (a fp32 residual stream beside 16-bit linears) is not read
+        return []
+    tokens = tokens_h // o.shape[-1]
+    hidden, width, kv_width, ffn = o.shape[-1], q.shape[-1], k.shape[-1], gate.shape[-1]
+    weights = {"q_proj": width * hidden, "k_proj": kv_width * hidden, "v_proj": kv_width * hidden,
+               "o_proj": hidden * width, "gate_proj": ffn * hidden, "up_proj": ffn * hidden}
+    fp8_weights = sum(n + _SCALE for n in weights.values())  # 1 B per element and the inverse scale
+    # per RMSNorm: the fp32 input, rsqrt (kept[...].bytes), the normalized product (x) and the output (a)
+    norms = sum(tokens_h * (_FP32 + x + a) + kept[f"{n}.rsqrt"].bytes for n in _NORMS)
+    attention = q.bytes + k.bytes + v.bytes + kept["self_attn.sdpa_out"].bytes + kept["self_attn.lse"].bytes
+    mlp = gate.bytes // a * _FP32 + gate.bytes + up.bytes  # SiLU's fp32 gate, its 16-bit output, up
+    backward = residual_bytes + tokens_h + _SCALE + gate.bytes  # the residual gradient, down's fp8 grad_output, dX
+    cast = 2 * tokens * ffn * _FP32 + _SCALE  # act(gate)·up in fp32 and scaled, its scale
+    freed = sum(i.bytes for i in kept.values()) + tokens_h * x  # the compiled set (recomputed) and the block input
+    weight_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
+                   "work": backward + fp8_weights + norms + attention + mlp + cast}
+    # SiLU's backward, after up_proj's weight and input gradients: up's fp8 weight, up, SiLU's output and the gate/up
+    # input were freed (the input's fp8 cast, one node for both weight gradients, is held for gate_proj's), up's input
+    # gradient waits for gate's; silu_backward decomposed in fp32 (the upcast gradient, sigmoid(gate), their product)
+    grads = block_grads(block_items(items, last))
+    silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
+            "new_gradients": grads["down_proj"] + grads["up_proj"], "freed_activations": freed, "after_attention": 0,
+            "work": residual_bytes + fp8_weights - weights["up_proj"] - _SCALE + norms - tokens_h * a + attention
+            + tokens_h + _SCALE + tokens_h * a + 4 * tokens * ffn * _FP32}
+    # in the recomputed forward, up_proj's weight cast (x.to(float32) * scale, then the clamps: 2·F·H·4), gate_proj
+    # and SiLU done: the gate/up input's fp8 cast (the same node gate's mm read) and its scale, the weight's scale
+    up_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
+               "work": backward + fp8_weights - weights["up_proj"] - _SCALE + norms + attention + tokens_h + _SCALE
+               + gate.bytes // a * _FP32 + gate.bytes + _SCALE + 2 * weights["up_proj"] * _FP32}
+    return [weight_cast, silu, up_cast]
+
+
+def _inner(name: str) -> str:
+    parts = split_block(name)
+    return parts[2] if parts else name
