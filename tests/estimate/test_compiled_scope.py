@@ -203,7 +203,7 @@ def test_llama_op_recompute_per_block_on_cpu_exact():
 
 
 def test_unmodelled_recompute_is_refused_in_one_line():
-    impl = ImplSpec(compile=True, compile_scope="block", recompute="op")  # CUDA: the SDPA outputs, unchecked
+    impl = ImplSpec(compile=True, compile_scope="model", recompute="op")  # whole-model compile: unchecked
     with pytest.raises(UnsupportedError, match="recompute='op'") as info:
         estimate(spec_from_hf_config(LLAMA), StepSpec(batch=2, seq=64, precision="bf16"), impl)
     assert "\n" not in str(info.value)

@@ -28,7 +28,9 @@ from trainmem.specs import ImplSpec
 
 __all__ = ["recomputes_blocks", "op_block_freed"]
 
-_SAVED_O = "self_attn.o_proj.out"  # a policy that saves o_proj's output defers the attention's recompute
+# a policy that saves o_proj's output, or the SDPA output it is made from, defers the attention's recompute
+_SAVED_O = "self_attn.o_proj.out"
+_DEFERS = (_SAVED_O, "self_attn.sdpa_out")
 _INPUT_NORM = ("input_layernorm.rsqrt", "input_layernorm.out")
 
 
@@ -52,9 +54,10 @@ def op_block_freed(items: "Inventory | list[MemoryItem]", last: int, kept: dict[
       from it and the block input, the attention is not yet: the input norm's recomputed values and the
       attention's compiled set beyond what the policy saved are not held, and the block input is not freed."""
     own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
-    if _SAVED_O not in own:
+    if not any(n in own for n in _DEFERS):
         return sum(i.bytes for n, i in own.items() if n not in kept)
-    attention = sum(i.bytes for n, i in kept.items() if n.startswith("self_attn.") and n not in own)
+    # o_proj's output, recomputed from the saved SDPA output, is freed by the residual sum (counted there)
+    attention = sum(i.bytes for n, i in kept.items() if n.startswith("self_attn.") and n not in own and n != _SAVED_O)
     return norm_held + sum(kept[n].bytes for n in _INPUT_NORM) + attention - block_input
 
 
