@@ -148,14 +148,15 @@ def _real_float8_step(config, step: StepSpec, impl: ImplSpec) -> tuple[int, int,
     *_, opt = make_optimizer_for(model, step, impl)
     ids = torch.randint(0, config["vocab_size"], (step.batch, step.seq))
 
-    def train_step():
-        compiled(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss():
+        return compiled(ids, labels=ids).loss
+
+    def train_step():  # backward, then the optimizer's step and set_to_none
+        loss().backward()
+        opt.step(), opt.zero_grad(set_to_none=True)
 
     train_step()
-    saved, out = saved_tensors(model, lambda: compiled(ids, labels=ids).loss)
-    del out
+    saved = saved_tensors(model, loss)[0]  # its output (the graph) dropped before the measured step
     return sum(t.nbytes for t in saved), step_peak_bytes(model, opt, train_step), 4 * len(opt.state)
 
 
