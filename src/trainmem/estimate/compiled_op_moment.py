@@ -5,18 +5,29 @@ its 1st, 3rd, 5th... mm (and every addmm), ``PREFER_RECOMPUTE`` for the rest. Un
 metadata the partitioner obeys: ``torch/_functorch/partitioners.py`` ``must_recompute`` counts
 ``PREFER_RECOMPUTE`` with ``MUST_RECOMPUTE`` (recomputed whatever the min-cut would say) and
 ``solve_min_cut``'s ``should_ban_recomputation`` bans recomputing ``MUST_SAVE`` nodes. So the backward graph of
-the block re-runs every forward value but the saved mm outputs, as under ``--recompute full``, and holds each
-value its backward reads until that read: the moments of the fully checkpointed block
-(``estimate/compiled_recompute.py`` ``compiled_checkpoint_moments``, run on the block's compiled saved set
-without checkpointing). Where a saved mm output is the very tensor the compiled set holds (v, the gate, up) it
-is held once; where the compiled set holds a value made from it (q and k roped: ``self_attn.q_rope``), the saved
-output is read by that recompute only and freed before the MLP's backward (:func:`replaced_by_recompute`).
+the block re-runs every forward value but the saved op outputs, and ``reordering_to_mimic_autograd_engine`` (same
+file, run on every partitioned backward) brings each recomputed node in just before the first backward op that
+needs it: the MLP's backward holds what it needs of the recompute, which depends on what was saved.
 
-Read off the trace (``trace --compile --compile-scope block --recompute op``, the partitioned graphs run op by
-op): tiny Llama (H 64, F 176, 4/2 heads, V 256, untied), AdamW, B 2 S 64, the peak is the first block's MLP
-backward, at the same bytes as ``--recompute full``: bf16 1,503,560 B (SiLU's backward), fp32 2,589,256 B (the
-product's); before this moment the estimate read 0.923 and 0.968 of them
-(tests/estimate/test_compiled_op_moment.py).
+* o_proj's output recomputed from the attention (tiny Llama: o is the 4th mm): the residual sum, which the MLP's
+  norm reads, needs the whole attention re-run first; the moments are the fully checkpointed block's
+  (``estimate/compiled_recompute.py`` ``compiled_checkpoint_moments``, on the block's compiled saved set). A saved
+  output that is the very tensor the compiled set holds (v, the gate, up) is held once; the saved q (and k)
+  projection, read by the rotary's recompute alone, is freed (the compiled set holds the roped q).
+* o_proj's output saved (Qwen2: q/k/v are addmm, so o is the 1st mm), or the SDPA output it is made from (CUDA's
+  flash and memory-efficient kernels are on the policy's list: ``rules_compiled._op_attention``): the residual
+  sum is recomputed from it and the block input; the attention's recompute waits for the attention's backward,
+  so the input norm's recomputed values and the attention's compiled set are not held, the block input not freed.
+
+Where these moments exist they replace the block's generic working set (``peak.phases``: the whole recomputed
+set at once), which the deferred case would over-count. Under FSDP2 the block's graph is the one-device one
+(estimate/compiled_sharded.py). Checked against the trace (``trace --compile --compile-scope block --recompute
+op``, the partitioned graphs run op by op): tiny Llama (H 64, F 176, 4/2 heads, V 256, untied), AdamW, B 2 S 64:
+bf16 1,503,560 B, fp32 2,589,256 B (0.923 and 0.968 before); Qwen2 bf16 1,455,176 B, fp32 2,527,816 B; FSDP2
+fp32 2,325,960 B (0.855 before); CUDA's kept SDPA output with the CPU kernel standing in, bf16 1,457,736 B
+(tests/estimate/test_compiled_op_moment.py, test_compiled_op_cuda.py). Known limitations: the unfused graphs'
+moments (inductor fuses the pointwise chains: docs/compile.md); only the Llama block's compiled set is read
+(``compiled_recompute._llama_compiled``); other blocks keep the generic working set.
 """
 
 from __future__ import annotations
