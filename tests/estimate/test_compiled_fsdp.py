@@ -74,7 +74,7 @@ def test_compiled_qlora_dequantizes_to_the_weight_alone_under_fsdp():
     (["--offload", "params"], "offload='params'"),
     (["--tp", "2"], "sp=False"),  # TP + FSDP2 is modelled with --sp only (estimate/compiled_tp.py)
     (["--dp", "4", "--fsdp", "hybrid", "--tp", "2", "--sp"], "parallel="),  # HSDP beside TP: not checked
-    (["--dp", "4", "--fsdp", "hybrid", "--fsdp-group", "2", "--recompute", "op"], "recompute='op'"),  # --fsdp full: checked
+    (["--pp", "2", "--microbatches", "4", "--recompute", "op"], "recompute='op'"),  # without --pp: checked
 ])
 def test_layouts_not_checked_under_compile_are_refused_in_one_line(capsys, tmp_path, argv, field):
     import json

@@ -93,8 +93,8 @@ def test_fsdp2_ranks_run_the_one_device_moment(precision, peak):
 @pytest.mark.parametrize("cfg,precision", [(LLAMA, "fp32"), (LLAMA, "fsdp-bf16"), (QWEN2, "fp32"),
                                            (QWEN2, "fsdp-bf16")])
 def test_estimate_equals_the_fsdp2_compiled_op_trace(cfg, precision):
-    # measured: 2,325,960 / 1,846,472 / 2,276,808 / 1,780,936 B, estimate == trace; the saved set too, less the CPU generator
-    # state each checkpointed block's recomputed SDPA replays (5056 B of host memory, docs/compile.md)
+    # measured: 2,325,960 / 1,846,472 / 2,276,808 / 1,780,936 B, estimate == trace; the saved set too, less the
+    # CPU generator state each checkpointed block's recomputed SDPA replays (5056 B of host memory, docs/compile.md)
     from trainmem.specs import ParallelSpec
     from trainmem.trace import trace_step
 
@@ -103,3 +103,18 @@ def test_estimate_equals_the_fsdp2_compiled_op_trace(cfg, precision):
     rank = _rank(cfg, precision)
     assert traced.meta["compile"]["saved_compiled_bytes"] + 4 == rank.totals_bytes["activation"] + 2 * 5056
     assert rank.peak_bytes == traced.peak_logical_bytes
+
+
+@pytest.mark.slow  # two 2-D traces (HSDP, dp 4 in groups of 2) with compiled blocks, ~5 s each
+@pytest.mark.parametrize("precision", ["fp32", "fsdp-bf16"])
+def test_hsdp_equals_its_trace_and_fsdp2_over_its_shard_group(precision):
+    # measured: 2,325,960 / 1,846,472 B, the 2-D trace's peak and FSDP2's over dp 2
+    # (tests/estimate/test_compiled_hsdp.py)
+    from trainmem.specs import ParallelSpec
+    from trainmem.trace import trace_step
+
+    step = StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw")
+    hsdp = ParallelSpec(dp=4, fsdp="hybrid", fsdp_group=2)
+    (rank,) = estimate(spec_from_hf_config(LLAMA), step, _impl(), parallel=hsdp).ranks
+    assert rank.peak_bytes == _rank(LLAMA, precision).peak_bytes
+    assert rank.peak_bytes == trace_step(LLAMA, step, _impl(), parallel=hsdp).peak_logical_bytes

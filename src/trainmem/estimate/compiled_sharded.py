@@ -34,9 +34,10 @@ Known limitations (refused by :func:`check_compiled_parallel`, one line each):
     a stage is not traced) and schedules other than gpipe and 1f1b;
   - FSDP2 CPU offload (``--offload params/optimizer``) and activation offload: the trace runs neither
     with FSDP; tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
-  - ``--recompute op`` under HSDP or with pipeline stages (not traced). Under FSDP2 (``--fsdp full``) a block's
-    backward moment is the one-device one (estimate/compiled_op_moment.py; the 0.855 read before was that moment,
-    missing): tiny Llama B 2 S 64, estimate == trace 2,325,960 B fp32, 1,846,472 B fsdp-bf16, 1,371,912 B bf16;
+  - ``--recompute op`` with FSDP2 and pipeline stages (not traced). Under FSDP2 and HSDP a block's backward
+    moment is the one-device one (estimate/compiled_op_moment.py; the 0.855 read before was that moment, missing):
+    tiny Llama B 2 S 64, estimate == trace 2,325,960 B fp32, 1,846,472 B fsdp-bf16, 1,371,912 B bf16 (HSDP dp 4
+    group 2 against the 2-D trace: 2,325,960 B fp32, 1,846,472 B fsdp-bf16);
     Qwen2 (q/k/v biases, the attention's recompute deferred) fp32 2,276,808 B, fsdp-bf16 1,780,936 B.
 """
 
@@ -63,10 +64,10 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
          "FSDP1's flat parameters under compile are not traced (FSDP2 is: --fsdp-version 2)"),
         ("offload", ",".join(par.offload), bool(par.fsdp) and bool(par.offload),
          "compiled blocks under FSDP are traced with shards and activations on the device"),
-        # op per block: estimate/compiled_op_moment.py, traced under FSDP2 (not HSDP, not with pipeline stages)
+        # op per block: estimate/compiled_op_moment.py, traced under FSDP2 and HSDP, not with pipeline stages
         ("recompute", impl.recompute, bool(par.fsdp) and impl.recompute not in ("none", "full") and not (
-            impl.recompute == "op" and par.fsdp == "full" and par.pp == 1),
-         "compiled blocks under FSDP2 are checked with --recompute none or full, and op with --fsdp full alone"),
+            impl.recompute == "op" and par.pp == 1),
+         "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
         # estimate/compiled_float8_recompute.py; --recompute none under FSDP2 (fsdp-bf16) read 0.945 of the trace's peak
         ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and (
             impl.recompute != "full" or impl.float8_all_gather),
