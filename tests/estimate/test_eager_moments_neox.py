@@ -5,9 +5,8 @@ MLP under autocast, and a checkpointed block's kept output.
 
 Before, the tiny GPT-NeoX below (h128, F512, 2 layers, V128, SGD, B 1-2, S 32-96) read estimate/trace
 0.92-0.99 (eager, fp32 / bf16 / amp-bf16, recompute none / full) and the tiny Llama (h512, 2 layers, V128)
-under amp-bf16 S64 was 653,568 B under; estimate == trace to the byte at the peak now, but for GPT-NeoX
-amp-bf16 at B 2 S 64-96, whose top is the loss's forward (the final LayerNorm's fp32 output, not saved,
-still bound: not a backward moment)."""
+under amp-bf16 S64 was 653,568 B under; estimate == trace to the byte at the peak now. GPT-NeoX amp-bf16 at
+B 2 S 64-96 tops at the loss's forward, not a backward moment: tests/estimate/test_eager_moments_forward.py."""
 
 from __future__ import annotations
 

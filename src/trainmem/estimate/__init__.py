@@ -18,7 +18,9 @@ from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
 from trainmem.estimate.autocast_cache import autocast_cached_casts, autocast_head_input
 from trainmem.estimate.buffers import buffer_inventory
+from trainmem.estimate.compiled_op_moment import recomputes_blocks
 from trainmem.estimate.compiled_recompute import block_math
+from trainmem.estimate.forward_held import forward_held
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.heads import check_head, logits_width
 from trainmem.estimate.losses import FRAMEWORK_LOSSES
@@ -167,6 +169,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     d = step.dtypes
     held = ({"autocast_weight_cache": autocast_cached_casts(acts, plain), "head_input_unsaved": autocast_head_input(acts)}
             if d.autocast and not impl.compile and finetune is None and not offload else {})
+    if finetune is None and not offload:  # the KV cache, bias casts, padded labels at the loss (estimate/forward_held.py)
+        held.update(forward_held(model, step, impl, acts, states, plain))
     if any(held.values()):  # alive to the end of the forward and loss (estimate/autocast_cache.py): the forward phase's
         working = {**(working or {}), "forward": {**(working or {}).get("forward", {}), **held}}
     resid_dtype = d.compute
@@ -184,7 +188,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         stack_held=stack_held, stacks=stacks,
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
-        recomputed=plain if impl.recompute == "full" and not offload else None,  # estimate/block_backward.py
+        recomputed=plain if recomputes_blocks(impl) and not offload else None,  # block_backward.py, compiled_op_moment.py
         # estimate/compiled_recompute.py: the MLP activation, Gemma's norm; a fine-tuned compiled block recomputes
         # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
         block_math=block_math(model, eager_set=impl.compile and finetune is not None,

@@ -38,6 +38,7 @@ that last step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
@@ -247,9 +248,12 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     # embedding, which a tied head produces early anyway.
     BSV = B * S * vocab
     out: list[Phase] = []
+    ids = _caller_ids(items)
 
     def add(name: str, parts: dict[str, int], note: str) -> None:
         bufs = {**persistent, **{k: v for k, v in working.get(name, {}).items() if v}}
+        if ids and name != "optimizer":  # the caller's token ids (_caller_ids), where activations are counted
+            bufs["caller_ids"] = ids
         full = {**static, **{k: v for k, v in parts.items() if v}, **bufs}
         out.append(Phase(name, sum(full.values()), full, note))
 
@@ -332,6 +336,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
             eager_nb = norm_backward_parts(items, li, residual_bytes, rec_li)
             compiled_nb = compiled_checkpoint_moments(items, li, residual_bytes, rec_li, **(block_math or {}))
+            if compiled_nb and rec_li is not None:  # they model the block's backward (compiled_op_moment.py: a deferred
+                parts = {k: v for k, v in parts.items() if k != "recompute_and_work"}  # recompute holds less)
             for nb in (*eager_nb, *compiled_nb):
                 # the first block's attention backward frees what the blocks share (rotary cos/sin:
                 # their saved-by-rope references are gone); the embedding keeps its indices
@@ -478,6 +484,18 @@ def _embedding_outputs(items) -> int:
                and is_embedding(i.name) and not is_embedding_indices(i.name))
 
 
+def _caller_ids(items) -> int:
+    """The caller's token ids (B, S) int64 that a frozen token embedding does not save: the caller holds its
+    batch all step (``trace/step.py`` ``one_step``: ``inputs``; ``measure/workload.py``: ``Workload.ids``),
+    and a trainable embedding saves that very tensor (its ``indices``, counted as an activation), a frozen one
+    nothing (``estimate/finetune.py`` ``embedding_notes``: a zero-byte item with the ids' shape). Counted in the
+    phases that count activations; the optimizer phase leaves the ids out either way (their gap there, B·S·8,
+    is what the trace tests add: ``tests/estimate/test_optimizer_impl.py``)."""
+    base = items.base if isinstance(items, Inventory) else items
+    return sum(math.prod(i.shape) * 8 for i in base if i.category is Category.ACTIVATION and i.bytes == 0
+               and is_token_embedding(i.name) and is_embedding_indices(i.name))
+
+
 def _later_embedding_indices(items) -> int:
     """The ids kept by embeddings other than the token embedding (GPT-2's learned positions): they
     run after it in forward, so their backward nodes run (and free them) before its own."""
@@ -487,13 +505,13 @@ def _later_embedding_indices(items) -> int:
 
 
 def _head_weight_grad(items) -> int:
-    """The output layer's weight gradient (the embedding's when tied: no ``lm_head`` parameter), 0
-    when that weight is frozen."""
+    """The output layer's weight gradient (the token embedding's when tied: no ``lm_head`` parameter; not a
+    larger position table's, GPT-2's ``wpe`` at V 128), 0 when that weight is frozen."""
     base = items.base if isinstance(items, Inventory) else items
     head = [i.bytes for i in base if i.category is Category.GRADIENT and i.name.startswith("lm_head.")]
     if head or any(i.category is Category.PARAMETER and i.name.startswith("lm_head.") for i in base):
         return max(head, default=0)
-    return max((i.bytes for i in base if i.category is Category.GRADIENT and is_embedding(i.name)), default=0)
+    return max((i.bytes for i in base if i.category is Category.GRADIENT and is_token_embedding(i.name)), default=0)
 
 
 def recompute_per_layer(kept, plain, stacks: tuple[tuple[str, int], ...] = ()) -> dict[int, tuple[int, int]]:
