@@ -28,6 +28,9 @@ CASES = {
     "cast_gqa": (WIDE, "bf16", 2, 96),
     "silu": (GQA, "fp16", 2, 32),  # SiLU's fp32 backward
     "up_weight": (WIDE_F, "bf16", 1, 32),  # up_proj's weight cast in the recomputed forward
+    # autocast: a fp32 residual stream (the norms' inputs, up_proj's input gradient cast back), bf16 linears
+    "amp": (LLAMA, "amp-bf16", 2, 64),
+    "amp_wide": (WIDE, "amp-bf16", 2, 96),
 }
 HOST_RNG = 5056  # per checkpointed block: the CPU generator state its SDPA replays, host memory (docs/compile.md)
 
@@ -56,11 +59,12 @@ def test_the_checkpointed_float8_block_backward_is_the_traced_moment_exact():
     assert _backward_peak(estimate(spec_from_hf_config(LLAMA), _step("fp32", 2, 64), _impl())) == 2828904
     assert _backward_peak(estimate(spec_from_hf_config(GQA), _step("fp16", 2, 32), _impl())) == 1232224
     assert _backward_peak(estimate(spec_from_hf_config(WIDE_F), _step("bf16", 1, 32), _impl())) == 2920552
+    # amp-bf16: 2,196,088 B without the moment
+    assert _backward_peak(estimate(spec_from_hf_config(LLAMA), _step("amp-bf16", 2, 64), _impl())) == 2645600
 
 
 @pytest.mark.parametrize("config,precision,kw,field", [
     (LLAMA, "bf16", dict(float8="rowwise"), "float8='rowwise'"),  # another moment (module docstring)
-    (LLAMA, "amp-bf16", {}, "float8='tensorwise'"),  # a fp32 residual stream beside fp8 linears: not read
     (dict(LLAMA, intermediate_size=168), "bf16", {}, "float8='tensorwise'"),  # F not a multiple of 16
 ])
 def test_unchecked_layouts_are_refused_by_name(config, precision, kw, field):

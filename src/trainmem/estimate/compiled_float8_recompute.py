@@ -23,17 +23,22 @@ What the recomputed forward holds there, beyond what the bf16 block's recompute 
 * the recomputed forward's values a backward node reads: per RMSNorm the fp32 input, ``rsqrt``, the normalized
   product in the input's dtype and the output (the q/k/v and gate/up inputs, re-cast for the weight gradients);
   the attention's v, roped q and k, the SDPA output and log-sum-exp; SiLU's fp32 gate (``pw_cast_for_opmath``) and
-  its 16-bit output; up. o_proj's output and the block's input are freed once the residual sum is made.
+  its 16-bit output; up. o_proj's output and the block's input are freed once the residual sum is made (a fp32
+  block input, under autocast, is the input norm's fp32 input itself: held, and counted once).
 
-Checked against the trace (``trace/compiled.py``: the partitioned graphs run op by op on fake tensors, no fusion) in
-bf16 on one device and under FSDP2 (``tests/estimate/test_float8_compiled_recompute.py``). Inductor fuses the casts'
+Under autocast (amp-bf16: a fp32 residual stream, what the linears make bf16) the normalized products, the residual
+gradient and up_proj's input gradient (autocast's cast backward) are in the residual stream's dtype; the norm outputs
+are Float8Linear's bf16 input casts. Checked against the trace (``trace/compiled.py``: the partitioned graphs run op by
+op on fake tensors, no fusion) in fp32, bf16, fp16 and amp-bf16 on one device and fsdp-bf16 under FSDP2
+(``tests/estimate/test_float8_compiled_recompute.py``). Inductor fuses the casts'
 pointwise chains (no fp32 copy of the product on a GPU: the fused cast kernel reads bf16 and writes fp8), so this is
 the unfused graph's moment, as compiled_recompute.py's are.
 
 Known limitations: ``rowwise`` is refused (``rules_compiled.check_compiled``): its weights are re-cast per column for
 the input gradient, and the recomputed forward holds each weight's ``abs`` and fp32 copy instead (tiny Llama bf16,
 B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled). Only the Llama block with every linear
-converted (SiLU, two RMSNorms, no fused projections) in a pure 16-bit precision or fsdp-bf16 is read.
+converted (SiLU, two RMSNorms, no fused projections) is read; FSDP2's fp8 all-gather is refused
+(``compiled_sharded.check_compiled_parallel``).
 """
 
 from __future__ import annotations
@@ -70,8 +75,6 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     a = dtype_bytes(gate.dtype)  # what the linears make
     tokens_h = o.bytes // a  # B·S·H
     x = residual_bytes // tokens_h  # the residual stream's dtype: the block input, the norms' inputs
-    if x != a:  # autocast (a fp32 residual stream beside 16-bit linears) is not read
-        return []
     tokens = tokens_h // o.shape[-1]
     hidden, width, kv_width, ffn = o.shape[-1], q.shape[-1], k.shape[-1], gate.shape[-1]
     weights = {"q_proj": width * hidden, "k_proj": kv_width * hidden, "v_proj": kv_width * hidden,
@@ -93,7 +96,7 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
             "new_gradients": grads["down_proj"] + grads["up_proj"], "freed_activations": freed, "after_attention": 0,
             "work": residual_bytes + fp8_weights - weights["up_proj"] - _SCALE + norms - tokens_h * a + attention
-            + tokens_h + _SCALE + tokens_h * a + 4 * tokens * ffn * _FP32}
+            + tokens_h + _SCALE + tokens_h * x + 4 * tokens * ffn * _FP32}
     # in the recomputed forward, up_proj's weight cast (x.to(float32) * scale, then the clamps: 2·F·H·4), gate_proj
     # and SiLU done: the gate/up input's fp8 cast (the same node gate's mm read) and its scale, the weight's scale
     up_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
