@@ -65,6 +65,8 @@ from __future__ import annotations
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads, cache_tangents, uncheckpointed_moments
 from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
+from trainmem.estimate.compiled_float8_recompute import float8_checkpoint_moments
+from trainmem.estimate.compiled_op_moment import op_block_freed
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
 
@@ -123,8 +125,8 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
         return finetune_checkpoint_moments(items, last, residual_bytes, recomputed,
                                            act_held=_ACTIVATIONS[activation][0], act_work=_ACTIVATIONS[activation][1])
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
-    if not _llama_compiled(kept):
-        return []
+    if not _llama_compiled(kept):  # Float8's set recomputes the converted linears' inputs: its own moment
+        return float8_checkpoint_moments(items, last, residual_bytes, recomputed) if activation == "swiglu" else []
     gate, up, prod = (kept[n] for n in _MLP)
     a = dtype_bytes(gate.dtype)  # what the linears make (autocast: 16-bit beside a fp32 residual stream)
     outs = [kept[f"{n}.out"] for n in _NORMS]
@@ -148,6 +150,7 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     # autocast's weight copies are freed by their linear's input-gradient mm, down_proj's first, then up_proj's
     copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) for c in ("down_proj", "up_proj")}
     freed = prod.bytes + (after.bytes if after is not None else 0) + block_input + copies["down_proj"]
+    freed += op_block_freed(items, last, kept, norm, block_input)  # --recompute op: compiled_op_moment.py
     grads = block_grads(block_items(items, last))
     product = {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"],
                "freed_activations": freed, "after_attention": 0,
