@@ -36,7 +36,9 @@ the unfused graph's moment, as compiled_recompute.py's are.
 
 Known limitations: ``rowwise`` is refused (``rules_compiled.check_compiled``): its weights are re-cast per column for
 the input gradient, and the recomputed forward holds each weight's ``abs`` and fp32 copy instead (tiny Llama bf16,
-B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled). Only the Llama block with every linear
+B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and on the CPU the traced rowwise
+``_scaled_mm`` scales its output afterwards in fp32 (two fp32 output-sized temporaries: the step peaks there at
+H 128 F 256 B 1 S 32, 3,559,500 B), which CUDA's kernel does inside, so the CPU trace is not the GPU's moment. Only the Llama block with every linear
 converted (SiLU, two RMSNorms, no fused projections) is read; FSDP2's fp8 all-gather is refused
 (``compiled_sharded.check_compiled_parallel``).
 """
