@@ -5,20 +5,22 @@ The block keeps its input alone (``rules_compiled.py`` ``_checkpointed_block``),
 (``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``: the ``tag_activation_checkpoint``
 region is recomputed, ``must_recompute``) runs down_proj's input gradient first (it reads the fp8 grad_output and
 down_proj's weight, no recomputed value), then the block's forward again up to ``act(gate)·up`` (down_proj's forward is
-not recomputed: its output is read by no backward node), then down_proj's weight gradient, whose fp8 cast of
-``act(gate)·up`` is the step's peak in the traces read (:func:`float8_checkpoint_moments`).
+not recomputed: its output is read by no backward node), then the weight gradients. The step peaks at one of three
+moments (:func:`float8_checkpoint_moments`; which one depends on the shapes): down_proj's weight-gradient fp8 cast
+of ``act(gate)·up``, SiLU's fp32 backward, or, with few tokens beside large weights, up_proj's weight cast in the
+recomputed forward.
 
 What the recomputed forward holds there, beyond what the bf16 block's recompute holds (estimate/compiled_recompute.py):
 
 * each converted linear's fp8 weight and its fp32 inverse scale (``_scaled_mm``'s ``scale_b``), out·in + 4 B: the
-  forward's cast (torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args.forward``, ``hp_tensor_to_float8_dynamic``
-  on ``weight_hp_t``) is the same node as the backward's re-cast of ``weight_hp_t`` for the input gradient
+  forward's cast (torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args.forward``: float8_scaling_utils.py
+  ``hp_tensor_to_float8_dynamic`` on ``weight_hp_t``) is the same node as the backward's re-cast of ``weight_hp_t`` for the input gradient
   (``matmul_with_hp_or_float8_args.backward``: tensorwise, one scale per tensor, no dim-dependent layout), so the joint
   graph computes it once and holds it until the input-gradient mm; the input's forward cast is freed after its mm;
 * the fp8 grad_output of down_proj (1 B per element, + its fp32 scale), kept from the input-gradient mm for the
   weight gradient, and that input gradient (the product's, a·B·S·F);
-* the cast of ``act(gate)·up`` itself (torchao/float8/float8_utils.py ``to_fp8_saturated`` after
-  ``hp_tensor_and_scale_to_float8``: ``x.to(float32) * scale``, then the clamps): its fp32 copy and the scaled product
+* the cast of ``act(gate)·up`` itself (torchao/float8/float8_training_tensor.py ``hp_tensor_and_scale_to_float8``:
+  ``tensor.to(torch.float32) * scale``, then float8_utils.py ``to_fp8_saturated``'s clamps): its fp32 copy and the scaled product
   (2·B·S·F·4), the 16-bit product freed by its copy, and the fp32 scale (4 B);
 * the recomputed forward's values a backward node reads: per RMSNorm the fp32 input, ``rsqrt``, the normalized
   product in the input's dtype and the output (the q/k/v and gate/up inputs, re-cast for the weight gradients);
@@ -55,7 +57,7 @@ __all__ = ["float8_checkpoint_moments"]
 _FP32 = dtype_bytes("float32")
 _SCALE = _FP32  # tensorwise: one fp32 scale per cast (estimate/float8.py fp8_cast_bytes)
 _NORMS = ("input_layernorm", "post_attention_layernorm")
-# the recomputed linears (down_proj's forward is not recomputed) and the path of the activation giving (out, in)
+# the block's linears, each converted (its tensorwise amax and inverse scale in the compiled set: float8.compiled_scales)
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _KEPT = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.v_proj.out", "self_attn.sdpa_out", "self_attn.lse",
