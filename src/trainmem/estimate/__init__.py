@@ -169,8 +169,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     d = step.dtypes
     held = ({"autocast_weight_cache": autocast_cached_casts(acts, plain), "head_input_unsaved": autocast_head_input(acts)}
             if d.autocast and not impl.compile and finetune is None and not offload else {})
-    if finetune is None and not offload:  # the KV cache, bias casts, padded labels at the loss (estimate/forward_held.py)
-        held.update(forward_held(model, step, impl, acts, states, plain))
+    if not offload:  # the KV cache, bias casts, padded labels at the loss (estimate/forward_held.py)
+        held.update(forward_held(model, step, impl, states, finetune))
     if any(held.values()):  # alive to the end of the forward and loss (estimate/autocast_cache.py): the forward phase's
         working = {**(working or {}), "forward": {**(working or {}).get("forward", {}), **held}}
     resid_dtype = d.compute

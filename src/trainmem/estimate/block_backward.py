@@ -66,6 +66,10 @@ class MlpNodes:
     #: (``torch.addmm(bias, x, weight)``); ``nn.Linear`` casts its weight's first. The casts' backward nodes
     #: run in the order the op's autocast wrapper made them (argument order), as the traces show
     bias_first: bool = False
+    #: the down projection saved its input (the product). A frozen one (LoRA) saves only its weight
+    #: (derivatives.yaml ``mm``: ``self`` is kept for ``mat2``'s gradient alone), so its node frees nothing
+    #: and the last saved tensor (``up_proj``'s output, which MulBackward0 reads) is still held at the top
+    down_saves_input: bool = True
 
 
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
@@ -76,7 +80,9 @@ _MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, dow
                   tail=("dropout.mask",), bias_first=True),
          # GPT-NeoX (``GPTNeoXMLP``: dense_h_to_4h, exact GELU, dense_4h_to_h)
          MlpNodes(saved=("dense_h_to_4h.out", "act.out"), down="dense_4h_to_h", act_grads=1,
-                  up="dense_h_to_4h"))
+                  up="dense_h_to_4h"),
+         # a Llama MLP with a frozen down projection (LoRA on the attention): no saved product
+         MlpNodes(saved=_MLP[:3], down="down_proj", down_saves_input=False))
 FP32_NORM_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -90,8 +96,9 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     inventory without checkpointing, whose block tensors a checkpointed block recomputes before its
     nodes run (``--recompute full``)."""
     block = block_items(items, last)
+    # fine-tuning's zero-byte markers (what a frozen layer does not save, estimate/finetune.py) are not tensors
     acts = [i for i in (block_items(recomputed, last) if recomputed is not None else block)
-            if i.category is Category.ACTIVATION]
+            if i.category is Category.ACTIVATION and i.bytes]
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
     checkpointed = recomputed is not None
@@ -225,12 +232,13 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
     if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
         return []
-    prod = acts[ends[-1]]
+    prod = acts[ends[-1]]  # the product (B, S, F); a frozen down projection's: up_proj's output, its size
     down_grads = [i for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name]
     grads = sum(i.bytes for i in down_grads)
     pending = _parallel_branch_gradient(acts, prod, residual_bytes)
     # under autocast down_proj's node also released its saved bf16 weight copy
-    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy,
+    held = ends[-1] + 1 - mlp.down_saves_input  # from here on freed by the moment
+    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[held:]) + weight_copy,
             "after_attention": 0, "work": residual_bytes + pending + (1 + mlp.act_grads) * prod.bytes}]
     if weight_copy:
         # autocast: down_proj's MmBackward0 (AddmmBackward0) made a bf16 weight gradient (the copy's size), its

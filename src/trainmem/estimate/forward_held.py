@@ -13,11 +13,13 @@ are alive there that autograd does not keep, and that are gone before backward s
   eager path keeps a transposed K and repeated V) the cache's own copies are extra. Which copies the rules
   make, and whether they are saved, is read off the rules themselves: :class:`_CacheProbe` runs the model's
   forward rule and records every ``k_cache`` / ``v_cache`` tensor it makes.
-* ``autocast_bias_cache``: autocast caches the low-precision copy of every leaf fp32 tensor that requires
-  grad (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``) until the outermost autocast region exits
-  (``torch.clear_autocast_cache()``, after the loss). A linear's weight copy is saved by its mm anyway; its
-  bias copy is not (``addmm``'s backward reads no operand for the bias), so each trainable linear bias's
-  copy is extra (GPT-NeoX, GPT-2, Qwen2's q/k/v biases).
+* ``autocast_bias_cache``, ``autocast_unsaved_casts``: autocast caches the low-precision copy of every leaf
+  fp32 tensor that requires grad (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``) until the outermost
+  autocast region exits (``torch.clear_autocast_cache()``, after the loss). A linear's weight copy is saved by
+  its mm when its input requires grad; its bias copy never (``addmm``'s backward reads no operand for the
+  bias), so each trainable linear bias's copy is extra (GPT-NeoX, GPT-2, Qwen2's q/k/v biases), and so is a
+  trainable weight's copy where the input needs no gradient (block 0's LoRA ``lora_A`` behind a frozen
+  embedding). A frozen weight is not cached (it does not require grad).
 * ``head_input_unsaved``: under autocast the LM head saves a cast of the final norm's output; the output
   itself, in the weights' dtype (LayerNorm runs in fp32 under autocast; Llama's RMSNorm returns
   ``weight * x.to(input_dtype)``) stays bound (``outputs`` / ``hidden_states`` in ``*ForCausalLM.forward``)
@@ -28,79 +30,107 @@ are alive there that autograd does not keep, and that are gone before backward s
   loss returns.
 
 Where checked: ``tests/estimate/test_eager_moments_forward.py`` (estimate == a CPU fake-tensor trace's
-forward top, tiny GPT-NeoX, GPT-2, Llama, Qwen2; fp32, bf16, amp-bf16). Not modelled: fine-tuning (frozen
-weights are not cached; LoRA adapters are), compile, activation offload, the traced/reference/megatron
-profiles and LitGPT (no DynamicCache, other losses): those return nothing here.
+forward top, tiny GPT-NeoX, GPT-2, Llama, Qwen2; fp32, bf16, amp-bf16; LoRA amp-bf16:
+``tests/estimate/test_eager_moments_lora.py``). Not modelled: compile, activation offload, the parallel
+layouts (estimate/parallel.py builds its own phases), the reference/megatron profiles, families the hf rules
+do not cover under --profile traced, and LitGPT (no
+DynamicCache, other losses): those return nothing here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Graph, Key, Sym
+from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["forward_held", "kv_cache_unsaved", "autocast_bias_cache", "head_input_unsaved", "padded_labels"]
+__all__ = ["forward_held", "kv_cache_unsaved", "autocast_unsaved_casts", "autocast_bias_cache", "head_input_unsaved",
+           "padded_labels"]
 
 _CACHE_COPIES = ("k_cache", "v_cache")  # the rules' names of the DynamicCache's cat copies (rules_hf.py)
 
 
 @dataclass(eq=False)
-class _CacheProbe(Graph):
-    """A graph that also records the KV-cache copies the forward rule makes (outside checkpoints: there the
-    cache is off), and counts a repeated block's copies once per block it stands for."""
+class _Probe(Graph):
+    """A graph that also records, outside checkpoints (there the cache is off, and a checkpointed block's
+    casts are ``estimate/autocast_cache.py``'s), the KV-cache copies the forward rule makes and autocast's
+    copies of trainable weights, and counts a repeated block's once per block it stands for."""
 
-    cache: dict[Key, Sym] = field(default_factory=dict)
-    copies: int = 0  # bytes of the cache copies of repeated blocks (Graph.repeat)
+    made: dict[str, dict[Key, Sym]] = field(default_factory=lambda: {"kv": {}, "casts": {}})
+    copies: dict[str, int] = field(default_factory=lambda: {"kv": 0, "casts": 0})  # repeated blocks' bytes
+    linears: set[str] = field(default_factory=set)  # every linear that casts its trainable weight
 
     def new(self, label: str, *args, **kwargs) -> Sym:
         t = super().new(label, *args, **kwargs)
-        if label in _CACHE_COPIES and not self._checkpoint:
-            self.cache[self.key(t)] = t
+        if label == "weight_cast" and t.requires_grad:
+            self.linears.add(t.name.removesuffix(".weight_cast"))
+        kind = "kv" if label in _CACHE_COPIES else "casts" if label == "weight_cast" and t.requires_grad else None
+        if kind and not self._checkpoint:
+            self.made[kind][self.key(t)] = t
         return t
 
     def repeat(self, template, prefix: str, src: int, dsts) -> None:
         super().repeat(template, prefix, src, dsts)
         own = f"{prefix}{src}."
-        self.copies += len(dsts) * sum(t.nbytes for t in self.unsaved() if t.name.startswith(own))
+        for kind in self.copies:
+            self.copies[kind] += len(dsts) * sum(t.nbytes for t in self.unsaved(kind) if t.name.startswith(own))
 
-    def unsaved(self) -> list[Sym]:
-        """The cache copies no node saved. bmm reads a V copy that is already (B, A, S, hd) and contiguous
+    def unsaved(self, kind: str) -> list[Sym]:
+        """The recorded tensors no node saved. bmm reads a V copy that is already (B, A, S, hd) and contiguous
         as it is (``repeat_kv`` returns its input when ``n_rep == 1``), which the rules name ``v_repeat``
         (``estimate/attention.py`` ``attention_core``): one of the same scope, bytes and dtype is this copy."""
         same = {(t.name.rpartition(".")[0], t.nbytes, t.dtype) for t in self.saved.values()
                 if t.name.endswith(".v_repeat")}
-        return [t for k, t in self.cache.items() if k not in self.saved and not (
+        return [t for k, t in self.made[kind].items() if k not in self.saved and not (
                 t.name.endswith(".v_cache") and (t.name.rpartition(".")[0], t.nbytes, t.dtype) in same)]
 
+    def total(self, kind: str) -> int:
+        return self.copies[kind] + sum(t.nbytes for t in self.unsaved(kind))
 
-def kv_cache_unsaved(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> int:
-    """Bytes of the DynamicCache's K/V copies no backward node saved (0 when checkpointing turns it off)."""
-    if impl.recompute != "none":
-        return 0
+
+def _probe(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None) -> _Probe:
+    """The model's forward rule run on a :class:`_Probe` (with fine-tuning's frozen weights and adapters, as
+    ``estimate/activations.py`` ``activation_items_with_savers`` sets them up)."""
     from trainmem.estimate.rules_hf import hf_forward
 
-    g = _CacheProbe()
-    hf_forward(Ctx(g, model, step, impl, replicate=True))
-    return g.copies + sum(t.nbytes for t in g.unsaved())
+    g = _Probe()
+    ctx = Ctx(g, model, step, impl, replicate=finetune is None)
+    if finetune is not None:
+        from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
+        finetune = finetune.for_model(model)
+        ctx.trainable, ctx.finetune_linear = trainable_predicate(model, finetune), FinetuneLinear(model, step, finetune)
+    hf_forward(ctx)
+    return g
 
 
-def autocast_bias_cache(states: Inventory, casts: Inventory, low: str) -> int:
+def kv_cache_unsaved(probe: _Probe) -> int:
+    """Bytes of the DynamicCache's K/V copies no backward node saved."""
+    return probe.total("kv")
+
+
+def autocast_unsaved_casts(probe: _Probe) -> int:
+    """Bytes of autocast's cached copies of trainable weights that no node saved: a linear saves its weight
+    copy only for its input's gradient (``when=x.requires_grad``), so block 0's LoRA ``lora_A`` copies behind a
+    frozen embedding are cached, not saved."""
+    return probe.total("casts")
+
+
+def autocast_bias_cache(states: Inventory, linears: set[str], low: str) -> int:
     """Bytes of the cached low-precision copies of the trainable linear biases: every linear that casts its
-    weight (``X.weight_cast`` in ``casts``, the saved set without checkpointing) casts its bias too."""
-    linears = {i.name.removesuffix(".weight_cast") for i in casts if i.name.endswith(".weight_cast")}
+    trainable weight (``linears``, the probe's) casts its bias too."""
     grads = {i.name.removesuffix(".grad") for i in states if i.category is Category.GRADIENT}
     return sum(i.bytes // dtype_bytes(i.dtype) * dtype_bytes(low) for i in states
                if i.category is Category.PARAMETER and i.name in grads and i.name.endswith(".bias")
                and i.name.removesuffix(".bias") in linears)
 
 
-def head_input_unsaved(saved: Inventory, dtype: str) -> int:
-    """The final hidden state (``dtype``, the weights') when the LM head saved a cast of it instead."""
-    cast = next((i for i in saved if i.name == "lm_head.input_cast"), None)
-    return cast.bytes // dtype_bytes(cast.dtype) * dtype_bytes(dtype) if cast is not None else 0
+def head_input_unsaved(model: ModelSpec, step: StepSpec) -> int:
+    """The final hidden state (B, S, H) in the weights' dtype under autocast, which the LM head never saves
+    (it saves its bf16 cast, or nothing when frozen)."""
+    return step.batch * step.seq * model.hidden_size * dtype_bytes(step.dtypes.compute)
 
 
 def padded_labels(B: int, S: int) -> int:
@@ -108,20 +138,24 @@ def padded_labels(B: int, S: int) -> int:
     return B * (S + 1) * 8 if B > 1 else 0
 
 
-def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, saved: Inventory, states: Inventory,
-                 plain: Inventory | None) -> dict[str, int]:
-    """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile, eager,
-    one inventory per model (no fine-tuning, no offload: the caller's conditions). ``plain``: the saved set
-    without checkpointing (the casts a checkpointed block made in its forward), or None."""
-    if impl.profile != "hf" or impl.framework != "hf" or impl.compile or model.head != "lm" \
-            or model.arch != "decoder":
+def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inventory, finetune=None) -> dict[str, int]:
+    """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile (or the traced
+    one, read with the hf rules where the family has them), eager, one device without offload (the caller's
+    conditions). ``states``: the model states (which biases are trainable); ``finetune``: a FinetuneSpec or None."""
+    if impl.framework != "hf" or impl.compile or model.head != "lm" or model.arch != "decoder" or \
+            impl.profile not in ("hf", "traced") or family_of(model).rules.forward == "traced":
         return {}
+    # --profile traced: the same model's tensors, read with the hf rules where the family has them
+    impl = replace(impl, profile="hf")
     d = step.dtypes
-    out = {"kv_cache_unsaved": kv_cache_unsaved(model, step, impl)}
+    out = {}
+    if impl.recompute == "none" or d.autocast:  # checkpointing turns the cache off (*Model.forward)
+        probe = _probe(model, step, impl, finetune)
+        out["kv_cache_unsaved"] = kv_cache_unsaved(probe) if impl.recompute == "none" else 0
+        if d.autocast:
+            out["autocast_unsaved_casts"] = autocast_unsaved_casts(probe)
+            out["autocast_bias_cache"] = autocast_bias_cache(states, probe.linears, d.activation)
+            out["head_input_unsaved"] = head_input_unsaved(model, step)
     if step.loss == "ce":
         out["padded_labels"] = padded_labels(step.batch, step.seq)
-    if d.autocast:
-        out["autocast_bias_cache"] = autocast_bias_cache(states, plain if plain is not None else saved,
-                                                         d.activation)
-        out["head_input_unsaved"] = head_input_unsaved(saved, d.compute)
     return {k: v for k, v in out.items() if v}

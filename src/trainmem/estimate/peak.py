@@ -334,7 +334,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
             rec_li = recomputed if li in recompute_bytes else None
             # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
-            eager_nb = norm_backward_parts(items, li, residual_bytes, rec_li)
+            # a fine-tuned compiled block (block_math eager_set) runs no eager nodes: compiled_finetune_moment.py's
+            eager_nb = [] if (block_math or {}).get("eager_set") else norm_backward_parts(items, li, residual_bytes, rec_li)
             compiled_nb = compiled_checkpoint_moments(items, li, residual_bytes, rec_li, **(block_math or {}))
             if compiled_nb and rec_li is not None:  # they model the block's backward (compiled_op_moment.py: a deferred
                 parts = {k: v for k, v in parts.items() if k != "recompute_and_work"}  # recompute holds less)
