@@ -83,11 +83,17 @@ def test_llama_autocast_projection_casts_as_integers():
     e = estimate(spec_from_hf_config(LLAMA), StepSpec(batch=1, seq=64, precision="amp-bf16", optimizer="sgd"),
                  ImplSpec(attention="sdpa", device="cpu"))
     r = 64 * 512 * 4  # 131,072 B
-    q, gate = (m for m in norm_backward_parts(e.inventory, 0, r) if m.get("accum_new_gradients"))
+    q, gate, up = (m for m in norm_backward_parts(e.inventory, 0, r) if m.get("accum_new_gradients"))
     assert q["accum_new_gradients"] == 512 * 512 * 4 and q["work"] == r + r + 512 * 512 * 2
     assert gate["accum_new_gradients"] == 1024 * 512 * 4 and gate["work"] == r + r + 1024 * 512 * 2
     # the MLP's gradients only (down, up 2·1024·512·4 and gate's): the attention's backward has not run
     assert gate["block_gradients"] == 3 * 1024 * 512 * 4 and gate["after_attention"] == 0
+    # up_proj's cast, before gate's node: MulBackward0's bf16 gradient for the SiLU branch (64·1024·2) waits, gate's
+    # copies (weight 1024·512·2, input 64·512·2) and output (SiLU's saved input) are still held, gate has no gradient
+    gate_out = 64 * 1024 * 2
+    assert up["accum_new_gradients"] == 1024 * 512 * 4 and up["block_gradients"] == 2 * 1024 * 512 * 4
+    assert up["work"] == r + r + gate_out + 1024 * 512 * 2
+    assert gate["freed_activations"] - up["freed_activations"] == 1024 * 512 * 2 + 64 * 512 * 2 + gate_out
 
 
 def test_gpt2_autocast_c_proj_cast_bias_first():
@@ -152,6 +158,11 @@ CASES = [
     (LLAMA, "bf16", 1, 32, "full", "model.layers.0.input_layernorm"),
     (LLAMA, "bf16", 2, 96, "full", "model.layers.0.input_layernorm"),
     ({**LLAMA, "model_type": "qwen2"}, "bf16", 2, 64, "full", "model.layers.0.input_layernorm"),
+    # up_proj's weight-copy cast, before gate_proj's (h64, F176, 4/2 heads): 4,096 B under before
+    ({**LLAMA, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4}, "amp-bf16", 1, 32, "full",
+     "model.layers.0.mlp.up_proj"),
+    ({**LLAMA, "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4},
+     "amp-bf16", 1, 32, "full", "model.layers.0.mlp.up_proj"),
 ]
 
 

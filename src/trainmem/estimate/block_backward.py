@@ -184,6 +184,7 @@ def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual
             new, work = _cast_weight_moment(cast, q, weight)
             out.append({**at, "block_gradients": at["block_gradients"] - sum(i.bytes for i in q) + new,
                         "accum_new_gradients": new, "work": 2 * residual_bytes + work})
+            out += _gated_other_cast(proj, at, acts, grads, q, cast, residual_bytes)
         elif x.shape and weight.shape[1] == x.shape[-1] and \
                 not any(i.name.endswith("_cast") for i in acts if _child(i.name) == proj.child):
             if checkpointed:  # the bias gradient is made after the node freed its recomputed input (_gated_mlp)
@@ -191,6 +192,30 @@ def _input_projections(block: list[MemoryItem], acts: list[MemoryItem], residual
             q_out = x.bytes * weight.shape[0] // weight.shape[1]  # (B, S, A·hd) in the same dtype
             out.append({**at, "work": residual_bytes + (1 + bool(proj.others)) * x.bytes + q_out})
     return out
+
+
+def _gated_other_cast(proj: InputProjections, at: dict[str, int], acts: list[MemoryItem], grads: list[MemoryItem],
+                      q: list[MemoryItem], cast: list[MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
+    """Under autocast, a gated MLP's ``up_proj`` weight copy's ToCopyBackward0 (its node runs before
+    ``gate_proj``'s: forward made gate's output first), one moment before gate's: MulBackward0's gradient for the
+    activation's branch (the gate output's size, 16-bit) still waits for SiLU's node, which still holds its
+    saved input (``gate_proj.out``), and gate_proj's copies are still saved; beside the residual gradient and
+    up's input gradient (fp32, the norm output's so far), up's bf16 weight gradient and its new fp32 one; gate's
+    gradient is not made. ``at``: gate's moment before its casts (:func:`_input_projections`)."""
+    gate_out = next((i for i in acts if i.name.endswith(f".{proj.child}.{proj.last}.out")), None)
+    if proj.attention or not proj.others or gate_out is None:
+        return []
+    other = f".{proj.child}.{proj.others[-1]}."
+    u = [i for i in grads if other in i.name]
+    weight = next((i for i in u if i.shape is not None and len(i.shape) == 2), None)
+    ucast = [i for i in acts if other in i.name and i.name.endswith("_cast")]
+    if weight is None or not ucast:
+        return []
+    new, work = _cast_weight_moment(ucast, u, weight)
+    held = sum(i.bytes for i in cast) + gate_out.bytes
+    return [{**at, "block_gradients": at["block_gradients"] - sum(i.bytes for i in (*q, *u)) + new,
+             "accum_new_gradients": new, "freed_activations": at["freed_activations"] - held,
+             "work": 2 * residual_bytes + gate_out.bytes + work}]
 
 
 def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight: MemoryItem, *,
