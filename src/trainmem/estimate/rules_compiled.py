@@ -85,10 +85,10 @@ def check_compiled(ctx: Ctx) -> None:
          "compiled rules cover the full cross-entropy, and torchtune's chunked one with --compile-scope block "
          "(loss eager) or block-loss (estimate/compiled_chunk_loss.py)"),
         ("recompute", impl.recompute, impl.recompute not in ("none", "full") and not (
-            impl.recompute == "op" and impl.compile_scope != "model" and impl.device == "cpu"
-            and step.recipe in ("fp32", "bf16", "fp16") and not m.qk_norm),
-         "compiled rules cover --recompute none and full, and op per block on --device cpu in a pure precision "
-         "(the CUDA SDPA outputs torchtitan's policy keeps are not checked under compile; trace --compile)"),
+            impl.recompute == "op" and impl.compile_scope != "model"
+            and step.recipe in ("fp32", "bf16", "fp16", "fsdp-bf16") and not m.qk_norm),
+         "compiled rules cover --recompute none and full, and op per block in a pure precision (fsdp-bf16 "
+         "included; the CUDA SDPA outputs the policy keeps: checked with the CPU kernel standing in, docs/compile.md)"),
         # before the kernel: dropout turns SDPA into its math ops (GPT-2, CPU: a bool mask per dropout kept too)
         ("dropout", max(m.attn_dropout, m.hidden_dropout), m.attn_dropout > 0 or m.hidden_dropout > 0,
          "compiled rules have no dropout (nanoGPT's 0.0: --model a config.json with its dropout keys at 0.0; "
@@ -124,10 +124,18 @@ def check_compiled(ctx: Ctx) -> None:
          f"compiled rules for {m.family} cover --recompute none, pure fp32/bf16/fp16, no fine-tuning, Float8 or "
          "q/k/v biases (trace --compile)"),
         ("float8", impl.float8, impl.float8 != "none" and (
-            impl.compile_scope == "model" or impl.recompute != "none"
-            or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16") or m.qk_norm or m.qkv_bias),
-         "compiled Float8 rules cover --compile-scope block or block-loss, "
-         "--recompute none, fp32/bf16/fp16/amp-bf16, no q/k norms or biases (estimate/float8.py; trace --compile)"),
+            impl.compile_scope == "model" or impl.recompute not in ("none", "full")
+            or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16", "fsdp-bf16") or m.qk_norm or m.qkv_bias
+            # a checkpointed block's backward moments (estimate/compiled_float8_recompute.py): tensorwise, the
+            # Llama block (SiLU, two RMSNorms) with every linear converted
+            or impl.recompute == "full" and (
+                impl.float8 != "tensorwise" or ctx.shard != Shard()
+                or m.activation != "swiglu" or any(d % 16 for d in (m.hidden_size, m.q_size, m.kv_size, m.ffn_size))
+                or any(getattr(family_of(m).rules, r) for r in ("unit_offset_norm", "sandwich_norms", "fused_qkv",
+                                                                 "fused_gate_up", "post_norms")))),
+         "compiled Float8 rules cover --compile-scope block or block-loss, fp32/bf16/fp16/amp-bf16/fsdp-bf16, "
+         "--recompute none, or full with tensorwise (the Llama block with every linear converted), no q/k norms or "
+         "biases (estimate/float8.py, estimate/compiled_float8_recompute.py; trace --compile)"),
         *(own.refusals(ctx) if own else ()),
     ]
     for field, value, bad, why in refusals:
@@ -308,8 +316,10 @@ def _op_block(ctx: Ctx, x: Sym) -> Sym:
     compiled block holds those its backward reads: q, k, v, o and the MLP's gate and up
     projections, not ``down_proj``'s (only the residual sum, whose gradient needs nothing, reads it).
     It keeps its input, and the CPU generator state its recomputed SDPA replays (host memory, left
-    out). On CPU the SDPA kernel is not on the policy's list; on CUDA it would be (refused above).
-    Tiny Llama bf16: q, v and gate per block."""
+    out). On CPU the SDPA kernel is not on the policy's list; on CUDA the flash and memory-efficient ones are, and
+    their output and log-sum-exp are kept (:func:`_op_attention`; checked by putting the CPU kernel on both the
+    trace's and this list: tests/estimate/test_compiled_op_cuda.py). Tiny Llama bf16: q, v and gate per block
+    (on CUDA, with the SDPA output and log-sum-exp). The backward's moment: estimate/compiled_op_moment.py."""
     g, m = ctx.graph, ctx.model
     B, S, H, F, a = ctx.B, ctx.S, m.hidden_size, m.ffn_size, ctx.param
     policy = OpPolicy()
@@ -320,10 +330,28 @@ def _op_block(ctx: Ctx, x: Sym) -> Sym:
                ("mlp.gate_proj", F, "F", m.mlp_bias), ("mlp.up_proj", F, "F", m.mlp_bias),
                ("mlp.down_proj", H, "H", m.mlp_bias))
     for name, width, sym, bias in linears:
+        if name == "self_attn.o_proj":  # the SDPA kernel runs between v_proj and o_proj
+            _op_attention(ctx, policy)
         if policy.save("addmm" if bias else "mm") and name != "mlp.down_proj":
             with g.module(name):
                 g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
     return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
+
+
+def _op_attention(ctx: Ctx, policy: OpPolicy) -> None:
+    """The fused SDPA kernel's outputs where the policy keeps them (the CUDA flash and memory-efficient kernels,
+    ``graph.SAVED_OPS``; not the CPU one): its output and fp32 log-sum-exp, as ``attention.fused_saves`` names
+    them (the memory-efficient kernel pads the latter to a multiple of 32 queries). Its q, k, v inputs are
+    recomputed."""
+    g, kernel = ctx.graph, resolve_kernel(ctx)
+    B, S, A = ctx.B, ctx.S, ctx.model.num_heads
+    if kernel not in ("flash", "efficient") or not policy.save(f"sdpa_{kernel}" + ("_cpu" if ctx.impl.device == "cpu"
+                                                                                     else "")):
+        return
+    rows = S if kernel == "flash" else -(-S // 32) * 32
+    with g.module("self_attn"):
+        g.save(g.new("sdpa_out", (B, S, ctx.model.q_size), ("B", "S", "A·hd"), ctx.param),
+               g.new("lse", (B, A, rows), ("B", "A", "S" if kernel == "flash" else "⌈S/32⌉·32"), "float32", False))
 
 
 def _checkpointed_block(ctx: Ctx, x: Sym) -> Sym:
