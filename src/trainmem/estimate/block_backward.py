@@ -255,7 +255,10 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     down, tail = mlp.down, mlp.tail
     weight_copy = sum(i.bytes for i in acts if i.name.endswith(f".mlp.{down}.weight_cast"))
     # after the MLP only its dropout mask and the block's residual adds (``residual_mlp``; traced: ``add``, ``add_1``)
-    if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail) for i in acts[ends[-1] + 1:]):
+    # (a frozen down projection under autocast saves its weight copy after the MLP's last tensor: not a tensor after it)
+    copy_name = f".mlp.{down}.weight_cast"
+    if any(not (_residual(_child(i.name) or "") or i.name.split(".mlp.", 1)[-1] in tail or i.name.endswith(copy_name))
+           for i in acts[ends[-1] + 1:]):
         return []
     prod = acts[ends[-1]]  # the product (B, S, F); a frozen down projection's: up_proj's output, its size
     down_grads = [i for i in block if i.category is Category.GRADIENT and f".mlp.{down}." in i.name]
@@ -263,9 +266,10 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     pending = _parallel_branch_gradient(acts, prod, residual_bytes)
     # under autocast down_proj's node also released its saved bf16 weight copy
     held = ends[-1] + 1 - mlp.down_saves_input  # from here on freed by the moment
-    out = [{"block_gradients": grads, "freed_activations": sum(i.bytes for i in acts[held:]) + weight_copy,
+    freed = sum(i.bytes for i in acts[held:] if not i.name.endswith(copy_name)) + weight_copy
+    out = [{"block_gradients": grads, "freed_activations": freed,
             "after_attention": 0, "work": residual_bytes + pending + (1 + mlp.act_grads) * prod.bytes}]
-    if weight_copy:
+    if weight_copy and down_grads:  # a frozen weight's copy has no cast node (it requires no grad)
         # autocast: down_proj's MmBackward0 (AddmmBackward0) made a bf16 weight gradient (the copy's size), its
         # input gradient and, with a bias, the bias's bf16 gradient (``sum_to`` in the engine's
         # ``validate_outputs``), then released its saved copy and input (the product); then the copy's cast
