@@ -71,7 +71,7 @@ def test_compiled_qlora_dequantizes_to_the_weight_alone_under_fsdp():
 @pytest.mark.parametrize("argv,field", [
     (["--pp", "2", "--compile-scope", "model"], "compile_scope='model'"),  # PP: per-block compile (and loss) only
     (["--fsdp-version", "1"], "fsdp_version=1"),
-    (["--offload", "params"], "offload='params'"),
+    (["--offload", "activations"], "offload='activations'"),  # params: tests/parallel/test_fsdp_offload_compile.py
     (["--tp", "2"], "sp=False"),  # TP + FSDP2 is modelled with --sp only (estimate/compiled_tp.py)
     (["--dp", "4", "--fsdp", "hybrid", "--tp", "2", "--sp"], "parallel="),  # HSDP beside TP: not checked
     (["--pp", "2", "--microbatches", "4", "--recompute", "op"], "recompute='op'"),  # without --pp: checked

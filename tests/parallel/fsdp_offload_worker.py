@@ -18,11 +18,21 @@ torch/distributed/fsdp/_fully_shard/):
   ``comm_ctx.all_gather_state``, whose free is deferred to the next all-gather);
 * ``grad_buffers``: the unsharded gradients (``FSDPParam.unsharded_param.grad``) and the
   reduce-scatter inputs kept in ``comm_ctx.reduce_scatter_states``;
-* ``saved`` (autograd's saved activations) and ``other`` (temporaries, logits, their gradients).
+* ``saved`` (autograd's saved activations) and ``other`` (temporaries, logits, their gradients);
+* ``host_rng_states``: the CPU generator states a compiled checkpointed block saves for its
+  recomputed SDPA (host memory on a GPU as well: ``torch.cuda.get_rng_state()`` is a host tensor).
 
 A fourth step runs under torchtune's activation offload policy (trainmem/trace/offload.py), which
 torchtune's distributed recipe puts around the sharded model's forward: what it leaves on the
 device and what it copies to the host.
+
+Scenario ``compile: "partition"`` (torchtune's ``compile=True`` with ``fsdp_cpu_offload``): each
+decoder layer ``torch.compile``-d with trainmem's partitioning backend
+(measure_dist/worker.py ``_compile_blocks``; its regions' saved values come back as
+``compiled_regions``), after ``recompute: "full"`` put transformers' non-reentrant checkpoint in
+each layer (trace/recompute.py ``enable_recompute``: the checkpoint runs inside the compiled
+region, as torchtune's ``compile_model`` before ``set_activation_checkpointing`` leaves it). The
+activation offload step is skipped there (not composed with compile under FSDP).
 """
 
 from __future__ import annotations
@@ -40,12 +50,23 @@ def run(sc: dict) -> dict:
     torch.manual_seed(0)
     cfg = dict(sc["config"])
     model = build_hf_model(cfg, attention="sdpa", dtype=torch.float32)
+    if sc.get("recompute", "none") != "none":
+        from trainmem.specs import ImplSpec
+        from trainmem.trace.recompute import enable_recompute
+
+        enable_recompute(model, ImplSpec(device="cpu", attention="sdpa", recompute=sc["recompute"]))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if sc.get("bf16") else MixedPrecisionPolicy())
     kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=mp)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    regions = []
+    if sc.get("compile"):
+        from trainmem.measure_dist.worker import _compile_blocks
+
+        torch._dynamo.reset()  # each scenario's model compiles afresh (no earlier scenario's cache or recompile limit)
+        regions = _compile_blocks(model, sc["compile"])
     B, S, V = sc["batch"], sc["seq"], cfg["vocab_size"]
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1000 + rank))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -81,7 +102,8 @@ def run(sc: dict) -> dict:
         host = {"host_params": {key(p) for p in sharded},
                 "host_grads": {key(p.grad) for p in sharded if p.grad is not None},
                 "host_optimizer": {key(v) for st in opt.state.values() for v in st.values()}}
-        out = {**host, "gathered": gathered - host["host_params"], "grad_buffers": grad_buffers - host["host_grads"]}
+        out = {**host, "gathered": gathered - host["host_params"], "grad_buffers": grad_buffers - host["host_grads"],
+               "host_rng_states": tracker.rng_states & tracker._saved}
         taken = set().union(*out.values())
         out["saved"] = tracker._saved - taken
         return out
@@ -94,6 +116,14 @@ def run(sc: dict) -> dict:
             self.phase = "forward"
             self.most: dict[str, dict[str, int]] = {}
             self.at_device_peak: dict[str, dict[str, int]] = {}
+            self.rng_states: set[int] = set()
+
+        def _pack(self, t):
+            # a compiled checkpointed block's generator state (functionalize_rng_ops saves torch.get_rng_state():
+            # host memory on a GPU too, estimate/activation_offload.py CPU_GENERATOR_STATE_BYTES)
+            if t.dtype == torch.uint8 and t.device.type == "cpu" and t.dim() == 1:
+                self.rng_states.add(key(t))
+            return super()._pack(t)
 
         def _sample(self, op: str = "") -> None:
             super()._sample(op)
@@ -120,8 +150,8 @@ def run(sc: dict) -> dict:
         tracker.phase = "optimizer"
         opt.step()
         opt.zero_grad(set_to_none=True)
-    kept, moved = _activation_offload(model, ids, unsharded, fps, ctx, key)
-    return {"rank": rank, "act_offload_kept": kept, "act_offload_host": moved, "most": tracker.most, "at_device_peak": tracker.at_device_peak,
+    kept, moved = (None, None) if sc.get("compile") else _activation_offload(model, ids, unsharded, fps, ctx, key)
+    return {"rank": rank, "compiled_regions": regions, "act_offload_kept": kept, "act_offload_host": moved, "most": tracker.most, "at_device_peak": tracker.at_device_peak,
             "peak_bytes": tracker.peak_bytes,
             # AdamW's 0-dim step counters are CPU tensors with or without offload: left out
             "host_optimizer_bytes": sum(local(v).untyped_storage().nbytes() for st in opt.state.values()
