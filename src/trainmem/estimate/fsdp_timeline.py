@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.names import layer_of
 
-__all__ = ["Units", "applies", "units", "working", "autograd_view", "regrade"]
+__all__ = ["Units", "applies", "units", "working", "middle_blocks", "autograd_view", "regrade"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,37 @@ def working(u: Units, *, reshard: bool) -> dict[str, dict[str, int]]:
     out["backward_end"] = {"fsdp_reduce_scatter": u.rs_input[first]}
     for parts in out.values():
         parts["fsdp_root_unsharded"] = u.root_gathered
+    return out
+
+
+def middle_blocks(u: Units, *, reshard: bool) -> dict[int, tuple[int, dict[str, int]]]:
+    """The blocks strictly between the first and the last whose backward :func:`~trainmem.estimate.peak.phases`
+    also takes (its ``middle_blocks``): block ``i`` -> (the gradient correction to autograd's view, FSDP2's
+    buffers alive in its backward).
+
+    A middle block's backward holds what neither end does: its own gathered parameters, the flat all-gather
+    output of block ``i - 1`` that its ``pre_backward`` prefetched (``FSDPState._pre_backward`` ->
+    ``_backward_prefetch``, ``_fsdp_state.py``; ``FSDPParamGroup._prefetch_unshard``, ``_fsdp_param_group.py``)
+    and block ``i + 1``'s reduce-scatter input (``foreach_reduce``, ``_fsdp_collectives.py``), kept until block
+    ``i``'s own ``post_backward`` frees it (``comm_ctx.reduce_scatter_states``, one buffer); the last block has
+    no reduce-scatter input, the first no prefetch. Without resharding after forward no block is gathered
+    again: blocks ``0 .. i`` are still gathered (``post_backward`` reshards each after its backward). The
+    blocks after ``i`` hold their sharded gradients (``rs_output``), not autograd's unsharded ones.
+
+    Live bytes are linear in ``i`` between the second block and the one before the last (one more block's
+    activations or checkpoint inputs, one fewer block's sharded gradients per step), so those two bound
+    every middle block: only they are returned."""
+    layers = sorted(u.gathered)
+    out: dict[int, tuple[int, dict[str, int]]] = {}
+    for k in sorted({1, len(layers) - 2}):
+        if not 0 < k < len(layers) - 1:
+            continue
+        li, before, after = layers[k], layers[k - 1], layers[k + 1]
+        later = layers[k + 1:]
+        fix = sum(u.rs_output[j] - u.unsharded_grads[j] for j in later)
+        gathered = ({"fsdp_allgather": u.gathered[li] + u.gathered[before]} if reshard
+                    else {"fsdp_unsharded_params": sum(u.gathered[j] for j in layers[:k + 1])})
+        out[li] = (fix, {**gathered, "fsdp_reduce_scatter": u.rs_input[after], "fsdp_root_unsharded": u.root_gathered})
     return out
 
 

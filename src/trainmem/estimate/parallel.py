@@ -42,7 +42,7 @@ from trainmem.estimate.finetune import dequant_transient, head_dequant, with_deq
 from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
 from trainmem.estimate import fsdp_timeline as ft
 from trainmem.estimate.fsdp_offload import (
-    composes_with_activation_offload, cpu_offload, offload_states, rank_activation_offload,
+    composes_with_activation_offload, cpu_offload, offload_node_moments, offload_states, rank_activation_offload,
 )
 from trainmem.estimate.heads import logits_width
 from trainmem.estimate import loss_parallel as lp
@@ -255,7 +255,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             for ph, parts in act_off[1].items():
                 working.setdefault(ph, {}).update(parts)
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
-        moments = tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
+        moments = (tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
+                   or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
         ph = phases(
             items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute)),
             B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
@@ -267,7 +268,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             optimizer_transient=(tb, rule),
             residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                                // (par.tp if par.sp else 1)),
-            persistent=persistent, working=working, node_moments=moments,
+            persistent=persistent, node_moments=moments,
+            # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
+            working=working if tl is None else {**working, "forward": {
+                **working.get("forward", {}), **_held(lm, lstep, impl, own_states, finetune)}},
             grad_received=moments and s != last,  # the stage's output gradient: pp_recv_gradients
             logits_held=torch_engine and par.pp > 1 and s == last,  # the schedule's output chunks (pp_output_chunks)
             # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
@@ -275,6 +279,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
                         if moments and recomputes_blocks(impl) and not act_off and traced is None else None),
             tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
+            # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
+            middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
         )
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
             ph = ft.regrade(ph, tl)
@@ -363,6 +369,12 @@ def _embedding_name(states: list[MemoryItem]) -> str:
         if it.category is Category.PARAMETER and is_token_embedding(it.name):
             return it.name
     return "\0"
+
+
+def _held(model, step, impl, states, finetune) -> dict[str, int]:
+    """The loss's forward extras of this rank (the local batch; ``states``: the unsharded model states)."""
+    from trainmem.estimate.forward_held import forward_held
+    return forward_held(model, step, impl, Inventory(states), finetune)
 
 
 def _largest_each(working: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -199,7 +199,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            stacks: tuple[tuple[str, int], ...] = (), tied_head: bool = False,
            node_moments: bool = False, accumulate_transients: bool = False,
            recomputed: Inventory | None = None, block_math: dict | None = None,
-           grad_received: bool = False, logits_held: bool = False) -> list[Phase]:
+           grad_received: bool = False, logits_held: bool = False,
+           middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -220,7 +221,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``grad_received``: the last block's output gradient is a receive buffer counted in ``working`` (a pipeline
     stage before the last: ``pp_recv_gradients``), not a new residual gradient in its eager moments before the
     residual sum. ``logits_held``: the logits outlive the loss (a pipeline's output chunks), so the compiled
-    loss's backward does not free them."""
+    loss's backward does not free them. ``middle_blocks``: FSDP2 (estimate/fsdp_timeline.py ``middle_blocks``), blocks
+    between the first and the last whose backward moment is taken too, each with its gradient correction (the later
+    blocks hold sharded gradients, not autograd's) and the buffers alive there instead of ``working``'s: the
+    ``backward`` phase is the largest of these and the last block's."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -250,8 +254,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     out: list[Phase] = []
     ids = _caller_ids(items)
 
-    def add(name: str, parts: dict[str, int], note: str) -> None:
-        bufs = {**persistent, **{k: v for k, v in working.get(name, {}).items() if v}}
+    def add(name: str, parts: dict[str, int], note: str, own: dict[str, int] | None = None) -> None:
+        bufs = {**persistent, **{k: v for k, v in (working.get(name, {}) if own is None else own).items() if v}}
         if ids and name != "optimizer":  # the caller's token ids (_caller_ids), where activations are counted
             bufs["caller_ids"] = ids
         full = {**static, **{k: v for k, v in parts.items() if v}, **bufs}
@@ -366,6 +370,18 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 parts, note = at, ("the final RMSNorm's backward: the head's gradients, the blocks' activations "
                                    "and the norm's five fp32 temporaries (estimate/block_backward.py)")
         add("backward", parts, note)
+        for li, (g_fix, own) in sorted((middle_blocks or {}).items()):
+            # a middle block holds what neither end does (FSDP2: the next block's prefetch beside the previous
+            # one's reduce-scatter input), so the ends do not bound it: its moment, as the first block's below
+            rec_i, big_i = recompute_bytes.get(li, (0, 0))
+            g_i = G - sum(v for j, v in grad_layer.items() if j <= li) - st.late_grad + g_fix
+            acts_i = A - head_act - sum(v for j, v in act_layer.items() if j > li)
+            add("backward", *inside(li, g_i, acts_i, {
+                "gradients": g_i, "activations": acts_i, "recompute_and_work": rec_i + residual_bytes + max(
+                    largest.get(li, 0), big_i), "router_logits_grad": sum(v for j, v in router_grads.items() if j <= li)},
+                f"backward of block {li}: the later blocks' gradients, its recomputed block activations, the output "
+                "gradient and the gradient of its largest tensor"), own=own)
+            out[-2:] = [max(out[-2:], key=lambda p: p.bytes)]  # one backward phase: the largest block moment
         first = min(blocks)
         if first != last and not optimizer_in_backward:
             # the first block's backward runs last: every later block's gradients exist next to its
