@@ -66,13 +66,13 @@ def _assert_verdict_is_clis(capsys, fits: dict, argv: list[str], gpu: str) -> di
 
 
 def test_verdict_at_the_boundary_is_the_reserved_figure(base, capsys):
-    """Mistral-7B S=4864 on H100 (tests/plan/test_plan_reserved_verdict.py): its allocated peak fits
+    """Mistral-7B S=4800 on H100 (tests/plan/test_plan_reserved_verdict.py): its allocated peak fits
     the old flat budget (capacity − 1 GiB − 5%), its modelled reserved peak does not: serve says no,
     as estimate's reserved figure, plan and advise do."""
-    body = {"model": "mistral-7b", "seq": 4864, "attention": "mem-efficient", "gpu": "H100-80GB"}
+    body = {"model": "mistral-7b", "seq": 4800, "attention": "mem-efficient", "gpu": "H100-80GB"}
     status, r = post(base, "/api/estimate", body)
     assert status == 200, r
-    v = _assert_verdict_is_clis(capsys, r["fits"], ["estimate", "--model", "mistral-7b", "--seq", "4864",
+    v = _assert_verdict_is_clis(capsys, r["fits"], ["estimate", "--model", "mistral-7b", "--seq", "4800",
                                                     "--attention", "mem-efficient", "--json"], "H100-80GB")
     h100 = load_gpu("H100-80GB")
     assert v["allocated_bytes"] <= Reserve(fixed_bytes=1 << 30, fraction=0.05).usable_bytes(h100)
