@@ -78,11 +78,17 @@ def offload_node_moments(impl, par) -> bool:
     A checkpointed block's backward first recomputes its forward, and a compiled one holds what eager
     autograd would save, not its compiled saved set (estimate/compiled_recompute.py): the coarse
     block working set (the compiled set's recompute plus the residual gradient) misses it. Measured
-    against a real 2-rank gloo run (tests/parallel/test_fsdp_offload_compile.py, tiny Llama B 2 S 64):
-    device peak estimate/measured 0.913 (fp32) and 0.736 (fsdp-bf16) compiled and 0.960 / 0.950 eager
-    with the working set, 0.987 / 0.966 compiled and 0.993 / 0.994 eager with the moments. Without
-    checkpointing the moments overshoot that run (1.04 / 1.02 eager, 1.03 compiled) where the working
-    set reads 1.024 / 1.000: they stay off there."""
+    against a real 2-rank gloo run (tests/parallel/test_fsdp_offload_compile.py, tiny Llama B 2 S 64;
+    the compiled blocks' generator states, host memory, left out): device peak estimate/measured 0.918
+    (fp32) and 0.742 (fsdp-bf16) compiled and 0.960 / 0.950 eager with the working set, 0.993 / 0.975
+    compiled and 0.993 / 0.994 eager with the moments. Without checkpointing the moments overshoot that
+    run (1.04 / 1.02 eager, 1.03 compiled) where the working set reads 1.024 / 1.000: they stay off there.
+
+    What is left (compiled fsdp-bf16, 28,736 B under): the real peak is in a middle block's backward
+    (block 3's reduce-scatter state and gradient shards beside block 2's moment), which only FSDP2's
+    per-tensor timeline models (estimate/fsdp_timeline.py ``middle_blocks``; ``applies`` excludes CPU
+    offload); the same run without CPUOffloadPolicy reads that estimate at 2,602,184 B against a live
+    peak of 2,607,396 B (generator states included)."""
     return cpu_offload(par) and impl.recompute == "full"
 
 
