@@ -241,11 +241,12 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
         else:
             q = k = qkv  # strided views of the c_attn output (SDPA keeps q as such; eager copies it)
         v = qkv
-        if ctx.kv_cache or (kernel in ("eager", "math")) == neox:
+        if ctx.kv_cache or (neox and kernel in ("eager", "math")):
             # attention reads K/V from the DynamicCache's cat copies (without a cache, under checkpointing,
-            # GPT-2's eager and math paths read the c_attn views: attention_core ``fused``; GPT-NeoX's SDPA
-            # reads the rotated k and v, a view of the query_key_value output, kept whole; GPT-2's fused
-            # kernels and GPT-NeoX's eager path are not checked without it)
+            # GPT-2 reads the c_attn views: attention_core ``fused``, the eager and math paths and the fused
+            # SDPA kernel alike (on CPU a recomputed block holds no copy: tests/estimate/test_fsdp_peak_middle.py);
+            # GPT-NeoX's SDPA reads the rotated k and v, a view of the query_key_value output, kept whole;
+            # GPT-NeoX's eager path is not checked without it)
             k = g.new("k_cache", *heads, k.dtype, k.requires_grad)
             v = g.new("v_cache", *heads, qkv.dtype, qkv.requires_grad)
         with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
