@@ -6,8 +6,9 @@ The real run (slow): 2 gloo ranks, a tiny Llama ``fully_shard``-ed per block and
 ``CPUOffloadPolicy(pin_memory=False)`` (tests/parallel/fsdp_offload_worker.py). A CPU run has no
 second device, so the check is by what FSDP holds each live storage as: the host kinds equal the
 host figure to the byte, the gathered parameters (unsharded + flat all-gather buffers) peak at the
-estimate's gathered terms to the byte, and everything but the host kinds peaks within 3% of the
-estimate's device figure less the two copies that only exist with a separate device. A fourth
+estimate's gathered terms to the byte, and everything but the host kinds peaks at the estimate's
+device figure less the two copies that only exist with a separate device, to the byte (FSDP2's
+per-tensor timeline, estimate/fsdp_timeline.py). A fourth
 step under torchtune's activation offload policy (trainmem/trace/offload.py) leaves on the device,
 and copies to the host, the estimate's per-rank activation figures to the byte.
 """
@@ -66,9 +67,11 @@ def test_device_terms_by_formula():
         # the root's shard is on the host: the device holds the whole unsharded root
         assert parts["forward"]["fsdp_root_unsharded"] == ROOT * gathered
         assert parts["backward"]["fsdp_allgather"] == 2 * BLOCK * gathered
-        # unsharded gradients are made in param_dtype; the root's are reduced at the end of backward
-        assert parts["backward"]["fsdp_root_unsharded_grads"] == HEAD * gathered
-        assert parts["backward_end"]["fsdp_root_unsharded_grads"] == ROOT * gathered
+        # unsharded gradients are made in param_dtype (FSDP2's timeline counts them as autograd's, estimate/
+        # fsdp_timeline.py); the root's are reduced at the end of backward, every sharded one is on the host
+        assert parts["backward_end"]["gradients"] == ROOT * gathered
+        assert parts["optimizer"]["gradients"] == 0
+        assert "fsdp_root_unsharded_grads" not in parts["backward"]
         # the reduce-scatter output shard (fp32 reduce) before its copy to the host
         assert parts["backward"]["fsdp_offload_d2h"] == BLOCK * 4 // 2
     # the fp32 shard copied to the device before the all-gather, and its bf16 cast
@@ -131,7 +134,7 @@ def test_live_set_by_kind_matches_a_real_cpu_offload_run(precision):
         assert rank.host_bytes == host, (rank.host_bytes, host, r)
         assert gathered == max(m["gathered"] for m in most.values()), (gathered, most)
         device = max(m["device"] for m in most.values())
-        assert abs(cpu_device - device) <= 0.03 * device, (cpu_device, device, r["at_device_peak"])
+        assert cpu_device == device, (cpu_device, device, r["at_device_peak"])
         # a fourth step under torchtune's activation offload: kept on the device, copied to the host
         assert (r["act_offload_kept"], r["act_offload_host"]) == (acts.totals_bytes["activation"],
                                                                   acts.host_bytes - rank.host_bytes)

@@ -38,7 +38,9 @@ the host the same way (torch/distributed/fsdp/_runtime_utils.py ``_offload_grad`
 
 So every model state (parameters, gradients, optimizer states, master weights) is a host figure,
 the device holds the gathered parameters, the gradient buffers and the activations, and the
-optimizer step has no device temporaries. Pinned host memory is page-locked: the host figure is
+optimizer step has no device temporaries. With one FSDP2 unit per block those device tensors follow
+FSDP2's per-tensor timeline (estimate/fsdp_timeline.py: ``Units.host_grads``, the copies in a middle
+block's backward); elsewhere the per-phase bounds below (:func:`offload_working`). Pinned host memory is page-locked: the host figure is
 what the node must have free beyond the process's ordinary memory.
 
 What a CPU-only run can check (tests/parallel/test_fsdp_cpu_offload.py, torchrun gloo 2 ranks):
@@ -46,7 +48,8 @@ there the "device" is the CPU too (``.to(cpu)`` returns the same tensor), so the
 sets are told apart by tensor kind, not by device: the sharded parameters, gradients and
 optimizer states equal the host figure, and everything else alive (gathered parameters,
 unsharded gradients, reduce-scatter buffers, activations, temporaries) peaks where the estimate's
-device figure does. The two copies (``fsdp_offload_h2d``, ``fsdp_offload_d2h``) do not exist on
+device figure does (to the byte on the timeline: eager and compiled, fp32 and fsdp-bf16, recompute
+none and full). The two copies (``fsdp_offload_h2d``, ``fsdp_offload_d2h``) do not exist on
 a CPU device and are modelled from the source only.
 """
 
@@ -73,22 +76,17 @@ def cpu_offload(par) -> bool:
 
 def offload_node_moments(impl, par) -> bool:
     """Whether a rank under CPU offload takes its blocks' node moments (estimate/peak.py ``phases``
-    ``node_moments``, on the recomputed set) beside the offload buffers: under ``--recompute full``.
+    ``node_moments``, on the recomputed set) beside the offload buffers: under ``--recompute full``, on the
+    layouts off FSDP2's per-tensor timeline (FSDP1, hybrid, separate embedding/head units); on the timeline
+    (estimate/fsdp_timeline.py ``applies``) every layout takes them.
 
     A checkpointed block's backward first recomputes its forward, and a compiled one holds what eager
     autograd would save, not its compiled saved set (estimate/compiled_recompute.py): the coarse
     block working set (the compiled set's recompute plus the residual gradient) misses it. Measured
-    against a real 2-rank gloo run (tests/parallel/test_fsdp_offload_compile.py, tiny Llama B 2 S 64;
-    the compiled blocks' generator states, host memory, left out): device peak estimate/measured 0.918
-    (fp32) and 0.742 (fsdp-bf16) compiled and 0.960 / 0.950 eager with the working set, 0.993 / 0.975
-    compiled and 0.993 / 0.994 eager with the moments. Without checkpointing the moments overshoot that
-    run (1.04 / 1.02 eager, 1.03 compiled) where the working set reads 1.024 / 1.000: they stay off there.
-
-    What is left (compiled fsdp-bf16, 28,736 B under): the real peak is in a middle block's backward
-    (block 3's reduce-scatter state and gradient shards beside block 2's moment), which only FSDP2's
-    per-tensor timeline models (estimate/fsdp_timeline.py ``middle_blocks``; ``applies`` excludes CPU
-    offload); the same run without CPUOffloadPolicy reads that estimate at 2,602,184 B against a live
-    peak of 2,607,396 B (generator states included)."""
+    against a real 2-rank gloo run (tests/parallel/test_fsdp_offload_compile.py, tiny Llama B 2 S 64,
+    one unit per block) with these coarse bounds: device peak estimate/measured 0.993 (fp32) and 0.975
+    (fsdp-bf16) compiled, 0.993 / 0.994 eager; without checkpointing the moments overshot (1.04 / 1.02
+    eager). On the timeline the same runs are exact (session 11, docs/parallel.md)."""
     return cpu_offload(par) and impl.recompute == "full"
 
 
@@ -116,13 +114,15 @@ def offload_transients(*, group_shard_bytes: float, group_shard_cast_bytes: floa
 
 
 def offload_working(stage_params: list[MemoryItem], tp_div: dict[str, int], grad_bytes: dict[str, int],
-                    gathered, group: int, compute_bytes: float, units: str = "blocks") -> dict[str, dict[str, float]]:
+                    gathered, group: int, compute_bytes: float, units: str = "blocks",
+                    root_grads: bool = True) -> dict[str, dict[str, float]]:
     """:func:`offload_transients` for a stage's parameters (unsharded items; ``tp_div``: each one's
     TP/EP divisor; ``grad_bytes``: each trainable one's gradient bytes; ``gathered(item)``: bytes
     per element all-gathered; ``compute_bytes``: bytes per element of an unsharded gradient, made in
     ``param_dtype``), the largest FSDP group each (a decoder block, or the root's rest; under
     ``units='blocks+embed+head'`` the embedding and the head are groups of their own, each reduced
-    right after its own backward: estimate/fsdp_units.py)."""
+    right after its own backward: estimate/fsdp_units.py). ``root_grads=False`` where FSDP2's timeline
+    (estimate/fsdp_timeline.py) counts the root's unsharded gradients as autograd's gradients."""
     from trainmem.estimate.fsdp_units import separate_unit
 
     groups: dict[int | str | None, list[float]] = {}
@@ -145,7 +145,7 @@ def offload_working(stage_params: list[MemoryItem], tp_div: dict[str, int], grad
     h2d = max(groups.values(), key=lambda a: a[0] + a[1])
     out = offload_transients(group_shard_bytes=h2d[0], group_shard_cast_bytes=h2d[1],
                              grad_shard_bytes=max(a[2] for a in groups.values()))
-    for ph, v in (("backward", head), ("backward_end", head + first)):
+    for ph, v in (("backward", head), ("backward_end", head + first)) if root_grads else ():
         out[ph]["fsdp_root_unsharded_grads"] = v
     return out
 

@@ -37,6 +37,13 @@ forward, ``FSDPState._lazy_init``):
   sharded gradients, the root's unsharded gradients (reduced in the final callback);
 * ``optimizer``: the sharded gradients only.
 
+Under CPU offload (``CPUOffloadPolicy``, estimate/fsdp_offload.py) the same device tensors run on the same
+timeline; the sharded gradients are host figures (:func:`autograd_view` adds autograd's unsharded ones, which
+the offloaded states leave out, :func:`regrade` swaps them for nothing), and a middle block's backward holds
+the copies of block ``i - 1``'s shards made for its prefetched all-gather (``FSDPParam.all_gather_inputs``)
+and block ``i + 1``'s reduce-scatter output shard before its copy to the host (``foreach_reduce``): both
+bounds, as the ``backward`` phase's (estimate/fsdp_offload.py ``offload_transients``).
+
 :func:`autograd_view` gives :func:`~trainmem.estimate.peak.phases` the gradients autograd makes (it
 then counts the gradients made by each moment, inside a block's backward too), and
 :func:`regrade` turns the units already reduce-scattered by a phase into their sharded gradients.
@@ -44,7 +51,7 @@ then counts the gradients made by each moment, inside a block's backward too), a
 Known limitations: one unit per block with the root (``--fsdp-units blocks``), one micro-batch, no
 pipeline, tensor, expert or context parallelism, no Float8 all-gather (torchao's Float8Linear without
 ``enable_fsdp_float8_all_gather`` has plain parameters: FSDP2 gathers them as any), no fine-tuning,
-no CPU offload (:func:`applies`); elsewhere the estimate keeps its per-phase upper bounds
+no activation offload (:func:`applies`); elsewhere the estimate keeps its per-phase upper bounds
 (estimate/parallel_buffers.py). The moment inside the root's post-backward (the root's
 reduce-scatter input beside its unsharded gradients, the root resharded) is not a phase: it holds
 less than the embedding's backward whenever the root's gathered parameters are at least its
@@ -59,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.names import layer_of
 
-__all__ = ["Units", "applies", "units", "working", "middle_blocks", "autograd_view", "regrade"]
+__all__ = ["Units", "applies", "units", "working", "middle_blocks", "block_moments", "autograd_view", "regrade"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,11 @@ class Units:
     rs_output: dict[int, int] = field(default_factory=dict)
     root_unsharded_grads: int = 0
     root_rs_output: int = 0
+    # CPU offload (estimate/fsdp_offload.py): the sharded gradients are host tensors, and each block's shards are
+    # copied to the device before its all-gather (``h2d``) and its reduce-scatter output shard to the host (``d2h``)
+    host_grads: bool = False
+    h2d: dict[int, int] = field(default_factory=dict)
+    d2h: dict[int, int] = field(default_factory=dict)
 
 
 def applies(par, step, impl, finetune=None) -> bool:
@@ -83,15 +95,18 @@ def applies(par, step, impl, finetune=None) -> bool:
             and par.fsdp_units == "blocks" and par.pp == 1 and par.tp == 1 and par.ep == 1 and par.cp == 1
             and max(step.grad_accum, par.microbatches) == 1 and not impl.optimizer_in_backward
             and not impl.float8_all_gather
-            and finetune is None and not cpu_offload(par) and not par.offload)
+            and finetune is None and (cpu_offload(par) or not par.offload) and "activations" not in par.offload)
 
 
-def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_bytes: int) -> Units:
+def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_bytes: int,
+          offload: bool = False) -> Units:
     """Per-unit sizes from the unsharded model states; ``param_bytes``: ``param_dtype``'s element
-    size, ``grad_bytes``: the sharded gradients' (``reduce_dtype``)."""
+    size, ``grad_bytes``: the sharded gradients' (``reduce_dtype``); ``offload``: FSDP2's
+    ``CPUOffloadPolicy`` (the sharded gradients on the host, the shards' copies on the device)."""
     has_grad = {i.name.removesuffix(".grad") for i in stage_states if i.category is Category.GRADIENT}
     root = [0, 0, 0]  # gathered, unsharded grads, sharded grads
     blocks: dict[int, list[int]] = {}  # gathered, unsharded grads, rs input, rs output
+    h2d: dict[int, int] = {}
     for p in stage_states:
         if p.category is not Category.PARAMETER:
             continue
@@ -107,7 +122,13 @@ def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_
         else:
             row[2] += shard * world * grad_bytes if trained else 0
             row[3] += math.ceil(shard * grad_bytes) if trained else 0
+            # FSDPParam.all_gather_inputs (_fsdp_param.py): the shard copied in its stored dtype, then cast
+            stored = p.bytes // numel
+            h2d[li] = h2d.get(li, 0) + shard * stored + (shard * param_bytes if param_bytes != stored else 0)
+    if not offload:
+        h2d = {}
     return Units(root_gathered=root[0], root_unsharded_grads=root[1], root_rs_output=root[2],
+                 host_grads=offload, h2d=h2d, d2h={li: r[3] for li, r in blocks.items()} if offload else {},
                  gathered={li: r[0] for li, r in blocks.items()},
                  unsharded_grads={li: r[1] for li, r in blocks.items()},
                  rs_input={li: r[2] for li, r in blocks.items()},
@@ -168,17 +189,40 @@ def middle_blocks(u: Units, *, reshard: bool) -> dict[int, tuple[int, dict[str, 
             continue
         li, before, after = layers[k], layers[k - 1], layers[k + 1]
         later = layers[k + 1:]
-        fix = sum(u.rs_output[j] - u.unsharded_grads[j] for j in later)
+        fix = sum(_sharded(u, j) - u.unsharded_grads[j] for j in later)
         gathered = ({"fsdp_allgather": u.gathered[li] + u.gathered[before]} if reshard
                     else {"fsdp_unsharded_params": sum(u.gathered[j] for j in layers[:k + 1])})
-        out[li] = (fix, {**gathered, "fsdp_reduce_scatter": u.rs_input[after], "fsdp_root_unsharded": u.root_gathered})
+        copies = ({"fsdp_offload_h2d": u.h2d[before], "fsdp_offload_d2h": u.d2h[after]} if u.host_grads else {})
+        out[li] = (fix, {**gathered, "fsdp_reduce_scatter": u.rs_input[after], "fsdp_root_unsharded": u.root_gathered,
+                         **copies})
     return out
 
 
-def autograd_view(items: list[MemoryItem], stage_states: list[MemoryItem], *, param_bytes: int) -> list[MemoryItem]:
+def _sharded(u: Units, li: int) -> int:
+    """Block ``li``'s sharded gradients on the device: none under CPU offload (``foreach_reduce`` copies each
+    shard to the host, ``_fsdp_collectives.py``)."""
+    return 0 if u.host_grads else u.rs_output[li]
+
+
+def block_moments(model, impl, finetune=None) -> dict:
+    """What a block's backward moments read beyond the inventory, as on one device (estimate/__init__.py):
+    FSDP2's hooks run outside Dynamo (estimate/compiled_sharded.py), so a compiled block's backward is the
+    one-device compiled graph's, at this rank's batch (estimate/compiled_recompute.py ``block_math``)."""
+    from trainmem.estimate.compiled_recompute import block_math
+
+    return block_math(model, eager_set=impl.compile and finetune is not None,
+                      one_graph=impl.compile and impl.compile_scope == "model")
+
+
+def autograd_view(items: list[MemoryItem], stage_states: list[MemoryItem], *, param_bytes: int,
+                  offload: bool = False) -> list[MemoryItem]:
     """``items`` with each sharded gradient replaced by the unsharded one autograd makes
-    (the parameter's numel in ``param_dtype``)."""
+    (the parameter's numel in ``param_dtype``). Under CPU offload ``items`` hold no gradient (the sharded
+    ones are host figures), yet autograd still makes the unsharded ones on the device: added from
+    ``stage_states``."""
     full = {i.name: i for i in stage_states if i.category is Category.PARAMETER}
+    if offload:
+        items = [*items, *(i for i in stage_states if i.category is Category.GRADIENT)]
     out = []
     for it in items:
         p = full.get(it.name.removesuffix(".grad")) if it.category is Category.GRADIENT else None
@@ -207,7 +251,7 @@ def regrade(phases: list, u: Units) -> list:
         else:
             done, root = reduced.get(ph.name, ()), False
         drop = sum(u.unsharded_grads[li] for li in done) + (u.root_unsharded_grads if root else 0)
-        add = sum(u.rs_output[li] for li in done) + (u.root_rs_output if root else 0)
+        add = sum(_sharded(u, li) for li in done) + (u.root_rs_output if root and not u.host_grads else 0)
         if not drop and not add:
             out.append(ph)
             continue

@@ -230,7 +230,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
         own_states = [i for i in states if state_stage[i.name] == s]
-        tl = (ft.units(own_states, world=group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad))
+        tl = (ft.units(own_states, world=group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad),
+                       offload=cpu_offload(par))
               if ft.applies(par, step, impl, finetune) else None)  # FSDP2 per tensor: estimate/fsdp_timeline.py
         persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
                                              stage=s, last=last, zero=zero, group=group, stage_act_bytes=body,
@@ -258,7 +259,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         moments = (tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
                    or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
         ph = phases(
-            items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute)),
+            items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute),
+                                                      offload=tl.host_grads),
             B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
             logits_dtype=d.activation if d.autocast else d.compute,
             loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
@@ -281,6 +283,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
             # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
             middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
+            block_math=ft.block_moments(lm, impl, finetune) if tl is not None else None,  # a compiled block's moments
         )
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
             ph = ft.regrade(ph, tl)

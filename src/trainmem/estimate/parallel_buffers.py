@@ -140,7 +140,7 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             every("fsdp_reduce_scatter", big_grad, ("backward", "backward_end"))
         if cpu_offload(par):  # the shards' copies to and from the device: estimate/fsdp_offload.py
             for ph, parts in offload_working(stage_params, tp_div, grad_bytes, gathered, group, pb,
-                                             par.fsdp_units).items():
+                                             par.fsdp_units, root_grads=r.timeline is None).items():
                 for k, v in parts.items():
                     every(k, v, (ph,))
         if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
