@@ -54,6 +54,19 @@ def test_what_the_compiled_tp_trace_cannot_run_is_one_line(capsys, argv, field):
     assert err.count("\n") == 1 and "--compile with --tp" in err and field in err, err
 
 
+@pytest.mark.slow  # one traced forward that fails (~10 s)
+def test_the_fake_process_group_fails_a_checkpointed_compiled_tp_block_as_a_real_one(monkeypatch):
+    """The refusal above is torch's: with it lifted, the fake-PG trace fails where the real gloo step fails
+    (tests/parallel/test_compiled_tp_checkpoint_real.py: AOTAutograd's save_from_forward, the DeviceMesh read as a
+    saved tensor). When a torch release fixes it, this fails: lift the refusal and model the step then."""
+    from trainmem.trace import parallel_tp, trace_step
+
+    monkeypatch.setattr(parallel_tp, "_check_compiled", lambda par, impl: None)
+    with pytest.raises(AssertionError, match="tensors_saved_with_vc_check to be Tensors.*DeviceMesh"):
+        trace_step(LLAMA, StepSpec(batch=2, seq=64, optimizer="adamw"), replace(BLOCK, recompute="full"),
+                   parallel=TP_SP)
+
+
 @functools.lru_cache(maxsize=None)
 def _traced(precision: str, loss_parallel: bool = True):
     """The trace and every region its compiled blocks partitioned (``trace/compiled.py`` saved_values)."""

@@ -31,8 +31,9 @@ tests/trace/test_trace_compile_tp.py, test_trace_compile_2d.py, test_trace_pp_co
 Refused in one line (:func:`check_compiled_tp_layout`), as not checked: HSDP, DDP and ZeRO beside TP, context
 and expert parallelism, FSDP1; under PP the interleaved and zero-bubble schedules (estimate/compiled_sharded.py)
 and the ``block-loss`` scope (compiled_tp.py: the loss under ``loss_parallel`` is eager in torchtitan);
-``--recompute full`` stays refused under compiled TP (compiled_tp.py), so torchtitan's published 405B runs
-(``activation_checkpointing: full``) are estimated without ``--compile``.
+``--recompute full`` stays refused under compiled TP: torch 2.13 itself fails that step, a real gloo one too
+(compiled_tp.py ``CHECKPOINTED_TP_BLOCK_FAILS``), so torchtitan's published 70B 2-D and 405B 3-D runs
+(``activation_checkpointing: full``, torch of Dec 2024) are estimated without ``--compile``.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ pair (the gathered norm outputs are the one-device size).
 Refused (:func:`compiled_tp_refusals`, and the layouts by estimate/compiled_3d.py ``check_compiled_tp_layout``,
 one line each), as not traced:
   - TP without sequence parallelism (above);
-  - ``--recompute full`` (and op): in torch 2.13 a checkpointed compiled DTensor block fails in
-    AOTAutograd's ``save_from_forward`` (a ``DeviceMesh`` among the saved tensors) on the fake process group;
+  - ``--recompute full`` (and op): torch 2.13 cannot run a checkpointed compiled DTensor block with SDPA, on a real
+    gloo group as on the fake one (:data:`CHECKPOINTED_TP_BLOCK_FAILS`);
   - whole-model compile and ``block-loss`` (the loss under ``loss_parallel`` is eager in torchtitan);
   - context and expert parallelism, DDP/ZeRO and HSDP beside TP, fine-tuning, Float8, autocast, and
     families other than the plain Llama block (no fused, sandwich or post norms, q/k norms, MoE, eager attention).
@@ -55,7 +55,23 @@ from __future__ import annotations
 from trainmem.estimate.attention import resolve_kernel
 from trainmem.families import family_of
 
-__all__ = ["compiled_tp_refusals"]
+__all__ = ["CHECKPOINTED_TP_BLOCK_FAILS", "compiled_tp_refusals"]
+
+#: Why a checkpointed compiled TP block is refused (estimate and trace). The region's backward returns DTensor
+#: gradients, so its forward saves the mesh (an opaque object: AOTAutograd orders saved values as tensors, then
+#: opaque objects, then SymInts, ``partitioners.py`` ``_extract_fwd_bwd_modules``). Checkpointing makes the partitioner
+#: recompute SDPA, an rng-tagged op, whose rng state ``functionalize_rng_ops`` inserts just before the SymInts,
+#: after the mesh; ``_AutogradSavedState.save_from_forward`` (``_aot_autograd/runtime_wrappers.py``) counts the
+#: tensor slice from the end and reads the mesh as a saved tensor. Measured (tests/parallel/
+#: test_compiled_tp_checkpoint_real.py): a real 2-rank gloo step of torchtitan's order (checkpoint_wrapper, then
+#: torch.compile) fails with inductor, aot_eager and trainmem's backend; it runs without checkpointing, and with
+#: checkpointing under eager attention (no rng op to recompute). ``--recompute op`` fails the same on CPU, where
+#: the policy recomputes the CPU SDPA kernel (fake process group; on CUDA it saves SDPA: not checked).
+CHECKPOINTED_TP_BLOCK_FAILS = (
+    "torch 2.13 fails a checkpointed compiled DTensor block with SDPA, on a real gloo group too: "
+    "torch/_functorch/partitioners.py functionalize_rng_ops puts the recomputed SDPA's rng state after the saved "
+    "DeviceMesh, and _AutogradSavedState.save_from_forward (_aot_autograd/runtime_wrappers.py) reads the mesh as a "
+    "saved tensor")
 
 
 def compiled_tp_refusals(ctx) -> list[tuple]:
@@ -75,8 +91,7 @@ def compiled_tp_refusals(ctx) -> list[tuple]:
         ("compile_scope", impl.compile_scope, impl.compile_scope != "block",
          "compiled rules under TP cover --compile-scope block (torchtitan's apply_compile after apply_tp)"),
         ("recompute", impl.recompute, impl.recompute != "none",
-         "compiled blocks under TP are checked at --recompute none (torch 2.13 refuses a checkpointed compiled "
-         "DTensor block on the fake process group: a DeviceMesh among its saved tensors)"),
+         f"compiled blocks under TP are modelled at --recompute none: {CHECKPOINTED_TP_BLOCK_FAILS}"),
         # fsdp-bf16 (TP + FSDP2's MixedPrecisionPolicy): bf16 gathered weights, pure bf16's saved set (traced)
         ("precision", ctx.step.precision, ctx.step.recipe not in ("fp32", "bf16", "fsdp-bf16"),
          "compiled rules under TP cover pure fp32 and bf16, and fsdp-bf16 under FSDP2"),

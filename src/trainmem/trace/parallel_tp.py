@@ -38,7 +38,8 @@ Known limitations:
     mesh, :mod:`trainmem.trace.parallel_pp`), Float8 and fine-tuning too,
     and fsdp-bf16 without FSDP2;
   - ``--compile`` runs as torchtitan applies it, each block compiled after the cut (``--compile-scope block``,
-    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none``, alone or with
+    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none`` (checkpointed, torch 2.13
+    fails the step with a real process group too: estimate/compiled_tp.py ``CHECKPOINTED_TP_BLOCK_FAILS``), alone or with
     FSDP2 on the dp sub-mesh (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py,
     tests/trace/test_trace_compile_2d.py, docs/compile.md).
 """
@@ -103,12 +104,12 @@ def check_tp(par, step, impl, finetune=None, config=None) -> None:
 def _check_compiled(par, impl) -> None:
     """``--compile`` under TP as torchtitan applies it (``apply_tp``, then ``apply_compile``): each block
     compiled after ``parallelize_module`` (then FSDP2, if asked), without checkpointing; refused in one line."""
+    from trainmem.estimate.compiled_tp import CHECKPOINTED_TP_BLOCK_FAILS
+
     for field, value, ok, why in (
             ("compile_scope", impl.compile_scope, impl.compile_scope == "block",
              "TP blocks are compiled one by one (torchtitan's apply_compile): --compile-scope block"),
-            ("recompute", impl.recompute, impl.recompute == "none",
-             "torch 2.13 refuses a checkpointed compiled DTensor block (AOTAutograd's save_from_forward finds a "
-             "DeviceMesh among the saved tensors)"),
+            ("recompute", impl.recompute, impl.recompute == "none", CHECKPOINTED_TP_BLOCK_FAILS),
             # FSDP2 on the dp sub-mesh after the compiled TP blocks: traced (tests/trace/test_trace_compile_2d.py);
             # (FSDP1 beside TP is refused by ParallelSpec itself)
             # checked on real tensors (trace_step(real=True)): with --sp the step runs and its peak equals the
