@@ -6,7 +6,8 @@ the step runs and, per partitioned region, the kinds of the values its forward h
 Run by tests/parallel/test_compiled_tp_checkpoint_real.py under torchrun:
 ``python compiled_tp_checkpoint_worker.py OUT_DIR '<scenarios json>'``. A scenario: ``backend`` (``"partition"``:
 trainmem's, inductor's decompositions and partition without codegen, trace/compiled.py; ``"aot_eager"``: plain
-AOTAutograd with the default partitioner), ``checkpoint`` and ``compile`` (either may be off: the controls), ``attention`` (``"sdpa"`` unless given; ``"eager"``:
+AOTAutograd with the default partitioner), ``checkpoint`` (``True``: torchtitan's full AC; ``"op-sdpa-saved"``: its op-level policy with SDPA saved, as on CUDA)
+and ``compile`` (either may be off: the controls), ``attention`` (``"sdpa"`` unless given; ``"eager"``:
 transformers' matmul-softmax attention, whose dropout at p = 0 draws no random numbers).
 """
 
@@ -52,6 +53,27 @@ def _recording_partitions() -> None:
     compile_fx.partition_fn = noting
 
 
+def _op_policy_saving_sdpa():
+    """torchtitan's op-level policy (trace/recompute.py ``op_sac_context``) with the CPU SDPA kernel on its save list,
+    as CUDA's flash kernel is (the partitioner's compute-intensive ops): the checkpointed block recomputes no SDPA."""
+    import dataclasses
+
+    import torch
+    from torch._functorch import partitioners
+    from torch.utils._ordered_set import OrderedSet
+
+    from trainmem.trace.recompute import op_sac_context
+
+    real = partitioners.get_default_op_list
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    partitioners.get_default_op_list = lambda: dataclasses.replace(  # OpTypes, a dataclass
+        real(), compute_intensive_ops=OrderedSet([*real().compute_intensive_ops, sdpa]))
+    try:  # the policy reads the list when it is made; the partitioner's own min-cut keeps the real one
+        return op_sac_context()
+    finally:
+        partitioners.get_default_op_list = real
+
+
 def run(sc: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -71,7 +93,9 @@ def run(sc: dict) -> dict:
     _apply_tp(model, init_device_mesh("cpu", (dist.get_world_size(),)), True, True)
     layers = model.model.layers
     for name, layer in list(layers.named_children()):
-        if sc["checkpoint"]:
+        if sc["checkpoint"] == "op-sdpa-saved":
+            layer = checkpoint_wrapper(layer, context_fn=_op_policy_saving_sdpa)
+        elif sc["checkpoint"]:
             layer = checkpoint_wrapper(layer, preserve_rng_state=False)
         if sc["compile"]:
             backend = partitioning_backend(Compiled()) if sc["backend"] == "partition" else sc["backend"]

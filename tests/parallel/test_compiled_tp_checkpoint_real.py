@@ -12,7 +12,9 @@ measure_dist/worker.py ``_apply_tp``), each block wrapped as torchtitan's ``appl
     tensor after the opaque object, against AOTAutograd's order (tensors, opaque objects, SymInts) by which
     ``save_from_forward`` slices them (``functionalize_rng_ops`` inserts rng states before the SymInts only);
   - the controls run: compiled without checkpointing (the mesh saved last, after 25 tensors), checkpointed without
-    compile, and checkpointed and compiled with eager attention (no rng op to recompute).
+    compile, and checkpointed and compiled with eager attention (no rng op to recompute) or with torchtitan's
+    op-level policy saving SDPA (as it does CUDA's kernels; the CPU kernel stands in). Not modelled:
+    ``--recompute op`` stays refused under compiled TP (on CPU the policy recomputes SDPA and fails).
 When a torch release fixes the order, the first test fails: lift the refusal then, and model the step.
 """
 
@@ -43,10 +45,11 @@ def _runs() -> dict:
         "no_checkpoint": dict(base, checkpoint=False),
         "eager_checkpoint": dict(base, compile=False),
         "eager_attention": dict(base, attention="eager"),
+        "op_sdpa_saved": dict(base, checkpoint="op-sdpa-saved"),
     }, timeout=600)
 
 
-@pytest.mark.slow  # one torchrun launch, five steps, ~30 s on 2 shared cores
+@pytest.mark.slow  # one torchrun launch, six steps, ~50 s on 2 shared cores
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["partition", "aot_eager"])
 def test_a_checkpointed_compiled_tp_block_fails_on_a_real_process_group(backend):
@@ -61,7 +64,7 @@ def test_a_checkpointed_compiled_tp_block_fails_on_a_real_process_group(backend)
 
 @pytest.mark.slow  # the launch above (cached)
 @pytest.mark.distributed
-@pytest.mark.parametrize("control", ["no_checkpoint", "eager_checkpoint", "eager_attention"])
+@pytest.mark.parametrize("control", ["no_checkpoint", "eager_checkpoint", "eager_attention", "op_sdpa_saved"])
 def test_without_a_recomputed_rng_op_the_step_runs(control):
     ranks = _runs()[control]
     assert [r["error"] for r in ranks] == [None, None]

@@ -66,7 +66,8 @@ __all__ = ["CHECKPOINTED_TP_BLOCK_FAILS", "compiled_tp_refusals"]
 #: test_compiled_tp_checkpoint_real.py): a real 2-rank gloo step of torchtitan's order (checkpoint_wrapper, then
 #: torch.compile) fails with inductor, aot_eager and trainmem's backend; it runs without checkpointing, and with
 #: checkpointing under eager attention (no rng op to recompute). ``--recompute op`` fails the same on CPU, where
-#: the policy recomputes the CPU SDPA kernel (fake process group; on CUDA it saves SDPA: not checked).
+#: torchtitan's policy recomputes the CPU SDPA kernel; with that kernel on its save list, as CUDA's are, the real
+#: step runs (a control in the same test), but the op-level TP set is not modelled: refused too.
 CHECKPOINTED_TP_BLOCK_FAILS = (
     "torch 2.13 fails a checkpointed compiled DTensor block with SDPA, on a real gloo group too: "
     "torch/_functorch/partitioners.py functionalize_rng_ops puts the recomputed SDPA's rng state after the saved "
