@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.estimate.recompute_stop import recompute_stop_moment
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
@@ -70,6 +71,10 @@ class MlpNodes:
     #: (derivatives.yaml ``mm``: ``self`` is kept for ``mat2``'s gradient alone), so its node frees nothing
     #: and the last saved tensor (``up_proj``'s output, which MulBackward0 reads) is still held at the top
     down_saves_input: bool = True
+    #: under autocast, the end of the down projection's own node is a moment too (checked for GPT-BigCode's
+    #: nn.Linear c_proj after a sequential residual): its bf16 input and weight gradients made, its saved input
+    #: and weight copy not yet released, the bf16 cast of its output gradient alive (tests/estimate/test_gpt_bigcode.py)
+    down_node_end: bool = False
 
 
 _MLP = ("gate_proj.out", "act_fn.out", "up_proj.out", "act_mul_up")  # a Llama MLP's saved tensors
@@ -81,8 +86,14 @@ _MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, dow
          # GPT-NeoX (``GPTNeoXMLP``: dense_h_to_4h, exact GELU, dense_4h_to_h)
          MlpNodes(saved=("dense_h_to_4h.out", "act.out"), down="dense_4h_to_h", act_grads=1,
                   up="dense_h_to_4h"),
+         # GPT-BigCode (``GPTBigCodeMLP``: nn.Linear c_fc, one F.gelu, c_proj, nn.Dropout)
+         MlpNodes(saved=("c_fc.out", "act.out"), down="c_proj", tail=("dropout.mask",), act_grads=1, up="c_fc",
+                  down_node_end=True),
          # a Llama MLP with a frozen down projection (LoRA on the attention): no saved product
-         MlpNodes(saved=_MLP[:3], down="down_proj", down_saves_input=False))
+         MlpNodes(saved=_MLP[:3], down="down_proj", down_saves_input=False),
+         # GPT-NeoX's, frozen (LoRA on query_key_value): the GELU output is not saved
+         MlpNodes(saved=("dense_h_to_4h.out",), down="dense_4h_to_h", act_grads=1, up="dense_h_to_4h",
+                  down_saves_input=False))
 FP32_NORM_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -102,7 +113,9 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
         return []
     checkpointed = recomputed is not None
-    out = _gated_mlp(block, acts, residual_bytes, checkpointed=checkpointed) + \
+    unsaved = [i for i in (block_items(recomputed, last) if checkpointed else block)
+               if i.category is Category.ACTIVATION and not i.bytes]
+    out = _gated_mlp(block, acts, residual_bytes, checkpointed=checkpointed, unsaved=unsaved) + \
         _input_projections(block, acts, residual_bytes, checkpointed=checkpointed)
     for at in llama_norm_indices(acts):
         after = acts[at:]
@@ -230,7 +243,7 @@ def _cast_weight_moment(cast: list[MemoryItem], grads: list[MemoryItem], weight:
 
 
 def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: int, *,
-               checkpointed: bool = False) -> list[dict[str, int]]:
+               checkpointed: bool = False, unsaved: list[MemoryItem] = ()) -> list[dict[str, int]]:
     """The moments of an MLP's last nodes' backward, when the MLP is the block's last child
     (:data:`_MLPS`). The node that made the down projection's input: a Llama MLP's ``act_fn(gate) * up``
     and HF GPT-2's ``gelu_new`` (``NewGELUActivation.forward``: ``0.5 * x * (1 + tanh(...))``, the
@@ -281,6 +294,15 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
         out.append({"block_gradients": new, "new_gradients": new,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1]:]) + weight_copy, "after_attention": 0,
                     "work": residual_bytes + pending + work + prod.bytes})
+        if mlp.down_node_end and not pending:
+            # AddmmBackward0 (derivatives.yaml ``addmm``) has made the input gradient (the product's size) and the
+            # bf16 weight gradient (the copy's size); the engine cast the fp32 residual gradient to the bf16 output's
+            # dtype before the node ran (``validate_outputs``, torch/csrc/autograd/engine.cpp); the saved product
+            # and weight copy are released only after the node returns, and no fp32 gradient of the block exists
+            low = residual_bytes * dtype_bytes(prod.dtype) // dtype_bytes(acts[-1].dtype)
+            out.append({"block_gradients": 0, "new_gradients": 0,
+                        "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:] if not i.name.endswith(copy_name)),
+                        "after_attention": 0, "work": residual_bytes + low + prod.bytes + weight_copy})
     elif not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name):
         # The end of the down projection's backward, one dtype. GPT-2's Conv1D (``torch.addmm(bias, x,
         # weight)``): ``AddmmBackward0`` (derivatives.yaml ``addmm``: ``mat1``'s gradient ``grad @ weight.T``,
@@ -291,9 +313,17 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
         # bias) gradients are ``new_gradients``: the .grad on a first micro-batch, beside it after, which
         # makes this the larger moment when the weight outgrows the product (H > B·S).
         dropout = any(i.name.split(".mlp.", 1)[-1] in tail for i in acts[ends[-1] + 1:])
-        out.append({"block_gradients": grads, "new_gradients": grads,
+        made = grads  # the bias's sum_to runs after the node in a checkpointed block (_up_projection_end)
+        if checkpointed and mlp.down_node_end:
+            made = sum(i.bytes for i in down_grads if i.shape is not None and len(i.shape) == 2) or grads
+        out.append({"block_gradients": made, "new_gradients": made,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:]), "after_attention": 0,
                     "work": residual_bytes * (1 + dropout) + prod.bytes})
+    if checkpointed and not any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
+        # the recomputation stops at the down projection's saved tensor (estimate/recompute_stop.py)
+        stop = recompute_stop_moment(block, acts, unsaved, down=down, start=start, last=ends[-1],
+                                     residual_bytes=residual_bytes)
+        out += [stop] if stop else []
     return out + _up_projection_end(block, acts, start, mlp, prod, grads, residual_bytes, pending,
                                     checkpointed=checkpointed)
 

@@ -99,12 +99,13 @@ class LayerStats:
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
     its gradient from the head, first)."""
 
-    def add(self, it: MemoryItem, li: int | None, times: int = 1) -> None:
+    def add(self, it: MemoryItem, li: int | None, times: int = 1, *, graded: bool = True) -> None:
+        """``graded``: autograd makes a gradient for the tensor (:func:`_no_gradient_copies`)."""
         self.by_cat[it.category] = self.by_cat.get(it.category, 0) + it.bytes * times
         if it.category is Category.ACTIVATION:
             if li is not None:
                 self.act_layer[li] = self.act_layer.get(li, 0) + it.bytes
-                self.largest[li] = max(self.largest.get(li, 0), it.bytes)
+                self.largest[li] = max(self.largest.get(li, 0), it.bytes if graded else 0)
             elif is_head(it.name):
                 self.head_act += it.bytes
                 name = it.name.removeprefix("lm_head.")  # whole-model compile's loss (rules_compiled.py _head_and_loss)
@@ -152,9 +153,10 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
         items = Inventory(items)
     block_of = _block_reader(stacks)
     outside: list[MemoryItem] = []
+    ungraded = _no_gradient_copies(items.base)
     for it in items.base:
         li = block_of(it.name)
-        st.add(it, li)
+        st.add(it, li, graded=it.name not in ungraded)
         if li is None and it.category is Category.GRADIENT:
             outside.append(it)
     # untied head, or no head (a pipeline stage before the last): the embedding's gradient comes last
@@ -529,6 +531,20 @@ def _head_weight_grad(items) -> int:
     if head or any(i.category is Category.PARAMETER and i.name.startswith("lm_head.") for i in base):
         return max(head, default=0)
     return max((i.bytes for i in base if i.category is Category.GRADIENT and is_token_embedding(i.name)), default=0)
+
+
+def _no_gradient_copies(base: list[MemoryItem]) -> set[str]:
+    """Autocast's copies of frozen weights (``<linear>.weight_cast`` beside fine-tuning's marker that the
+    linear's weight is frozen, ``<linear>.input``: estimate/finetune.py ``_note``): ``mm`` saves the copy for
+    its input's gradient, but the copy requires no gradient, so the block's working set holds none of its size
+    (GPT-NeoX LoRA amp-bf16 B1 S64, full recompute: the frozen MLP's 131,072 B copies were taken for the largest
+    gradient, 32,504 B over the trace)."""
+    frozen = {i.name.removesuffix(".input") for i in base if i.category is Category.ACTIVATION and not i.bytes
+              and i.name.endswith(".input") and i.note.startswith(_FROZEN_MARK)}
+    return {i.name for i in base if i.name.endswith(".weight_cast") and i.name.removesuffix(".weight_cast") in frozen}
+
+
+_FROZEN_MARK = "not saved: frozen weight"  # estimate/finetune.py ``_note``'s text for a frozen linear's input
 
 
 def recompute_per_layer(kept, plain, stacks: tuple[tuple[str, int], ...] = ()) -> dict[int, tuple[int, int]]:

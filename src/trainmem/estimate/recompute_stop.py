@@ -1,0 +1,73 @@
+"""Where a checkpointed block's recomputation stops: the moment before its MLP's backward nodes run.
+
+A non-reentrant checkpoint recomputes the block's forward when backward first unpacks one of its saved
+tensors, and stops it (``_StopRecomputationError``) as soon as the last tensor the forward saved has been
+saved again (torch/utils/checkpoint.py ``_recomputation_hook.pack_hook``, early stop on by default). An op
+saves its inputs when its node is set up, before its kernel runs (the generated ``VariableType`` code), so
+when the block's last saved tensor is its down projection's (its input, or under autocast its bf16 weight
+copy), the recomputation stops there and neither the projection's output nor the block's output is made.
+At that moment, beside every tensor recomputed so far and what the backward holds (the residual stream's
+gradient, and under autocast its bf16 cast for the MLP branch's output, ``validate_outputs`` in
+torch/csrc/autograd/engine.cpp), the forward's locals are alive, saved or not:
+
+* the MLP's input (the norm's output, the residual stream's shape and dtype): the decoder layer's
+  ``hidden_states`` and the MLP's argument (transformers ``LlamaDecoderLayer.forward`` /
+  ``LlamaMLP.forward``, ``GPTNeoXLayer.forward``). Not saved when the MLP's projections are frozen (LoRA on
+  the attention: ``mm`` keeps its input only for the weight's gradient) or autocast saves their bf16
+  copies instead;
+* the down projection's input (``act_fn(gate) * up``, GPT-NeoX's GELU output) when a frozen projection does
+  not save it;
+* the down projection's bf16 bias copy: autocast's ``linear`` wrapper casts its arguments before the
+  weight's (the traces show bias, weight, input);
+* a parallel-residual block's attention output (``GPTNeoXLayer``: ``mlp_output + attn_output +
+  hidden_states``), held by the layer until the sum.
+
+With LoRA's frozen MLP this moment outgrows the MLP product's (no weight gradient there): tiny Llama
+(h64, F176) amp-bf16 full recompute B1 S64 was 2,048 B under the trace, GPT-NeoX (h128, F512) B2 S64
+65,800 B under; both tops are the down projection's weight copy (``_to_copy``) inside the recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainmem.inventory import Category, MemoryItem, dtype_bytes
+
+__all__ = ["recompute_stop_moment"]
+
+
+def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
+                          down: str, start: int, last: int, residual_bytes: int) -> dict[str, int] | None:
+    """The stop of a checkpointed block's recomputation at its down projection (module docstring).
+    ``acts``: the recomputed block's saved tensors in forward order, the MLP's from ``start`` to ``last``
+    (its down projection's saved input, or the last tensor before it when a frozen one saves none);
+    ``unsaved``: the block's zero-byte markers (what a frozen linear does not save, estimate/finetune.py).
+    None when a tensor the moment cannot place is saved after the MLP (GPT-2's dropout mask)."""
+    copy = f".mlp.{down}.weight_cast"
+    out = next((i for i in acts[last + 1:] if i.name.endswith(".residual_mlp")), None)
+    if out is None or any(not (i is out or i.name.endswith(copy)) for i in acts[last + 1:]):
+        return None
+    mlp = [i for i in acts[start:last + 1] if ".mlp." in i.name]
+    # a frozen projection's marker: its input's shape and dtype (estimate/finetune.py), not saved
+    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in unsaved if ".mlp." in i.name
+              and i.name.endswith(".input") and i.shape}
+    x = next((_bytes(i) for name, i in marker.items() if name != down), 0)
+    if not x and any(i.name.endswith(".input_cast") for i in mlp + acts[:start] if ".mlp." in i.name):
+        x = residual_bytes  # autocast saved the projections' bf16 copies of it
+    down_input = _bytes(marker[down]) if down in marker else 0
+    prod_dtype = (marker[down] if down in marker else acts[last]).dtype
+    branch = residual_bytes * dtype_bytes(prod_dtype) // dtype_bytes(out.dtype)  # the branch's output, its dtype
+    weight_copy = next((i for i in acts if i.name.endswith(copy)), None)
+    bias = next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{down}.bias")
+                 and i.shape), None)
+    bias_copy = math.prod(bias.shape) * dtype_bytes(weight_copy.dtype) if bias and weight_copy else 0
+    parallel = not any(i.name.endswith(".residual_attn") for i in acts) and any(
+        f".{c}." in i.name for i in acts for c in ("attention", "self_attn", "attn"))
+    return {"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
+            "work": residual_bytes + (branch if prod_dtype != out.dtype else 0) + x + down_input
+            + int(bias_copy) + (branch if parallel else 0)}
+
+
+def _bytes(item: MemoryItem) -> int:
+    """A zero-byte marker's tensor size."""
+    return int(math.prod(item.shape) * dtype_bytes(item.dtype))

@@ -1,0 +1,81 @@
+"""Where a checkpointed block's recomputation stops (estimate/recompute_stop.py), and a frozen weight's autocast
+copy in the block working set (estimate/peak.py ``_no_gradient_copies``), issue 13.
+
+LoRA on the attention (peft's defaults: q/v, GPT-NeoX's query_key_value) under ``--recompute full``: the
+recomputation stops at the down projection's saved weight copy (amp-bf16) or weight (fp32, bf16), with the MLP's
+input, the down projection's input and, in GPT-NeoX's parallel block, the attention output alive as the forward's
+locals. Before (CPU fake-tensor traces, AdamW, logical bytes): tiny Llama (h64, F176, 4/2 heads, V128) amp-bf16
+B1 S64 2,048 B under, B1 S32 7,160 B over; tiny GPT-NeoX (h128, F512, V128) amp-bf16 B2 S64 65,800 B under,
+B2 S96 98,568 B under, B1 S64 32,504 B over (the frozen MLP's 131,072 B weight copies taken for the working set's
+largest gradient), B1 S32 81,656 B over; fp32 B1 / bf16 B2 S64 98,312 B under (the frozen MLP was not read: no
+GELU output saved). Now equal."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainmem.estimate import estimate
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+NEOX = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, vocab_size=128, max_position_embeddings=512)
+LORA = FinetuneSpec(mode="lora", lora_rank=8)
+
+
+def _step(precision, batch, seq):
+    return StepSpec(batch=batch, seq=seq, precision=precision, optimizer="adamw")
+
+
+def _estimate(cfg, precision, batch, seq=64):
+    return estimate(spec_from_hf_config(cfg), _step(precision, batch, seq),
+                    ImplSpec(attention="sdpa", device="cpu", recompute="full"), finetune=LORA)
+
+
+def _backward(e):
+    return next(p for p in e.phases if p.name == "backward")
+
+
+def test_llama_stop_moment_as_integers():
+    ph = _backward(_estimate(LLAMA, "amp-bf16", 1))
+    R, x, prod = 64 * 64 * 4, 64 * 64 * 4, 64 * 176 * 2  # fp32 residual gradient, the MLP's fp32 input, bf16 product
+    # the residual gradient and its bf16 cast for the MLP's output, the MLP's input and down_proj's input (frozen:
+    # neither saved), the loss and its seed: 16,384 + 8,192 + 16,384 + 22,528 + 8 = 63,496
+    assert ph.parts["node_work"] == R + R // 2 + x + prod + 8
+    assert "gradients" not in ph.parts  # the MLP's backward has not run; the adapters' gradients come later
+
+
+def test_neox_stop_moment_as_integers():
+    ph = _backward(_estimate(NEOX, "amp-bf16", 2))
+    R, gelu = 2 * 64 * 128 * 4, 2 * 64 * 512 * 2  # 65,536 and 131,072
+    # the residual gradient and the bf16 sum's, the post-attention norm's fp32 output, the GELU output (frozen
+    # dense_4h_to_h: not saved), dense_4h_to_h's bf16 bias copy (128 x 2), the attention branch's bf16 output
+    assert ph.parts["node_work"] == R + R // 2 + R + gelu + 128 * 2 + R // 2 + 8
+
+
+def test_frozen_weight_copy_is_not_the_largest_gradient():
+    e = _estimate(NEOX, "amp-bf16", 1)
+    # B1 S64: the frozen MLP's weight copies (512 x 128 x 2 = 131,072 B) are the block's largest saved tensors; with
+    # no gradient of their size the working set (fp32 residual gradient + the 65,536 B GELU-input gradient) is
+    # below the recomputation's stop, which is the phase
+    assert _backward(e).parts.get("recompute_and_work") is None and e.peak_phase == "backward"
+
+
+GRID = [(LLAMA, "amp-bf16", 1, 32), (LLAMA, "amp-bf16", 1, 64), (LLAMA, "amp-bf16", 2, 96),
+        (NEOX, "amp-bf16", 1, 32), (NEOX, "amp-bf16", 1, 64), (NEOX, "amp-bf16", 2, 64), (NEOX, "amp-bf16", 2, 96),
+        (NEOX, "fp32", 1, 64), (NEOX, "bf16", 2, 64)]
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~2-5 s on 2 shared cores
+@pytest.mark.parametrize("cfg,precision,batch,seq", GRID)
+def test_lora_full_recompute_equals_trace(cfg, precision, batch, seq):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="full")
+    t = trace_step(cfg, _step(precision, batch, seq), impl, finetune=LORA)
+    e = _estimate(cfg, precision, batch, seq)
+    assert (e.peak_phase, e.peak_bytes) == ("backward", t.peak_logical_bytes)
