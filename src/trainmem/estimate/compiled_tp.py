@@ -57,7 +57,7 @@ from trainmem.families import family_of
 
 __all__ = ["CHECKPOINTED_TP_BLOCK_FAILS", "compiled_tp_refusals"]
 
-#: Why a checkpointed compiled TP block is refused (estimate and trace). The region's backward returns DTensor
+#: Why the estimate refuses a checkpointed compiled TP block (trace/parallel_tp.py says it shorter). The region's backward returns DTensor
 #: gradients, so its forward saves the mesh (an opaque object: AOTAutograd orders saved values as tensors, then
 #: opaque objects, then SymInts, ``partitioners.py`` ``_extract_fwd_bwd_modules``). Checkpointing makes the partitioner
 #: recompute SDPA, an rng-tagged op, whose rng state ``functionalize_rng_ops`` inserts just before the SymInts,
