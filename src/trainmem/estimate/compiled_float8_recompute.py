@@ -43,12 +43,20 @@ B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and
 H 128 F 256 B 1 S 32, 3,559,500 B), which CUDA's kernel does inside, so the CPU trace is not the GPU's moment. Only the Llama block with every linear
 converted (SiLU, two RMSNorms, no fused projections) is read; FSDP2's fp8 all-gather is refused
 (``compiled_sharded.check_compiled_parallel``).
+
+Under ``--recompute op`` (torchtitan's policy inside the compiled block: estimate/compiled_float8_op.py) the same
+moments run on what the policy left to recompute (``op_block``): the kept mms' weights (q, v, gate) are not cast
+before their input gradients, their amaxes and inverse scales are held; with the SDPA output kept (CUDA) the
+attention's recompute waits, as without Float8 (compiled_op_moment.py). One more moment: gate_proj's weight cast
+for its input gradient, after SiLU's backward. Checked against the trace (one device, FSDP2, the CPU SDPA kernel
+standing in for CUDA's: tests/estimate/test_float8_compiled_op.py); ``up_cast`` under op is not seen to peak there.
 """
 
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads
+from trainmem.estimate.compiled_float8_op import op_block
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import split_block
 
@@ -83,14 +91,18 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     hidden, width, kv_width, ffn = o.shape[-1], q.shape[-1], k.shape[-1], gate.shape[-1]
     weights = {"q_proj": width * hidden, "k_proj": kv_width * hidden, "v_proj": kv_width * hidden,
                "o_proj": hidden * width, "gate_proj": ffn * hidden, "up_proj": ffn * hidden}
-    fp8_weights = sum(n + _SCALE for n in weights.values())  # 1 B per element and the inverse scale
+    # --recompute op: what the policy kept changes what is re-run and held (estimate/compiled_float8_op.py)
+    op = op_block(block_items(items, last), kept)
+    fp8_weights = sum(n + _SCALE for c, n in weights.items() if c in op.recast)  # 1 B per element, inverse scale
     # per RMSNorm: the fp32 input, rsqrt (kept[...].bytes), the normalized product (x) and the output (a)
-    norms = sum(tokens_h * (_FP32 + x + a) + kept[f"{n}.rsqrt"].bytes for n in _NORMS)
-    attention = q.bytes + k.bytes + v.bytes + kept["self_attn.sdpa_out"].bytes + kept["self_attn.lse"].bytes
+    norms = sum(tokens_h * (_FP32 + x + a) + kept[f"{n}.rsqrt"].bytes for n in _NORMS[op.deferred:])
+    attention = 0 if op.deferred else (q.bytes + k.bytes + v.bytes + kept["self_attn.sdpa_out"].bytes
+                                       + kept["self_attn.lse"].bytes)
     mlp = gate.bytes // a * _FP32 + gate.bytes + up.bytes  # SiLU's fp32 gate, its 16-bit output, up
     backward = residual_bytes + tokens_h + _SCALE + gate.bytes  # the residual gradient, down's fp8 grad_output, dX
     cast = 2 * tokens * ffn * _FP32 + _SCALE  # act(gate)·up in fp32 and scaled, its scale
-    freed = sum(i.bytes for i in kept.values()) + tokens_h * x  # the compiled set (recomputed) and the block input
+    # the compiled set (recomputed), the block's own saved values it lacks, the block input, less what is held
+    freed = sum(i.bytes for i in kept.values()) + op.extra + (0 if op.deferred else tokens_h * x) - op.held
     weight_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
                    "work": backward + fp8_weights + norms + attention + mlp + cast}
     # SiLU's backward, after up_proj's weight and input gradients: up's fp8 weight, up, SiLU's output and the gate/up
@@ -106,7 +118,15 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     up_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
                "work": backward + fp8_weights - weights["up_proj"] - _SCALE + norms + attention + tokens_h + _SCALE
                + gate.bytes // a * _FP32 + gate.bytes + _SCALE + 2 * weights["up_proj"] * _FP32}
-    return [weight_cast, silu, up_cast]
+    if "gate_proj" in op.recast:
+        return [weight_cast, silu, up_cast]
+    # --recompute op, gate_proj's mm kept: its weight is cast for its input gradient after SiLU's backward (2·F·H·4,
+    # its amax read and freed), beside its fp8 grad_output and scale and the scale of the weight cast; SiLU's
+    # temporaries freed, up's input gradient waiting (traced: H 128 F 256 B 1 S 32)
+    gate_cast = {**silu, "freed_activations": freed + op.gate_amax,
+                 "work": silu["work"] - 4 * tokens * ffn * _FP32 + tokens * ffn + 2 * _SCALE
+                 + 2 * weights["gate_proj"] * _FP32}
+    return [weight_cast, silu, up_cast, gate_cast]
 
 
 def _inner(name: str) -> str:

@@ -33,6 +33,7 @@ from importlib import import_module
 
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
+from trainmem.estimate.compiled_float8_op import op_float8_scalars
 from trainmem.estimate.compiled_tp import compiled_tp_refusals
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
@@ -124,18 +125,18 @@ def check_compiled(ctx: Ctx) -> None:
          f"compiled rules for {m.family} cover --recompute none, pure fp32/bf16/fp16, no fine-tuning, Float8 or "
          "q/k/v biases (trace --compile)"),
         ("float8", impl.float8, impl.float8 != "none" and (
-            impl.compile_scope == "model" or impl.recompute not in ("none", "full")
+            impl.compile_scope == "model" or impl.recompute not in ("none", "full", "op")
             or step.recipe not in ("fp32", "bf16", "fp16", "amp-bf16", "fsdp-bf16") or m.qk_norm or m.qkv_bias
             # a checkpointed block's backward moments (estimate/compiled_float8_recompute.py): tensorwise, the
             # Llama block (SiLU, two RMSNorms) with every linear converted
-            or impl.recompute == "full" and (
+            or impl.recompute in ("full", "op") and (
                 impl.float8 != "tensorwise" or ctx.shard != Shard()
                 or m.activation != "swiglu" or any(d % 16 for d in (m.hidden_size, m.q_size, m.kv_size, m.ffn_size))
                 or any(getattr(family_of(m).rules, r) for r in ("unit_offset_norm", "sandwich_norms", "fused_qkv",
                                                                  "fused_gate_up", "post_norms")))),
          "compiled Float8 rules cover --compile-scope block or block-loss, fp32/bf16/fp16/amp-bf16/fsdp-bf16, "
-         "--recompute none, or full with tensorwise (the Llama block with every linear converted), no q/k norms or "
-         "biases (estimate/float8.py, estimate/compiled_float8_recompute.py; trace --compile)"),
+         "--recompute none, or full or op with tensorwise (the Llama block with every linear converted), no q/k norms "
+         "or biases (estimate/float8.py, estimate/compiled_float8_recompute.py, compiled_float8_op.py; trace --compile)"),
         *(own.refusals(ctx) if own else ()),
     ]
     for field, value, bad, why in refusals:
@@ -329,12 +330,17 @@ def _op_block(ctx: Ctx, x: Sym) -> Sym:
                ("self_attn.v_proj", m.kv_size, "Akv·hd", m.qkv_bias), ("self_attn.o_proj", H, "H", m.out_bias),
                ("mlp.gate_proj", F, "F", m.mlp_bias), ("mlp.up_proj", F, "F", m.mlp_bias),
                ("mlp.down_proj", H, "H", m.mlp_bias))
+    kept_mm = {}
     for name, width, sym, bias in linears:
         if name == "self_attn.o_proj":  # the SDPA kernel runs between v_proj and o_proj
             _op_attention(ctx, policy)
-        if policy.save("addmm" if bias else "mm") and name != "mlp.down_proj":
+        kept_mm[name] = policy.save("addmm" if bias else "mm")
+        if kept_mm[name] and name != "mlp.down_proj":
             with g.module(name):
                 g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
+    # Float8 tensorwise: the amaxes and inverse scales the backward reads (estimate/compiled_float8_op.py)
+    op_float8_scalars(ctx, kept_mm, {n: (w, m.q_size if n == "self_attn.o_proj" else F if n == "mlp.down_proj" else H)
+                                     for n, w, _, _ in linears})
     return g.new("residual_mlp", (B, S, H), ("B", "S", "H"), x.dtype)
 
 
