@@ -5,10 +5,11 @@ the step runs and, per partitioned region, the kinds of the values its forward h
 
 Run by tests/parallel/test_compiled_tp_checkpoint_real.py under torchrun:
 ``python compiled_tp_checkpoint_worker.py OUT_DIR '<scenarios json>'``. A scenario: ``backend`` (``"partition"``:
-trainmem's, inductor's decompositions and partition without codegen, trace/compiled.py; ``"aot_eager"``: plain
-AOTAutograd with the default partitioner), ``checkpoint`` (``True``: torchtitan's full AC; ``"op-sdpa-saved"``: its op-level policy with SDPA saved, as on CUDA)
-and ``compile`` (either may be off: the controls), ``attention`` (``"sdpa"`` unless given; ``"eager"``:
-transformers' matmul-softmax attention, whose dropout at p = 0 draws no random numbers).
+trainmem's, inductor's decompositions and partition without codegen, trace/compiled.py; ``"aot_eager"``: AOTAutograd
+with the min-cut partitioner, no decompositions), ``checkpoint`` (``True``: torchtitan's full AC; ``"op-sdpa-saved"``:
+its op-level policy with SDPA saved, as on CUDA) and ``compile`` (either may be off: the controls), ``attention``
+(``"sdpa"`` unless given; ``"eager"``: transformers' matmul-softmax attention, whose dropout at p = 0 draws no random
+numbers).
 """
 
 from __future__ import annotations

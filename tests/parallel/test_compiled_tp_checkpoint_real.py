@@ -1,5 +1,6 @@
-"""Why ``--compile --tp N --sp --recompute full`` stays refused (estimate/compiled_tp.py ``CHECKPOINTED_TP_BLOCK_FAILS``):
-torch 2.13 itself cannot run the step, on a real gloo process group as on the fake one.
+"""Why ``--compile --tp N --sp --recompute full`` stays refused (estimate/compiled_tp.py
+``CHECKPOINTED_TP_BLOCK_FAILS``): torch 2.13 itself cannot run the step, on a real gloo process group as on the
+fake one.
 
 A real 2-rank gloo step of the tiny Llama (hidden 64, 2 blocks, TP 2 with sequence parallelism, torchtitan's plan:
 measure_dist/worker.py ``_apply_tp``), each block wrapped as torchtitan's ``apply_ac`` does and then compiled as its

@@ -57,17 +57,18 @@ from trainmem.families import family_of
 
 __all__ = ["CHECKPOINTED_TP_BLOCK_FAILS", "compiled_tp_refusals"]
 
-#: Why the estimate refuses a checkpointed compiled TP block (trace/parallel_tp.py says it shorter). The region's backward returns DTensor
-#: gradients, so its forward saves the mesh (an opaque object: AOTAutograd orders saved values as tensors, then
-#: opaque objects, then SymInts, ``partitioners.py`` ``_extract_fwd_bwd_modules``). Checkpointing makes the partitioner
-#: recompute SDPA, an rng-tagged op, whose rng state ``functionalize_rng_ops`` inserts just before the SymInts,
-#: after the mesh; ``_AutogradSavedState.save_from_forward`` (``_aot_autograd/runtime_wrappers.py``) counts the
-#: tensor slice from the end and reads the mesh as a saved tensor. Measured (tests/parallel/
-#: test_compiled_tp_checkpoint_real.py): a real 2-rank gloo step of torchtitan's order (checkpoint_wrapper, then
-#: torch.compile) fails with inductor, aot_eager and trainmem's backend; it runs without checkpointing, and with
-#: checkpointing under eager attention (no rng op to recompute). ``--recompute op`` fails the same on CPU, where
-#: torchtitan's policy recomputes the CPU SDPA kernel; with that kernel on its save list, as CUDA's are, the real
-#: step runs (a control in the same test), but the op-level TP set is not modelled: refused too.
+#: Why the estimate refuses a checkpointed compiled TP block (trace/parallel_tp.py says it shorter). The region's
+#: backward returns DTensor gradients, so its forward saves the mesh, an opaque object (AOTAutograd orders saved
+#: values tensors, opaque objects, SymInts: ``partitioners.py`` ``_extract_fwd_bwd_modules``). Checkpointing makes
+#: the partitioner recompute SDPA, an rng-tagged op, whose rng state ``functionalize_rng_ops`` inserts just before
+#: the SymInts, after the mesh; ``_AutogradSavedState.save_from_forward`` (``_aot_autograd/runtime_wrappers.py``)
+#: counts the tensor slice from the end and reads the mesh as a saved tensor. Measured
+#: (tests/parallel/test_compiled_tp_checkpoint_real.py): a real 2-rank gloo step in torchtitan's order
+#: (checkpoint_wrapper, then torch.compile) fails with aot_eager and trainmem's backend (inductor too, by hand);
+#: it runs without checkpointing, and checkpointed under eager attention (no rng op to recompute).
+#: ``--recompute op`` fails the same on CPU, where torchtitan's policy recomputes the CPU SDPA kernel; with that
+#: kernel on its save list, as CUDA's are, the real step runs (a control of the same test), but the op-level TP
+#: set is not modelled: refused too.
 CHECKPOINTED_TP_BLOCK_FAILS = (
     "torch 2.13 fails a checkpointed compiled DTensor block with SDPA, on a real gloo group too: "
     "torch/_functorch/partitioners.py functionalize_rng_ops puts the recomputed SDPA's rng state after the saved "

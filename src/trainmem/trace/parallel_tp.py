@@ -38,9 +38,9 @@ Known limitations:
     mesh, :mod:`trainmem.trace.parallel_pp`), Float8 and fine-tuning too,
     and fsdp-bf16 without FSDP2;
   - ``--compile`` runs as torchtitan applies it, each block compiled after the cut (``--compile-scope block``,
-    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none`` (checkpointed, torch 2.13
-    fails the step with a real process group too: estimate/compiled_tp.py ``CHECKPOINTED_TP_BLOCK_FAILS``), alone or with
-    FSDP2 on the dp sub-mesh (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py,
+    :func:`trainmem.trace.compiled.compile_model`), with ``--sp``, at ``--recompute none`` (checkpointed, torch
+    2.13 fails the step with a real process group too: estimate/compiled_tp.py ``CHECKPOINTED_TP_BLOCK_FAILS``),
+    alone or with FSDP2 on the dp sub-mesh (:func:`_check_compiled`; tests/trace/test_trace_compile_tp.py,
     tests/trace/test_trace_compile_2d.py, docs/compile.md).
 """
 
