@@ -24,6 +24,7 @@ ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 #: one tiny config per family with a config.json (generic has none)
 CONFIGS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512),  # bias: (512, 512) bool
     "gpt_neox": dict(ENCODER),  # rotary_pct 0.25: 4 of 16 head dims, 2 frequencies
     "llama": dict(DENSE), "mistral": dict(DENSE), "qwen2": dict(DENSE), "qwen3": dict(DENSE, head_dim=16),
     "mixtral": dict(DENSE, num_local_experts=4, num_experts_per_tok=2),

@@ -55,7 +55,8 @@ def resolve_kernel(ctx: Ctx, masked: bool = False) -> str:
 
 def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native: bool,
                    softmax_fp32: bool = True, softcap: float = 0.0, out_copy: bool = False,
-                   q_copy: bool = False, masked: bool = False, fused: Sym | None = None) -> Sym:
+                   q_copy: bool = False, masked: bool = False, fused: Sym | None = None,
+                   kept: tuple[Sym, ...] = ()) -> Sym:
     """Run one attention core inside the current module scope.
 
     ``gqa_native``: K/V reach the kernel with ``num_kv_heads`` heads (SDPA ``enable_gqa`` or
@@ -72,6 +73,9 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
     output's storage; with B > 1 it copies (``aten/src/ATen/native/LinearAlgebra.cpp`` ``_matmul_impl``,
     ``TensorShape.cpp`` ``reshape`` -> ``computeStride``). The math kernel pre-scales q and k (fresh
     tensors), so there only V can stay a view.
+    ``kept``: K/V tensors whose (B·A, ...) reshape for bmm is a view in eager attention, so bmm keeps them
+    as they are (GPT-BigCode's contiguous KV-cache copies: all A heads, or one head at B == 1, whose
+    ``repeat_kv`` expand has stride 0 over the heads; ``estimate/rules_gpt_bigcode.py``).
     ``masked``: SDPA gets an explicit mask (:func:`window_mask`). transformers then repeats K/V
     (``sdpa_attention.use_gqa_in_sdpa`` is False with a mask), and SDPA turns the boolean mask into
     an additive one in the query's dtype on every call (``attention.cpp``
@@ -111,7 +115,7 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         q, k, v = (g.new(f"{n}_fp32", t.shape, t.dims, "float32", t.requires_grad) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         low = None
     def view_kept(t: Sym) -> bool:  # a strided view of ``fused`` that bmm keeps as is (B == 1)
-        return fused is not None and t is fused and B == 1
+        return (fused is not None and t is fused and B == 1) or any(t is k for k in kept)
 
     if q_copy and not (kernel == "eager" and view_kept(q)):
         q = g.new("q", heads_shape, heads_dims, q.dtype, q.requires_grad)

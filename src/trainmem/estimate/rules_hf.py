@@ -73,7 +73,7 @@ def _refuse_sdpa(ctx: Ctx) -> None:
 
 #: BlockRules.forward -> (module under trainmem.estimate, function): families whose rules live apart
 _FORWARDS = {"gpt_oss": ("rules_gpt_oss", "gpt_oss_forward"), "mla": ("rules_mla", "mla_forward"),
-             "llama4": ("rules_llama4", "llama4_forward")}
+             "llama4": ("rules_llama4", "llama4_forward"), "gpt_bigcode": ("rules_gpt_bigcode", "gpt_bigcode_forward")}
 
 
 # --- Llama family --------------------------------------------------------------------------
@@ -187,8 +187,10 @@ def _llama_attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str, held: li
 
 # --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------
 
-def _gpt(ctx: Ctx) -> None:
+def _gpt(ctx: Ctx, block=None) -> None:
+    """GPT-2's / GPT-NeoX's model forward; ``block``: another family's block (``rules_gpt_bigcode``)."""
     g, m = ctx.graph, ctx.model
+    block = block or _gpt_layer
     neox = _rules(ctx).neox
     root = "gpt_neox" if neox else "transformer"
     x = _embedding(ctx, f"{root}.embed_in" if neox else f"{root}.wte")
@@ -211,8 +213,8 @@ def _gpt(ctx: Ctx) -> None:
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
             with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None], policy=_policy(ctx)):
-                return _gpt_layer(ctx, x, kernel, cos, sin)
-        return _gpt_layer(ctx, x, kernel, cos, sin, [t for t in held if t.dtype != "int64"])
+                return block(ctx, x, kernel, cos, sin)
+        return block(ctx, x, kernel, cos, sin, [t for t in held if t.dtype != "int64"])
 
     x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")

@@ -216,6 +216,21 @@ def _heads(x: Sym, heads: int, heads_sym: str, hd: int) -> Sym:
     return Sym(x.name, x.shape[:-1] + (heads, hd), x.dims[:-1] + (heads_sym, "hd"), x.dtype)
 
 
+def _two_matrix_mlp(ctx: Ctx, h: Sym, names: tuple[str, str, str], width: tuple[int, str] | None = None) -> Sym:
+    """Up projection, one activation kernel, down projection (``names``: the three modules; a non-gated
+    Llama-style MLP's, GPT-BigCode's ``c_fc``, ``act``, ``c_proj``). ``width``: as :func:`_gated_mlp`'s."""
+    g, m = ctx.graph, ctx.model
+    H = m.hidden_size
+    F, Fs = width or (m.ffn_size, "F")
+    up, act, down = names
+    with g.module(up):
+        u = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
+    with g.module(act):
+        a = _activation(ctx, u, "act")
+    with g.module(down):
+        return ctx.linear(a, H, "H", weight=(H, F), bias=m.mlp_bias)
+
+
 def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
     """gate/up projections, act(gate) * up, down projection: 4·B·S·F kept (+ input).
     ``width``: the intermediate size and its symbol, when not the model's ``ffn_size`` (F)."""
@@ -223,12 +238,7 @@ def _gated_mlp(ctx: Ctx, h: Sym, width: tuple[int, str] | None = None) -> Sym:
     H = m.hidden_size
     F, Fs = width or (m.ffn_size, "F")
     if not m.gated:
-        with g.module("up_proj"):
-            u = ctx.linear(h, F, Fs, weight=(F, H), bias=m.mlp_bias)
-        with g.module("act_fn"):
-            a = _activation(ctx, u, "act")
-        with g.module("down_proj"):
-            return ctx.linear(a, H, "H", weight=(H, F), bias=m.mlp_bias)
+        return _two_matrix_mlp(ctx, h, ("up_proj", "act_fn", "down_proj"), (F, Fs))
     fused = _rules(ctx).fused_gate_up
     if fused:
         with g.module("gate_up_proj"):

@@ -18,6 +18,7 @@ from trainmem.families.base import (PEFT_VERSION, BlockRules, ConfigSchema, Fami
 # registration order is the order of FAMILIES and of the supported model types in messages
 from trainmem.families import gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma, phi3, bert  # noqa: E402,F401
 from trainmem.families import gemma3, deepseek, llama4, gpt_oss, qwen3_next, qwen3_moe, olmo2  # noqa: E402,F401
+from trainmem.families import gpt_bigcode  # noqa: E402,F401
 from trainmem.families import generic, profiles  # noqa: E402,F401
 
 __all__ = ["Family", "ConfigSchema", "BlockRules", "TPRoles", "TaskHeads", "NameScheme", "PEFT_VERSION",
