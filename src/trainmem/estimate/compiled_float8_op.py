@@ -39,7 +39,7 @@ from trainmem.estimate.float8 import converted
 from trainmem.inventory import Category, MemoryItem
 from trainmem.names import split_block
 
-__all__ = ["CASTS", "OpBlock", "op_block", "op_float8_scalars"]
+__all__ = ["CASTS", "OpBlock", "fp8_gathered", "gathered_scales", "op_block", "op_float8_scalars"]
 
 # the block's fp8 input casts, each with the linears that read it in forward order (one node once CSE merged them)
 CASTS = ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.q_proj"),
@@ -57,15 +57,46 @@ def op_float8_scalars(ctx, kept_mm: dict[str, bool], weights: dict[str, tuple[in
                                                   for n, w in weights.items()):
         return
     a = ctx.param  # the weight's and, in a pure precision, the input's dtype
+    if ctx.impl.float8_all_gather:  # the weights arrive cast: no amax, the gathered scale kept (gathered_scales)
+        gathered_scales(ctx, weights, kept_mm)
     for name in kept_mm:
         with g.module(name):
-            g.save(g.new("weight_amax", (), (), a, False))
-            g.save(g.new("weight_scale_inv", (), (), "float32", False), when=kept_mm[name])
+            g.save(g.new("weight_amax", (), (), a, False), when=not ctx.impl.float8_all_gather)
+            g.save(g.new("weight_scale_inv", (), (), "float32", False),
+                   when=kept_mm[name] and not ctx.impl.float8_all_gather)
     for readers, first in CASTS:
         recomputed = any(not kept_mm[r] and r != _UNREAD for r in readers)
         with g.module(first):
             g.save(g.new("input_amax", (), (), a, False), when=recomputed)
             g.save(g.new("input_scale_inv", (), (), "float32", False), when=recomputed and kept_mm[first])
+
+
+def gathered_scales(ctx, weights: dict[str, tuple[int, int]], kept_mm: "dict[str, bool] | None" = None) -> None:
+    """FSDP2's fp8 all-gather (``--float8-all-gather``: torchao/float8/fsdp_utils.py
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the shard, ``fsdp_post_all_gather`` wraps the
+    gathered bytes and the fp32 scale in a ``Float8TrainingTensor``): the compiled block's graph inputs are each
+    converted weight's fp8 data (the unsharded parameter's storage) and its scale, a tensor of its own. The region
+    keeps the scale (4 B per weight) for the backward's recompute and input gradients; under ``--recompute op``
+    (``kept_mm``) a kept mm's weight keeps the scale's reciprocal instead (``b_scale.reciprocal()``, tagged with
+    the mm). Traced: tiny Llama, FSDP2 over the fake process group, --recompute full and op
+    (tests/estimate/test_float8_compiled_op.py)."""
+    g = ctx.graph
+    if not (ctx.impl.float8_all_gather and ctx.impl.float8 == "tensorwise"):
+        return
+    for name, weight in weights.items():
+        if converted(ctx.model, g.path(f"{name}.weight"), weight):
+            with g.module(name):
+                g.save(g.new("weight_scale_inv" if (kept_mm or {}).get(name) else "weight_scale", (), (),
+                             "float32", False))
+
+
+def fp8_gathered(model, impl):
+    """``(parameter item) -> bool``: whether FSDP2 gathers it in fp8 (``gathered_scales``; 1 B per element and its
+    fp32 scale, estimate/float8.py ``gathered_bytes_per_element``), for estimate/fsdp_timeline.py ``units``; None
+    without ``--float8-all-gather``."""
+    if not impl.float8_all_gather:
+        return None
+    return lambda p: converted(model, p.name, tuple(p.shape))
 
 
 @dataclass(frozen=True)
@@ -81,6 +112,7 @@ class OpBlock:
     held: int
     extra: int
     gate_amax: int
+    gathered: bool = False  # FSDP2's fp8 all-gather: the block's weights arrive cast (gathered_scales)
 
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
@@ -117,7 +149,8 @@ def op_block(own_items: "list[MemoryItem]", recomputed: dict[str, MemoryItem]) -
 
     return OpBlock(recast=recast, deferred=deferred, held=sum(i.bytes for n, i in own.items() if is_held(n)),
                    extra=sum(i.bytes for n, i in own.items() if n not in recomputed),
-                   gate_amax=getattr(own.get("mlp.gate_proj.weight_amax"), "bytes", 0))
+                   gate_amax=getattr(own.get("mlp.gate_proj.weight_amax"), "bytes", 0),
+                   gathered=any(n.endswith(".weight_scale") for n in own))
 
 
 def _inner(name: str) -> str:

@@ -93,7 +93,10 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
                "o_proj": hidden * width, "gate_proj": ffn * hidden, "up_proj": ffn * hidden}
     # --recompute op: what the policy kept changes what is re-run and held (estimate/compiled_float8_op.py)
     op = op_block(block_items(items, last), kept)
-    fp8_weights = sum(n + _SCALE for c, n in weights.items() if c in op.recast)  # 1 B per element, inverse scale
+    # each recast weight: 1 B per element and its inverse scale; FSDP2's fp8 all-gather hands the block its weights
+    # cast (FSDP2's buffers, estimate/fsdp_timeline.py): the inverse scale alone
+    fp8 = {c: (0 if op.gathered else n) + _SCALE for c, n in weights.items()}
+    fp8_weights = sum(fp8[c] for c in op.recast)
     # per RMSNorm: the fp32 input, rsqrt (kept[...].bytes), the normalized product (x) and the output (a)
     norms = sum(tokens_h * (_FP32 + x + a) + kept[f"{n}.rsqrt"].bytes for n in _NORMS[op.deferred:])
     attention = 0 if op.deferred else (q.bytes + k.bytes + v.bytes + kept["self_attn.sdpa_out"].bytes
@@ -111,13 +114,15 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     grads = block_grads(block_items(items, last))
     silu = {"block_gradients": grads["down_proj"] + grads["up_proj"],
             "new_gradients": grads["down_proj"] + grads["up_proj"], "freed_activations": freed, "after_attention": 0,
-            "work": residual_bytes + fp8_weights - weights["up_proj"] - _SCALE + norms - tokens_h * a + attention
+            "work": residual_bytes + fp8_weights - fp8["up_proj"] + norms - tokens_h * a + attention
             + tokens_h + _SCALE + tokens_h * x + 4 * tokens * ffn * _FP32}
     # in the recomputed forward, up_proj's weight cast (x.to(float32) * scale, then the clamps: 2·F·H·4), gate_proj
     # and SiLU done: the gate/up input's fp8 cast (the same node gate's mm read) and its scale, the weight's scale
     up_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
                "work": backward + fp8_weights - weights["up_proj"] - _SCALE + norms + attention + tokens_h + _SCALE
                + gate.bytes // a * _FP32 + gate.bytes + _SCALE + 2 * weights["up_proj"] * _FP32}
+    if op.gathered:  # no weight is cast in the block
+        return [weight_cast, silu]
     if "gate_proj" in op.recast:
         return [weight_cast, silu, up_cast]
     # --recompute op, gate_proj's mm kept: its weight is cast for its input gradient after SiLU's backward (2·F·H·4,

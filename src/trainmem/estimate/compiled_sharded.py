@@ -79,8 +79,8 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
         # estimate/compiled_float8_recompute.py; --recompute none under FSDP2 (fsdp-bf16) read 0.945 of the trace's peak
         ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and (
-            impl.recompute not in ("full", "op") or impl.float8_all_gather),
-         "compiled Float8 under FSDP2 is checked with --recompute full or op and no --float8-all-gather"),
+            impl.recompute not in ("full", "op")),
+         "compiled Float8 under FSDP2 is checked with --recompute full or op (--float8-all-gather included)"),
     )
     for field, value, bad, why in refusals:
         if bad:

@@ -49,8 +49,9 @@ then counts the gradients made by each moment, inside a block's backward too), a
 :func:`regrade` turns the units already reduce-scattered by a phase into their sharded gradients.
 
 Known limitations: one unit per block with the root (``--fsdp-units blocks``), one micro-batch, no
-pipeline, tensor, expert or context parallelism, no Float8 all-gather (torchao's Float8Linear without
-``enable_fsdp_float8_all_gather`` has plain parameters: FSDP2 gathers them as any), no fine-tuning,
+pipeline, tensor, expert or context parallelism, the Float8 all-gather under compile only (torchao's Float8Linear
+without ``enable_fsdp_float8_all_gather`` has plain parameters: FSDP2 gathers them as any; with it, compiled blocks:
+``Units.fp8_scales``, estimate/compiled_float8_op.py), no fine-tuning,
 no activation offload (:func:`applies`); elsewhere the estimate keeps its per-phase upper bounds
 (estimate/parallel_buffers.py). The moment inside the root's post-backward (the root's
 reduce-scatter input beside its unsharded gradients, the root resharded) is not a phase: it holds
@@ -85,6 +86,10 @@ class Units:
     host_grads: bool = False
     h2d: dict[int, int] = field(default_factory=dict)
     d2h: dict[int, int] = field(default_factory=dict)
+    # torchao's fp8 all-gather: each gathered weight's fp32 scale (fsdp_post_all_gather) stays the unsharded
+    # parameter's after it reshards, until its next all-gather; the forward's are the compiled blocks' saved ones
+    # (activations), so the backward's are counted from the unit's backward all-gather on (estimate/compiled_float8_op.py)
+    fp8_scales: dict[int, int] = field(default_factory=dict)
 
 
 def applies(par, step, impl, finetune=None) -> bool:
@@ -94,12 +99,12 @@ def applies(par, step, impl, finetune=None) -> bool:
     return (bool(par.fsdp) and par.fsdp_version == 2 and impl.profile not in ("megatron", "traced")
             and par.fsdp_units == "blocks" and par.pp == 1 and par.tp == 1 and par.ep == 1 and par.cp == 1
             and max(step.grad_accum, par.microbatches) == 1 and not impl.optimizer_in_backward
-            and not impl.float8_all_gather
+            and (not impl.float8_all_gather or impl.compile)  # compiled: estimate/compiled_float8_op.py
             and finetune is None and (cpu_offload(par) or not par.offload) and "activations" not in par.offload)
 
 
 def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_bytes: int,
-          offload: bool = False) -> Units:
+          offload: bool = False, fp8_gathered=None) -> Units:
     """Per-unit sizes from the unsharded model states; ``param_bytes``: ``param_dtype``'s element
     size, ``grad_bytes``: the sharded gradients' (``reduce_dtype``); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (the sharded gradients on the host, the shards' copies on the device)."""
@@ -107,6 +112,7 @@ def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_
     root = [0, 0, 0]  # gathered, unsharded grads, sharded grads
     blocks: dict[int, list[int]] = {}  # gathered, unsharded grads, rs input, rs output
     h2d: dict[int, int] = {}
+    scales: dict[int, int] = {}
     for p in stage_states:
         if p.category is not Category.PARAMETER:
             continue
@@ -115,7 +121,11 @@ def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_
         trained = p.name in has_grad
         li = layer_of(p.name)
         row = root if li is None else blocks.setdefault(li, [0, 0, 0, 0])
-        row[0] += shard * world * param_bytes
+        # torchao's fp8 all-gather (``fp8_gathered``: estimate/compiled_float8_op.py): 1 B per element, an fp32 scale
+        fp8 = fp8_gathered is not None and fp8_gathered(p)
+        row[0] += shard * world * (1 if fp8 else param_bytes)
+        if fp8 and li is not None:
+            scales[li] = scales.get(li, 0) + 4
         row[1] += numel * param_bytes if trained else 0
         if li is None:
             row[2] += math.ceil(shard * grad_bytes) if trained else 0
@@ -132,7 +142,7 @@ def units(stage_states: list[MemoryItem], *, world: int, param_bytes: int, grad_
                  gathered={li: r[0] for li, r in blocks.items()},
                  unsharded_grads={li: r[1] for li, r in blocks.items()},
                  rs_input={li: r[2] for li, r in blocks.items()},
-                 rs_output={li: r[3] for li, r in blocks.items()})
+                 rs_output={li: r[3] for li, r in blocks.items()}, fp8_scales=scales)
 
 
 def working(u: Units, *, reshard: bool) -> dict[str, dict[str, int]]:
@@ -162,6 +172,12 @@ def working(u: Units, *, reshard: bool) -> dict[str, dict[str, int]]:
     out["backward_end"] = {"fsdp_reduce_scatter": u.rs_input[first]}
     for parts in out.values():
         parts["fsdp_root_unsharded"] = u.root_gathered
+    if u.fp8_scales and reshard:  # the blocks gathered again in backward so far (see Units.fp8_scales)
+        gathered_back = {"backward_start": layers[-1:], "backward": layers[-2:], "backward_first_block": layers,
+                         "backward_end": layers}
+        for phase, done in gathered_back.items():
+            if phase in out:
+                out[phase]["fsdp_fp8_scales"] = sum(u.fp8_scales.get(j, 0) for j in done)
     return out
 
 
@@ -193,8 +209,9 @@ def middle_blocks(u: Units, *, reshard: bool) -> dict[int, tuple[int, dict[str, 
         gathered = ({"fsdp_allgather": u.gathered[li] + u.gathered[before]} if reshard
                     else {"fsdp_unsharded_params": sum(u.gathered[j] for j in layers[:k + 1])})
         copies = ({"fsdp_offload_h2d": u.h2d[before], "fsdp_offload_d2h": u.d2h[after]} if u.host_grads else {})
+        scales = {"fsdp_fp8_scales": sum(u.fp8_scales.get(j, 0) for j in layers[k - 1:])} if u.fp8_scales and reshard else {}
         out[li] = (fix, {**gathered, "fsdp_reduce_scatter": u.rs_input[after], "fsdp_root_unsharded": u.root_gathered,
-                         **copies})
+                         **copies, **scales})
     return out
 
 

@@ -41,6 +41,7 @@ from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
 from trainmem.estimate.fsdp1_flat import autograd_finetune, fsdp1_states
 from trainmem.estimate import fsdp_timeline as ft
+from trainmem.estimate.compiled_float8_op import fp8_gathered
 from trainmem.estimate.fsdp_offload import (
     composes_with_activation_offload, cpu_offload, offload_node_moments, offload_states, rank_activation_offload,
 )
@@ -231,7 +232,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                                              d.activation, extra, f"({n:g} − 1) × stage activations"))
         own_states = [i for i in states if state_stage[i.name] == s]
         tl = (ft.units(own_states, world=group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad),
-                       offload=cpu_offload(par))
+                       offload=cpu_offload(par), fp8_gathered=fp8_gathered(model, impl))
               if ft.applies(par, step, impl, finetune) else None)  # FSDP2 per tensor: estimate/fsdp_timeline.py
         persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
                                              stage=s, last=last, zero=zero, group=group, stage_act_bytes=body,

@@ -33,7 +33,7 @@ from importlib import import_module
 
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
-from trainmem.estimate.compiled_float8_op import op_float8_scalars
+from trainmem.estimate.compiled_float8_op import gathered_scales, op_float8_scalars
 from trainmem.estimate.compiled_tp import compiled_tp_refusals
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
@@ -366,6 +366,11 @@ def _checkpointed_block(ctx: Ctx, x: Sym) -> Sym:
     its recomputed SDPA replays, host memory, left out as in :func:`_checkpointed_layers`); the
     rotary table it also reads is the eager one, kept once."""
     ctx.graph.save(x)
+    m = ctx.model  # --float8-all-gather: each gathered fp8 weight's scale (estimate/compiled_float8_op.py)
+    gathered_scales(ctx, {"self_attn.q_proj": (m.q_size, m.hidden_size), "self_attn.k_proj": (m.kv_size, m.hidden_size),
+                          "self_attn.v_proj": (m.kv_size, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.q_size),
+                          "mlp.gate_proj": (m.ffn_size, m.hidden_size), "mlp.up_proj": (m.ffn_size, m.hidden_size),
+                          "mlp.down_proj": (m.hidden_size, m.ffn_size)})
     return ctx.graph.new("residual_mlp", x.shape, x.dims, x.dtype)
 
 
