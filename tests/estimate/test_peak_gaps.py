@@ -130,3 +130,39 @@ def test_gpt2_eager_keeps_the_fused_output_at_batch_one():
     one, two = attn_bytes(1), attn_bytes(2)
     assert one["out"] == 128 * 3 * H * 4 and "q" not in one and one["k_t"] == one["v_repeat"] == 128 * H * 4
     assert two["q"] == two["k_t"] == two["v_repeat"] == 2 * 128 * H * 4 and "out" not in two
+
+
+#: tiny Llama / Qwen2 (h64, F176, 4/2 heads, V128), amp-bf16, SGD: the MLP's bf16 weight copies (176·64·2 = 22,528 B)
+#: were the working set's largest tensor, 10,096 / 9,584 B over the trace at B1 S32 (estimate/peak.py ``_uncast_work``)
+SMALL = {"llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+         "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)}
+
+
+def _small(family, attention="sdpa", batch=1, seq=32):
+    step = StepSpec(batch=batch, seq=seq, precision="amp-bf16", optimizer="sgd")
+    return step, ImplSpec(device="cpu", attention=attention)
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_weight_copy_gradient_not_in_the_working_set(family):
+    e = estimate(spec_from_hf_config(SMALL[family]), *_small(family))
+    # the fp32 residual gradient (32·64·4) and the gradient of the largest saved tensor but the weight copies:
+    # a bf16 (B, S, F) tensor, 32·176·2; was 8,192 + 22,528 (down_proj's copy)
+    assert _phase(e, "backward").parts["recompute_and_work"] == 32 * 64 * 4 + 32 * 176 * 2
+    assert e.peak_phase == "forward"
+
+
+SMALL_CASES = [("llama", "sdpa", 1, 32), ("qwen2", "sdpa", 1, 32), ("llama", "eager", 1, 32), ("llama", "sdpa", 2, 64)]
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~1-2 s
+@pytest.mark.parametrize("family,attention,batch,seq", SMALL_CASES)
+def test_small_autocast_equals_trace(family, attention, batch, seq):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step, impl = _small(family, attention, batch, seq)
+    est, t = estimate(spec_from_hf_config(SMALL[family]), step, impl), trace_step(SMALL[family], step, impl)
+    assert est.peak_bytes == t.peak_logical_bytes, (est.peak_phase, est.peak_bytes, t.peak_logical_bytes)
