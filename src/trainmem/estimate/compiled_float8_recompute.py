@@ -41,8 +41,8 @@ the input gradient, and the recomputed forward holds each weight's ``abs`` and f
 B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and on the CPU the traced rowwise
 ``_scaled_mm`` scales its output afterwards in fp32 (two fp32 output-sized temporaries: the step peaks there at
 H 128 F 256 B 1 S 32, 3,559,500 B), which CUDA's kernel does inside, so the CPU trace is not the GPU's moment. Only the Llama block with every linear
-converted (SiLU, two RMSNorms, no fused projections) is read; FSDP2's fp8 all-gather is refused
-(``compiled_sharded.check_compiled_parallel``).
+converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
+weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment.
 
 Under ``--recompute op`` (torchtitan's policy inside the compiled block: estimate/compiled_float8_op.py) the same
 moments run on what the policy left to recompute (``op_block``): the kept mms' weights (q, v, gate) are not cast
