@@ -78,16 +78,20 @@ def gathered_scales(ctx, weights: dict[str, tuple[int, int]], kept_mm: "dict[str
     converted weight's fp8 data (the unsharded parameter's storage) and its scale, a tensor of its own. The region
     keeps the scale (4 B per weight) for the backward's recompute and input gradients; under ``--recompute op``
     (``kept_mm``) a kept mm's weight keeps the scale's reciprocal instead (``b_scale.reciprocal()``, tagged with
-    the mm). Traced: tiny Llama, FSDP2 over the fake process group, --recompute full and op
-    (tests/estimate/test_float8_compiled_op.py)."""
+    the mm), and its scale stays alive all the same: it is the unsharded parameter's ``_scale`` until the block's
+    backward all-gather is waited on (``fsdp_post_all_gather``: ``out._scale = scale``), so it is counted here too
+    (``param_scale``; autograd does not hold it: the trace's saved set is 4 B less per kept mm). Traced: tiny
+    Llama, FSDP2 over the fake process group, --recompute full and op (tests/estimate/test_float8_compiled_op.py)."""
     g = ctx.graph
     if not (ctx.impl.float8_all_gather and ctx.impl.float8 == "tensorwise"):
         return
     for name, weight in weights.items():
         if converted(ctx.model, g.path(f"{name}.weight"), weight):
             with g.module(name):
-                g.save(g.new("weight_scale_inv" if (kept_mm or {}).get(name) else "weight_scale", (), (),
-                             "float32", False))
+                g.save(g.new("weight_scale", (), (), "float32", False), when=not (kept_mm or {}).get(name))
+                if (kept_mm or {}).get(name):
+                    g.save(g.new("weight_scale_inv", (), (), "float32", False),
+                           g.new("param_scale", (), (), "float32", False))
 
 
 def fp8_gathered(model, impl):
