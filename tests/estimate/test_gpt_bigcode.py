@@ -150,6 +150,15 @@ def test_checkpointed_blocks_with_score_tensors_are_refused(cfg):
                  ImplSpec(attention=attention, recompute="full", device="cpu"))
 
 
+@pytest.mark.parametrize("argv,field", [(["--finetune", "lora"], "fine-tuning"), (["--head", "seq-cls"], "head='seq-cls'")])
+def test_cli_refuses_what_is_not_modelled_in_one_line(capsys, argv, field):
+    """LoRA on c_attn read up to 123,640 B under the trace (fp32 eager B 2 S 96, n_embd 128); the seq-cls head
+    65,552 B over (GPT-2's, which these heads are, reads the same): refused, exit 2, one line."""
+    assert main(["estimate", "--model", SANTACODER, "--seq", "256", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "gpt_bigcode" in err[0]
+
+
 def test_flash_attention_on_santacoder_keeps_no_score_tensor():
     """--attention flash (FlashAttention-2 on CUDA): the flash rule of every family, with one K/V head;
     no (B, heads, S, S) tensor, the fp32 log-sum-exp (B, A, S) and the dropout RNG state kept."""

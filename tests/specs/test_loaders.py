@@ -313,7 +313,7 @@ def test_a_file_without_its_sizes_is_refused_naming_every_one(tmp_path, model_ty
         load_model(str(path))
     msg = str(err.value)
     assert msg.startswith(f"{path}: model_type={model_type!r} without vocab_size, ") and "\n" not in msg
-    names = ("n_embd", "n_layer", "n_head") if model_type == "gpt2" else \
+    names = ("n_embd", "n_layer", "n_head") if model_type in ("gpt2", "gpt_bigcode") else \
         ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     assert all(n in msg for n in names) and "defaults" in msg and "write them in the file" in msg
 

@@ -40,13 +40,22 @@ _REFUSED_RECOMPUTE_KERNELS = ("eager", "math")
 def gpt_bigcode_forward(ctx: Ctx) -> None:
     """``GPTBigCodeForCausalLM.forward``: GPT-2's model forward with this family's block."""
     from trainmem.estimate.rules_hf import _gpt  # the registry imports this module from rules_hf
+    if ctx.finetune_linear is not None:  # frozen blocks' moments differ (a frozen c_proj saves no input, ...)
+        raise UnsupportedError(
+            f"{ctx.model.name}: gpt_bigcode: fine-tuning (--finetune lora/qlora, --freeze) is not modelled: its step "
+            f"peak read up to 123,640 B under the trace (LoRA on c_attn, fp32, eager, B 2, S 96, n_embd 128)")
+    if ctx.model.head != "lm":  # GPT-2's heads (declared) read the same 65,552 B over at that size: not modelled here
+        raise UnsupportedError(
+            f"{ctx.model.name}: gpt_bigcode: head={ctx.model.head!r} is not modelled: its step peak read 65,552 B over "
+            f"the trace (seq-cls, fp32, sdpa, B 2, S 64, n_embd 64); estimate the causal LM (--head lm)")
     kernel = resolve_kernel(ctx)
     if ctx.impl.recompute in ("full", "every-k") and kernel in _REFUSED_RECOMPUTE_KERNELS:
         raise UnsupportedError(
             f"{ctx.model.name}: gpt_bigcode: recompute={ctx.impl.recompute!r} with attention={ctx.impl.attention!r} "
             f"(the {kernel} kernel, (B, A, S, S) tensors) is not modelled: its backward peak is not exact; use "
             f"--attention flash, or sdpa without attention dropout (attn_pdrop=0) on CPU")
-    _gpt(ctx, _block)
+    # GPTBigCodeModel.forward hands its blocks the causal mask but no position ids: a checkpointed block holds none
+    _gpt(ctx, _block, positions_to_blocks=False)
 
 
 def _block(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:

@@ -187,8 +187,9 @@ def _llama_attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str, held: li
 
 # --- GPT-2 / GPT-NeoX ------------------------------------------------------------------------
 
-def _gpt(ctx: Ctx, block=None) -> None:
-    """GPT-2's / GPT-NeoX's model forward; ``block``: another family's block (``rules_gpt_bigcode``)."""
+def _gpt(ctx: Ctx, block=None, positions_to_blocks: bool = True) -> None:
+    """GPT-2's / GPT-NeoX's model forward; ``block``: another family's block (``rules_gpt_bigcode``), and
+    ``positions_to_blocks=False`` where the model hands its blocks no position ids (a checkpoint holds none)."""
     g, m = ctx.graph, ctx.model
     block = block or _gpt_layer
     neox = _rules(ctx).neox
@@ -209,7 +210,8 @@ def _gpt(ctx: Ctx, block=None) -> None:
             cos = g.new("cos", (1, ctx.S, rot), ("1", "S", "rot"), x.dtype, False)
             sin = g.new("sin", (1, ctx.S, rot), ("1", "S", "rot"), x.dtype, False)
     layers = "layers" if neox else "h"
-    held = _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
+    held = [t for t in _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
+            if positions_to_blocks or t.dtype != "int64"]
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
             with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None], policy=_policy(ctx)):
