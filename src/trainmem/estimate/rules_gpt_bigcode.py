@@ -29,33 +29,43 @@ from trainmem.estimate.rules_hf_parts import _layernorm, _two_matrix_mlp
 __all__ = ["gpt_bigcode_forward"]
 
 
-#: checkpointed blocks (``--recompute full``, ``every-k``) whose attention materializes (B, A, S, S) tensors
-#: (eager; the math kernel, which CPU SDPA runs with attention dropout): their saved set is exact, but the step
-#: peak is not (estimate/peak.py's block envelope, recomputed tensors + the largest one's gradient, overshoots
-#: the real backward, e.g. +49,016 B over the trace at B 2, S 64, bf16, eager; GPT-NeoX's sequential blocks
-#: miss alike), so the estimate refuses them rather than print a wrong peak
+#: checkpointed blocks (``--recompute full``) or attention calls (``selective``) whose attention materializes
+#: (B, A, S, S) tensors (eager; the math kernel, which CPU SDPA runs with attention dropout): their saved set is
+#: exact, but the step peak is not (estimate/peak.py's block envelope, recomputed tensors + the largest one's
+#: gradient, overshoots the real backward: +49,016 B over the trace at B 2, S 64, bf16, eager, full; +32,504 B
+#: selective; GPT-NeoX's sequential blocks miss alike), so the estimate refuses them rather than print a wrong peak
 _REFUSED_RECOMPUTE_KERNELS = ("eager", "math")
+#: recompute modes measured off the trace whatever the kernel (B 2, S 64, n_embd 64, SDPA): ``every-k`` -33,032 B
+#: (fp32), ``op`` +32,504 B (fp32)
+_REFUSED_RECOMPUTE = ("every-k", "op")
 
 
 def gpt_bigcode_forward(ctx: Ctx) -> None:
     """``GPTBigCodeForCausalLM.forward``: GPT-2's model forward with this family's block."""
     from trainmem.estimate.rules_hf import _gpt  # the registry imports this module from rules_hf
-    if ctx.finetune_linear is not None:  # frozen blocks' moments differ (a frozen c_proj saves no input, ...)
-        raise UnsupportedError(
-            f"{ctx.model.name}: gpt_bigcode: fine-tuning (--finetune lora/qlora, --freeze) is not modelled: its step "
-            f"peak read up to 123,640 B under the trace (LoRA on c_attn, fp32, eager, B 2, S 96, n_embd 128)")
-    if ctx.model.head != "lm":  # GPT-2's heads (declared) read the same 65,552 B over at that size: not modelled here
-        raise UnsupportedError(
-            f"{ctx.model.name}: gpt_bigcode: head={ctx.model.head!r} is not modelled: its step peak read 65,552 B over "
-            f"the trace (seq-cls, fp32, sdpa, B 2, S 64, n_embd 64); estimate the causal LM (--head lm)")
-    kernel = resolve_kernel(ctx)
-    if ctx.impl.recompute in ("full", "every-k") and kernel in _REFUSED_RECOMPUTE_KERNELS:
-        raise UnsupportedError(
-            f"{ctx.model.name}: gpt_bigcode: recompute={ctx.impl.recompute!r} with attention={ctx.impl.attention!r} "
-            f"(the {kernel} kernel, (B, A, S, S) tensors) is not modelled: its backward peak is not exact; use "
-            f"--attention flash, or sdpa without attention dropout (attn_pdrop=0) on CPU")
+    _refuse(ctx)
     # GPTBigCodeModel.forward hands its blocks the causal mask but no position ids: a checkpointed block holds none
     _gpt(ctx, _block, positions_to_blocks=False)
+
+
+def _refuse(ctx: Ctx) -> None:
+    """One line for each setting whose step peak was measured off the trace (tests/estimate/test_gpt_bigcode.py)."""
+    m, impl, kernel = ctx.model, ctx.impl, resolve_kernel(ctx)
+    why = None
+    if ctx.finetune_linear is not None:  # a frozen c_proj saves no input; the forward's MLP moment tops
+        why = ("fine-tuning (--finetune lora/qlora, --freeze) is not modelled: its step peak read up to 123,640 B "
+               "under the trace (LoRA on c_attn, fp32, eager, B 2, S 96, n_embd 128)")
+    elif m.head != "lm":  # GPT-2's heads (declared) read the same 65,552 B over at that size
+        why = (f"head={m.head!r} is not modelled: its step peak read 65,552 B over the trace (seq-cls, fp32, sdpa, "
+               f"B 2, S 64, n_embd 64); estimate the causal LM (--head lm)")
+    elif impl.recompute in _REFUSED_RECOMPUTE:
+        why = f"recompute={impl.recompute!r} is not modelled: its step peak reads off the trace; use none, selective or full"
+    elif impl.recompute in ("full", "selective") and kernel in _REFUSED_RECOMPUTE_KERNELS:
+        why = (f"recompute={impl.recompute!r} with attention={impl.attention!r} (the {kernel} kernel, (B, A, S, S) "
+               f"tensors) is not modelled: its backward peak is not exact; use --attention flash, or sdpa without "
+               f"attention dropout (attn_pdrop=0) on CPU")
+    if why:
+        raise UnsupportedError(f"{m.name}: gpt_bigcode: {why}")
 
 
 def _block(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) -> Sym:
