@@ -155,3 +155,13 @@ def test_the_fp8_all_gather_equals_the_fsdp2_trace(cfg, recompute):
     pytest.importorskip("torchao.float8")
     batch, seq = (1, 32) if cfg is WIDE_F else (2, 96) if cfg is WIDE else (2, 64)
     _compare(cfg, "fsdp-bf16", batch, seq, FSDP2, host_rng=True, impl=_gathered(recompute))
+
+
+@pytest.mark.slow  # two FSDP2 traces (one 2-D), ~5 s each
+@pytest.mark.parametrize("par", [ParallelSpec(dp=2, fsdp="full", reshard_after_forward=False),
+                                 ParallelSpec(dp=4, fsdp="hybrid", fsdp_group=2)])
+def test_the_fp8_all_gather_without_resharding_and_under_hsdp(par):
+    # measured, estimate == trace: 1,886,496 B both (op). Without resharding no block is gathered again: every
+    # forward scale stays its parameter's all step (estimate/fsdp_timeline.py); HSDP is FSDP2 over its shard group
+    pytest.importorskip("torchao.float8")
+    _compare(LLAMA, "fsdp-bf16", 2, 64, par, host_rng=True, impl=_gathered("op"))

@@ -172,9 +172,11 @@ def working(u: Units, *, reshard: bool) -> dict[str, dict[str, int]]:
     out["backward_end"] = {"fsdp_reduce_scatter": u.rs_input[first]}
     for parts in out.values():
         parts["fsdp_root_unsharded"] = u.root_gathered
-    if u.fp8_scales and reshard:  # the blocks gathered again in backward so far (see Units.fp8_scales)
-        gathered_back = {"backward_start": layers[-1:], "backward": layers[-2:], "backward_first_block": layers,
-                         "backward_end": layers}
+    if u.fp8_scales:  # resharded: the blocks gathered again in backward so far (see Units.fp8_scales); without
+        # resharding the forward's scales stay the parameters' all step, beyond a block's saved set once freed
+        gathered_back = ({"backward_start": layers[-1:], "backward": layers[-2:], "backward_first_block": layers,
+                          "backward_end": layers} if reshard else
+                         {"backward": layers[-1:], "backward_first_block": layers, "backward_end": layers})
         for phase, done in gathered_back.items():
             if phase in out:
                 out[phase]["fsdp_fp8_scales"] = sum(u.fp8_scales.get(j, 0) for j in done)
@@ -209,7 +211,7 @@ def middle_blocks(u: Units, *, reshard: bool) -> dict[int, tuple[int, dict[str, 
         gathered = ({"fsdp_allgather": u.gathered[li] + u.gathered[before]} if reshard
                     else {"fsdp_unsharded_params": sum(u.gathered[j] for j in layers[:k + 1])})
         copies = ({"fsdp_offload_h2d": u.h2d[before], "fsdp_offload_d2h": u.d2h[after]} if u.host_grads else {})
-        scales = {"fsdp_fp8_scales": sum(u.fp8_scales.get(j, 0) for j in layers[k - 1:])} if u.fp8_scales and reshard else {}
+        scales = {"fsdp_fp8_scales": sum(u.fp8_scales.get(j, 0) for j in layers[k - reshard:])} if u.fp8_scales else {}
         out[li] = (fix, {**gathered, "fsdp_reduce_scatter": u.rs_input[after], "fsdp_root_unsharded": u.root_gathered,
                          **copies, **scales})
     return out
