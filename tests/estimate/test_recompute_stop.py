@@ -8,7 +8,9 @@ locals. Before (CPU fake-tensor traces, AdamW, logical bytes): tiny Llama (h64, 
 B1 S64 2,048 B under, B1 S32 7,160 B over; tiny GPT-NeoX (h128, F512, V128) amp-bf16 B2 S64 65,800 B under,
 B2 S96 98,568 B under, B1 S64 32,504 B over (the frozen MLP's 131,072 B weight copies taken for the working set's
 largest gradient), B1 S32 81,656 B over; fp32 B1 / bf16 B2 S64 98,312 B under (the frozen MLP was not read: no
-GELU output saved). Now equal."""
+GELU output saved); tiny tied GPT-2 (h128, V128, n_positions 512) amp-bf16 B2 S64 65,800 B under, B1 S32 81,656 B
+over, fp32 B1 / bf16 B2 S64 196,616 B under (its dropout mask is saved after c_proj: the recomputation makes c_proj's
+output, and GPT2Block keeps the attention output in a local). Now equal."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidd
              num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 NEOX = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, vocab_size=128, max_position_embeddings=512)
+GPT2 = dict(model_type="gpt2", n_embd=128, n_layer=2, n_head=4, vocab_size=128, n_positions=512)
 LORA = FinetuneSpec(mode="lora", lora_rank=8)
 
 
@@ -56,6 +59,14 @@ def test_neox_stop_moment_as_integers():
     assert ph.parts["node_work"] == R + R // 2 + R + gelu + 128 * 2 + R // 2 + 8
 
 
+def test_gpt2_stop_past_the_down_projection_as_integers():
+    ph = _backward(_estimate(GPT2, "amp-bf16", 1))
+    R, x, act = 64 * 128 * 4, 64 * 128 * 4, 64 * 512 * 2  # fp32 residual gradient, ln_2's fp32 output, bf16 product
+    # the dropout saves its mask after c_proj, so the recomputation makes c_proj's bf16 output (R // 2) beside its
+    # input and bias copy (128 x 2); GPT2Block keeps the attention's bf16 output in a local (R // 2)
+    assert ph.parts["node_work"] == R + R // 2 + x + act + 128 * 2 + R // 2 + R // 2 + 8
+
+
 def test_frozen_weight_copy_is_not_the_largest_gradient():
     e = _estimate(NEOX, "amp-bf16", 1)
     # B1 S64: the frozen MLP's weight copies (512 x 128 x 2 = 131,072 B) are the block's largest saved tensors; with
@@ -66,7 +77,8 @@ def test_frozen_weight_copy_is_not_the_largest_gradient():
 
 GRID = [(LLAMA, "amp-bf16", 1, 32), (LLAMA, "amp-bf16", 1, 64), (LLAMA, "amp-bf16", 2, 96),
         (NEOX, "amp-bf16", 1, 32), (NEOX, "amp-bf16", 1, 64), (NEOX, "amp-bf16", 2, 64), (NEOX, "amp-bf16", 2, 96),
-        (NEOX, "fp32", 1, 64), (NEOX, "bf16", 2, 64)]
+        (NEOX, "fp32", 1, 64), (NEOX, "bf16", 2, 64),
+        (GPT2, "amp-bf16", 1, 32), (GPT2, "amp-bf16", 2, 64), (GPT2, "fp32", 1, 64), (GPT2, "bf16", 2, 64)]
 
 
 @pytest.mark.slow  # one fake-tensor trace each, ~2-5 s on 2 shared cores

@@ -93,7 +93,10 @@ _MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, dow
          MlpNodes(saved=_MLP[:3], down="down_proj", down_saves_input=False),
          # GPT-NeoX's, frozen (LoRA on query_key_value): the GELU output is not saved
          MlpNodes(saved=("dense_h_to_4h.out",), down="dense_4h_to_h", act_grads=1, up="dense_h_to_4h",
-                  down_saves_input=False))
+                  down_saves_input=False),
+         # GPT-2's, frozen (LoRA on c_attn): ``gelu_new``'s product is not saved
+         MlpNodes(saved=("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x"), down="c_proj",
+                  tail=("dropout.mask",), bias_first=True, down_saves_input=False))
 FP32_NORM_TRANSIENTS = 5  # mul(x, rsqrt)'s x-gradient, the mean's gradient, pow(x, 1), 2·pow, their product
 
 
@@ -322,7 +325,7 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
     if checkpointed and not any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
         # the recomputation stops at the down projection's saved tensor (estimate/recompute_stop.py)
         stop = recompute_stop_moment(block, acts, unsaved, down=down, start=start, last=ends[-1],
-                                     residual_bytes=residual_bytes)
+                                     residual_bytes=residual_bytes, tail=tail)
         out += [stop] if stop else []
     return out + _up_projection_end(block, acts, start, mlp, prod, grads, residual_bytes, pending,
                                     checkpointed=checkpointed)

@@ -20,7 +20,9 @@ torch/csrc/autograd/engine.cpp), the forward's locals are alive, saved or not:
 * the down projection's bf16 bias copy: autocast's ``linear`` wrapper casts its arguments before the
   weight's (the traces show bias, weight, input);
 * a parallel-residual block's attention output (``GPTNeoXLayer``: ``mlp_output + attn_output +
-  hidden_states``), held by the layer until the sum.
+  hidden_states``), held by the layer until the sum, and GPT-2's, which its block keeps in a local
+  (:data:`_FRAME_KEEPS_ATTENTION_OUTPUT`);
+* past a down projection that saves nothing after it but a dropout mask (GPT-2's), the projection's output.
 
 With LoRA's frozen MLP this moment outgrows the MLP product's (no weight gradient there): tiny Llama
 (h64, F176) amp-bf16 full recompute B1 S64 was 2,048 B under the trace, GPT-NeoX (h128, F512) B2 S64
@@ -37,15 +39,20 @@ __all__ = ["recompute_stop_moment"]
 
 
 def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
-                          down: str, start: int, last: int, residual_bytes: int) -> dict[str, int] | None:
+                          down: str, start: int, last: int, residual_bytes: int,
+                          tail: tuple[str, ...] = ()) -> dict[str, int] | None:
     """The stop of a checkpointed block's recomputation at its down projection (module docstring).
     ``acts``: the recomputed block's saved tensors in forward order, the MLP's from ``start`` to ``last``
     (its down projection's saved input, or the last tensor before it when a frozen one saves none);
-    ``unsaved``: the block's zero-byte markers (what a frozen linear does not save, estimate/finetune.py).
-    None when a tensor the moment cannot place is saved after the MLP (GPT-2's dropout mask)."""
+    ``unsaved``: the block's zero-byte markers (what a frozen linear does not save, estimate/finetune.py);
+    ``tail``: what the MLP saves after its down projection (GPT-2's dropout mask): the recomputation runs past
+    the projection, whose output is made while its input and bias copy are alive (the MLP's frame drops the
+    input when it rebinds ``hidden_states``, transformers ``GPT2MLP.forward``, before the dropout saves its mask).
+    None when a tensor the moment cannot place is saved after the MLP."""
     copy = f".mlp.{down}.weight_cast"
     out = next((i for i in acts[last + 1:] if i.name.endswith(".residual_mlp")), None)
-    if out is None or any(not (i is out or i.name.endswith(copy)) for i in acts[last + 1:]):
+    after = [i for i in acts[last + 1:] if i.name.split(".mlp.", 1)[-1] in tail]
+    if out is None or any(not (i is out or i in after or i.name.endswith(copy)) for i in acts[last + 1:]):
         return None
     mlp = [i for i in acts[start:last + 1] if ".mlp." in i.name]
     # a frozen projection's marker: its input's shape and dtype (estimate/finetune.py), not saved
@@ -63,9 +70,16 @@ def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsav
     bias_copy = math.prod(bias.shape) * dtype_bytes(weight_copy.dtype) if bias and weight_copy else 0
     parallel = not any(i.name.endswith(".residual_attn") for i in acts) and any(
         f".{c}." in i.name for i in acts for c in ("attention", "self_attn", "attn"))
-    return {"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
+    held = parallel or any(f".{c}." in i.name for i in acts for c in _FRAME_KEEPS_ATTENTION_OUTPUT)
+    return {"block_gradients": 0, "freed_activations": out.bytes + sum(i.bytes for i in after), "after_attention": 0,
             "work": residual_bytes + (branch if prod_dtype != out.dtype else 0) + x + down_input
-            + int(bias_copy) + (branch if parallel else 0)}
+            + int(bias_copy) + (branch if held else 0) + (branch if after else 0)}
+
+
+#: blocks whose forward keeps the attention's output in a local to the end, beside the residual sum it made:
+#: transformers ``GPT2Block.forward`` (``attn_output, _ = self.attn(...)``; ``hidden_states = attn_output +
+#: residual``), keyed by the block's attention child. Llama's and Qwen2's layers rebind ``hidden_states``.
+_FRAME_KEEPS_ATTENTION_OUTPUT = ("attn",)
 
 
 def _bytes(item: MemoryItem) -> int:
