@@ -104,6 +104,15 @@ def test_step_peak_equals_the_trace_wider(mq, precision, attention, recompute):
     assert est == traced
 
 
+@pytest.mark.parametrize("mq", ["mq", pytest.param("mha", marks=pytest.mark.slow)])
+def test_eager_at_batch_one_reads_the_kv_cache_in_place(mq):
+    """B 1, S 96, SGD (no optimizer states: a backward or loss moment tops): repeat_kv's one-head expand merges
+    with the size-1 batch, so bmm keeps the KV cache itself, no (B·A, hd, S) copy."""
+    est, traced = _peaks(_cfg(mq == "mq"), StepSpec(batch=1, seq=96, precision="bf16", optimizer="sgd"),
+                         ImplSpec(attention="eager", device="cpu"))
+    assert est == traced
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mq,precision,attention", [("mq", "fp32", "sdpa"), ("mha", "amp-bf16", "eager")])
 def test_hf_rules_equal_the_traced_profile(tmp_path, monkeypatch, mq, precision, attention):

@@ -6,9 +6,8 @@ buffer (``GPTBigCodeModel.__init__``), unused by its 5.24 forward (masks come fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from trainmem.families import layout as lay
 from trainmem.families.base import BlockRules, Family, register_family
