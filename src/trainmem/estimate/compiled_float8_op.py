@@ -148,8 +148,9 @@ def op_block(own_items: "list[MemoryItem]", recomputed: dict[str, MemoryItem]) -
         linear = module.split(".")[1] if "." in module else ""
         if kind in ("weight_amax", "weight_scale_inv") and linear in kept_mm and linear != "down_proj":
             return True  # read by its input gradient's weight cast
-        # deferred: the attention's saved values and the scalars its recompute and input gradients read
-        return deferred and n.startswith("self_attn.") and linear != "o_proj"
+        # deferred: the attention's saved values and the scalars its recompute and input gradients read (not the
+        # parameters' forward scales: replaced when the block's backward all-gather was waited on, gathered_scales)
+        return deferred and n.startswith("self_attn.") and linear != "o_proj" and kind != "param_scale"
 
     return OpBlock(recast=recast, deferred=deferred, held=sum(i.bytes for n, i in own.items() if is_held(n)),
                    extra=sum(i.bytes for n, i in own.items() if n not in recomputed),
