@@ -1,6 +1,6 @@
 """Estimate vs trace vs measurement on one GPU (under 8 minutes), or a tiny dry run on CPU.
 
-    timeout 540 python bench/gpu_validate.py        # CUDA: writes bench/results/gpu_validate.{md,json}
+    timeout -s TERM -k 20 560 python bench/gpu_validate.py   # CUDA: bench/results/gpu_validate.{md,json}
     python bench/gpu_validate.py --cpu              # tiny sizes on CPU (also --dry-run): checks the script works
     python bench/gpu_validate.py --only compile-block,op-eager   # rerun chosen rows, the others kept
 
