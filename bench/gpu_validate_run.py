@@ -6,7 +6,10 @@ optimizer exists, as ``trainmem.trace.step.trace_step`` does: each decoder block
 by ``torch.compile(block)`` (torchtitan's ``apply_compile``; ``trace/compiled.py`` ``_compile_blocks``)
 or ``torch.compile(model)``. On CUDA the backend is inductor's default, which generates kernels: the
 point of the row. On CPU (the dry run) it is the trace's ``trainmem_partition`` backend (inductor's
-decompositions, joint-graph passes and min-cut partition, no code generation): the row says so.
+decompositions, joint-graph passes and min-cut partition, no code generation): the row says so. Real
+inductor on CPU is not measurable here: the CPU meter is a dispatch mode (``trace/storages.py``), and
+inductor's checkpointed regions call the ``run_and_save_rng_state`` higher-order op, which it refuses
+(NotImplementedError, tried on compile-block-full); the CUDA meter reads the allocator's counters instead.
 
 The four figures (``trainmem.fits``, ``--memory-figure``): allocated, active (torchtune's
 ``active_bytes.all.peak``), reserved, device (nvidia-smi: reserved + the CUDA context). Estimate:
