@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"gpu_validate: {exc}\n")
         return 2
     import torch
-    import transformers
+    try:
+        from transformers import __version__ as transformers_version
+    except ImportError:  # the Hugging Face rows then fail one by one, each saying so
+        transformers_version = "not installed"
 
     if not args.cpu and not torch.cuda.is_available():
         sys.stderr.write("gpu_validate: no CUDA device; run with --cpu for the dry run\n")
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else "cuda"
     config = model_config(args.cpu)
     header = {"cpu": args.cpu, "device": "cpu" if args.cpu else f"cuda ({torch.cuda.get_device_name()})",
-              "torch": torch.__version__, "transformers": transformers.__version__,
+              "torch": torch.__version__, "transformers": transformers_version,
               "python": platform.python_version(), "gpu_preset": gpu_preset(device).name,
               "model": "tiny Llama (H=64, 2 layers)" if args.cpu else "Llama-2-7B widths, 2 layers",
               "budget_s": args.budget_s, "only": args.only, "wall_s": 0.0, "finished": False}
