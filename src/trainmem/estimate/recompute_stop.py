@@ -35,7 +35,7 @@ import math
 
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 
-__all__ = ["recompute_stop_moment"]
+__all__ = ["recompute_stop_moment", "adapter_down_stop"]
 
 
 def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
@@ -68,18 +68,55 @@ def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsav
     bias = next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{down}.bias")
                  and i.shape), None)
     bias_copy = math.prod(bias.shape) * dtype_bytes(weight_copy.dtype) if bias and weight_copy else 0
-    parallel = not any(i.name.endswith(".residual_attn") for i in acts) and any(
-        f".{c}." in i.name for i in acts for c in ("attention", "self_attn", "attn"))
-    held = parallel or any(f".{c}." in i.name for i in acts for c in _FRAME_KEEPS_ATTENTION_OUTPUT)
+    held = _attention_output_held(acts)
     return {"block_gradients": 0, "freed_activations": out.bytes + sum(i.bytes for i in after), "after_attention": 0,
             "work": residual_bytes + (branch if prod_dtype != out.dtype else 0) + x + down_input
             + int(bias_copy) + (branch if held else 0) + (branch if after else 0)}
+
+
+def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
+                      residual_bytes: int) -> list[dict[str, int]]:
+    """The stop (module docstring) at a LoRA-adapted down projection (peft ``lora.Linear.forward``: ``result =
+    base_layer(x)``, then ``x = _cast_input_dtype(x, lora_A.weight.dtype)``, ``result + lora_B(lora_A(x)) *
+    scaling``): its adapters' tensors are the block's last saved ones, so the recomputation stops at ``lora_B``'s
+    saved weight copy (or weight), with the frozen base layer's output (``result``, the residual's shape in the
+    product's dtype) and peft's copy of the product in the adapter's dtype (made when they differ: fp32 adapters
+    under autocast) alive beside the MLP's input and the product. The adapter branch's gradient waits too: the
+    ``* scaling`` node (``MulBackward0`` by a number saves nothing) runs before ``lora_B``'s, whose unpack starts
+    the recomputation. [] for other layouts."""
+    out = next((i for i in acts if i.name.endswith(".residual_mlp")), None)
+    k = acts.index(out) if out is not None else 0
+    down = acts[k - 1].name.split(".mlp.", 1)[-1].split(".", 1)[0] if k and ".mlp." in acts[k - 1].name else None
+    if down is None or any(".mlp." in i.name and not i.name.split(".mlp.", 1)[1].startswith(f"{down}.")
+                           for i in acts[k:]) or f".mlp.{down}.lora_A." not in acts[k - 1].name:
+        return []
+    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in unsaved if ".mlp." in i.name
+              and i.name.endswith(".input") and i.shape}
+    prod = marker.get(down)
+    adapter = next((i for i in block if i.category is Category.PARAMETER
+                    and i.name.endswith(f".mlp.{down}.lora_A.default.weight")), None)
+    if prod is None or adapter is None:
+        return []
+    x = next((_bytes(i) for name, i in marker.items() if name != down), 0)
+    branch = residual_bytes * dtype_bytes(prod.dtype) // dtype_bytes(out.dtype)
+    copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype else 0
+    return [{"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
+             "work": residual_bytes + (branch if prod.dtype != out.dtype else 0) + x + _bytes(prod) + 2 * branch
+             + copy + (branch if _attention_output_held(acts) else 0)}]
 
 
 #: blocks whose forward keeps the attention's output in a local to the end, beside the residual sum it made:
 #: transformers ``GPT2Block.forward`` (``attn_output, _ = self.attn(...)``; ``hidden_states = attn_output +
 #: residual``), keyed by the block's attention child. Llama's and Qwen2's layers rebind ``hidden_states``.
 _FRAME_KEEPS_ATTENTION_OUTPUT = ("attn",)
+
+
+def _attention_output_held(acts: list[MemoryItem]) -> bool:
+    """Whether the block's attention output is alive through its MLP: a parallel-residual block's (no residual sum
+    after the attention) or one whose forward keeps it in a local (:data:`_FRAME_KEEPS_ATTENTION_OUTPUT`)."""
+    parallel = not any(i.name.endswith(".residual_attn") for i in acts) and any(
+        f".{c}." in i.name for i in acts for c in ("attention", "self_attn", "attn"))
+    return parallel or any(f".{c}." in i.name for i in acts for c in _FRAME_KEEPS_ATTENTION_OUTPUT)
 
 
 def _bytes(item: MemoryItem) -> int:
