@@ -59,6 +59,14 @@ def machine() -> str:
     return out
 
 
+def kept_sections(readme: Path) -> list[str]:
+    """The hand-written sections of the old index (from its first ``## `` heading on: how to run the GPU
+    validation on a lent GPU), which a rerun keeps below the regenerated table."""
+    old = readme.read_text().splitlines() if readme.exists() else []
+    first = next((i for i, line in enumerate(old) if line.startswith("## ")), len(old))
+    return [""] + old[first:] if first < len(old) else []
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset")
@@ -83,7 +91,7 @@ def main(argv=None) -> int:
         "Each table states its own machine and settings. GPU validation (bench/gpu_validate.py) runs "
         "only where CUDA is present; the accuracy grid then adds an estimate ÷ measured column.",
     ]
-    (RESULTS / "README.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "README.md").write_text("\n".join(lines + kept_sections(RESULTS / "README.md")) + "\n")
     print("\n".join(lines))
     return max(r[2] for r in rows) if rows else 0
 
