@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import final_norm_moment, norm_backward_parts
 from trainmem.estimate.compiled_ce_loss import compiled_ce_backward, graph_tangents
+from trainmem.estimate.compiled_embedding_backward import embedding_backward_parts
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
@@ -430,8 +431,15 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     elif tied_sum:
         g_end = before + 2 * tied_sum
         end_note += "; the tied weight's head and embedding gradients"
-    add("backward_end", {"gradients": g_end, "activations": acts_end, "work": work_end,
-                         "loss_scalars": loss_scalars}, end_note)
+    end = {"gradients": g_end, "activations": acts_end, "work": work_end, "loss_scalars": loss_scalars}
+    if (block_math or {}).get("one_graph"):  # the whole model compiled: estimate/compiled_embedding_backward.py
+        emb = embedding_backward_parts(items.base if isinstance(items, Inventory) else items, B=B, S=S,
+                                       stored_grads=stored_G, grad_accum=grad_accum, tied=bool(tied_sum),
+                                       activations=acts_end, loss_scalars=loss_scalars)
+        if emb and sum(emb.values()) > sum(end.values()):
+            end, end_note = emb, ("the compiled embedding backward's index-put, the last node: two (V, H) tables in "
+                                  "the computation dtype beside the other gradients (embedding_dense_backward)")
+    add("backward_end", end, end_note)
     tb, rule = optimizer_transient
     if not optimizer_in_backward:
         add("optimizer", {"gradients": G, "optimizer_temporaries": tb}, f"optimizer.step(): {rule}")
