@@ -16,6 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
+from trainmem.estimate.compiled_embedding_backward import head_graph_apart
 from trainmem.estimate.autocast_cache import autocast_cached_casts, autocast_head_input
 from trainmem.estimate.buffers import buffer_inventory
 from trainmem.estimate.compiled_op_moment import recomputes_blocks
@@ -193,6 +194,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
         block_math=block_math(model, eager_set=impl.compile and finetune is not None,
                               one_graph=impl.compile and impl.compile_scope == "model"),
+        head_graph_apart=head_graph_apart(impl),  # estimate/compiled_embedding_backward.py
     )
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs

@@ -12,8 +12,17 @@ no-op). It is the last node of the backward, so it stands for ``backward_end`` w
 (estimate/peak.py). A Llama with V 32,000 and H 256 (bf16, B1 S64, whole model compiled) read 49,184,832 B
 under the trace without it (Llama-2-7B widths, 2 layers, S 4096: 79,155,200 B under, found by
 bench/gpu_validate.py's compile-model-full row); now equal, also tied, GPT-2 (tied, with its position table)
-and Qwen2 (tests/estimate/test_compiled_embedding_backward.py). With accumulation and ``--recompute full``
-the estimate reads one fp32 (V, H) table over the trace (fp32 V 8,000: 4,096,000 B; not explained; the safe side).
+and Qwen2 (tests/estimate/test_compiled_embedding_backward.py).
+
+With accumulation every earlier micro-batch's ``.grad`` is alive here too (this one's included: this moment
+counts the embedding's new gradient itself, so estimate/grad_accum.py adds none to it). The new gradients
+beside them are those of the graph's other parameters, not an untied head's under transformers' gradient
+checkpointing: ``merge_with_config_defaults`` (transformers/utils/generic.py) calls ``logger.warning_once``
+when ``use_cache`` meets checkpointing in training, a Dynamo graph break (``logging.Logger`` is not traced), so
+the decoder runs as a graph of its own and the head and loss as another, whose backward runs first and returns
+the head's gradient, added into its ``.grad`` there (``head_graph_apart``). Tied, that gradient waits in the
+shared weight's input buffer for this one's: alive either way. Before, with accumulation and ``--recompute
+full``, the estimate read one head gradient over the trace (fp32 V 8,000: 4,096,000 B).
 
 The trace runs inductor's partition op by op (trace/compiled.py); real inductor lowers the put in place
 into the zero table, so on a GPU this moment is an upper bound by one fp32 table (not checked on a GPU).
@@ -24,21 +33,24 @@ from __future__ import annotations
 
 import math
 
-from trainmem.inventory import Category, dtype_bytes
-from trainmem.names import is_token_embedding
+from trainmem.estimate.grad_items import token_embedding_grad
+from trainmem.inventory import dtype_bytes
 
-__all__ = ["embedding_backward_parts"]
+__all__ = ["TABLES", "embedding_backward_parts", "head_graph_apart"]
+
+TABLES = "embedding_grad_tables"  # the moment's part: estimate/grad_accum.py reads it
 
 
 def embedding_backward_parts(base, *, B: int, S: int, stored_grads: int, grad_accum: int, tied: bool,
-                             activations: int, loss_scalars: int) -> dict[str, int] | None:
+                             activations: int, loss_scalars: int, head_grad: int = 0,
+                             head_graph_apart: bool = False) -> dict[str, int] | None:
     """The live bytes at the compiled embedding backward's index-put (module docstring), or ``None`` when the
     token embedding has no gradient (frozen) or none is in the inventory. ``stored_grads``: every stored
-    ``.grad`` at the end of backward."""
-    grads = [i for i in base if i.category is Category.GRADIENT and is_token_embedding(i.name) and len(i.shape) == 2]
-    if not grads:
+    ``.grad`` at the end of backward; ``head_grad``: the output weight's gradient bytes; ``head_graph_apart``:
+    the head runs in a graph of its own (transformers' gradient checkpointing, the module docstring)."""
+    g = token_embedding_grad(base)
+    if g is None or len(g.shape) != 2:
         return None
-    g = max(grads, key=lambda i: i.bytes)
     comp = max(4, int(dtype_bytes(g.dtype)))  # float32 for 16-bit gradients, their own dtype otherwise
     table = math.prod(g.shape) * comp
     hidden = g.shape[1]
@@ -46,12 +58,17 @@ def embedding_backward_parts(base, *, B: int, S: int, stored_grads: int, grad_ac
     upcast = B * S * hidden * comp
     ids_mask = B * S  # valid & (ids != padding_idx): one byte per id
     # the graph returns every gradient at its end: the others' new ones (a tied head's part of this weight's
-    # among them) are alive here, and with accumulation every earlier micro-batch's .grad beside them
+    # among them) are alive here; this one is not made yet (16-bit: the cast comes after) or is one of the tables
     new = stored_grads if tied else stored_grads - g.bytes
-    # with accumulation estimate/grad_accum.py adds this embedding's new gradient to backward_end
-    # (``new_gradient``, with the divided loss): at the index-put it is not made yet (16-bit: the cast comes
-    # after) or is one of the two tables (fp32), so it is taken off here
-    before = new + (stored_grads - g.bytes if grad_accum > 1 else 0)
-    return {"gradients": before, "activations": activations, "embedding_grad_tables": 2 * table,
-            "work": upcast, "embedding_ids_mask": ids_mask, "loss_scalars": loss_scalars}
+    accumulating = grad_accum > 1
+    if accumulating and head_graph_apart and not tied:
+        new -= head_grad  # already added into its .grad by the head's graph
+    return {"gradients": new + (stored_grads if accumulating else 0), "activations": activations,
+            TABLES: 2 * table, "work": upcast, "embedding_ids_mask": ids_mask, "loss_scalars": loss_scalars}
 
+
+def head_graph_apart(impl) -> bool:
+    """Whether whole-model compile runs the head in a graph of its own: transformers' gradient checkpointing
+    (``trace/recompute.py`` ``enable_recompute``: full, every-k and op) breaks the graph (module docstring)."""
+    return (impl.compile and impl.compile_scope == "model" and impl.recompute in ("full", "every-k", "op")
+            and impl.profile in ("hf", "traced") and impl.framework == "hf")

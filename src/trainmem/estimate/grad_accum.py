@@ -25,7 +25,9 @@ gradient B·S·H in the compute dtype):
   (``tied_pending`` in ``backward``/``backward_first_block``); the head's moment is the same one.
   (At N = 1 the phases already count it: the gradients outside the blocks.)
 * An untied token embedding: ``embedding_dense_backward`` makes a new vocab-sized gradient at the
-  end of backward beside its output gradient (``backward_end``, ``new_gradient``).
+  end of backward beside its output gradient (``backward_end``, ``new_gradient``), but where that
+  phase is whole-model compile's index-put (estimate/compiled_embedding_backward.py), which counts
+  what is alive there itself.
 * The final Llama-style RMSNorm's backward (16-bit; estimate/block_backward.py's five fp32 temporaries
   of its input's size, no residual gradient beside them: the norm is on no residual path), with every
   ``.grad`` stored, every block's activations still alive and the norm's fp32 input saved
@@ -44,9 +46,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainmem.estimate.phase import Phase
+from trainmem.estimate.compiled_embedding_backward import TABLES
+from trainmem.estimate.grad_items import token_embedding_grad
 from trainmem.estimate.block_backward import FP32_NORM_TRANSIENTS, OTHER_NORM_KINDS, llama_norm_indices
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import is_head, is_token_embedding, layer_of
+from trainmem.names import is_head, layer_of
 
 __all__ = ["with_accumulation"]
 
@@ -57,10 +61,6 @@ _BACKWARD = ("backward_start", "head_backward", "backward", "backward_first_bloc
 
 def _base(items) -> list[MemoryItem]:
     return list(items.base) if isinstance(items, Inventory) else list(items)
-
-
-def _token_embedding_grad(items) -> int:
-    return sum(i.bytes for i in _base(items) if i.category is Category.GRADIENT and is_token_embedding(i.name))
 
 
 def _head_casts(items) -> tuple[int, int]:
@@ -111,7 +111,8 @@ def with_accumulation(out: list, items, *, grad_accum: int, loss: str, loss_dtyp
         return out
     scalar = dtype_bytes(loss_dtype) if loss != "none" else 0
     pending = head_grad if tied else 0
-    emb = 0 if tied else _token_embedding_grad(items)
+    g = None if tied else token_embedding_grad(items)
+    emb = g.bytes if g else 0
     new: list = []
     for ph in out:
         parts = dict(ph.parts)
@@ -121,7 +122,7 @@ def with_accumulation(out: list, items, *, grad_accum: int, loss: str, loss_dtyp
         if ph.name in ("backward", "backward_first_block") and pending:
             parts["tied_pending"] = pending
             note += "; the tied head's new gradient waits for the embedding's"
-        if ph.name == "backward_end" and emb:
+        if ph.name == "backward_end" and emb and TABLES not in parts:
             parts["new_gradient"] = parts.get("new_gradient", 0) + emb
             note += "; the embedding's new gradient, added in place into its .grad"
         new.append(replace(ph, bytes=sum(parts.values()), parts=parts, note=note))

@@ -45,6 +45,7 @@ from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.estimate.block_backward import final_norm_moment, norm_backward_parts
 from trainmem.estimate.compiled_ce_loss import compiled_ce_backward, graph_tangents
 from trainmem.estimate.compiled_embedding_backward import embedding_backward_parts
+from trainmem.estimate.grad_items import head_weight_grad
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
@@ -209,7 +210,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            node_moments: bool = False, accumulate_transients: bool = False,
            recomputed: Inventory | None = None, block_math: dict | None = None,
            grad_received: bool = False, logits_held: bool = False,
-           middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None) -> list[Phase]:
+           middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None,
+           head_graph_apart: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -233,7 +235,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     loss's backward does not free them. ``middle_blocks``: FSDP2 (estimate/fsdp_timeline.py ``middle_blocks``), blocks
     between the first and the last whose backward moment is taken too, each with its gradient correction (the later
     blocks hold sharded gradients, not autograd's) and the buffers alive there instead of ``working``'s: the
-    ``backward`` phase is the largest of these and the last block's."""
+    ``backward`` phase is the largest of these and the last block's. ``head_graph_apart``: whole-model compile runs
+    the head in a graph of its own (estimate/compiled_embedding_backward.py)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -435,7 +438,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     if (block_math or {}).get("one_graph"):  # the whole model compiled: estimate/compiled_embedding_backward.py
         emb = embedding_backward_parts(items.base if isinstance(items, Inventory) else items, B=B, S=S,
                                        stored_grads=stored_G, grad_accum=grad_accum, tied=bool(tied_sum),
-                                       activations=acts_end, loss_scalars=loss_scalars)
+                                       activations=acts_end, loss_scalars=loss_scalars,
+                                       head_grad=_head_weight_grad(items),
+                                       head_graph_apart=head_graph_apart)
         if emb and sum(emb.values()) > sum(end.values()):
             end, end_note = emb, ("the compiled embedding backward's index-put, the last node: two (V, H) tables in "
                                   "the computation dtype beside the other gradients (embedding_dense_backward)")
@@ -540,13 +545,9 @@ def _later_embedding_indices(items) -> int:
 
 
 def _head_weight_grad(items) -> int:
-    """The output layer's weight gradient (the token embedding's when tied: no ``lm_head`` parameter; not a
-    larger position table's, GPT-2's ``wpe`` at V 128), 0 when that weight is frozen."""
-    base = items.base if isinstance(items, Inventory) else items
-    head = [i.bytes for i in base if i.category is Category.GRADIENT and i.name.startswith("lm_head.")]
-    if head or any(i.category is Category.PARAMETER and i.name.startswith("lm_head.") for i in base):
-        return max(head, default=0)
-    return max((i.bytes for i in base if i.category is Category.GRADIENT and is_token_embedding(i.name)), default=0)
+    """The output layer's weight gradient bytes (estimate/grad_items.py), 0 when that weight is frozen."""
+    g = head_weight_grad(items)
+    return g.bytes if g else 0
 
 
 def _uncast_work(parts: dict[str, int], largest: int, uncast: int) -> dict[str, int]:
