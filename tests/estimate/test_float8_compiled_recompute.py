@@ -2,7 +2,8 @@
 estimate/compiled_float8_recompute.py against the compiled trace (``trace/compiled.py``: torchao's own
 ``Float8Linear`` in blocks compiled around their checkpoint, partitioned as inductor partitions them, run op by
 op on fake tensors). Exact (==): the saved set and the backward's peak, to the byte. The trace side compiles each
-case (10-30 s on 2 shared cores): slow. The fast tests pin the estimate to the traced integers.
+case (10-30 s on 2 shared cores): slow. The fast tests pin the estimate to the traced integers. ``--recompute none``
+(the blocks' own moments, estimate/compiled_float8_moment.py): the same checks, below ``NONE_CASES``.
 """
 
 from __future__ import annotations
@@ -115,12 +116,57 @@ def _trace_backward_peak(t) -> int:
     return top
 
 
-def test_unchecked_fsdp2_layouts_are_refused_by_name():
-    # traced, not modelled: --recompute none (fsdp-bf16: estimate 1,814,428 B, trace 1,920,234 B); the fp8
-    # all-gather with full or op recompute: tests/estimate/test_float8_compiled_op.py
-    with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*FSDP2"):
-        estimate(spec_from_hf_config(LLAMA), _step("fsdp-bf16", 2, 64), _impl(recompute="none"),
+@pytest.mark.parametrize("kw,field", [
+    # traced, not modelled at --recompute none (fsdp-bf16 B 2 S 64: the estimate read 0.940 and 0.992 of the trace's
+    # peak); the fp8 all-gather with full or op recompute: tests/estimate/test_float8_compiled_op.py
+    (dict(float8="rowwise"), "float8='rowwise'"), (dict(float8_all_gather=True), "float8='tensorwise'")])
+def test_unchecked_fsdp2_layouts_are_refused_by_name(kw, field):
+    with pytest.raises(UnsupportedError, match=f"compile: {field}.*FSDP2"):
+        estimate(spec_from_hf_config(LLAMA), _step("fsdp-bf16", 2, 64), _impl(recompute="none", **kw),
                  parallel=ParallelSpec(dp=2, fsdp="full"))
+
+
+# --recompute none: (config, precision, batch, seq, parallel) -> the traced backward peak (slow test below)
+SMALL_V = dict(GQA, vocab_size=128)  # the block's moment above the loss's on one device
+FSDP2 = ParallelSpec(dp=2, fsdp="full")
+NONE_CASES = {
+    "fsdp_silu": ((LLAMA, "fsdp-bf16", 2, 64, FSDP2), 1920234),  # SiLU's backward in block 0 (0.945 before)
+    "fsdp_gate_cast": ((WIDE_F, "fsdp-bf16", 1, 32, FSDP2), 3864432),  # gate_proj's weight cast, block 0
+    "bf16_silu": ((SMALL_V, "bf16", 2, 64, None), 1430676),  # SiLU's backward in block 1 (1,271,324 before)
+    "bf16_gate_cast": ((WIDE_F, "bf16", 1, 32, None), 2895984),
+    "fp16": ((SMALL_V, "fp16", 2, 32, None), 1077610),
+    "fp32": ((LLAMA, "fp32", 2, 64, None), 2903224),
+}
+
+
+def _none_estimate(config, precision, batch, seq, parallel):
+    e = estimate(spec_from_hf_config(config), _step(precision, batch, seq), _impl(recompute="none"),
+                 **({"parallel": parallel} if parallel else {}))
+    return e.ranks[0] if parallel else e
+
+
+def test_the_uncheckpointed_float8_block_backward_is_the_traced_moment_exact():
+    # block 0's SiLU backward beside FSDP2's buffers (estimate/compiled_float8_moment.py): the residual gradient and
+    # up_proj's input gradient (2 x B·S·H·2 = 2 x 16384), the gate's fp32 copy (B·S·F·4 = 90112), the recomputed
+    # post-attention norm's fp32 input and normalized product and its output's fp8 cast (8192·(4 + 2 + 1) + 4 = 57348),
+    # SiLU's three fp32 temporaries (3 x 90112) and the KV-cache tangents (2 x 16384); freed: the 16-bit gate and up
+    # (2 x 45056), o_proj's output and the block's output (2 x 16384), down's and up's amax and inverse scale (2 x 6)
+    e = _none_estimate(*NONE_CASES["fsdp_silu"][0])
+    assert e.peak_bytes == _backward_peak(e) == 1920234  # the trace's peak (1,814,428 B without the moment)
+    for case, (args, traced) in NONE_CASES.items():
+        assert _backward_peak(_none_estimate(*args)) == traced, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(NONE_CASES))
+def test_estimate_equals_the_float8_uncheckpointed_trace(case):
+    pytest.importorskip("torchao.float8")
+    from trainmem.trace import trace_step
+
+    (config, precision, batch, seq, parallel), traced = NONE_CASES[case]
+    t = trace_step(config, _step(precision, batch, seq), _impl(recompute="none"),
+                   **({"parallel": parallel} if parallel else {}))
+    assert _trace_backward_peak(t) == _backward_peak(_none_estimate(config, precision, batch, seq, parallel)) == traced
 
 
 def _real_float8_step(config, step: StepSpec, impl: ImplSpec) -> tuple[int, int, int]:
@@ -163,17 +209,19 @@ def _real_float8_step(config, step: StepSpec, impl: ImplSpec) -> tuple[int, int,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["full", "op"])  # op: tests/estimate/test_float8_compiled_op.py
+@pytest.mark.parametrize("recompute", ["full", "op", "none"])  # op: tests/estimate/test_float8_compiled_op.py
 def test_the_fake_trace_equals_the_real_compiled_float8_step(recompute):
     # the partitioned graphs on real CPU tensors (the backend without codegen: inductor's fusion would drop the
     # fp32 copies of the casts, docs/float8.md) against the fake trace the estimate is checked on; measured with
-    # --recompute op: saved 401,884 B, peak 1,587,650 B by the live-storage meter
+    # --recompute op: saved 401,884 B, peak 1,587,650 B by the live-storage meter; none (SMALL_V, the peak at block
+    # 1's SiLU backward): saved 488,024 B, peak 1,429,736 B
     pytest.importorskip("torchao.float8")
     from trainmem.trace import trace_step
 
+    config = SMALL_V if recompute == "none" else LLAMA
     step, impl = _step("bf16", 2, 64), _impl(recompute=recompute)
-    fake = trace_step(LLAMA, step, impl)
-    saved, peak, host_steps = _real_float8_step(LLAMA, step, impl)
+    fake = trace_step(config, step, impl)
+    saved, peak, host_steps = _real_float8_step(config, step, impl)
     assert fake.meta["compile"]["saved_compiled_bytes"] == saved
     # the trace counts the token ids (B·S·8 B), the live meter Adam's host step counters
     assert fake.peak_logical_bytes - 2 * 64 * 8 + host_steps == peak

@@ -65,6 +65,7 @@ from __future__ import annotations
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads, cache_tangents, uncheckpointed_moments
 from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
+from trainmem.estimate.compiled_float8_moment import float8_uncheckpointed_moments, is_float8_block
 from trainmem.estimate.compiled_float8_recompute import float8_checkpoint_moments
 from trainmem.estimate.compiled_op_moment import op_block_freed
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
@@ -114,8 +115,11 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
         if not uncheckpointed:
             return []
         own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
+        if activation == "swiglu" and not unit_offset_norm and is_float8_block(own):  # compiled_float8_moment.py
+            return float8_uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes,
+                                                 tangents=cache_tangents(items, (last,)))
         if activation != "swiglu" or unit_offset_norm or not _llama_compiled(own) or "self_attn.k_rope" not in own:
-            return []  # the cache tangents are the roped k and v (Float8's layout, say, has none: not checked)
+            return []  # the cache tangents are the roped k and v (a layout without them: not checked)
         # one graph: the cache tangents of every block up to this one (the later ones' were read by their attention)
         tangents = cache_tangents(items, range(last + 1) if one_graph else (last,))
         return uncheckpointed_moments(own, block_grads(block_items(items, last)), residual_bytes, tangents=tangents)

@@ -32,7 +32,8 @@ local shard is cast, the fp8 bytes travel and are kept unsharded): :func:`gather
 
 Known limitations:
   - torch.compile: modelled per block (:func:`compiled_input_recomputed`, :func:`compiled_scales`,
-    below), for dense Llama-family blocks without q/k/v biases or q/k norms at ``--recompute none``, and
+    below), for dense Llama-family blocks without q/k/v biases or q/k norms at ``--recompute none`` (the backward's
+    moments, tensorwise: estimate/compiled_float8_moment.py), and
     tensorwise at ``--recompute full`` (the checkpointed block's backward moments:
     estimate/compiled_float8_recompute.py); the whole model compiled as one region is traced
     (``trace --compile``), not estimated (``rules_compiled.check_compiled`` refuses it).

@@ -1,0 +1,101 @@
+"""The MLP moments of a compiled Llama block's backward with torchao's Float8 tensorwise and no checkpointing
+(``--float8 tensorwise --compile --compile-scope block --recompute none``).
+
+The block's compiled saved set (``rules_compiled.py`` with ``estimate/float8.py`` ``compiled_input_recomputed`` and
+``compiled_scales``) lacks the converted linears' high-precision inputs: the partitioned backward
+(``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``) recomputes the post-attention norm's
+output from the block input, o_proj's output and the rsqrt, and ``act(gate)·up`` from the gate and up, and re-casts them
+to fp8 for the weight gradients (torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args.backward``). Each cast
+(torchao/float8/float8_training_tensor.py ``hp_tensor_and_scale_to_float8``: ``tensor.to(float32) * scale``, then
+float8_utils.py ``to_fp8_saturated``'s clamps) holds two fp32 copies of its operand at a time; a 16-bit operand is
+freed by its fp32 copy. The weight of each input gradient is cast again from itself and the kept amax (out·in·4 twice).
+Down the MLP's backward, beside the residual stream's gradient and the zero-filled KV-cache tangents
+(``compiled_block_moment.cache_tangents``), five moments (:func:`float8_uncheckpointed_moments`):
+
+* ``down_cast``: down_proj's weight cast for its input gradient, its fp8 grad_output (T·H, + its fp32 scale) held for
+  the weight gradient;
+* ``product``: the recomputed ``silu(gate)·up`` cast for down_proj's weight gradient: down_proj's input gradient
+  (T·F·a), the gate's fp32 copy (``silu``'s decomposition upcasts it; the 16-bit gate freed), ``silu(gate)`` (T·F·a)
+  held for the product's backward, the grad_output's fp8 and its scale;
+* ``up_cast``: up_proj's weight cast for its input gradient, down_proj's weight gradient made, SiLU's gradient
+  (``grad·up``, T·F·a) and up_proj's fp8 grad_output (T·F) held; up, ``silu(gate)`` and the product's input gradient
+  freed;
+* ``silu``: SiLU's backward (three fp32 T·F values: the upcast gradient, ``sigmoid(gate)``, their product), up_proj's
+  weight gradient made, up_proj's input gradient (T·H·a); the recomputed post-attention norm's fp32 input (T·H·4: the
+  residual sum, o_proj's output freed by it) and normalized product (T·H·a), which its backward reads, and its output's
+  fp8 cast (T·H + scale), held for gate_proj's weight gradient;
+* ``gate_cast``: gate_proj's weight cast for its input gradient, SiLU's temporaries and the gate freed, gate_proj's fp8
+  grad_output (T·F + scale) held.
+
+Each linear's kept amax is freed by its weight's cast, its inverse scale by its input gradient.
+Read off the trace (``trace/compiled.py``: the partitioned graphs run op by op on fake tensors, no fusion) of the tiny
+Llama (H 64, F 176, 2 blocks, B 2 S 64) under FSDP2, where ``silu`` is the step's peak, and checked in bf16, fp16, fp32
+and fsdp-bf16 (tests/estimate/test_float8_compiled_moment.py). Inductor fuses the casts' pointwise chains (no fp32
+copies on a GPU): this is the unfused graph's moment, as compiled_block_moment.py's is.
+
+Known limitations: only the tensorwise Llama set with every linear converted (an amax and inverse scale per linear) in
+a pure precision; ``rowwise`` (no kept scales, per-row casts) and autocast (a fp32 residual stream) get no moment; the
+attention's and the norms' backward moments are not modelled (lower than SiLU's for F >= H).
+"""
+
+from __future__ import annotations
+
+from trainmem.inventory import MemoryItem, dtype_bytes
+
+__all__ = ["float8_uncheckpointed_moments", "is_float8_block"]
+
+_FP32 = dtype_bytes("float32")
+_SCALE = _FP32  # tensorwise: one fp32 scale per cast (estimate/float8.py fp8_cast_bytes)
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_KEPT = ("post_attention_layernorm.rsqrt", "self_attn.o_proj.out", "self_attn.k_rope", "mlp.gate_proj.out",
+         "mlp.up_proj.out")
+
+
+def is_float8_block(kept: dict[str, MemoryItem]) -> bool:
+    """Whether ``kept`` (a block's compiled saved set by path inside the block) is the tensorwise Float8 Llama set:
+    the norms' outputs and the product recomputed, an amax and an inverse scale per linear."""
+    recomputed = ("mlp.act_mul_up", "post_attention_layernorm.out")
+    return (all(n in kept for n in _KEPT) and not any(n in kept for n in recomputed)
+            and all(f"{n}.{s}" in kept for n in _LINEARS for s in ("amax", "scale_inv")))
+
+
+def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, *,
+                                  tangents: int) -> list[dict[str, int]]:
+    """The five moments (module docstring) as ``compiled_block_moment.uncheckpointed_moments`` returns them, for a block
+    whose saved set is ``kept`` (:func:`is_float8_block`); ``grads``: down_proj's and up_proj's weight gradient bytes;
+    ``tangents``: the zero-filled KV-cache tangents alive. Nothing under autocast (not read)."""
+    gate, up, o = kept["mlp.gate_proj.out"], kept["mlp.up_proj.out"], kept["self_attn.o_proj.out"]
+    a = dtype_bytes(gate.dtype)
+    tokens_h = o.bytes // a  # T·H
+    if residual_bytes != tokens_h * a:
+        return []  # autocast: a fp32 residual stream beside 16-bit linears (not read)
+    tokens_f = gate.bytes // a  # T·F
+    weight_cast = 2 * gate.shape[-1] * o.shape[-1] * _FP32  # an F·H weight's fp32 copy and its scaled product
+
+    def scalars(*linears: str) -> int:
+        return sum(kept[f"mlp.{c}.{s}"].bytes for c in linears for s in ("amax", "scale_inv"))
+
+    gate32 = tokens_f * _FP32
+    copy, copied = (gate32, gate.bytes) if a < _FP32 else (0, 0)  # the gate's fp32 copy (fp32: the gate itself)
+    base = residual_bytes + tangents
+    out = kept["residual_mlp"].bytes if "residual_mlp" in kept else 0  # the block output, freed by its reader
+    fp8_grad_h, fp8_grad_f = tokens_h + _SCALE, tokens_f + _SCALE  # a grad_output's fp8 cast and its scale
+    norm = tokens_h * (_FP32 + a) + tokens_h + _SCALE  # the norm's fp32 input and product, its output's fp8 cast
+    no_grads = {"block_gradients": 0, "new_gradients": 0, "after_attention": 0}
+    two = {"block_gradients": grads["down_proj"] + grads["up_proj"],
+           "new_gradients": grads["down_proj"] + grads["up_proj"], "after_attention": 0}
+    return [  # down_cast, product, up_cast, silu, gate_cast (module docstring); the weight casts' scales: + _SCALE
+        {**no_grads, "freed_activations": out + kept["mlp.down_proj.amax"].bytes,
+         "work": base + fp8_grad_h + _SCALE + weight_cast},
+        {**no_grads, "freed_activations": out + copied + scalars("down_proj"),
+         "work": base + fp8_grad_h + 2 * tokens_f * a + copy + _SCALE + 2 * gate32},
+        {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
+         "freed_activations": out + copied + up.bytes + scalars("down_proj") + kept["mlp.up_proj.amax"].bytes,
+         "work": base + copy + tokens_f * a + fp8_grad_f + _SCALE + weight_cast},
+        {**two, "freed_activations": out + copied + up.bytes + o.bytes + scalars("down_proj", "up_proj"),
+         "work": base + tokens_h * a + copy + norm + 3 * gate32},
+        {**two, "freed_activations": out + gate.bytes + up.bytes + o.bytes + scalars("down_proj", "up_proj")
+         + kept["mlp.gate_proj.amax"].bytes,
+         "work": base + tokens_h * a + norm + fp8_grad_f + _SCALE + weight_cast},
+    ]
