@@ -34,6 +34,7 @@ from importlib import import_module
 from trainmem.errors import UnsupportedError
 from trainmem.estimate.attention import attention_core, resolve_kernel, window_mask
 from trainmem.estimate.compiled_float8_op import gathered_scales, op_float8_scalars
+from trainmem.estimate.compiled_cp import compiled_cp_refusals
 from trainmem.estimate.compiled_tp import compiled_tp_refusals
 from trainmem.estimate.ctx import Ctx, Shard
 from trainmem.estimate.float8 import compiled_input_recomputed, compiled_scales
@@ -98,6 +99,7 @@ def check_compiled(ctx: Ctx) -> None:
             resolve_kernel(ctx) == "eager" and eager_checked(ctx)),
          "compiled rules need a fused attention kernel (sdpa, flash, mem-efficient), or eager attention in bf16 or fp32 "
          "at --recompute none with more than one K/V head in the Llama block (estimate/rules_compiled_attention.py)"),
+        *compiled_cp_refusals(ctx),  # before the generic row: CP's own reason (estimate/compiled_cp.py)
         ("parallel", "sharded", ctx.shard != Shard() and ctx.shard.tp == 1, "compiled rules cover one device's "
          "shapes, FSDP2 (--dp N --fsdp full: estimate/compiled_sharded.py) and TP (estimate/compiled_tp.py), not "
          "context or expert parallelism"),
