@@ -78,11 +78,16 @@ def _block_saved(cp: int, seq: int, full: bool = False) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-def test_compiled_block_under_cp_keeps_the_gathered_kv(cp):
+def test_compiled_block_under_cp_keeps_the_gathered_kv(cp, monkeypatch):
     """The finding behind the refusal: beyond the one-device compiled set at S/cp, the block keeps the other
-    ranks' K/V chunks (views of the all-gather output) and a contiguous copy of the merged attention output."""
+    ranks' K/V chunks (views of the all-gather output, which backward does not issue again) and a contiguous
+    copy of the merged attention output."""
     seq, hidden, kv_heads, head_dim, b = 64, 64, 4, 16, 2
-    ring, alone = _block_saved(cp, seq), _block_saved(1, seq // cp)
+    graphs = _partitions_kept(monkeypatch)
+    ring = _block_saved(cp, seq)
+    (forward, backward), = graphs
+    assert [_collectives(g) for g in (forward, backward)] == [["all_gather_into_tensor"], ["all_to_all_single"] * cp]
+    alone = _block_saved(1, seq // cp)
     s = seq // cp
     kv_chunk = kv_heads * s * head_dim * b  # (1, Akv, S/cp, hd) bf16; the rank's own q, k, v are in both sets
     chunks = [v for v in ring if v.shape == (1, kv_heads, s, head_dim) and v.name.startswith("view_")]
@@ -92,12 +97,40 @@ def test_compiled_block_under_cp_keeps_the_gathered_kv(cp):
 
 
 @pytest.mark.slow
-def test_checkpointed_compiled_block_under_cp_keeps_its_input():
+def test_checkpointed_compiled_block_under_cp_keeps_its_input(monkeypatch):
     """--recompute full (torchtitan's long-context runs): the checkpointed block keeps what one device's does at
     S/cp, its input (no K/V: the all-gather is issued again when backward recomputes the block), and one
     generator state per SDPA call of the ring (rng ops in a checkpointed region: partitioners.py
     functionalize_rng_ops; the CPU generator's 5,056 B here), one per ring step instead of one."""
-    ring, alone = _block_saved(2, 64, full=True), _block_saved(1, 32, full=True)
+    graphs = _partitions_kept(monkeypatch)
+    ring = _block_saved(2, 64, full=True)
+    (forward, backward), = graphs
+    assert [_collectives(g) for g in (forward, backward)] == [["all_gather_into_tensor"],
+                                                              ["all_gather_into_tensor", "all_to_all_single",
+                                                               "all_to_all_single"]]
+    alone = _block_saved(1, 32, full=True)
     states = [v for v in ring if v.dtype == "uint8"]
     assert [(v.name, v.shape) for v in ring if v.dtype != "uint8"] == [("primals_1", (1, 32, 64))]
     assert len(states) == 2 and sum(v.nbytes for v in ring) - sum(v.nbytes for v in alone) == states[1].nbytes
+
+
+def _collectives(graph) -> list[str]:
+    """The functional collectives a partitioned graph issues, in order (their waits left out)."""
+    names = [str(n.target).split(".")[1] for n in graph.graph.nodes
+             if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")]
+    return [n for n in names if n != "wait_tensor"]
+
+
+def _partitions_kept(monkeypatch) -> list:
+    """Every ``(forward, backward)`` pair inductor's partition_fn returns (partitioning_backend calls it) while
+    the test runs."""
+    import torch._inductor.compile_fx as compile_fx
+
+    graphs, partition = [], compile_fx.partition_fn
+
+    def kept(*args, **kwargs):
+        graphs.append(partition(*args, **kwargs))
+        return graphs[-1]
+
+    monkeypatch.setattr(compile_fx, "partition_fn", kept)
+    return graphs
