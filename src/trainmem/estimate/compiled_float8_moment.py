@@ -40,6 +40,7 @@ attention's and the norms' backward moments are not modelled (lower than SiLU's 
 
 from __future__ import annotations
 
+from trainmem.estimate.compiled_float8_rowwise import is_rowwise_block, rowwise_uncheckpointed_moments
 from trainmem.inventory import MemoryItem, dtype_bytes
 
 __all__ = ["float8_uncheckpointed_moments", "is_float8_block"]
@@ -53,18 +54,22 @@ _KEPT = ("post_attention_layernorm.rsqrt", "self_attn.o_proj.out", "self_attn.k_
 
 
 def is_float8_block(kept: dict[str, MemoryItem]) -> bool:
-    """Whether ``kept`` (a block's compiled saved set by path inside the block) is the tensorwise Float8 Llama set:
-    the norms' outputs and the product recomputed, an amax and an inverse scale per linear."""
+    """Whether ``kept`` (a block's compiled saved set by path inside the block) is the tensorwise Float8 Llama set
+    (the norms' outputs and the product recomputed, an amax and an inverse scale per linear) or the bf16 rowwise one
+    (estimate/compiled_float8_rowwise.py)."""
     recomputed = ("mlp.act_mul_up", "post_attention_layernorm.out")
-    return (all(n in kept for n in _KEPT) and not any(n in kept for n in recomputed)
-            and all(f"{n}.{s}" in kept for n in _LINEARS for s in ("amax", "scale_inv")))
+    return is_rowwise_block(kept) or (all(n in kept for n in _KEPT) and not any(n in kept for n in recomputed)
+                                      and all(f"{n}.{s}" in kept for n in _LINEARS for s in ("amax", "scale_inv")))
 
 
 def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, *,
                                   tangents: int) -> list[dict[str, int]]:
     """The five moments (module docstring) as ``compiled_block_moment.uncheckpointed_moments`` returns them, for a block
     whose saved set is ``kept`` (:func:`is_float8_block`); ``grads``: down_proj's and up_proj's weight gradient bytes;
-    ``tangents``: the zero-filled KV-cache tangents alive. Nothing under autocast (not read)."""
+    ``tangents``: the zero-filled KV-cache tangents alive. Nothing under autocast (not read). ``rowwise``: a moment at
+    every allocation of its replayed backward (estimate/compiled_float8_rowwise.py)."""
+    if is_rowwise_block(kept):
+        return rowwise_uncheckpointed_moments(kept, residual_bytes, tangents=tangents)
     gate, up, o = kept["mlp.gate_proj.out"], kept["mlp.up_proj.out"], kept["self_attn.o_proj.out"]
     a = dtype_bytes(gate.dtype)
     tokens_h = o.bytes // a  # T·H

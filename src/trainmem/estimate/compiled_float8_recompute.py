@@ -38,10 +38,12 @@ the unfused graph's moment, as compiled_recompute.py's are.
 
 Known limitations: ``rowwise`` is refused (``rules_compiled.check_compiled``): its weights are re-cast per column for
 the input gradient, and the recomputed forward holds each weight's ``abs`` and fp32 copy instead (tiny Llama bf16,
-B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and on the CPU the traced rowwise
-``_scaled_mm`` scales its output afterwards in fp32 (two fp32 output-sized temporaries: the step peaks there at
-H 128 F 256 B 1 S 32, 3,559,500 B), which CUDA's kernel does inside, so the CPU trace is not the GPU's moment. Only the Llama block with every linear
-converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
+B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and its backward mms scale their output
+after ``_scaled_mm`` in fp32 (two fp32 output-sized temporaries: the step peaks there at H 128 F 256 B 1 S 32,
+3,559,500 B). That is torchao's graph on every device, not a CPU artefact (float8_ops.py ``addmm_float8_unwrapped``:
+rowwise scales without fast accumulation, the backward mms' ``Float8GemmConfig`` default); inductor may fuse it, as it
+fuses the casts. Without checkpointing rowwise is replayed: estimate/compiled_float8_rowwise.py. Only the Llama block
+with every linear converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
 weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment.
 
 Under ``--recompute op`` (torchtitan's policy inside the compiled block: estimate/compiled_float8_op.py) the same

@@ -77,12 +77,12 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
         ("recompute", impl.recompute, bool(par.fsdp) and impl.recompute not in ("none", "full") and not (
             impl.recompute == "op" and par.pp == 1),
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
-        # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py (the fp8 all-gather at none
-        # read 0.992 of the trace's peak, rowwise 0.940: tiny Llama fsdp-bf16 B 2 S 64)
-        ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and impl.recompute not in ("full", "op") and (
-            impl.float8 != "tensorwise" or impl.float8_all_gather),
+        # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
+        # (the fp8 all-gather at none read 0.992 of the trace's peak: tiny Llama fsdp-bf16 B 2 S 64)
+        ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and impl.recompute not in ("full", "op")
+         and impl.float8_all_gather,
          "compiled Float8 under FSDP2 is checked with --recompute full or op (--float8-all-gather included), and none "
-         "with tensorwise without --float8-all-gather"),
+         "without --float8-all-gather"),
     )
     for field, value, bad, why in refusals:
         if bad:
