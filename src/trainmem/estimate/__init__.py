@@ -159,7 +159,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     else:  # fine-tuning may freeze some blocks and not others: every block is its own
         acts = Inventory(activation_items(model, step, impl, finetune))
         states = Inventory(model_state_items(model, step, finetune))
-        plain = (Inventory(activation_items(model, step, plain_impl, finetune, kv_cache=False))
+        plain = (Inventory(activation_items(model, step, plain_impl, finetune, kv_cache=False,  # block 0: rules_hf_parts.py
+                                            checkpointed=impl.recompute in ("full", "every-k")))
                  if impl.recompute != "none" else None)
     inv = states + acts
     recompute = recompute_per_layer(acts, plain, stacks) if plain is not None else {}

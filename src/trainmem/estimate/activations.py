@@ -12,15 +12,18 @@ __all__ = ["activation_items", "activation_items_with_savers", "activation_inven
 
 
 def activation_items(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
-                     shard: Shard | None = None, *, kv_cache: bool = True) -> list[MemoryItem]:
+                     shard: Shard | None = None, *, kv_cache: bool = True,
+                     checkpointed: bool = False) -> list[MemoryItem]:
     """Every tensor kept for backward during one micro-batch's forward and loss.
 
     ``finetune`` (a FinetuneSpec): frozen weights and LoRA adapters change the saved set; the
     inputs frozen layers do not keep are listed as zero-byte items with a note.
     ``shard``: one rank's cut under tensor/sequence/context parallelism (``model`` and ``step``
     are then the rank-local ones; see ``estimate/parallel.py``).
-    ``kv_cache=False``: what a checkpointed block recomputes (checkpointing turns the cache off, Ctx.kv_cache)."""
-    return activation_items_with_savers(model, step, impl, finetune, shard, kv_cache=kv_cache)[0]
+    ``kv_cache=False``: what a checkpointed block recomputes (checkpointing turns the cache off, Ctx.kv_cache);
+    ``checkpointed``: under transformers' gradient checkpointing (Ctx.checkpointed)."""
+    return activation_items_with_savers(model, step, impl, finetune, shard, kv_cache=kv_cache,
+                                        checkpointed=checkpointed)[0]
 
 
 def activation_inventory(model: ModelSpec, step: StepSpec, impl: ImplSpec, *, kv_cache: bool = True) -> Inventory:
@@ -54,11 +57,11 @@ def _forward(impl: ImplSpec):
 
 
 def activation_items_with_savers(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None,
-                                 shard: Shard | None = None, *, kv_cache: bool = True,
+                                 shard: Shard | None = None, *, kv_cache: bool = True, checkpointed: bool = False,
                                  ) -> tuple[list[MemoryItem], list[str]]:
     """:func:`activation_items` plus, for each item, the module scope that keeps it (a pipeline
     stage owns what its layers keep, whoever created it)."""
-    ctx = Ctx(Graph(), model, step, impl, shard=shard or Shard(), kv_cache=kv_cache)
+    ctx = Ctx(Graph(), model, step, impl, shard=shard or Shard(), kv_cache=kv_cache, checkpointed=checkpointed)
     hook = None
     if finetune is not None:
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate

@@ -72,6 +72,9 @@ class Ctx:
     attention reads K/V from its ``torch.cat`` copies. Gradient checkpointing turns it off
     (``GPT2Model.forward`` and the other ``*Model.forward``: ``if self.gradient_checkpointing and
     self.training: use_cache = False``), so a checkpointed block recomputes without it."""
+    checkpointed: bool = False
+    """The set a block recomputes under transformers' gradient checkpointing, which also makes a frozen token
+    embedding's output require a gradient (``enable_input_require_grads``): block 0 recomputes what every block does."""
 
     def __post_init__(self) -> None:
         d = self.step.dtypes

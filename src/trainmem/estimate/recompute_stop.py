@@ -27,6 +27,13 @@ torch/csrc/autograd/engine.cpp), the forward's locals are alive, saved or not:
 With LoRA's frozen MLP this moment outgrows the MLP product's (no weight gradient there): tiny Llama
 (h64, F176) amp-bf16 full recompute B1 S64 was 2,048 B under the trace, GPT-NeoX (h128, F512) B2 S64
 65,800 B under; both tops are the down projection's weight copy (``_to_copy``) inside the recomputation.
+
+In the first block (``backward_first_block``) the moment is the same one: under transformers' checkpointing the
+frozen embedding's output requires a gradient (``enable_input_require_grads``), so block 0's recomputation saves
+what every block's does (the recomputed set is built so: ``Ctx.checkpointed``, estimate/rules_hf_parts.py
+``_embedding``). Taken from an eager block 0, whose input needs no gradient (no q/k/v weight copies, no lora_A
+copies, no input-norm rsqrt), LoRA on q, v and the MLP at amp-bf16 B1 S32 read 18,560 B (tiny Llama) and 40,960 B
+(GPT-NeoX) under the trace, whose top was there.
 """
 
 from __future__ import annotations

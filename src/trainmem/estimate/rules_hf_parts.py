@@ -70,9 +70,10 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
             ids = g.new(EMBEDDING_INDICES, shape, dims, "int64", False, input=True)
         g.save(ids, when=wt)  # only the weight's gradient needs them
         out = g.new(EMBEDDING_OUTPUT, shape + (ctx.model.hidden_size,), dims + ("H",), ctx.param, wt)
-        if not wt and ctx.impl.recompute in ("full", "every-k") and name in token_embedding_modules():
+        if not wt and (ctx.impl.recompute in ("full", "every-k") or ctx.checkpointed) and name in token_embedding_modules():
             # fine-tuning: HF's gradient_checkpointing_enable() calls enable_input_require_grads(),
-            # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it)
+            # so a frozen token embedding's output becomes a leaf that requires grad (the graph holds it);
+            # the blocks' recomputed set (Ctx.checkpointed) is made from it too: block 0 saves what every block saves
             out.requires_grad = True
             g.save(out)
         return out
