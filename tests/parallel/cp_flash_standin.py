@@ -37,3 +37,49 @@ def flash_sdpa():
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def cp_world(cp: int, rank: int = 0):
+    """Rank ``rank`` of ``cp`` in torch's fake process group and a 1-D CPU mesh over it (as
+    ``trainmem.trace.parallel_fsdp.fake_world``, which is rank 0 only: the ring's work differs by rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmem.trace.parallel_fsdp import forget_meshes_of_other_worlds
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=max(cp, 2))
+    forget_meshes_of_other_worlds()
+    try:
+        yield init_device_mesh("cpu", (max(cp, 2),))
+    finally:
+        dist.destroy_process_group()
+        forget_meshes_of_other_worlds()
+
+
+def cp_saved(config: dict, cp: int, seq: int, rank: int = 0) -> list:
+    """What autograd keeps (``trainmem.trace.saved.saved_tensors``) for one forward of the transformers model of
+    ``config`` (bf16, fake tensors, B=1) on rank ``rank`` of torch's own ``context_parallel`` over the ids with
+    :func:`flash_sdpa` standing in for SDPA; ``cp=1``: one device with the same op at ``seq``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.experimental import context_parallel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainmem.trace.hf_masks import masks_as_on_real_tensors
+    from trainmem.trace.saved import saved_tensors
+
+    cfg = AutoConfig.for_model(**config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    old = torch.get_default_dtype()
+    with cp_world(cp, rank) as mesh, FakeTensorMode(), masks_as_on_real_tensors(), flash_sdpa():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg).train()
+            ids = torch.randint(0, cfg.vocab_size, (1, seq))  # cut to the rank's chunks in place
+            with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]) if cp > 1 else contextlib.nullcontext():
+                saved, loss = saved_tensors(model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+                loss.backward()
+        finally:
+            torch.set_default_dtype(old)
+    return saved

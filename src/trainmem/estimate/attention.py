@@ -8,6 +8,7 @@ Inputs are the per-head tensors as they reach the kernel (after RoPE), in
 from __future__ import annotations
 
 from trainmem.errors import UnsupportedError
+from trainmem.estimate.context_parallel import ring_merged_copy
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
 from trainmem.specs.layer_kind import LayerKind
@@ -103,7 +104,7 @@ def attention_core(ctx: Ctx, q: Sym, k: Sym, v: Sym, *, kernel: str, gqa_native:
         if cp > 1 and ctx.shard.cp_style == "allgather":  # K and V gathered over the context group
             k, v = (_gathered(g, t, f"{n}_gathered", cp) for t, n in ((k, "k"), (v, "v")))
         out = fused_saves(ctx, q, k, v, kernel, out_shape, out_dims, masked=masked)
-        if out_copy:
+        if out_copy or ring_merged_copy(ctx):
             return g.new("attn_out", out.shape, out.dims, out.dtype, rg)
         return out
     # eager / math: materialized scores
