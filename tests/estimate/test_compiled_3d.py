@@ -134,10 +134,12 @@ def test_what_the_3d_trace_does_not_run_is_one_line(capsys, tmp_path, argv, word
 # (schedule, rank, precision, dp): estimate / trace step peak (logical bytes), measured; tp 2 with SP, pp 2.
 # The trace's stages hold no KV cache (trace/parallel_pp.py, as torchtitan's; tests/trace/test_trace_3d_real.py),
 # the estimate still counts its zero tangents (cache_tangents): before that fix 0.9960, 0.8835, 1.0995, 0.9422, 1.0227
+# The caller's batch and the schedule's losses (estimate/parallel_pp.py caller_batch: the trace holds them too) moved
+# 1f1b bf16 rank 0 from 0.9010 and the last ranks from 1.0328, 1.1163, 1.0504 (their loss_parallel gap, above)
 PEAK_RATIO = {
-    ("gpipe", 0, "fp32", 1): 1.0011, ("gpipe", 1, "fp32", 1): 1.0328,
-    ("1f1b", 0, "bf16", 1): 0.9010, ("1f1b", 1, "bf16", 1): 1.1163,
-    ("1f1b", 0, "fp32", 2): 0.9633, ("1f1b", 1, "fp32", 2): 1.0504,
+    ("gpipe", 0, "fp32", 1): 1.0011, ("gpipe", 1, "fp32", 1): 1.0340,
+    ("1f1b", 0, "bf16", 1): 0.9026, ("1f1b", 1, "bf16", 1): 1.1202,
+    ("1f1b", 0, "fp32", 2): 0.9633, ("1f1b", 1, "fp32", 2): 1.0527,
 }
 
 
@@ -166,7 +168,8 @@ def test_the_compiled_3d_stage_against_the_trace(case):
 
 
 # eager TP inside pipeline stages (no --compile), 1F1B fp32, tp 2, pp 2: (sp, rank) -> estimate / trace step peak
-EAGER_PEAK_RATIO = {(True, 0): 0.9842, (True, 1): 1.0590, (False, 0): 0.9952, (False, 1): 1.0532}
+EAGER_PEAK_RATIO = {(True, 0): 0.9842, (True, 1): 1.0609, (False, 0): 0.9952, (False, 1): 1.0550}  # rank 1: 1.0590,
+# 1.0532 before the caller's targets and the schedule's losses (estimate/parallel_pp.py caller_batch)
 
 
 @pytest.mark.slow  # ~4 s each on 2 shared cores

@@ -19,8 +19,9 @@ stages):
       12 B) + backward's 0-d gradient seed (4 B, as on one device); its input, the receive buffer itself
       (stage.py ``_retrieve_recv_activations``), is counted once, as pp_recv_activations (the first
       block's saved input is 0 B there: estimate/parallel_pp.py ``recv_input_aliases``);
-  - the step peak (logical): estimate/trace 0.999-1.015 (PEAK_RATIO; see docs/trace.md), GPipe's first rank
-    exact (its last block's SwiGLU backward, estimate/parallel_pp.py ``stage_node_moments``).
+  - the step peak (logical): estimate/trace (PEAK_RATIO; see docs/trace.md), GPipe and 1F1B exact on both ranks
+    (the stages' node moments, estimate/parallel_pp.py ``stage_node_moments``, beside the caller's batch and the
+    schedule's losses, ``caller_batch``), interleaved 0.998-1.015.
 
 A real gloo send Work references its tensor until the schedule drops the Work, and the schedules
 keep some (Schedule1F1B: the last warm-up send it fires in ``send_work`` through the steady phase;
@@ -119,7 +120,7 @@ CASES = [("gpipe", 0), ("gpipe", 1), ("1f1b", 0), ("1f1b", 1), ("interleaved", 0
 # estimate / trace step peak (logical bytes), measured; docs/trace.md says what each side holds that the other
 # does not (under interleaved the estimate's outputs and sent input gradients at its own worst moment, not the
 # trace's, and no node moment: estimate/parallel_pp.py stage_node_moments). 1.0: exact (==)
-PEAK_RATIO = {("gpipe", 0): 1.0, ("gpipe", 1): 0.9995, ("1f1b", 0): 0.9996, ("1f1b", 1): 0.9990,
+PEAK_RATIO = {("gpipe", 0): 1.0, ("gpipe", 1): 1.0, ("1f1b", 0): 1.0, ("1f1b", 1): 1.0,
               ("interleaved", 0): 0.9977, ("interleaved", 1): 1.0154}
 
 
@@ -167,7 +168,7 @@ def test_cli_traces_a_pipeline_rank(capsys, tmp_path):
 
 
 # estimate / trace step peak under FSDP2 per stage (dp 2), measured
-FSDP_PEAK_RATIO = {("1f1b", 0): 0.9942, ("1f1b", 1): 1.0242}
+FSDP_PEAK_RATIO = {("1f1b", 0): 0.9942, ("1f1b", 1): 1.0253}  # rank 1: 1.0242 before the caller's targets (4,108 B)
 
 
 @pytest.mark.slow  # ~20-45 s each on 2 shared cores

@@ -33,7 +33,7 @@ moments (inductor fuses the pointwise chains: docs/compile.md); only the Llama b
 from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
-from trainmem.inventory import Category, Inventory, MemoryItem
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import split_block
 from trainmem.specs import ImplSpec
 
@@ -43,6 +43,7 @@ __all__ = ["recomputes_blocks", "op_block_freed"]
 _SAVED_O = "self_attn.o_proj.out"
 _DEFERS = (_SAVED_O, "self_attn.sdpa_out")
 _INPUT_NORM = ("input_layernorm.rsqrt", "input_layernorm.out")
+_FP32 = dtype_bytes("float32")
 
 
 def recomputes_blocks(impl: ImplSpec) -> bool:
@@ -66,10 +67,24 @@ def op_block_freed(items: "Inventory | list[MemoryItem]", last: int, kept: dict[
       attention's compiled set beyond what the policy saved are not held, and the block input is not freed."""
     own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
     if not any(n in own for n in _DEFERS):
-        return sum(i.bytes for n, i in own.items() if n not in kept)
+        return sum(i.bytes for n, i in own.items() if n not in kept) - _received_16bit(items, last, kept, block_input)
     # o_proj's output, recomputed from the saved SDPA output, is freed by the residual sum (counted there)
     attention = sum(i.bytes for n, i in kept.items() if n.startswith("self_attn.") and n not in own and n != _SAVED_O)
     return norm_held + sum(kept[n].bytes for n in _INPUT_NORM) + attention - block_input
+
+
+def _received_16bit(items: "Inventory | list[MemoryItem]", last: int, kept: dict[str, MemoryItem],
+                    block_input: int) -> int:
+    """``block_input`` where block ``last``'s input is a pipeline stage's receive buffer in a 16-bit residual
+    stream, else 0. A fully recomputed block frees its 16-bit input once the input norm's fp32 copy exists; a
+    receive buffer is the schedule's (``_PipelineStageBase``'s per-micro-batch ``recv`` buffers, reused every
+    step, counted as ``buffers.pp_recv_activations``), which the block's backward does not free. The stage's items
+    then name nothing of the block before (estimate/parallel_pp.py ``without_recv_aliases``). A fp32 input is the
+    norm's fp32 input itself, counted once either way."""
+    if last == 0 or block_items(items, last - 1):
+        return 0
+    out = kept["input_layernorm.out"]
+    return block_input if block_input * dtype_bytes(out.dtype) < _FP32 * out.bytes else 0
 
 
 def _inner(name: str) -> str:

@@ -50,7 +50,8 @@ from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.parallel_buffers import _buffers, _Rank
 from trainmem.estimate.parallel_pp import (
-    _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers, stage_node_moments,
+    _stage_of, apply_pp, in_flight, later_microbatch, output_chunk_aliases, recv_input_aliases, stage_layers,
+    stage_node_moments, with_later_microbatch, without_recv_aliases, caller_batch,
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
@@ -237,6 +238,10 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
                                              stage=s, last=last, zero=zero, group=group, stage_act_bytes=body,
                                              timeline=tl), own_states, states, tp_div)
+        if par.pp > 1 and torch_engine:  # the first block's backward holds the stage's buffers too (receive buffers...)
+            working.setdefault("backward_first_block", dict(working.get("backward", {})))
+            for parts in working.values():  # the caller's batch and the schedule's losses: estimate/parallel_pp.py
+                parts.update(caller_batch(par, s, stage_acts, batch=lstep.batch, seq=lstep.seq))
         if torch_engine and par.pp > 1 and s == last:
             # torch.distributed.pipelining keeps every micro-batch's output until step() returns
             lb = dtype_bytes(d.activation if d.autocast else d.compute)
@@ -259,33 +264,38 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
         moments = (tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
                    or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
-        ph = phases(
-            items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute),
-                                                      offload=tl.host_grads),
-            B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
-            logits_dtype=d.activation if d.autocast else d.compute,
-            loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
-            grad_accum=(step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3)) and par.pp > 1
-                        else max(step.grad_accum, par.microbatches)),  # FSDP2 under PP: estimate/fsdp.py
-            recompute_bytes=recompute,
-            optimizer_transient=(tb, rule),
-            residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
-                               // (par.tp if par.sp else 1)),
-            persistent=persistent, node_moments=moments,
-            # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
-            working=working if tl is None else {**working, "forward": {
-                **working.get("forward", {}), **_held(lm, lstep, impl, own_states, finetune)}},
-            grad_received=moments and s != last,  # the stage's output gradient: pp_recv_gradients
-            logits_held=torch_engine and par.pp > 1 and s == last,  # the schedule's output chunks (pp_output_chunks)
-            # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
-            # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
-            recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
-                        if moments and recomputes_blocks(impl) and not act_off and traced is None else None),
-            tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
-            # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
-            middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
-            block_math=ft.block_moments(lm, impl, finetune) if tl is not None else None,  # a compiled block's moments
-        )
+        def stage_phases(items, grad_accum):  # run twice under GPipe (estimate/parallel_pp.py later_microbatch)
+            items = without_recv_aliases(items)  # the stage's first block is its own (parallel_pp.py)
+            return phases(
+                items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute),
+                                                          offload=tl.host_grads),
+                B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
+                logits_dtype=d.activation if d.autocast else d.compute,
+                loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
+                grad_accum=grad_accum,
+                recompute_bytes=recompute,
+                optimizer_transient=(tb, rule),
+                residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
+                                   // (par.tp if par.sp else 1)),
+                persistent=persistent, node_moments=moments,
+                # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
+                working=working if tl is None else {**working, "forward": {
+                    **working.get("forward", {}), **_held(lm, lstep, impl, own_states, finetune)}},
+                grad_received=moments and s != last,  # the stage's output gradient: pp_recv_gradients
+                logits_held=torch_engine and par.pp > 1 and s == last,  # the schedule's output chunks (pp_output_chunks)
+                # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
+                # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
+                recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
+                            if moments and recomputes_blocks(impl) and not act_off and traced is None else None),
+                tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
+                # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
+                middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
+                block_math=ft.block_moments(lm, impl, finetune) if tl is not None else None,  # a compiled block's moments
+            )
+        ph = stage_phases(items, step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3))
+                          and par.pp > 1 else max(step.grad_accum, par.microbatches))  # FSDP2 under PP: estimate/fsdp.py
+        if (later := later_microbatch(par, items, body)) is not None:  # GPipe's second backward: estimate/parallel_pp.py
+            ph = with_later_microbatch(ph, stage_phases(later, max(step.grad_accum, par.microbatches)))
         if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
             ph = ft.regrade(ph, tl)
         if par.tp > 1 and torch_engine and s == last and step.loss == "ce":  # estimate/loss_parallel.py

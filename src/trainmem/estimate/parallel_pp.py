@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from trainmem.estimate.pp_schedule import rank_actions, timeline
 from trainmem.inventory import MemoryItem
-from trainmem.names import is_head, layer_index
+from trainmem.names import is_embedding_indices, is_head, is_token_embedding, layer_index
 from trainmem.specs import ModelSpec, ParallelSpec
 
-__all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases", "output_chunk_aliases", "stage_node_moments"]
+__all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases", "output_chunk_aliases", "stage_node_moments",
+           "later_microbatch", "with_later_microbatch", "without_recv_aliases", "caller_batch"]
+
+
+_RECV_NOTE = "the stage's receive buffer (buffers.pp_recv_activations)"
 
 
 def stage_layers(model: ModelSpec, par: ParallelSpec) -> list[tuple[int, int]]:
@@ -68,8 +72,16 @@ def recv_input_aliases(stage_acts: list[MemoryItem], first_layer: int) -> list[M
     the forward ``info.buffer`` itself (detached, a view of the same storage), so the block input
     the stage keeps per micro-batch (the item of a layer before ``first_layer`` that ``_stage_of``
     gave this stage) is ``buffers.pp_recv_activations``, not a tensor of its own: 0 bytes here."""
-    return [_aliased(it, "the stage's receive buffer (buffers.pp_recv_activations)")
+    return [_aliased(it, _RECV_NOTE)
             if (li := layer_index(it.name)) is not None and li < first_layer else it for it in stage_acts]
+
+
+def without_recv_aliases(items: list[MemoryItem]) -> list[MemoryItem]:
+    """``items`` less the receive-buffer aliases of :func:`recv_input_aliases`, for the stage's phases: such an
+    item is named after the previous stage's last block, which would make that block the stage's first one
+    (``peak.phases`` takes its blocks from the layers its activations name) and the first block's backward
+    moment would be read off a block the stage does not run. Its bytes are 0: the sum is unchanged."""
+    return [it for it in items if it.__dict__.get("note") != _RECV_NOTE]
 
 
 def output_chunk_aliases(stage_acts: list[MemoryItem]) -> list[MemoryItem]:
@@ -97,6 +109,69 @@ def stage_node_moments(par: ParallelSpec) -> bool:
     of the trace with them, 0.9942 without), the interleaved schedule (1.0074, 0.9977 without: not
     understood), nor with data, tensor or context parallel ranks beside the stages (not traced)."""
     return par.pp > 1 and par.schedule in ("gpipe", "1f1b") and par.dp * par.tp * par.cp == 1 and not par.fsdp
+
+
+def later_microbatch(par: ParallelSpec, items: list[MemoryItem], body: int) -> list[MemoryItem] | None:
+    """A GPipe stage's items as its second micro-batch's backward sees them: one micro-batch fewer in flight
+    (``pipeline.in_flight_microbatches`` less ``body``, one micro-batch's stage activations, but for what outlives
+    the first micro-batch's backward: its token ids, a view of the caller's batch, and its loss, which the schedule
+    keeps: :func:`_outlive`), to be run with the gradients accumulated (every gradient of the stage stored, the
+    block's new ones beside them). GPipe runs every forward, then every backward (``ScheduleGPipe._step_microbatches``,
+    torch/distributed/pipelining/schedules.py): the first backward holds every micro-batch's activations and the
+    stage's first gradients only, the second one micro-batch less and every gradient (``stage_backward``
+    accumulates into ``.grad``); later ones hold less than the second. Where a block's backward moment is large
+    beside one micro-batch's activations (a compiled block under ``--recompute op``: the recomputed attention and
+    SiLU's fp32 temporaries) the second is the stage's peak. ``None`` where it does not apply: other schedules
+    (1F1B's phases are already the accumulated ones), one micro-batch, or where the stage takes no node moments
+    (:func:`stage_node_moments`)."""
+    if not (stage_node_moments(par) and par.schedule == "gpipe" and par.microbatches > 1):
+        return None
+    name, freed = "pipeline.in_flight_microbatches", body - _outlive(items)
+    return [MemoryItem.make(it.name, it.category, it.shape, it.dtype, it.bytes - freed,
+                            f"({par.microbatches:g} − 2) × stage activations", it.dims, it.key)
+            if it.name == name else it for it in items]
+
+
+def _outlive(items: list[MemoryItem]) -> int:
+    """What of one micro-batch's stage items outlives its backward: the token embedding's indices (a view of the
+    caller's batch: :func:`caller_batch`) and the loss (the schedule's ``_internal_losses``)."""
+    return sum(it.bytes for it in items if it.name == "loss.value" or (
+        is_token_embedding(it.name) and is_embedding_indices(it.name)))
+
+
+def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batch: int, seq: int) -> dict[str, int]:
+    """What the caller's batch adds beside a stage's items in each phase but the optimizer's (whose ids one device
+    leaves out too: ``peak._caller_ids``), under torch.distributed.pipelining. The caller passes the whole batch to
+    ``step()`` (torchtitan's ``pp_schedule.step(inputs)`` on the first stage, ``step(target=labels, losses=...)``
+    on the last) and holds it until ``step()`` returns; ``split_args_kwargs_into_chunks``
+    (torch/distributed/pipelining/microbatch.py) cuts it with ``torch.tensor_split``, views:
+
+    * first stage: the token ids, m·B·S·8, of which the embedding saves each in-flight micro-batch's chunk
+      (counted as its activation, ``n`` micro-batches at once: :func:`in_flight`): (m − n)·B·S·8 more;
+    * last stage: the targets, m·B·S·8 (the loss keeps its own shifted copy per micro-batch, ``loss.target``);
+      and the losses ``_maybe_compute_loss`` appends to ``_internal_losses`` (schedules.py), each kept until
+      ``step()`` returns: under 1F1B m − 1 beside the one the stage counts (GPipe counts every micro-batch's).
+
+    Measured against the fake-process-group trace (tests/estimate/test_compiled_pp_op.py): the gaps these close
+    were 2,048 B (1F1B rank 0), 4,108 B (rank 1) and 4,096 B (GPipe rank 1) at the tiny Llama's peak."""
+    ids = batch * seq * 8  # int64 token ids of one micro-batch
+    m, n, last = par.microbatches, in_flight(par, stage), par.pp - 1
+    out = {}
+    if stage == 0 and any(is_token_embedding(i.name) and is_embedding_indices(i.name) and i.bytes for i in items):
+        out["pp_batch_ids"] = int((m - n) * ids)
+    if stage == last:
+        loss = sum(i.bytes for i in items if i.name == "loss.value")
+        out["pp_batch_targets"] = m * ids
+        out["pp_losses"] = (m - (m if par.schedule == "gpipe" else 1)) * loss if loss else 0
+    return {k: v for k, v in out.items() if v}
+
+
+def with_later_microbatch(first: list, later: list) -> list:
+    """``first``'s phases, each backward one (``backward*``) the larger of the first micro-batch's and the
+    second's (:func:`later_microbatch`); forward and optimizer phases are the first's (every forward runs before
+    any gradient exists)."""
+    by_name = {p.name: p for p in later if p.name.startswith("backward")}
+    return [max(p, by_name[p.name], key=lambda q: q.bytes) if p.name in by_name else p for p in first]
 
 
 def _aliased(it: MemoryItem, note: str) -> MemoryItem:
