@@ -120,12 +120,12 @@ def _trace_backward_peak(t) -> int:
     return top
 
 
-def test_unchecked_fsdp2_layouts_are_refused_by_name():
-    # traced, not modelled: the fp8 all-gather at --recompute none (fsdp-bf16 B 2 S 64: the estimate read 0.992 of
-    # the trace's peak); with full or op recompute: tests/estimate/test_float8_compiled_op.py
+@pytest.mark.parametrize("precision,kw", [("fsdp-bf16", dict(float8_all_gather=True)), ("amp-bf16", {})])
+def test_unchecked_fsdp2_layouts_are_refused_by_name(precision, kw):
+    # traced, not modelled at --recompute none (B 2 S 64): the fp8 all-gather (the estimate read 0.992 of the trace's
+    # peak) and autocast (0.877: no block moment); the fp8 all-gather with full or op: test_float8_compiled_op.py
     with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*FSDP2"):
-        estimate(spec_from_hf_config(LLAMA), _step("fsdp-bf16", 2, 64),
-                 _impl(recompute="none", float8_all_gather=True), parallel=ParallelSpec(dp=2, fsdp="full"))
+        estimate(spec_from_hf_config(LLAMA), _step(precision, 2, 64), _impl(recompute="none", **kw), parallel=FSDP2)
 
 
 # --recompute none: (config, precision, batch, seq, parallel, recipe) -> the traced backward peak (slow test below)

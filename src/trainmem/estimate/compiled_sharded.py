@@ -53,8 +53,9 @@ from trainmem.specs import ImplSpec, ParallelSpec
 __all__ = ["check_compiled_parallel"]
 
 
-def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
-    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under."""
+def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec, recipe: str = "") -> None:
+    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under (``recipe``: the step's
+    precision recipe, ``StepSpec.recipe``)."""
     if not impl.compile or par.is_single:
         return
     refusals = (
@@ -78,11 +79,12 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
             impl.recompute == "op" and par.pp == 1),
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
         # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
-        # (the fp8 all-gather at none read 0.992 of the trace's peak: tiny Llama fsdp-bf16 B 2 S 64)
+        # (tiny Llama dp 2 B 2 S 64: the fp8 all-gather at none read 0.992 of the trace's peak, amp-bf16 0.877: no
+        # block moment under autocast)
         ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and impl.recompute not in ("full", "op")
-         and impl.float8_all_gather,
+         and (impl.float8_all_gather or recipe == "amp-bf16"),
          "compiled Float8 under FSDP2 is checked with --recompute full or op (--float8-all-gather included), and none "
-         "without --float8-all-gather"),
+         "without --float8-all-gather or amp-bf16"),
     )
     for field, value, bad, why in refusals:
         if bad:
