@@ -147,7 +147,8 @@ def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batc
     (torch/distributed/pipelining/microbatch.py) cuts it with ``torch.tensor_split``, views:
 
     * first stage: the token ids, m·B·S·8, of which the embedding saves each in-flight micro-batch's chunk
-      (counted as its activation, ``n`` micro-batches at once: :func:`in_flight`): (m − n)·B·S·8 more;
+      (counted as its activation, ``n`` micro-batches at once: :func:`in_flight`): (m − n)·B·S·8 more (GPipe
+      and 1F1B; not under interleaved 1F1B, whose ``n`` counts chunks of the rank's virtual stages);
     * last stage: the targets, m·B·S·8 (the loss keeps its own shifted copy per micro-batch, ``loss.target``);
       and the losses ``_maybe_compute_loss`` appends to ``_internal_losses`` (schedules.py), each kept until
       ``step()`` returns: under 1F1B m − 1 beside the one the stage counts (GPipe counts every micro-batch's).
@@ -157,7 +158,9 @@ def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batc
     ids = batch * seq * 8  # int64 token ids of one micro-batch
     m, n, last = par.microbatches, in_flight(par, stage), par.pp - 1
     out = {}
-    if stage == 0 and any(is_token_embedding(i.name) and is_embedding_indices(i.name) and i.bytes for i in items):
+    # interleaved: n counts the rank's virtual stages' chunks, not the first one's micro-batches (ids not added)
+    if stage == 0 and par.schedule != "interleaved" and any(
+            is_token_embedding(i.name) and is_embedding_indices(i.name) and i.bytes for i in items):
         out["pp_batch_ids"] = int((m - n) * ids)
     if stage == last:
         loss = sum(i.bytes for i in items if i.name == "loss.value")
