@@ -40,8 +40,10 @@ Known limitations (refused by :func:`check_compiled_parallel`, one line each):
     recompute); tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
   - ``--recompute op`` with FSDP2 and pipeline stages: traced in fp32 (``trace --pp`` refuses fsdp-bf16), the
     estimate reads 0.967 (1F1B, both ranks): FSDP2 per stage takes no node moments (estimate/parallel_pp.py
-    ``stage_node_moments``); with them 0.9927 (rank 0: the block's new down_proj gradient counted sharded, 22,528 B,
-    where the compiled backward returns it unsharded) and 1.0032 (rank 1, not explained). Under FSDP2 and HSDP a block's backward
+    ``stage_node_moments``); with them 0.9927 (rank 0: the block's new down_proj gradient counted sharded, 22,528 B
+    under, where the compiled backward returns it unsharded) and 1.0032 (rank 1: the same, and the head's sharded
+    gradients, 32,896 B, counted beside FSDP2's unsharded buffer that holds them: 10,368 B over). Both equal the trace
+    if a moment's gradients are the block's new unsharded ones alone (arithmetic, not built). Under FSDP2 and HSDP a block's backward
     moment is the one-device one (estimate/compiled_op_moment.py; the 0.855 read before was that moment, missing):
     tiny Llama B 2 S 64, estimate == trace 2,325,960 B fp32, 1,846,472 B fsdp-bf16, 1,371,912 B bf16 (HSDP dp 4
     group 2 against the 2-D trace: 2,325,960 B fp32, 1,846,472 B fsdp-bf16);
