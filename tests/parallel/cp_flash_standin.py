@@ -83,3 +83,101 @@ def cp_saved(config: dict, cp: int, seq: int, rank: int = 0) -> list:
         finally:
             torch.set_default_dtype(old)
     return saved
+
+
+class _WaitAliases:
+    """``_c10d_functional.wait_tensor`` returning its input, as the real op does (its Meta kernel,
+    ``torch/distributed/_functional_collectives.py`` ``_wait_tensor_meta``, returns ``empty_like``: on fake
+    tensors every wait would count its collective's output twice)."""
+
+    def __new__(cls):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class WaitAliases(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops._c10d_functional.wait_tensor.default:
+                    return args[0]
+                return func(*args, **(kwargs or {}))
+
+        return WaitAliases()
+
+
+@contextlib.contextmanager
+def _ring_recorded(recorder, waits, calls: list):
+    """torch's ring functions run with ``recorder`` (the trace's dispatch mode) and ``waits`` pushed again: the
+    tracer otherwise sees the SDPA op once, on DTensors, and not the local ops DTensor's CP handler runs for
+    it. Only the ring functions, not ``_sdpa_handler``'s sharding propagation, which runs the op on
+    global-shape fake tensors that a device never allocates. ``calls``: (function, first event, end event)."""
+    import torch.distributed.tensor.experimental._context_parallel._attention as attention
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    names = ("_scaled_dot_product_ring_flash_attention", "_scaled_dot_product_ring_flash_attention_backward")
+    originals = {n: getattr(attention, n) for n in names}  # _sdpa_handler looks them up at each call
+
+    def recorded(name, fn):
+        def run(*args, **kwargs):
+            start = len(recorder.rec.events)
+            _push_mode(waits)
+            _push_mode(recorder)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _pop_mode()
+                _pop_mode()
+                calls.append((name, start, len(recorder.rec.events)))
+        return run
+
+    for n in names:
+        setattr(attention, n, recorded(n, originals[n]))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(attention, n, fn)
+
+
+def traced_ring_step(config: dict, cp: int, seq: int, rank: int = 0, batch: int = 1):
+    """One traced training step (AdamW, bf16, fake tensors) of rank ``rank`` of ``cp`` under torch's
+    ``context_parallel``, the ring's local ops recorded (:func:`_ring_recorded`): ``(TraceResult, calls)``,
+    ``calls`` a list of (ring function, most bytes above its entry, bytes it leaves)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.experimental import context_parallel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainmem.specs import ImplSpec, StepSpec
+    from trainmem.trace.api import Tracer
+    from trainmem.trace.hf_masks import masks_as_on_real_tensors
+    from trainmem.trace.optimizers import make_optimizer_for
+
+    cfg = AutoConfig.for_model(**config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    step, impl = StepSpec(batch=batch, seq=seq, precision="bf16"), ImplSpec(device="cuda", attention="sdpa")
+    waits, spans = _WaitAliases(), []
+    old = torch.get_default_dtype()
+    with cp_world(cp, rank) as mesh, FakeTensorMode(), waits, masks_as_on_real_tensors(), flash_sdpa():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg).train()
+        finally:
+            torch.set_default_dtype(old)
+        _, _, optimizer = make_optimizer_for(model, step, impl)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+
+        def one_step(ring=contextlib.nullcontext()):
+            with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]), ring:
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        one_step()  # the optimizer's states exist from the traced step's start
+        tracer = Tracer(model, optimizer, inputs=[ids])
+        with tracer:
+            one_step(_ring_recorded(tracer._rec, waits, spans))
+    rec = tracer.result.recording
+    live, lives = 0, []
+    for e in rec.events:
+        live += rec.blocks[e if e >= 0 else ~e].nbytes * (1 if e >= 0 else -1)
+        lives.append(live)
+    calls = [(name, max(lives[a:z]) - lives[a - 1], lives[z - 1] - lives[a - 1]) for name, a, z in spans]
+    return tracer.result, calls

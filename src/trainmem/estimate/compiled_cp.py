@@ -2,8 +2,9 @@
 
 torchtitan compiles each block with context parallelism on (``torchtitan/models/llama3/infra/parallelize.py``
 ``apply_compile``; CP through ``torch.distributed.tensor.experimental.context_parallel``). trainmem's eager CP
-is estimated only (``estimate/parallel.py`` ``apply_cp``: the rank's S/cp; ``estimate/parallel_buffers.py``: two
-K/V buffers); no CP step is traced (trace/parallel_fsdp.py ``check_fsdp_flags`` refuses ``--cp``), so there is no
+is estimated (``estimate/parallel.py`` ``apply_cp``: the rank's S/cp; ``estimate/context_parallel.py``: the ring's
+output copy and backward buffers, checked against torch's ring on fake tensors by tests/parallel/test_cp_*.py);
+``trace`` runs no CP step (trace/parallel_fsdp.py ``check_fsdp_flags`` refuses ``--cp``), so there is no
 traced eager CP step for a compiled one to stand beside. Two facts, pinned by tests/parallel/test_compiled_cp.py:
 
 * torch's CP cannot run on CPU: ``_sdpa_handler`` and ``register_cp_sharding_rules``

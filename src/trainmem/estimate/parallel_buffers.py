@@ -1,7 +1,7 @@
 """Communication buffers of one pipeline stage, persistent for the whole step or per phase: DDP
 gradient buckets, ZeRO bucket buffers, FSDP all-gather (current + prefetched block),
 reduce-scatter and unsharded-root buffers (FSDP2 under pipelining, CPU offload's copies),
-context-parallel K/V ring or all-gather buffers, and pipeline send/receive buffers. Called by
+context-parallel ring backward or K/V all-gather buffers, and pipeline send/receive buffers. Called by
 :func:`trainmem.estimate.parallel.rank_classes` once per stage with a :class:`_Rank`.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainmem.estimate.context_parallel import ring_backward_bytes
 from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import pp_unsharded_working
 from trainmem.estimate.fsdp1_flat import fsdp1_grad_bytes, fsdp1_layout, fsdp1_working
@@ -146,9 +147,15 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
         if par.pp > 1 and impl.profile != "megatron":  # torch.distributed.pipelining: estimate/fsdp.py
             _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
                           gpipe=par.schedule == "gpipe", rank=r)
-    if par.cp > 1:
+    if par.cp > 1 and par.cp_style == "ring":
+        # torch's ring runs inside each attention call: its backward's buffers at the last block's backward
+        # (rank 0, the worst: estimate/context_parallel.py); its forward's are gone by the end of forward
+        every("cp_ring_backward", ring_backward_bytes(
+            batch=lstep.batch, heads=lm.num_heads, kv_heads=lm.num_kv_heads, seq=lstep.seq, head_dim=lm.head_dim,
+            cp=par.cp, rank=0, act_bytes=act_b), ("backward",))
+    elif par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
-        every("cp_kv_ring" if par.cp_style == "ring" else "cp_kv_allgather", 2 * kv)
+        every("cp_kv_allgather", 2 * kv)
     if par.pp > 1:
         tokens = lstep.batch * lstep.seq // (par.tp if par.sp else 1)
         one = tokens * model.hidden_size * act_b
