@@ -29,13 +29,20 @@ Down the MLP's backward, beside the residual stream's gradient and the zero-fill
 
 Each linear's kept amax is freed by its weight's cast, its inverse scale by its input gradient.
 Read off the trace (``trace/compiled.py``: the partitioned graphs run op by op on fake tensors, no fusion) of the tiny
-Llama (H 64, F 176, 2 blocks, B 2 S 64) under FSDP2, where ``silu`` is the step's peak, and checked in bf16, fp16, fp32
-and fsdp-bf16 (tests/estimate/test_float8_compiled_moment.py). Inductor fuses the casts' pointwise chains (no fp32
-copies on a GPU): this is the unfused graph's moment, as compiled_block_moment.py's is.
+Llama (H 64, F 176, 2 blocks, B 2 S 64) under FSDP2, where ``silu`` is the step's peak, and checked in bf16, fp16, fp32,
+amp-bf16 and fsdp-bf16 (tests/estimate/test_float8_compiled_recompute.py ``NONE_CASES``). Inductor fuses the casts'
+pointwise chains (no fp32 copies on a GPU): this is the unfused graph's moment, as compiled_block_moment.py's is.
 
-Known limitations: only the tensorwise Llama set with every linear converted (an amax and inverse scale per linear) in
-a pure precision; ``rowwise`` (no kept scales, per-row casts) and autocast (a fp32 residual stream) get no moment; the
-attention's and the norms' backward moments are not modelled (lower than SiLU's for F >= H).
+Under autocast (amp-bf16, :func:`_autocast_parts`) the residual gradient, up_proj's input gradient and the norm's
+product are fp32 (the residual stream's dtype), a 4-byte kept amax is the weight's scale itself (no new scale in
+the weight casts; fp32 too), and two more moments: each fp32 weight gradient beside the bf16 ``_scaled_mm`` output it
+is cast from (traced: estimate == trace, SMALL_V 2,239,660 B, FSDP2 2,357,804 B).
+
+Known limitations: only the Llama set with every linear converted; ``rowwise``: bf16 only
+(estimate/compiled_float8_rowwise.py); the attention's and the norms' backward moments are not modelled: with few
+tokens beside large weights the attention's weight casts, all the MLP's gradients made, peak above these (H 128 F 256
+B 1 S 32 fp32: 5,110,028 B vs 5,082,028 B in block 1, 5,523,412 B vs 5,499,508 B in block 0; the embedding's backward,
+5,531,976 B, was the step's peak).
 """
 
 from __future__ import annotations
@@ -66,15 +73,15 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
                                   tangents: int) -> list[dict[str, int]]:
     """The five moments (module docstring) as ``compiled_block_moment.uncheckpointed_moments`` returns them, for a block
     whose saved set is ``kept`` (:func:`is_float8_block`); ``grads``: down_proj's and up_proj's weight gradient bytes;
-    ``tangents``: the zero-filled KV-cache tangents alive. Nothing under autocast (not read). ``rowwise``: a moment at
-    every allocation of its replayed backward (estimate/compiled_float8_rowwise.py)."""
+    ``tangents``: the zero-filled KV-cache tangents alive. ``rowwise``: a moment at every allocation of its replayed
+    backward (estimate/compiled_float8_rowwise.py). Under autocast (a fp32 residual stream ``x`` beside bf16 linears,
+    fp32 weights): see :func:`_autocast_parts`."""
     if is_rowwise_block(kept):
         return rowwise_uncheckpointed_moments(kept, residual_bytes, tangents=tangents)
     gate, up, o = kept["mlp.gate_proj.out"], kept["mlp.up_proj.out"], kept["self_attn.o_proj.out"]
     a = dtype_bytes(gate.dtype)
     tokens_h = o.bytes // a  # T·H
-    if residual_bytes != tokens_h * a:
-        return []  # autocast: a fp32 residual stream beside 16-bit linears (not read)
+    x = residual_bytes // tokens_h  # the residual stream's dtype: up_proj's input gradient, the norm's product
     tokens_f = gate.bytes // a  # T·F
     weight_cast = 2 * gate.shape[-1] * o.shape[-1] * _FP32  # an F·H weight's fp32 copy and its scaled product
 
@@ -83,24 +90,49 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
 
     gate32 = tokens_f * _FP32
     copy, copied = (gate32, gate.bytes) if a < _FP32 else (0, 0)  # the gate's fp32 copy (fp32: the gate itself)
-    base = residual_bytes + tangents
+    amp = _autocast_parts(kept, grads, a, x)
+    # a weight cast's fp32 scale, made from the kept amax; a 4-byte amax (fp32 weights) is the scale itself, kept
+    w_scale = 0 if kept["mlp.down_proj.amax"].bytes == _FP32 else _SCALE
+    base = residual_bytes + tangents + amp["k_tangent"]
     out = kept["residual_mlp"].bytes if "residual_mlp" in kept else 0  # the block output, freed by its reader
     fp8_grad_h, fp8_grad_f = tokens_h + _SCALE, tokens_f + _SCALE  # a grad_output's fp8 cast and its scale
-    norm = tokens_h * (_FP32 + a) + tokens_h + _SCALE  # the norm's fp32 input and product, its output's fp8 cast
+    norm = tokens_h * (_FP32 + x) + tokens_h + _SCALE  # the norm's fp32 input and product, its output's fp8 cast
     no_grads = {"block_gradients": 0, "new_gradients": 0, "after_attention": 0}
     two = {"block_gradients": grads["down_proj"] + grads["up_proj"],
            "new_gradients": grads["down_proj"] + grads["up_proj"], "after_attention": 0}
-    return [  # down_cast, product, up_cast, silu, gate_cast (module docstring); the weight casts' scales: + _SCALE
+    moments = [  # down_cast, product, up_cast, silu, gate_cast (module docstring)
         {**no_grads, "freed_activations": out + kept["mlp.down_proj.amax"].bytes,
-         "work": base + fp8_grad_h + _SCALE + weight_cast},
+         "work": base + fp8_grad_h + w_scale + weight_cast},
         {**no_grads, "freed_activations": out + copied + scalars("down_proj"),
          "work": base + fp8_grad_h + 2 * tokens_f * a + copy + _SCALE + 2 * gate32},
         {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
          "freed_activations": out + copied + up.bytes + scalars("down_proj") + kept["mlp.up_proj.amax"].bytes,
-         "work": base + copy + tokens_f * a + fp8_grad_f + _SCALE + weight_cast},
+         "work": base + copy + tokens_f * a + fp8_grad_f + w_scale + weight_cast},
         {**two, "freed_activations": out + copied + up.bytes + o.bytes + scalars("down_proj", "up_proj"),
-         "work": base + tokens_h * a + copy + norm + 3 * gate32},
+         "work": base + tokens_h * x + copy + norm + 3 * gate32},
         {**two, "freed_activations": out + gate.bytes + up.bytes + o.bytes + scalars("down_proj", "up_proj")
          + kept["mlp.gate_proj.amax"].bytes,
-         "work": base + tokens_h * a + norm + fp8_grad_f + _SCALE + weight_cast},
+         "work": base + tokens_h * x + norm + fp8_grad_f + w_scale + weight_cast},
     ]
+    if amp["mm_out"]:  # the fp32 weight gradients made from _scaled_mm's bf16 output, both alive for a moment
+        moments += [
+            {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
+             "freed_activations": out + copied + scalars("down_proj"),
+             "work": base + copy + 2 * tokens_f * a + amp["mm_out"]},
+            {**two, "freed_activations": out + copied + up.bytes + o.bytes + scalars("down_proj", "up_proj"),
+             "work": base + copy + tokens_f * a + tokens_h * a + norm + amp["mm_out"]},  # up's dX still bf16
+        ]
+    return moments
+
+
+def _autocast_parts(kept: dict[str, MemoryItem], grads: dict[str, int], a: int, x: int) -> dict[str, int]:
+    """What autocast adds to the moments (traced: tiny Llama amp-bf16; none in a pure precision): the cache's roped k
+    in the residual stream's dtype (LlamaRotaryEmbedding casts cos/sin to the fp32 hidden states' dtype; the saved
+    ``k_rope`` is SDPA's bf16 copy), so its tangent is ``x`` wide (``k_tangent``, beyond the bf16 one counted); and a
+    weight gradient's ``_scaled_mm`` output in bf16 (``mm_out``, F·H·a) beside its fp32 cast, the ``.grad``
+    (float8_linear.py ``matmul_with_hp_or_float8_args.backward`` returns the mm's dtype; autograd casts it to the
+    fp32 weight's). Two more moments: down_proj's weight gradient (beside the product's input gradient and
+    ``silu(gate)``) and up_proj's (beside its still-bf16 input gradient and the recomputed norm)."""
+    fh = kept["mlp.gate_proj.out"].shape[-1] * kept["self_attn.o_proj.out"].shape[-1]
+    return {"k_tangent": kept["self_attn.k_rope"].bytes // a * (x - a),
+            "mm_out": fh * a if grads["down_proj"] != fh * a else 0}

@@ -59,8 +59,9 @@ __all__ = ["check_compiled_parallel"]
 
 
 def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec, recipe: str = "") -> None:
-    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under (``recipe``: the step's
-    precision recipe, ``StepSpec.recipe``)."""
+    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under. ``recipe``
+    (``StepSpec.recipe``, passed by estimate/parallel.py ``validate``) is for rows that depend on the precision; none
+    does now (Float8 amp-bf16 at --recompute none, refused in 2b2ba54, is modelled: compiled_float8_moment.py)."""
     if not impl.compile or par.is_single:
         return
     refusals = (
@@ -84,12 +85,11 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec, recipe: str = "")
             impl.recompute == "op" and par.pp == 1),
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
         # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
-        # (tiny Llama dp 2 B 2 S 64: the fp8 all-gather at none read 0.992 of the trace's peak, amp-bf16 0.877: no
-        # block moment under autocast)
+        # (the fp8 all-gather at none read 0.992 of the trace's peak: tiny Llama fsdp-bf16 dp 2 B 2 S 64)
         ("float8", impl.float8, bool(par.fsdp) and impl.float8 != "none" and impl.recompute not in ("full", "op")
-         and (impl.float8_all_gather or recipe == "amp-bf16"),
+         and impl.float8_all_gather,
          "compiled Float8 under FSDP2 is checked with --recompute full or op (--float8-all-gather included), and none "
-         "without --float8-all-gather or amp-bf16"),
+         "without --float8-all-gather"),
     )
     for field, value, bad, why in refusals:
         if bad:
