@@ -58,10 +58,11 @@ def cp_world(cp: int, rank: int = 0):
         forget_meshes_of_other_worlds()
 
 
-def cp_saved(config: dict, cp: int, seq: int, rank: int = 0) -> list:
+def cp_saved(config: dict, cp: int, seq: int, rank: int = 0, full: bool = False) -> list:
     """What autograd keeps (``trainmem.trace.saved.saved_tensors``) for one forward of the transformers model of
     ``config`` (bf16, fake tensors, B=1) on rank ``rank`` of torch's own ``context_parallel`` over the ids with
-    :func:`flash_sdpa` standing in for SDPA; ``cp=1``: one device with the same op at ``seq``."""
+    :func:`flash_sdpa` standing in for SDPA; ``cp=1``: one device with the same op at ``seq``; ``full``: each
+    block checkpointed (transformers' non-reentrant gradient checkpointing)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.experimental import context_parallel
@@ -76,6 +77,8 @@ def cp_saved(config: dict, cp: int, seq: int, rank: int = 0) -> list:
         torch.set_default_dtype(torch.bfloat16)
         try:
             model = AutoModelForCausalLM.from_config(cfg).train()
+            if full:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             ids = torch.randint(0, cfg.vocab_size, (1, seq))  # cut to the rank's chunks in place
             with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]) if cp > 1 else contextlib.nullcontext():
                 saved, loss = saved_tensors(model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)

@@ -13,6 +13,9 @@ Measured, tiny Llama (hidden 64, 4 heads, 4 K/V heads, 2 blocks, vocab 128), bf1
 * the estimate's CP activations (209,040 B) minus its one-device S/cp activations (200,848 B) are the two copies,
   8,192 B, for cp 2 and 4; the one-device difference (+44 B: the flash meta kernel's philox seed and offset,
   24 B per call, less the loss's total_weight, 4 B) is not CP's.
+
+Under ``--recompute full`` (every block checkpointed) a CP rank keeps one device's set at S/cp and the ids'
+whole storage: 41,868 B (cp 2, either rank) vs 41,612 B; the estimate's CP activations equal its one-device ones.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def _kept(saved) -> collections.Counter:
     return collections.Counter((s.shape, s.dtype, s.nbytes) for s in saved)
 
 
-def _activations(cp: int, seq: int) -> int:
-    est = estimate(spec_from_hf_config(TINY), StepSpec(batch=1, seq=seq, precision="bf16"), IMPL, ParallelSpec(cp=cp))
+def _activations(cp: int, seq: int, impl: ImplSpec = IMPL) -> int:
+    est = estimate(spec_from_hf_config(TINY), StepSpec(batch=1, seq=seq, precision="bf16"), impl, ParallelSpec(cp=cp))
     return sum(i.bytes for i in est.inventory if i.category is Category.ACTIVATION)
 
 
@@ -62,3 +65,12 @@ def test_ring_rank_keeps_one_device_set_and_the_merged_output_copy(cp, rank):
     assert _kept(alone) - _kept(ring) == collections.Counter({((1, s), "int64", s * 8): 1})
     # the estimate's worst rank: one device's set at S/cp and the copies
     assert _activations(cp, cp * s) - _activations(1, s) == layers * s * hidden * 2
+
+
+def test_checkpointed_ring_rank_keeps_one_device_set():
+    s = 32
+    ring, alone = cp_saved(TINY, 2, 2 * s, 0, full=True), cp_saved(TINY, 1, s, full=True)
+    assert _kept(ring) - _kept(alone) == collections.Counter({((1, s), "int64", 2 * s * 8): 1})
+    assert _kept(alone) - _kept(ring) == collections.Counter({((1, s), "int64", s * 8): 1})
+    full = ImplSpec(device="cuda", attention="sdpa", recompute="full")
+    assert _activations(2, 2 * s, full) == _activations(1, s, full)
