@@ -51,7 +51,7 @@ from trainmem.estimate.model_states import model_state_items, optimizer_transien
 from trainmem.estimate.parallel_buffers import _buffers, _Rank
 from trainmem.estimate.parallel_pp import (
     _stage_of, apply_pp, in_flight, later_microbatch, output_chunk_aliases, recv_input_aliases, stage_layers,
-    stage_node_moments, with_later_microbatch, without_recv_aliases, caller_batch,
+    stage_node_moments, with_later_microbatch, without_recv_aliases, caller_batch, fsdp_stage_moments,
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
@@ -262,7 +262,8 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
             for ph, parts in act_off[1].items():
                 working.setdefault(ph, {}).update(parts)
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
-        moments = (tl is not None or (torch_engine and stage_node_moments(par))  # estimate/parallel_pp.py
+        fsdp_pp = fsdp_stage_moments(par, impl) if torch_engine else 0  # FSDP2 per stage's node moments: parallel_pp.py
+        moments = (tl is not None or (torch_engine and stage_node_moments(par)) or bool(fsdp_pp)  # parallel_pp.py
                    or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
         def stage_phases(items, grad_accum):  # run twice under GPipe (estimate/parallel_pp.py later_microbatch)
             items = without_recv_aliases(items)  # the stage's first block is its own (parallel_pp.py)
@@ -291,6 +292,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                 # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
                 middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
                 block_math=ft.block_moments(lm, impl, finetune) if tl is not None else None,  # a compiled block's moments
+                fsdp_pp_grads=fsdp_pp,
             )
         ph = stage_phases(items, step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3))
                           and par.pp > 1 else max(step.grad_accum, par.microbatches))  # FSDP2 under PP: estimate/fsdp.py

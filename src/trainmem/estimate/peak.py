@@ -211,7 +211,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            recomputed: Inventory | None = None, block_math: dict | None = None,
            grad_received: bool = False, logits_held: bool = False,
            middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None,
-           head_graph_apart: bool = False) -> list[Phase]:
+           head_graph_apart: bool = False, fsdp_pp_grads: int = 0) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -236,7 +236,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     between the first and the last whose backward moment is taken too, each with its gradient correction (the later
     blocks hold sharded gradients, not autograd's) and the buffers alive there instead of ``working``'s: the
     ``backward`` phase is the largest of these and the last block's. ``head_graph_apart``: whole-model compile runs
-    the head in a graph of its own (estimate/compiled_embedding_backward.py)."""
+    the head in a graph of its own (estimate/compiled_embedding_backward.py). ``fsdp_pp_grads``: FSDP2's shard group
+    per pipeline stage (estimate/parallel_pp.py ``fsdp_stage_moments``): a node moment's gradients are the block's new
+    ones, unsharded, beside the unsharded buffer ``working`` holds (no earlier gradient of its own)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -363,8 +365,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 shared = _shared_block_inputs(items) if nb["after_attention"] and li == min(blocks) else 0
                 # node_work: the residual gradient, the node's temporaries, and the loss and its seed
                 # gradient (ones_like), alive through backward
-                at = {"gradients": grads_before + nb.get("new_gradients", nb.get("accum_new_gradients", 0)
-                                                         if grad_accum > 1 else nb["block_gradients"]),
+                # FSDP2 per pipeline stage (estimate/parallel_pp.py fsdp_stage_moments): every earlier gradient is in
+                # the unsharded buffer ``working`` counts; the block's new ones are unsharded, not yet accumulated
+                at = {"gradients": nb["block_gradients"] * fsdp_pp_grads if fsdp_pp_grads else grads_before + nb.get(
+                          "new_gradients", nb.get("accum_new_gradients", 0) if grad_accum > 1 else nb["block_gradients"]),
                       "activations": acts_before - nb["freed_activations"] - shared,
                       "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)
                       - (residual_bytes if grad_received and li == last and not nb["after_attention"]
