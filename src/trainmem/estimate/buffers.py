@@ -32,6 +32,9 @@ def buffer_items(model, step, profile: str = "hf") -> list[MemoryItem]:
     model's), in the dtype the step builds them in."""
     scheme = get_scheme(profile)
     declared = scheme.buffers if scheme is not None and scheme.buffers is not None else family_of(model).buffers
+    if profile == "traced":  # an unmapped model type's own named_buffers(), not the generic family's guess
+        from trainmem.estimate.traced.buffers import traced_buffers
+        declared = traced_buffers
     out = []
     for b in declared(model):
         dt = step.dtypes.param if b.dtype == PARAM_DTYPE else b.dtype
