@@ -6,7 +6,8 @@ lifetime; DTensors read through their local shard). A storage seen at a new size
 output after ``aten.resize_``) is recorded as the caching allocator serves it: the old block is
 freed and a block of the new size allocated. Module attribution uses torch's ``ModTracker``
 hooks (forward pre/post, multi-grad hooks for backward) with our own push order, so the
-innermost active module wins.
+innermost active module wins; its multi-grad hooks are removed once fired, so they keep no autograd
+graph alive (trace/mod_tracker_hooks.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from trainmem.trace.storages import Entry, StorageTracker
 from trainmem.trace.low_bit_optim import allocating_paged, is_paged_state
+from trainmem.trace.mod_tracker_hooks import ReleasedMultiGradHooks
 from trainmem.trace.offload import allocating_on_host
 from trainmem.trace.qlora import quantized_parts
 from trainmem.trace.torchao_optim import state_parts
@@ -126,6 +128,7 @@ class _Recorder(TorchDispatchMode):
         self._open = False
         self._progress = progress
         self._mod_tracker = ModTracker()
+        self._multi_grad_hooks = ReleasedMultiGradHooks()  # ModTracker's, freed as in a step without it
         self._handles: list = []
         self._param_keys: set[int] = set()
         self._host_steps: set[int] = set()  # storages of Adam's host-side step counters: never device bytes
@@ -435,6 +438,7 @@ class _Recorder(TorchDispatchMode):
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         self._mod_tracker.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self._multi_grad_hooks.__enter__()
         self._mod_tracker.__enter__()
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
@@ -447,6 +451,7 @@ class _Recorder(TorchDispatchMode):
             self._saved_hooks.__exit__(*exc)
             self._mod_tracker.__exit__(*exc)
             self._mod_tracker.clear_user_hooks()
+            self._multi_grad_hooks.__exit__(*exc)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
