@@ -110,7 +110,10 @@ WIDE = dict(T5, d_model=256, d_ff=512, d_kv=32, num_heads=8)  # B2 S256: the dec
 def test_t5_peak_holds_the_decoder_stacks_locals(tmp_path, precision):
     # with a 512-token vocabulary the step's peak is the decoder stack's last op (its final dropout):
     # T5Stack.forward still holds its position biases, input embeddings and the KV cache it returns
-    # (measured: est - real = -3,968 B fp32, -3,968 B bf16; was -1.6% / -1.4% without the stack_end phase)
+    # (measured: est - real = -4,096 B fp32 and bf16 since the buffer ledger is the model's own: T5 has none, the
+    # generic guess added 128 B (-3,968 B before). The 4,096 B: the decoder's input ids (_shift_right's new_zeros,
+    # made by the root module, so named loss.new_zeros by traced/record.py) are left out with the head's tensors.
+    # Was -1.6% / -1.4% without the stack_end phase)
     step = StepSpec(batch=B, seq=256, precision=precision)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(WIDE))
