@@ -8,7 +8,8 @@ transformers has no SDPA path). Per family and precision:
     (``trace_step(real=True)``);
   - hf: ``estimate --profile hf --device cpu`` activations (less the loss value the caller holds,
     ``estimate/loss_value.py``: autograd does not save it) against what autograd saves in a real
-    forward (``trace/saved.py`` ``saved_tensors``; MoE routing forced as the trace forces it,
+    forward (``trace/saved.py`` ``saved_tensors``, less the model's registered buffers: the buffer
+    ledger's; MoE routing forced as the trace forces it,
     ``--routing balanced``), where the hand-written rules cover the family;
   - traced: the same for ``estimate --profile traced``.
 
@@ -111,7 +112,9 @@ def saved_bytes(cfg: dict, precision: str, attention: str) -> int:
     ids = torch.randint(0, cfg["vocab_size"], (B, S))
     forced = force_routing(model, routing_hot_fraction("balanced")) if experts_modules(model) else None
     with forced or contextlib.nullcontext():
-        saved, _ = saved_tensors(model, lambda: model(input_ids=ids, labels=ids).loss)
+        # the model's own buffers autograd saves (position ids, Gemma's embed_scale, MiniMax's decay tables) are
+        # the buffer ledger's bytes, not activations: left out on both sides (estimate/buffers.py)
+        saved, _ = saved_tensors(model, lambda: model(input_ids=ids, labels=ids).loss, buffers=False)
     return sum(s.nbytes for s in saved)
 
 
@@ -181,7 +184,8 @@ def render(rows: list[dict]) -> str:
              f"tiny configs widened to hidden 256, 2 blocks; B={B}, S={S}, CPU; SDPA (eager: "
              f"{', '.join(sorted(EAGER_ONLY))}); MoE routing balanced", "",
              "trace: fake-tensor step peak / real-tensor step peak. hf, traced: the estimate's activations, less "
-             "the loss value the caller holds (4 B), / what autograd saves in a real forward. `1 (equal)`: to the "
+             "the loss value the caller holds (4 B), / what autograd saves in a real forward, less the model's "
+             "registered buffers (the buffer ledger). `1 (equal)`: to the "
              "byte.", "",
              "| family | engine | precision | trace / real peak | hf rules / autograd | traced / autograd |",
              "|---|---|---|---|---|---|"]

@@ -165,7 +165,8 @@ def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
             # fused linear+CE computes d(hidden) in forward and keeps it for backward
             g.save(g.new("grad_hidden", (B, S, ctx.model.hidden_size), ("B", "S", "H"), logits.dtype))
         loss_value(g, dtype)  # nll_loss's output, made before its total weight (estimate/loss_value.py)
-        g.save(target, g.new("total_weight", (), (), "float32", False), when=logits.requires_grad)
+        # aten nll_loss_forward makes total_weight in its input's dtype (BERT's MLM loss: bf16, no upcast)
+        g.save(target, g.new("total_weight", (), (), dtype, False), when=logits.requires_grad)
 
 
 def _target_shape(B: int, S: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
