@@ -145,3 +145,33 @@ def test_first_block_stop_equals_trace(cfg):
     e = estimate(spec_from_hf_config(cfg), step, impl, finetune=ft)
     assert ".layers.0." in t.peak_module
     assert (e.peak_phase, e.peak_bytes) == ("backward_first_block", t.peak_logical_bytes)
+
+
+def test_adapted_down_input_gradient_sum_as_integers():
+    """One dtype (fp32), LoRA on q, v and the MLP: lora_A saves the product itself, so the stop no longer counts it
+    (nor the MLP's input, saved by gate/up's lora_A) again (it read 30,720 B over at B1 S32), and the top is the
+    down projection's input-gradient sum: lora_A's and the frozen base layer's input gradients and their sum."""
+    ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["llama"])
+    e = estimate(spec_from_hf_config(LLAMA), _step("fp32", 1, 32),
+                 ImplSpec(attention="sdpa", device="cpu", recompute="full"), finetune=ft)
+    ph = {p.name: p for p in e.phases}["backward_first_block"]
+    R, prod = 32 * 64 * 4, 32 * 176 * 4  # the residual gradient, the product (B, S, F) fp32
+    assert ph.parts["node_work"] == R + 3 * prod + 8  # 8: the loss and its seed
+    assert e.peak_bytes == 864_840
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~2-5 s
+@pytest.mark.parametrize("cfg,batch,seq", [(LLAMA, 1, 32), (LLAMA, 2, 64), (LLAMA, 1, 64), (NEOX, 1, 32)])
+def test_adapted_down_input_gradient_sum_equals_trace(cfg, batch, seq):
+    """Before (estimate - trace): Llama fp32 B1 S32 -4,608 B, B2 S64 +4,608, B1 S64 -1,536; GPT-NeoX B1 S32 -19,456
+    (the stop read the product and the MLP's input twice; the input-gradient sum was not read)."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR[cfg["model_type"]])
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="full")
+    step = _step("fp32", batch, seq)
+    t = trace_step(cfg, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(cfg), step, impl, finetune=ft)
+    assert t.peak_op == "add" and t.peak_module.endswith((".down_proj.base_layer", ".dense_4h_to_h.base_layer"))
+    assert e.peak_bytes == t.peak_logical_bytes

@@ -104,12 +104,33 @@ def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: 
                     and i.name.endswith(f".mlp.{down}.lora_A.default.weight")), None)
     if prod is None or adapter is None:
         return []
-    x = next((_bytes(i) for name, i in marker.items() if name != down), 0)
+    # in one dtype (no autocast, nothing cast in the MLP) the adapters' lora_A save the MLP's input and the product
+    # themselves (peft ``_cast_input_dtype`` returns x when its dtype is the adapter's): already among ``acts``
+    one_dtype = not any(i.name.endswith("_cast") for i in acts if ".mlp." in i.name)
+    x = next((_bytes(i) for name, i in marker.items() if name != down
+              and not (one_dtype and any(f".mlp.{name}.lora_A." in a.name for a in acts))), 0)
+    kept_prod = one_dtype and acts[k - 2].shape == prod.shape and not acts[k - 2].name.endswith("_cast")
     branch = residual_bytes * dtype_bytes(prod.dtype) // dtype_bytes(out.dtype)
     copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype else 0
-    return [{"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
-             "work": residual_bytes + (branch if prod.dtype != out.dtype else 0) + x + _bytes(prod) + 2 * branch
-             + copy + (branch if _attention_output_held(acts) else 0)}]
+    stop = {"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
+            "work": residual_bytes + (branch if prod.dtype != out.dtype else 0) + x + (0 if kept_prod else _bytes(prod))
+            + 2 * branch + copy + (branch if _attention_output_held(acts) else 0)}
+    return [stop] + (_adapter_down_input_sum(block, acts[k - 2], acts[k - 1], out, down, residual_bytes)
+                     if kept_prod else [])
+
+
+def _adapter_down_input_sum(block: list[MemoryItem], prod: MemoryItem, lora_out: MemoryItem, out: MemoryItem,
+                            down: str, residual_bytes: int) -> list[dict[str, int]]:
+    """In one dtype, the sum of an adapted down projection's two input gradients (the product's): ``lora_A``'s
+    ``MmBackward0`` ran first (the branch's nodes are the later ones in the graph), made its input gradient and
+    released its saved input (the product itself) and ``lora_B``'s (``lora_A``'s output); then the frozen base
+    layer's node made its own input gradient, and the product's input buffer sums the two into a new tensor
+    (``InputBuffer::accumulate``, torch/csrc/autograd/input_buffer.cpp) while both are alive: three of the
+    product's size beside the residual gradient, and the adapter's weight gradients made. Tiny Llama fp32 B1 S32,
+    LoRA on q, v and the MLP, full recompute: the step's top (trace: ``add`` in ``down_proj.base_layer``)."""
+    grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}.lora_" in i.name)
+    return [{"block_gradients": grads, "freed_activations": out.bytes + prod.bytes + lora_out.bytes,
+             "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
 
 
 #: blocks whose forward keeps the attention's output in a local to the end, beside the residual sum it made:
