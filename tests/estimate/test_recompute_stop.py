@@ -160,18 +160,44 @@ def test_adapted_down_input_gradient_sum_as_integers():
     assert e.peak_bytes == 864_840
 
 
+def test_adapted_up_projection_forward_as_integers():
+    """bf16 base, fp32 adapters (peft's upcast), no autocast: the recomputation's top is the up projection's adapter
+    forward, lora_B's fp32 (B, S, F) output and its scaled copy beside the base layer's bf16 output, the MLP's bf16
+    input, the layer's ``residual`` local and what the down projection's adapter backward holds (the block output's
+    gradient, the base branch's bf16 gradient, the adapter branch's fp32 one)."""
+    ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["llama"])
+    e = estimate(spec_from_hf_config(LLAMA), _step("bf16", 2, 64),
+                 ImplSpec(attention="sdpa", device="cpu", recompute="full"), finetune=ft)
+    ph = {p.name: p for p in e.phases}["backward_first_block"]
+    R, F = 2 * 64 * 64 * 2, 2 * 64 * 176  # the bf16 residual gradient, the (B, S, F) elements
+    assert ph.parts["node_work"] == R + (R + 2 * R) + R + R + 2 * F + 2 * 4 * F + 8  # 8: the loss and its seed
+    assert e.peak_bytes == 1_130_184
+
+
+#: where an adapted MLP's step tops, by precision: fp32, the down projection's input-gradient sum (``add`` in its
+#: base layer); bf16 with fp32 adapters, the up projection's adapter forward inside the recomputation (``mul``)
+_ADAPTED_TOPS = {"fp32": ("add", (".down_proj.base_layer", ".dense_4h_to_h.base_layer")),
+                 "bf16": ("mul", (".mlp.up_proj", ".mlp.dense_h_to_4h"))}
+
+
 @pytest.mark.slow  # one fake-tensor trace each, ~2-5 s
-@pytest.mark.parametrize("cfg,batch,seq", [(LLAMA, 1, 32), (LLAMA, 2, 64), (LLAMA, 1, 64), (NEOX, 1, 32)])
-def test_adapted_down_input_gradient_sum_equals_trace(cfg, batch, seq):
-    """Before (estimate - trace): Llama fp32 B1 S32 -4,608 B, B2 S64 +4,608, B1 S64 -1,536; GPT-NeoX B1 S32 -19,456
-    (the stop read the product and the MLP's input twice; the input-gradient sum was not read)."""
+@pytest.mark.parametrize("cfg,precision,batch,seq", [
+    (LLAMA, "fp32", 1, 32), (LLAMA, "fp32", 2, 64), (LLAMA, "fp32", 1, 64), (NEOX, "fp32", 1, 32),
+    (LLAMA, "bf16", 1, 32), (LLAMA, "bf16", 2, 64), (NEOX, "bf16", 1, 32), (NEOX, "bf16", 2, 64)])
+def test_adapted_mlp_top_equals_trace(cfg, precision, batch, seq):
+    """LoRA on q, v and the MLP, full recompute. Before (estimate - trace): fp32 Llama B1 S32 -4,608 B, B2 S64
+    +4,608, B1 S64 -1,536, GPT-NeoX B1 S32 -19,456 (the stop read the product and the MLP's input twice; the
+    input-gradient sum was not read); bf16 Llama B1 S32 -15,368, B2 S64 -61,448 (the up projection's adapter forward
+    was not read), GPT-NeoX B2 S64 +102,400 (the stop counted lora_A's saved fp32 copy of the product again and
+    missed the promoted sum's two branch gradients)."""
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
     ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR[cfg["model_type"]])
     impl = ImplSpec(attention="sdpa", device="cpu", recompute="full")
-    step = _step("fp32", batch, seq)
+    step = _step(precision, batch, seq)
     t = trace_step(cfg, step, impl, finetune=ft)
     e = estimate(spec_from_hf_config(cfg), step, impl, finetune=ft)
-    assert t.peak_op == "add" and t.peak_module.endswith((".down_proj.base_layer", ".dense_4h_to_h.base_layer"))
+    op, modules = _ADAPTED_TOPS[precision]
+    assert t.peak_op == op and t.peak_module.endswith(modules)
     assert e.peak_bytes == t.peak_logical_bytes

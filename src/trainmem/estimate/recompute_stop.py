@@ -42,7 +42,7 @@ import math
 
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 
-__all__ = ["recompute_stop_moment", "adapter_down_stop"]
+__all__ = ["recompute_stop_moment", "adapter_down_stop", "adapter_up_forward"]
 
 
 def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
@@ -111,12 +111,25 @@ def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: 
               and not (one_dtype and any(f".mlp.{name}.lora_A." in a.name for a in acts))), 0)
     kept_prod = one_dtype and acts[k - 2].shape == prod.shape and not acts[k - 2].name.endswith("_cast")
     branch = residual_bytes * dtype_bytes(prod.dtype) // dtype_bytes(out.dtype)
-    copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype else 0
+    # peft's fp32 copy of the product: saved by lora_A itself without autocast (then among ``acts``)
+    copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype and not any(
+        f".mlp.{down}." in i.name and i.shape == prod.shape and i.dtype == adapter.dtype for i in acts) else 0
     stop = {"block_gradients": 0, "freed_activations": out.bytes, "after_attention": 0,
             "work": residual_bytes + (branch if prod.dtype != out.dtype else 0) + x + (0 if kept_prod else _bytes(prod))
-            + 2 * branch + copy + (branch if _attention_output_held(acts) else 0)}
+            + branch + _adapter_branch_gradients(acts, adapter, prod, branch) + copy
+            + (branch if _attention_output_held(acts) else 0)}
     return [stop] + (_adapter_down_input_sum(block, acts[k - 2], acts[k - 1], out, down, residual_bytes)
                      if kept_prod else [])
+
+
+def _adapter_branch_gradients(acts: list[MemoryItem], adapter: MemoryItem, prod: MemoryItem, branch: int) -> int:
+    """What the down projection's ``result + lora_B(...) * scaling`` backward holds when ``lora_B``'s node unpacks:
+    the ``* scaling`` node's output (the branch's gradient, in the adapters' dtype unless autocast ran them in the
+    product's) and, where that sum was promoted (fp32 adapters on a 16-bit base, no autocast), the frozen base
+    branch's gradient cast back to the product's dtype (``validate_outputs``, torch/csrc/autograd/engine.cpp)."""
+    if any(i.name.endswith(".weight_cast") for i in acts) or adapter.dtype == prod.dtype:
+        return branch
+    return branch + branch * dtype_bytes(adapter.dtype) // dtype_bytes(prod.dtype)
 
 
 def _adapter_down_input_sum(block: list[MemoryItem], prod: MemoryItem, lora_out: MemoryItem, out: MemoryItem,
@@ -131,6 +144,52 @@ def _adapter_down_input_sum(block: list[MemoryItem], prod: MemoryItem, lora_out:
     grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and f".mlp.{down}.lora_" in i.name)
     return [{"block_gradients": grads, "freed_activations": out.bytes + prod.bytes + lora_out.bytes,
              "after_attention": 0, "work": residual_bytes + 3 * prod.bytes}]
+
+
+#: the up projection whose adapted forward runs last before the MLP's down projection, by the MLP's layout (its
+#: down projection): transformers ``LlamaMLP.forward`` (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: gate's
+#: output and its activation are made first), ``GPTNeoXMLP.forward`` (one up projection)
+_LAST_UP = {"down_proj": "up_proj", "dense_4h_to_h": "dense_h_to_4h"}
+
+
+def adapter_up_forward(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
+                       residual_bytes: int) -> list[dict[str, int]]:
+    """Inside the recomputation of a 16-bit block whose adapters stay fp32 (peft's default upcast, no autocast), the
+    last up projection's adapter forward (peft ``lora.Linear.forward``: ``result + lora_B(lora_A(x)) * scaling``):
+    ``lora_B``'s fp32 (B, S, F) output and its scaled copy (``* scaling`` by a number) are alive together beside the
+    frozen base layer's 16-bit output (``result``), the MLP's 16-bit input (cast to fp32 for the adapters, so not
+    saved) and the decoder layer's ``residual`` local (a 16-bit RMSNorm saves its own fp32 copy of it). What started
+    the recomputation waits too: the down projection's adapter node unpacked first (the ``* scaling`` node, which
+    saves nothing, ran before it), so the block output's gradient, the base branch's gradient cast back to 16 bits
+    (``validate_outputs``, torch/csrc/autograd/engine.cpp: the ``result + ...`` sum was fp32) and the adapter
+    branch's fp32 gradient are held. Nothing of the up projection's output nor of the down projection is made yet.
+    Tiny Llama bf16 B2 S64, LoRA on q, v and the MLP: the step's top (trace: ``mul`` in ``up_proj``). [] for other
+    layouts, under autocast (``weight_cast`` copies) or when adapters and base share a dtype."""
+    names = [i.name.split(".mlp.", 1)[-1] for i in acts if ".mlp." in i.name]
+    down = next((d for d in _LAST_UP if f"{d}.lora_A.default.out" in names), None)
+    up = _LAST_UP.get(down)
+    adapter = next((i for i in block if i.category is Category.PARAMETER
+                    and i.name.endswith(f".mlp.{up}.lora_A.default.weight")), None)
+    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in unsaved if ".mlp." in i.name
+              and i.name.endswith(".input") and i.shape}
+    if adapter is None or down not in marker or up not in marker or any(i.name.endswith(".weight_cast") for i in acts):
+        return []
+    prod, x = marker[down], marker[up]
+    if adapter.dtype == prod.dtype or _bytes(x) != residual_bytes:
+        return []
+    lora_a = next(k for k, i in enumerate(acts) if i.name.endswith(f".mlp.{up}.lora_A.default.out"))
+    # the up projection's output (saved by the product) and every tensor after it are not made yet
+    unmade = next((k for k, i in enumerate(acts) if k > lora_a and f".mlp.{up}." in i.name), None)
+    if unmade is None:
+        return []
+    wide = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype))  # lora_B's output, (B, S, F) fp32
+    # the layer's local across its MLP: a sequential block's ``residual`` (unless saved: ``residual_attn``), a
+    # parallel one's attention output (``GPTNeoXLayer.forward``)
+    held = residual_bytes if not any(i.name.endswith(".residual_attn") for i in acts) else 0
+    branch = _bytes(x)
+    return [{"block_gradients": 0, "freed_activations": sum(i.bytes for i in acts[unmade:]), "after_attention": 0,
+             "work": residual_bytes + _adapter_branch_gradients(acts, adapter, prod, branch) + branch + held
+             + _bytes(prod) + 2 * wide}]
 
 
 #: blocks whose forward keeps the attention's output in a local to the end, beside the residual sum it made:
