@@ -94,7 +94,7 @@ def test_lora_full_recompute_equals_trace(cfg, precision, batch, seq):
 
 
 #: LoRA on every linear (an adapted MLP): the recomputation stops at the down projection's ``lora_B`` weight copy
-#: (estimate/recompute_stop.py ``adapter_down_stop``); before, tiny Llama amp-bf16 B2 S64 / S96 were 139,272 /
+#: (estimate/recompute_stop.py ``adapter_down_moments``); before, tiny Llama amp-bf16 B2 S64 / S96 were 139,272 /
 #: 208,904 B under, GPT-NeoX B2 S64 393,224 B under
 ALL_LINEAR = {"llama": ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
               "gpt_neox": ("query_key_value", "dense_h_to_4h", "dense_4h_to_h")}
@@ -147,17 +147,20 @@ def test_first_block_stop_equals_trace(cfg):
     assert (e.peak_phase, e.peak_bytes) == ("backward_first_block", t.peak_logical_bytes)
 
 
-def test_adapted_down_input_gradient_sum_as_integers():
+@pytest.mark.parametrize("recompute,phase,peak", [("full", "backward_first_block", 864_840),
+                                                   ("none", "backward", 979_400)])
+def test_adapted_down_input_gradient_sum_as_integers(recompute, phase, peak):
     """One dtype (fp32), LoRA on q, v and the MLP: lora_A saves the product itself, so the stop no longer counts it
     (nor the MLP's input, saved by gate/up's lora_A) again (it read 30,720 B over at B1 S32), and the top is the
-    down projection's input-gradient sum: lora_A's and the frozen base layer's input gradients and their sum."""
+    down projection's input-gradient sum: lora_A's and the frozen base layer's input gradients and their sum; in an
+    eager step too (the last block's, its down projection's adapter gradients made)."""
     ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["llama"])
     e = estimate(spec_from_hf_config(LLAMA), _step("fp32", 1, 32),
-                 ImplSpec(attention="sdpa", device="cpu", recompute="full"), finetune=ft)
-    ph = {p.name: p for p in e.phases}["backward_first_block"]
+                 ImplSpec(attention="sdpa", device="cpu", recompute=recompute), finetune=ft)
+    ph = {p.name: p for p in e.phases}[phase]
     R, prod = 32 * 64 * 4, 32 * 176 * 4  # the residual gradient, the product (B, S, F) fp32
     assert ph.parts["node_work"] == R + 3 * prod + 8  # 8: the loss and its seed
-    assert e.peak_bytes == 864_840
+    assert (e.peak_phase, e.peak_bytes) == (phase, peak)
 
 
 def test_adapted_up_projection_forward_as_integers():
@@ -181,20 +184,23 @@ _ADAPTED_TOPS = {"fp32": ("add", (".down_proj.base_layer", ".dense_4h_to_h.base_
 
 
 @pytest.mark.slow  # one fake-tensor trace each, ~2-5 s
-@pytest.mark.parametrize("cfg,precision,batch,seq", [
-    (LLAMA, "fp32", 1, 32), (LLAMA, "fp32", 2, 64), (LLAMA, "fp32", 1, 64), (NEOX, "fp32", 1, 32),
-    (LLAMA, "bf16", 1, 32), (LLAMA, "bf16", 2, 64), (NEOX, "bf16", 1, 32), (NEOX, "bf16", 2, 64)])
-def test_adapted_mlp_top_equals_trace(cfg, precision, batch, seq):
-    """LoRA on q, v and the MLP, full recompute. Before (estimate - trace): fp32 Llama B1 S32 -4,608 B, B2 S64
+@pytest.mark.parametrize("cfg,precision,batch,seq,recompute", [
+    (LLAMA, "fp32", 1, 32, "full"), (LLAMA, "fp32", 2, 64, "full"), (LLAMA, "fp32", 1, 64, "full"),
+    (NEOX, "fp32", 1, 32, "full"), (LLAMA, "bf16", 1, 32, "full"), (LLAMA, "bf16", 2, 64, "full"),
+    (NEOX, "bf16", 1, 32, "full"), (NEOX, "bf16", 2, 64, "full"),
+    (LLAMA, "fp32", 1, 32, "none"), (NEOX, "fp32", 1, 32, "none"), (NEOX, "fp32", 2, 64, "none")])
+def test_adapted_mlp_top_equals_trace(cfg, precision, batch, seq, recompute):
+    """LoRA on q, v and the MLP. Before (estimate - trace), full recompute: fp32 Llama B1 S32 -4,608 B, B2 S64
     +4,608, B1 S64 -1,536, GPT-NeoX B1 S32 -19,456 (the stop read the product and the MLP's input twice; the
     input-gradient sum was not read); bf16 Llama B1 S32 -15,368, B2 S64 -61,448 (the up projection's adapter forward
     was not read), GPT-NeoX B2 S64 +102,400 (the stop counted lora_A's saved fp32 copy of the product again and
-    missed the promoted sum's two branch gradients)."""
+    missed the promoted sum's two branch gradients). Eager fp32 (the input-gradient sum not read): Llama B1 S32
+    -2,432, GPT-NeoX B1 S32 -68,616, B2 S64 -213,000."""
     pytest.importorskip("torch")
     from trainmem.trace import trace_step
 
     ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR[cfg["model_type"]])
-    impl = ImplSpec(attention="sdpa", device="cpu", recompute="full")
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute=recompute)
     step = _step(precision, batch, seq)
     t = trace_step(cfg, step, impl, finetune=ft)
     e = estimate(spec_from_hf_config(cfg), step, impl, finetune=ft)

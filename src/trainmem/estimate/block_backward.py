@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.estimate.recompute_stop import adapter_down_stop, adapter_up_forward, recompute_stop_moment
+from trainmem.estimate.recompute_stop import adapter_down_moments, adapter_up_forward, recompute_stop_moment
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
@@ -118,8 +118,8 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     checkpointed = recomputed is not None
     unsaved = [i for i in (block_items(recomputed, last) if checkpointed else block)
                if i.category is Category.ACTIVATION and not i.bytes]
-    out = (adapter_down_stop(block, acts, unsaved, residual_bytes=residual_bytes)
-           + adapter_up_forward(block, acts, unsaved, residual_bytes=residual_bytes) if checkpointed else []) + \
+    out = adapter_down_moments(block, acts, unsaved, residual_bytes=residual_bytes, checkpointed=checkpointed) + \
+        (adapter_up_forward(block, acts, unsaved, residual_bytes=residual_bytes) if checkpointed else []) + \
         _gated_mlp(block, acts, residual_bytes, checkpointed=checkpointed, unsaved=unsaved) + \
         _input_projections(block, acts, residual_bytes, checkpointed=checkpointed)
     for at in llama_norm_indices(acts):

@@ -42,7 +42,7 @@ import math
 
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 
-__all__ = ["recompute_stop_moment", "adapter_down_stop", "adapter_up_forward"]
+__all__ = ["recompute_stop_moment", "adapter_down_moments", "adapter_up_forward"]
 
 
 def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
@@ -81,8 +81,8 @@ def recompute_stop_moment(block: list[MemoryItem], acts: list[MemoryItem], unsav
             + int(bias_copy) + (branch if held else 0) + (branch if after else 0)}
 
 
-def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
-                      residual_bytes: int) -> list[dict[str, int]]:
+def adapter_down_moments(block: list[MemoryItem], acts: list[MemoryItem], unsaved: list[MemoryItem], *,
+                         residual_bytes: int, checkpointed: bool) -> list[dict[str, int]]:
     """The stop (module docstring) at a LoRA-adapted down projection (peft ``lora.Linear.forward``: ``result =
     base_layer(x)``, then ``x = _cast_input_dtype(x, lora_A.weight.dtype)``, ``result + lora_B(lora_A(x)) *
     scaling``): its adapters' tensors are the block's last saved ones, so the recomputation stops at ``lora_B``'s
@@ -90,7 +90,8 @@ def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: 
     product's dtype) and peft's copy of the product in the adapter's dtype (made when they differ: fp32 adapters
     under autocast) alive beside the MLP's input and the product. The adapter branch's gradient waits too: the
     ``* scaling`` node (``MulBackward0`` by a number saves nothing) runs before ``lora_B``'s, whose unpack starts
-    the recomputation. [] for other layouts."""
+    the recomputation. Checkpointed or not, in one dtype, the down projection's input-gradient sum too
+    (:func:`_adapter_down_input_sum`). [] for other layouts."""
     out = next((i for i in acts if i.name.endswith(".residual_mlp")), None)
     k = acts.index(out) if out is not None else 0
     down = acts[k - 1].name.split(".mlp.", 1)[-1].split(".", 1)[0] if k and ".mlp." in acts[k - 1].name else None
@@ -118,7 +119,7 @@ def adapter_down_stop(block: list[MemoryItem], acts: list[MemoryItem], unsaved: 
             "work": residual_bytes + (branch if prod.dtype != out.dtype else 0) + x + (0 if kept_prod else _bytes(prod))
             + branch + _adapter_branch_gradients(acts, adapter, prod, branch) + copy
             + (branch if _attention_output_held(acts) else 0)}
-    return [stop] + (_adapter_down_input_sum(block, acts[k - 2], acts[k - 1], out, down, residual_bytes)
+    return [stop] * checkpointed + (_adapter_down_input_sum(block, acts[k - 2], acts[k - 1], out, down, residual_bytes)
                      if kept_prod else [])
 
 
