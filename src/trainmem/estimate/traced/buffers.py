@@ -32,8 +32,9 @@ __all__ = ["traced_buffers"]
 def traced_buffers(model: "ModelSpec") -> tuple[Buffer, ...]:
     """The buffers of ``model`` under ``--profile traced``: its family's declaration, or, for a model
     type the estimator does not map (the ``generic`` family), the model's own ``named_buffers()``."""
-    if model.family != "generic":
-        return family_of(model).buffers(model)
+    family = family_of(model)
+    if family.config is not None:  # a mapped model type (only ``generic`` reads no config)
+        return family.buffers(model)
     from trainmem.estimate.traced import _config_of
 
     return _read(json.dumps(_config_of(model), sort_keys=True))
