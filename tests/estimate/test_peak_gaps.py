@@ -47,7 +47,8 @@ def test_conv1d_new_gradients_under_accumulation():
     R, Fb = 64 * H * 4, 64 * F * 4
     # every .grad, c_proj's new weight and bias gradients; the residual and dropout gradients and c_proj's
     # input gradient; its saved input (the GELU product) is still held
-    assert ph.parts["gradients"] == two.totals_bytes["gradient"] + F * H * 4 + H * 4
+    assert ph.parts["gradients"] == two.totals_bytes["gradient"]  # every gradient item, and beside them
+    assert ph.parts["new_gradients"] == F * H * 4 + H * 4  # the new ones, not items (peak.py _stored_and_new)
     assert ph.parts["node_work"] == 2 * R + Fb + 8
     assert two.peak_phase == "backward" and two.peak_bytes == 7_663_116  # == trace
     assert _phase(one, "backward").parts["node_work"] == R + 3 * Fb + 8  # at N = 1 the product's moment is larger

@@ -67,7 +67,9 @@ _STATIC = (Category.PARAMETER, Category.MASTER_WEIGHT, Category.OPTIMIZER_STATE)
 #: Phase parts this order places per tensor; any other part is one block (see the module docstring).
 _PLACED = {"parameters", "master_weights", "optimizer_states", "gradients", "activations", "logits",
            "logits_grad", "recompute_and_work", "work", "optimizer_temporaries",
-           "node_work"}  # a node's moment inside a block (estimate/block_backward.py): the phase bounds it, not placed
+           "node_work",  # a node's moment inside a block (estimate/block_backward.py): the phase bounds it, not placed
+           "recomputed",  # the same moment's recomputed block set (placed in step 4 from recompute_and_work)
+           "new_gradients"}  # and, under gradient accumulation, the block's new gradients beside their .grad
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,21 @@ class LayerStats:
 AUX_LOSS = "loss.load_balancing."  # estimate/rules_hf_moe.py load_balancing_items
 
 
+def _stored_and_new(grads: int, stored: int) -> dict:
+    """A node moment's gradients: at most every gradient item (``gradients``); beyond them, gradients that are
+    not items (``new_gradients``): under accumulation the block's new ones beside their stored ``.grad``, under
+    FSDP the unsharded ones before their reduce-scatter. The split keeps the sum; it names what is not an item."""
+    return {"gradients": min(grads, stored), "new_gradients": grads - min(grads, stored)}
+
+
+def _held_and_recomputed(held: int, recomputed: int, freed: int) -> dict:
+    """A node moment's activations: what the step holds as items (``activations``) and a checkpointed block's
+    recomputed set (``recomputed``, not items), less what the block's nodes freed by then, taken from the
+    recomputed set first (its own saved tensors are what its backward frees)."""
+    rec_left = max(0, recomputed - freed)
+    return {"activations": held - (freed - (recomputed - rec_left)), "recomputed": rec_left}
+
+
 def node_moments_off(working: dict, node_moments: bool) -> bool:
     """Whether the block working set alone stands (a distributed working set, without node moments)."""
     return bool(working.get("backward")) and not node_moments
@@ -348,8 +363,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             if (li in recompute_bytes and recomputed is None) or optimizer_in_backward or \
                     node_moments_off(working, node_moments):
                 return parts, note
-            # a checkpointed block recomputed its forward first: its tensors are alive beside the rest
-            acts_before += recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
+            # a checkpointed block recomputed its forward first: its tensors are alive beside the rest; they are not
+            # inventory items (a checkpoint keeps only the block's input), so they get their own part, "recomputed"
+            rec_add = recompute_bytes.get(li, (0, 0))[0] if recomputed is not None else 0
             rec_li = recomputed if li in recompute_bytes else None
             # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
             # a fine-tuned compiled block (block_math eager_set) runs no eager nodes: compiled_finetune_moment.py's
@@ -367,9 +383,10 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                 # gradient (ones_like), alive through backward
                 # FSDP2 per pipeline stage (estimate/parallel_pp.py fsdp_stage_moments): every earlier gradient is in
                 # the unsharded buffer ``working`` counts; the block's new ones are unsharded, not yet accumulated
-                at = {"gradients": nb["block_gradients"] * fsdp_pp_grads if fsdp_pp_grads else grads_before + nb.get(
-                          "new_gradients", nb.get("accum_new_gradients", 0) if grad_accum > 1 else nb["block_gradients"]),
-                      "activations": acts_before - nb["freed_activations"] - shared,
+                at = {**({"gradients": nb["block_gradients"] * fsdp_pp_grads} if fsdp_pp_grads else _stored_and_new(
+                          grads_before + nb.get("new_gradients", nb.get("accum_new_gradients", 0) if grad_accum > 1
+                                                else nb["block_gradients"]), G)),
+                      **_held_and_recomputed(acts_before, rec_add, nb["freed_activations"] + shared),
                       "node_work": nb["work"] + (2 * dtype_bytes(loss_dtype) if loss == "ce" else 0)
                       - (residual_bytes if grad_received and li == last and not nb["after_attention"]
                          and any(nb is e for e in eager_nb) else 0),
