@@ -120,12 +120,15 @@ def _trace_backward_peak(t) -> int:
     return top
 
 
-def test_unchecked_fsdp2_layouts_are_refused_by_name():
-    # traced, not modelled: the fp8 all-gather at --recompute none (fsdp-bf16 B 2 S 64: the estimate read 0.992 of
-    # the trace's peak); with full or op recompute: tests/estimate/test_float8_compiled_op.py
+@pytest.mark.parametrize("kw,parallel", [(dict(float8_all_gather=True), FSDP2),
+                                         ({}, ParallelSpec(pp=2, dp=2, fsdp="full"))])
+def test_unchecked_fsdp2_layouts_are_refused_by_name(kw, parallel):
+    # at --recompute none: the fp8 all-gather, traced, not modelled (fsdp-bf16 B 2 S 64: the estimate read 0.992 of
+    # the trace's peak; with full or op recompute: tests/estimate/test_float8_compiled_op.py); pipeline stages: not
+    # traced (trace --pp refuses Float8)
     with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*FSDP2"):
-        estimate(spec_from_hf_config(LLAMA), _step("fsdp-bf16", 2, 64),
-                 _impl(recompute="none", float8_all_gather=True), parallel=FSDP2)
+        estimate(spec_from_hf_config(LLAMA), _step("fsdp-bf16", 2, 64), _impl(recompute="none", **kw),
+                 parallel=parallel)
 
 
 # --recompute none: (config, precision, batch, seq, parallel, recipe) -> the traced backward peak (slow test below)
