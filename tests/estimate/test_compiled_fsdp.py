@@ -74,7 +74,8 @@ def test_compiled_qlora_dequantizes_to_the_weight_alone_under_fsdp():
     (["--offload", "activations"], "offload='activations'"),  # params: tests/parallel/test_fsdp_offload_compile.py
     (["--tp", "2"], "sp=False"),  # TP + FSDP2 is modelled with --sp only (estimate/compiled_tp.py)
     (["--dp", "4", "--fsdp", "hybrid", "--tp", "2", "--sp"], "parallel="),  # HSDP beside TP: not checked
-    (["--pp", "2", "--microbatches", "4", "--recompute", "op"], "recompute='op'"),  # without --pp: checked
+    # without --pp, and with 1F1B stages: checked; GPipe stages read 1.03 of the trace
+    (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--recompute", "op"], "recompute='op'"),
 ])
 def test_layouts_not_checked_under_compile_are_refused_in_one_line(capsys, tmp_path, argv, field):
     import json

@@ -38,13 +38,11 @@ Known limitations (refused by :func:`check_compiled_parallel`, one line each):
     2-rank gloo run with compiled blocks (tests/parallel/test_fsdp_offload_compile.py: host states, gathered
     parameters and saved activations to the byte; device peak 1.017 fp32, 0.975 fsdp-bf16 with full
     recompute); tensor/context/expert parallelism is refused by ``rules_compiled.check_compiled``;
-  - ``--recompute op`` with FSDP2 and pipeline stages: traced in fp32 (``trace --pp`` refuses fsdp-bf16), the
-    estimate reads 0.967 (1F1B, both ranks): FSDP2 per stage takes no node moments (estimate/parallel_pp.py
-    ``stage_node_moments``); with them 0.9927 (rank 0: the block's new down_proj gradient counted sharded, 22,528 B
-    under, where the compiled backward returns it unsharded) and 1.0032 (rank 1: the same, and the head's sharded
-    gradients, 32,896 B, counted beside FSDP2's unsharded buffer that holds them: 10,368 B over). Both equal the trace
-    if a moment's gradients are the block's new unsharded ones alone (arithmetic, not built). Under FSDP2 and HSDP a block's backward
-    moment is the one-device one (estimate/compiled_op_moment.py; the 0.855 read before was that moment, missing):
+  - ``--recompute op`` with FSDP2 and pipeline stages: under 1F1B and ``--fsdp full`` the blocks' moments are
+    counted beside FSDP2's unsharded gradient buffer (estimate/parallel_pp.py ``fsdp_stage_moments``), equal to the
+    fp32 and bf16 traces (``trace --pp`` refuses fsdp-bf16: not checked); GPipe reads 1.03 and stays refused.
+    Under FSDP2 and HSDP a block's backward moment is the one-device one (estimate/compiled_op_moment.py; the
+    0.855 read before was that moment, missing):
     tiny Llama B 2 S 64, estimate == trace 2,325,960 B fp32, 1,846,472 B fsdp-bf16, 1,371,912 B bf16 (HSDP dp 4
     group 2 against the 2-D trace: 2,325,960 B fp32, 1,846,472 B fsdp-bf16);
     Qwen2 (q/k/v biases, the attention's recompute deferred) fp32 2,276,808 B, fsdp-bf16 1,780,936 B.
@@ -80,10 +78,13 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec, recipe: str = "")
             or impl.recompute not in ("none", "full")),
          "compiled blocks under FSDP2 are checked with CPU offload of the sharded states (--fsdp full --offload "
          "params[,optimizer], --recompute none or full), not with activation offload, HSDP or pipeline stages"),
-        # op per block: estimate/compiled_op_moment.py, traced under FSDP2 and HSDP, not with pipeline stages
+        # op per block: estimate/compiled_op_moment.py, traced under FSDP2 and HSDP, and per pipeline stage under
+        # 1F1B with --fsdp full (estimate/parallel_pp.py fsdp_stage_moments; GPipe read 1.03 of the trace, not
+        # explained)
         ("recompute", impl.recompute, bool(par.fsdp) and impl.recompute not in ("none", "full") and not (
-            impl.recompute == "op" and par.pp == 1),
-         "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages"),
+            impl.recompute == "op" and (par.pp == 1 or (par.fsdp == "full" and par.schedule == "1f1b"))),
+         "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages or "
+         "with them under 1f1b and --fsdp full"),
         # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
         # (the fp8 all-gather at none read 0.992 of the trace's peak: tiny Llama fsdp-bf16 dp 2 B 2 S 64; pipeline
         # stages: trace --pp refuses Float8, not traced)
