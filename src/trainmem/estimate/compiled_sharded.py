@@ -56,10 +56,8 @@ from trainmem.specs import ImplSpec, ParallelSpec
 __all__ = ["check_compiled_parallel"]
 
 
-def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec, recipe: str = "") -> None:
-    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under. ``recipe``
-    (``StepSpec.recipe``, passed by estimate/parallel.py ``validate``) is for rows that depend on the precision; none
-    does now (Float8 amp-bf16 at --recompute none, refused in 2b2ba54, is modelled: compiled_float8_moment.py)."""
+def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
+    """Refuse ``--compile`` with a parallel layout the compiled rules were not checked under."""
     if not impl.compile or par.is_single:
         return
     refusals = (
