@@ -50,7 +50,8 @@ def recomputes_blocks(impl: ImplSpec) -> bool:
     """Whether a checkpointed block's backward moments run on its recomputed set (``peak.phases``'s
     ``recomputed``): ``--recompute full``, and op-level checkpointing inside a compiled block (eager op-level
     checkpointing keeps its saved outputs beside the recomputed ones: ``peak.recompute_per_layer``)."""
-    return impl.recompute == "full" or (impl.compile and impl.recompute == "op")
+    return impl.recompute == "full" or (impl.compile and impl.recompute == "op") or (
+        impl.recompute == "every-k" and not impl.compile)  # eager every-k: its checkpointed blocks as under full
 
 
 def op_block_freed(items: "Inventory | list[MemoryItem]", last: int, kept: dict[str, MemoryItem], norm_held: int,
