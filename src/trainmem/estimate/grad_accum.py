@@ -47,9 +47,9 @@ from dataclasses import replace
 
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.compiled_embedding_backward import TABLES
-from trainmem.estimate.grad_items import token_embedding_grad
+from trainmem.estimate.grad_items import base_items, token_embedding_grad
 from trainmem.estimate.block_backward import FP32_NORM_TRANSIENTS, OTHER_NORM_KINDS, llama_norm_indices
-from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.inventory import Category, dtype_bytes
 from trainmem.names import is_head, layer_of
 
 __all__ = ["with_accumulation"]
@@ -59,13 +59,9 @@ _BACKWARD = ("backward_start", "head_backward", "backward", "backward_first_bloc
              "backward_end")
 
 
-def _base(items) -> list[MemoryItem]:
-    return list(items.base) if isinstance(items, Inventory) else list(items)
-
-
 def _head_casts(items) -> tuple[int, int]:
     """(weight, input) bytes of the head's autocast copies that its matmul saves (0, 0 without autocast)."""
-    base = _base(items)
+    base = base_items(items)
     w = sum(i.bytes for i in base if i.category is Category.ACTIVATION and i.name == "lm_head.weight_cast")
     x = sum(i.bytes for i in base if i.category is Category.ACTIVATION and i.name == "lm_head.input_cast")
     return w, x
@@ -73,7 +69,7 @@ def _head_casts(items) -> tuple[int, int]:
 
 def _final_norm_input(items) -> int:
     """The fp32 input copy a Llama-style final RMSNorm saves (0: another norm, or none in fp32)."""
-    acts = [i for i in _base(items) if i.category is Category.ACTIVATION and layer_of(i.name) is None
+    acts = [i for i in base_items(items) if i.category is Category.ACTIVATION and layer_of(i.name) is None
             and is_head(i.name) and not i.name.startswith("loss.")]
     if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS for i in acts):
         return 0
