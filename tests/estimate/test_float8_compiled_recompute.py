@@ -131,6 +131,24 @@ def test_unchecked_fsdp2_layouts_are_refused_by_name(kw, parallel):
                  parallel=parallel)
 
 
+@pytest.mark.parametrize("extra", [("--recompute", "full"), ("--recompute", "none", "--float8", "rowwise"),
+                                   ("--recompute", "op", "--dp", "2", "--fsdp", "full", "--precision", "fsdp-bf16")])
+def test_compiled_float8_per_pipeline_stage_is_refused_in_one_line(tmp_path, extra):
+    # trace --pp refuses Float8, so no stage's compiled Float8 block is checked: refused (it was estimated unchecked)
+    import json
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    args = ["estimate", "--model", str(cfg), "--precision", "bf16", "--batch", "2", "--seq", "64", "--pp", "2",
+            "--compile", "--compile-scope", "block", "--float8", "tensorwise", *extra]
+    proc = subprocess.run([sys.executable, "-m", "trainmem.cli", *args], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and proc.stdout == "", proc.stderr
+    assert "compile: float8=" in lines[0] and "pipeline stages" in lines[0]
+
+
 # --recompute none: (config, precision, batch, seq, parallel, recipe) -> the traced backward peak (slow test below)
 NONE_CASES = {
     "fsdp_silu": ((LLAMA, "fsdp-bf16", 2, 64, FSDP2, "tensorwise"), 1920234),  # SiLU's backward, block 0 (0.945 before)
