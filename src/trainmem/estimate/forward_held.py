@@ -62,13 +62,16 @@ class _Probe(Graph):
     made: dict[str, dict[Key, Sym]] = field(default_factory=lambda: {"kv": {}, "casts": {}})
     copies: dict[str, int] = field(default_factory=lambda: {"kv": 0, "casts": 0})  # repeated blocks' bytes
     linears: set[str] = field(default_factory=set)  # every linear that casts its trainable weight
+    #: fine-tuning: a checkpointed block's casts of trainable weights too (autocast_cache.py reads every weight_cast,
+    #: frozen ones included, so the forward phase leaves fine-tuning to this probe, which sees ``requires_grad``)
+    checkpointed_casts: bool = False
 
     def new(self, label: str, *args, **kwargs) -> Sym:
         t = super().new(label, *args, **kwargs)
         if label == "weight_cast" and t.requires_grad:
             self.linears.add(t.name.removesuffix(".weight_cast"))
         kind = "kv" if label in _CACHE_COPIES else "casts" if label == "weight_cast" and t.requires_grad else None
-        if kind and not self._checkpoint:
+        if kind and (not self._checkpoint or (kind == "casts" and self.checkpointed_casts)):
             self.made[kind][self.key(t)] = t
         return t
 
@@ -96,7 +99,7 @@ def _probe(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None) -> _
     ``estimate/activations.py`` ``activation_items_with_savers`` sets them up)."""
     from trainmem.estimate.rules_hf import hf_forward
 
-    g = _Probe()
+    g = _Probe(checkpointed_casts=finetune is not None)
     ctx = Ctx(g, model, step, impl, replicate=finetune is None)
     if finetune is not None:
         from trainmem.estimate.finetune import FinetuneLinear, trainable_predicate
