@@ -359,21 +359,36 @@ def _loss(get, step: dict, notes: list[str], where: str) -> None:
 def _checkpointing(get, impl: dict, notes: list[str], where: str) -> None:
     # lora_finetune_single_device.py, _setup_model: training.set_activation_checkpointing(model,
     # auto_wrap_policy={modules.TransformerSelfAttentionLayer}): every block
-    if get("enable_activation_checkpointing", bool):
-        impl["recompute"] = "full"
+    enabled = get("enable_activation_checkpointing", bool)
     mode, option = get("ac_mode", str), get("ac_option", (int, str))
-    if mode is not None:
-        # torchtune/training/_activation_checkpointing.py, apply_selective_activation_checkpointing:
-        # "full" wraps every layer; "selective" with an integer k every k-th layer, with "op" the ops
-        if mode == "full":
+    if mode is None:
+        if enabled:
             impl["recompute"] = "full"
-        elif mode == "selective" and isinstance(option, int) and option > 0:
-            impl.update(recompute="every-k", recompute_every=option)
-        elif mode == "selective" and option == "op":
-            impl["recompute"] = "selective"
+        return
+    # full_finetune_distributed.py, _setup_model: apply_selective_activation_checkpointing only when
+    # enable_activation_checkpointing is False, set_activation_checkpointing only when ac_mode is None
+    if enabled:
+        impl["recompute"] = "none"
+        notes.append(f"enable_activation_checkpointing=True with ac_mode={mode!r}: torchtune's recipe applies "
+                     f"neither (ac_mode only when enable_activation_checkpointing is False, full checkpointing "
+                     f"only when ac_mode is unset): no activation checkpointing")
+        return
+    # torchtune/training/activations.py, checkpoint_wrapper: "full" wraps every layer; "selective" reads
+    # int(ac_option) and wraps every k-th layer, every layer at 0; any other mode wraps none
+    if mode == "full":
+        impl["recompute"] = "full"
+    elif mode == "none":
+        impl["recompute"] = "none"
+    elif mode == "selective" and str(option).isdigit():  # typed: an int or a str, never a bool
+        every = int(option)
+        if every in (0, 1):
+            impl["recompute"] = "full"
         else:
-            raise ConfigError(f"{where}: ac_mode={mode!r} with ac_option={option!r}: expected full, or selective "
-                              f"with a positive integer or 'op'")
+            impl.update(recompute="every-k", recompute_every=every)
+    else:
+        raise ConfigError(f"{where}: ac_mode={mode!r} with ac_option={option!r}: expected none, full, or selective "
+                          f"with a non-negative integer (torchtune's checkpoint_wrapper reads int(ac_option): "
+                          f"'op' fails there)")
 
 
 def _offloading(get, impl: dict, par: dict, finetune: dict, notes: list[str]) -> None:

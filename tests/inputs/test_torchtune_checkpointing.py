@@ -1,0 +1,59 @@
+"""torchtune's activation-checkpointing keys as its recipes read them (pytorch/torchtune bd2a0fc).
+
+``recipes/full_finetune_distributed.py`` ``_setup_model`` applies ``ac_mode``/``ac_option`` only when
+``enable_activation_checkpointing`` is False, and full checkpointing only when ``ac_mode`` is unset;
+``torchtune/training/activations.py`` ``checkpoint_wrapper`` reads ``int(ac_option)`` (0: every
+layer), so ``ac_option: op`` fails there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from trainmem.errors import ConfigError
+from trainmem.inputs import read_torchtune
+
+HEAD = "model:\n  _component_: torchtune.models.llama3.llama3_8b\n"
+
+
+def impl_of(tmp_path, text: str) -> tuple[dict, list[str]]:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(HEAD + text)
+    a = read_torchtune(p)
+    return a["overrides"].get("impl", {}), a["notes"]
+
+
+@pytest.mark.parametrize("text, recompute, every", [
+    ("enable_activation_checkpointing: true\n", "full", None),
+    ("ac_mode: full\n", "full", None),
+    ("ac_mode: selective\nac_option: 3\n", "every-k", 3),
+    ("ac_mode: selective\nac_option: '3'\n", "every-k", 3),  # int("3")
+    ("ac_mode: selective\nac_option: 0\n", "full", None),  # `not every_x_layer`: every layer
+    ("ac_mode: selective\nac_option: 1\n", "full", None),
+    ("ac_mode: none\n", "none", None),  # apply_selective_activation_checkpointing wraps nothing
+])
+def test_ac_keys_as_torchtune_reads_them(tmp_path, text, recompute, every):
+    impl, _ = impl_of(tmp_path, text)
+    assert impl.get("recompute") == recompute
+    assert impl.get("recompute_every") == every
+
+
+def test_both_ac_switches_checkpoint_nothing(tmp_path):
+    impl, notes = impl_of(tmp_path, "enable_activation_checkpointing: true\nac_mode: selective\nac_option: 2\n")
+    assert impl.get("recompute") == "none" and "recompute_every" not in impl
+    assert any("applies neither" in n and "no activation checkpointing" in n for n in notes)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ac_mode: selective\nac_option: op\n", "ac_mode='selective' with ac_option='op'"),
+    ("ac_mode: selective\n", "ac_mode='selective' with ac_option=None"),
+    ("ac_mode: selective\nac_option: -2\n", "ac_mode='selective' with ac_option=-2"),
+    ("ac_mode: bogus\nac_option: 2\n", "ac_mode='bogus' with ac_option=2"),
+    ("ac_mode: selective\nac_option: true\n", "ac_option=True must be int or str"),
+])
+def test_bad_ac_keys_are_one_line_errors(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        impl_of(tmp_path, text)
+    assert "\n" not in str(err.value)
