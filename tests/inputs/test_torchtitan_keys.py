@@ -146,6 +146,11 @@ def test_global_batch_size_is_gradient_accumulation(tmp_path):
     ('[activation_checkpoint]\nmode = "selective"\n', {"recompute": "every-k", "recompute_every": 2}),
     ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n', {"recompute": "op"}),
     ('[activation_checkpoint]\nmode = "none"\n', {"recompute": "none"}),
+    # _apply_layer_sac: `not ac_freq or _layer_sac_count % ac_freq == 0`: "0" and "1" wrap every block
+    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "0"\n', {"recompute": "full"}),
+    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "1"\n', {"recompute": "full"}),
+    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = 3\n',
+     {"recompute": "every-k", "recompute_every": 3}),
 ])
 def test_activation_checkpoint(tmp_path, section, recompute):
     assert overrides(tmp_path, section)["impl"] == recompute

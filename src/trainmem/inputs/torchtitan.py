@@ -339,11 +339,15 @@ def _checkpoint(get, impl: dict, notes: list[str], where: str) -> None:
         option = str(get("activation_checkpoint", "selective_ac_option", (str, int)))
         if option == "op":  # op-level SAC with torchtitan's policy: ImplSpec recompute "op"
             impl["recompute"] = "op"
-        elif option.isdigit() and int(option) > 0:
-            impl.update(recompute="every-k", recompute_every=int(option))
+        elif option.isdigit():  # _apply_layer_sac: `not ac_freq or count % ac_freq == 0`, 0 wraps every block
+            every = int(option)
+            if every in (0, 1):
+                impl["recompute"] = "full"
+            else:
+                impl.update(recompute="every-k", recompute_every=every)
         else:
             raise ConfigError(f"{where}: [activation_checkpoint] selective_ac_option={option!r} must be 'op' "
-                              f"or a positive integer")
+                              f"or a non-negative integer")
     else:
         raise ConfigError(f"{where}: [activation_checkpoint] mode={mode!r} must be none, selective or full "
                           f"(memory_budget is left to torch.compile's partitioner and is not modelled)")
