@@ -49,6 +49,20 @@ def positive_int(field: str):
     return parse
 
 
+def comma_list(field: str):
+    """An argparse type for ``--field A,B``: names without empty items or repeats (which name is
+    known is the spec's to say), else a one-line ``--field=value: ...`` error."""
+    def parse(text: str) -> str:
+        items = text.split(",")
+        if not all(x.strip() for x in items):
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: an empty item (give names, comma-separated)")
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: a name repeated")
+        return text
+    parse.__name__ = field
+    return parse
+
+
 def positive_float(field: str):
     """An argparse type for ``--field``: a finite positive number, else a one-line error."""
     def parse(text: str) -> float:
@@ -92,7 +106,8 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing: none, selective (attention core), full (every block), "
                         "every-k (every k-th block), op (torchtitan's op-level policy)")
     p.add_argument("--recompute-every", type=positive_int("recompute-every"), default=None,
-                   help="k for --recompute every-k")
+                   help="K for --recompute every-k, which needs it: every K-th block checkpointed (torchtitan's "
+                        "selective_ac_option, torchtune's ac_option)")
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
                    help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
                         "trace; --device cpu)")
@@ -198,6 +213,18 @@ def resolve_attention(args: argparse.Namespace, family: str) -> None:
         args.attention = default_attention(family)
 
 
+def recompute_every_from_args(args: argparse.Namespace) -> int:
+    """``ImplSpec.recompute_every`` from --recompute and --recompute-every: K only with every-k, and
+    every-k only with K (no silent K; torchtitan's selective_ac_option and torchtune's ac_option name it)."""
+    every = args.recompute_every
+    if every is not None and args.recompute != "every-k":
+        raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
+    if every is None and args.recompute == "every-k":
+        raise SpecError("recompute_every", every, "--recompute every-k needs --recompute-every K (every K-th block "
+                                                  "checkpointed; K=1 is --recompute full)")
+    return every or 1
+
+
 def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     """The step and implementation specs alone (for commands that build the model themselves:
     they resolve ``args.seq`` with :func:`~trainmem.specs.step.default_seq` and ``args.attention`` with
@@ -207,15 +234,13 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     seq = default_seq() if args.seq is None else args.seq  # a file's seq = 0 is an error, not the default
     step = StepSpec(batch=args.batch, seq=seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss, **spec_fields(args, "step"))
-    every = args.recompute_every
-    if every is not None and args.recompute != "every-k":
-        raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
+    every = recompute_every_from_args(args)
     routing = {"routing": args.routing} if getattr(args, "routing", None) else {}  # commands with add_routing_arg
     # add_optimizer_args, add_compile_arg, add_float8_args
     optim = {k: getattr(args, k) for k in ("optimizer_impl", "optimizer_in_backward", "compile", "compile_scope",
                                            "float8", "float8_all_gather", "framework") if hasattr(args, k)}
     attention = {"attention": args.attention} if args.attention is not None else {}  # else resolve_attention's
-    impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every or 1, device=args.device,
+    impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every, device=args.device,
                     **{**attention, **routing, **optim, **spec_fields(args, "impl")})
     return step, impl
 
@@ -390,7 +415,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-loss-parallel", action="store_true",
                    help="TP: all-gather the full-vocabulary logits before the loss (default: loss_parallel, "
                         "logits and loss sharded V/tp per rank, torchtitan's default)")
-    g.add_argument("--offload", default="", metavar="WHAT[,WHAT]",
+    g.add_argument("--offload", type=comma_list("offload"), default=None, metavar="WHAT[,WHAT]",
                    help=f"comma list of {', '.join(OFFLOADS)}; with --fsdp, params is FSDP's CPU offload "
                         "(CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host)")
 

@@ -231,13 +231,11 @@ def run(args: argparse.Namespace) -> int:
                                          f"(max_positions={max_positions})")
     step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss)
-    every = args.recompute_every
-    if every is not None and args.recompute != "every-k":
-        raise SpecError("recompute_every", every, f"needs --recompute every-k, not {args.recompute}")
-    from trainmem.cliargs import resolve_attention
+    from trainmem.cliargs import recompute_every_from_args, resolve_attention
+    every = recompute_every_from_args(args)
     resolve_attention(args, spec.family if spec else config.get("model_type", ""))
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every or 1, device=args.device, routing=args.routing,
+                    recompute_every=every, device=args.device, routing=args.routing,
                     optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward,
                     compile=args.compile, compile_scope=args.compile_scope, float8=args.float8,
                     float8_all_gather=args.float8_all_gather)

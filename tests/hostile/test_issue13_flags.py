@@ -1,0 +1,44 @@
+"""Issue 13's flags given values that cannot be right, on every command that takes them: one line
+naming the value, exit 2. No silent default: ``--recompute every-k`` without K was K=1 (= full), and
+an empty or repeated ``--offload`` item ran as if not given."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostile_helpers import assert_one_line_error
+
+#: the estimate-backed commands that take --recompute/--offload, with what makes them cheap
+COMMANDS = {
+    "estimate": ["--seq", "64"],
+    "advise": ["--seq", "64", "--gpu", "h100-80gb"],
+    "sweep": ["--over", "seq", "--budget", "64MiB", "--max", "256"],
+    "trace": ["--seq", "32"],
+}
+
+
+#: refused by the spec (trace checks them after building its model: transformers' import, seconds)
+SPEC_CASES = [
+    (["--recompute", "every-k"], "recompute_every=None: --recompute every-k needs --recompute-every K"),
+    (["--recompute-every", "2"], "recompute_every=2: needs --recompute every-k, not none"),
+]
+#: refused by the parser, on every command
+PARSER_CASES = [
+    (["--offload", ""], "--offload='': an empty item"),
+    (["--offload", "activations,"], "--offload='activations,': an empty item"),
+    (["--offload", "activations,activations"], "--offload='activations,activations': a name repeated"),
+]
+CASES = [(c, f, m) for c in COMMANDS for f, m in PARSER_CASES + (SPEC_CASES if c != "trace" else [])]
+
+
+@pytest.mark.parametrize("command, flags, message", CASES)
+def test_refused_in_one_line(cli, tiny, command, flags, message):
+    r = cli([command, "--model", tiny, *COMMANDS[command], *flags])
+    assert_one_line_error(r)
+    assert message in r.err
+
+
+def test_every_k_with_k_still_runs(cli, tiny):
+    r = cli(["estimate", "--model", tiny, "--seq", "64", "--recompute", "every-k", "--recompute-every", "2", "--json"])
+    assert r.rc == 0, r.err
+    assert '"recompute_every": 2' in r.out
