@@ -22,7 +22,8 @@ defaults (5e8 elements).
 This module is the driver (:func:`rank_classes`, with :func:`validate` and the memoized
 activations and states); the steps live apart: pipeline stages in ``parallel_pp``, ZeRO/FSDP
 sharding and offload in ``parallel_zero``, the TP/CP-local model and TP divisors in
-``parallel_tp``, the communication buffers in ``parallel_buffers``.
+``parallel_tp``, the communication buffers in ``parallel_buffers``, a stage's phases (GPipe's
+later micro-batch included) in ``parallel_phases``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.compiled_op_moment import recomputes_blocks
 from trainmem.estimate.compiled_sharded import check_compiled_parallel
+from trainmem.estimate.context_parallel import ring_as_node_moment
 from trainmem.estimate.compiled_3d import check_compiled_tp_layout
 from trainmem.estimate.ctx import Shard
 from trainmem.estimate.finetune import dequant_transient, head_dequant, with_dequant_transient
@@ -49,13 +51,14 @@ from trainmem.estimate.heads import logits_width
 from trainmem.estimate import loss_parallel as lp
 from trainmem.estimate.model_states import model_state_items, optimizer_transient
 from trainmem.estimate.parallel_buffers import _buffers, _Rank
+from trainmem.estimate.parallel_phases import StageInputs, stage_phases
 from trainmem.estimate.parallel_pp import (
-    _stage_of, apply_pp, in_flight, later_microbatch, output_chunk_aliases, recv_input_aliases, stage_layers,
-    stage_node_moments, with_later_microbatch, without_recv_aliases, caller_batch, fsdp_stage_moments,
+    _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers, stage_node_moments,
+    caller_batch, fsdp_stage_moments,
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
-from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
+from trainmem.estimate.peak import Phase, PhasedResult, recompute_per_layer
 from trainmem.families import output_modules
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import as_block, is_token_embedding
@@ -145,19 +148,58 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
 # --- the pipeline: pure steps over an inventory ------------------------------------------------
 #
 # rank_classes composes them: apply_tp (the TP-local model: heads, FFN, vocabulary ÷ tp) and
-# apply_cp (the CP-local sequence) shape what the activation rules produce; apply_pp keeps one
-# stage's items; apply_zero divides each model state by its TP/EP divisor and, by ZeRO stage, by the
-# sharding group; apply_offload moves offloaded states to host.
+# apply_cp (the CP-local sequence) shape what the activation rules produce (_layout); per stage,
+# apply_pp keeps the stage's items, apply_zero divides each model state by its TP/EP divisor and,
+# by ZeRO stage, by the sharding group, apply_offload moves offloaded states to host (_stage_items);
+# the communication buffers (_stage_working) and the phases (estimate/parallel_phases.py) follow.
+
+@dataclass(frozen=True)
+class _Layout:
+    """What every stage of one layout shares: the rank-local model and step, the activations and model
+    states with the stage keeping each, the sharding group. ``traced``: ``--profile traced``'s parts."""
+
+    model: ModelSpec
+    step: StepSpec
+    impl: ImplSpec
+    par: ParallelSpec
+    finetune: object
+    stages: tuple[tuple[int, int], ...]
+    lm: ModelSpec  # the TP-local model
+    lstep: StepSpec  # the CP-local step
+    loss_lm: ModelSpec  # the model whose logits the loss reads (estimate/loss_parallel.py)
+    acts: tuple
+    act_stage: tuple
+    recompute_all: dict
+    states: tuple
+    state_stage: dict
+    tp_div: dict
+    traced: tuple | None
+    zero: int
+    group: int
+    shard: Shard
+    bufs: tuple
+
+    @property
+    def last(self) -> int:
+        return len(self.stages) - 1
+
+    @property
+    def torch_engine(self) -> bool:  # DTensor / FSDP2 / torch.distributed.pipelining
+        return self.impl.profile != "megatron"
+
 
 def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
                  finetune=None) -> list[RankClass]:
     validate(model, step, impl, par)
     if impl.profile == "megatron" and par.cp > 1:
         raise UnsupportedError("the megatron profile models tensor/sequence parallelism, not context parallelism")
-    stages = stage_layers(model, par)
-    last = len(stages) - 1
-    lm = apply_tp(model, par)
-    lstep = apply_cp(step, par)
+    lay = _layout(model, step, impl, par, finetune)
+    return [_rank_class(lay, s) for s in range(len(lay.stages))]
+
+
+def _layout(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec, finetune) -> _Layout:
+    stages = tuple(stage_layers(model, par))
+    lm, lstep = apply_tp(model, par), apply_cp(step, par)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     traced = None
     if impl.profile == "traced":  # estimate/traced/tp.py: read off a trace at one TP rank's shapes (--tp alone)
@@ -165,160 +207,207 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
         traced = traced_rank_parts(model, step, impl, par)
         acts, act_stage, recompute_all = traced[0]
     else:
-        acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, tuple(stages))
+        acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, stages)
     loss_lm = lp.loss_model(model, lm, par)  # TP without loss_parallel: the loss reads full-vocabulary logits
     if loss_lm is not lm and traced is None:
-        acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, tuple(stages))[0],
+        acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, stages)[0],
                                   output_modules())
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
     states, state_stage, tp_div = traced[1] if traced else _local_states(
-        model, replace(step, batch=1, grad_accum=1), finetune, par.tp, par.ep, par.pp, tuple(stages), impl.profile)
+        model, replace(step, batch=1, grad_accum=1), finetune, par.tp, par.ep, par.pp, stages, impl.profile)
     group = shard_group(par)
     if par.fsdp and par.fsdp_version == 1 and traced is None:  # FSDP1: what autograd sees (estimate/fsdp1_flat.py)
         act_ft = autograd_finetune(finetune, states, group)
         if act_ft is not finetune:  # frozen weights in a trainable flat parameter save their inputs
-            acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, act_ft, shard, tuple(stages))
-    zero = 3 if par.fsdp else par.zero
-    emb_grad = f"{_embedding_name(states)}.grad"
-    torch_engine = impl.profile != "megatron"  # DTensor / FSDP2 / torch.distributed.pipelining
-    rotary = [it for it in acts if ".rotary_emb." in it.name]
-    bufs = buffer_items(model, step, impl.profile)
+            acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, act_ft, shard, stages)
+    return _Layout(model=model, step=step, impl=impl, par=par, finetune=finetune, stages=stages, lm=lm, lstep=lstep,
+                   loss_lm=loss_lm, acts=acts, act_stage=act_stage, recompute_all=recompute_all, states=states,
+                   state_stage=state_stage, tp_div=tp_div, traced=traced, zero=3 if par.fsdp else par.zero,
+                   group=group, shard=shard, bufs=buffer_items(model, step, impl.profile))
+
+
+def _rank_class(lay: _Layout, s: int) -> RankClass:
+    """One stage's rank class: its items, its buffers, its phases."""
+    par, d = lay.par, lay.step.dtypes
+    a, b = lay.stages[s]
+    n = in_flight(par, s)
+    stage_acts, head_acts = _stage_activations(lay, s)
+    items, host, body, act_off = _stage_items(lay, s, stage_acts, head_acts, n)
+    own_states = [i for i in lay.states if lay.state_stage[i.name] == s]
+    tl = (ft.units(own_states, world=lay.group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad),
+                   offload=cpu_offload(par), fp8_gathered=fp8_gathered(lay.model, lay.impl))
+          if ft.applies(par, lay.step, lay.impl, lay.finetune) else None)  # FSDP2 per tensor: estimate/fsdp_timeline.py
+    persistent, working = _stage_working(lay, s, stage_acts, own_states, body, tl, act_off)
+    inputs = _stage_inputs(lay, s, items, stage_acts, own_states, body, tl, act_off, persistent, working)
+    ph = _rank_extras(lay, s, stage_phases(inputs, items), stage_acts)
+    inv = Inventory(tuple(items) + tuple(
+        MemoryItem.make(f"buffers.{k}", Category.BUFFER, (), d.activation, v, "communication buffer")
+        for k, v in {**persistent, **_largest_each(working)}.items() if v))
+    return RankClass("rank" if par.pp == 1 else f"pp_stage_{s}", par.dp * par.tp * par.cp, (a, b), inv, tuple(ph),
+                     host, int(math.ceil(n)))
+
+
+def _stage_activations(lay: _Layout, s: int) -> tuple[list[MemoryItem], list[MemoryItem]]:
+    """The activations stage ``s`` keeps, and those of them its output layer, loss and task heads keep."""
+    par, impl = lay.par, lay.impl
+    stage_acts = apply_pp(lay.acts, lay.act_stage, s)
+    if s > 0 and lay.torch_engine:  # the received input is the receive buffer (estimate/parallel_pp.py)
+        stage_acts = recv_input_aliases(stage_acts, lay.stages[s][0])
+    if s == lay.last and par.pp > 1 and lay.torch_engine and impl.compile and impl.compile_scope == "block-loss":
+        stage_acts = output_chunk_aliases(stage_acts)  # the compiled loss's saved logits: the output chunk
     outputs = output_modules()
+    head_acts = [it for it in stage_acts if it.name.split(".")[0] in outputs]  # the output layer, loss, task heads
+    if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
+        stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
+                                                   it.bytes, it.formula, it.dims)
+                                   for it in lay.acts if ".rotary_emb." in it.name]
+    return stage_acts, head_acts
+
+
+def _stage_items(lay: _Layout, s: int, stage_acts: list, head_acts: list, n: float):
+    """The stage's device items (sharded model states, its buffers, its activations times the micro-batches
+    in flight, less what is offloaded), its host bytes, one micro-batch's activations (``body``) and activation
+    offload's parts (estimate/fsdp_offload.py ``rank_activation_offload``; empty without it)."""
+    par, d = lay.par, lay.step.dtypes
+    a, b = lay.stages[s]
+    stage_states = apply_pp(lay.states, [lay.state_stage[it.name] for it in lay.states], s)
+    divisors = {it.name: lay.tp_div[it.name] for it in stage_states}
+    emb_grad = f"{_embedding_name(lay.states)}.grad"
+    if lay.torch_engine and not par.fsdp and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
+        # DTensor gives the vocab-parallel embedding a replicated gradient; FSDP2 reduce-scatters it into
+        # the sharded parameter's layout (its TP-local rows ÷ dp: trace/parallel_2d.py)
+        divisors[emb_grad] //= par.tp
+    sharded = (fsdp1_states(stage_states, world=lay.group) if par.fsdp and par.fsdp_version == 1
+               else apply_zero(stage_states, divisors, zero=lay.zero, group=lay.group))
+    # FSDP's CPU offload (estimate/fsdp_offload.py) keeps every sharded model state on the host
+    items, host = offload_states(sharded) if cpu_offload(par) else apply_offload(sharded, par.offload)
+    items = items + stage_buffers(lay.bufs, s, a, b)  # the model's buffers on this stage (estimate/buffers.py)
+    # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
+    many = [] if par.schedule != "gpipe" else head_acts
+    body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
+    act_off = None
+    if composes_with_activation_offload(lay.impl, par):  # each rank as one device: estimate/fsdp_offload.py
+        kept, moved, *act_off = rank_activation_offload(lay.lm, lay.lstep, lay.impl, stage_acts,
+                                                         _stage_recompute(lay, s), lay.finetune)
+        items += kept
+        host += moved
+    elif "activations" in par.offload:
+        # everything but the block being computed and the one prefetched goes to host
+        per_layer = body / max(1, b - a)
+        keep = int(min(body, 2 * per_layer))
+        host += int(body * n) - keep
+        items += [it for it in stage_acts if it in head_acts]
+        items.append(MemoryItem.make(f"stage{s}.activations_on_device", Category.ACTIVATION, (), d.activation,
+                                     keep, "2 blocks' activations (the rest offloaded)"))
+    else:
+        items += stage_acts
+        extra = int(round(body * (n - 1)))
+        if extra:
+            items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
+                                         d.activation, extra, f"({n:g} − 1) × stage activations"))
+    return items, host, body, act_off
+
+
+def _stage_recompute(lay: _Layout, s: int) -> dict:
+    a, b = lay.stages[s]
+    return {li: v for li, v in lay.recompute_all.items() if a <= li < b}
+
+
+def _stage_working(lay: _Layout, s: int, stage_acts: list, own_states: list, body: int, tl, act_off):
+    """The stage's communication buffers: persistent ones (all step) and working ones per phase
+    (estimate/parallel_buffers.py), with the pipeline's own and activation offload's in-flight buffers."""
+    par, lstep = lay.par, lay.lstep
+    persistent, working = _buffers(_Rank(model=lay.model, local=lay.lm, step=lay.step, local_step=lstep,
+                                         impl=lay.impl, par=par, stage=s, last=lay.last, zero=lay.zero,
+                                         group=lay.group, stage_act_bytes=body, timeline=tl),
+                                   own_states, lay.states, lay.tp_div)
+    if par.pp > 1 and lay.torch_engine:  # the first block's backward holds the stage's buffers too (receive buffers...)
+        working.setdefault("backward_first_block", dict(working.get("backward", {})))
+        for parts in working.values():  # the caller's batch and the schedule's losses: estimate/parallel_pp.py
+            parts.update(caller_batch(par, s, stage_acts, batch=lstep.batch, seq=lstep.seq))
+    if lay.torch_engine and par.pp > 1 and s == lay.last:
+        # torch.distributed.pipelining keeps every micro-batch's output until step() returns
+        d = lay.step.dtypes
+        lb = dtype_bytes(d.activation if d.autocast else d.compute)
+        working["forward"]["pp_output_chunks"] = int(par.microbatches * lstep.batch * lstep.seq
+                                                     * lay.loss_lm.vocab_size * lb)
+        for ph_name in working:
+            working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
+    if act_off:  # activation offload's stash and in-flight buffers, each block's largest tensor kept
+        for ph, parts in act_off[1].items():
+            working.setdefault(ph, {}).update(parts)
+    return persistent, working
+
+
+def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_states: list, body: int, tl,
+                  act_off, persistent: dict, working: dict) -> StageInputs:
+    """What the stage's phases are computed from (estimate/parallel_phases.py)."""
+    model, step, impl, par, lm, lstep = lay.model, lay.step, lay.impl, lay.par, lay.lm, lay.lstep
     d = step.dtypes
-    out: list[RankClass] = []
-    for s, (a, b) in enumerate(stages):
-        stage_acts = apply_pp(acts, act_stage, s)
-        if s > 0 and torch_engine:  # the received input is the receive buffer (estimate/parallel_pp.py)
-            stage_acts = recv_input_aliases(stage_acts, a)
-        if s == last and par.pp > 1 and torch_engine and impl.compile and impl.compile_scope == "block-loss":
-            stage_acts = output_chunk_aliases(stage_acts)  # the compiled loss's saved logits: the output chunk
-        head_acts = [it for it in stage_acts if it.name.split(".")[0] in outputs]  # the output layer, loss, task heads
-        if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
-            stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
-                                                       it.bytes, it.formula, it.dims) for it in rotary]
-        n = in_flight(par, s)
-        stage_states = apply_pp(states, [state_stage[it.name] for it in states], s)
-        divisors = {it.name: tp_div[it.name] for it in stage_states}
-        if torch_engine and not par.fsdp and emb_grad in divisors and divisors[emb_grad] % par.tp == 0:
-            # DTensor gives the vocab-parallel embedding a replicated gradient; FSDP2 reduce-scatters it into
-            # the sharded parameter's layout (its TP-local rows ÷ dp: trace/parallel_2d.py)
-            divisors[emb_grad] //= par.tp
-        sharded = (fsdp1_states(stage_states, world=group) if par.fsdp and par.fsdp_version == 1
-                   else apply_zero(stage_states, divisors, zero=zero, group=group))
-        # FSDP's CPU offload (estimate/fsdp_offload.py) keeps every sharded model state on the host
-        items, host = offload_states(sharded) if cpu_offload(par) else apply_offload(sharded, par.offload)
-        items = items + stage_buffers(bufs, s, a, b)  # the model's buffers on this stage (estimate/buffers.py)
-        # GPipe runs every forward before any backward: the loss's tensors are held per micro-batch too
-        many = [] if par.schedule != "gpipe" else head_acts
-        body = sum(it.bytes for it in stage_acts if it not in head_acts or it in many)
-        act_off = None
-        if composes_with_activation_offload(impl, par):  # each rank as one device: estimate/fsdp_offload.py
-            kept, moved, *act_off = rank_activation_offload(
-                lm, lstep, impl, stage_acts, {li: v for li, v in recompute_all.items() if a <= li < b}, finetune)
-            items += kept
-            host += moved
-        elif "activations" in par.offload:
-            # everything but the block being computed and the one prefetched goes to host
-            per_layer = body / max(1, b - a)
-            keep = int(min(body, 2 * per_layer))
-            host += int(body * n) - keep
-            items += [it for it in stage_acts if it in head_acts]
-            items.append(MemoryItem.make(f"stage{s}.activations_on_device", Category.ACTIVATION, (), d.activation,
-                                         keep, "2 blocks' activations (the rest offloaded)"))
-        else:
-            items += stage_acts
-            extra = int(round(body * (n - 1)))
-            if extra:
-                items.append(MemoryItem.make("pipeline.in_flight_microbatches", Category.ACTIVATION, (),
-                                             d.activation, extra, f"({n:g} − 1) × stage activations"))
-        own_states = [i for i in states if state_stage[i.name] == s]
-        tl = (ft.units(own_states, world=group, param_bytes=dtype_bytes(d.compute), grad_bytes=dtype_bytes(d.grad),
-                       offload=cpu_offload(par), fp8_gathered=fp8_gathered(model, impl))
-              if ft.applies(par, step, impl, finetune) else None)  # FSDP2 per tensor: estimate/fsdp_timeline.py
-        persistent, working = _buffers(_Rank(model=model, local=lm, step=step, local_step=lstep, impl=impl, par=par,
-                                             stage=s, last=last, zero=zero, group=group, stage_act_bytes=body,
-                                             timeline=tl), own_states, states, tp_div)
-        if par.pp > 1 and torch_engine:  # the first block's backward holds the stage's buffers too (receive buffers...)
-            working.setdefault("backward_first_block", dict(working.get("backward", {})))
-            for parts in working.values():  # the caller's batch and the schedule's losses: estimate/parallel_pp.py
-                parts.update(caller_batch(par, s, stage_acts, batch=lstep.batch, seq=lstep.seq))
-        if torch_engine and par.pp > 1 and s == last:
-            # torch.distributed.pipelining keeps every micro-batch's output until step() returns
-            lb = dtype_bytes(d.activation if d.autocast else d.compute)
-            working["forward"]["pp_output_chunks"] = int(par.microbatches * lstep.batch * lstep.seq
-                                                         * loss_lm.vocab_size * lb)
-            for ph_name in working:
-                working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
-        state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
-        full_state = sum(i.bytes for i in states if i.category is Category.OPTIMIZER_STATE)
-        tb, rule = traced[2] if traced else optimizer_transient(model, step, states, finetune, impl)  # whole model
-        if "optimizer" in par.offload or cpu_offload(par):
-            tb, rule = 0, "optimizer step runs on the host (offloaded)"
-        elif full_state:
-            tb = int(tb * state_bytes / full_state)
-        recompute = {li: v for li, v in recompute_all.items() if a <= li < b}
-        if act_off:  # activation offload's stash and in-flight buffers, each block's largest tensor kept
-            recompute = act_off[0]
-            for ph, parts in act_off[1].items():
-                working.setdefault(ph, {}).update(parts)
+    state_bytes = sum(i.bytes for i in items if i.category is Category.OPTIMIZER_STATE)
+    full_state = sum(i.bytes for i in lay.states if i.category is Category.OPTIMIZER_STATE)
+    tb, rule = lay.traced[2] if lay.traced else optimizer_transient(model, step, lay.states, lay.finetune, impl)
+    if "optimizer" in par.offload or cpu_offload(par):
+        tb, rule = 0, "optimizer step runs on the host (offloaded)"
+    elif full_state:  # the optimizer's temporaries scale with this rank's optimizer states
+        tb = int(tb * state_bytes / full_state)
+    lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
+    torch_engine = lay.torch_engine
+    fsdp_pp = fsdp_stage_moments(par, impl) if torch_engine else 0  # FSDP2 per stage's node moments: parallel_pp.py
+    moments = (tl is not None or (torch_engine and stage_node_moments(par)) or bool(fsdp_pp)  # parallel_pp.py
+               or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
+    # CP's ring backward: a node moment of each block's attention (estimate/context_parallel.py)
+    ring = ring_as_node_moment(working, lm, lstep, par, dtype_bytes(d.activation),
+                               taken=lay.traced is None and not act_off and not impl.optimizer_in_backward)
+    moments = moments or bool(ring)
+    accumulated = max(step.grad_accum, par.microbatches)
+    return StageInputs(
+        par=par, batch=lstep.batch, seq=lstep.seq, vocab=logits_width(lay.loss_lm),
+        logits_dtype=d.activation if d.autocast else d.compute,
+        loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == lay.last else "none",
+        # GPipe's first backward (and FSDP2 under PP) sees only its own gradients: estimate/fsdp.py
+        grad_accum=(step.grad_accum if (par.schedule == "gpipe" or (torch_engine and lay.zero == 3)) and par.pp > 1
+                    else accumulated),
+        accumulated=accumulated, body=body,
+        recompute=act_off[0] if act_off else _stage_recompute(lay, s),
+        optimizer_transient=(tb, rule),
+        residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
+                           // (par.tp if par.sp else 1)),
+        persistent=persistent, node_moments=moments,
+        # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
+        working=working if tl is None else {**working, "forward": {
+            **working.get("forward", {}), **_held(lm, lstep, impl, own_states, lay.finetune)}},
+        grad_received=moments and s != lay.last,  # the stage's output gradient: pp_recv_gradients
+        logits_held=torch_engine and par.pp > 1 and s == lay.last,  # the schedule's output chunks (pp_output_chunks)
+        # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
+        # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
+        recomputed=(Inventory(_plain_activations(lm, lstep, impl, lay.finetune, lay.shard))
+                    if moments and recomputes_blocks(impl) and not act_off and lay.traced is None else None),
+        tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
+        fsdp_pp_grads=fsdp_pp, ring_bytes=ring, timeline=tl, own_states=tuple(own_states), param_bytes=dtype_bytes(d.compute),
+        # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
+        middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
+        block_math=ft.block_moments(lm, impl, lay.finetune) if tl is not None else None,  # a compiled block's moments
+    )
+
+
+def _rank_extras(lay: _Layout, s: int, ph: list, stage_acts: list) -> list:
+    """The last stage's loss under TP (estimate/loss_parallel.py) and QLoRA's dequantized weight beside the phases."""
+    par, lstep, d = lay.par, lay.lstep, lay.step.dtypes
+    if par.tp > 1 and lay.torch_engine and s == lay.last and lay.step.loss == "ce":  # estimate/loss_parallel.py
         lsm = next((i for i in stage_acts if i.name == "loss.log_softmax"), None)
-        fsdp_pp = fsdp_stage_moments(par, impl) if torch_engine else 0  # FSDP2 per stage's node moments: parallel_pp.py
-        moments = (tl is not None or (torch_engine and stage_node_moments(par)) or bool(fsdp_pp)  # parallel_pp.py
-                   or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
-        def stage_phases(items, grad_accum):  # run twice under GPipe (estimate/parallel_pp.py later_microbatch)
-            items = without_recv_aliases(items)  # the stage's first block is its own (parallel_pp.py)
-            return phases(
-                items if tl is None else ft.autograd_view(items, own_states, param_bytes=dtype_bytes(d.compute),
-                                                          offload=tl.host_grads),
-                B=lstep.batch, S=lstep.seq, vocab=logits_width(loss_lm),
-                logits_dtype=d.activation if d.autocast else d.compute,
-                loss_dtype=lsm.dtype if lsm else "float32", loss=step.loss if s == last else "none",
-                grad_accum=grad_accum,
-                recompute_bytes=recompute,
-                optimizer_transient=(tb, rule),
-                residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
-                                   // (par.tp if par.sp else 1)),
-                persistent=persistent, node_moments=moments,
-                # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
-                working=working if tl is None else {**working, "forward": {
-                    **working.get("forward", {}), **_held(lm, lstep, impl, own_states, finetune)}},
-                grad_received=moments and s != last,  # the stage's output gradient: pp_recv_gradients
-                logits_held=torch_engine and par.pp > 1 and s == last,  # the schedule's output chunks (pp_output_chunks)
-                # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
-                # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
-                recomputed=(Inventory(_plain_activations(lm, lstep, impl, finetune, shard))
-                            if moments and recomputes_blocks(impl) and not act_off and traced is None else None),
-                tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
-                # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
-                middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
-                block_math=ft.block_moments(lm, impl, finetune) if tl is not None else None,  # a compiled block's moments
-                fsdp_pp_grads=fsdp_pp,
-            )
-        ph = stage_phases(items, step.grad_accum if (par.schedule == "gpipe" or (torch_engine and zero == 3))
-                          and par.pp > 1 else max(step.grad_accum, par.microbatches))  # FSDP2 under PP: estimate/fsdp.py
-        if (later := later_microbatch(par, items, body)) is not None:  # GPipe's second backward: estimate/parallel_pp.py
-            ph = with_later_microbatch(ph, stage_phases(later, max(step.grad_accum, par.microbatches)))
-        if tl is not None:  # the units reduce-scattered by each phase hold their sharded gradients
-            ph = ft.regrade(ph, tl)
-        if par.tp > 1 and torch_engine and s == last and step.loss == "ce":  # estimate/loss_parallel.py
-            if lp.gathered_logits(par):
-                ph = [*ph, lp.gather_phase(next(p for p in ph if p.name == "forward"), B=lstep.batch, S=lstep.seq,
-                                           vocab=logits_width(loss_lm), tp=par.tp,
-                                           logits_dtype=d.activation if d.autocast else d.compute,
-                                           loss_act=sum(i.bytes for i in stage_acts if i.name.startswith("loss.")))]
-            else:
-                ph = lp.sharded_loss_phases(ph, B=lstep.batch, S=lstep.seq, local_vocab=logits_width(lm),
-                                            loss_dtype=lsm.dtype if lsm else "float32")
-        if finetune is not None:  # QLoRA: this rank dequantizes its own (TP-local) largest 4-bit weight
-            ph = with_dequant_transient(ph, *dequant_transient(lm, finetune, impl.compile),
-                                        *(head_dequant(lm, lstep, finetune) if s == last else (0, 0)))
-        name = "rank" if par.pp == 1 else f"pp_stage_{s}"
-        inv = Inventory(tuple(items) + tuple(
-            MemoryItem.make(f"buffers.{k}", Category.BUFFER, (), d.activation, v, "communication buffer")
-            for k, v in {**persistent, **_largest_each(working)}.items() if v))
-        out.append(RankClass(name, par.dp * par.tp * par.cp, (a, b), inv, tuple(ph), host,
-                             int(math.ceil(n))))
-    return out
+        if lp.gathered_logits(par):
+            ph = [*ph, lp.gather_phase(next(p for p in ph if p.name == "forward"), B=lstep.batch, S=lstep.seq,
+                                       vocab=logits_width(lay.loss_lm), tp=par.tp,
+                                       logits_dtype=d.activation if d.autocast else d.compute,
+                                       loss_act=sum(i.bytes for i in stage_acts if i.name.startswith("loss.")))]
+        else:
+            ph = lp.sharded_loss_phases(ph, B=lstep.batch, S=lstep.seq, local_vocab=logits_width(lay.lm),
+                                        loss_dtype=lsm.dtype if lsm else "float32")
+    if lay.finetune is not None:  # QLoRA: this rank dequantizes its own (TP-local) largest 4-bit weight
+        ph = with_dequant_transient(ph, *dequant_transient(lay.lm, lay.finetune, lay.impl.compile),
+                                    *(head_dequant(lay.lm, lstep, lay.finetune) if s == lay.last else (0, 0)))
+    return ph
 
 
 # The two expensive, layout-independent parts are memoized (the planner evaluates many layouts
