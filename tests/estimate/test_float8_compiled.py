@@ -52,8 +52,8 @@ def test_per_block_float8_exact():
 
 def test_unchecked_compiled_float8_is_refused_by_name():
     qwen2 = dict(LLAMA, model_type="qwen2")  # q/k/v biases: not checked with Float8 under compile
-    # --recompute full: tensorwise only (tests/estimate/test_float8_compiled_recompute.py)
-    for config, kw in [(LLAMA, dict(compile_scope="model")), (LLAMA, dict(recompute="full", float8="rowwise")),
+    # --recompute op: tensorwise only; rowwise + full in bf16 is replayed (test_float8_compiled_recompute.py)
+    for config, kw in [(LLAMA, dict(compile_scope="model")), (LLAMA, dict(recompute="op", float8="rowwise")),
                        (qwen2, {})]:
         impl = ImplSpec(device="cpu", compile=True, **{"compile_scope": "block", "float8": "tensorwise", **kw})
         with pytest.raises(UnsupportedError, match=f"float8='{impl.float8}'"):

@@ -66,8 +66,45 @@ def test_the_checkpointed_float8_block_backward_is_the_traced_moment_exact():
     assert _backward_peak(estimate(spec_from_hf_config(LLAMA), _step("amp-bf16", 2, 64), _impl())) == 2645600
 
 
+# rowwise + full (estimate/compiled_float8_rowwise_recompute.py): (config, precision, batch, seq, parallel) -> the
+# traced backward peak (refused before; without the replay the bf16 case read 1,334,464 B: the optimizer step)
+ROWWISE_FULL_CASES = {
+    "bf16": ((LLAMA, "bf16", 2, 64, None, "rowwise", "full"), 1862476),  # up_proj's grad_output cast per row, block 0
+    "bf16_s128": ((LLAMA, "bf16", 1, 128, None, "rowwise", "full"), 1866572),
+    "gqa": ((GQA, "bf16", 2, 32, None, "rowwise", "full"), 1436236),
+    "wide": ((WIDE, "bf16", 2, 96, None, "rowwise", "full"), 3995980),
+    "few_tokens": ((WIDE_F, "bf16", 1, 32, None, "rowwise", "full"), 3559500),  # an mm's fp32 output scaling
+    "fsdp": ((LLAMA, "fsdp-bf16", 2, 64, FSDP2, "rowwise", "full"), 2229964),
+}
+
+
+def _case_estimate(config, precision, batch, seq, parallel, recipe, recompute="none"):
+    """The estimate (its rank's, under ``parallel``) of a ``NONE_CASES`` / ``ROWWISE_FULL_CASES`` case."""
+    e = estimate(spec_from_hf_config(config), _step(precision, batch, seq), _impl(recompute=recompute, float8=recipe),
+                 **({"parallel": parallel} if parallel else {}))
+    return e.ranks[0] if parallel else e
+
+
+def _case_trace(config, precision, batch, seq, parallel, recipe, recompute="none"):
+    """The compiled fake trace of the same case (slow)."""
+    pytest.importorskip("torchao.float8")
+    from trainmem.trace import trace_step
+
+    return trace_step(config, _step(precision, batch, seq), _impl(recompute=recompute, float8=recipe),
+                      **({"parallel": parallel} if parallel else {}))
+
+
+def test_the_checkpointed_rowwise_block_backward_is_the_traced_moment_exact():
+    # the replayed backward (down's input gradient, the recomputed forward holding every weight's abs and fp32 copy
+    # for its input-gradient cast, the MLP's backward) at up_proj's grad_output cast per row in block 0
+    e = _case_estimate(*ROWWISE_FULL_CASES["bf16"][0])
+    assert e.totals_bytes["activation"] == 246148 + 4 - 2 * HOST_RNG  # each block keeps its input, as tensorwise
+    assert e.peak_bytes == _backward_peak(e) == 1862476
+
+
 @pytest.mark.parametrize("config,precision,kw,field", [
-    (LLAMA, "bf16", dict(float8="rowwise"), "float8='rowwise'"),  # another moment (module docstring)
+    (LLAMA, "fp16", dict(float8="rowwise"), "float8='rowwise'"),  # rowwise + full: bf16 only (ROWWISE_FULL_CASES)
+    (LLAMA, "bf16", dict(float8="rowwise", recompute="op"), "float8='rowwise'"),  # op around rowwise: not traced
     (dict(LLAMA, intermediate_size=168), "bf16", {}, "float8='tensorwise'"),  # F not a multiple of 16
     # rowwise at none outside bf16 (SMALL_V B 2 S 64 read 0.882 of the trace in fp16, 0.964 in fp32, 0.972 amp-bf16)
     *((SMALL_V, p, dict(float8="rowwise", recompute="none"), "float8='rowwise'") for p in ("fp16", "fp32", "amp-bf16")),
@@ -168,35 +205,35 @@ NONE_CASES = {
 }
 
 
-def _none_estimate(config, precision, batch, seq, parallel, recipe):
-    e = estimate(spec_from_hf_config(config), _step(precision, batch, seq), _impl(recompute="none", float8=recipe),
-                 **({"parallel": parallel} if parallel else {}))
-    return e.ranks[0] if parallel else e
-
-
 def test_the_uncheckpointed_float8_block_backward_is_the_traced_moment_exact():
     # block 0's SiLU backward beside FSDP2's buffers (estimate/compiled_float8_moment.py): the residual gradient and
     # up_proj's input gradient (2 x B·S·H·2 = 2 x 16384), the gate's fp32 copy (B·S·F·4 = 90112), the recomputed
     # post-attention norm's fp32 input and normalized product and its output's fp8 cast (8192·(4 + 2 + 1) + 4 = 57348),
     # SiLU's three fp32 temporaries (3 x 90112) and the KV-cache tangents (2 x 16384); freed: the 16-bit gate and up
     # (2 x 45056), o_proj's output and the block's output (2 x 16384), down's and up's amax and inverse scale (2 x 6)
-    e = _none_estimate(*NONE_CASES["fsdp_silu"][0])
+    e = _case_estimate(*NONE_CASES["fsdp_silu"][0])
     assert e.peak_bytes == _backward_peak(e) == 1920234  # the trace's peak (1,814,428 B without the moment)
-    for case, (args, traced) in NONE_CASES.items():
-        assert _backward_peak(_none_estimate(*args)) == traced, case
+
+
+# the replayed and formula moments' cases, by name: each estimate's backward peak is the traced integer
+REPLAYED = {**{f"none_{k}": v for k, v in NONE_CASES.items()},
+            **{f"full_{k}": v for k, v in ROWWISE_FULL_CASES.items()}}
+
+
+def test_every_case_estimates_its_traced_backward_peak():
+    for case, (args, traced) in REPLAYED.items():
+        assert _backward_peak(_case_estimate(*args)) == traced, case
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(NONE_CASES))
-def test_estimate_equals_the_float8_uncheckpointed_trace(case):
-    pytest.importorskip("torchao.float8")
-    from trainmem.trace import trace_step
-
-    args, traced = NONE_CASES[case]
-    config, precision, batch, seq, parallel, recipe = args
-    t = trace_step(config, _step(precision, batch, seq), _impl(recompute="none", float8=recipe),
-                   **({"parallel": parallel} if parallel else {}))
-    assert _trace_backward_peak(t) == _backward_peak(_none_estimate(*args)) == traced
+@pytest.mark.parametrize("case", sorted(REPLAYED))
+def test_estimate_equals_the_float8_trace(case):
+    args, traced = REPLAYED[case]
+    t, e = _case_trace(*args), _case_estimate(*args)
+    assert _trace_backward_peak(t) == _backward_peak(e) == traced
+    if args[-1] == "full":  # each checkpointed block saves its input and a host generator state
+        assert t.meta["compile"]["saved_compiled_bytes"] + 4 - args[0]["num_hidden_layers"] * HOST_RNG == \
+            e.totals_bytes["activation"]
 
 
 def _real_float8_step(config, step: StepSpec, impl: ImplSpec) -> tuple[int, int, int]:
@@ -240,7 +277,7 @@ def _real_float8_step(config, step: StepSpec, impl: ImplSpec) -> tuple[int, int,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute,recipe", [("full", "tensorwise"), ("op", "tensorwise"), ("none", "tensorwise"),
-                                              ("none", "rowwise")])  # op: tests/estimate/test_float8_compiled_op.py
+                                              ("none", "rowwise"), ("full", "rowwise")])  # op: tests/estimate/test_float8_compiled_op.py
 def test_the_fake_trace_equals_the_real_compiled_float8_step(recompute, recipe):
     # the partitioned graphs on real CPU tensors (the backend without codegen: inductor's fusion would drop the
     # fp32 copies of the casts, docs/float8.md) against the fake trace the estimate is checked on; measured with

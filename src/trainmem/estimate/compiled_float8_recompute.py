@@ -36,13 +36,12 @@ op on fake tensors, no fusion) in fp32, bf16, fp16 and amp-bf16 on one device an
 pointwise chains (no fp32 copy of the product on a GPU: the fused cast kernel reads bf16 and writes fp8), so this is
 the unfused graph's moment, as compiled_recompute.py's are.
 
-Known limitations: ``rowwise`` is refused (``rules_compiled.check_compiled``): its weights are re-cast per column for
-the input gradient, and the recomputed forward holds each weight's ``abs`` and fp32 copy instead (tiny Llama bf16,
-B 2 S 64: the trace peaks at 1,862,476 B, a different moment, not modelled); and its backward mms scale their output
-after ``_scaled_mm`` in fp32 (two fp32 output-sized temporaries: the step peaks there at H 128 F 256 B 1 S 32,
-3,559,500 B). That is torchao's graph on every device, not a CPU artefact (float8_ops.py ``addmm_float8_unwrapped``:
-rowwise scales without fast accumulation, the backward mms' ``Float8GemmConfig`` default); inductor may fuse it, as it
-fuses the casts. Without checkpointing rowwise is replayed: estimate/compiled_float8_rowwise.py. Only the Llama block
+Known limitations: ``rowwise`` has other moments: its weights are re-cast per column for the input gradient, so the
+recomputed forward holds each weight's ``abs`` and fp32 copy instead, and its backward mms scale their output after
+``_scaled_mm`` in fp32 (torchao's graph on every device, not a CPU artefact: float8_ops.py ``addmm_float8_unwrapped``,
+the backward mms' ``Float8GemmConfig`` default has no fast accumulation; inductor may fuse it, as it fuses the casts).
+Its block is replayed allocation by allocation instead (bf16 only): estimate/compiled_float8_rowwise_recompute.py, and
+without checkpointing estimate/compiled_float8_rowwise.py; under ``--recompute op`` it is refused. Only the Llama block
 with every linear converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
 weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment.
 
@@ -59,6 +58,8 @@ from __future__ import annotations
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads
 from trainmem.estimate.compiled_float8_op import op_block
+from trainmem.estimate.compiled_float8_rowwise import is_rowwise_block
+from trainmem.estimate.compiled_float8_rowwise_recompute import rowwise_checkpoint_moments
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import split_block
 
@@ -81,6 +82,8 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     tensorwise Float8 set of a Llama block with every linear converted (``estimate/float8.py`` ``compiled_scales``:
     an amax and an inverse scale per converted linear; ``compiled_input_recomputed``: no norm output or product)."""
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
+    if is_rowwise_block(kept):  # rowwise (bf16): replayed, estimate/compiled_float8_rowwise_recompute.py
+        return rowwise_checkpoint_moments(kept, residual_bytes)
     if any(n not in kept for n in _KEPT) or any(f"{n}.scale_inv" not in kept for n in _LINEARS) or any(
             f"{n}.out" in kept for n in _NORMS) or "mlp.act_mul_up" in kept:
         return []

@@ -14,7 +14,7 @@ the bf16 output multiplied by it in fp32 and cast back, beside a ``new_ones(())`
 
 :func:`rowwise_uncheckpointed_moments` replays that order (read off the trace, ``trace/compiled.py``: the partitioned
 graph run op by op on fake tensors, no fusion) from down_proj's backward to gate_proj's weight gradient and returns a
-moment at every allocation. Checked: tests/estimate/test_float8_compiled_recompute.py (``ROWWISE_CASES``).
+moment at every allocation. Checked: tests/estimate/test_float8_compiled_recompute.py (``NONE_CASES`` rowwise_*).
 
 Known limitations: bf16 only (fp16 and fp32 outputs go through bf16 and back: other temporaries, not read); the amax
 and power-of-2 scale chains (a few bytes per row) are left out; the attention's and the norms' backward are not
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from trainmem.inventory import MemoryItem, dtype_bytes
 
-__all__ = ["is_rowwise_block", "rowwise_uncheckpointed_moments"]
+__all__ = ["Timeline", "is_rowwise_block", "rowwise_uncheckpointed_moments"]
 
 _FP32 = dtype_bytes("float32")
 _KEPT = ("post_attention_layernorm.rsqrt", "self_attn.o_proj.out", "self_attn.k_rope", "mlp.gate_proj.out",
@@ -40,7 +40,7 @@ def is_rowwise_block(kept: dict[str, MemoryItem]) -> bool:
             and not any(n.endswith((".amax", ".scale_inv")) for n in kept))
 
 
-class _Timeline:
+class Timeline:
     """What the block's backward holds beyond its saved set: ``work`` (named temporaries), the saved bytes it freed
     and the weight gradients it made; a moment (dict as ``uncheckpointed_moments``') at every allocation."""
 
@@ -145,12 +145,24 @@ class _Timeline:
         self.mm(f"dw_{name}", f"g_{name}", x, rows, cols, a=a, keep_right=keep_x, grad=True)
 
     def input_gradient(self, name: str, numel: int, rows: int, cols: int, weight: int, *, a: int,
-                       src: str = "") -> None:
+                       src: str = "", weight_kept: bool = False) -> None:
         """A linear's input gradient: its grad_output (``numel``, ``rows`` of it) cast per row, abs and fp32 copy held
-        for the weight gradient's cast; its weight (``weight`` elements, ``cols`` outputs) cast per column; the mm."""
+        for the weight gradient's cast; its weight (``weight`` elements, ``cols`` outputs) cast per column
+        (``weight_kept``: from the abs and fp32 copy its forward cast held, compiled_float8_rowwise_recompute.py); the
+        mm."""
         self.cast(f"g_{name}", numel, rows, a=a, keep=True, src=src)
-        self.cast(f"w_{name}", weight, cols, a=a, clone=True)
+        self.cast(f"w_{name}", weight, cols, a=a, clone=True, kept=weight_kept)
         self.mm(f"dx_{name}", f"g_{name}", f"w_{name}", rows, cols, a=a)
+
+    def silu_backward(self, tf: int, *, a: int) -> None:
+        """SiLU's backward in fp32 (``silu_backward`` decomposed: the upcast gradient, sigmoid, their products), the
+        gate's fp32 copy and SiLU's gradient ``g_silu`` freed, gate's grad_output ``g_gate_src`` (T·F·a) made."""
+        self.new("s_up32", tf * _FP32)
+        self.drop("g_silu")
+        self.chain((("sig", ""), ("s_mul", "s_up32"), ("sub", "sig"), ("s_mul2", "gate32"), ("", "sub"),
+                    ("s_add", "s_mul2"), ("s_mul3", "s_mul"), ("", "s_add")), tf * _FP32)
+        self.new("g_gate_src", tf * a)
+        self.drop("s_mul3")
 
 
 def rowwise_uncheckpointed_moments(kept: dict[str, MemoryItem], residual_bytes: int, *,
@@ -165,7 +177,7 @@ def rowwise_uncheckpointed_moments(kept: dict[str, MemoryItem], residual_bytes: 
     if residual_bytes != th * a:
         return []
     out = kept["residual_mlp"].bytes if "residual_mlp" in kept else 0  # the block output, freed by its reader
-    t = _Timeline(residual_bytes + tangents, out)
+    t = Timeline(residual_bytes + tangents, out)
     t.input_gradient("down", th, tokens, ffn, fh, a=a)
     # act(gate)·up recomputed: the gate's fp32 copy (the bf16 gate freed), sigmoid's chain two at a time
     t.new("gate32", tf * _FP32)
@@ -193,12 +205,7 @@ def rowwise_uncheckpointed_moments(kept: dict[str, MemoryItem], residual_bytes: 
     t.new("norm_out", th * a)
     t.weight_gradient("up", tf, "x8", th, tokens, a=a, src="norm_out", keep_x=True)  # x8 read by gate_proj's too
     # SiLU's backward in fp32 (the upcast gradient, sigmoid, products), the gate's fp32 copy freed, gate's grad_output
-    t.new("s_up32", tf * _FP32)
-    t.drop("g_silu")
-    t.chain((("sig", ""), ("s_mul", "s_up32"), ("sub", "sig"), ("s_mul2", "gate32"), ("", "sub"), ("s_add", "s_mul2"),
-             ("s_mul3", "s_mul"), ("", "s_add")), tf * _FP32)
-    t.new("g_gate_src", tf * a)
-    t.drop("s_mul3")
+    t.silu_backward(tf, a=a)
     # gate_proj: as up_proj, its weight gradient reading the norm output's held cast
     t.input_gradient("gate", tf, tokens, hidden, fh, a=a, src="g_gate_src")
     t.weight_gradient("gate", tf, "x8", th, tokens, a=a)

@@ -1,0 +1,149 @@
+"""The backward of a Llama block compiled around its checkpoint with torchao's Float8 ``rowwise`` (``--float8 rowwise
+--compile --compile-scope block --recompute full``), bf16, as a timeline of allocations.
+
+The block keeps its input alone (``rules_compiled.py`` ``_checkpointed_block``). Its partitioned backward
+(``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``: the ``tag_activation_checkpoint`` region
+is recomputed) runs, read off the trace (``trace/compiled.py``: the partitioned graphs op by op on fake tensors):
+
+* down_proj's input gradient first (its grad_output cast per row, the abs and fp32 copy held for the per-column cast
+  of its weight gradient; the weight cast per column; the mm and its fp32 output scaling:
+  estimate/compiled_float8_rowwise.py ``Timeline.input_gradient``);
+* the block's forward again up to ``silu(gate)·up``: each RMSNorm (fp32 input, ``rsqrt``, the normalized product and
+  the output held for the backward), each linear's input cast per row (float8_scaling_utils.py
+  ``hp_tensor_to_float8_dynamic``, its inverse scale made by the first reader's mm and freed after the last's), each
+  weight cast per output (``matmul_with_hp_or_float8_args.forward``): rowwise casts a weight along the other axis for the input gradient, so
+  the joint graph holds the forward cast's ``abs`` and fp32 copy until then (the CSE-merged nodes both casts read);
+  the forward mms run with fast accumulation (torchao/float8/config.py ``Float8LinearConfig.gemm_config_output``):
+  ``_scaled_mm`` takes the inverse scales, and float8_ops.py ``addmm_float8_unwrapped`` adds no fp32 output scaling; the rotary embedding of q and k, SDPA's output and log-sum-exp; SiLU's fp32 gate
+  and its output; up and the product;
+* then the MLP's backward as without checkpointing (compiled_float8_rowwise.py), each weight's input-gradient cast
+  made from the held ``abs`` and fp32 copy, the gate/up input's norm output held (not recomputed again).
+
+:func:`rowwise_checkpoint_moments` returns a moment at every allocation of that replay (the amax and power-of-2 scale
+chains' transients of a few bytes per row left out, as in compiled_float8_rowwise.py), beside the residual gradient;
+every value of the recomputed set and the checkpoint's input counts as freed, and what is alive is the replay's own.
+Checked: tests/estimate/test_float8_compiled_recompute.py (``ROWWISE_FULL_CASES``, estimate == trace to the byte).
+
+Known limitations: bf16 only (``check_compiled``); the attention's and the input norm's backward after the MLP's are
+not replayed (the weights' held copies of q, k, v and o are freed there, one at a time); inductor fuses the casts and
+the output scaling (no fp32 copies on a GPU): this is the unfused graph's moment, as the other compiled moments are.
+"""
+
+from __future__ import annotations
+
+from trainmem.estimate.compiled_float8_rowwise import Timeline
+from trainmem.inventory import MemoryItem, dtype_bytes
+
+__all__ = ["rowwise_checkpoint_moments"]
+
+_FP32 = dtype_bytes("float32")
+_NEEDED = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.v_proj.out", "self_attn.sdpa_out", "self_attn.lse",
+           "self_attn.o_proj.out", "mlp.gate_proj.out", "mlp.up_proj.out")
+
+
+class _Forward(Timeline):
+    """The recomputed forward's steps (module docstring) on top of the backward's timeline."""
+
+    def norm(self, name: str, th: int, tokens: int, *, a: int, src: str = "") -> None:
+        """An RMSNorm (``LlamaRMSNorm.forward``): the fp32 input (``src`` freed by it), ``pow``, the row mean and
+        ``rsqrt`` (B·S fp32), ``x·rsqrt`` in fp32, the normalized product in the input's dtype and the output held."""
+        self.new(f"{name}.x32", th * _FP32)
+        if src:
+            self.drop(src)
+        self.new(f"{name}.pow", th * _FP32)
+        self.new(f"{name}.mean", tokens * _FP32)
+        self.drop(f"{name}.pow")
+        self.chain(((f"{name}.add", f"{name}.mean"), (f"{name}.rsqrt", f"{name}.add")), tokens * _FP32)
+        self.new(f"{name}.xr", th * _FP32)
+        self.new(f"{name}.normed", th * a)
+        self.drop(f"{name}.xr")
+        self.new(f"{name}.out", th * a)
+
+    def linear(self, name: str, x: str, out: int, weight: int, tokens: int, *, a: int, first: bool, last: bool) -> None:
+        """A converted linear's forward on the cast input ``x``: its weight cast per output (``abs`` and fp32 copy
+        held for the input gradient's cast), ``_scaled_mm`` with the inverse scales (the input's made by its first
+        reader, freed after its last), ``name`` its output (``out`` features)."""
+        self.cast(f"w_{name}", weight, out, a=a, keep=True)
+        if first:
+            self.new(f"{x}.inv", tokens * _FP32)
+            self.drop(f"{x}.scale")
+        self.new(f"w_{name}.inv", out * _FP32)
+        self.drop(f"w_{name}.scale")
+        self.new(name, tokens * out * a)
+        if last:
+            self.drop(f"{x}.fp8")
+        self.drop(f"w_{name}.fp8")
+        if last:
+            self.drop(f"{x}.inv")
+        self.drop(f"w_{name}.inv")
+
+    def rope(self, name: str, numel: int, *, a: int) -> None:
+        """``apply_rotary_pos_emb`` on a projection: ``x·cos``, ``rotate_half`` (``neg`` of a half, ``cat``), its
+        product with ``sin`` and the sum (held: SDPA's input); the projection freed by ``rotate_half``."""
+        self.new(f"{name}.cos", numel * a)
+        self.new(f"{name}.neg", numel // 2 * a)
+        self.new(f"{name}.cat", numel * a)
+        self.drop(f"{name}.neg", name)
+        self.new(f"{name}.sin", numel * a)
+        self.drop(f"{name}.cat")
+        self.new(f"{name}.rope", numel * a)
+        self.drop(f"{name}.cos", f"{name}.sin")
+
+
+def rowwise_checkpoint_moments(kept: dict[str, MemoryItem], residual_bytes: int) -> list[dict[str, int]]:
+    """A moment at every allocation of the replayed backward (module docstring) of a checkpointed block whose compiled
+    saved set without checkpointing is ``kept`` (by path inside the block: the bf16 rowwise Llama set,
+    compiled_float8_rowwise.py ``is_rowwise_block``), beside the residual gradient (``residual_bytes``)."""
+    if any(n not in kept for n in _NEEDED):
+        return []
+    gate, o, q, k = (kept[n] for n in ("mlp.gate_proj.out", "self_attn.o_proj.out", "self_attn.q_rope",
+                                       "self_attn.k_rope"))
+    a = dtype_bytes(gate.dtype)
+    th, tf = o.bytes // a, gate.bytes // a  # T·H, T·F
+    hidden, ffn = o.shape[-1], gate.shape[-1]
+    tokens, fh = th // hidden, ffn * hidden
+    width, kv = q.bytes // a // tokens, k.bytes // a // tokens  # the attention's q and k/v features
+    if residual_bytes != th * a:
+        return []
+    # every value of the recomputed set and the checkpoint's input (held as "x_in" until the residual sum) count as
+    # freed: what is alive is the replay's own
+    t = _Forward(residual_bytes, sum(i.bytes for i in kept.values()) + th * a)
+    t.new("x_in", th * a)
+    t.input_gradient("down", th, tokens, ffn, fh, a=a)
+    # the recomputed forward: the input norm, q/k/v's input cast per row, the projections, the rotary, SDPA
+    t.norm("ln1", th, tokens, a=a)
+    t.cast("x_qkv", th, tokens, a=a)
+    for name, out in (("q", width), ("k", kv), ("v", kv)):
+        t.linear(name, "x_qkv", out, out * hidden, tokens, a=a, first=name == "q", last=name == "v")
+    t.rope("q", tokens * width, a=a)
+    t.rope("k", tokens * kv, a=a)
+    t.new("sdpa_out", kept["self_attn.sdpa_out"].bytes)
+    t.new("lse", kept["self_attn.lse"].bytes)
+    # o_proj on the SDPA output cast per row, the residual sum (the block input and o freed), the second norm
+    t.cast("x_o", tokens * width, tokens, a=a)
+    t.linear("o", "x_o", hidden, hidden * width, tokens, a=a, first=True, last=True)
+    t.new("resid", th * a)
+    t.drop("x_in", "o")
+    t.norm("ln2", th, tokens, a=a, src="resid")
+    t.cast("x_mlp", th, tokens, a=a)
+    t.linear("gate", "x_mlp", ffn, fh, tokens, a=a, first=True, last=False)
+    # SiLU: the gate's fp32 copy (the bf16 gate freed), sigmoid's chain two at a time, its bf16 output
+    t.new("gate32", tf * _FP32)
+    t.drop("gate")
+    t.chain((("neg", ""), ("exp", "neg"), ("add", "exp"), ("silu32", "add")), tf * _FP32)
+    t.new("silu", tf * a)
+    t.drop("silu32")
+    t.linear("up", "x_mlp", ffn, fh, tokens, a=a, first=False, last=True)
+    t.new("prod", tf * a)
+    # the MLP's backward (compiled_float8_rowwise.py), the weights' casts from their held copies
+    t.weight_gradient("down", th, "prod8", tf, tokens, a=a, src="prod")
+    t.new("g_up_src", tf * a)
+    t.drop("silu")
+    t.new("g_silu", tf * a)
+    t.drop("dx_down", "up")
+    t.input_gradient("up", tf, tokens, hidden, fh, a=a, src="g_up_src", weight_kept=True)
+    t.weight_gradient("up", tf, "ln2.x8", th, tokens, a=a, src="ln2.out", keep_x=True)
+    t.silu_backward(tf, a=a)
+    t.input_gradient("gate", tf, tokens, hidden, fh, a=a, src="g_gate_src", weight_kept=True)
+    t.weight_gradient("gate", tf, "ln2.x8", th, tokens, a=a)
+    return t.moments
