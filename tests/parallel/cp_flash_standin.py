@@ -140,10 +140,13 @@ def _ring_recorded(recorder, waits, calls: list):
             setattr(attention, n, fn)
 
 
-def traced_ring_step(config: dict, cp: int, seq: int, rank: int = 0, batch: int = 1):
-    """One traced training step (AdamW, bf16, fake tensors) of rank ``rank`` of ``cp`` under torch's
+def traced_ring_step(config: dict, cp: int, seq: int, rank: int = 0, batch: int = 1, *, full: bool = False,
+                     precision: str = "bf16"):
+    """One traced training step (AdamW, fake tensors) of rank ``rank`` of ``cp`` under torch's
     ``context_parallel``, the ring's local ops recorded (:func:`_ring_recorded`): ``(TraceResult, calls)``,
-    ``calls`` a list of (ring function, most bytes above its entry, bytes it leaves)."""
+    ``calls`` a list of (ring function, most bytes above its entry, bytes it leaves; :func:`host_on_cuda`'s left
+    out). ``full``: each block
+    checkpointed (transformers' non-reentrant gradient checkpointing); ``precision``: bf16 or fp32."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.experimental import context_parallel
@@ -154,16 +157,20 @@ def traced_ring_step(config: dict, cp: int, seq: int, rank: int = 0, batch: int 
     from trainmem.trace.hf_masks import masks_as_on_real_tensors
     from trainmem.trace.optimizers import make_optimizer_for
 
-    cfg = AutoConfig.for_model(**config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
-    step, impl = StepSpec(batch=batch, seq=seq, precision="bf16"), ImplSpec(device="cuda", attention="sdpa")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    cfg = AutoConfig.for_model(**config, attn_implementation="sdpa", torch_dtype=dtype)
+    step = StepSpec(batch=batch, seq=seq, precision=precision)
+    impl = ImplSpec(device="cuda", attention="sdpa", recompute="full" if full else "none")
     waits, spans = _WaitAliases(), []
     old = torch.get_default_dtype()
     with cp_world(cp, rank) as mesh, FakeTensorMode(), waits, masks_as_on_real_tensors(), flash_sdpa():
-        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_dtype(dtype)
         try:
             model = AutoModelForCausalLM.from_config(cfg).train()
         finally:
             torch.set_default_dtype(old)
+        if full:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _, _, optimizer = make_optimizer_for(model, step, impl)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))
 
@@ -180,7 +187,15 @@ def traced_ring_step(config: dict, cp: int, seq: int, rank: int = 0, batch: int 
     rec = tracer.result.recording
     live, lives = 0, []
     for e in rec.events:
-        live += rec.blocks[e if e >= 0 else ~e].nbytes * (1 if e >= 0 else -1)
+        block = rec.blocks[e if e >= 0 else ~e]
+        if not host_on_cuda(block):
+            live += block.nbytes * (1 if e >= 0 else -1)
         lives.append(live)
     calls = [(name, max(lives[a:z]) - lives[a - 1], lives[z - 1] - lives[a - 1]) for name, a, z in spans]
     return tracer.result, calls
+
+
+def host_on_cuda(block) -> bool:
+    """The flash op's philox seed and offset (uint64, two and one elements): its meta kernel makes them on the
+    device, CUDA's kernel on the host without dropout (as tests/estimate/test_rules_mla_cuda.py leaves them out)."""
+    return block.op == "_scaled_dot_product_flash_attention" and block.dtype.endswith("uint64")

@@ -9,7 +9,8 @@ Measured, tiny Llama (hidden 64, 4 heads, 4 K/V heads, 2 blocks, vocab 128), bf1
 * the difference is, per block on every rank but the last, the (B·S/cp, H) copy of the merged attention output
   that ``o_proj`` keeps (4,096 B here), and on every rank the ids' storage, which ``context_parallel`` cuts in
   place with ``resize_`` (a smaller size keeps the storage: B·S·8 B instead of B·(S/cp)·8, +256 B cp 2, +768 B
-  cp 4; not modelled: the estimate counts the rank's B·(S/cp) ids);
+  cp 4; the estimate counts the rank's B·(S/cp) ids as the embedding's and the rest as a buffer,
+  estimate/context_parallel.py ``buffer_copies_bytes``);
 * the estimate's CP activations (209,040 B) minus its one-device S/cp activations (200,848 B) are the two copies,
   8,192 B, for cp 2 and 4; the one-device difference (+44 B: the flash meta kernel's philox seed and offset,
   24 B per call, less the loss's total_weight, 4 B) is not CP's.

@@ -42,7 +42,8 @@ from trainmem.estimate.recompute_stop import adapter_down_moments, adapter_up_fo
 from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
-__all__ = ["norm_backward_parts", "final_norm_moment", "llama_norm_indices", "block_items", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
+__all__ = ["norm_backward_parts", "final_norm_moment", "llama_norm_indices", "block_items", "checkpoint_kept",
+           "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
@@ -133,15 +134,20 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
                     "after_attention": int(not checkpointed and
                                            any(c not in (_child(acts[at].name), "mlp") for c in children)),
                     "work": residual_bytes + FP32_NORM_TRANSIENTS * acts[at].bytes})
-    if checkpointed and last < _last_block(items):
-        # what the checkpointed block keeps that its recomputation does not make: its output, kept as the next
-        # block's checkpoint input (a 16-bit RMSNorm after it saves its own fp32 copy instead), which the next
-        # block's first node released when it unpacked it (not checked for a stage's last block, whose output
-        # a pipeline schedule holds)
-        made = {i.name for i in acts}
-        kept = sum(i.bytes for i in block if i.category is Category.ACTIVATION and i.name not in made)
+    if checkpointed and (kept := checkpoint_kept(items, last, acts)):
         out = [{**m, "freed_activations": m["freed_activations"] + kept} for m in out]
     return out
+
+
+def checkpoint_kept(items: "Inventory | list[MemoryItem]", last: int, acts: list[MemoryItem]) -> int:
+    """What checkpointed block ``last`` keeps that its recomputation (``acts``) does not make: its output, kept
+    as the next block's checkpoint input (a 16-bit RMSNorm after it saves its own fp32 copy instead), which the
+    next block's first node released when it unpacked it (not checked for a stage's last block, whose output a
+    pipeline schedule holds: 0 there)."""
+    if last >= _last_block(items):
+        return 0
+    made = {i.name for i in acts}
+    return sum(i.bytes for i in block_items(items, last) if i.category is Category.ACTIVATION and i.name not in made)
 
 
 @dataclass(frozen=True, kw_only=True)

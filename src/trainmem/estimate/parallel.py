@@ -384,7 +384,7 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
         recomputed=(Inventory(_plain_activations(lm, lstep, impl, lay.finetune, lay.shard))
                     if moments and recomputes_blocks(impl) and not act_off and lay.traced is None else None),
         tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
-        fsdp_pp_grads=fsdp_pp, ring_bytes=ring, timeline=tl, own_states=tuple(own_states), param_bytes=dtype_bytes(d.compute),
+        fsdp_pp_grads=fsdp_pp, ring=ring, timeline=tl, own_states=tuple(own_states), param_bytes=dtype_bytes(d.compute),
         # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
         middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
         block_math=ft.block_moments(lm, impl, lay.finetune) if tl is not None else None,  # a compiled block's moments

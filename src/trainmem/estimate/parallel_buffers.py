@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmem.estimate.context_parallel import ring_backward_bytes
+from trainmem.estimate.context_parallel import buffer_copies_bytes, ring_buffers
 from trainmem.estimate.float8 import gathered_bytes_per_element
 from trainmem.estimate.fsdp import pp_unsharded_working
 from trainmem.estimate.fsdp1_flat import fsdp1_grad_bytes, fsdp1_layout, fsdp1_working
@@ -148,11 +148,12 @@ def _buffers(r: _Rank, stage_states: list[MemoryItem], states: list[MemoryItem],
             _pp_unsharded(working, stage_params, grad_bytes, tp_div, gathered, par.reshard_after_forward,
                           gpipe=par.schedule == "gpipe", rank=r)
     if par.cp > 1 and par.cp_style == "ring":
-        # torch's ring runs inside each attention call: its backward's buffers at the last block's backward
-        # (rank 0, the worst: estimate/context_parallel.py); its forward's are gone by the end of forward
-        every("cp_ring_backward", ring_backward_bytes(
-            batch=lstep.batch, heads=lm.num_heads, kv_heads=lm.num_kv_heads, seq=lstep.seq, head_dim=lm.head_dim,
-            cp=par.cp, rank=0, act_bytes=act_b), ("backward",))
+        # torch's ring runs inside each attention call: its backward's buffers, the worst rank's, a node moment of
+        # each block's attention (estimate/context_parallel.py ring_as_node_moment); its forward's are gone by the
+        # end of forward
+        every("cp_ring_backward", max(ring_buffers(lm, lstep, par, act_b).backward), ("backward",))
+        every("cp_buffer_copies", buffer_copies_bytes(batch=lstep.batch, seq=step.seq, cp=par.cp),
+              (*_FWD_BWD, "backward_first_block"))
     elif par.cp > 1:
         kv = 2 * lstep.batch * lstep.seq * lm.num_kv_heads * lm.head_dim * act_b
         every("cp_kv_allgather", 2 * kv)

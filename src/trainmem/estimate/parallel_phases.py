@@ -56,7 +56,7 @@ class StageInputs:
     param_bytes: int = 0
     middle_blocks: Any = None
     block_math: Any = None
-    ring_bytes: tuple[int, ...] = ()  # CP's ring backward per rank class (estimate/context_parallel.py)
+    ring: Any = None  # CP's ring buffers per rank class (estimate/context_parallel.py RingBuffers)
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1 or self.accumulated < self.grad_accum:
@@ -87,5 +87,5 @@ def _phases(inp: StageInputs, items: list[MemoryItem], grad_accum: int) -> list[
         persistent=inp.persistent, node_moments=inp.node_moments, working=inp.working,
         grad_received=inp.grad_received, logits_held=inp.logits_held, recomputed=inp.recomputed,
         tied_head=inp.tied_head, middle_blocks=inp.middle_blocks, block_math=inp.block_math,
-        fsdp_pp_grads=inp.fsdp_pp_grads, ring_bytes=inp.ring_bytes,
+        fsdp_pp_grads=inp.fsdp_pp_grads, ring=inp.ring,
     )

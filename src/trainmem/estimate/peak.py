@@ -47,6 +47,7 @@ from trainmem.estimate.compiled_ce_loss import compiled_ce_backward, graph_tange
 from trainmem.estimate.compiled_embedding_backward import embedding_backward_parts
 from trainmem.estimate.grad_items import head_weight_grad
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
+from trainmem.estimate.cp_ring_moments import ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
 from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
@@ -226,7 +227,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            recomputed: Inventory | None = None, block_math: dict | None = None,
            grad_received: bool = False, logits_held: bool = False,
            middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None,
-           head_graph_apart: bool = False, fsdp_pp_grads: int = 0) -> list[Phase]:
+           head_graph_apart: bool = False, fsdp_pp_grads: int = 0, ring=None) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -253,7 +254,9 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     ``backward`` phase is the largest of these and the last block's. ``head_graph_apart``: whole-model compile runs
     the head in a graph of its own (estimate/compiled_embedding_backward.py). ``fsdp_pp_grads``: FSDP2's shard group
     per pipeline stage (estimate/parallel_pp.py ``fsdp_stage_moments``): a node moment's gradients are the block's new
-    ones, unsharded, beside the unsharded buffer ``working`` holds (no earlier gradient of its own)."""
+    ones, unsharded, beside the unsharded buffer ``working`` holds (no earlier gradient of its own). ``ring``:
+    context parallelism's ring buffers per rank class (estimate/context_parallel.py ``RingBuffers``), moments of
+    each block's attention backward and of the last block's attention forward (estimate/cp_ring_moments.py)."""
     persistent = {k: v for k, v in (persistent or {}).items() if v}
     working = working or {}
     if working and not isinstance(next(iter(working.values())), dict):  # one dict for every phase
@@ -345,6 +348,12 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
     # input by the op that made it, in the block before): it still runs a backward, recomputing
     blocks = set(act_layer) | set(recompute_bytes)
     last = max(blocks) if blocks else None
+    if last is not None and (fwd := ring_forward_held(items, last, A - head_act - act_layer.get(last, 0), ring,
+                                                      recomputed)):
+        at = next(k for k, p in enumerate(out) if p.name == "forward")  # CP's ring inside the last attention
+        add("forward", {"gradients": g_acc, **fwd}, "the last block's ring attention forward: the activations "
+            "kept so far, the block's attention inputs and the ring's buffers (estimate/cp_ring_moments.py)")
+        out[at] = max(out[at], out.pop(), key=lambda p: p.bytes)
     if last is not None:
         # the gradient of the block output, plus the gradient of the largest saved tensor
         # while that tensor is still held (e.g. dP next to P in eager attention)
@@ -370,6 +379,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             # a checkpointed compiled block's MLP moments (estimate/compiled_recompute.py; none for eager sets)
             # a fine-tuned compiled block (block_math eager_set) runs no eager nodes: compiled_finetune_moment.py's
             eager_nb = [] if (block_math or {}).get("eager_set") else norm_backward_parts(items, li, residual_bytes, rec_li)
+            eager_nb += ring_attention_moments(items, li, residual_bytes, ring, rec_li)
             compiled_nb = compiled_checkpoint_moments(items, li, residual_bytes, rec_li, **(block_math or {}))
             if eager_nb and li not in recompute_bytes and "recompute_and_work" in parts:
                 parts = _uncast_work(parts, st.largest.get(li, 0), st.largest_uncast.get(li, 0))
