@@ -256,9 +256,11 @@ def ring_as_node_moment(working: dict[str, dict[str, int]], local, local_step, p
     ``context_parallel``'s copies of the ids (:func:`buffer_copies_bytes`; otherwise the block's node moments
     are off, peak.py ``node_moments_off``, and the ring stays on the generic last-block moment, an upper bound:
     what holds beside it is not modelled there). ``taken``: the node moments can be read (the estimate's own
-    inventory, no gradient stepped in backward). Returns :func:`ring_buffers`, or ``None`` where nothing moved."""
+    inventory, no gradient stepped in backward). Checked with CP beside data parallel ranks only: under TP or a
+    pipeline the block's other node moments are not (peak.py takes them all at once), so the ring stays put.
+    Returns :func:`ring_buffers`, or ``None`` where nothing moved."""
     back = working.get("backward", {})
-    if not taken or _RING not in back or set(back) - {_RING, _IDS}:
+    if not taken or par.tp > 1 or par.pp > 1 or _RING not in back or set(back) - {_RING, _IDS}:
         return None
     back.pop(_RING)
     return ring_buffers(local, local_step, par, act_bytes)
