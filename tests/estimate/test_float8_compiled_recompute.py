@@ -75,6 +75,7 @@ ROWWISE_FULL_CASES = {
     "wide": ((WIDE, "bf16", 2, 96, None, "rowwise", "full"), 3995980),
     "few_tokens": ((WIDE_F, "bf16", 1, 32, None, "rowwise", "full"), 3559500),  # an mm's fp32 output scaling
     "fsdp": ((LLAMA, "fsdp-bf16", 2, 64, FSDP2, "rowwise", "full"), 2229964),
+    "fsdp_few_tokens": ((WIDE_F, "fsdp-bf16", 1, 32, FSDP2, "rowwise", "full"), 4527948),
 }
 
 
