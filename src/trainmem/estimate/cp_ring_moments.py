@@ -22,7 +22,8 @@ _OUTPUT_PROJECTIONS = ("o_proj",)  # checked for transformers' Llama (tests/para
 def ring_attention_moments(items, li: int, residual_bytes: int, ring, recomputed=None) -> list[dict[str, int]]:
     """Block ``li``'s attention backward under the ring (``_scaled_dot_product_ring_flash_attention_backward``,
     torch/distributed/tensor/experimental/_context_parallel/_attention.py), as node moments in
-    block_backward.py's form, one per rank class (``ring``: ``RingBuffers`` or ``None``). The output
+    block_backward.py's form (with ``where``, the phase note's end), one per rank class (``ring``: ``RingBuffers``
+    or ``None``). The output
     projection's backward has run (its weight gradient made, its saved input, the merged output's copy,
     released), and so has every child after the attention (their gradients made, their saved tensors
     released: torch/csrc/autograd/engine.cpp, ``Node::release_variables``); the kernel's own saved set (q, k, v,
@@ -48,7 +49,9 @@ def ring_attention_moments(items, li: int, residual_bytes: int, ring, recomputed
     later = {_child(i.name) for i in acts[lse + 1:]} - {_child(attention + ".")}  # the children run after it
     made = sum(i.bytes for i in proj) + sum(i.bytes for i in grads if _child(i.name) in later)
     freed = sum(i.bytes for i in acts[lse + 1:]) + (checkpoint_kept(items, li, acts) if recomputed is not None else 0)
-    at = {"block_gradients": made, "freed_activations": freed, "after_attention": 0}
+    at = {"block_gradients": made, "freed_activations": freed, "after_attention": 0,
+          "where": "ring attention's backward: gradients so far, the residual gradient, o_proj's input gradient and "
+                   "the ring's buffers (estimate/cp_ring_moments.py)"}
     return [{**at, "work": residual_bytes + out.bytes + ring.backward[0]},
             {**at, "freed_activations": freed + _copies(items, li, grads, attention),
              "work": residual_bytes + out.bytes + ring.backward[1]}]
