@@ -86,8 +86,8 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
         # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
         # (the fp8 all-gather at none read 0.992 of the trace's peak, tiny Llama fsdp-bf16 dp 2 B 2 S 64: the block
         # saves a column-major fp8 copy of v's, gate's, up's and down's gathered weight for its input gradient, q's, k's
-        # and o's gathered input itself: equal sizes, chosen by partitioners.py get_node_weight's distance bias,
-        # docs/float8.md); pipeline
+        # and o's gathered input itself: equal sizes, the min-cut's choice (partitioners.py solve_min_cut), not
+        # explained, docs/float8.md); pipeline
         # stages, with or without FSDP2: trace --pp refuses Float8, so no stage's Float8 block moments are checked
         ("float8", impl.float8, impl.float8 != "none" and (par.pp > 1 or bool(par.fsdp) and impl.recompute not in (
             "full", "op") and impl.float8_all_gather),
