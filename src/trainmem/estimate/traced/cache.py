@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["cache_dir", "cache_key", "cached"]
 
-FORMAT = 15  # bump when a template's content or meaning changes
+FORMAT = 16  # bump when a template's content or meaning changes
 
 
 def cache_dir() -> Path:

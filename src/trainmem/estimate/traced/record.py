@@ -93,6 +93,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
     outputs: dict[int, str] = {}
     hooks = [m.register_forward_hook(_name_output(rec, outputs, n, torch)) for n, m in model.named_modules()
              if isinstance(m, torch.nn.Embedding)]
+    hooks += [m.register_forward_pre_hook(_name_model_ids(rec, outputs, n, torch)) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding)]
     if scope is not None:  # the last stack's entry, and the return of the last module it calls
         hooks.append(scope.register_forward_pre_hook(lambda *_: times.__setitem__("start", len(rec.rec.events))))
         hooks += [m.register_forward_hook(lambda *_: times.__setitem__("end", len(rec.rec.events)))
@@ -157,6 +159,23 @@ def _name_output(rec, names: dict[int, str], module: str, torch):
         entry = rec._storages.get(out) if isinstance(out, torch.Tensor) else None
         if entry is not None and entry.data.id >= 0:
             names.setdefault(entry.data.id, embedding_output(module))
+    return hook
+
+
+def _name_model_ids(rec, names: dict[int, str], module: str, torch):
+    """A forward pre-hook naming ids the root module made for ``module`` to embed ``<module>.model_ids``, not the
+    loss's: T5's decoder input ids, ``input_ids.new_zeros(...)`` in ``T5ForConditionalGeneration._shift_right``
+    (transformers ``modeling_t5.py``), filled from the labels by the root before its decoder runs. A root op is
+    otherwise filed under ``loss.`` (:func:`_one`), so ``peak.py`` left these ids out of the decoder stack's end
+    (``stack_end``, as a head tensor not yet made) and out of the loss's backward (as the loss's int64 target):
+    4,096 B under the trace at B=2, S=256 (d_model 256), 16,384 B at t5-small's B=4, S=512. The embedding keeps them until its backward in the decoder, which runs
+    before the encoder's blocks': ``peak.py`` frees them with the blocks' shared inputs (not an ``.indices``
+    name: those the token embedding's backward, the last, frees)."""
+    def hook(_mod, args) -> None:
+        ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        entry = rec._storages.get(ids) if ids is not None else None
+        if entry is not None and entry.data.id >= 0 and not entry.data.module and not entry.data.name:
+            names.setdefault(entry.data.id, f"{module}.model_ids")
     return hook
 
 
