@@ -393,7 +393,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                        ("cp", "context-parallel degree"), ("ep", "expert-parallel degree"),
                        ("pp", "pipeline stages"), ("virtual-stages", "chunks per pipeline rank (interleaved)"),
                        ("microbatches", "micro-batches per pipeline flush"),
-                       ("fsdp-group", "ranks per shard group for --fsdp hybrid")):
+                       ("fsdp-group", "ranks per shard group for --fsdp hybrid (default 8: one node)")):
         g.add_argument(f"--{flag}", type=positive_int(flag), default=None, help=what)
     g.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
     g.add_argument("--cp-style", choices=("ring", "allgather"), default="ring",
@@ -442,4 +442,17 @@ def parallel_from_args(args: argparse.Namespace):
                        layer_split=split, zero=args.zero, fsdp=args.fsdp, fsdp_version=args.fsdp_version,
                        fsdp_units=getattr(args, "fsdp_units", "blocks"),
                        reshard_after_forward=not args.no_reshard_after_forward, offload=offload)
+    _refuse_unused_sharding_flags(args, par)
     return None if par.is_single and par.pp == 1 else par
+
+
+def _refuse_unused_sharding_flags(args: argparse.Namespace, par) -> None:
+    """Sharding options that only act under a sharding they were given without: refused, not ignored."""
+    if args.no_reshard_after_forward and par.fsdp is None and par.zero != 3:
+        raise SpecError("reshard_after_forward", False, "--no-reshard-after-forward needs --fsdp (or --zero 3): "
+                                                         "nothing is resharded without them")
+    if args.fsdp_group is not None and par.fsdp != "hybrid":
+        raise SpecError("fsdp_group", args.fsdp_group, f"--fsdp-group needs --fsdp hybrid, not {par.fsdp or 'none'}")
+    if getattr(args, "float8_all_gather", False) and par.fsdp is None:  # commands with add_float8_args
+        raise SpecError("float8_all_gather", True, "--float8-all-gather needs --fsdp (FSDP2 all-gathers the fp8 "
+                                                   "weights; without it nothing is gathered)")

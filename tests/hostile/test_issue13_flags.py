@@ -1,6 +1,8 @@
 """Issue 13's flags given values that cannot be right, on every command that takes them: one line
-naming the value, exit 2. No silent default: ``--recompute every-k`` without K was K=1 (= full), and
-an empty or repeated ``--offload`` item ran as if not given."""
+naming the value, exit 2. No silent default or ignored flag: ``--recompute every-k`` without K was K=1
+(= full); an empty or repeated ``--offload`` item ran as if not given; ``--no-reshard-after-forward``
+without FSDP or ZeRO-3, ``--fsdp-group`` without ``--fsdp hybrid`` and ``--float8-all-gather``
+without FSDP ran and changed nothing."""
 
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ COMMANDS = {
 SPEC_CASES = [
     (["--recompute", "every-k"], "recompute_every=None: --recompute every-k needs --recompute-every K"),
     (["--recompute-every", "2"], "recompute_every=2: needs --recompute every-k, not none"),
+    # sharding options given without the sharding they act under: each ran and changed nothing
+    (["--dp", "2", "--no-reshard-after-forward"],
+     "reshard_after_forward=False: --no-reshard-after-forward needs --fsdp"),
+    (["--dp", "2", "--fsdp", "full", "--fsdp-group", "2"], "fsdp_group=2: --fsdp-group needs --fsdp hybrid, not full"),
+    (["--dp", "2", "--float8", "tensorwise", "--float8-all-gather"],
+     "float8_all_gather=True: --float8-all-gather needs --fsdp"),
 ]
 #: refused by the parser, on every command
 PARSER_CASES = [
@@ -36,6 +44,14 @@ def test_refused_in_one_line(cli, tiny, command, flags, message):
     r = cli([command, "--model", tiny, *COMMANDS[command], *flags])
     assert_one_line_error(r)
     assert message in r.err
+
+
+@pytest.mark.parametrize("flags", [["--dp", "2", "--zero", "3", "--no-reshard-after-forward"],
+                                   ["--dp", "2", "--fsdp", "hybrid", "--fsdp-group", "2"],
+                                   ["--dp", "2", "--fsdp", "full", "--float8", "tensorwise", "--float8-all-gather"]])
+def test_sharding_flags_with_their_sharding_run(cli, tiny, flags):
+    r = cli(["estimate", "--model", tiny, "--seq", "64", *flags])
+    assert r.rc == 0, r.err
 
 
 def test_every_k_with_k_still_runs(cli, tiny):
