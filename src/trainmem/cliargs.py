@@ -330,6 +330,9 @@ def finetune_from_args(args: argparse.Namespace):
         for name, flag in _LORA_FLAGS.items():
             if name in given:
                 raise SpecError(name, given[name], f"{flag} needs --finetune lora or qlora, not {spec.mode}")
+    if spec.adapters and "freeze" in given:  # specs/finetune.py trainable_by_name: adapters train, the base is frozen
+        raise SpecError("freeze", ",".join(given["freeze"]), f"--freeze needs --finetune full: under {spec.mode} the "
+                                                             "base is frozen already and every adapter trains")
     if spec.mode != "qlora":
         for name, flag in _QLORA_FLAGS.items():
             if name in given:

@@ -152,7 +152,7 @@ def _json(capsys, *args) -> dict:
 
 def test_cli_contract_lora(capsys):
     d = _json(capsys, "--finetune", "lora", "--lora-rank", "16", "--lora-alpha", "32",
-              "--lora-targets", "q_proj,v_proj", "--freeze", "embeddings")
+              "--lora-targets", "q_proj,v_proj")  # --freeze under lora is refused: the base is frozen already
     ft = d["inputs"]["finetune"]
     assert ft["mode"] == "lora" and ft["lora_rank"] == 16 and ft["lora_targets"] == ["q_proj", "v_proj"]
     by_name = {i["name"]: i for i in d["items"]}

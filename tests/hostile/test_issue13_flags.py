@@ -2,7 +2,7 @@
 naming the value, exit 2. No silent default or ignored flag: ``--recompute every-k`` without K was K=1
 (= full); an empty or repeated ``--offload`` item ran as if not given; ``--no-reshard-after-forward``
 without FSDP or ZeRO-3, ``--fsdp-group`` without ``--fsdp hybrid`` and ``--float8-all-gather``
-without FSDP ran and changed nothing."""
+without FSDP, and ``--freeze`` under LoRA/QLoRA ran and changed nothing."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ SPEC_CASES = [
     (["--dp", "2", "--fsdp", "full", "--fsdp-group", "2"], "fsdp_group=2: --fsdp-group needs --fsdp hybrid, not full"),
     (["--dp", "2", "--float8", "tensorwise", "--float8-all-gather"],
      "float8_all_gather=True: --float8-all-gather needs --fsdp"),
+    # under LoRA the base is frozen and every adapter trains: the patterns changed nothing
+    (["--finetune", "lora", "--freeze", "layers.0-1"], "freeze='layers.0-1': --freeze needs --finetune full"),
 ]
 #: refused by the parser, on every command
 PARSER_CASES = [
