@@ -358,7 +358,8 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
                or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
     # CP's ring backward: a node moment of each block's attention (estimate/context_parallel.py)
     ring = ring_as_node_moment(working, lm, lstep, par, dtype_bytes(d.activation),
-                               taken=lay.traced is None and not act_off and not impl.optimizer_in_backward)
+                               taken=lay.traced is None and not act_off and not impl.optimizer_in_backward
+                               and impl.recompute in ("none", "full"))  # as measured; else on the generic moment
     moments = moments or bool(ring)
     accumulated = max(step.grad_accum, par.microbatches)
     return StageInputs(
@@ -375,7 +376,8 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
                            // (par.tp if par.sp else 1)),
         persistent=persistent, node_moments=moments,
         # FSDP2 per tensor: the loss's forward extras too (padded labels...: estimate/forward_held.py), not buffers
-        working=working if tl is None else {**working, "forward": {
+        # (and beside CP's ring, checked there: tests/parallel/test_cp_ring_backward.py)
+        working=working if tl is None and ring is None else {**working, "forward": {
             **working.get("forward", {}), **_held(lm, lstep, impl, own_states, lay.finetune)}},
         grad_received=moments and s != lay.last,  # the stage's output gradient: pp_recv_gradients
         logits_held=torch_engine and par.pp > 1 and s == lay.last,  # the schedule's output chunks (pp_output_chunks)
