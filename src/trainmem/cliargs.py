@@ -242,6 +242,9 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     attention = {"attention": args.attention} if args.attention is not None else {}  # else resolve_attention's
     impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every, device=args.device,
                     **{**attention, **routing, **optim, **spec_fields(args, "impl")})
+    if impl.compile and impl.framework != "hf":  # the compiled rules read transformers' blocks, not LitGPT's
+        raise SpecError("framework", impl.framework, "--compile is modelled for transformers' modules "
+                                                     "(--framework hf), not LitGPT's")
     return step, impl
 
 
@@ -377,12 +380,33 @@ def serving_from_args(args: argparse.Namespace, seq: int) -> dict:
         for name, value in given.items():
             raise SpecError(name, value, f"{_SERVING_FLAGS[name]} needs --mode inference")
         return {}
+    _refuse_training_flags(args)
     if "weight_group" in given and given.get("weights") != "int4":
         raise SpecError("weight_group", given["weight_group"], "--weight-group needs --weights int4")
     if "gpu_memory_utilization" in given and args.gpu is None:
         raise SpecError("gpu_memory_utilization", given["gpu_memory_utilization"], "needs --gpu")
     given.setdefault("context", seq)
     return {**given, "block_size": args.block_size}
+
+
+#: training options a serving estimate (``inference_estimate``) has no use for: (spec, field) -> flag
+_TRAINING_FLAGS = {(StepSpec, "optimizer"): "--optimizer", (StepSpec, "loss"): "--loss",
+                   (StepSpec, "grad_accum"): "--grad-accum", (ImplSpec, "recompute"): "--recompute",
+                   (ImplSpec, "optimizer_impl"): "--optimizer-impl",
+                   (ImplSpec, "optimizer_in_backward"): "--optimizer-in-backward", (ImplSpec, "compile"): "--compile",
+                   (ImplSpec, "float8"): "--float8"}
+
+
+def _refuse_training_flags(args: argparse.Namespace) -> None:
+    """Under --mode inference a training option off its default is refused, not ignored."""
+    for (spec, name), flag in _TRAINING_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None and value != spec_default(spec, name):
+            raise SpecError(name, value, f"{flag} is a training option: --mode inference has no optimizer, "
+                                         "backward or loss")
+    if finetune_from_args(args) is not None:
+        raise SpecError("finetune", getattr(args, "finetune", None) or "preset",
+                        "fine-tuning options are training options: --mode inference serves the base model")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

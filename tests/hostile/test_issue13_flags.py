@@ -2,7 +2,8 @@
 naming the value, exit 2. No silent default or ignored flag: ``--recompute every-k`` without K was K=1
 (= full); an empty or repeated ``--offload`` item ran as if not given; ``--no-reshard-after-forward``
 without FSDP or ZeRO-3, ``--fsdp-group`` without ``--fsdp hybrid`` and ``--float8-all-gather``
-without FSDP, and ``--freeze`` under LoRA/QLoRA ran and changed nothing."""
+without FSDP, ``--freeze`` under LoRA/QLoRA, training options under ``--mode inference`` and
+``--framework litgpt`` under ``--compile`` ran and changed nothing."""
 
 from __future__ import annotations
 
@@ -46,6 +47,29 @@ def test_refused_in_one_line(cli, tiny, command, flags, message):
     r = cli([command, "--model", tiny, *COMMANDS[command], *flags])
     assert_one_line_error(r)
     assert message in r.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compile"], "compile=True: --compile is a training option"),
+    (["--float8", "tensorwise"], "float8='tensorwise': --float8 is a training option"),
+    (["--recompute", "full"], "recompute='full': --recompute is a training option"),
+    (["--optimizer", "adamw8bit"], "optimizer='adamw8bit': --optimizer is a training option"),
+    (["--optimizer-impl", "fused"], "optimizer_impl='fused': --optimizer-impl is a training option"),
+    (["--optimizer-in-backward"], "optimizer_in_backward=True: --optimizer-in-backward is a training option"),
+    (["--finetune", "lora"], "finetune='lora': fine-tuning options are training options"),
+])
+def test_training_flags_under_inference_are_refused(cli, tiny, flags, message):
+    """estimate --mode inference ran each and printed the serving peak unchanged (llama-3-8b: 16,983,269,376 B)."""
+    r = cli(["estimate", "--model", tiny, "--seq", "64", "--mode", "inference", *flags])
+    assert_one_line_error(r)
+    assert message in r.err
+
+
+def test_compile_with_litgpt_blocks_is_refused(cli, tiny):
+    """The compiled rules read transformers' blocks: --framework litgpt was dropped under --compile."""
+    r = cli(["estimate", "--model", tiny, "--seq", "64", "--compile", "--framework", "litgpt"])
+    assert_one_line_error(r)
+    assert "framework='litgpt': --compile is modelled for transformers' modules" in r.err
 
 
 @pytest.mark.parametrize("flags", [["--dp", "2", "--zero", "3", "--no-reshard-after-forward"],
