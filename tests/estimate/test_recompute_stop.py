@@ -213,7 +213,7 @@ def test_adapted_mlp_top_equals_trace(cfg, precision, batch, seq, recompute):
 #: recomputed set too (compiled_op_moment.recomputes_blocks), in their own peak parts (peak.py
 #: _held_and_recomputed). Before, LoRA on every linear read under the trace: tiny Llama amp-bf16 B1 S32 34,824 B,
 #: bf16 B2 S64 61,448 B, GPT-NeoX fp32 B1 S32 68,616 B, amp-bf16 B2 S64 393,224 B. At k=2 (block 1 eager) see
-#: test_every_k_two_forward_equals_trace; GPT-NeoX amp-bf16 and bf16 B2 S64 read +40,960 B, not modelled further.
+#: test_every_k_two_forward_equals_trace and test_every_k_two_eager_block_has_no_cache.
 @pytest.mark.slow  # one fake-tensor trace each, ~2-5 s
 @pytest.mark.parametrize("cfg,precision,batch,seq", [(LLAMA, "amp-bf16", 1, 32), (LLAMA, "bf16", 2, 64),
                                                      (NEOX, "fp32", 1, 32), (NEOX, "amp-bf16", 2, 64)])
@@ -248,3 +248,23 @@ def test_every_k_two_forward_equals_trace(batch, seq):
     e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
     assert {p.name: p for p in e.phases}["forward"].parts["autocast_unsaved_casts"] == 2 * 1024 + 1536 + 3 * 3840
     assert (t.peak_op, e.peak_phase, e.peak_bytes) == ("nll_loss_forward", "forward", t.peak_logical_bytes)
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~1-4 s
+@pytest.mark.parametrize("precision", ["amp-bf16", "bf16"])
+def test_every_k_two_eager_block_has_no_cache(precision):
+    """HF gradient checkpointing turns the KV cache off for the whole model (``use_cache = False`` in
+    ``GPTNeoXModel.forward``), so under every-k the eager block 1 reads SDPA's V from the query_key_value output (kept
+    whole), not from a cache copy. Estimated with the cache, its saved set held the 32,768 B copy instead of the
+    98,304 B output, so block 1 looked recomputed and took a checkpointed block's stop moment: tiny GPT-NeoX LoRA on
+    query_key_value and the MLP B2 S64 read 40,960 B over the trace (amp-bf16 and bf16). Now equal."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["gpt_neox"])
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="every-k", recompute_every=2)
+    step = _step(precision, 2, 64)
+    t = trace_step(NEOX, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
+    assert "recomputed" not in {p.name: p for p in e.phases}["backward"].parts  # block 1 runs eager
+    assert (e.peak_phase, e.peak_bytes) == ("backward_first_block", t.peak_logical_bytes)

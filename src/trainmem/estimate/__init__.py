@@ -145,6 +145,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     plain_impl = replace(impl, recompute="none", recompute_every=1)
     if impl.compile and finetune is not None:  # what a fully recomputed compiled block recomputes: the eager
         plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set (upper bound)
+    # HF gradient checkpointing turns the KV cache off for the whole model, its eager blocks under every-k too
+    # (``*Model.forward``: ``use_cache = False``; Ctx.kv_cache)
+    cache = impl.recompute not in ("full", "every-k", "op")
     stack_held = 0  # --profile traced, an encoder-decoder: its last stack's locals (peak.py stack_end)
     stacks = ()  # --profile traced: the template's stacks of blocks, an encoder-decoder's two (peak.layer_stats)
     if impl.profile == "traced":
@@ -153,11 +156,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.traced import traced_stack_held, traced_stacks
         stack_held, stacks = traced_stack_held(model, step, impl), traced_stacks(model, step, impl)
     elif finetune is None:  # identical blocks stored once: the cost of one block, however deep
-        acts = activation_inventory(model, step, impl)
+        acts = activation_inventory(model, step, impl, kv_cache=cache)
         states = model_state_inventory(model, step, impl.profile)
         plain = activation_inventory(model, step, plain_impl, kv_cache=False) if impl.recompute != "none" else None
     else:  # fine-tuning may freeze some blocks and not others: every block is its own
-        acts = Inventory(activation_items(model, step, impl, finetune))
+        acts = Inventory(activation_items(model, step, impl, finetune, kv_cache=cache))
         states = Inventory(model_state_items(model, step, finetune))
         plain = (Inventory(activation_items(model, step, plain_impl, finetune, kv_cache=False,  # block 0: rules_hf_parts.py
                                             checkpointed=impl.recompute in ("full", "every-k")))
@@ -203,5 +206,9 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune, impl.compile),
                                     *head_dequant(model, step, finetune))
+    if finetune is not None and finetune.adapters and not impl.compile:  # estimate/adapter_forward.py
+        from trainmem.estimate.adapter_forward import with_adapter_forward
+        ph = with_adapter_forward(ph, inv, tokens=step.batch * step.seq, hidden=model.hidden_size,
+                                  residual_dtype=resid_dtype, lora_dropout=finetune.lora_dropout)
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,
                     **({"parallel": parallel, "host": host} if offload else {}))

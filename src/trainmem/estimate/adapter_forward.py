@@ -1,0 +1,123 @@
+"""A forward moment inside the last block: its LoRA-adapted down projection's adapter sum (the ``forward``
+phase where it is the larger).
+
+peft's ``lora.Linear.forward`` (peft ``tuners/lora/layer.py``) runs ``result = self.base_layer(x)``, then
+``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` and ``result = result + lora_B(lora_A(dropout(x))) *
+scaling``. When ``* scaling`` has made its output, the forward holds, besides every tensor saved so far:
+
+* the base layer's output (``result``, the residual's shape in the product's dtype), ``lora_B``'s output and its
+  scaled copy (in ``lora_B``'s output dtype: the product's under autocast, else the adapter's), and peft's copy of
+  the product in the adapter's dtype when the two differ (fp32 adapters on a bf16 product);
+* the block's locals, saved or not: the MLP's input (the norm's output: under autocast the adapters' ``lora_A``
+  save bf16 casts of it, a frozen base layer saves nothing), the down projection's input (the product, GPT-NeoX's
+  GELU output), a parallel-residual block's attention output (``GPTNeoXLayer.forward``: ``mlp_output + attn_output
+  + hidden_states``; ``recompute_stop._attention_output_held``);
+* the model's locals (transformers ``LlamaModel.forward`` / ``GPTNeoXModel.forward``): ``inputs_embeds`` (the
+  embedding's output, which no node saves behind a frozen embedding with no checkpoint) and ``cache_position``
+  (an int64 ``arange`` of S; ``position_ids`` is its view);
+* what the forward phase holds to the loss (the KV cache's copies, autocast's cached weight copies:
+  ``estimate/forward_held.py``), but neither the final norm's and head's outputs nor anything saved after the
+  adapter (the block's output sum, the final norm's, the head's and the loss's saved tensors).
+
+With a small vocabulary (the logits smaller than the product's fp32 copy) this is the step's top: tiny GPT-NeoX
+(h128, F512, V128) LoRA on every linear, amp-bf16, B1 S32, was 57,072 B under the trace (B2 S64 325,096 B), tiny
+Llama (h64, F176, V128) B2 S64 2,024 B (``tests/estimate/test_adapter_forward.py``). Read for the layouts in
+:data:`_DOWN` (a Llama MLP, GPT-NeoX's), a 16-bit or fp32 frozen base layer (not a 4-bit one), no adapter dropout,
+the last block not checkpointed (a checkpointed block saves none of these and runs its forward with the cache off);
+[] otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainmem.estimate.block_backward import block_items
+from trainmem.estimate.phase import Phase
+from trainmem.estimate.recompute_stop import _attention_output_held, _bytes
+from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.names import is_embedding, is_embedding_indices, layer_of
+
+__all__ = ["with_adapter_forward"]
+
+#: a block's down projection and the up projection whose input is the MLP's input, by the MLP's layout
+#: (transformers ``LlamaMLP.forward``, ``GPTNeoXMLP.forward``)
+_DOWN = {"down_proj": "up_proj", "dense_4h_to_h": "dense_h_to_4h"}
+#: the forward phase's parts made after the last block: the logits and their fp32 copy, the final hidden state the
+#: output holds, the loss's padded labels (``estimate/forward_held.py``, ``estimate/peak.py``)
+_LATER = ("logits", "head_input_unsaved", "padded_labels", "router_logits")
+
+
+def with_adapter_forward(phases: list[Phase], items: Inventory, *, tokens: int, hidden: int, residual_dtype: str,
+                         lora_dropout: float) -> list[Phase]:
+    """``phases`` whose ``forward`` is the larger of the end of the forward and this moment (the module docstring),
+    as the chunked losses' head moment is (estimate/peak.py). ``tokens``: B·S; ``residual_dtype``: the residual
+    stream's (and the embedding output's) dtype."""
+    fwd = next((p for p in phases if p.name == "forward"), None)
+    parts = _moment(fwd, items, tokens=tokens, hidden=hidden, residual_dtype=residual_dtype) \
+        if fwd and not lora_dropout else None
+    if parts is None or sum(parts.values()) <= fwd.bytes:
+        return phases
+    note = ("inside the last block's adapted down projection, at lora_B's scaled output: the tensors saved so far, "
+            "the base layer's output, peft's copy of the product, the block's and the model's locals")
+    return [Phase("forward", sum(parts.values()), parts, note) if p is fwd else p for p in phases]
+
+
+def _moment(fwd: Phase, items: Inventory, *, tokens: int, hidden: int, residual_dtype: str) -> dict[str, int] | None:
+    saved = [i for i in items.base if i.category is Category.ACTIVATION and i.bytes]
+    last = max((li for li in (layer_of(i.name) for i in saved) if li is not None), default=None)
+    if last is None:
+        return None
+    block = block_items(items, last)
+    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
+              and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape}
+    # the down projection's lora_A output, then (autocast) lora_B's weight copy: the block's last saved tensors
+    # before its output sum (a checkpointed block saves neither)
+    at = next((k for k, i in enumerate(saved) if layer_of(i.name) == last and ".mlp." in i.name
+               and i.name.split(".mlp.", 1)[1] in {f"{d}.lora_A.default.out" for d in _DOWN}), None)
+    if at is None:
+        return None
+    down = saved[at].name.split(".mlp.", 1)[1].split(".", 1)[0]
+    adapter = next((i for i in block if i.category is Category.PARAMETER
+                    and i.name.endswith(f".mlp.{down}.lora_A.default.weight")), None)
+    prod = marker.get(down)
+    if adapter is None or prod is None or not prod.note.startswith("not saved: frozen"):
+        return None  # a trainable or 4-bit base layer: other tensors
+    at += 1 + (at + 1 < len(saved) and saved[at + 1].name.endswith(f".mlp.{down}.lora_B.default.weight_cast"))
+    block_saved = [i for i in saved[:at] if layer_of(i.name) == last]
+    if any("/tp" in d or "/cp" in d for i in block_saved for d in i.dims):
+        return None  # checked on one device
+    autocast = any(i.name.endswith(".weight_cast") for i in block_saved)
+    # in one dtype lora_A saves the product and the MLP's input themselves (peft's cast copies nothing)
+    one_dtype = not autocast and adapter.dtype == prod.dtype
+    up = marker.get(_DOWN[down])
+    x = _bytes(up) if up is not None and not one_dtype else 0
+    out = tokens * hidden
+    base = out * dtype_bytes(prod.dtype)  # the base layer's output; a parallel block's attention output alike
+    lora_out = out * dtype_bytes(prod.dtype if autocast else adapter.dtype)  # autocast runs lora_B in the product's
+    # peft's copy of the product in the adapter's dtype: saved by lora_A itself without autocast (then counted)
+    copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype and not any(
+        f".mlp.{down}." in i.name and i.shape == prod.shape and i.dtype == adapter.dtype for i in block_saved) else 0
+    acts = [i for i in items.base if i.category is Category.ACTIVATION]
+    found = {"block_locals": x + (0 if one_dtype else _bytes(prod)) + (base if _attention_output_held(block_saved) else 0),
+             "model_locals": _unsaved_embedding_output(acts, out * dtype_bytes(residual_dtype))
+             + _cache_position(acts),
+             "adapter_forward": base + copy + 2 * lora_out}
+    parts = {k: v for k, v in fwd.parts.items() if k not in _LATER}
+    parts["activations"] = parts.get("activations", 0) - sum(i.bytes for i in saved[at:])
+    return {**parts, **{k: v for k, v in found.items() if v}}
+
+
+def _unsaved_embedding_output(acts: list[MemoryItem], nbytes: int) -> int:
+    """``inputs_embeds`` (``nbytes``) when the embedding's scope keeps no output."""
+    kept = any(i.bytes and layer_of(i.name) is None and is_embedding(i.name) and not is_embedding_indices(i.name)
+               for i in acts)
+    return 0 if kept else nbytes
+
+
+def _cache_position(acts: list[MemoryItem]) -> int:
+    """``cache_position`` (S int64), unless a node or a checkpoint keeps ``position_ids`` (its view). The token
+    ids' marker gives S (a frozen embedding's ``indices``, (B, S))."""
+    if any(i.bytes and i.name.endswith("position_ids") for i in acts):
+        return 0
+    ids = next((i for i in acts if is_embedding_indices(i.name) and i.shape and len(i.shape) == 2), None)
+    return ids.shape[-1] * 8 if ids is not None else 0
