@@ -38,6 +38,10 @@ product are fp32 (the residual stream's dtype), a 4-byte kept amax is the weight
 the weight casts; fp32 too), and two more moments: each fp32 weight gradient beside the bf16 ``_scaled_mm`` output it
 is cast from (traced: estimate == trace, SMALL_V 2,239,660 B, FSDP2 2,357,804 B).
 
+Under FSDP2's fp8 all-gather (estimate/compiled_float8_gathered.py: no amax, some weights' column-major fp8 copies
+saved, the forward scales held to the block's backward) the weights arrive cast: no weight-cast moment, each copy
+freed by its input gradient (traced: GATHERED_CASES).
+
 Known limitations: only the Llama set with every linear converted; ``rowwise``: bf16 only
 (estimate/compiled_float8_rowwise.py); the attention's and the norms' backward moments are not modelled: with few
 tokens beside large weights the attention's weight casts, all the MLP's gradients made, peak above these (H 128 F 256
@@ -65,8 +69,10 @@ def is_float8_block(kept: dict[str, MemoryItem]) -> bool:
     (the norms' outputs and the product recomputed, an amax and an inverse scale per linear) or the bf16 rowwise one
     (estimate/compiled_float8_rowwise.py)."""
     recomputed = ("mlp.act_mul_up", "post_attention_layernorm.out")
+    amaxes = sum(f"{n}.amax" in kept for n in _LINEARS)  # none: FSDP2's fp8 all-gather (compiled_float8_gathered.py)
     return is_rowwise_block(kept) or (all(n in kept for n in _KEPT) and not any(n in kept for n in recomputed)
-                                      and all(f"{n}.{s}" in kept for n in _LINEARS for s in ("amax", "scale_inv")))
+                                      and all(f"{n}.scale_inv" in kept for n in _LINEARS)
+                                      and amaxes in (0, len(_LINEARS)))
 
 
 def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, *,
@@ -85,35 +91,46 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
     tokens_f = gate.bytes // a  # T·F
     weight_cast = 2 * gate.shape[-1] * o.shape[-1] * _FP32  # an F·H weight's fp32 copy and its scaled product
 
-    def scalars(*linears: str) -> int:
-        return sum(kept[f"mlp.{c}.{s}"].bytes for c in linears for s in ("amax", "scale_inv"))
+    def amax(linear: str) -> int:  # a weight's kept amax, freed by its cast (none under the fp8 all-gather)
+        return getattr(kept.get(f"mlp.{linear}.amax"), "bytes", 0)
+
+    def scalars(*linears: str) -> int:  # what a linear's input gradient frees of the block's saved set
+        return sum(kept[f"mlp.{c}.{s}"].bytes for c in linears for s in ("amax", "scale_inv", "weight_t_fp8")
+                   if f"mlp.{c}.{s}" in kept)
 
     gate32 = tokens_f * _FP32
     copy, copied = (gate32, gate.bytes) if a < _FP32 else (0, 0)  # the gate's fp32 copy (fp32: the gate itself)
     amp = _autocast_parts(kept, grads, a, x)
+    # FSDP2's fp8 all-gather: the weights arrive cast, their column-major copies saved (compiled_float8_gathered.py):
+    # no weight cast, only the product's cast and SiLU's backward
+    gathered = "mlp.down_proj.amax" not in kept
     # a weight cast's fp32 scale, made from the kept amax; a 4-byte amax (fp32 weights) is the scale itself, kept
-    w_scale = 0 if kept["mlp.down_proj.amax"].bytes == _FP32 else _SCALE
+    w_scale = 0 if gathered or kept["mlp.down_proj.amax"].bytes == _FP32 else _SCALE
     base = residual_bytes + tangents + amp["k_tangent"]
     out = kept["residual_mlp"].bytes if "residual_mlp" in kept else 0  # the block output, freed by its reader
+    # FSDP2's fp8 all-gather: the forward scales, replaced once the block's backward all-gather was waited on
+    out += sum(i.bytes for n, i in kept.items() if n.endswith(".param_scale"))
     fp8_grad_h, fp8_grad_f = tokens_h + _SCALE, tokens_f + _SCALE  # a grad_output's fp8 cast and its scale
     norm = tokens_h * (_FP32 + x) + tokens_h + _SCALE  # the norm's fp32 input and product, its output's fp8 cast
     no_grads = {"block_gradients": 0, "new_gradients": 0, "after_attention": 0}
     two = {"block_gradients": grads["down_proj"] + grads["up_proj"],
            "new_gradients": grads["down_proj"] + grads["up_proj"], "after_attention": 0}
     moments = [  # down_cast, product, up_cast, silu, gate_cast (module docstring)
-        {**no_grads, "freed_activations": out + kept["mlp.down_proj.amax"].bytes,
+        {**no_grads, "freed_activations": out + amax("down_proj"),
          "work": base + fp8_grad_h + w_scale + weight_cast},
         {**no_grads, "freed_activations": out + copied + scalars("down_proj"),
          "work": base + fp8_grad_h + 2 * tokens_f * a + copy + _SCALE + 2 * gate32},
         {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
-         "freed_activations": out + copied + up.bytes + scalars("down_proj") + kept["mlp.up_proj.amax"].bytes,
+         "freed_activations": out + copied + up.bytes + scalars("down_proj") + amax("up_proj"),
          "work": base + copy + tokens_f * a + fp8_grad_f + w_scale + weight_cast},
         {**two, "freed_activations": out + copied + up.bytes + o.bytes + scalars("down_proj", "up_proj"),
          "work": base + tokens_h * x + copy + norm + 3 * gate32},
         {**two, "freed_activations": out + gate.bytes + up.bytes + o.bytes + scalars("down_proj", "up_proj")
-         + kept["mlp.gate_proj.amax"].bytes,
+         + amax("gate_proj"),
          "work": base + tokens_h * x + norm + fp8_grad_f + w_scale + weight_cast},
     ]
+    if gathered:  # no weight cast moments (down_cast, up_cast, gate_cast)
+        moments = moments[1::2]
     if amp["mm_out"]:  # the fp32 weight gradients made from _scaled_mm's bf16 output, both alive for a moment
         moments += [
             {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,

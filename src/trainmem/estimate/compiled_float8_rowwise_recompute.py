@@ -11,11 +11,12 @@ is recomputed) runs, read off the trace (``trace/compiled.py``: the partitioned 
 * the block's forward again up to ``silu(gate)·up``: each RMSNorm (fp32 input, ``rsqrt``, the normalized product and
   the output held for the backward), each linear's input cast per row (float8_scaling_utils.py
   ``hp_tensor_to_float8_dynamic``, its inverse scale made by the first reader's mm and freed after the last's), each
-  weight cast per output (``matmul_with_hp_or_float8_args.forward``): rowwise casts a weight along the other axis for the input gradient, so
-  the joint graph holds the forward cast's ``abs`` and fp32 copy until then (the CSE-merged nodes both casts read);
-  the forward mms run with fast accumulation (torchao/float8/config.py ``Float8LinearConfig.gemm_config_output``):
-  ``_scaled_mm`` takes the inverse scales, and float8_ops.py ``addmm_float8_unwrapped`` adds no fp32 output scaling; the rotary embedding of q and k, SDPA's output and log-sum-exp; SiLU's fp32 gate
-  and its output; up and the product;
+  weight cast per output (``matmul_with_hp_or_float8_args.forward``): rowwise casts a weight along the other axis
+  for the input gradient, so the joint graph holds the forward cast's ``abs`` and fp32 copy until then (the
+  CSE-merged nodes both casts read); the forward mms run with fast accumulation (torchao/float8/config.py
+  ``Float8LinearConfig.gemm_config_output``): ``_scaled_mm`` takes the inverse scales, and float8_ops.py
+  ``addmm_float8_unwrapped`` adds no fp32 output scaling; the rotary embedding of q and k, SDPA's output and
+  log-sum-exp; SiLU's fp32 gate and its output; up and the product;
 * then the MLP's backward as without checkpointing (compiled_float8_rowwise.py), each weight's input-gradient cast
   made from the held ``abs`` and fp32 copy, the gate/up input's norm output held (not recomputed again).
 

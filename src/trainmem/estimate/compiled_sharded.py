@@ -83,16 +83,11 @@ def check_compiled_parallel(impl: ImplSpec, par: ParallelSpec) -> None:
             impl.recompute == "op" and (par.pp == 1 or (par.fsdp == "full" and par.schedule == "1f1b"))),
          "compiled blocks under FSDP2 are checked with --recompute none or full, and op without pipeline stages or "
          "with them under 1f1b and --fsdp full"),
-        # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py, compiled_float8_rowwise.py
-        # (the fp8 all-gather at none read 0.992 of the trace's peak, tiny Llama fsdp-bf16 dp 2 B 2 S 64: the block
-        # saves a column-major fp8 copy of v's, gate's, up's and down's gathered weight for its input gradient, q's, k's
-        # and o's gathered input itself: equal sizes, the min-cut's choice (partitioners.py solve_min_cut), not
-        # explained, docs/float8.md); pipeline
-        # stages, with or without FSDP2: trace --pp refuses Float8, so no stage's Float8 block moments are checked
-        ("float8", impl.float8, impl.float8 != "none" and (par.pp > 1 or bool(par.fsdp) and impl.recompute not in (
-            "full", "op") and impl.float8_all_gather),
-         "compiled Float8 is checked without pipeline stages (trace --pp refuses Float8), under FSDP2 with --recompute "
-         "full or op (--float8-all-gather included) and none without --float8-all-gather"),
+        # estimate/compiled_float8_recompute.py; --recompute none: compiled_float8_moment.py,
+        # compiled_float8_rowwise.py, compiled_float8_gathered.py (the fp8 all-gather); pipeline stages, with or without FSDP2: trace --pp refuses
+        # Float8, so no stage's Float8 block moments are checked
+        ("float8", impl.float8, impl.float8 != "none" and par.pp > 1,
+         "compiled Float8 is checked without pipeline stages (trace --pp refuses Float8)"),
     )
     for field, value, bad, why in refusals:
         if bad:

@@ -145,11 +145,27 @@ def compiled_input_recomputed(ctx, *linears: tuple[str, tuple[int, int]]) -> boo
 
 
 def compiled_scales(ctx, *linears: tuple[str, tuple[int, int]]) -> None:
-    """The scalars a compiled block keeps per converted linear under ``tensorwise`` (see above)."""
+    """The scalars a compiled block keeps per converted linear under ``tensorwise`` (see above). With FSDP2's fp8
+    all-gather (the Llama block's seven linears in forward order) no amax, and the column-major fp8 copies of the
+    weights estimate/compiled_float8_gathered.py names."""
     if ctx.impl.float8 != "tensorwise":
         return
-    g, a = ctx.graph, ctx.param  # the weight's dtype (amp-bf16: fp32, traced)
-    for name, weight in linears:
-        if converted(ctx.model, g.path(f"{name}.weight"), weight):
+    from trainmem.estimate.compiled_float8_gathered import saved_weight_copies
+    g, a, gathered = ctx.graph, ctx.param, ctx.impl.float8_all_gather  # the weight's dtype (amp-bf16: fp32, traced)
+    fp8 = {name: converted(ctx.model, g.path(f"{name}.weight"), weight) for name, weight in linears}
+    # the block's graph inputs in first-use order: the hidden states, the input norm's weight, q/k/v, the rotary cos
+    # and sin, o, the post-attention norm's weight, the MLP's (estimate/compiled_float8_gathered.py)
+    names = [n for n, _ in linears]
+    inputs = (("x", False, False), ("input_layernorm", True, False), *((n, True, fp8[n]) for n in names[:3]),
+              ("cos", False, False), ("sin", False, False), (names[3], True, fp8[names[3]]),
+              ("post_attention_layernorm", True, False), *((n, True, fp8[n]) for n in names[4:]))
+    copies = saved_weight_copies(inputs) if gathered else set()
+    for name, (out, inp) in linears:
+        if fp8[name]:
             with g.module(name):
-                g.save(g.new("amax", (), (), a, False), g.new("scale_inv", (), (), "float32", False))
+                g.save(g.new("amax", (), (), a, False), when=not gathered)
+                g.save(g.new("scale_inv", (), (), "float32", False))
+                g.save(g.new("weight_t_fp8", (inp, out), ("in", "out"), "float8", False), when=name in copies)
+                # the forward all-gather's fp32 scale: the parameter's ``_scale`` until the block's backward all-gather
+                # is waited on (compiled_float8_op.gathered_scales), not held by autograd
+                g.save(g.new("param_scale", (), (), "float32", False), when=gathered)
