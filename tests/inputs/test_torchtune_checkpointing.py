@@ -57,3 +57,34 @@ def test_bad_ac_keys_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         impl_of(tmp_path, text)
     assert "\n" not in str(err.value)
+
+
+# optimizer_in_bwd and activation offloading: the recipes' own checks (bd2a0fc) ----------------------
+
+def test_optimizer_in_bwd_without_an_optimizer_section(tmp_path):
+    """It was read after optimizer._component_'s early returns, and dropped without one."""
+    impl, _ = impl_of(tmp_path, "optimizer_in_bwd: true\n")
+    assert impl.get("optimizer_in_backward") is True
+
+
+def test_optimizer_in_bwd_is_not_read_by_the_lora_recipes(tmp_path):
+    p = tmp_path / "recipe.yaml"
+    p.write_text("model:\n  _component_: torchtune.models.llama3.lora_llama3_8b\n"
+                 "  lora_attn_modules: [q_proj, v_proj]\noptimizer_in_bwd: true\n")
+    a = read_torchtune(p)
+    assert "optimizer_in_backward" not in a["overrides"].get("impl", {})
+    assert any(n.startswith("optimizer_in_bwd: torchtune's LoRA recipes do not read it") for n in a["notes"])
+
+
+@pytest.mark.parametrize("text, message", [
+    # full_finetune_single_device.py __init__: "Gradient accumulation is not supported with optimizer_in_bwd"
+    ("optimizer_in_bwd: true\ngradient_accumulation_steps: 4\n", "gradient_accumulation_steps=4, clip_grad_norm=None"),
+    # ... and "Gradient clipping is not supported with optimizer_in_bwd"
+    ("optimizer_in_bwd: true\nclip_grad_norm: 1.0\n", "gradient_accumulation_steps=1, clip_grad_norm=1.0"),
+    # "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
+    ("enable_activation_offloading: true\n", "enable_activation_offloading=True needs enable_activation_checkpointing"),
+])
+def test_what_the_recipes_refuse_is_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        impl_of(tmp_path, text)
+    assert "\n" not in str(err.value)

@@ -12,11 +12,12 @@ supervised fine-tuning recipes are modelled (``recipes/full_finetune_single_devi
 * ``batch_size``, ``gradient_accumulation_steps``, ``tokenizer.max_seq_len`` (with
   ``dataset.packed`` every sequence is that long; without, it is the longest a sample can be),
   ``dtype`` (torchtune builds the model in it: ``bf16`` is pure bf16), ``device``;
-* ``optimizer._component_`` (and ``fused``/``foreach``), ``optimizer_in_bwd``,
+* ``optimizer._component_`` (and ``fused``/``foreach``), ``optimizer_in_bwd`` (full fine-tuning only),
   ``enable_activation_checkpointing``, ``ac_mode``/``ac_option``, ``loss._component_``;
 * the distributed recipes' ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward`` and degrees;
-* ``enable_activation_offloading`` -> ``--offload activations`` on one device (with full or no
-  checkpointing; otherwise a note).
+* ``enable_activation_offloading`` -> ``--offload activations`` on one device (only with
+  ``enable_activation_checkpointing``, as the recipes require; a setting it is not modelled under
+  gets a note).
 
 * ``compile`` -> ``--compile --compile-scope block-loss`` (each layer and the loss compiled alone:
   ``inputs/compile_keys.py``).
@@ -184,10 +185,11 @@ def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
         else:
             notes.append(f"device={device!r}: estimated with CUDA's kernels")
     _optimizer(get, step, impl, notes, where)
+    _optimizer_in_bwd(get, step, impl, sec["finetune"], notes, where)
     _loss(get, step, notes, where)
     _checkpointing(get, impl, notes, where)
     _distributed(get, sec["parallel"], notes, where)
-    _offloading(get, impl, sec["parallel"], sec["finetune"], notes)
+    _offloading(get, impl, sec["parallel"], sec["finetune"], notes, where)
     torchtune_compile(get("compile", (bool, dict)), impl, notes, where)
     _float8(get, impl, sec["parallel"], sec["finetune"], notes)
     out = answer("torchtune", where, raw, sec, notes)
@@ -338,10 +340,23 @@ def _optimizer(get, step: dict, impl: dict, notes: list[str], where: str) -> Non
             impl["optimizer_impl"] = "foreach"
         elif get("foreach", bool, "optimizer") is False:
             impl["optimizer_impl"] = "for-loop"
+
+
+def _optimizer_in_bwd(get, step: dict, impl: dict, finetune: dict, notes: list[str], where: str) -> None:
     # full_finetune_single_device.py, _setup_optimizer: optimizer_in_bwd registers one optimizer per
-    # parameter stepped in a post-accumulate-grad hook (training.register_optim_in_bwd_hooks)
-    if get("optimizer_in_bwd", bool):
-        impl["optimizer_in_backward"] = True
+    # parameter stepped in a post-accumulate-grad hook (training.register_optim_in_bwd_hooks); __init__
+    # raises with gradient accumulation or clipping; the LoRA recipes never read the key
+    if not get("optimizer_in_bwd", bool):
+        return
+    if finetune.get("mode") in ("lora", "qlora"):
+        notes.append("optimizer_in_bwd: torchtune's LoRA recipes do not read it (full_finetune_* do): the optimizer "
+                     "steps after backward")
+        return
+    if step.get("grad_accum", 1) > 1 or get("clip_grad_norm", (int, float, str)) is not None:
+        raise ConfigError(f"{where}: optimizer_in_bwd=True with gradient_accumulation_steps={step.get('grad_accum', 1)}"
+                          f", clip_grad_norm={get('clip_grad_norm', (int, float, str))!r}: torchtune's full_finetune "
+                          f"recipes refuse both (each needs every gradient before the step)")
+    impl["optimizer_in_backward"] = True
 
 
 def _loss(get, step: dict, notes: list[str], where: str) -> None:
@@ -391,13 +406,17 @@ def _checkpointing(get, impl: dict, notes: list[str], where: str) -> None:
                           f"'op' fails there)")
 
 
-def _offloading(get, impl: dict, par: dict, finetune: dict, notes: list[str]) -> None:
+def _offloading(get, impl: dict, par: dict, finetune: dict, notes: list[str], where: str) -> None:
     # full_finetune_single_device.py, _setup_model: training.get_act_offloading_ctx_manager(model,
     # enable_activation_offloading) -> OffloadActivations around the forward (estimate/activation_offload.py)
     # full_finetune_distributed.py wraps the sharded model's forward the same way: with data parallelism
     # only, each rank's split is the single-device one (estimate/fsdp_offload.py)
     if not get("enable_activation_offloading", bool):
         return
+    # full_finetune_single_device.py / lora_finetune_*.py __init__: RuntimeError without checkpointing
+    if not get("enable_activation_checkpointing", bool):
+        raise ConfigError(f"{where}: enable_activation_offloading=True needs enable_activation_checkpointing=True "
+                          f"(torchtune's recipes raise RuntimeError without it)")
     if (impl.get("recompute", "none") not in ("none", "full") or par.get("tp", 1) > 1 or par.get("cp", 1) > 1
             or finetune):
         notes.append("enable_activation_offloading: modelled on one device (or data-parallel FSDP ranks), full "
