@@ -458,7 +458,8 @@ def parallel_from_args(args: argparse.Namespace):
             split = tuple(int(x) for x in args.layer_split.split(","))
         except ValueError:
             raise SpecError("layer_split", args.layer_split, "must be comma-separated integers") from None
-    offload = tuple(x for x in (args.offload or "").split(",") if x)
+    offload = args.offload or ()  # the flag's comma list, or a file's tuple (--deepspeed, --hf-args)
+    offload = tuple(x for x in offload.split(",") if x) if isinstance(offload, str) else tuple(offload)
     kwargs = {k: getattr(args, k.replace("-", "_")) for k in
               ("dp", "tp", "cp", "ep", "pp", "virtual_stages", "microbatches", "fsdp_group")}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
