@@ -228,7 +228,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     result = sweep(source, step, impl, over=args.over, budget_bytes=budget, backend=args.backend, start=args.start,
                    stop=args.stop, multiple=args.multiple, device=device, seed=args.seed,
                    parallel=parallel, finetune=finetune_from_args(args),
-                   fit_reserved=args.gpu is not None and modelled)
+                   fit_reserved=(args.gpu is not None or args.memory_figure == "reserved") and modelled)
     from trainmem.fitargs import gpu_from_args
     from trainmem.schemas import model_input, set_inputs
     payload = set_inputs(result.to_dict(), model=model_input(source, args.model), gpu=gpu_from_args(args))
