@@ -84,3 +84,12 @@ def test_every_k_with_k_still_runs(cli, tiny):
     r = cli(["estimate", "--model", tiny, "--seq", "64", "--recompute", "every-k", "--recompute-every", "2", "--json"])
     assert r.rc == 0, r.err
     assert '"recompute_every": 2' in r.out
+
+
+def test_plan_refuses_fsdp_bf16(cli, tiny):
+    """plan searches ZeRO layouts only: under fsdp-bf16 it screened 0 configurations and printed
+    "Nothing fits" over an empty table."""
+    r = cli(["plan", "--model", tiny, "--seq", "64", "--gpus", "8", "--global-batch", "16", "--gpu", "h100-80gb",
+             "--precision", "fsdp-bf16"])
+    assert_one_line_error(r)
+    assert "precision='fsdp-bf16': is FSDP2's MixedPrecisionPolicy, and plan searches ZeRO layouts" in r.err

@@ -123,6 +123,10 @@ def run_plan(args) -> int:
 
     from trainmem.plan.count import default_global_batch, smallest_fit
 
+    if args.precision == "fsdp-bf16":  # every layout plan searches is ZeRO 0-3: nothing would be screened
+        from trainmem.errors import SpecError
+        raise SpecError("precision", args.precision, "is FSDP2's MixedPrecisionPolicy, and plan searches ZeRO "
+                                                     "layouts (zero 0-3): estimate --dp N --fsdp full prices one layout")
     gpu = gpu_from_args(args)
     if args.gpus != "auto":
         check_gpus(gpu, args.gpus)
