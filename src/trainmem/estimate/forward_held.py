@@ -141,6 +141,11 @@ def padded_labels(B: int, S: int) -> int:
     return B * (S + 1) * 8 if B > 1 else 0
 
 
+def _traced_output_held(model, step, impl) -> int:
+    from trainmem.estimate.traced import traced_output_held
+    return traced_output_held(model, step, impl)
+
+
 def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inventory, finetune=None) -> dict[str, int]:
     """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile (or the traced
     one, read with the hf rules where the family has them), eager, one device without offload (the caller's
@@ -148,13 +153,15 @@ def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inven
     if impl.framework != "hf" or impl.compile or model.head != "lm" or model.arch != "decoder" or \
             impl.profile not in ("hf", "traced") or family_of(model).rules.forward == "traced":
         return {}
-    # --profile traced: the same model's tensors, read with the hf rules where the family has them
-    impl = replace(impl, profile="hf")
+    # --profile traced: the same model's tensors, read with the hf rules where the family has them; the cache's
+    # unsaved bytes read off the trace itself (traced/record.py _output_held: MiniMax's linear-attention state)
+    traced, impl = impl if impl.profile == "traced" else None, replace(impl, profile="hf")
     d = step.dtypes
     out = {}
     if impl.recompute == "none" or d.autocast:  # checkpointing turns the cache off (*Model.forward)
         probe = _probe(model, step, impl, finetune)
-        out["kv_cache_unsaved"] = kv_cache_unsaved(probe) if impl.recompute == "none" else 0
+        out["kv_cache_unsaved"] = 0 if impl.recompute != "none" else kv_cache_unsaved(probe) if traced is None else \
+            _traced_output_held(model, step, traced)
         if d.autocast:
             out["autocast_unsaved_casts"] = autocast_unsaved_casts(probe)
             out["autocast_bias_cache"] = autocast_bias_cache(states, probe.linears, d.activation)

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.inventory import Inventory, Repeat, dtype_bytes
 
-__all__ = ["traced_template", "traced_parts", "traced_stack_held", "traced_stacks",
+__all__ = ["traced_template", "traced_parts", "traced_stack_held", "traced_output_held", "traced_stacks",
            "traced_model_spec", "unmapped_model_spec", "check_traced"]
 
 _MEMO: dict[str, Any] = {}  # key -> Template, for sweeps within one process
@@ -149,6 +149,13 @@ def traced_stack_held(model, step, impl) -> int:
     locals: T5's position biases, the KV cache it returns; ``record._held``); 0 for one stack.
     The template is the one :func:`traced_parts` traced (memoized)."""
     return traced_template(_config_of(model), step, impl).held_bytes(step.batch, step.seq)
+
+
+def traced_output_held(model, step, impl) -> int:
+    """Bytes the model's output holds through the loss besides the kept tensors (a cache's entries that no
+    gradient reads, and what their graph saved: MiniMax's lightning-attention state, ``record._output_held``),
+    the forward phase's ``kv_cache_unsaved`` under ``--profile traced`` (estimate/forward_held.py)."""
+    return traced_template(_config_of(model), step, impl).output_bytes(step.batch, step.seq)
 
 
 def traced_stacks(model, step, impl) -> tuple[tuple[str, int], ...]:

@@ -35,6 +35,7 @@ class Saved:
     dtype: str
     nbytes: int
     held: bool = False  # not kept for backward: alive in the last stack's scope at its end (see _held)
+    output: bool = False  # not kept for backward: held by the model's output through the loss (see _output_held)
 
 
 def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
@@ -99,6 +100,10 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         hooks.append(scope.register_forward_pre_hook(lambda *_: times.__setitem__("start", len(rec.rec.events))))
         hooks += [m.register_forward_hook(lambda *_: times.__setitem__("end", len(rec.rec.events)))
                   for m in scope.modules() if m is not scope]
+    head = model.get_output_embeddings()
+    if head is not None:  # the head's first call, and the root's return (its frame's locals gone)
+        hooks.append(head.register_forward_pre_hook(_mark(times, "head", rec, first=True)))
+        hooks.append(model.register_forward_hook(_mark(times, "returned", rec)))
     with rec, _removed(hooks):
         token = modules.get(id(model.get_input_embeddings()))
         rec.mark_input(ids, embedding_indices(token) if token else "input_ids")
@@ -106,7 +111,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
             if t is not ids:
                 rec.mark_input(t, key)
         with autocast:
-            loss = model(ids, **inputs).loss
+            loss = model(ids, **inputs).loss  # the output object is dropped here, autocast's cache at the exit
+            times["dropped"] = len(rec.rec.events)
         entry = rec._storages.get(loss)
         loss_block = entry.data if entry is not None else None
         kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
@@ -115,6 +121,7 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         # a buffer autograd saves as it is (Gemma's embed_scale) is not kept here: it is the buffer item
         # (estimate/buffers.py), counted once, as `trainmem trace` files it
         held = _held(rec.rec.blocks[rec.rec.baseline:], kept, times, ORIGIN_OP)
+        by_output = _output_held(rec.rec.blocks[rec.rec.baseline:], kept, times, ORIGIN_OP)
         del loss
     seen: dict[str, int] = {}
     out = []
@@ -127,6 +134,8 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         out.append(Saved(base if n == 0 else f"{base}_{n}", b.op or "input", tuple(b.shape), b.dtype, b.nbytes))
     out += [Saved(f"{b.module}.{b.op}#{k}", b.op, tuple(b.shape), b.dtype, b.nbytes, held=True)
             for k, b in enumerate(held)]
+    out += [Saved(f"{b.module}.{b.op}#{k}", b.op, tuple(b.shape), b.dtype, b.nbytes, output=True)
+            for k, b in enumerate(by_output)]
     return out
 
 
@@ -151,6 +160,32 @@ def _held(blocks, kept, times: dict, origin_op: str) -> list:
             and t0 <= b.alloc_at < t1 and (b.free_at is None or b.free_at >= t1)]
 
 
+def _mark(times: dict, key: str, rec, *, first: bool = False):
+    """A module hook writing the recorder's event count under ``key`` (``first``: at its first call only); it
+    returns None, so it changes neither the module's inputs nor its output."""
+    def hook(*_) -> None:
+        if not (first and key in times):
+            times[key] = len(rec.rec.events)
+    return hook
+
+
+def _output_held(blocks, kept, times: dict, origin_op: str) -> list:
+    """What the model's output holds through the loss besides what backward keeps: the storages its modules made
+    before the head that outlive the root's forward (its locals gone) and go when the caller drops the output, after
+    the loss. MiniMax's cache (``MiniMaxModel.forward`` builds one: ``use_cache`` defaults to True) keeps each
+    lightning-attention layer's last ``attn_weights_inter`` (``MiniMaxLightningAttention.forward``, transformers
+    ``modeling_minimax.py``), and through its graph the last block's ``K.T @ V`` inputs (the contiguous copies the
+    matmul saved), which no loss gradient reads: 589,824 B at hidden 256, B=2, S=256 (a (2, 4, 64, 64) state and
+    two (2, 4, 64, 256) copies, bf16). A ``DynamicCache``'s K/V copies that attention saves are kept, not here; the
+    logits (made by the head) are ``peak.py``'s; autocast's cached casts go at its exit, after the output."""
+    if not {"head", "returned", "dropped"} <= times.keys():
+        return []
+    keep = {id(b) for b in kept}
+    return [b for b in blocks if b.origin == origin_op and b.phase == "forward" and id(b) not in keep
+            and b.module and b.alloc_at < times["head"] and b.free_at is not None
+            and times["returned"] <= b.free_at < times["dropped"]]
+
+
 def _name_output(rec, names: dict[int, str], module: str, torch):
     """A forward hook naming the block of ``module``'s output ``<module>.out`` (its first call)."""
     from trainmem.names import embedding_output
@@ -168,9 +203,9 @@ def _name_model_ids(rec, names: dict[int, str], module: str, torch):
     (transformers ``modeling_t5.py``), filled from the labels by the root before its decoder runs. A root op is
     otherwise filed under ``loss.`` (:func:`_one`), so ``peak.py`` left these ids out of the decoder stack's end
     (``stack_end``, as a head tensor not yet made) and out of the loss's backward (as the loss's int64 target):
-    4,096 B under the trace at B=2, S=256 (d_model 256), 16,384 B at t5-small's B=4, S=512. The embedding keeps them until its backward in the decoder, which runs
-    before the encoder's blocks': ``peak.py`` frees them with the blocks' shared inputs (not an ``.indices``
-    name: those the token embedding's backward, the last, frees)."""
+    4,096 B under the trace at B=2, S=256 (d_model 256), 16,384 B at t5-small's B=4, S=512. The embedding keeps
+    them until its backward in the decoder, which runs before the encoder's blocks': not an ``.indices`` name
+    (those the token embedding's backward, the last, frees), ``peak.py`` frees them before the end phase."""
     def hook(_mod, args) -> None:
         ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
         entry = rec._storages.get(ids) if ids is not None else None

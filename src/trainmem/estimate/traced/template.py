@@ -74,6 +74,7 @@ class Kind:
     items: tuple[TracedItem, ...]
     params: tuple[tuple[str, tuple[int, ...]], ...]
     prefix: str  # its stack's blocks' names: "model.layers.", an encoder-decoder's "decoder.block."
+    output: tuple[TracedItem, ...] = ()  # what the model's output holds of one such block (record._output_held)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ class Template:
     def held_bytes(self, B: int, S: int) -> int:
         """What the last stack's scope holds at its end besides the kept tensors, at (B, S)."""
         return sum(i.at(B, S).bytes for i in self.held_items)
+
+    def output_bytes(self, B: int, S: int) -> int:
+        """What the model's output holds through the loss besides the kept tensors, at (B, S): each kind's block's
+        share once per block of that kind in the full model (a cache entry per layer)."""
+        return sum(len(k.layers) * sum(i.at(B, S).bytes for i in k.output) for k in self.kinds)
 
     def activations(self, B: int, S: int) -> Inventory:
         """The kept tensors at (B, S), each kind's block stored once as a template."""
@@ -126,7 +132,8 @@ class Template:
             "model_type": self.model_type, "stacks": [list(st) for st in self.stacks],
             "regime": list(self.regime), "batch_one": self.batch_one, "base_items": [i.to_json() for i in self.base_items],
             "kinds": [{"layers": list(k.layers), "items": [i.to_json() for i in k.items],
-                       "params": [[n, list(s)] for n, s in k.params], "prefix": k.prefix} for k in self.kinds],
+                       "params": [[n, list(s)] for n, s in k.params], "prefix": k.prefix,
+                       "output": [i.to_json() for i in k.output]} for k in self.kinds],
             "params_before": [[n, list(s)] for n, s in self.params_before],
             "params_after": [[n, list(s)] for n, s in self.params_after],
             "tp_plan": dict(self.tp_plan), "traced_layers": self.traced_layers,
@@ -142,7 +149,7 @@ class Template:
             d["model_type"], tuple((p, n) for p, n in d["stacks"]), (d["regime"][0], d["regime"][1]), d["batch_one"],
             tuple(TracedItem.from_json(i) for i in d["base_items"]),
             tuple(Kind(tuple(k["layers"]), tuple(TracedItem.from_json(i) for i in k["items"]), params(k["params"]),
-                       k["prefix"]) for k in d["kinds"]),
+                       k["prefix"], tuple(TracedItem.from_json(i) for i in k.get("output", ()))) for k in d["kinds"]),
             params(d["params_before"]), params(d["params_after"]), dict(d["tp_plan"]), d["traced_layers"],
             tuple(tuple(p) for p in d["points"]), tuple(TracedItem.from_json(i) for i in d.get("held_items", ())),
             d["tp"], dict(d["tp_div"]))
@@ -281,9 +288,29 @@ def build_template(config: Mapping[str, Any], step, impl, tp: int = 1, sp: bool 
         from trainmem.estimate.traced import tp as T
         prepare = partial(T.localize, plan=plan, tp=tp, sp=sp, loss_parallel=loss_parallel)
     runs = record_saved(small, step, impl, grid + [held], prepare=prepare)
-    items = _fit_items([[s for s in r if not s.held] for r in runs], grid, held)
+    base, per_layer = _by_block(_fit_items([[s for s in r if not (s.held or s.output)] for r in runs], grid, held),
+                                stacks, cuts)
     held_items = _fit_items([[s for s in r if s.held] for r in runs], grid, held)
+    # what the output holds of each block; not what the model made outside them: the cut model's count, not the full
+    # one's (Gemma3's cache makes a (8 B) sliding-window tensor per sliding layer in the model's forward: left out)
+    _, out_layer = _by_block(_fit_items([[s for s in r if s.output] for r in runs], grid, held), stacks, cuts)
 
+    shapes = K.parameter_shapes_of(full)
+    in_any = [(n, s) for n, s in shapes if any(n.startswith(st.prefix) for st in stacks)]
+    at = shapes.index(in_any[0]) if in_any else len(shapes)
+    before = tuple(p for p in shapes[:at] if p not in in_any)
+    after = tuple(p for p in shapes[at:] if p not in in_any)
+    kinds = [kind for k, st in enumerate(stacks)
+             for kind in _stack_kinds(config, st, cuts[k], kind_of[k], firsts[k], in_any,
+                                      {i: per_layer[(k, i)] for i in range(cuts[k])},
+                                      {i: out_layer[(k, i)] for i in range(cuts[k])})]
+    return Template(config["model_type"], tuple((st.prefix, st.num_layers) for st in stacks), regime, batch_one,
+                    tuple(base), tuple(kinds), before, after, plan, sum(cuts), tuple(grid) + (held,), tuple(held_items),
+                    tp, T.tp_divisors(full, plan, tp) if tp > 1 else {})
+
+
+def _by_block(items: list[TracedItem], stacks, cuts) -> tuple[list[TracedItem], dict[tuple[int, int], list]]:
+    """``items`` outside the blocks, and those of each traced block (stack, index) named relative to it."""
     per_layer: dict[tuple[int, int], list[TracedItem]] = {(k, i): [] for k, n in enumerate(cuts) for i in range(n)}
     base = []
     for it in items:
@@ -293,23 +320,13 @@ def build_template(config: Mapping[str, Any], step, impl, tp: int = 1, sp: bool 
             per_layer[(k, int(idx))].append(TracedItem(tail, it.op, it.dtype, it.axes, it.nbytes, it.dims))
         else:
             base.append(it)
-
-    shapes = K.parameter_shapes_of(full)
-    in_any = [(n, s) for n, s in shapes if any(n.startswith(st.prefix) for st in stacks)]
-    at = shapes.index(in_any[0]) if in_any else len(shapes)
-    before = tuple(p for p in shapes[:at] if p not in in_any)
-    after = tuple(p for p in shapes[at:] if p not in in_any)
-    kinds = [kind for k, st in enumerate(stacks)
-             for kind in _stack_kinds(config, st, cuts[k], kind_of[k], firsts[k], in_any,
-                                      {i: per_layer[(k, i)] for i in range(cuts[k])})]
-    return Template(config["model_type"], tuple((st.prefix, st.num_layers) for st in stacks), regime, batch_one,
-                    tuple(base), tuple(kinds), before, after, plan, sum(cuts), tuple(grid) + (held,), tuple(held_items),
-                    tp, T.tp_divisors(full, plan, tp) if tp > 1 else {})
+    return base, per_layer
 
 
 def _stack_kinds(config, stack, cut: int, kind_of: list[int], first: dict[tuple, int], shapes: list,
-                 per_layer: dict[int, list[TracedItem]]) -> list[Kind]:
-    """One stack's kinds: each kind's first block's tensors and parameters, checked on a repeat."""
+                 per_layer: dict[int, list[TracedItem]], output: dict[int, list[TracedItem]]) -> list[Kind]:
+    """One stack's kinds: each kind's first block's tensors and parameters, checked on a repeat; ``output``:
+    what the model's output holds of each traced block (record._output_held), taken from the same block."""
     depth = stack.num_layers
 
     def params_of(block: int) -> tuple:
@@ -317,13 +334,14 @@ def _stack_kinds(config, stack, cut: int, kind_of: list[int], first: dict[tuple,
         return tuple((n[len(pre):], s) for n, s in shapes if n.startswith(pre))
 
     if cut == depth:  # the whole stack was traced: every block is its own
-        return [Kind((i,), tuple(per_layer[i]), params_of(i), stack.prefix) for i in range(depth)]
+        return [Kind((i,), tuple(per_layer[i]), params_of(i), stack.prefix, tuple(output[i])) for i in range(depth)]
     check = cut - 2  # a block past the first of its kind, followed by another block
     if not _same(per_layer[check], per_layer[kind_of[check]]):
         raise UnsupportedError(f"--profile traced: block {check} of {config['model_type']}'s {stack.prefix[:-1]} keeps "
                                f"other tensors than block {kind_of[check]}, of the same kind; blocks are not alike")
     kinds = [Kind(tuple(i for i in range(depth - 1) if kind_of[i] == src), tuple(per_layer[src]), params_of(src),
-                  stack.prefix) for src in sorted(first.values())]
+                  stack.prefix, tuple(output[src])) for src in sorted(first.values())]
     kinds = [k for k in kinds if k.layers]
-    kinds.append(Kind((depth - 1,), tuple(per_layer[cut - 1]), params_of(kind_of[-1]), stack.prefix))
+    kinds.append(Kind((depth - 1,), tuple(per_layer[cut - 1]), params_of(kind_of[-1]), stack.prefix,
+                      tuple(output[cut - 1])))
     return kinds
