@@ -196,3 +196,13 @@ def test_cpu_offload_and_compile(tmp_path):
     assert "CPUOffloadPolicy" in notes and "[compile] enable" in notes
     out = overrides(tmp_path, "[training]\nenable_cpu_offload = true\n[parallelism]\ndata_parallel_shard_degree = 1\n")
     assert "offload" not in out.get("parallel", {})
+
+
+@pytest.mark.parametrize("section", ['[float8]\nrecipe_name = "rowwise"\n',
+                                     '[quantize.linear.float8]\nrecipe_name = "rowwise"\n'])
+def test_a_float8_table_without_the_converter_is_a_note(tmp_path, section):
+    """torchtitan converts only what [model] converters lists (build_model_converters): the table
+    alone converts nothing. It was dropped without a word."""
+    out = read(tmp_path, section)
+    assert "float8" not in out["overrides"].get("impl", {})
+    assert any(n.startswith('a [float8] table without "float8" in [model] converters') for n in out["notes"])

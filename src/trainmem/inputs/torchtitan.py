@@ -295,6 +295,10 @@ def _float8(cfg: dict, raw: dict, impl: dict, d: dict[str, int], notes: list[str
         converters = [c.strip() for c in converters.split(",")]
     name = next((c for c in typed(where, "[model] converters", converters, list) if c in _FLOAT8_CONVERTERS), None)
     if name is None:
+        linear = cfg.get("quantize", {}).get("linear", {}) if isinstance(cfg.get("quantize"), dict) else {}
+        if "float8" in cfg or isinstance(linear, dict) and "float8" in linear:  # a table nothing reads
+            notes.append("a [float8] table without \"float8\" in [model] converters: torchtitan converts no linear "
+                         "(build_model_converters reads the converters list), so no Float8 is estimated")
         return
     raw["model.converters"] = converters
     section = cfg
