@@ -201,7 +201,9 @@ def _compare(args) -> int:
     target = model if impl.profile == "reference" else load_config_dict(args.model)
     from trainmem.fitargs import check_figure_args, estimate_fit, gpu_from_args
     from trainmem.trace.cli import trace_fit
-    check_figure_args(args, reserved_known=False)  # bad --gpu/--memory-figure before the trace runs
+    # bad --gpu/--memory-figure before the trace runs; reserved is modelled by both sides (the estimate's
+    # allocation order and the trace's allocations replayed through the caching-allocator model)
+    check_figure_args(args, reserved_known=True)
     gpu_from_args(args)
     est, traced = estimate(model, step, impl), trace_step(target, step, impl, real=args.real)
     result = compare(est, traced)

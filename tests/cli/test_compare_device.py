@@ -27,3 +27,22 @@ def test_compare_default_is_cpu_and_says_so(capsys):
     assert json.loads(capsys.readouterr().out) == default
     assert main(base[:-1]) == 0
     assert any("CPU kernels" in line for line in capsys.readouterr().out.splitlines()[:2])
+
+
+def test_compare_states_both_reserved_peaks_without_a_gpu(capsys, tmp_path):
+    """--memory-figure reserved needed --gpu in compare, though estimate and trace each model the
+    reserved peak without one (the allocation order, the recorded allocations): both are stated,
+    each equal to its own command's figure."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=256)))
+    base = ["--model", str(cfg), "--seq", "32", "--precision", "bf16", "--memory-figure", "reserved", "--json"]
+    assert main(["compare", *base]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *base, "--device", "cpu"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert both["estimate"]["memory_figure"] == alone["memory_figure"]
+    assert both["estimate"]["memory_figure"]["peak_reserved_bytes"] > 0
+    assert both["trace"]["memory_figure"]["figure"] == "reserved"
+    assert both["trace"]["memory_figure"]["peak_reserved_bytes"] > 0
