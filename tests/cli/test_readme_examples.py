@@ -90,3 +90,15 @@ def test_each_sample_prints_what_the_readme_shows(capsys, command, shown):
     out = _collapsed(_run(capsys, command))
     for line in shown:
         assert _collapsed(line) in out, line
+
+
+def test_every_command_but_presets_and_serve_takes_json():
+    """The README: "Every command but `presets` and `serve` takes `--json`" (it said every command)."""
+    import argparse
+
+    from trainmem.cli import build_parser
+
+    assert "Every command but `presets` and `serve` takes `--json`" in README
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    with_json = {name for name, p in sub.choices.items() if any("--json" in a.option_strings for a in p._actions)}
+    assert set(sub.choices) - with_json == {"presets", "serve"}
