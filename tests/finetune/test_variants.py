@@ -211,11 +211,22 @@ def test_variant_refusals():
 def test_dequantized_weights_sit_where_the_4bit_matmuls_run():
     """Blocks' 4-bit matmuls run in their backward; a 4-bit head's next to the bf16 logits (or their
     gradient), after the fp32 copies the phase counts are freed or before they exist."""
+    from trainmem.estimate.block_backward import block_items
+    from trainmem.estimate.quant4bit_moments import four_bit_mlp_moments
+
     spec, step = spec_from_hf_config(LLAMA), StepSpec(batch=B, seq=S, precision="bf16")
     e = estimate(spec, step, ImplSpec(device="cpu"), finetune=FinetuneSpec(mode="qlora", quantize_head=True))
     parts = {p.name: p.parts for p in e.phases}
     # largest block weight: gate/up/down 256·128·2 = 65536; head 512·128·2 = 131072; logits 2·16·512·2 = 32768
-    assert parts["backward"]["dequant_temporary"] == 65536
+    # a block's dequantized weight sits in its 4-bit matmuls' moments (estimate/quant4bit_moments.py), not beside its
+    # other nodes: the down projection's, the residual gradient, the product's gradient and the weight
+    block = block_items(e.inventory, 1)
+    acts = [i for i in block if i.category.value == "activation" and i.bytes]
+    R, prod = B * S * 128 * 2, B * S * 256 * 2
+    down, up = four_bit_mlp_moments(block, acts, residual_bytes=R, checkpointed=False)
+    assert down["work"] == R + prod + 65536 and up["work"] == R + 2 * prod + 65536 + R
+    # here the final RMSNorm's backward (no 4-bit matmul) tops the block phase: no dequantized weight beside it
+    assert "dequant_temporary" not in parts["backward"] and "node_work" in parts["backward"]
     # forward: head + bf16 logits - (bf16 logits + their fp32 copy) = 131072 + 32768 - 98304
     assert parts["forward"]["dequant_temporary"] == 65536
     # loss backward: head + bf16 logits grad - the two fp32 grads (2·2·16·512·4) = 131072 + 32768 - 131072

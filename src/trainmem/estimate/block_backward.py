@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
+from trainmem.estimate.quant4bit_moments import four_bit_mlp_moments
 from trainmem.estimate.recompute_stop import adapter_down_moments, adapter_up_forward, recompute_stop_moment
 from trainmem.names import layer_of, split_block
 
@@ -122,7 +123,8 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     out = adapter_down_moments(block, acts, unsaved, residual_bytes=residual_bytes, checkpointed=checkpointed) + \
         (adapter_up_forward(block, acts, unsaved, residual_bytes=residual_bytes) if checkpointed else []) + \
         _gated_mlp(block, acts, residual_bytes, checkpointed=checkpointed, unsaved=unsaved) + \
-        _input_projections(block, acts, residual_bytes, checkpointed=checkpointed)
+        _input_projections(block, acts, residual_bytes, checkpointed=checkpointed) + \
+        four_bit_mlp_moments(block, acts, residual_bytes=residual_bytes, checkpointed=checkpointed)  # QLoRA's dequant
     for at in llama_norm_indices(acts):
         after = acts[at:]
         children = {_child(i.name) for i in after}

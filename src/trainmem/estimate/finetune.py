@@ -42,6 +42,7 @@ from dataclasses import replace
 from typing import Callable
 
 from trainmem.errors import SpecError, UnsupportedError
+from trainmem.estimate.quant4bit_moments import COMPUTES_IN
 from trainmem.estimate.ctx import Ctx
 from trainmem.estimate.graph import Key, Sym
 from trainmem.estimate.optimizer_step import Stepped
@@ -166,7 +167,8 @@ class FinetuneLinear:
             from trainmem.estimate.bnb_legacy import hold_input
             hold_input(ctx, a, self.held)
         else:
-            self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight")
+            self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight; "
+                       f"{COMPUTES_IN}{self.spec.compute_dtype}")  # read by quant4bit_moments._four_bit
         return ctx.graph.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.requires_grad)
 
     def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:
@@ -323,14 +325,16 @@ def head_dequant(model: ModelSpec, step: StepSpec, spec: FinetuneSpec | None) ->
 
 
 def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_bytes: int = 0,
-                           logits_bytes: int = 0) -> list[Phase]:
+                           logits_bytes: int = 0, node_moments_hold_it: bool = False) -> list[Phase]:
     """Add the dequantized weight to the phases that run a 4-bit matmul. Each block's backward
     holds the largest block weight's (``nbytes``). The end of forward and the loss backward run
     only the head: with a 4-bit head (``head_bytes``, :func:`head_dequant`) its matmul holds the
     dequantized head next to the logits or their gradient in the logits' dtype (``logits_bytes``),
     not next to the fp32 copies the phase counts, which come before or after it; with a 16-bit head
     the forward phase is at least the largest block matmul's moment (the activations so far, at most
-    all of them, plus ``nbytes``)."""
+    all of them, plus ``nbytes``). ``node_moments_hold_it``: the block's 4-bit matmul moments are node moments that
+    count it (estimate/quant4bit_moments.py), so a backward phase at a node moment (``node_work``) gets nothing more:
+    its other nodes (the MLP product's ``MulBackward0``, the RMSNorms') run no 4-bit matmul."""
     if not nbytes and not head_bytes:
         return phases
     out = []
@@ -341,7 +345,7 @@ def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_byte
         elif p.name == "backward_start":
             add = max(0, head_bytes + logits_bytes - p.parts.get("logits_grad", 0)) if head_bytes else 0
         elif p.name.startswith("backward") and p.name != "backward_end":
-            add = nbytes
+            add = 0 if node_moments_hold_it and "node_work" in p.parts else nbytes
         else:
             add = 0
         if add:
