@@ -184,7 +184,12 @@ def _with_head(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
     if labels is not None and (head or model.head) not in ("seq-cls", "token-cls"):
         raise SpecError("num_labels", labels, "needs --head seq-cls or token-cls")
     given = {k: v for k, v in (("head", head), ("num_labels", labels)) if v is not None}
-    return replace(model, **given) if given else model
+    model = replace(model, **given) if given else model
+    # transformers' ForSequenceClassificationLoss: one label is regression (MSELoss), not the cross-entropy modelled
+    if model.head == "seq-cls" and model.num_labels == 1:
+        raise SpecError("num_labels", 1, "a seq-cls head with one label is regression (MSELoss in transformers), "
+                                         "which is not modelled: single-label classification needs 2 or more")
+    return model
 
 
 def _traced_model(args: argparse.Namespace) -> ModelSpec | None:

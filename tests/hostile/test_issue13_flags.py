@@ -93,3 +93,18 @@ def test_plan_refuses_fsdp_bf16(cli, tiny):
              "--precision", "fsdp-bf16"])
     assert_one_line_error(r)
     assert "precision='fsdp-bf16': is FSDP2's MixedPrecisionPolicy, and plan searches ZeRO layouts" in r.err
+
+
+def test_one_label_sequence_classification_is_refused(cli, tiny, tmp_path):
+    """transformers runs a one-label seq-cls head as regression (MSELoss); the estimate priced the
+    cross-entropy it models for two or more labels. Typed or from a classifier's config.json."""
+    import json
+
+    r = cli(["estimate", "--model", tiny, "--seq", "64", "--head", "seq-cls", "--num-labels", "1"])
+    assert_one_line_error(r)
+    assert "num_labels=1: a seq-cls head with one label is regression" in r.err
+    cfg = json.loads(open(tiny).read()) | {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    path = tmp_path / "cls1.json"
+    path.write_text(json.dumps(cfg))
+    assert_one_line_error(cli(["estimate", "--model", path, "--seq", "64"]))
+    assert cli(["estimate", "--model", tiny, "--seq", "64", "--head", "token-cls", "--num-labels", "1"]).rc == 0
