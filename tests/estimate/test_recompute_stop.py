@@ -268,3 +268,23 @@ def test_every_k_two_eager_block_has_no_cache(precision):
     e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
     assert "recomputed" not in {p.name: p for p in e.phases}["backward"].parts  # block 1 runs eager
     assert (e.peak_phase, e.peak_bytes) == ("backward_first_block", t.peak_logical_bytes)
+
+
+@pytest.mark.slow  # one fake-tensor trace each, ~1-3 s
+@pytest.mark.parametrize("targets", ["mlp", "every"])
+def test_promoted_adapter_a_input_gradient_equals_trace(targets):
+    """bf16 base, fp32 adapters, eager: the end of the down projection's lora_A node (recompute_stop.py
+    ``_adapter_a_input_gradient``), its fp32 input gradient beside the base branch's bf16 gradient, lora_A's output
+    gradient and the adapters' weight gradients. Tiny GPT-NeoX B1 S32 (LoRA on query_key_value and the MLP; on every
+    linear) read 3,848 B under the trace, whose top is there (``mm`` in dense_4h_to_h.lora_A); now equal."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    every = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+    ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["gpt_neox"] if targets == "mlp" else every)
+    impl = ImplSpec(attention="sdpa", device="cpu")
+    step = _step("bf16", 1, 32)
+    t = trace_step(NEOX, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
+    assert t.peak_op == "mm" and t.peak_module.endswith("dense_4h_to_h.lora_A.default")
+    assert (e.peak_phase, e.peak_bytes) == ("backward", t.peak_logical_bytes)
