@@ -101,7 +101,7 @@ def test_seq_cls_keeps_no_vocabulary_logits():
     items = {i.name: i for i in activation_items(spec, StepSpec(batch=B, seq=S, precision="fp32"), ImplSpec())}
     # cross-entropy over the pooled (B, num_labels) logits: 2·2·4 = 16 bytes; the indices 2·8 each
     assert items["loss.log_softmax"].bytes == 16
-    assert items["pool.batch_index"].bytes == items["pool.last_non_pad_token"].bytes == 16
+    assert items["score.pool.batch_index"].bytes == items["score.pool.last_non_pad_token"].bytes == 16
 
 
 @pytest.mark.slow

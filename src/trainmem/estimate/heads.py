@@ -35,10 +35,12 @@ from __future__ import annotations
 
 from trainmem.estimate.graph import Sym
 from trainmem.estimate.loss_value import loss_value
-from trainmem.families import TaskHeads, family_of, output_layers
+from trainmem.families import TaskHeads, family_of, output_layers, task_head_modules
+from trainmem.names import under
 from trainmem.specs import ModelSpec
 
-__all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_width", "classifier_dropout", "check_head"]
+__all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_width", "classifier_dropout", "check_head",
+           "is_classifier"]
 
 Shape = tuple[int, ...]
 
@@ -88,6 +90,12 @@ def head_parameters(model: ModelSpec, params: list[tuple[str, Shape]]) -> list[t
     return out
 
 
+def is_classifier(name: str) -> bool:
+    """A classification head's linear (``score``, ``classifier``) or one of its states: never tied to the
+    token embedding, so the embedding's gradient comes last in backward (``estimate/peak.py`` ``layer_stats``)."""
+    return under(name, task_head_modules())
+
+
 # the forward --------------------------------------------------------------------------------------
 
 def task_head(ctx, h: Sym) -> None:
@@ -120,7 +128,7 @@ def _token_cls(ctx, h: Sym, lay: TaskHead) -> None:
 def _last_token_cls(ctx, h: Sym, lay: TaskHead) -> None:
     g = ctx.graph
     logits = _classifier(ctx, h, lay.seq_module, lay.seq_bias)  # (B, S, nl)
-    with g.module("pool"):
+    with g.module(lay.seq_module), g.module("pool"):  # after the classifier: a head item (names.is_head)
         # logits[arange(B), last_non_pad_token]: index's backward keeps the indices, not the logits
         g.save(g.new("batch_index", (ctx.B,), ("B",), "int64", False),
                g.new("last_non_pad_token", (ctx.B,), ("B",), "int64", False), when=logits.requires_grad)
@@ -150,13 +158,15 @@ def _pooled_cls(ctx, h: Sym, lay: TaskHead) -> None:
 def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> None:
     """``F.cross_entropy`` = log_softmax (keeps its output) + nll_loss (keeps the targets and
     ``total_weight``, a 0-d tensor in the input's dtype: aten ``nll_loss_forward``). Autocast
-    runs cross_entropy in fp32."""
+    runs cross_entropy in fp32. The targets are the caller's ``labels`` viewed flat
+    (``loss_utils.py`` ``ForSequenceClassificationLoss``/``ForTokenClassification``: ``labels.view(-1)``,
+    no shifted copy as the LM loss makes), so they stay alive through the step: ``labels``, not a loss item."""
     g = ctx.graph
     n, sym = rows
     dtype = "float32" if upcast or ctx.low else logits.dtype
+    target = g.new("labels", (n,), (sym,), "int64", False)
     with g.module("loss"):
         g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.requires_grad)
-        target = g.new("target", (n,), (sym,), "int64", False)
         loss_value(g, dtype)  # nll_loss's output, before its total weight (estimate/loss_value.py)
         g.save(target, g.new("total_weight", (), (), dtype, False), when=logits.requires_grad)
 

@@ -315,8 +315,24 @@ def _union(key: str, pick: Callable[[NameScheme], tuple[str, ...]]) -> tuple[str
 
 
 def head_modules() -> tuple[str, ...]:
-    """Module paths after the last block in any scheme (final norms, output layers), and ``loss``."""
-    return _union("head", lambda s: (*s.head, "loss"))
+    """Module paths after the last block in any scheme (final norms, output layers), ``loss``, and the
+    classification heads' modules (``task_head_parts``): all of them run, and free, before the blocks' backward."""
+    return _union("head", lambda s: (*s.head, "loss", *task_head_parts(s)))
+
+
+#: a classification model's top-level dropout in front of its classifier (transformers'
+#: ``*ForTokenClassification.dropout``, ``BertForSequenceClassification.dropout``)
+CLASSIFIER_DROPOUT = "dropout"
+
+
+def _task_heads(s: NameScheme) -> list[TaskHeads]:
+    return [h for h in (getattr(s, "task_heads", None), getattr(s, "encoder_task_heads", None)) if h]
+
+
+def task_head_parts(s: NameScheme) -> tuple[str, ...]:
+    """A scheme's classification-head modules: its classifiers, BERT's pooler, the dropout before them."""
+    return tuple(dict.fromkeys(m for h in _task_heads(s) for m in (h.seq_module, h.tok_module,
+                                                                   *filter(None, (h.pooler,)), CLASSIFIER_DROPOUT)))
 
 
 def output_modules() -> tuple[str, ...]:
@@ -344,10 +360,7 @@ def layer_containers() -> tuple[str, ...]:
 
 def task_head_modules() -> tuple[str, ...]:
     """Every family's classification-head linears (``score``, ``classifier``)."""
-    def pick(s: NameScheme) -> tuple[str, ...]:
-        heads = [h for h in (getattr(s, "task_heads", None), getattr(s, "encoder_task_heads", None)) if h]
-        return tuple(m for h in heads for m in (h.seq_module, h.tok_module))
-    return _union("task", pick)
+    return _union("task", lambda s: tuple(m for h in _task_heads(s) for m in (h.seq_module, h.tok_module)))
 
 
 def tp_roles() -> TPRoles:
