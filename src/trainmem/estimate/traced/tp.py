@@ -139,6 +139,7 @@ def localize(model, plan: Mapping[str, str], tp: int, sp: bool = False, loss_par
         for pname, p in list(mod.named_parameters(recurse=False)):
             if id(p) in new:
                 setattr(mod, pname, new[id(p)])
+        _local_padding(mod)
     head = model.get_output_embeddings()
     if loss_parallel and hasattr(model.config, "vocab_size"):  # the loss's view(-1, vocab_size) of the rank's logits
         model.config.vocab_size = -(-model.config.vocab_size // tp)
@@ -149,6 +150,20 @@ def localize(model, plan: Mapping[str, str], tp: int, sp: bool = False, loss_par
         head.register_forward_hook(lambda _m, _a, out: torch.cat([out] * tp, dim=-1))
     if sp:
         _sequence_parallel(model, styles, tp, torch)
+
+
+def _local_padding(mod) -> None:
+    """A vocabulary-cut embedding's ``padding_idx`` beyond its local rows (OLMo-2's 100277 on 50,176 rows at tp 2)
+    is dropped. torch's TP keeps the full index on a DTensor weight whose size is the global one
+    (``torch/nn/functional.py`` ``embedding`` checks it against ``weight.size(0)``); the local lookup runs on
+    masked local ids (``torch/distributed/tensor/_ops/_embedding_ops.py``, ``placement_types.py``
+    ``MaskPartial._mask_tensor``), and the index only zeroes a row of the gradient in
+    ``embedding_dense_backward``: no byte depends on it, so the local fake module need not carry it."""
+    pad = getattr(mod, "padding_idx", None)
+    weight = getattr(mod, "weight", None)
+    if pad is not None and weight is not None and getattr(mod, "num_embeddings", None) is not None \
+            and not -weight.shape[0] <= pad < weight.shape[0]:
+        mod.padding_idx = None
 
 
 def _sequence_parallel(model, styles: Mapping[str, Style], tp: int, torch) -> None:
