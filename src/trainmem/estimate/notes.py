@@ -15,7 +15,7 @@ from trainmem.inventory import Category, Inventory
 from trainmem.report.units import fmt_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["selective_recompute_noop", "estimate_notes", "lora_targets_note"]
+__all__ = ["selective_recompute_noop", "float8_noop", "estimate_notes", "lora_targets_note"]
 
 
 def _has_score_matrix(inv: Inventory, seq: int) -> bool:
@@ -59,9 +59,24 @@ def lora_targets_note(model: ModelSpec, finetune) -> tuple[str, ...]:
             f"--lora-targets to match your LoraConfig",)
 
 
+def float8_noop(model: ModelSpec, impl: ImplSpec) -> str | None:
+    """Why ``--float8`` converts nothing in ``model``, or None when it converts a linear. torchao's
+    ``convert_to_float8_training`` swaps ``nn.Linear`` modules only (torchao/float8/float8_linear_utils.py
+    ``swap_linear_layers``), through the filter (estimate/float8.py): GPT-2's ``Conv1D`` blocks are no
+    ``nn.Linear`` and its head is filtered, so the step is the unconverted one, byte for byte."""
+    from trainmem.estimate.float8 import converted_parameters
+    if impl.float8 == "none" or converted_parameters(model):
+        return None
+    return (f"--float8 {impl.float8} converts nothing in this model: torchao swaps nn.Linear modules only "
+            "(the blocks here are not nn.Linear, e.g. GPT-2's Conv1D) and the output head is filtered; the step "
+            "runs in high precision as without --float8")
+
+
 def estimate_notes(model: ModelSpec, step: StepSpec, impl: ImplSpec) -> tuple[str, ...]:
     """Every note that applies to an estimate of ``model`` with ``step`` and ``impl``."""
-    if impl.recompute != "selective" or step.mode != "train":  # inference keeps nothing for backward
+    if step.mode != "train":  # inference keeps nothing for backward, and Float8 training is refused there
         return ()
-    why = selective_recompute_noop(model, step, impl)
-    return (why,) if why else ()
+    notes = (float8_noop(model, impl),)
+    if impl.recompute == "selective":
+        notes += (selective_recompute_noop(model, step, impl),)
+    return tuple(n for n in notes if n)
