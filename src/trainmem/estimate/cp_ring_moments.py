@@ -13,7 +13,7 @@ from __future__ import annotations
 from trainmem.estimate.block_backward import block_items, checkpoint_kept
 from trainmem.inventory import Category
 
-__all__ = ["ring_attention_moments", "ring_forward_held"]
+__all__ = ["ring_attention_moments", "ring_forward_held", "before_the_head"]
 
 #: an attention child's output projection, whose backward runs just before the attention's own
 _OUTPUT_PROJECTIONS = ("o_proj",)  # checked for transformers' Llama (tests/parallel/test_cp_ring_backward.py)
@@ -83,6 +83,16 @@ def ring_forward_held(items, last: int, earlier: int, ring, recomputed=None) -> 
     if held + ring.forward[0] >= without + ring.forward[1]:
         return {"activations": held, "cp_ring_forward": ring.forward[0]}
     return {"activations": without, "cp_ring_forward": ring.forward[1]}
+
+
+#: the forward phase's extras (estimate/forward_held.py) made after the blocks, at the head and the loss
+_AFTER_BLOCKS = ("padded_labels", "head_input_unsaved")
+
+
+def before_the_head(forward: dict[str, int]) -> dict[str, int]:
+    """The forward phase's buffers and extras alive inside the blocks (:func:`ring_forward_held`'s moment): all but
+    those the head and the loss make (ForCausalLMLoss's padded labels: B 2, cp 2, 528 B, measured)."""
+    return {k: v for k, v in forward.items() if k not in _AFTER_BLOCKS}
 
 
 def _before_output(acts: list) -> list | None:
