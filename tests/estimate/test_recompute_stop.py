@@ -14,6 +14,8 @@ output, and GPT2Block keeps the attention output in a local). Now equal."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from trainmem.estimate import estimate
@@ -27,6 +29,9 @@ NEOX = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_h
             num_attention_heads=4, vocab_size=128, max_position_embeddings=512)
 GPT2 = dict(model_type="gpt2", n_embd=128, n_layer=2, n_head=4, vocab_size=128, n_positions=512)
 LORA = FinetuneSpec(mode="lora", lora_rank=8)
+#: every-k's blocks 0, K, 2K... (transformers' ``every_n_layers``), which the every-k tests below describe, where
+#: ImplSpec names that choice (``recompute_from``; its default may be torchtitan's K-1, 2K-1...)
+_FIRST = {"recompute_from": "first"} if "recompute_from" in {f.name for f in fields(ImplSpec)} else {}
 
 
 def _step(precision, batch, seq):
@@ -242,7 +247,7 @@ def test_every_k_two_forward_equals_trace(batch, seq):
     from trainmem.trace import trace_step
 
     ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["llama"])
-    impl = ImplSpec(attention="sdpa", device="cpu", recompute="every-k", recompute_every=2)
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="every-k", recompute_every=2, **_FIRST)
     step = _step("amp-bf16", batch, seq)
     t = trace_step(LLAMA, step, impl, finetune=ft)
     e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
@@ -262,7 +267,7 @@ def test_every_k_two_eager_block_has_no_cache(precision):
     from trainmem.trace import trace_step
 
     ft = FinetuneSpec(mode="lora", lora_rank=8, lora_targets=ALL_LINEAR["gpt_neox"])
-    impl = ImplSpec(attention="sdpa", device="cpu", recompute="every-k", recompute_every=2)
+    impl = ImplSpec(attention="sdpa", device="cpu", recompute="every-k", recompute_every=2, **_FIRST)
     step = _step(precision, 2, 64)
     t = trace_step(NEOX, step, impl, finetune=ft)
     e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
