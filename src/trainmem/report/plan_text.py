@@ -12,7 +12,8 @@ __all__ = ["render_plan", "render_advice", "render_explanation"]
 def _cfg(c: dict) -> str:
     par = f"tp{c['tp']}{'+sp' if c['sp'] else ''} cp{c['cp']} pp{c['pp']} dp{c['dp']}"
     off = f" offload={','.join(c['offload'])}" if c["offload"] else ""
-    return (f"mb={c['micro_batch']}×{c['grad_accum']} {c['attention']:<13} recompute={c['recompute']:<9} "
+    rec = c["recompute"] + (f"(K={c['recompute_every']})" if c["recompute"] == "every-k" and "recompute_every" in c else "")
+    return (f"mb={c['micro_batch']}×{c['grad_accum']} {c['attention']:<13} recompute={rec:<9} "
             f"{par:<26} zero{c['zero']}{off}{_axes(c)}")
 
 
@@ -185,10 +186,18 @@ def _speed(throughput_cost: float) -> str:
     return f"{abs(throughput_cost):.0%} {'slower' if throughput_cost > 0 else 'faster'}"
 
 
+#: what every peak in ``explain``'s answers is: the estimate's (trainmem.plan.explain reads estimate().peak_bytes)
+EXPLAIN_FIGURE = ("allocated (every peak below: live tensors' logical bytes; torch.cuda.memory_allocated rounds "
+                  "each up to 512 B; reserved is larger, see its question)")
+
+
 def render_explanation(ex) -> str:
+    from trainmem.report.text import recompute_words
     lines = [f"trainmem explain — {ex.model.name}, B={ex.step.batch} S={ex.step.seq} {ex.step.precision} "
-             f"{ex.step.optimizer}, attention={ex.impl.attention} recompute={ex.impl.recompute}",
-             f"precision: {ex.step.precision_description}", ""]
+             f"{ex.step.optimizer}, framework={ex.impl.framework} attention={ex.impl.attention} "
+             f"{recompute_words(ex.impl)}",
+             f"precision: {ex.step.precision_description}",
+             f"memory figure: {EXPLAIN_FIGURE}", ""]
     if ex.notes:
         lines += [f"Note: {n}" for n in ex.notes] + [""]
     for a in ex.answers:

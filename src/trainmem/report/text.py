@@ -12,7 +12,15 @@ from trainmem.report.units import fmt_bytes
 if TYPE_CHECKING:  # renderers take results; they never import the estimator
     from trainmem.estimate import Estimate
 
-__all__ = ["render_estimate", "render_comparison"]
+__all__ = ["render_estimate", "render_comparison", "recompute_words"]
+
+
+def recompute_words(im) -> str:
+    """``recompute=none``, or every-k's k and which blocks it counts from (``recompute=every-k(K=2, from=kth)``)."""
+    if im.recompute != "every-k":
+        return f"recompute={im.recompute}"
+    start = getattr(im, "recompute_from", None)
+    return f"recompute=every-k(K={im.recompute_every}{f', from={start}' if start else ''})"
 
 
 def render_estimate(e: Estimate, *, detail: bool = False) -> str:
@@ -26,7 +34,8 @@ def render_estimate(e: Estimate, *, detail: bool = False) -> str:
         f"A={m.num_heads}/{m.num_kv_heads} kv, F={m.ffn_size}, V={m.vocab_size}{head_note(m)})",
         f"step: B={s.batch} S={s.seq} grad_accum={s.grad_accum} precision={s.precision} "
         f"optimizer={s.optimizer} loss={s.loss}",
-        f"implementation: profile={im.profile} attention={im.attention} recompute={im.recompute} device={im.device} "
+        f"implementation: profile={im.profile} framework={im.framework} attention={im.attention} "
+        f"{recompute_words(im)} device={im.device} "
         f"optimizer_impl={e.optimizer_impl}{' in backward' if im.optimizer_in_backward else ''}"
         f"{im.compile_words()}{im.float8_words()}",
         f"precision: {s.precision_description}",
