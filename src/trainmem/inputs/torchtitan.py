@@ -19,7 +19,7 @@ lists which defaults were used.
   pipeline parallelism), the pipeline schedule, and the micro-batches: ``local_batch_size`` is
   split into micro-batches of ``pipeline_parallel_microbatch_size`` (older configs: into
   ``pipeline_parallel_microbatches``, by default the number of stages).
-* ``[activation_checkpoint] mode`` and ``selective_ac_option`` (``op`` -> selective, an integer
+* ``[activation_checkpoint] mode`` and ``selective_ac_option`` (``op`` -> op, an integer
   k -> every k-th block); ``[optimizer] name``; ``[training] enable_cpu_offload`` (with FSDP:
   parameters and optimizer on the host); ``[compile] enable`` with ``components``
   (``model`` -> each block compiled, ``loss`` too -> ``--compile --compile-scope block``/``block-loss``:
