@@ -69,12 +69,15 @@ def test_activations_are_16_bit_whatever_the_precision():
     assert _layer_bytes(128, 2, 256, 8, 1, precision="fp32")[0] == _layer_bytes(128, 2, 256, 8, 1)[0]
 
 
-def test_every_k_checkpoints_blocks_0_k_2k():
+@pytest.mark.parametrize("start,checkpointed", [("kth", (1, 3)), ("first", (0, 2))])
+def test_every_k_checkpoints_blocks_k_minus_1_or_0(start, checkpointed):
+    """torchtitan's and torchtune's count (``kth``, the default) checkpoints blocks 1 and 3 at k=2, transformers'
+    every_n_layers (``first``) blocks 0 and 2 (ImplSpec.checkpointed): a checkpointed block keeps its input alone."""
     model = ModelSpec(hidden_size=256, num_layers=4, num_heads=8, ffn_size=1024, vocab_size=1000)
     items = activation_items(model, StepSpec(batch=2, seq=128, precision="bf16"),
-                             ImplSpec(profile="megatron", recompute="every-k", recompute_every=2))
+                             ImplSpec(profile="megatron", recompute="every-k", recompute_every=2, recompute_from=start))
     per_layer = [sum(i.bytes for i in items if i.name.startswith(f"layers.{n}.")) for n in range(4)]
-    assert per_layer == [131_072, 3_538_944, 131_072, 3_538_944]
+    assert per_layer == [131_072 if n in checkpointed else 3_538_944 for n in range(4)]
 
 
 # --- the closed forms of Table 2 ---------------------------------------------------------------

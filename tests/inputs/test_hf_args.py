@@ -81,6 +81,7 @@ def test_unmodelled_settings_are_said(tmp_path):
                                activation_checkpointing_kwargs={"every_n_layers": 4, "offload": True}))
     # torch_compile is mapped (whole model: inputs/compile_keys.py), no longer noted as unmodelled
     assert a["overrides"]["impl"] == {"recompute": "every-k", "recompute_every": 4, "device": "cpu",
+                                      "recompute_from": "first",  # transformers' layers 0, 4, 8 (ImplSpec.checkpointed)
                                       "compile": True, "compile_scope": "model"}
     notes = "\n".join(a["notes"])
     for said in ("torch_compile", "optim='lion_32bit' is not modelled", "label_smoothing_factor",

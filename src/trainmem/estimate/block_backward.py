@@ -421,11 +421,11 @@ def block_items(items: "Inventory | list[MemoryItem]", last: int) -> list[Memory
     """Block ``last``'s own items in inventory order: its base items, or the template of the repeat
     that copies onto it (names inside the block are the same)."""
     inv = items if isinstance(items, Inventory) else Inventory(items)
-    out = [i for i in inv.base if layer_of(i.name) == last]
-    for r in inv.repeats:
-        if last in r.dsts:
-            out += [i for i in r.items if layer_of(i.name) == r.src]
-    return out
+    own = [i for i in inv.base if layer_of(i.name) == last]
+    # a copy's own base items are what the template lacks, the block's output kept by what follows it (the last
+    # block's, by the final norm), made last: after the template's (the norm moments read the order; a last block
+    # that copies block 1's template, --recompute every-k at L=4, k=2, freed 49,152 B too little, fp32 B2 S96)
+    return [i for r in inv.repeats if last in r.dsts for i in r.items if layer_of(i.name) == r.src] + own
 
 
 def final_norm_moment(items: "Inventory | list[MemoryItem]", *, head_act: int, loss_scalars: int) -> tuple[int, int] | None:

@@ -181,7 +181,9 @@ class Graph:
             fresh = [t is not None and target is self.saved and self.key(t) not in target for t in inputs]
             self.save(*inputs)
             for i, (t, new) in enumerate(zip(inputs, fresh)):
-                if new:
+                # a keyword input (i > 0) an earlier eager block saved too (every-k's rotary cos/sin, block 0 eager
+                # under torchtitan's count): the closure holds it all the same (estimate/activation_offload.py)
+                if new or (i > 0 and t is not None and target is self.saved):
                     self.keeper[self.key(t)] = (".".join(self.scope), i)
 
     # identical blocks ------------------------------------------------------------

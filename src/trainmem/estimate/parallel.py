@@ -58,6 +58,7 @@ from trainmem.estimate.parallel_pp import (
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
+from trainmem.estimate.every_k_stages import check_every_k_stages
 from trainmem.estimate.peak import Phase, PhasedResult, recompute_per_layer
 from trainmem.families import output_modules
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
@@ -112,6 +113,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
     if par.schedule == "interleaved" and not par.layer_split and model.num_layers % (par.pp * par.virtual_stages):
         raise SpecError("virtual_stages", par.virtual_stages,
                         f"pp × virtual_stages must divide the layers: {degrees}")
+    check_every_k_stages(model, impl, par)  # torchtitan counts each rank's own blocks (estimate/every_k_stages.py)
     if step.seq % par.cp:
         raise SpecError("cp", par.cp, f"must divide seq: {degrees}")
     if par.sp and (step.seq // par.cp) % par.tp:

@@ -164,7 +164,8 @@ def _recompute(get, impl: dict, notes: list[str], where: str) -> None:
     # layers 0, n, 2n, ...; offload keeps the saved block inputs in host memory
     every = kwargs.get("every_n_layers", 1)
     every = positive_int(where, "activation_checkpointing_kwargs.every_n_layers", every)
-    impl.update(recompute="full") if every == 1 else impl.update(recompute="every-k", recompute_every=every)
+    impl.update(recompute="full") if every == 1 else impl.update(recompute="every-k", recompute_every=every,
+                                                                  recompute_from="first")
     if kwargs.get("offload"):
         notes.append("activation_checkpointing_kwargs.offload: checkpointed inputs in host memory; not modelled, "
                      "they are counted on the device")

@@ -118,7 +118,7 @@ def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_da
     step = StepSpec(batch=batch or args.per_device_train_batch_size, seq=seq, grad_accum=args.gradient_accumulation_steps,
                     precision=step_over.get("precision", precision.value), optimizer=opt.value[0])
     impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device,
-                    optimizer_impl=opt.value[1])
+                    recompute_from="first", optimizer_impl=opt.value[1])  # flags on blocks 0, k, 2k (recompute_of)
     notes = [*notes, *precision.notes, *opt.notes, *finetune.notes, *par_notes]
     return RunSpec(model=R.model_spec_of(model), step=step, impl=impl, parallel=parallel,
                    finetune=finetune.value, notes=tuple(notes))

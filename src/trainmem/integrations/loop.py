@@ -52,7 +52,7 @@ def run_from_module(model, optimizer, *, batch: int, seq: int, grad_accum: int =
         if hf:
             recompute, every = R.recompute_of(model).value
             impl = ImplSpec(attention=R.attention_of(model), recompute=recompute, recompute_every=every, device=device,
-                            optimizer_impl=opt.value[1])
+                            recompute_from="first", optimizer_impl=opt.value[1])  # blocks 0, k, 2k (recompute_of)
         else:
             impl = ImplSpec(device=device, optimizer_impl=opt.value[1])
             notes.append("impl not read from a module without a Hugging Face config: ImplSpec defaults "

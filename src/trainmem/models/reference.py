@@ -25,7 +25,7 @@ Knobs and what they do here:
   no such backend, so building it for ``device="cpu"`` raises). GQA: SDPA gets ``enable_gqa``;
   eager repeats K/V.
 * ``recompute``: ``torch.utils.checkpoint`` (always non-reentrant) around the attention core
-  (``selective``), every block (``full``) or blocks 0, k, 2k, ... (``every-k``).
+  (``selective``), every block (``full``) or every k-th block (``every-k``: ``ImplSpec.checkpointed``).
 
 Known limitations: MoE, QK-norm and encoder models are not implemented (``UnsupportedError``).
 """

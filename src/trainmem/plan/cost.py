@@ -208,7 +208,7 @@ def step_time(model: ModelSpec, step: StepSpec, impl: ImplSpec, parallel: Parall
     elif impl.recompute == "op":
         mm_flops += 2 * L * op_recomputed_parameters(model) * tokens
     elif impl.recompute == "every-k":
-        share = len(range(0, L, impl.recompute_every)) / L
+        share = sum(impl.checkpointed(i) for i in range(L)) / L  # floor(L/k) blocks under torchtitan's count
         mm_flops += 2 * N * tokens * share
         attn_flops += attn_fwd_tok * tokens * share
     rate = gpu.bf16_flops * cost.mfu

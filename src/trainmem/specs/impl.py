@@ -8,11 +8,12 @@ from trainmem.errors import SpecError
 from trainmem import validate as v
 
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
-           "COMPILE_SCOPES", "FRAMEWORKS", "routing_hot_fraction"]
+           "COMPILE_SCOPES", "FRAMEWORKS", "RECOMPUTE_FROMS", "routing_hot_fraction"]
 
 PROFILES = ("hf", "reference", "megatron", "traced")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
 RECOMPUTES = ("none", "selective", "full", "every-k", "op")
+RECOMPUTE_FROMS = ("kth", "first")  # every-k's first checkpointed block: k-1 (torchtitan, torchtune), 0 (transformers)
 DEVICES = ("cuda", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 FLOAT8S = ("none", "tensorwise", "rowwise")
@@ -55,7 +56,11 @@ class ImplSpec:
     block under op-level selective checkpointing with torchtitan's policy: the outputs of the
     block's 1st, 3rd, 5th... mm, of addmm, bmm and the CUDA SDPA kernels are kept; hf profile only)."""
     recompute_every: int = 1
-    """k for ``every-k``: blocks 0, k, 2k, ... are checkpointed."""
+    """k for ``every-k``: every k-th block is checkpointed, which ones by ``recompute_from``."""
+    recompute_from: str = "kth"
+    """Which blocks ``every-k`` checkpoints: ``kth`` (blocks k-1, 2k-1, ...: torchtitan's and torchtune's
+    1-based counter, the CLI's; none when k > L) or ``first`` (blocks 0, k, 2k, ...: transformers'
+    ``every_n_layers``, read off a Trainer's arguments or a model's flags). Ignored by other recomputes."""
     fused_norm: bool = False
     """Norm kernel saves only its input and statistics (reference profile)."""
     fused_bias_act: bool = False
@@ -114,6 +119,7 @@ class ImplSpec:
         v.one_of("attention", self.attention, ATTENTIONS)
         v.one_of("recompute", self.recompute, RECOMPUTES)
         v.positive("recompute_every", self.recompute_every, maximum=10**6)
+        v.one_of("recompute_from", self.recompute_from, RECOMPUTE_FROMS)
         if self.recompute != "every-k" and self.recompute_every != 1:
             raise SpecError("recompute_every", self.recompute_every, f"needs recompute='every-k', not {self.recompute!r}")
         if self.recompute == "op" and self.profile not in ("hf", "traced"):
@@ -164,7 +170,14 @@ class ImplSpec:
         if self.recompute in ("full", "op"):
             return True
         if self.recompute == "every-k":
-            return layer % self.recompute_every == 0
+            # torchtitan distributed/activation_checkpoint.py _apply_layer_sac (earlier
+            # models/llama3/parallelize_llama.py _apply_ac_to_transformer_block) and torchtune
+            # training/activations.py checkpoint_wrapper: a counter incremented before the test
+            # `count % ac_freq == 0`, so the k-th, 2k-th... wrapped block (0-based k-1, 2k-1, ...);
+            # transformers modeling_utils.py PreTrainedModel._set_gradient_checkpointing tests
+            # `layer_index % every_n_layers == 0` (0, k, 2k, ...)
+            first = 0 if self.recompute_from == "first" else self.recompute_every - 1
+            return layer % self.recompute_every == first
         return False
 
     def to_dict(self) -> dict:

@@ -57,6 +57,7 @@ def _settings(step, impl, regime, tp: int = 1, sp: bool = False, loss_parallel: 
     layout = {"tp": tp, "sp": sp, "loss_parallel": loss_parallel} if tp > 1 else {}
     return {**layout, "precision": step.precision, "loss": step.loss, "attention": impl.attention,
             "recompute": impl.recompute, "recompute_every": impl.recompute_every, "device": impl.device,
+            **({"recompute_from": impl.recompute_from} if impl.recompute == "every-k" else {}),
             "routing": impl.routing, "regime": list(regime), "batch_one": step.batch == 1}
 
 
