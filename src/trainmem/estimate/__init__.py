@@ -200,6 +200,15 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                               one_graph=impl.compile and impl.compile_scope == "model"),
         head_graph_apart=head_graph_apart(impl),  # estimate/compiled_embedding_backward.py
     )
+    if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
+        from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
+        ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(
+            resid_dtype), loss=step.loss, loss_dtype=lsm.dtype if lsm else "float32", grad_accum=step.grad_accum)
+    if impl.recompute == "op" and impl.profile == "hf" and not impl.compile and not offload and \
+            not impl.optimizer_in_backward:  # estimate/op_moments.py: its blocks' nodes on their recomputed sets
+        from trainmem.estimate.op_moments import with_op_moments
+        ph = with_op_moments(ph, inv, plain, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(
+            resid_dtype), loss=step.loss, loss_dtype=lsm.dtype if lsm else "float32", grad_accum=step.grad_accum)
     if finetune is not None and finetune.quant_impl == "bnb-legacy":  # held until the graph is freed
         from trainmem.estimate.bnb_legacy import with_held_inputs
         ph = with_held_inputs(ph, acts, loop_holds_graph=step.loss == "litgpt-chunked-ce")
