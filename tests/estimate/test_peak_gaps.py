@@ -148,10 +148,15 @@ def _small(family, attention="sdpa", batch=1, seq=32):
 
 @pytest.mark.parametrize("family", sorted(SMALL))
 def test_weight_copy_gradient_not_in_the_working_set(family):
+    from trainmem.estimate.peak import layer_stats
     e = estimate(spec_from_hf_config(SMALL[family]), *_small(family))
-    # the fp32 residual gradient (32·64·4) and the gradient of the largest saved tensor but the weight copies:
-    # a bf16 (B, S, F) tensor, 32·176·2; was 8,192 + 22,528 (down_proj's copy)
-    assert _phase(e, "backward").parts["recompute_and_work"] == 32 * 64 * 4 + 32 * 176 * 2
+    # the working set's largest saved tensor but the weight copies (estimate/peak.py _uncast_work): a bf16 (B, S, F)
+    # tensor, 32·176·2, where the copies' largest is down_proj's 22,528. Without the embedding's gradient (it comes
+    # after the blocks'), that working set is below the MLP's node moment, which is the backward phase: 937,288 B
+    # llama / 938,312 B qwen2, the trace's backward maximum (measured, heads session)
+    st = layer_stats(e.inventory)
+    assert st.largest_uncast[1] == 32 * 176 * 2 and st.largest[1] == 176 * 64 * 2
+    assert "node_work" in _phase(e, "backward").parts
     assert e.peak_phase == "forward"
 
 

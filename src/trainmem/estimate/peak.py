@@ -46,6 +46,7 @@ from trainmem.estimate.block_backward import final_norm_moment, norm_backward_pa
 from trainmem.estimate.compiled_ce_loss import compiled_ce_backward, graph_tangents
 from trainmem.estimate.compiled_embedding_backward import embedding_backward_parts
 from trainmem.estimate.grad_items import head_weight_grad
+from trainmem.estimate.heads import is_classifier
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.cp_ring_moments import ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase import Phase
@@ -181,8 +182,10 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
         st.add(it, li, graded=it.name not in ungraded)
         if li is None and it.category is Category.GRADIENT:
             outside.append(it)
-    # untied head, or no head (a pipeline stage before the last): the embedding's gradient comes last
-    if any(it.name.startswith("lm_head.") for it in outside) or not any(is_head(it.name) for it in outside):
+    # untied head, a classification head (estimate/heads.py), or no head (a pipeline stage before the last): the
+    # embedding's gradient comes last
+    if any(it.name.startswith("lm_head.") or is_classifier(it.name) for it in outside) or \
+            not any(is_head(it.name) for it in outside):
         st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
     else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) come last
         st.late_grad = sum(it.bytes for it in outside if is_embedding(it.name) and not is_token_embedding(it.name))
@@ -360,7 +363,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         rec, rec_big = recompute_bytes.get(last, (0, 0))
         big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
-        g_now = G if grad_accum > 1 else grads_head if not optimizer_in_backward else tied_G
+        g_now = G if grad_accum > 1 else grads_head - st.late_grad if not optimizer_in_backward else tied_G
         parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work,
                  "router_logits_grad": sum(router_grads.values())}  # every block's router backward is to come
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
