@@ -199,6 +199,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         block_math=block_math(model, eager_set=impl.compile and finetune is not None,
                               one_graph=impl.compile and impl.compile_scope == "model"),
         head_graph_apart=head_graph_apart(impl),  # estimate/compiled_embedding_backward.py
+        attention_recompute=impl.recompute == "selective",  # its blocks' node moments read their saved sets
     )
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node

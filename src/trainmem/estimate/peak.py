@@ -230,7 +230,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
            recomputed: Inventory | None = None, block_math: dict | None = None,
            grad_received: bool = False, logits_held: bool = False,
            middle_blocks: dict[int, tuple[int, dict[str, int]]] | None = None,
-           head_graph_apart: bool = False, fsdp_pp_grads: int = 0, ring=None) -> list[Phase]:
+           head_graph_apart: bool = False, fsdp_pp_grads: int = 0, ring=None,
+           attention_recompute: bool = False) -> list[Phase]:
     """The live bytes of each phase. ``loss='none'``: this rank computes no loss (a pipeline
     stage before the last). ``persistent`` buffers live through the whole step (DDP buckets);
     ``working`` ones during forward and backward (FSDP all-gathers, ring buffers), either one dict
@@ -372,7 +373,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         def inside(li: int, grads_before: int, acts_before: int, parts: dict, note: str) -> tuple[dict, str]:
             """The larger of a block's working set and its nodes' moments (estimate/block_backward.py):
             its MLP product's and RMSNorms' backward, with the block's gradients made by then."""
-            if (li in recompute_bytes and recomputed is None) or optimizer_in_backward or \
+            if (li in recompute_bytes and recomputed is None and not attention_recompute) or optimizer_in_backward or \
                     node_moments_off(working, node_moments):
                 return parts, note
             # a checkpointed block recomputed its forward first: its tensors are alive beside the rest; they are not
@@ -384,7 +385,7 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
             eager_nb = [] if (block_math or {}).get("eager_set") else norm_backward_parts(items, li, residual_bytes, rec_li)
             eager_nb += ring_attention_moments(items, li, residual_bytes, ring, rec_li)
             compiled_nb = compiled_checkpoint_moments(items, li, residual_bytes, rec_li, **(block_math or {}))
-            if eager_nb and li not in recompute_bytes and "recompute_and_work" in parts:
+            if eager_nb and (li not in recompute_bytes or attention_recompute) and "recompute_and_work" in parts:
                 parts = _uncast_work(parts, st.largest.get(li, 0), st.largest_uncast.get(li, 0))
             if compiled_nb and rec_li is not None:  # they model the block's backward (compiled_op_moment.py: a deferred
                 parts = {k: v for k, v in parts.items() if k != "recompute_and_work"}  # recompute holds less)
