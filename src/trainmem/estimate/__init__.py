@@ -214,10 +214,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.bnb_legacy import with_held_inputs
         ph = with_held_inputs(ph, acts, loop_holds_graph=step.loss == "litgpt-chunked-ce")
     if finetune is not None:  # QLoRA: one dequantized weight alive during forward and backward
+        from trainmem.estimate.block_backward import block_items
         from trainmem.estimate.quant4bit_moments import four_bit_moments_modelled
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune, impl.compile),
                                     *head_dequant(model, step, finetune), node_moments_hold_it=not impl.compile and
-                                    four_bit_moments_modelled(inv, model.num_layers - 1, d.autocast))
+                                    four_bit_moments_modelled(block_items(inv, model.num_layers - 1), d.autocast))
     if finetune is not None and finetune.adapters and not impl.compile:  # estimate/adapter_forward.py
         from trainmem.estimate.adapter_forward import with_adapter_forward
         ph = with_adapter_forward(ph, inv, tokens=step.batch * step.seq, hidden=model.hidden_size,

@@ -50,12 +50,10 @@ def _four_bit(block: list[MemoryItem]) -> dict[str, MemoryItem] | None:
     return marker if set(_GATED) <= set(marker) and not adapted and same else None
 
 
-def four_bit_moments_modelled(items, last: int, autocast: bool) -> bool:
-    """Whether block ``last``'s 4-bit moments are read (:func:`four_bit_mlp_moments`), so that its node moments hold
-    no dequantized weight besides."""
-    from trainmem.estimate.block_backward import block_items
-
-    return not autocast and _four_bit(block_items(items, last)) is not None
+def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool) -> bool:
+    """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
+    estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides."""
+    return not autocast and _four_bit(block) is not None
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
