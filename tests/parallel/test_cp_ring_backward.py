@@ -22,9 +22,9 @@ cp 4, bf16, ranks 0-3, S 128:
   --recompute full: forward 692,416 / 683,200, 692,416 (ranks 1-3); backward 925,512 / 925,512 (every rank)
 cp 2, bf16, B 2: --recompute none forward 1,060,056 / 1,060,056, 1,043,672 (ForCausalLMLoss's padded (B, S/cp+1)
 labels, estimate/forward_held.py, now counted beside the ring too); backward 1,137,096 / 1,137,096, 1,132,488;
---recompute full backward 1,057,736 / 1,054,152, 1,057,736; forward 756,432 / 734,400, 755,904: 528 B over,
-the padded labels counted inside the ring's forward moment too, where they do not exist yet (peak.py takes the
-forward buffers whole; cp_ring_moments.before_the_head leaves them out once peak.py passes it).
+--recompute full backward 1,057,736 / 1,054,152, 1,057,736; forward 755,904 / 734,400, 755,904 (it read 756,432,
+528 B over, while the ring's forward moment also took the padded labels, made after the blocks: peak.py now passes
+it cp_ring_moments.before_the_head's buffers).
 Before the ring's moments the backward read (cp 2, bf16) 917,568 at none (1.0167) and 839,232 at full (0.930
 of rank 0's 902,240 then: the ring's buffers sat on the generic last-block moment, which
 held the block's MLP activations at none and missed the first block's under full). The optimizer phase reads
@@ -91,7 +91,7 @@ def _phase_max(result) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("cp,recompute,precision,batch", [
     (2, "none", "bf16", 1), (2, "full", "bf16", 1), (2, "full", "fp32", 1), (4, "full", "bf16", 1),
-    (2, "none", "bf16", 2)])
+    (2, "none", "bf16", 2), (2, "full", "bf16", 2)])
 def test_worst_rank_step_against_the_estimate(cp, recompute, precision, batch):
     """The estimate's phases are the worst rank's (module docstring): its forward and its backward (the largest
     of its backward phases) each equal the largest of the ranks' traced ones, to the byte."""

@@ -48,7 +48,7 @@ from trainmem.estimate.compiled_embedding_backward import embedding_backward_par
 from trainmem.estimate.grad_items import head_weight_grad
 from trainmem.estimate.heads import is_classifier
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
-from trainmem.estimate.cp_ring_moments import ring_attention_moments, ring_forward_held
+from trainmem.estimate.cp_ring_moments import before_the_head, ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.losses import FRAMEWORK_LOSSES, framework_loss_phases, lora_head_input
 from trainmem.names import is_embedding, is_embedding_indices, is_head, is_token_embedding, layer_of, stack_block
@@ -356,7 +356,8 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
                                                       recomputed)):
         at = next(k for k, p in enumerate(out) if p.name == "forward")  # CP's ring inside the last attention
         add("forward", {"gradients": g_acc, **fwd}, "the last block's ring attention forward: the activations "
-            "kept so far, the block's attention inputs and the ring's buffers (estimate/cp_ring_moments.py)")
+            "kept so far, the block's attention inputs and the ring's buffers (estimate/cp_ring_moments.py)",
+            own=before_the_head(working.get("forward", {})))  # the loss's extras do not exist yet
         out[at] = max(out[at], out.pop(), key=lambda p: p.bytes)
     if last is not None:
         # the gradient of the block output, plus the gradient of the largest saved tensor
