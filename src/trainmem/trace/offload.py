@@ -192,7 +192,11 @@ class OffloadActivations:
 def offload_region(model):
     """The module torchtune's context covers (its ``model(**batch)`` without ``model.output``):
     a Hugging Face model's base model (embeddings, blocks, final norm); the LM head and the loss,
-    which a Hugging Face model computes in its own forward, stay outside as in torchtune."""
+    which a Hugging Face model computes in its own forward, stay outside as in torchtune. A peft model is unwrapped
+    first (peft/peft_model.py ``PeftModel.get_base_model``): its own ``base_model`` is the ``LoraModel`` tuner,
+    whose hooks the step never fired, so LoRA's step offloaded nothing (measured: packed_bytes 0)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, "base_model", None)
     return base if base is not None and base is not model else model
 
