@@ -37,8 +37,10 @@ offloaded pack releases the entries five or more packs older. At the end of forw
 the offloaded packs among the last five ending at the last offloaded one. For an RMSNorm (six packs:
 x, its rsqrt, x and rsqrt again, the weight, the normalized x) and for a LayerNorm whose mean and
 rstd are offloaded (input, weight, bias, mean, rstd) those five are the final norm's own, so
-``stash`` is the final norm's offloaded tensors. They stay through the loss backward until the
-first node that brings a tensor back runs.
+``stash`` is the final norm's offloaded tensors. An RMSNorm with a frozen weight (LoRA) packs no
+normalized x: its last offloaded pack is its fourth, and the window takes the last block's last pack
+too (:func:`_block_packs_in_stash`). They stay through the loss backward until the first node that
+brings a tensor back runs.
 
 In backward each node's offloaded tensors come back as new device tensors and stay until the
 next such node has run (``in_flight``, with ``X`` the block's largest offloaded tensor and ``W`` its
@@ -147,12 +149,15 @@ def _stays(it: MemoryItem, keeper: tuple[str, int | None], B: int, S: int, sac: 
 def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *, B: int, S: int,
                   largest_block_weight_bytes: int, checkpointed: bool = False, gated: bool = True,
                   compiled: bool = False, use_streams: bool = True,
-                  packed_elsewhere: frozenset[str] = frozenset(), sac: bool = False) -> OffloadSplit:
+                  packed_elsewhere: frozenset[str] = frozenset(), sac: bool = False,
+                  linear_weights: frozenset[str] = frozenset(), rmsnorm: bool = False) -> OffloadSplit:
     """Split ``acts`` (an activation inventory, templates per block) by torchtune's policy.
     ``keepers``: item name -> (scope that kept it, position among a checkpoint's inputs).
     ``packed_elsewhere``: kept items an unchecked block also saves (--recompute every-k: the
     rotary ``cos``/``sin`` a checkpoint's closure holds and an eager block's RoPE packs), which
-    are copied to host as well. ``sac``: --recompute op, whose policy's outputs stay in its cache."""
+    are copied to host as well. ``sac``: --recompute op, whose policy's outputs stay in its cache.
+    ``linear_weights``: the blocks' 2-D weight names (which scopes are linear layers, for the stash);
+    ``rmsnorm``: the final norm is a Llama-style RMSNorm (its pack order, :func:`_block_packs_in_stash`)."""
     dev_base, host_base, reasons = [], [], {}
     copied_inputs = []
     for it in acts.base:
@@ -160,7 +165,7 @@ def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *
         (dev_base if stays else host_base).append(it)
         if stays:
             reasons[it.name] = why
-            if why.startswith("the caller") or (it.name in packed_elsewhere and it.bytes >= MIN_OFFLOAD_BYTES):
+            if why.startswith(_PACKED_AND_KEPT) or (it.name in packed_elsewhere and it.bytes >= MIN_OFFLOAD_BYTES):
                 copied_inputs.append(it)
     dev_reps, host_reps = [], []
     for r in acts.repeats:
@@ -175,7 +180,9 @@ def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *
     out_base = [it for it in host_base if it not in copied_inputs]  # outside blocks, in forward order
     if use_streams and out_base:  # the final norm's offloaded tensors (see the module docstring)
         last_scope = keepers.get(out_base[-1].name, ("", None))[0]
-        stash = sum(it.bytes for it in out_base if keepers.get(it.name, ("", None))[0] == last_scope)
+        norm = [it for it in out_base if keepers.get(it.name, ("", None))[0] == last_scope]
+        stash = sum(it.bytes for it in norm) + (0 if compiled else _block_packs_in_stash(
+            norm, acts, host, keepers, checkpointed, linear_weights) if rmsnorm else 0)  # a compiled block's pack order: not modelled
     block = max((it.bytes for r in host.repeats for it in r.items), default=0) or max(
         (it.bytes for it in out_base), default=0)
     if compiled and not checkpointed:  # one backward node per compiled block unpacks its whole saved set,
@@ -188,6 +195,54 @@ def offload_split(acts: Inventory, keepers: dict[str, tuple[str, int | None]], *
     else:  # the activation's node: its saved input and the down projection's, two gradients
         in_flight = 3 * block + largest_block_weight_bytes
     return OffloadSplit(Inventory(dev_base, dev_reps), host, stash, in_flight, reasons)
+
+
+#: kept items torchtune's pack hook copies all the same (it checks size and Parameter-ness only): the caller's
+#: ids, and a frozen embedding's output under recompute (a leaf the graph holds; its checkpoint packs it)
+_PACKED_AND_KEPT = ("the caller", "a leaf the graph holds")
+
+
+def _kept_by_linear(scope: str, weights: frozenset[str]) -> bool:
+    """``scope`` is a linear layer: a base model's (its 2-D weight in ``weights``) or a peft adapter's."""
+    return f"{scope}.weight" in weights or ".lora_B." in f"{scope}."
+
+
+def _block_packs_in_stash(norm: list[MemoryItem], acts: Inventory, host: Inventory,
+                          keepers: dict[str, tuple[str, int | None]], checkpointed: bool,
+                          weights: frozenset[str]) -> int:
+    """The last block's offloaded tensor still in the forward stash at the end of the forward.
+
+    torchtune's ``pack_tensor`` (torchtune/training/_activation_offloading.py) numbers every pack, kept ones
+    included, and an offloaded pack releases the stash entries ``max_fwd_stash_size`` (5) or more packs older;
+    the stash then holds the offloaded packs among the five ending at the last offloaded one. A Llama RMSNorm
+    (modeling_llama.py ``LlamaRMSNorm.forward``) packs its fp32 input (``pow``), ``rsqrt`` (its own node),
+    ``rsqrt`` and the fp32 input again (``x * rsqrt``: ``other`` is packed before ``self``), the weight, and the
+    normalized ``h`` only when the weight trains (``weight * h``: derivatives.yaml saves ``self`` for
+    ``other``'s gradient). With a frozen weight (LoRA) only its input (``x_fp32``, or in fp32 the block's
+    output itself) and ``rsqrt`` go out, and the norm's last offloaded pack is its fourth, so the window takes
+    the last block's last pack:
+
+    * a checkpointed block packs only its positional input (torch/utils/checkpoint.py ``_CheckpointFrame.
+      save_inputs``; the keyword inputs stay in the closure): the last block's input;
+    * an eager block ends on its last linear's ``mm``. A trained weight's (a peft ``lora_B``'s, or the plain
+      linear's under ``--freeze``) packs ``weight.t()`` and then its input (the order read off the real hooks,
+      tests/estimate/test_offload_adapters.py): that input, the block's last saved item, kept by the linear.
+      A frozen one packs only ``weight.t()``, a view of a Parameter with no device bytes of its own: 0."""
+    from trainmem.names import layer_of
+    if len([it for it in norm if not it.name.endswith(".rsqrt")]) != 1:
+        return 0  # the normalized h went out too: the window ends inside the final norm
+    offloaded = {it.name for it in host}
+    items = list(acts)
+    if checkpointed:
+        inputs = {layer_of(keepers[it.name][0] + ".x"): it for it in items if it.name in keepers
+                  and keepers[it.name][1] == 0 and _is_block(keepers[it.name][0])}
+        tail = [inputs[max(inputs)]] if inputs else []
+    else:
+        last = max((layer_of(it.name) for it in items if layer_of(it.name) is not None), default=None)
+        block = [it for it in items if it.bytes and layer_of(keepers.get(it.name, ("", None))[0] + ".x") == last]
+        # (the block: in fp32 its output is the final norm's input, kept by the norm)
+        tail = block[-1:] if block and _kept_by_linear(keepers.get(block[-1].name, ("", None))[0], weights) else []
+    return sum(it.bytes for it in tail if it.name in offloaded)
 
 
 def _per_block(host: Inventory) -> dict[int, int]:
@@ -236,6 +291,11 @@ def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=
     _input_ids(ctx)
     _forward(impl)(ctx)
     keepers = {it.name: k for it, k in zip(ctx.graph.items(), ctx.graph.keepers())}
+    notes = []
+    if finetune is not None:  # a frozen embedding's zero-byte ids marker, as estimate/activations.py adds it
+        before = len(ctx.finetune_linear.notes)  # (estimate/peak.py _caller_ids: the caller holds the ids)
+        ctx.finetune_linear.embedding_notes(ctx, model)
+        notes = ctx.finetune_linear.notes[before:]
     packed_elsewhere = frozenset()
     if impl.recompute == "every-k" and not _all_blocks_checkpointed(model, impl):  # eager blocks save them too
         eager = Ctx(Graph(), model, step, replace(impl, recompute="none", recompute_every=1),
@@ -247,17 +307,19 @@ def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=
                                      if layer_of(scope + ".x") is not None)
     # the copies are made from the compute weights: the parameters, or autocast's casts of them
     size = dtype_bytes(step.dtypes.activation if step.dtypes.autocast else step.dtypes.param)
-    weight = max((int(math.prod(shape) * size) for name, shape in parameter_shapes(model)
-                  if layer_of(name) is not None and len(shape) == 2), default=0)
+    linear = {name: shape for name, shape in parameter_shapes(model) if layer_of(name) is not None and len(shape) == 2}
+    weight = max((int(math.prod(shape) * size) for shape in linear.values()), default=0)
     if family_of(model).conv1d and not step.dtypes.autocast:
         weight = 0  # Conv1D's addmm saves the Parameter itself, which torchtune never copies
     split = offload_split(ctx.graph.inventory(), keepers, B=step.batch, S=step.seq,
                          largest_block_weight_bytes=weight, checkpointed=_all_blocks_checkpointed(model, impl),
                          gated=model.gated, compiled=impl.compile,
-                         use_streams=use_streams, packed_elsewhere=packed_elsewhere, sac=impl.recompute == "op")
+                         use_streams=use_streams, packed_elsewhere=packed_elsewhere, sac=impl.recompute == "op",
+                         linear_weights=frozenset(linear),
+                         rmsnorm=model.norm == "rmsnorm" and not family_of(model).rules.unit_offset_norm)
     if impl.compile and impl.recompute == "full" and impl.device == "cpu":
         split = replace(split, host=split.host + Inventory(_generator_states(model)))
-    return split
+    return replace(split, device=split.device + Inventory(notes)) if notes else split
 
 
 CPU_GENERATOR_STATE_BYTES = 5056
