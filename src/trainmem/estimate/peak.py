@@ -104,6 +104,8 @@ class LayerStats:
     late_grad: int = 0
     """Gradients produced after the blocks' backward: an untied input embedding's (a tied one gets
     its gradient from the head, first)."""
+    has_head: bool = True
+    """Whether the items hold a head's gradient (not a pipeline stage before the last)."""
 
     def add(self, it: MemoryItem, li: int | None, times: int = 1, *, graded: bool = True) -> None:
         """``graded``: autograd makes a gradient for the tensor (:func:`_no_gradient_copies`)."""
@@ -184,8 +186,8 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
             outside.append(it)
     # untied head, a classification head (estimate/heads.py), or no head (a pipeline stage before the last): the
     # embedding's gradient comes last
-    if any(it.name.startswith("lm_head.") or is_classifier(it.name) for it in outside) or \
-            not any(is_head(it.name) for it in outside):
+    st.has_head = any(is_head(it.name) for it in outside)
+    if any(it.name.startswith("lm_head.") or is_classifier(it.name) for it in outside) or not st.has_head:
         st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
     else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) come last
         st.late_grad = sum(it.bytes for it in outside if is_embedding(it.name) and not is_token_embedding(it.name))
@@ -365,7 +367,11 @@ def phases(items: "Inventory | list[MemoryItem]", *, B: int, S: int, vocab: int,
         rec, rec_big = recompute_bytes.get(last, (0, 0))
         big = max(largest.get(last, 0), rec_big)
         work = rec + residual_bytes + big
-        g_now = G if grad_accum > 1 else grads_head - st.late_grad if not optimizer_in_backward else tied_G
+        # beside a head the late gradient does not exist yet (cf2822d, measured on one device); a stage before the
+        # last (no head) keeps it counted, as before cf2822d: without it the compiled GPipe stage 0 read 0.981 of the
+        # fake-PG trace (tests/estimate/test_compiled_3d.py), a moment not explained yet
+        late = st.late_grad if st.has_head else 0
+        g_now = G if grad_accum > 1 else grads_head - late if not optimizer_in_backward else tied_G
         parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work,
                  "router_logits_grad": sum(router_grads.values())}  # every block's router backward is to come
         note = ("backward of the last block: head gradients, remaining activations, recomputed "
