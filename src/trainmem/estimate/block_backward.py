@@ -442,6 +442,7 @@ def final_norm_moment(items: "Inventory | list[MemoryItem]", *, head_act: int, l
     # the hf rules' names, or --profile traced's (named by the op that made each: _to_copy is the fp32 copy)
     copy = norm.get("x_fp32") or next((i for i in (norm.get("_to_copy"),) if i is not None and i.dtype == "float32"), None)
     x = copy or norm.get("normed") or norm.get("mul")
-    if x is None or x.dtype != "float32" or any("/tp" in d or "/cp" in d for d in x.dims):
+    # --profile traced names a cut dim by its divisor ("S/4"), the hf rules by its axis ("S/tp")
+    if x is None or x.dtype != "float32" or any("/tp" in d or "/cp" in d or d.startswith("S/") for d in x.dims):
         return None  # checked on one device (and data parallel), not on a TP/CP-cut norm
     return (copy.bytes if copy is not None else 0), FP32_NORM_TRANSIENTS * x.bytes + loss_scalars
