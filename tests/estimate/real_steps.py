@@ -1,5 +1,5 @@
 """A real CPU training step measured as live storages, for the tests that hold a trace to it
-(test_offload_moments.py, test_op_moments.py)."""
+(test_offload_moments.py, test_op_moments.py, test_adapter_forward.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ from trainmem.trace.torch_state import default_dtype
 
 
 def real_step(cfg: dict, step: StepSpec, impl: ImplSpec, *, prepare: Callable = lambda model: None,
-              forward: Callable = lambda model: contextlib.nullcontext()) -> tuple[int, int]:
+              forward: Callable = lambda model: contextlib.nullcontext(),
+              wrap: Callable = lambda model: model) -> tuple[int, int]:
     """(peak live bytes, Adam's step counters) of a second, steady-state step: the model built as
     ``trace_step`` builds it, ``prepare(model)`` (checkpointing), the forward and loss inside ``forward(model)``
-    (offload hooks) and autocast under amp-bf16. The parameters, buffers, ids and optimizer states are the
+    (offload hooks), ``wrap(model)`` (LoRA) and autocast under amp-bf16. The parameters, buffers, ids and optimizer states are the
     baseline; Adam's fp32 0-dim ``step`` counters are CPU tensors here, which the trace leaves out."""
     torch.manual_seed(0)
     with default_dtype(torch.bfloat16 if step.precision == "bf16" else torch.float32):
         model = build_hf_model(cfg, attention=impl.attention)
     model.train()
     prepare(model)
+    model = wrap(model)  # fine-tuning: peft's model around it (trace/finetune.py apply_finetune)
     _, _, opt = make_optimizer_for(model, step, impl)
     ids = torch.randint(0, cfg["vocab_size"], (step.batch, step.seq))
 

@@ -82,30 +82,14 @@ def test_adapter_forward_equals_a_real_step():
     """The loop the trace runs (trace/step.py), on real CPU tensors (tests/estimate/test_grad_accum_transient.py's
     pattern): tiny GPT-NeoX LoRA on every linear, amp-bf16 B1 S32, its live storages' peak == the trace == the
     estimate (AdamW's host step counters left out, as the trace leaves them out)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from trainmem.models.hf import build_hf_model
+    from real_steps import real_step  # tests/estimate/real_steps.py
     from trainmem.trace import trace_step
     from trainmem.trace.finetune import apply_finetune
-    from trainmem.trace.live import LiveStorages
 
     model_spec, step, impl, ft = _case(NEOX, EVERY, "amp-bf16", 1, 32)
-    torch.manual_seed(0)
-    model = apply_finetune(build_hf_model(NEOX, attention="sdpa").train(), ft.for_model(model_spec), model_spec)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ids = torch.randint(0, NEOX["vocab_size"], (1, 32))
-
-    def one():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    one()
-    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    with LiveStorages([*model.parameters(), *model.buffers(), ids, *states]) as live:
-        one()
+    peak, counters = real_step(NEOX, step, impl,
+                               wrap=lambda model: apply_finetune(model, ft.for_model(model_spec), model_spec))
     e = estimate(model_spec, step, impl, finetune=ft)
-    assert live.peak == e.peak_bytes == trace_step(NEOX, step, impl, finetune=ft).peak_logical_bytes == 3_201_056
+    assert peak - counters == e.peak_bytes == trace_step(NEOX, step, impl, finetune=ft).peak_logical_bytes == 3_201_056
