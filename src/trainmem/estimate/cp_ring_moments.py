@@ -49,9 +49,8 @@ def ring_attention_moments(items, li: int, residual_bytes: int, ring, recomputed
     later = {_child(i.name) for i in acts[lse + 1:]} - {_child(attention + ".")}  # the children run after it
     made = sum(i.bytes for i in proj) + sum(i.bytes for i in grads if _child(i.name) in later)
     freed = sum(i.bytes for i in acts[lse + 1:]) + (checkpoint_kept(items, li, acts) if recomputed is not None else 0)
-    at = {"block_gradients": made, "freed_activations": freed, "after_attention": 0,
-          "where": "ring attention's backward: gradients so far, the residual gradient, o_proj's input gradient and "
-                   "the ring's buffers (estimate/cp_ring_moments.py)"}
+    # ring attention's backward: gradients so far, the residual gradient, o_proj's input gradient and the ring's buffers
+    at = {"block_gradients": made, "freed_activations": freed, "after_attention": 0}
     return [{**at, "work": residual_bytes + out.bytes + ring.backward[0]},
             {**at, "freed_activations": freed + _copies(items, li, grads, attention),
              "work": residual_bytes + out.bytes + ring.backward[1]}]
