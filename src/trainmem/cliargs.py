@@ -13,7 +13,7 @@ from dataclasses import fields, replace
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
-from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, FRAMEWORKS, PROFILES, RECOMPUTES
+from trainmem.specs.impl import ATTENTIONS, COMPILE_SCOPES, FRAMEWORKS, PROFILES, RECOMPUTE_FROMS, RECOMPUTES
 from trainmem.specs.step import DEFAULT_SEQ, LOSSES, OPTIMIZERS, PRECISIONS, default_seq
 
 __all__ = ["positive_int", "positive_float", "add_model_step_args", "specs_from_args", "step_impl_from_args",
@@ -81,7 +81,7 @@ def positive_float(field: str):
 
 def add_model_step_args(p: argparse.ArgumentParser) -> None:
     """--model, --batch, --seq, --grad-accum, --precision, --optimizer, --loss, --attention,
-    --recompute, --recompute-every, --profile, --device."""
+    --recompute, --recompute-every, --recompute-from, --profile, --device."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset name or path to a Hugging Face config.json / model folder (default {DEFAULT_MODEL})")
     from functools import partial
@@ -108,6 +108,9 @@ def add_model_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-every", type=positive_int("recompute-every"), default=None,
                    help="K for --recompute every-k, which needs it: every K-th block checkpointed (torchtitan's "
                         "selective_ac_option, torchtune's ac_option)")
+    p.add_argument("--recompute-from", choices=RECOMPUTE_FROMS, default=None,
+                   help="with every-k, which blocks: kth (K-1, 2K-1, ...: torchtitan's and torchtune's count, the "
+                        "default) or first (0, K, 2K, ...: transformers' every_n_layers, what --hf-args reads)")
     p.add_argument("--profile", choices=PROFILES, default=impl("profile"),
                    help="whose saved set is modelled: hf, reference, megatron, traced (read off a fake-tensor "
                         "trace; --device cpu)")
@@ -230,6 +233,17 @@ def recompute_every_from_args(args: argparse.Namespace) -> int:
     return every or 1
 
 
+def recompute_from_from_args(args: argparse.Namespace) -> dict:
+    """``ImplSpec.recompute_from`` from --recompute-from (a file's, such as --hf-args' ``every_n_layers``, or
+    the option): only with every-k, whose count it picks; left out, the spec's default (kth)."""
+    start = getattr(args, "recompute_from", None)
+    if start is None:
+        return {}
+    if args.recompute != "every-k":
+        raise SpecError("recompute_from", start, f"--recompute-from needs --recompute every-k, not {args.recompute}")
+    return {"recompute_from": start}
+
+
 def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
     """The step and implementation specs alone (for commands that build the model themselves:
     they resolve ``args.seq`` with :func:`~trainmem.specs.step.default_seq` and ``args.attention`` with
@@ -246,7 +260,7 @@ def step_impl_from_args(args: argparse.Namespace) -> tuple[StepSpec, ImplSpec]:
                                            "float8", "float8_all_gather", "framework") if hasattr(args, k)}
     attention = {"attention": args.attention} if args.attention is not None else {}  # else resolve_attention's
     impl = ImplSpec(profile=args.profile, recompute=args.recompute, recompute_every=every, device=args.device,
-                    **{**attention, **routing, **optim, **spec_fields(args, "impl")})
+                    **{**attention, **routing, **optim, **recompute_from_from_args(args), **spec_fields(args, "impl")})
     if impl.compile and impl.framework != "hf":  # the compiled rules read transformers' blocks, not LitGPT's
         raise SpecError("framework", impl.framework, "--compile is modelled for transformers' modules "
                                                      "(--framework hf), not LitGPT's")

@@ -96,7 +96,8 @@ def test_commands_and_estimate_flags_are_frozen():
         "--memory-figure", "--microbatches", "--mode",
         "--model", "--no-double-quant", "--no-loss-parallel", "--no-reshard-after-forward", "--num-labels", "--offload", "--optimizer", "--optimizer-impl",
         "--optimizer-in-backward", "--plot", "--pp", "--precision", "--prefill-chunk",
-        "--profile", "--qlora-scope", "--quant-impl", "--quantize-head", "--recompute", "--recompute-every", "--routing", "--schedule", "--seq", "--sp", "--summary",
+        "--profile", "--qlora-scope", "--quant-impl", "--quantize-head", "--recompute", "--recompute-every",
+        "--recompute-from", "--routing", "--schedule", "--seq", "--sp", "--summary",
         "--torchtitan", "--torchtune", "--tp", "--tree", "--virtual-stages", "--weight-group", "--weights", "--zero"]
 
 

@@ -155,7 +155,7 @@ def test_public_api_and_flags_are_frozen():
              for name, p in sub.choices.items()}
     shared = ["--attention", "--batch", "--device", "--grad-accum", "--help", "--json", "--layers", "--loss",
               "--model", "--optimizer", "--out", "--precision", "--profile", "--recompute", "--recompute-every",
-              "--run-on", "--seed", "--seq"] + ["--gpu", "--gpu-memory", "--memory-figure"]  # does it fit (fits.py)
+              "--recompute-from", "--run-on", "--seed", "--seq"] + ["--gpu", "--gpu-memory", "--memory-figure"]  # does it fit (fits.py)
     assert flags["profile"] == sorted(shared + ["--categories", "--compare", "--no-modules", "--snapshot",
                                                 "--steps", "--top-modules", "--variants", "--warmup"])
     estimate_flags = ["--adapter-dtype", "--cp", "--cp-style", "--dp", "--ep", "--finetune", "--finetune-preset",

@@ -231,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
                                          f"(max_positions={max_positions})")
     step = StepSpec(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                     optimizer=args.optimizer, loss=args.loss)
-    from trainmem.cliargs import recompute_every_from_args, resolve_attention
+    from trainmem.cliargs import recompute_every_from_args, recompute_from_from_args, resolve_attention
     every = recompute_every_from_args(args)
     resolve_attention(args, spec.family if spec else config.get("model_type", ""))
     impl = ImplSpec(profile=args.profile, attention=args.attention, recompute=args.recompute,
-                    recompute_every=every, device=args.device, routing=args.routing,
+                    recompute_every=every, **recompute_from_from_args(args), device=args.device,
+                    routing=args.routing,
                     optimizer_impl=args.optimizer_impl, optimizer_in_backward=args.optimizer_in_backward,
                     compile=args.compile, compile_scope=args.compile_scope, float8=args.float8,
                     float8_all_gather=args.float8_all_gather)
