@@ -71,6 +71,8 @@ def test_profiler_misses_the_collective_buffers_freed_on_gloos_thread(runs, key)
     bsh = B * S * H * (4 if SCENARIOS[key]["precision"] == "fp32" else 2)
     for rank in runs[key]:
         live = {st["tracked_live_after_bytes"] for st in rank["steps"]}
+        # read once gloo's threads have dropped every collective buffer (the worker waits for their frees)
+        assert [st["collective_alive_after"] for st in rank["steps"]] == [0] * len(rank["steps"])
         assert len(live) == 1, live  # the same storages alive after every step
         for st in rank["steps"]:
             missed, off_main = st["profiled_net_bytes"], st["off_main_freed_collective_bytes"]
