@@ -1,5 +1,7 @@
-"""A forward moment inside the last block: its LoRA-adapted down projection's adapter sum (the ``forward``
-phase where it is the larger).
+"""A forward moment inside the last block: its LoRA-adapted down projection's adapter sum, or its frozen 4-bit
+down projection's matmul (QLoRA on the attention: :func:`_four_bit_down_moment`), the ``forward`` phase where it is
+the larger. The 4-bit one: tiny Llama (h64, F176, V128) QLoRA q/v amp-bf16 B2 S64 was 2,024 B under the trace, now
+equal (``tests/finetune/test_qlora_cast_moments.py``).
 
 peft's ``lora.Linear.forward`` (peft ``tuners/lora/layer.py``) runs ``result = self.base_layer(x)``, then
 ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` and ``result = result + lora_B(lora_A(dropout(x))) *
@@ -50,15 +52,24 @@ _LATER = ("logits", "head_input_unsaved", "padded_labels", "router_logits")
 def with_adapter_forward(phases: list[Phase], items: Inventory, *, tokens: int, hidden: int, residual_dtype: str,
                          lora_dropout: float) -> list[Phase]:
     """``phases`` whose ``forward`` is the larger of the end of the forward and this moment (the module docstring),
-    as the chunked losses' head moment is (estimate/peak.py). ``tokens``: B·S; ``residual_dtype``: the residual
-    stream's (and the embedding output's) dtype."""
+    as the chunked losses' head moment is (estimate/peak.py), or a frozen 4-bit down projection's
+    (:func:`_four_bit_down_moment`). ``tokens``: B·S; ``residual_dtype``: the residual stream's (and the embedding
+    output's) dtype."""
     fwd = next((p for p in phases if p.name == "forward"), None)
-    parts = _moment(fwd, items, tokens=tokens, hidden=hidden, residual_dtype=residual_dtype) \
-        if fwd and not lora_dropout else None
+    if fwd is None:
+        return phases
+    kw = dict(tokens=tokens, hidden=hidden, residual_dtype=residual_dtype)
+    found = [(parts, note) for parts, note in (
+        (_moment(fwd, items, **kw) if not lora_dropout else None,
+         "inside the last block's adapted down projection, at lora_B's scaled output: the tensors saved so far, "
+         "the base layer's output, peft's copy of the product, the block's and the model's locals"),
+        (_four_bit_down_moment(fwd, items, **kw),
+         "inside the last block's 4-bit down projection (Linear4bit): the tensors saved so far, the product and "
+         "its compute-dtype cast, the dequantized weight and the matmul's output or its cast back, the block's "
+         "and the model's locals")) if parts is not None]
+    parts, note = max(found, key=lambda f: sum(f[0].values()), default=(None, ""))
     if parts is None or sum(parts.values()) <= fwd.bytes:
         return phases
-    note = ("inside the last block's adapted down projection, at lora_B's scaled output: the tensors saved so far, "
-            "the base layer's output, peft's copy of the product, the block's and the model's locals")
     return [Phase("forward", sum(parts.values()), parts, note) if p is fwd else p for p in phases]
 
 
@@ -104,6 +115,51 @@ def _moment(fwd: Phase, items: Inventory, *, tokens: int, hidden: int, residual_
              "adapter_forward": base + copy + 2 * lora_out}
     parts = {k: v for k, v in fwd.parts.items() if k not in _LATER}
     parts["activations"] = parts.get("activations", 0) - sum(i.bytes for i in saved[at:])
+    return {**parts, **{k: v for k, v in found.items() if v}}
+
+
+def _four_bit_down_moment(fwd: Phase, items: Inventory, *, tokens: int, hidden: int,
+                          residual_dtype: str) -> dict[str, int] | None:
+    """The last block's frozen 4-bit down projection (bitsandbytes ``Linear4bit.forward``, no adapter on it) while it
+    runs: ``x.to(compute_dtype)`` (a copy when the product's dtype differs), ``gemm_4bit`` (bitsandbytes
+    ``backends/default/ops.py`` ``_gemm_4bit_default_impl``: the fp32 absmax when double quantized, the weight
+    dequantized to the compute dtype, the output), then ``.to(inp_dtype)`` (a copy under a cast), the cast input held
+    by the forward's local until it returns. Beside them: the tensors saved so far (the down projection saves
+    none), the product and the MLP's input (saved by no 4-bit projection), the model's locals and what the forward
+    phase holds to the loss. bitsandbytes' CUDA kernel (``backends/cuda/ops.py``) takes the same dequantize + linear
+    path past 256 rows (B·S > 256); below, a fused kernel may make no dequantized weight. The fake-tensor trace
+    runs ``gemm_4bit`` as one op and sees neither the absmax nor the
+    dequantized weight (estimate/quant4bit_moments.py models the backward's, which is Python). None unless the last
+    block's MLP is all 4-bit with no adapter (estimate/quant4bit_moments.py ``_four_bit``)."""
+    from trainmem.estimate.quant4bit_moments import COMPUTES_IN, four_bit_weight
+
+    acts = [i for i in items.base if i.category is Category.ACTIVATION]
+    last = max((li for li in (layer_of(i.name) for i in acts if i.bytes) if li is not None), default=None)
+    if last is None:
+        return None
+    block = block_items(items, last)
+    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
+              and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
+              and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
+    prod, x = marker.get("down_proj"), marker.get("up_proj")
+    weight = next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(".mlp.down_proj.weight")
+                   and i.shape), None)
+    # the MLP's last saved tensor (up's output, which MulBackward0 reads): what is saved after it comes later
+    at = max((k for k, i in enumerate(acts) if i.bytes and layer_of(i.name) == last and ".mlp." in i.name), default=None)
+    if None in (prod, x, weight, at) or any(".mlp." in i.name and ".lora_" in i.name for i in block):
+        return None
+    if any("/tp" in d or "/cp" in d for i in block for d in i.dims):
+        return None  # checked on one device
+    c = prod.note.rpartition(COMPUTES_IN)[2]
+    out_c, out_a = tokens * hidden * dtype_bytes(c), tokens * hidden * dtype_bytes(prod.dtype)
+    dequantized = four_bit_weight(block, weight, c)  # (the absmax, the weight in the compute dtype)
+    cast = c != prod.dtype
+    parts = {k: v for k, v in fwd.parts.items() if k not in _LATER and k != "dequant_temporary"}
+    parts["activations"] = parts.get("activations", 0) - sum(i.bytes for i in acts[at + 1:])
+    found = {"block_locals": _bytes(x) + _bytes(prod) + (int(math.prod(prod.shape) * dtype_bytes(c)) if cast else 0),
+             "model_locals": _unsaved_embedding_output(acts, tokens * hidden * dtype_bytes(residual_dtype))
+             + _cache_position(acts),
+             "dequant_temporary": out_c + max(sum(dequantized), out_a if cast else 0)}
     return {**parts, **{k: v for k, v in found.items() if v}}
 
 

@@ -27,7 +27,11 @@ from typing import Callable
 from trainmem.errors import SpecError
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 
-__all__ = ["QUANT_LAYOUTS", "quantized_weight_items"]
+__all__ = ["DEQUANTIZES_TO", "QUANT_LAYOUTS", "quantized_weight_items"]
+
+#: a bitsandbytes weight's note names, after this, the dtype it was quantized from, which ``dequantize_4bit``
+#: returns (``QuantState.dtype``), whatever the compute dtype (read by estimate/quant4bit_moments.py)
+DEQUANTIZES_TO = "dequantizes to "
 
 _P = Category.PARAMETER
 
@@ -42,7 +46,7 @@ def _bnb(name: str, shape: tuple[int, ...], spec, weight_dtype: str) -> list[Mem
     qb, qb2 = spec.quant_block, spec.double_quant_block
     blocks = -(-n // qb)
     out = [_make(name, shape, spec.quant_type, -(-n // 2), "⌈numel/2⌉·1 (packed uint8)",
-                 f"{spec.quant_type} 4-bit base (bitsandbytes), frozen")]
+                 f"{spec.quant_type} 4-bit base (bitsandbytes), frozen; {DEQUANTIZES_TO}{weight_dtype}")]
     if spec.double_quant:
         blocks2 = -(-blocks // qb2)
         out += [_make(f"{name}.absmax", (blocks,), "uint8", blocks, f"⌈numel/{qb}⌉·1 (8-bit absmax)"),
