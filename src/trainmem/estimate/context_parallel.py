@@ -34,6 +34,10 @@ Llama the query reaching SDPA is laid out (B, S, A, hd), as the CUDA kernel's ou
 on a GPU; so is the ring backward's count, which holds the flash backward's outputs only (its meta kernel's:
 a CUDA kernel's own workspace is not seen), and K/V with as many heads as q (the stand-in takes no
 ``enable_gqa``: GQA's K/V at Akv heads through the ring are modelled, not run).
+The ring's K/V width is the model's: transformers passes Akv heads to SDPA (``enable_gqa``), torchtitan's Llama
+repeats them to the query heads first (``repeat_kv``, torchtitan/models/llama/model.py), so at a 405B TP rank
+(tp 8) the ring carries 16 K/V heads, not 1: backward 4,992 MiB at cp 8 where the hf profile counts 833
+(measured with torch's ring at that shape: tests/parallel/test_cp_405b_rank.py). Not expressible under the hf profile.
 """
 
 from __future__ import annotations
