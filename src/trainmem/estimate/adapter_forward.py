@@ -130,23 +130,22 @@ def _four_bit_down_moment(fwd: Phase, items: Inventory, *, tokens: int, hidden: 
     path past 256 rows (B·S > 256); below, a fused kernel may make no dequantized weight. The fake-tensor trace
     runs ``gemm_4bit`` as one op and sees neither the absmax nor the
     dequantized weight (estimate/quant4bit_moments.py models the backward's, which is Python). None unless the last
-    block's MLP is all 4-bit with no adapter (estimate/quant4bit_moments.py ``_four_bit``)."""
-    from trainmem.estimate.quant4bit_moments import COMPUTES_IN, four_bit_weight
+    block's MLP is all bitsandbytes 4-bit with no adapter (estimate/quant4bit_moments.py ``four_bit_markers``)."""
+    from trainmem.estimate.quant4bit import DEQUANTIZES_TO
+    from trainmem.estimate.quant4bit_moments import COMPUTES_IN, four_bit_markers, four_bit_weight
 
     acts = [i for i in items.base if i.category is Category.ACTIVATION]
     last = max((li for li in (layer_of(i.name) for i in acts if i.bytes) if li is not None), default=None)
     if last is None:
         return None
     block = block_items(items, last)
-    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
-              and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
-              and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
+    marker = four_bit_markers(block) or {}
     prod, x = marker.get("down_proj"), marker.get("up_proj")
     weight = next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(".mlp.down_proj.weight")
-                   and i.shape), None)
+                   and i.shape and DEQUANTIZES_TO in i.note), None)  # bitsandbytes' (torchao's linear_nf4 differs)
     # the MLP's last saved tensor (up's output, which MulBackward0 reads): what is saved after it comes later
     at = max((k for k, i in enumerate(acts) if i.bytes and layer_of(i.name) == last and ".mlp." in i.name), default=None)
-    if None in (prod, x, weight, at) or any(".mlp." in i.name and ".lora_" in i.name for i in block):
+    if None in (prod, x, weight, at):
         return None
     if any("/tp" in d or "/cp" in d for i in block for d in i.dims):
         return None  # checked on one device

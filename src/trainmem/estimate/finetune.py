@@ -168,7 +168,7 @@ class FinetuneLinear:
             hold_input(ctx, a, self.held)
         else:
             self._note(ctx, x, f"4-bit {self.spec.quant_type} weight", "MatMul4Bit keeps only the packed weight; "
-                       f"{COMPUTES_IN}{self.spec.compute_dtype}")  # read by quant4bit_moments._four_bit
+                       f"{COMPUTES_IN}{self.spec.compute_dtype}")  # read by quant4bit_moments.four_bit_markers
         return ctx.graph.new(label, x.shape[:-1] + (out_features,), x.dims[:-1] + (out_sym,), x.dtype, x.requires_grad)
 
     def _lora(self, ctx: Ctx, x: Sym, result: Sym, weight: tuple[int, int]) -> Sym:

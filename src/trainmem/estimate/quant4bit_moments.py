@@ -44,33 +44,38 @@ import math
 from trainmem.estimate.quant4bit import DEQUANTIZES_TO
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 
-__all__ = ["COMPUTES_IN", "four_bit_mlp_moments", "four_bit_moments_modelled", "four_bit_weight"]
+__all__ = ["COMPUTES_IN", "four_bit_markers", "four_bit_mlp_moments", "four_bit_moments_modelled", "four_bit_weight"]
 
 COMPUTES_IN = "it computes in "  # a 4-bit marker's note names the compute dtype after this (estimate/finetune.py)
 _GATED = ("gate_proj", "up_proj", "down_proj")  # transformers ``LlamaMLP``: down(act(gate(x)) * up(x))
 
 
-def _four_bit(block: list[MemoryItem]) -> dict[str, MemoryItem] | None:
+def four_bit_markers(block: list[MemoryItem]) -> dict[str, MemoryItem] | None:
     """The MLP's 4-bit input markers (estimate/finetune.py ``_linear4bit``), by projection, when every projection of
     a gated MLP is 4-bit and carries no adapter; else None."""
     marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
               and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
               and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
     adapted = any(".mlp." in i.name and ".lora_" in i.name for i in block)
-    return marker if set(_GATED) <= set(marker) and not adapted else None
+    # under a cast, bitsandbytes' weights only (their note names the dtype dequantize_4bit returns): torchao's
+    # linear_nf4 dequantizes otherwise (estimate/finetune.py ``torchao_nf4_dequant_bytes``)
+    cast = any(i.note.rpartition(COMPUTES_IN)[2] != i.dtype for i in marker.values())
+    bnb = all(DEQUANTIZES_TO in i.note for i in block if i.category is Category.PARAMETER and ".mlp." in i.name
+              and i.name.endswith(".weight") and i.shape)
+    return marker if set(_GATED) <= set(marker) and not adapted and (bnb or not cast) else None
 
 
 def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False) -> bool:
     """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
     estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides.
     ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision."""
-    return _four_bit(block) is not None
+    return four_bit_markers(block) is not None
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
                          checkpointed: bool) -> list[dict[str, int]]:
     """The module docstring's two moments as node moments (estimate/peak.py ``inside``); [] for other layouts."""
-    marker = _four_bit(block)
+    marker = four_bit_markers(block)
     if marker is None:
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
