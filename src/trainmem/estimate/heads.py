@@ -40,7 +40,7 @@ from trainmem.names import under
 from trainmem.specs import ModelSpec
 
 __all__ = ["TaskHead", "head_layout", "head_parameters", "task_head", "logits_width", "classifier_dropout", "check_head",
-           "is_classifier"]
+           "is_classifier", "classifier_forward_held"]
 
 Shape = tuple[int, ...]
 
@@ -94,6 +94,25 @@ def is_classifier(name: str) -> bool:
     """A classification head's linear (``score``, ``classifier``) or one of its states: never tied to the
     token embedding, so the embedding's gradient comes last in backward (``estimate/peak.py`` ``layer_stats``)."""
     return under(name, task_head_modules())
+
+
+def classifier_forward_held(model: ModelSpec, step) -> int:
+    """Bytes a decoder's classification forward holds at its loss that no backward node saved, besides the KV cache
+    and autocast's weight copies (``estimate/forward_held.py``): the final norm's output (B, S, H in the weights'
+    dtype: Llama's RMSNorm returns ``weight * x.to(input_dtype)``), bound by the model output
+    (``GenericForTokenClassification.forward``: ``outputs``; ``GenericForSequenceClassification.forward``:
+    ``transformer_outputs``) while ``self.loss_function`` runs, where the head saves another tensor (a dropout in
+    front of a token classifier saves its mask; under autocast the classifier saves a bf16 cast); and the token
+    classifier's dropout output (``sequence_output``), the same size, where the classifier saves its cast instead
+    (autocast). 0 for LM heads and pooled (encoder) heads."""
+    if model.head not in ("seq-cls", "token-cls") or head_layout(model).pooler is not None:
+        return 0
+    from trainmem.inventory import dtype_bytes
+
+    d = step.dtypes
+    hidden = step.batch * step.seq * model.hidden_size * dtype_bytes(d.compute)
+    dropped = model.head == "token-cls" and classifier_dropout(model) > 0.0
+    return hidden * ((dropped or d.autocast) + (dropped and d.autocast))
 
 
 # the forward --------------------------------------------------------------------------------------
