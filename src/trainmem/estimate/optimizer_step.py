@@ -14,6 +14,18 @@ follow PyTorch 2.x ``torch/optim/adam.py`` and ``sgd.py`` (AdamW is Adam with
   one kernel updates in place; nothing.
 * SGD with or without momentum, any implementation (``_single_tensor_sgd``,
   ``_multi_tensor_sgd``): ``mul_``/``add_`` in place; nothing (no weight decay, no nesterov).
+* RMSprop (``torch/optim/rmsprop.py``): foreach ``_foreach_sqrt(square_avgs)``, Σ numel·bytes;
+  for-loop ``avg = square_avg.sqrt()`` while the previous tensor's ``avg`` is still bound.
+* Adagrad (``adagrad.py``): foreach ``std = _foreach_sqrt(state_sums)`` and
+  ``numerator = _foreach_mul(grads, minus_clr)``, both alive at ``_foreach_addcdiv_``: 2 Σ numel·bytes;
+  for-loop ``std = state_sum.sqrt()`` while the previous ``std`` is still bound; fused
+  (``torch._fused_adagrad_``) nothing.
+* bitsandbytes (Adam, Lion, RMSprop; ``Optimizer2State``/``Optimizer1State.update_step``): one
+  kernel per parameter updates it, its states and absmax in place; nothing.
+
+Weight decay in torch's SGD, RMSprop and Adagrad (``grad = grad.add(param, alpha=wd)``, or
+``_foreach_add``) makes a gradient-sized temporary, as do nesterov and ``maximize``: not modelled
+(the readers refuse a weight decay for these optimizers; trainmem's own flags never set one).
 
 With the optimizer in backward (torchtune's ``optimizer_in_bwd``) every parameter has its own
 optimizer, so each rule applies to one tensor at a time.
@@ -29,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from trainmem.estimate.state_items import BNB
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.optimizer_impl import DEFAULT_IMPL, IMPLEMENTATIONS, check_optimizer, optimizer_impl_used
 
@@ -79,7 +92,36 @@ def _adam_for_loop(s: Stepped) -> tuple[int, str]:
                                    f"(max over neighbours of numel₋₁·{s.elem_bytes:g} + 2·numel·{s.elem_bytes:g})")
 
 
-@_rule(("adamw", "adam", "sgd", "sgd-momentum"), ("fused",))
+def _neighbours(s: Stepped, what: str) -> tuple[int, str]:
+    """A for-loop holding one temporary per tensor, the previous tensor's still bound by its name
+    while the next one is made."""
+    pairs = [prev + cur for prev, cur in zip((0,) + s.sizes, s.sizes)]
+    return max(pairs, default=0), (f"previous tensor's {what} + this one's "
+                                   f"(max over neighbours of numel₋₁·{s.elem_bytes:g} + numel·{s.elem_bytes:g})")
+
+
+@_rule(("rmsprop",), ("foreach",))
+def _rmsprop_foreach(s: Stepped) -> tuple[int, str]:
+    return s.total_bytes, f"sqrt(square_avg) of every tensor at once (Σnumel·{s.elem_bytes:g})"
+
+
+@_rule(("rmsprop",), ("for-loop",))
+def _rmsprop_for_loop(s: Stepped) -> tuple[int, str]:
+    return _neighbours(s, "avg = sqrt(square_avg)")
+
+
+@_rule(("adagrad",), ("foreach",))
+def _adagrad_foreach(s: Stepped) -> tuple[int, str]:
+    return 2 * s.total_bytes, (f"std = sqrt(sum) and numerator = grad·(−clr) of every tensor at once "
+                               f"(2·Σnumel·{s.elem_bytes:g})")
+
+
+@_rule(("adagrad",), ("for-loop",))
+def _adagrad_for_loop(s: Stepped) -> tuple[int, str]:
+    return _neighbours(s, "std = sqrt(sum)")
+
+
+@_rule(("adamw", "adam", "sgd", "sgd-momentum", "adagrad"), ("fused",))
 def _fused(s: Stepped) -> tuple[int, str]:
     return 0, "fused kernel updates in place"
 
@@ -94,10 +136,10 @@ def _adafactor(s: Stepped) -> tuple[int, str]:
     return 2 * s.largest_bytes, f"2 × largest tensor (max_numel·{2 * s.elem_bytes:g})"
 
 
-@_rule(("adam8bit", "adamw8bit", "paged-adamw8bit", "paged-adamw32bit"), ("fused",))
+@_rule(tuple(BNB), ("fused",))
 def _bnb(s: Stepped) -> tuple[int, str]:
-    # bitsandbytes/optim/optimizer.py, Optimizer2State.update_step: one kernel per parameter
-    # (optimizer_update_8bit_blockwise / optimizer_update_32bit) updates p, states and absmax in place
+    # bitsandbytes/optim/optimizer.py, Optimizer2State/Optimizer1State.update_step: one kernel per
+    # parameter (optimizer_update_8bit_blockwise / optimizer_update_32bit) updates p, states and absmax in place
     return 0, "bitsandbytes' kernel updates each tensor in place"
 
 

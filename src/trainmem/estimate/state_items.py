@@ -15,7 +15,14 @@ one registered function of (name, shape, numel, states' dtype), read off the rea
   fp32 or uint8 whatever the parameter's dtype. Paged optimizers (``is_paged``) take ``state1`` and
   ``state2`` of tensors of 1e5 values or more from ``F.get_paged`` -- CUDA unified memory, outside
   PyTorch's allocator (``Optimizer8bit.get_state_buffer``): :data:`Category.PAGED_STATE`; ``absmax``
-  stays a ``torch.zeros`` device tensor.
+  stays a ``torch.zeros`` device tensor. The one-state optimizers (``Optimizer1State.init_state``:
+  ``Lion``, ``RMSprop`` and their 8-bit, 32-bit and paged classes) keep ``state1`` alone, with
+  ``absmax1`` and the signed map ``qmap1`` (only ``name2qmap['dynamic']`` goes to the device).
+* torch ``RMSprop`` (``torch/optim/rmsprop.py``, ``_init_group``): ``square_avg`` like the parameter
+  (``momentum_buffer`` with momentum, ``grad_avg`` when centered: not modelled, the readers refuse
+  them); ``Adagrad`` (``adagrad.py``, ``__init__``, made with the optimizer, not at its first step):
+  ``sum``, ``torch.full_like(p, initial_accumulator_value)``. Their ``step`` is a 0-dim tensor, on the
+  host unless capturable or fused.
 * torchao 0.18 (``torchao/optim/adam.py``, ``_AdamBase._new_buffer``): a tensor of 4096 values or more
   whose size is a multiple of the block is quantized (``OptimState8bit``: uint8 ``codes`` like the
   tensor, fp32 ``scale`` per 256-value block, its own 256-entry fp32 ``qmap``; ``OptimState4bit``:
@@ -36,7 +43,7 @@ from typing import Callable
 from trainmem.inventory import Category, MemoryItem, dtype_bytes
 from trainmem.specs import StepSpec
 
-__all__ = ["state_item", "optimizer_state_items", "shared_state_items", "BNB_8BIT", "TORCHAO"]
+__all__ = ["state_item", "optimizer_state_items", "shared_state_items", "BNB", "BNB_8BIT", "TORCHAO"]
 
 S, PAGED = Category.OPTIMIZER_STATE, Category.PAGED_STATE
 _BNB_BLOCK = 256  # optimizer.py, Optimizer2State.init_state: blocksize = 256
@@ -47,8 +54,14 @@ _TORCHAO_MIN = 4096  # adam.py, _new_buffer: "follow bitsandbytes, only quantize
 #: torchao optimizer -> (block size, codes per byte, qmap entries): AdamW8bit(block_size=256) and
 #: AdamW4bit(block_size=128); subclass_8bit.get_qmap_signed: 256 entries, subclass_4bit's: 16
 TORCHAO = {"torchao-adamw8bit": (256, 1, 256), "torchao-adamw4bit": (128, 2, 16)}
+#: bitsandbytes optimizer -> (states per tensor, bits, paged): ``Optimizer2State`` (Adam) keeps two,
+#: ``Optimizer1State`` (Lion, RMSprop) one; ``optim_bits`` and ``is_paged`` as its class sets them
+BNB = {"adam8bit": (2, 8, False), "adamw8bit": (2, 8, False), "paged-adamw8bit": (2, 8, True),
+       "paged-adamw32bit": (2, 32, True), "lion32bit": (1, 32, False), "lion8bit": (1, 8, False),
+       "paged-lion8bit": (1, 8, True), "paged-lion32bit": (1, 32, True), "rmsprop8bit": (1, 8, False),
+       "rmsprop32bit": (1, 32, False)}
 #: bitsandbytes optimizers with 8-bit blockwise states
-BNB_8BIT = ("adam8bit", "adamw8bit", "paged-adamw8bit")
+BNB_8BIT = tuple(name for name, (_, bits, _) in BNB.items() if bits == 8)
 
 Layout = Callable[[str, tuple, int, str], list[MemoryItem]]
 _LAYOUTS: dict[str, Layout] = {}
@@ -77,29 +90,27 @@ def optimizer_state_items(name: str, shape: tuple[int, ...], step: StepSpec, dt:
 
 
 def shared_state_items(step: StepSpec, states: list[MemoryItem]) -> list[MemoryItem]:
-    """States one optimizer keeps once, whatever its parameters: bitsandbytes' two quantization maps
-    (``name2qmap``, moved to the device by the first 8-bit tensor), when any tensor has 8-bit states."""
+    """States one optimizer keeps once, whatever its parameters: bitsandbytes' quantization maps
+    (``name2qmap``, moved to the device by the first 8-bit tensor: both for a two-state optimizer,
+    the signed one for a one-state), when any tensor has 8-bit states."""
     if step.optimizer not in BNB_8BIT or not any(it.dtype == "uint8" and it.category in (S, PAGED) for it in states):
         return []
-    return [state_item(f"optimizer.{q}", S, (_BNB_QMAP,), "float32", f"{_BNB_QMAP}·4")
-            for q in ("qmap1", "qmap2")]
+    return [state_item(f"optimizer.qmap{i}", S, (_BNB_QMAP,), "float32", f"{_BNB_QMAP}·4")
+            for i in range(1, BNB[step.optimizer][0] + 1)]
 
 
-@_layout("adamw", "adam")
-def _adam(name, shape, n, dt):
-    b = dtype_bytes(dt)
-    return [state_item(f"{name}.exp_avg", S, shape, dt, f"numel·{b:g}"),
-            state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
+def _like_param(*keys: str) -> Layout:
+    """torch's states made ``torch.zeros_like(p)`` (or ``full_like``): one per key, the parameter's shape."""
+    def layout(name, shape, n, dt):
+        return [state_item(f"{name}.{k}", S, shape, dt, f"numel·{dtype_bytes(dt):g}") for k in keys]
+    return layout
 
 
-@_layout("sgd-momentum")
-def _momentum(name, shape, n, dt):
-    return [state_item(f"{name}.momentum_buffer", S, shape, dt, f"numel·{dtype_bytes(dt):g}")]
-
-
-@_layout("sgd")
-def _sgd(name, shape, n, dt):
-    return []
+_adam = _layout("adamw", "adam")(_like_param("exp_avg", "exp_avg_sq"))
+_layout("sgd-momentum")(_like_param("momentum_buffer"))
+_layout("sgd")(_like_param())
+_layout("rmsprop")(_like_param("square_avg"))
+_layout("adagrad")(_like_param("sum"))
 
 
 @_layout("adafactor")
@@ -112,28 +123,21 @@ def _adafactor(name, shape, n, dt):
     return [state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
 
 
-def _bnb(name, shape, n, *, bits: int, paged: bool) -> list[MemoryItem]:
-    where = PAGED if paged and n >= _BNB_MIN_PAGED else S
-    if bits == 32 or n < _BNB_MIN_8BIT:
-        return [state_item(f"{name}.state{i}", where, shape, "float32", "numel·4") for i in (1, 2)]
-    blocks = -(-n // _BNB_BLOCK)
-    return [*(state_item(f"{name}.state{i}", where, shape, "uint8", "numel·1") for i in (1, 2)),
-            *(state_item(f"{name}.absmax{i}", S, (blocks,), "float32", f"⌈numel/{_BNB_BLOCK}⌉·4") for i in (1, 2))]
+def _bnb_layout(states: int, bits: int, paged: bool) -> Layout:
+    """States of fp32 or uint8 whatever the parameter's dtype (``init_state``)."""
+    def layout(name, shape, n, dt):
+        where = PAGED if paged and n >= _BNB_MIN_PAGED else S
+        ids = range(1, states + 1)
+        if bits == 32 or n < _BNB_MIN_8BIT:
+            return [state_item(f"{name}.state{i}", where, shape, "float32", "numel·4") for i in ids]
+        blocks = -(-n // _BNB_BLOCK)
+        return [*(state_item(f"{name}.state{i}", where, shape, "uint8", "numel·1") for i in ids),
+                *(state_item(f"{name}.absmax{i}", S, (blocks,), "float32", f"⌈numel/{_BNB_BLOCK}⌉·4") for i in ids)]
+    return layout
 
 
-@_layout("adam8bit", "adamw8bit")
-def _bnb_8bit(name, shape, n, dt):
-    return _bnb(name, shape, n, bits=8, paged=False)
-
-
-@_layout("paged-adamw8bit")
-def _bnb_paged_8bit(name, shape, n, dt):
-    return _bnb(name, shape, n, bits=8, paged=True)
-
-
-@_layout("paged-adamw32bit")
-def _bnb_paged_32bit(name, shape, n, dt):
-    return _bnb(name, shape, n, bits=32, paged=True)
+for _name, (_states, _bits, _paged) in BNB.items():
+    _layout(_name)(_bnb_layout(_states, _bits, _paged))
 
 
 def _torchao_layout(block: int, per_byte: int, qmap: int) -> Layout:

@@ -18,11 +18,11 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "sgd": ("fused", "foreach", "for-loop"),
     "sgd-momentum": ("fused", "foreach", "for-loop"),
     "adafactor": ("foreach", "for-loop"),  # torch.optim.Adafactor has no fused kernel
+    "rmsprop": ("foreach", "for-loop"),  # torch/optim/rmsprop.py: no _fused_rmsprop
+    "adagrad": ("foreach", "for-loop", "fused"),  # adagrad.py, _fused_adagrad (CPU and CUDA)
     # bitsandbytes (one CUDA kernel per parameter) and torchao (a compiled step per parameter)
-    "adam8bit": ("fused",),
-    "adamw8bit": ("fused",),
-    "paged-adamw8bit": ("fused",),
-    "paged-adamw32bit": ("fused",),
+    **dict.fromkeys(("adam8bit", "adamw8bit", "paged-adamw8bit", "paged-adamw32bit", "lion32bit", "lion8bit",
+                     "paged-lion8bit", "paged-lion32bit", "rmsprop8bit", "rmsprop32bit"), ("fused",)),
     "torchao-adamw8bit": ("fused",),
     "torchao-adamw4bit": ("fused",),
 }

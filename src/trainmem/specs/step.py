@@ -22,8 +22,9 @@ PRECISION_ALIASES = {
     "torchtune-bf16": "bf16",
 }
 PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "adamw8bit", "paged-adamw8bit",
-              "paged-adamw32bit", "torchao-adamw8bit", "torchao-adamw4bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "rmsprop", "adagrad", "adam8bit", "adamw8bit",
+              "paged-adamw8bit", "paged-adamw32bit", "lion32bit", "lion8bit", "paged-lion8bit", "paged-lion32bit",
+              "rmsprop8bit", "rmsprop32bit", "torchao-adamw8bit", "torchao-adamw4bit")
 LOSSES = ("ce", "chunked-ce", "fused-ce", "torchtune-chunked-ce", "litgpt-chunked-ce")
 #: the frameworks' own chunked losses (estimate/losses.py, trace/losses.py), and their chunking
 FRAMEWORK_LOSSES = ("torchtune-chunked-ce", "litgpt-chunked-ce")
@@ -90,7 +91,9 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 #: optimizer -> its states, for tensors large enough to quantize (estimate/state_items.py)
 _LOW_BIT_STATES = {"adam8bit": "8-bit blockwise", "adamw8bit": "8-bit blockwise",
                    "paged-adamw8bit": "paged 8-bit blockwise", "paged-adamw32bit": "paged fp32", "torchao-adamw8bit": "8-bit blockwise",
-                   "torchao-adamw4bit": "4-bit blockwise"}
+                   "torchao-adamw4bit": "4-bit blockwise", "lion32bit": "fp32", "lion8bit": "8-bit blockwise",
+                   "paged-lion8bit": "paged 8-bit blockwise", "paged-lion32bit": "paged fp32",
+                   "rmsprop8bit": "8-bit blockwise", "rmsprop32bit": "fp32"}
 
 
 def describe_precision(name: str) -> str:
@@ -125,10 +128,13 @@ class StepSpec:
     (mixed-bf16 with fp32 main gradients). Aliases, kept as typed and echoed in outputs:
     hf-bf16 (= amp-bf16), torchtune-bf16 (= bf16)."""
     optimizer: str = "adamw"
-    """adamw, adam, sgd, sgd-momentum, adafactor; bitsandbytes' adam8bit (Adam8bit), adamw8bit
-    (AdamW8bit), paged-adamw8bit (PagedAdamW8bit) and paged-adamw32bit (PagedAdamW32bit); torchao's
-    torchao-adamw8bit and torchao-adamw4bit (``torchao.optim.AdamW8bit``/``AdamW4bit``).
-    docs/optimizers.md has their state layouts."""
+    """torch's adamw, adam, sgd, sgd-momentum, adafactor, rmsprop (``RMSprop``: no momentum, not
+    centered) and adagrad (``Adagrad``); bitsandbytes' adam8bit (Adam8bit), adamw8bit (AdamW8bit),
+    paged-adamw8bit (PagedAdamW8bit), paged-adamw32bit (PagedAdamW32bit), lion32bit (Lion32bit),
+    lion8bit (Lion8bit), paged-lion8bit (PagedLion8bit), paged-lion32bit (PagedLion32bit),
+    rmsprop8bit (RMSprop8bit) and rmsprop32bit (RMSprop32bit); torchao's torchao-adamw8bit and
+    torchao-adamw4bit (``torchao.optim.AdamW8bit``/``AdamW4bit``). docs/optimizers.md has their
+    state layouts and step temporaries."""
     loss: str = "ce"
     """ce (full fp32 logits), chunked-ce (logits per chunk, recomputed in backward), fused-ce
     (fused linear + cross-entropy, gradient computed in forward); the frameworks' own chunked

@@ -14,6 +14,20 @@ __all__ = ["make_optimizer_for", "OptimizerInBackward"]
 _IMPL_KWARGS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 
 
+#: trainmem optimizer -> bitsandbytes.optim class keeping one state (``Optimizer1State``: Lion,
+#: RMSprop), made and traced as ``low_bit_optim.make_bnb_optimizer`` makes the two-state ones
+BNB_ONE_STATE = {"lion32bit": "Lion32bit", "lion8bit": "Lion8bit", "paged-lion8bit": "PagedLion8bit",
+                 "paged-lion32bit": "PagedLion32bit", "rmsprop8bit": "RMSprop8bit", "rmsprop32bit": "RMSprop32bit"}
+
+
+def _register_bnb_one_state(classes: dict[str, str]) -> None:
+    """Adds :data:`BNB_ONE_STATE` to ``low_bit_optim.BNB_CLASSES`` (the table its constructor reads),
+    refusing a name it already maps elsewhere."""
+    for name, cls in BNB_ONE_STATE.items():
+        if classes.setdefault(name, cls) != cls:
+            raise ValueError(f"bitsandbytes class for {name!r} registered twice")
+
+
 def _make_optimizer(name: str, params, impl: str = "foreach"):
     import torch
     kw = _IMPL_KWARGS[impl]
@@ -27,7 +41,12 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
     if name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(params, lr=1e-2, **kw)
+    if name == "rmsprop":  # as transformers' _get_rmsprop builds it: no momentum, not centered
+        return torch.optim.RMSprop(params, lr=1e-4, **kw)
+    if name == "adagrad":  # _get_adagrad; makes its `sum` states here, not at the first step
+        return torch.optim.Adagrad(params, lr=1e-4, **kw)
     from trainmem.trace import low_bit_optim as low
+    _register_bnb_one_state(low.BNB_CLASSES)
     if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
         return low.make_bnb_optimizer(name, params)
     if name in low.TORCHAO_CLASSES:  # its compiled step, buffers seen (trace/torchao_optim.py)
