@@ -8,7 +8,7 @@ from trainmem.errors import SpecError
 from trainmem import validate as v
 
 __all__ = ["ImplSpec", "PROFILES", "ATTENTIONS", "RECOMPUTES", "DEVICES", "OPTIMIZER_IMPLS", "FLOAT8S",
-           "COMPILE_SCOPES", "FRAMEWORKS", "RECOMPUTE_FROMS", "routing_hot_fraction"]
+           "COMPILE_SCOPES", "FRAMEWORKS", "RECOMPUTE_FROMS", "routing_hot_fraction", "every_k_counts"]
 
 PROFILES = ("hf", "reference", "megatron", "traced")
 ATTENTIONS = ("eager", "sdpa", "flash", "sdpa-math", "mem-efficient")
@@ -61,6 +61,14 @@ class ImplSpec:
     """Which blocks ``every-k`` checkpoints: ``kth`` (blocks k-1, 2k-1, ...: torchtitan's and torchtune's
     1-based counter, the CLI's; none when k > L) or ``first`` (blocks 0, k, 2k, ...: transformers'
     ``every_n_layers``, read off a Trainer's arguments or a model's flags). Ignored by other recomputes."""
+    recompute_counts: tuple[tuple[int, int], ...] = ()
+    """Where ``every-k``'s counter stands under pipeline parallelism: ``(block, position)`` pairs, the block that
+    opens a pipeline stage and how many of its rank's blocks the counter passed before it (torchtitan's counter is
+    per process: a rank counts its own stages' blocks; :func:`every_k_counts`). A block counts on from the last
+    pair at or before it; ``()`` counts the model's blocks from block 0 (one device). Ignored by other
+    recomputes (as ``recompute_from``: the plain twin ``replace(impl, recompute="none")`` keeps it). Placed from a
+    ParallelSpec by ``estimate/every_k_stages.py`` ``place_every_k`` and ``trace/recompute.py``
+    ``place_every_k_trace``, each in its own numbering of a rank's blocks."""
     fused_norm: bool = False
     """Norm kernel saves only its input and statistics (reference profile)."""
     fused_bias_act: bool = False
@@ -122,6 +130,7 @@ class ImplSpec:
         v.one_of("recompute_from", self.recompute_from, RECOMPUTE_FROMS)
         if self.recompute != "every-k" and self.recompute_every != 1:
             raise SpecError("recompute_every", self.recompute_every, f"needs recompute='every-k', not {self.recompute!r}")
+        self._check_counts()
         if self.recompute == "op" and self.profile not in ("hf", "traced"):
             raise SpecError("recompute", self.recompute, f"op-level checkpointing is modelled for profile='hf' "
                             f"(Hugging Face modules), not {self.profile!r}")
@@ -136,6 +145,17 @@ class ImplSpec:
         if self.compile_scope != "model" and not self.compile:
             raise SpecError("compile_scope", self.compile_scope, "needs compile=True (--compile)")
         self._check_float8()
+
+    def _check_counts(self) -> None:
+        counts = self.recompute_counts
+        if not counts:
+            return
+        if not isinstance(counts, tuple) or not all(
+                isinstance(c, tuple) and len(c) == 2 and all(type(x) is int and x >= 0 for x in c) for c in counts):
+            raise SpecError("recompute_counts", counts, "must be (block, position) pairs of integers >= 0")
+        blocks = [b for b, _ in counts]
+        if blocks != sorted(set(blocks)):
+            raise SpecError("recompute_counts", counts, "needs its blocks in increasing order, each once")
 
     def _check_float8(self) -> None:
         v.one_of("float8", self.float8, FLOAT8S)
@@ -177,8 +197,42 @@ class ImplSpec:
             # transformers modeling_utils.py PreTrainedModel._set_gradient_checkpointing tests
             # `layer_index % every_n_layers == 0` (0, k, 2k, ...)
             first = 0 if self.recompute_from == "first" else self.recompute_every - 1
-            return layer % self.recompute_every == first
+            position = layer
+            for block, start in self.recompute_counts:  # under pp: the rank's own count (recompute_counts)
+                if block > layer:
+                    break
+                position = start + layer - block
+            return position % self.recompute_every == first
         return False
+
+    def counted_by_ranks(self, ranks: list[list[tuple[int, int]]], pp: int) -> ImplSpec:
+        """This spec with ``every-k``'s count run over each pipeline rank's own blocks (:func:`every_k_counts`;
+        ``ranks``: each rank's stages' ``[start, end)`` blocks in the order it builds them); itself for other
+        recomputes and one stage. ``recompute_from='first'`` is refused under ``pp``: transformers counts the
+        blocks of the one model ``gradient_checkpointing_enable`` is called on, which no pipeline runs."""
+        from dataclasses import replace
+
+        if self.recompute != "every-k" or pp == 1:
+            return self
+        if self.recompute_from == "first":
+            raise SpecError("recompute_from", "first", f"is transformers' every_n_layers count, modelled without "
+                                                       f"pipeline stages (pp={pp}); torchtitan's per-rank count is kth")
+        return replace(self, recompute_counts=every_k_counts(ranks))
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def every_k_counts(ranks: list[list[tuple[int, int]]]) -> tuple[tuple[int, int], ...]:
+    """``ImplSpec.recompute_counts`` for pipeline ranks, each given as its stages' ``[start, end)`` blocks in
+    the order the rank builds them: torchtitan's ``_apply_layer_sac`` (distributed/activation_checkpoint.py)
+    increments a module-level ``_layer_sac_count`` for every block ``apply_ac`` wraps, and ``apply_ac`` runs
+    once per model part a rank holds (``parallelize_fn`` over ``model_parts``, train.py), so the count runs
+    over a rank's own blocks, on across its virtual stages, and never over another rank's."""
+    counts = []
+    for stages in ranks:
+        done = 0
+        for start, end in stages:
+            counts.append((start, done))
+            done += end - start
+    return tuple(sorted(counts))

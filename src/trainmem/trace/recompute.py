@@ -14,7 +14,7 @@ from typing import Any
 from trainmem.errors import UnsupportedError
 from trainmem.specs import ImplSpec
 
-__all__ = ["selective_recompute", "op_sac_context", "enable_recompute"]
+__all__ = ["selective_recompute", "op_sac_context", "enable_recompute", "place_every_k_trace"]
 
 
 @contextlib.contextmanager
@@ -84,7 +84,23 @@ def op_sac_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def enable_recompute(model, impl: ImplSpec) -> None:
+def place_every_k_trace(impl: ImplSpec, par, num_layers: int) -> ImplSpec:
+    """``impl`` with every-k counted over each pipeline rank's own blocks (``ImplSpec.counted_by_ranks``:
+    torchtitan's per-process ``_layer_sac_count``) in the traced model's numbering: rank ``r`` builds global
+    stages ``stage_ids(par, r)`` (``trace/parallel_pp.py``; torchtitan's ``pipeline_module_split`` builds a
+    rank's stages in that order, and ``parallelize_fn`` runs ``apply_ac`` on each); ``impl`` itself without
+    every-k or pipeline stages."""
+    if par is None or impl.recompute != "every-k" or par.pp == 1:
+        return impl
+    from trainmem.trace.parallel_pp import stage_ids, stage_layers_of
+
+    bounds = stage_layers_of(par, num_layers)
+    return impl.counted_by_ranks([[bounds[g] for g in stage_ids(par, r)] for r in range(par.pp)], par.pp)
+
+
+def enable_recompute(model, impl: ImplSpec, parallel=None) -> None:
+    """Turn on ``impl``'s checkpointing in a transformers model; under ``parallel.pp`` every-k counts each
+    pipeline rank's own blocks (:func:`place_every_k_trace`), as torchtitan wraps them after the cut."""
     if impl.recompute in ("full", "every-k", "op"):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UnsupportedError(f"{type(model).__name__} does not support gradient checkpointing")
@@ -98,5 +114,6 @@ def enable_recompute(model, impl: ImplSpec) -> None:
         if impl.recompute == "every-k":
             from transformers.modeling_layers import GradientCheckpointingLayer
             layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+            impl = place_every_k_trace(impl, parallel, len(layers))
             for i, layer in enumerate(layers):
                 layer.gradient_checkpointing = impl.checkpointed(i)
