@@ -52,9 +52,10 @@ def test_per_block_float8_exact():
 
 def test_unchecked_compiled_float8_is_refused_by_name():
     qwen2 = dict(LLAMA, model_type="qwen2")  # q/k/v biases: not checked with Float8 under compile
-    # --recompute op: tensorwise only; rowwise + full in bf16 is replayed (test_float8_compiled_recompute.py)
-    for config, kw in [(LLAMA, dict(compile_scope="model")), (LLAMA, dict(recompute="op", float8="rowwise")),
-                       (qwen2, {})]:
+    # rowwise + full or op in bf16 is replayed (test_float8_compiled_recompute.py, test_float8_compiled_rowwise_op.py)
+    # with every linear converted: an F not a multiple of 16 leaves the MLP's in bf16
+    for config, kw in [(LLAMA, dict(compile_scope="model")),
+                       (dict(LLAMA, intermediate_size=168), dict(recompute="op", float8="rowwise")), (qwen2, {})]:
         impl = ImplSpec(device="cpu", compile=True, **{"compile_scope": "block", "float8": "tensorwise", **kw})
         with pytest.raises(UnsupportedError, match=f"float8='{impl.float8}'"):
             activation_items(spec_from_hf_config(config), StepSpec(batch=1, seq=16, precision="bf16"), impl)

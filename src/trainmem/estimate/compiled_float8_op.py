@@ -29,6 +29,15 @@ scalars, those a backward node or a recomputed one reads that the partitioner ma
 Tiny Llama bf16: 10 amaxes (2 B) and 6 inverse scales (4 B) per block, 44 B beside the policy's outputs
 (tests/estimate/test_float8_compiled_op.py). The backward's moment: compiled_float8_recompute.py
 (``float8_checkpoint_moments``, the kept linears' weights not recomputed).
+
+Rowwise (``--float8 rowwise``: torchao/float8/config.py ``Float8LinearConfig.from_recipe_name``, axiswise scales).
+Each amax is ``torch.amax(torch.abs(x), dim, keepdim=True)`` (float8_utils.py ``tensor_to_amax``), an ``aten.amax``
+the policy does not list: recomputed. A weight is cast per output for its forward mm and per input column for its
+input gradient, so no forward scale of a weight is read in backward. What is kept beside the policy's outputs is an
+input cast's fp32 inverse scale per row, (B·S, 1), made by ``addmm_float8_unwrapped``'s ``a_scale.reciprocal()`` and
+tagged with the first reader's mm, where that mm was kept and a later reader is recomputed (it reads the same
+CSE-merged cast): q/k/v's and gate/up's in the Llama block (tiny Llama bf16 B 2 S 64: 2 x 512 B per block, traced).
+The backward's moments: compiled_float8_rowwise_op.py.
 """
 
 from __future__ import annotations
@@ -53,8 +62,11 @@ def op_float8_scalars(ctx, kept_mm: dict[str, bool], weights: dict[str, tuple[in
     policy kept or not (``kept_mm``, by path inside the block; ``weights``: their (out, in)). Nothing unless every
     linear is converted with ``tensorwise`` (``check_compiled`` refuses the rest)."""
     g = ctx.graph
-    if ctx.impl.float8 != "tensorwise" or not all(converted(ctx.model, g.path(f"{n}.weight"), w)
-                                                  for n, w in weights.items()):
+    if ctx.impl.float8 not in ("tensorwise", "rowwise") or not all(
+            converted(ctx.model, g.path(f"{n}.weight"), w) for n, w in weights.items()):
+        return
+    if ctx.impl.float8 == "rowwise":
+        _rowwise_scales(ctx, kept_mm)
         return
     a = ctx.param  # the weight's and, in a pure precision, the input's dtype
     if ctx.impl.float8_all_gather:  # the weights arrive cast: no amax, the gathered scale kept (gathered_scales)
@@ -69,6 +81,16 @@ def op_float8_scalars(ctx, kept_mm: dict[str, bool], weights: dict[str, tuple[in
         with g.module(first):
             g.save(g.new("input_amax", (), (), a, False), when=recomputed)
             g.save(g.new("input_scale_inv", (), (), "float32", False), when=recomputed and kept_mm[first])
+
+
+def _rowwise_scales(ctx, kept_mm: dict[str, bool]) -> None:
+    """``rowwise`` (module docstring, "Rowwise"): each input cast's fp32 inverse scale per row, (B·S, 1), where its first
+    reader's mm was kept and a later reader is recomputed; no amax (``aten.amax``, not on the policy's list)."""
+    g = ctx.graph
+    for readers, first in CASTS:
+        if kept_mm[first] and any(not kept_mm[r] and r != _UNREAD for r in readers):
+            with g.module(first):
+                g.save(g.new("input_scale_inv", (ctx.B * ctx.S, 1), ("B·S", "1"), "float32", False))
 
 
 def gathered_scales(ctx, weights: dict[str, tuple[int, int]], kept_mm: "dict[str, bool] | None" = None) -> None:

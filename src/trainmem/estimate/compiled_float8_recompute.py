@@ -41,8 +41,8 @@ recomputed forward holds each weight's ``abs`` and fp32 copy instead, and its ba
 ``_scaled_mm`` in fp32 (torchao's graph on every device, not a CPU artefact: float8_ops.py ``addmm_float8_unwrapped``,
 the backward mms' ``Float8GemmConfig`` default has no fast accumulation; inductor may fuse it, as it fuses the casts).
 Its block is replayed allocation by allocation instead (bf16 only): estimate/compiled_float8_rowwise_recompute.py, and
-without checkpointing estimate/compiled_float8_rowwise.py; under ``--recompute op`` it is refused. Only the Llama block
-with every linear converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
+without checkpointing estimate/compiled_float8_rowwise.py, under ``--recompute op`` compiled_float8_rowwise_op.py. Only
+the Llama block with every linear converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
 weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment.
 
 Under ``--recompute op`` (torchtitan's policy inside the compiled block: estimate/compiled_float8_op.py) the same
@@ -59,6 +59,7 @@ from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads
 from trainmem.estimate.compiled_float8_op import op_block
 from trainmem.estimate.compiled_float8_rowwise import is_rowwise_block
+from trainmem.estimate.compiled_float8_rowwise_op import rowwise_op_moments
 from trainmem.estimate.compiled_float8_rowwise_recompute import rowwise_checkpoint_moments
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import split_block
@@ -82,7 +83,10 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     tensorwise Float8 set of a Llama block with every linear converted (``estimate/float8.py`` ``compiled_scales``:
     an amax and an inverse scale per converted linear; ``compiled_input_recomputed``: no norm output or product)."""
     kept = {_inner(i.name): i for i in block_items(recomputed, last) if i.category is Category.ACTIVATION}
-    if is_rowwise_block(kept):  # rowwise (bf16): replayed, estimate/compiled_float8_rowwise_recompute.py
+    if is_rowwise_block(kept):  # rowwise (bf16): replayed, compiled_float8_rowwise_recompute.py (full), _op.py (op)
+        own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
+        if any(n.endswith(".out") for n in own):  # the op policy's kept outputs
+            return rowwise_op_moments(own, kept, residual_bytes)
         return rowwise_checkpoint_moments(kept, residual_bytes)
     if any(n not in kept for n in _KEPT) or any(f"{n}.scale_inv" not in kept for n in _LINEARS) or any(
             f"{n}.out" in kept for n in _NORMS) or "mlp.act_mul_up" in kept:

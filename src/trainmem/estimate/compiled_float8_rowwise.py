@@ -62,10 +62,11 @@ class Timeline:
             del self.live[n]
 
     def cast(self, name: str, numel: int, scale: int, *, a: int, src: str = "", keep: bool = False,
-             kept: bool = False, clone: bool = False) -> None:
+             kept: bool = False, clone: bool = False, inverse_saved: bool = False) -> None:
         """One fp8 cast (module docstring) into ``name``: ``keep`` holds its abs and fp32 copy for the other axis's
         cast, ``kept`` is that cast (from them), ``src`` a temporary freed by the fp32 copy, ``clone`` the weight's
-        contiguous copy for ``_scaled_mm``."""
+        contiguous copy for ``_scaled_mm``; ``inverse_saved``: its inverse scale is a saved tensor (an op-level
+        policy's, compiled_float8_rowwise_op.py), so the scale is freed once the scaled product is made."""
         if kept:
             self.drop(f"{name}.abs")
         else:
@@ -80,6 +81,8 @@ class Timeline:
         if not keep:  # the scaled product reads the fp32 copy, then frees it (unless the other axis reads it too)
             self.new(f"{name}.mul", numel * _FP32)
             self.drop(f"{name}.fp32")
+            if inverse_saved:
+                self.drop(f"{name}.scale")
         else:
             self.new(f"{name}.mul", numel * _FP32)
         self.new(f"{name}.clamp_min", numel * _FP32)

@@ -32,17 +32,51 @@ the output scaling (no fp32 copies on a GPU): this is the unfused graph's moment
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
+
 from trainmem.estimate.compiled_float8_rowwise import Timeline
 from trainmem.inventory import MemoryItem, dtype_bytes
 
-__all__ = ["rowwise_checkpoint_moments"]
+__all__ = ["Dims", "Forward", "block_dims", "rowwise_checkpoint_moments"]
 
 _FP32 = dtype_bytes("float32")
 _NEEDED = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.v_proj.out", "self_attn.sdpa_out", "self_attn.lse",
            "self_attn.o_proj.out", "mlp.gate_proj.out", "mlp.up_proj.out")
 
 
-class _Forward(Timeline):
+@dataclass(frozen=True)
+class Dims:
+    """A bf16 rowwise block's sizes, read off its compiled saved set: bytes per activation element ``a``, T·H ``th``
+    and T·F ``tf`` elements, the hidden and MLP widths, the tokens T, F·H, the attention's q and k/v features."""
+
+    a: int
+    th: int
+    tf: int
+    hidden: int
+    ffn: int
+    tokens: int
+    fh: int
+    width: int
+    kv: int
+
+
+def block_dims(kept: dict[str, MemoryItem], residual_bytes: int) -> "Dims | None":
+    """:class:`Dims` of the block whose compiled saved set without checkpointing is ``kept`` (by path inside the
+    block), or None unless it holds what the replays read and its residual stream is in the linears' dtype."""
+    if any(n not in kept for n in _NEEDED):
+        return None
+    gate, o, q, k = (kept[n] for n in ("mlp.gate_proj.out", "self_attn.o_proj.out", "self_attn.q_rope",
+                                       "self_attn.k_rope"))
+    a = dtype_bytes(gate.dtype)
+    th, tf = o.bytes // a, gate.bytes // a  # T·H, T·F
+    hidden, ffn = o.shape[-1], gate.shape[-1]
+    tokens = th // hidden
+    if residual_bytes != th * a:
+        return None
+    return Dims(a, th, tf, hidden, ffn, tokens, ffn * hidden, q.bytes // a // tokens, k.bytes // a // tokens)
+
+
+class Forward(Timeline):
     """The recomputed forward's steps (module docstring) on top of the backward's timeline."""
 
     def norm(self, name: str, th: int, tokens: int, *, a: int, src: str = "") -> None:
@@ -78,6 +112,57 @@ class _Forward(Timeline):
             self.drop(f"{x}.inv")
         self.drop(f"w_{name}.inv")
 
+    def attention(self, d: Dims, kept: dict[str, MemoryItem], linears: tuple[str, ...]) -> None:
+        """The attention's forward again: the input norm, q/k/v's input cast per row, ``linears`` of q, k, v (the
+        others kept: the cast's inverse scale then saved, its scale freed once the scaled product is made), the rotary
+        embedding of q and k, SDPA's output and log-sum-exp."""
+        a, tokens = d.a, d.tokens
+        self.norm("ln1", d.th, tokens, a=a)
+        self.cast("x_qkv", d.th, tokens, a=a, inverse_saved=linears[0] != "q")
+        for name in linears:
+            out = d.width if name == "q" else d.kv
+            self.linear(name, "x_qkv", out, out * d.hidden, tokens, a=a, first=name == "q", last=name == linears[-1])
+        self.rope("q", tokens * d.width, a=a)
+        self.rope("k", tokens * d.kv, a=a)
+        self.new("sdpa_out", kept["self_attn.sdpa_out"].bytes)
+        self.new("lse", kept["self_attn.lse"].bytes)
+
+    def o_proj_and_norm(self, d: Dims, *, inverse_saved: bool, free_input: bool = True) -> None:
+        """o_proj on the SDPA output cast per row, the residual sum (o freed, and the block input ``x_in`` unless
+        the attention's recompute still reads it), the second norm, the gate/up input's cast per row
+        (``inverse_saved``: Timeline.cast)."""
+        a, tokens = d.a, d.tokens
+        self.cast("x_o", tokens * d.width, tokens, a=a)
+        self.linear("o", "x_o", d.hidden, d.hidden * d.width, tokens, a=a, first=True, last=True)
+        self.new("resid", d.th * a)
+        self.drop(*(("x_in", "o") if free_input else ("o",)))
+        self.norm("ln2", d.th, tokens, a=a, src="resid")
+        self.cast("x_mlp", d.th, tokens, a=a, inverse_saved=inverse_saved)
+
+    def mlp(self, th: int, tf: int, tokens: int, hidden: int, *, a: int, gate_held: bool) -> None:
+        """From the gate (``gate``, live) and the cast gate/up input (``x_mlp``) on: SiLU (the gate's fp32 copy, the
+        16-bit gate freed, sigmoid's chain two at a time, its output), up's forward, the product, then the MLP's
+        backward (compiled_float8_rowwise.py), up's weight cast for its input gradient from its held copies, gate's
+        too where its forward ran here (``gate_held``), else afresh."""
+        ffn = tf // tokens
+        self.new("gate32", tf * _FP32)
+        self.drop("gate")
+        self.chain((("neg", ""), ("exp", "neg"), ("add", "exp"), ("silu32", "add")), tf * _FP32)
+        self.new("silu", tf * a)
+        self.drop("silu32")
+        self.linear("up", "x_mlp", ffn, ffn * hidden, tokens, a=a, first=False, last=True)
+        self.new("prod", tf * a)
+        self.weight_gradient("down", th, "prod8", tf, tokens, a=a, src="prod")
+        self.new("g_up_src", tf * a)
+        self.drop("silu")
+        self.new("g_silu", tf * a)
+        self.drop("dx_down", "up")
+        self.input_gradient("up", tf, tokens, hidden, ffn * hidden, a=a, src="g_up_src", weight_kept=True)
+        self.weight_gradient("up", tf, "ln2.x8", th, tokens, a=a, src="ln2.out", keep_x=True)
+        self.silu_backward(tf, a=a)
+        self.input_gradient("gate", tf, tokens, hidden, ffn * hidden, a=a, src="g_gate_src", weight_kept=gate_held)
+        self.weight_gradient("gate", tf, "ln2.x8", th, tokens, a=a)
+
     def rope(self, name: str, numel: int, *, a: int) -> None:
         """``apply_rotary_pos_emb`` on a projection: ``x·cos``, ``rotate_half`` (``neg`` of a half, ``cat``), its
         product with ``sin`` and the sum (held: SDPA's input); the projection freed by ``rotate_half``."""
@@ -95,56 +180,19 @@ def rowwise_checkpoint_moments(kept: dict[str, MemoryItem], residual_bytes: int)
     """A moment at every allocation of the replayed backward (module docstring) of a checkpointed block whose compiled
     saved set without checkpointing is ``kept`` (by path inside the block: the bf16 rowwise Llama set,
     compiled_float8_rowwise.py ``is_rowwise_block``), beside the residual gradient (``residual_bytes``)."""
-    if any(n not in kept for n in _NEEDED):
+    d = block_dims(kept, residual_bytes)
+    if d is None:
         return []
-    gate, o, q, k = (kept[n] for n in ("mlp.gate_proj.out", "self_attn.o_proj.out", "self_attn.q_rope",
-                                       "self_attn.k_rope"))
-    a = dtype_bytes(gate.dtype)
-    th, tf = o.bytes // a, gate.bytes // a  # T·H, T·F
-    hidden, ffn = o.shape[-1], gate.shape[-1]
-    tokens, fh = th // hidden, ffn * hidden
-    width, kv = q.bytes // a // tokens, k.bytes // a // tokens  # the attention's q and k/v features
-    if residual_bytes != th * a:
-        return []
+    a, th, tf, hidden, ffn, tokens, fh, width, kv = astuple(d)
     # every value of the recomputed set and the checkpoint's input (held as "x_in" until the residual sum) count as
     # freed: what is alive is the replay's own
-    t = _Forward(residual_bytes, sum(i.bytes for i in kept.values()) + th * a)
+    t = Forward(residual_bytes, sum(i.bytes for i in kept.values()) + th * a)
     t.new("x_in", th * a)
     t.input_gradient("down", th, tokens, ffn, fh, a=a)
     # the recomputed forward: the input norm, q/k/v's input cast per row, the projections, the rotary, SDPA
-    t.norm("ln1", th, tokens, a=a)
-    t.cast("x_qkv", th, tokens, a=a)
-    for name, out in (("q", width), ("k", kv), ("v", kv)):
-        t.linear(name, "x_qkv", out, out * hidden, tokens, a=a, first=name == "q", last=name == "v")
-    t.rope("q", tokens * width, a=a)
-    t.rope("k", tokens * kv, a=a)
-    t.new("sdpa_out", kept["self_attn.sdpa_out"].bytes)
-    t.new("lse", kept["self_attn.lse"].bytes)
+    t.attention(d, kept, ("q", "k", "v"))
     # o_proj on the SDPA output cast per row, the residual sum (the block input and o freed), the second norm
-    t.cast("x_o", tokens * width, tokens, a=a)
-    t.linear("o", "x_o", hidden, hidden * width, tokens, a=a, first=True, last=True)
-    t.new("resid", th * a)
-    t.drop("x_in", "o")
-    t.norm("ln2", th, tokens, a=a, src="resid")
-    t.cast("x_mlp", th, tokens, a=a)
+    t.o_proj_and_norm(d, inverse_saved=False)
     t.linear("gate", "x_mlp", ffn, fh, tokens, a=a, first=True, last=False)
-    # SiLU: the gate's fp32 copy (the bf16 gate freed), sigmoid's chain two at a time, its bf16 output
-    t.new("gate32", tf * _FP32)
-    t.drop("gate")
-    t.chain((("neg", ""), ("exp", "neg"), ("add", "exp"), ("silu32", "add")), tf * _FP32)
-    t.new("silu", tf * a)
-    t.drop("silu32")
-    t.linear("up", "x_mlp", ffn, fh, tokens, a=a, first=False, last=True)
-    t.new("prod", tf * a)
-    # the MLP's backward (compiled_float8_rowwise.py), the weights' casts from their held copies
-    t.weight_gradient("down", th, "prod8", tf, tokens, a=a, src="prod")
-    t.new("g_up_src", tf * a)
-    t.drop("silu")
-    t.new("g_silu", tf * a)
-    t.drop("dx_down", "up")
-    t.input_gradient("up", tf, tokens, hidden, fh, a=a, src="g_up_src", weight_kept=True)
-    t.weight_gradient("up", tf, "ln2.x8", th, tokens, a=a, src="ln2.out", keep_x=True)
-    t.silu_backward(tf, a=a)
-    t.input_gradient("gate", tf, tokens, hidden, fh, a=a, src="g_gate_src", weight_kept=True)
-    t.weight_gradient("gate", tf, "ln2.x8", th, tokens, a=a)
+    t.mlp(th, tf, tokens, hidden, a=a, gate_held=True)
     return t.moments

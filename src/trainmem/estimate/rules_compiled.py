@@ -133,17 +133,18 @@ def check_compiled(ctx: Ctx) -> None:
             # tiny Llama's step read 0.882 of the trace in fp16, 0.964 in fp32, 0.972 in amp-bf16)
             or impl.float8 == "rowwise" and step.recipe not in ("bf16", "fsdp-bf16")
             # a checkpointed block's backward moments (estimate/compiled_float8_recompute.py): tensorwise, and rowwise
-            # under full (compiled_float8_rowwise_recompute.py), the Llama block (SiLU, two RMSNorms), all converted
+            # under full (compiled_float8_rowwise_recompute.py) and op (compiled_float8_rowwise_op.py), the Llama block
+            # (SiLU, two RMSNorms), all converted
             # and FSDP2's fp8 all-gather at none in fsdp-bf16 (its saved weight copies: compiled_float8_gathered.py)
             or impl.float8_all_gather and impl.recompute == "none" and step.recipe != "fsdp-bf16"
             or (impl.recompute in ("full", "op") or impl.float8_all_gather) and (
-                impl.float8 != "tensorwise" and not (impl.float8 == "rowwise" and impl.recompute == "full")
+                impl.float8 != "tensorwise" and not (impl.float8 == "rowwise" and impl.recompute in ("full", "op"))
                 or ctx.shard != Shard()
                 or m.activation != "swiglu" or any(d % 16 for d in (m.hidden_size, m.q_size, m.kv_size, m.ffn_size))
                 or any(getattr(family_of(m).rules, r) for r in ("unit_offset_norm", "sandwich_norms", "fused_qkv",
                                                                  "fused_gate_up", "post_norms")))),
          "compiled Float8 rules cover --compile-scope block or block-loss, fp32/bf16/fp16/amp-bf16/fsdp-bf16 (rowwise: "
-         "bf16/fsdp-bf16), --recompute none, or full or op with tensorwise, full with rowwise, none with the fp8 "
+         "bf16/fsdp-bf16), --recompute none, full or op (full and op: tensorwise, or rowwise), none with the fp8 "
          "all-gather in fsdp-bf16 (the Llama block with every linear converted), no q/k norms or biases "
          "(estimate/float8.py, estimate/compiled_float8_recompute.py, compiled_float8_op.py; trace --compile)"),
         *(own.refusals(ctx) if own else ()),
