@@ -52,7 +52,8 @@ def test_recompute_from_needs_every_k(capsys, tmp_path, command, more):
 def test_recompute_from_reaches_the_spec_and_the_header(capsys, tmp_path):
     every = ["--model", _config(tmp_path, 4), *STEP, "--recompute", "every-k", "--recompute-every", "2"]
     assert _json(capsys, ["estimate", *every])["inputs"]["impl"]["recompute_from"] == "kth"
-    assert _json(capsys, ["estimate", *every, "--recompute-from", "first"])["inputs"]["impl"]["recompute_from"] == "first"
+    first = _json(capsys, ["estimate", *every, "--recompute-from", "first"])
+    assert first["inputs"]["impl"]["recompute_from"] == "first"
     rc, out, _ = _run(capsys, ["estimate", *every, "--recompute-from", "first"])
     assert rc == 0 and "recompute=every-k(K=2, from=first)" in out
 
@@ -81,7 +82,8 @@ def test_estimate_equals_trace_for_both_placements(capsys, tmp_path, layers, k):
     cfg = _config(tmp_path, layers)
     peaks = {}
     for start in ("kth", "first"):
-        flags = ["--model", cfg, *STEP, "--recompute", "every-k", "--recompute-every", str(k), "--recompute-from", start]
+        flags = ["--model", cfg, *STEP, "--recompute", "every-k", "--recompute-every", str(k),
+                 "--recompute-from", start]
         e, t = _json(capsys, ["estimate", *flags]), _json(capsys, ["trace", *flags])
         assert t["inputs"]["impl"]["recompute_from"] == start
         assert e["peak_bytes"] == t["peak_logical_bytes"], (start, e["peak_bytes"], t["peak_logical_bytes"])
