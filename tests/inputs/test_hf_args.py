@@ -67,6 +67,12 @@ def test_to_dict_of_a_real_run(tmp_path):
     ("adamw_torch_4bit", "torchao-adamw4bit", None, None),
     ("adafactor", "adafactor", None, None),
     ("sgd", "sgd", None, None),
+    # _get_bitsandbytes_optimizer: Lion / RMSprop with optim_bits=8 if "8bit" in optim else 32, is_paged
+    ("lion_32bit", "lion32bit", None, None), ("lion_8bit", "lion8bit", None, None),
+    ("paged_lion_32bit", "paged-lion32bit", None, None), ("paged_lion_8bit", "paged-lion8bit", None, None),
+    ("rmsprop_bnb", "rmsprop32bit", None, None), ("rmsprop_bnb_32bit", "rmsprop32bit", None, None),
+    ("rmsprop_bnb_8bit", "rmsprop8bit", None, None),
+    ("rmsprop", "rmsprop", None, None), ("adagrad", "adagrad", None, None),  # _get_rmsprop, _get_adagrad: torch's
 ])
 def test_optim_names(tmp_path, optim, optimizer, impl, note):
     a = read_hf_args(args_file(tmp_path, optim=optim))
@@ -76,7 +82,7 @@ def test_optim_names(tmp_path, optim, optimizer, impl, note):
 
 
 def test_unmodelled_settings_are_said(tmp_path):
-    a = read_hf_args(args_file(tmp_path, torch_compile=True, optim="lion_32bit", label_smoothing_factor=0.1,
+    a = read_hf_args(args_file(tmp_path, torch_compile=True, optim="adamw_torch", label_smoothing_factor=0.1,
                                auto_find_batch_size=True, activation_checkpointing=True,
                                activation_checkpointing_kwargs={"every_n_layers": 4, "offload": True}))
     # torch_compile is mapped (whole model: inputs/compile_keys.py), no longer noted as unmodelled
@@ -84,7 +90,7 @@ def test_unmodelled_settings_are_said(tmp_path):
                                       "recompute_from": "first",  # transformers' layers 0, 4, 8 (ImplSpec.checkpointed)
                                       "compile": True, "compile_scope": "model"}
     notes = "\n".join(a["notes"])
-    for said in ("torch_compile", "optim='lion_32bit' is not modelled", "label_smoothing_factor",
+    for said in ("torch_compile", "label_smoothing_factor",
                  "auto_find_batch_size", "activation_checkpointing_kwargs.offload"):
         assert said in notes
 

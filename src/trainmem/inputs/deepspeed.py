@@ -4,7 +4,9 @@ Read: ``zero_optimization.stage``, ``zero_optimization.offload_optimizer.device`
 ``offload_param.device`` (``cpu``/``nvme`` -> offloaded), ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, ``train_batch_size`` (with the two before it, gives the data-parallel
 size), ``bf16.enabled`` / ``fp16.enabled`` (-> ``mixed-bf16`` / ``mixed-fp16``: DeepSpeed keeps fp32
-master weights and optimizer states; neither -> ``fp32``) and ``optimizer.type``.
+master weights and optimizer states; neither -> ``fp32``) and ``optimizer.type`` (with
+``optimizer.params`` for torch's SGD, RMSprop and Adagrad); a type whose memory is not modelled
+(Lamb, 1-bit Adam/Lamb, 0/1 Adam, Muon, any other) is an error naming it.
 
 ``"auto"`` (the Hugging Face Trainer's placeholder) leaves a value to the command line and defaults.
 Every other key is ignored: a DeepSpeed config holds much that does not change memory.
@@ -20,8 +22,27 @@ from trainmem.inputs._common import answer, load_json, positive_int, typed
 
 __all__ = ["read_deepspeed"]
 
-_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "fusedadam": "adamw", "cpuadam": "adamw",
-               "deepspeedcpuadam": "adamw", "sgd": "sgd", "adafactor": "adafactor"}
+#: ``optimizer.type`` (lower-cased, ``_`` dropped) -> (trainmem optimizer, torch class whose settings
+#: matter, note). DeepSpeed's own names (``deepspeed/runtime/config.py`` ``DEEPSPEED_OPTIMIZERS``) build
+#: its classes (``engine.py`` ``_configure_basic_optimizer``: FusedAdam / DeepSpeedCPUAdam, FusedLion /
+#: DeepSpeedCPULion, torch's Adagrad / DeepSpeedCPUAdagrad, mup's MuAdam/MuAdamW/MuSGD over torch's
+#: classes); any other type is ``getattr(torch.optim, type)`` built with ``optimizer.params``.
+_OPTIMIZERS: dict[str, tuple[str, str, str]] = {
+    "adam": ("adam", "", ""), "adamw": ("adamw", "", ""), "fusedadam": ("adamw", "", ""),
+    "cpuadam": ("adamw", "", ""), "deepspeedcpuadam": ("adamw", "", ""), "adafactor": ("adafactor", "", ""),
+    "muadam": ("adam", "", ""), "muadamw": ("adamw", "", ""),
+    "sgd": ("sgd", "SGD", ""), "musgd": ("sgd", "SGD", ""), "rmsprop": ("rmsprop", "RMSprop", ""),
+    "adagrad": ("adagrad", "Adagrad", ""),
+    "lion": ("lion32bit", "", "DeepSpeed's FusedLion keeps one fp32 momentum per parameter, estimated as "
+                              "lion32bit (the same bytes, updated in place)"),
+}
+#: DeepSpeed optimizers whose memory is not modelled -> why (refused, not estimated as Adam)
+_UNMODELLED = {
+    "lamb": "DeepSpeed's FusedLamb is not modelled",
+    **dict.fromkeys(("onebitadam", "zerooneadam", "onebitlamb"),
+                    "1-bit compression keeps error-feedback buffers that are not modelled"),
+    "muon": "Muon orthogonalizes each matrix's update (Newton-Schulz temporaries), not modelled",
+}
 _OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
@@ -100,16 +121,37 @@ def deepspeed_overrides(cfg: dict, where: str = "deepspeed") -> dict:
 
     opt = get("optimizer", "type")
     if opt is not None:
-        typed(where, "optimizer.type", opt, str)
-        mapped = _OPTIMIZERS.get(opt.lower().replace("_", ""))
-        if mapped:
-            step["optimizer"] = mapped
-        else:
-            notes.append(f"optimizer.type={opt!r} is not modelled: the optimizer is left as given elsewhere")
+        step["optimizer"] = _optimizer(where, typed(where, "optimizer.type", opt, str), get, notes)
 
     if get("activation_checkpointing", "cpu_checkpointing"):
         notes.append("activation_checkpointing.cpu_checkpointing is not modelled")
     return answer("deepspeed", where, raw, {"step": step, "parallel": par}, notes)
+
+
+def _optimizer(where: str, opt: str, get, notes: list[str]) -> str:
+    from trainmem.errors import UnsupportedError
+    from trainmem.integrations.read import check_torch_settings
+
+    key = opt.lower().replace("_", "")
+    if key in _UNMODELLED:
+        raise ConfigError(f"{where}: optimizer.type={opt!r} is not modelled: {_UNMODELLED[key]}")
+    if key not in _OPTIMIZERS:
+        raise ConfigError(f"{where}: optimizer.type={opt!r} is not modelled (modelled: {', '.join(_OPTIMIZERS)})")
+    name, torch_class, note = _OPTIMIZERS[key]
+    if torch_class:  # torch's SGD, RMSprop, Adagrad: weight decay, nesterov, RMSprop momentum add tensors
+        params = get("optimizer", "params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: optimizer.params must be an object, got {params!r:.40}")
+        settings = {k: v for k, v in params.items() if v != "auto"}
+        try:
+            check_torch_settings(torch_class, settings, f"optimizer.type={opt!r}")
+        except UnsupportedError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if torch_class == "SGD" and settings.get("momentum"):  # a momentum buffer per parameter
+            name = "sgd-momentum"
+    if note:
+        notes.append(f"optimizer.type={opt!r}: {note}")
+    return name
 
 
 def _enabled(where: str, key: str, value: Any) -> bool | None:

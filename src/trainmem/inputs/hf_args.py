@@ -11,8 +11,12 @@ Checked against transformers 5.24 (``transformers/training_args.py``, ``trainer.
   (``mixed-bf16``/``mixed-fp16``) is used instead;
 * ``activation_checkpointing`` (``gradient_checkpointing``, its deprecated alias) with
   ``every_n_layers`` in its kwargs -> full / every-k recompute;
-* ``optim`` (``adamw_torch``, ``adamw_torch_fused``, ``adamw_bnb_8bit``, ``paged_adamw_8bit``...)
-  -> optimizer and ``optimizer_impl``;
+* ``optim`` (``adamw_torch``, ``adamw_torch_fused``, ``adamw_bnb_8bit``, ``paged_adamw_8bit``,
+  ``lion_8bit``, ``rmsprop``, ``adagrad``, ``rmsprop_bnb_8bit``...) with ``optim_args`` and
+  ``weight_decay`` -> optimizer and ``optimizer_impl``; an ``optim`` whose memory is not modelled
+  (galore_*, apollo_*, lomo, schedule_free_*, ademamix*, ...: ``integrations/read.py``
+  ``UNMODELLED_TRAINER_OPTIMS``) is an error naming it, as is a weight decay, nesterov or RMSprop
+  momentum that gives torch's SGD, RMSprop or Adagrad a temporary or state not modelled;
 * ``deepspeed`` (a path or an inline config) -> the DeepSpeed reader; ``fsdp``/``fsdp_config`` ->
   FSDP, ``reshard_after_forward`` and CPU offload; ``use_cpu`` -> CPU kernels;
 * TRL's ``SFTConfig`` adds ``max_length`` (older: ``max_seq_length``) -> the sequence length;
@@ -172,24 +176,28 @@ def _recompute(get, impl: dict, notes: list[str], where: str) -> None:
 
 
 def _optim(get, step: dict, impl: dict, notes: list[str], where: str) -> None:
-    from trainmem.integrations.read import OPTIMIZER_CLASSES, TRAINER_OPTIMS
+    # trainer_optimizer.py's handlers, as integrations/read.py trainer_optim reads them: a name whose
+    # memory is not modelled (galore_*, lomo, schedule_free_*, ...) is refused, never estimated as AdamW
+    from trainmem.errors import UnsupportedError
+    from trainmem.integrations.read import OPTIMIZER_CLASSES, trainer_optim
 
     optim = get("optim", str)
+    optim_args = get("optim_args", str)
     if optim is None:
         return
-    cls = TRAINER_OPTIMS.get(optim)
-    if cls is None:
-        notes.append(f"optim={optim!r} is not modelled: the optimizer is left as given elsewhere")
-        return
-    if cls == "SGD":
-        # trainer_optimizer.py: optim_args "momentum=0.9" reach torch.optim.SGD
-        args = dict(kv.split("=", 1) for kv in (get("optim_args", str) or "").replace(" ", "").split(",") if "=" in kv)
-        step["optimizer"] = "sgd-momentum" if args.get("momentum", "0") not in ("0", "0.0") else "sgd"
+    # TrainingArguments.weight_decay (default 0) reaches the Trainer's decay parameter group
+    weight_decay = get("weight_decay", (int, float)) or 0.0
+    try:
+        cls, defaults = trainer_optim(optim, optim_args, weight_decay)
+    except UnsupportedError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cls == "SGD":  # _get_sgd: optim_args "momentum=0.9" reach torch.optim.SGD (a momentum buffer)
+        step["optimizer"] = "sgd-momentum" if defaults.get("momentum") else "sgd"
         return
     step["optimizer"], note = OPTIMIZER_CLASSES[cls]
     if note:
         notes.append(f"optim={optim}: {note}")
-    if optim == "adamw_torch_fused":  # trainer_optimizer.py: torch.optim.AdamW(fused=True)
+    if defaults.get("fused"):  # adamw_torch_fused: torch.optim.AdamW(fused=True)
         impl["optimizer_impl"] = "fused"
 
 

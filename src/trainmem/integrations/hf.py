@@ -18,7 +18,9 @@ What is read, and from where:
   - precision: the parameters' dtype, under autocast when ``bf16``/``fp16`` is set;
   - recompute: the per-layer checkpointing flags on the model (or FSDP's ``activation_checkpointing``);
   - optimizer: the optimizer object the Trainer built (``optim`` = adamw_torch, adamw_torch_fused,
-    adamw_bnb_8bit, paged_adamw_8bit, adafactor, sgd, ...);
+    adamw_bnb_8bit, paged_adamw_8bit, lion_8bit, rmsprop, adagrad, adafactor, sgd, ...; the ``optim``
+    values whose memory trainmem does not model, galore_*, lomo, schedule_free_*..., are refused:
+    ``integrations/read.py`` ``UNMODELLED_TRAINER_OPTIMS``);
   - attention: ``config._attn_implementation``; LoRA/QLoRA: the peft adapters;
   - parallel: ``world_size`` data-parallel ranks, DeepSpeed ZeRO stage and offload (the
     ``deepspeed`` config, read by ``trainmem.inputs.deepspeed``), FSDP (``fsdp_config``).
@@ -100,7 +102,7 @@ def run_from_trainer(model, args, optimizer, *, seq: int | None = None, train_da
     precision = R.precision_of(model, amp=amp)
     device = R.device_of(model)
     opt = (R.optimizer_of(optimizer, device=device) if optimizer is not None
-           else R.trainer_optim_of(args.optim, args.optim_args, device=device))
+           else R.trainer_optim_of(args.optim, args.optim_args, device=device, weight_decay=args.weight_decay))
     finetune = R.finetune_of(model)
     recompute, every = R.recompute_of(model).value
     fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else None

@@ -19,7 +19,8 @@ from trainmem.specs import ModelSpec
 from trainmem.specs.finetune import FinetuneSpec
 
 __all__ = ["Read", "base_model", "model_spec_of", "precision_of", "recompute_of", "attention_of", "device_of",
-           "finetune_of", "optimizer_of", "optimizer_key", "trainer_optim_of", "OPTIMIZER_CLASSES", "TRAINER_OPTIMS"]
+           "finetune_of", "optimizer_of", "optimizer_key", "trainer_optim", "trainer_optim_of", "OPTIMIZER_CLASSES",
+           "TRAINER_OPTIMS", "UNMODELLED_TRAINER_OPTIMS", "check_torch_settings"]
 
 _DTYPE_NAME = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -31,26 +32,106 @@ _ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "f
 #: ``bitsandbytes.optim.AdamW8bit`` and ``torchao.optim.AdamW8bit`` share a name.
 OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
     "AdamW": ("adamw", ""), "Adam": ("adam", ""), "Adafactor": ("adafactor", ""),
+    "RMSprop": ("rmsprop", ""), "Adagrad": ("adagrad", ""),
     "bitsandbytes.AdamW8bit": ("adamw8bit", ""), "bitsandbytes.Adam8bit": ("adam8bit", ""),
     "bitsandbytes.PagedAdamW8bit": ("paged-adamw8bit", ""), "bitsandbytes.PagedAdamW32bit": ("paged-adamw32bit", ""),
+    "bitsandbytes.Lion32bit": ("lion32bit", ""), "bitsandbytes.Lion8bit": ("lion8bit", ""),
+    "bitsandbytes.PagedLion32bit": ("paged-lion32bit", ""), "bitsandbytes.PagedLion8bit": ("paged-lion8bit", ""),
+    "bitsandbytes.RMSprop32bit": ("rmsprop32bit", ""), "bitsandbytes.RMSprop8bit": ("rmsprop8bit", ""),
     "torchao.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.AdamW4bit": ("torchao-adamw4bit", ""),
 }
 
 #: torch.optim classes, whose ``defaults`` hold ``foreach``/``fused`` (None: torch chooses).
 #: Classes of the same name without those keys (bitsandbytes', transformers' Adafactor) have one
 #: implementation.
-_TORCH_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adafactor")
+_TORCH_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adafactor", "RMSprop", "Adagrad")
 
 #: TrainingArguments ``optim`` -> optimizer class name above, for a run whose optimizer is not
-#: built yet (transformers ``trainer_optimizer.py``'s table of optimizer getters;
-#: ``_get_bitsandbytes_optimizer`` builds ``bnb.optim.AdamW(optim_bits=8 if "8bit" in optim else 32,
-#: is_paged="paged" in optim)``, ``_get_torchao_optimizer`` ``torchao.optim.AdamW4bit``/``AdamW8bit``).
+#: built yet (transformers 5.24 ``trainer_optimizer.py``'s ``_OPTIMIZER_HANDLERS``;
+#: ``_get_bitsandbytes_optimizer`` builds ``AdamW``, ``Lion`` or ``RMSprop`` with ``optim_bits=8 if
+#: "8bit" in optim else 32`` and, but for RMSprop, ``is_paged="paged" in optim``;
+#: ``_get_torchao_optimizer`` ``torchao.optim.AdamW4bit``/``AdamW8bit``; ``_get_sgd``,
+#: ``_get_rmsprop``, ``_get_adagrad`` torch's classes with what ``optim_args`` gives).
 TRAINER_OPTIMS = {
     "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adafactor": "Adafactor", "sgd": "SGD",
+    "rmsprop": "RMSprop", "adagrad": "Adagrad",
     "adamw_bnb_8bit": "bitsandbytes.AdamW8bit", "adamw_8bit": "bitsandbytes.AdamW8bit",
     "paged_adamw_8bit": "bitsandbytes.PagedAdamW8bit", "paged_adamw_32bit": "bitsandbytes.PagedAdamW32bit",
+    "lion_32bit": "bitsandbytes.Lion32bit", "lion_8bit": "bitsandbytes.Lion8bit",
+    "paged_lion_32bit": "bitsandbytes.PagedLion32bit", "paged_lion_8bit": "bitsandbytes.PagedLion8bit",
+    "rmsprop_bnb": "bitsandbytes.RMSprop32bit", "rmsprop_bnb_32bit": "bitsandbytes.RMSprop32bit",
+    "rmsprop_bnb_8bit": "bitsandbytes.RMSprop8bit",
     "adamw_torch_8bit": "torchao.AdamW8bit", "adamw_torch_4bit": "torchao.AdamW4bit",
 }
+
+_LOW_RANK = "projects the gradients of optim_target_modules to rank-r subspaces ({}): projections and low-rank states"
+#: the other ``OptimizerNames`` of transformers 5.24 -> what their memory depends on that trainmem does
+#: not model (trainer_optimizer.py, the handler each is built by); they are refused, not estimated as AdamW
+UNMODELLED_TRAINER_OPTIMS = {
+    "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (trainmem models CUDA and CPU)",
+    "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs (trainmem models CUDA and CPU)",
+    "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW keeps its moments in the dtypes optim_args name, "
+                          "with an optional Kahan compensation buffer",
+    **dict.fromkeys(("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
+                    "bitsandbytes' AdEMAMix keeps a second, slow momentum beside Adam's two states"),
+    **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor"), _LOW_RANK.format("galore_torch")),
+    **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"),
+                    _LOW_RANK.format("galore_torch") + ", one optimizer per parameter stepped in backward"),
+    "apollo_adamw": _LOW_RANK.format("apollo_torch"),
+    "apollo_adamw_layerwise": _LOW_RANK.format("apollo_torch") + ", one optimizer per parameter stepped in backward",
+    **dict.fromkeys(("lomo", "adalomo"), "lomo_optim updates the weights inside backward"),
+    "grokadamw": "grokadamw's GrokAdamW keeps states beyond Adam's two",
+    **dict.fromkeys(("schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd"),
+                    "schedulefree's optimizers keep their own sequence of the weights (z) as a state"),
+    "stable_adamw": "optimi's StableAdamW adds Kahan summation buffers for low-precision weights",
+}
+
+
+def trainer_optim(optim: str, optim_args: str | None, weight_decay: float = 0.0) -> tuple[str, dict]:
+    """``(class key of OPTIMIZER_CLASSES or "SGD", the defaults it is built with)`` of a
+    TrainingArguments ``optim`` and ``optim_args``, or UnsupportedError naming ``optim`` and the value
+    for what trainmem does not model. ``weight_decay`` (the Trainer's decay group) matters to torch's
+    SGD, RMSprop and Adagrad, which add it out of place (:func:`check_torch_settings`)."""
+    optim = str(getattr(optim, "value", optim))
+    if optim in UNMODELLED_TRAINER_OPTIMS:
+        raise UnsupportedError(f"optim={optim!r} is not modelled: {UNMODELLED_TRAINER_OPTIMS[optim]}")
+    if optim not in TRAINER_OPTIMS:
+        raise UnsupportedError(f"optim={optim!r} is not a transformers optimizer name "
+                               f"(modelled: {', '.join(TRAINER_OPTIMS)})")
+    cls = TRAINER_OPTIMS[optim]
+    kwargs = dict(kv.split("=", 1) for kv in (optim_args or "").replace(" ", "").split(",") if "=" in kv)
+    defaults: dict = {"weight_decay": weight_decay}
+    if cls in ("SGD", "RMSprop", "Adagrad"):  # _get_sgd, _get_rmsprop, _get_adagrad: floats and flags
+        for key in ("momentum", "weight_decay"):
+            if key in kwargs:
+                try:
+                    defaults[key] = float(kwargs[key])
+                except ValueError:
+                    raise ConfigError(f"optim_args={optim_args!r}: {key} must be a number") from None
+        for key in ("nesterov", "centered"):
+            defaults[key] = kwargs.get(key, "false").lower() in ("true", "1", "yes")
+    if cls in _TORCH_OPTIMIZERS and cls != "Adafactor":  # built with fused=True or neither: torch chooses
+        defaults.update(foreach=None, fused=optim == "adamw_torch_fused" or None)
+    check_torch_settings(cls, defaults, f"optim={optim!r}")
+    return cls, defaults
+
+
+def check_torch_settings(cls: str, settings: dict, what: str) -> None:
+    """UnsupportedError for the settings of torch's SGD, RMSprop and Adagrad that make temporaries or
+    states trainmem does not model: weight decay (``grad = grad.add(param, alpha=weight_decay)``, one
+    gradient-sized tensor, or ``_foreach_add``: all of them), nesterov (``grad.add(buf)``), ``maximize``
+    (``-grad``), RMSprop's momentum and centered (``momentum_buffer``, ``grad_avg``)."""
+    if cls not in ("SGD", "RMSprop", "Adagrad"):
+        return
+    unmodelled = {"weight_decay": settings.get("weight_decay", 0), "nesterov": settings.get("nesterov", False),
+                  "maximize": settings.get("maximize", False)}
+    if cls == "RMSprop":
+        unmodelled.update(momentum=settings.get("momentum", 0), centered=settings.get("centered", False))
+    for key, value in unmodelled.items():
+        if value:
+            raise UnsupportedError(f"{what} with {key}={value!r}: torch's {cls} then holds "
+                                   f"{'a state' if key in ('momentum', 'centered') else 'a gradient-sized temporary'} "
+                                   f"per tensor that trainmem does not model")
 
 
 def optimizer_key(optimizer) -> str:
@@ -186,22 +267,11 @@ def finetune_of(model) -> Read:
     return Read(FinetuneSpec(mode="lora", **fields), tuple(notes))
 
 
-def trainer_optim_of(optim: str, optim_args: str | None, *, device: str) -> Read:
+def trainer_optim_of(optim: str, optim_args: str | None, *, device: str, weight_decay: float = 0.0) -> Read:
     """``(trainmem optimizer, ImplSpec.optimizer_impl)`` of a TrainingArguments ``optim`` (before the
-    Trainer builds it): ``adamw_torch_fused`` is fused AdamW, ``adamw_torch`` and ``sgd`` torch's
-    default on ``device``."""
-    optim = str(getattr(optim, "value", optim))
-    if optim not in TRAINER_OPTIMS:
-        raise UnsupportedError(f"optim={optim!r} is not modelled (known: {', '.join(TRAINER_OPTIMS)})")
-    kwargs = dict(kv.split("=", 1) for kv in (optim_args or "").replace(" ", "").split(",") if "=" in kv)
-    try:
-        momentum = float(kwargs.get("momentum", 0))
-    except ValueError:
-        raise ConfigError(f"optim_args={optim_args!r}: momentum must be a number") from None
-    cls = TRAINER_OPTIMS[optim]
-    defaults = {"momentum": momentum}
-    if optim in ("adamw_torch", "adamw_torch_fused", "sgd"):  # torch.optim, built with fused=True or neither
-        defaults.update(foreach=None, fused=optim == "adamw_torch_fused" or None)
+    Trainer builds it, :func:`trainer_optim`): ``adamw_torch_fused`` is fused AdamW; ``adamw_torch``,
+    ``sgd``, ``rmsprop`` and ``adagrad`` torch's default on ``device``."""
+    cls, defaults = trainer_optim(optim, optim_args, weight_decay)
     return _optimizer(cls, defaults, device=device)
 
 
@@ -209,7 +279,10 @@ def optimizer_of(optimizer, *, device: str) -> Read:
     """``(trainmem optimizer, ImplSpec.optimizer_impl)`` of a torch optimizer (unwrapping
     accelerate's ``AcceleratedOptimizer``), the implementation read from its ``defaults``."""
     opt = getattr(optimizer, "optimizer", optimizer)
-    return _optimizer(optimizer_key(opt), getattr(opt, "defaults", {}), device=device)
+    key = optimizer_key(opt)
+    for group in getattr(opt, "param_groups", ()):  # the Trainer sets weight decay per group
+        check_torch_settings(key, group, f"optimizer {key}")
+    return _optimizer(key, getattr(opt, "defaults", {}), device=device)
 
 
 def _impl(cls: str, defaults: dict, device: str) -> str:

@@ -1,0 +1,122 @@
+"""TrainingArguments ``optim``: every transformers 5.24 ``OptimizerNames`` value is either modelled
+(the optimizer the Trainer builds, read as a live one would be) or refused in one line naming it.
+
+The modelled names are checked against what the Trainer really builds: transformers'
+``Trainer.get_optimizer_cls_and_kwargs`` (``trainer_optimizer.py``'s handler for the name) gives the
+class and keywords, the optimizer is built on a tensor and read by ``integrations/read.optimizer_of``,
+which must agree with ``trainer_optim_of`` (the reading before the Trainer builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from trainmem.errors import ConfigError, UnsupportedError  # noqa: E402
+from trainmem.inputs.hf_args import read_hf_args  # noqa: E402
+from trainmem.integrations.read import (TRAINER_OPTIMS, UNMODELLED_TRAINER_OPTIMS, optimizer_of,  # noqa: E402
+                                        trainer_optim_of)
+from trainmem.specs.step import OPTIMIZERS  # noqa: E402
+
+NAMES = [o.value for o in transformers.training_args.OptimizerNames]
+
+
+def _written(tmp_path, d) -> str:
+    p = tmp_path / "args.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def test_every_optimizer_name_is_modelled_or_refused():
+    assert set(TRAINER_OPTIMS) | set(UNMODELLED_TRAINER_OPTIMS) == set(NAMES)
+    assert not set(TRAINER_OPTIMS) & set(UNMODELLED_TRAINER_OPTIMS)
+    from trainmem.integrations.read import OPTIMIZER_CLASSES
+    assert {OPTIMIZER_CLASSES[c][0] for c in TRAINER_OPTIMS.values() if c != "SGD"} <= set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("optim", sorted(TRAINER_OPTIMS))
+def test_what_the_trainer_builds_is_read_alike(optim, tmp_path):
+    torch = pytest.importorskip("torch")
+    if "bnb" in optim or "lion" in optim or "8bit" in optim or "32bit" in optim:
+        pytest.importorskip("bitsandbytes")
+    if optim.startswith("adamw_torch_") and optim.endswith("bit"):
+        pytest.importorskip("torchao")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), optim=optim, use_cpu=True)
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    built = cls([torch.nn.Parameter(torch.zeros(8))], **kwargs)
+    for device in ("cpu", "cuda"):
+        assert optimizer_of(built, device=device).value == trainer_optim_of(optim, None, device=device).value
+
+
+@pytest.mark.parametrize("optim", sorted(UNMODELLED_TRAINER_OPTIMS))
+def test_unmodelled_names_are_refused_naming_optim(optim, tmp_path):
+    with pytest.raises(ConfigError, match=f"optim='{optim}' is not modelled: "):
+        read_hf_args(_written(tmp_path, {"optim": optim}))
+    with pytest.raises(UnsupportedError, match=f"optim='{optim}'"):
+        trainer_optim_of(optim, None, device="cuda")
+
+
+def test_a_name_transformers_lacks_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="optim='lion' is not a transformers optimizer name"):
+        read_hf_args(_written(tmp_path, {"optim": "lion"}))
+
+
+@pytest.mark.parametrize("d, optimizer", [
+    ({"optim": "sgd", "optim_args": "momentum=0.9,dampening=0.1"}, "sgd-momentum"),  # dampening: in place
+    ({"optim": "adamw_torch", "weight_decay": 0.1}, "adamw"),  # AdamW decays in place (mul_)
+    ({"optim": "lion_8bit", "weight_decay": 0.1}, "lion8bit"),  # bitsandbytes: inside its kernel
+    ({"optim": "adagrad", "optim_args": "lr_decay=0.01,eps=1e-6"}, "adagrad"),
+    ({"optim": "rmsprop_bnb_8bit", "optim_args": "momentum=0.9"}, "rmsprop8bit"),  # one state whatever momentum
+])
+def test_settings_that_keep_the_layout(tmp_path, d, optimizer):
+    a = read_hf_args(_written(tmp_path, d))
+    assert a["overrides"]["step"]["optimizer"] == optimizer
+
+
+@pytest.mark.parametrize("d, needle", [
+    # torch/optim/sgd.py, _single_tensor_sgd: grad = grad.add(param, alpha=weight_decay), out of place
+    ({"optim": "sgd", "weight_decay": 0.01}, "optim='sgd' with weight_decay=0.01"),
+    ({"optim": "sgd", "optim_args": "weight_decay=0.01"}, "optim='sgd' with weight_decay=0.01"),
+    ({"optim": "sgd", "optim_args": "momentum=0.9,nesterov=True"}, "optim='sgd' with nesterov=True"),
+    ({"optim": "adagrad", "weight_decay": 0.1}, "optim='adagrad' with weight_decay=0.1"),
+    ({"optim": "rmsprop", "optim_args": "momentum=0.9"}, "optim='rmsprop' with momentum=0.9"),  # momentum_buffer
+    ({"optim": "rmsprop", "optim_args": "centered=True"}, "optim='rmsprop' with centered=True"),  # grad_avg
+    ({"optim": "sgd", "optim_args": "momentum=lots"}, "momentum must be a number"),
+])
+def test_torch_settings_not_modelled_are_refused(tmp_path, d, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        read_hf_args(_written(tmp_path, d))
+    assert needle in str(err.value)
+
+
+def test_the_live_optimizer_with_weight_decay_is_refused():
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.SGD([{"params": [p], "weight_decay": 0.01}], lr=1e-3)  # the Trainer's decay group
+    with pytest.raises(UnsupportedError, match="weight_decay=0.01"):
+        optimizer_of(opt, device="cuda")
+    assert optimizer_of(torch.optim.RMSprop([p]), device="cuda").value == ("rmsprop", "foreach")
+    assert optimizer_of(torch.optim.Adagrad([p], fused=True), device="cpu").value == ("adagrad", "fused")
+
+
+def test_cli_refuses_in_one_line(tmp_path):
+    path = _written(tmp_path, {"optim": "galore_adamw", "optim_target_modules": ["q_proj"]})
+    proc = subprocess.run([sys.executable, "-m", "trainmem.cli", "estimate", "--model", "gpt2", "--seq", "64",
+                           "--hf-args", path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "optim='galore_adamw' is not modelled" in lines[0], proc.stderr
+
+
+def test_cli_estimates_lion(tmp_path):
+    path = _written(tmp_path, {"optim": "paged_lion_8bit"})
+    proc = subprocess.run([sys.executable, "-m", "trainmem.cli", "estimate", "--model", "gpt2", "--seq", "64",
+                           "--hf-args", path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer=paged-lion8bit" in proc.stdout
+    assert "paged 8-bit blockwise optimizer states (paged-lion8bit)" in proc.stdout
