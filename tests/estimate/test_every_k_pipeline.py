@@ -71,17 +71,23 @@ def test_trace_flags_follow_the_ranks_count():
 
 
 def test_what_the_estimate_refuses():
+    """``check_every_k_stages`` (``parallel.validate``) is called here directly where ``rank_classes`` would place the
+    count first (a proposed one-line change): a count placed for another layout, or none where the ranks' and the
+    model's counts differ, is refused rather than priced on other blocks."""
+    from trainmem.estimate.every_k_stages import check_every_k_stages
+
     m6, m8 = spec_from_hf_config(_llama(6)), spec_from_hf_config(_llama(8))
     with pytest.raises(SpecError, match="recompute_from='first': is transformers' every_n_layers count"):
-        place_every_k(m6, _every(2, recompute_from="first"), _par())
+        estimate(m6, STEP, _every(2, recompute_from="first"), _par())
     placed = place_every_k(m6, _every(2), _par())
+    check_every_k_stages(m6, placed, _par())
     with pytest.raises(SpecError, match=r"recompute_counts=\(\(0, 0\), \(3, 0\)\): are not the per-rank count"):
-        estimate(m6, STEP, placed, ParallelSpec(pp=3, microbatches=4))
+        check_every_k_stages(m6, placed, ParallelSpec(pp=3, microbatches=4))
     with pytest.raises(SpecError, match="recompute_counts=.*: are a pipeline's per-rank count; with pp=1"):
-        estimate(m6, STEP, placed, ParallelSpec(dp=2))
-    # unplaced, the model's count (blocks 1, 3, 5) is not the ranks' (1, 4): refused, not priced on other blocks
+        check_every_k_stages(m6, placed, ParallelSpec(dp=2))
+    # unplaced, the model's count (blocks 1, 3, 5) is not the ranks' (1, 4)
     with pytest.raises(SpecError, match=r"recompute_every=2: under pp=2 \(1f1b\) torchtitan counts each rank's own"):
-        estimate(m6, STEP, _every(2), _par())
+        check_every_k_stages(m6, _every(2), _par())
     # interleaved, k=3: rank 0 checkpoints its 2nd virtual stage's first block only; the estimate holds the two
     # virtual stages as equal shares of the rank's blocks (6 % under the trace on rank 0, measured)
     with pytest.raises(SpecError, match="recompute_every=3: under pp=2 interleaved with 2 virtual stages"):
