@@ -1,6 +1,9 @@
 """A forward moment inside the last block: its LoRA-adapted down projection's adapter sum, or its frozen 4-bit
 down projection's matmul (QLoRA on the attention: :func:`_four_bit_down_moment`), the ``forward`` phase where it is
-the larger. The 4-bit one: tiny Llama (h64, F176, V128) QLoRA q/v amp-bf16 B2 S64 was 2,024 B under the trace, now
+the larger; or its adapted fused QKV projection's (GPT-NeoX's ``query_key_value``, peft's default target: the
+same tensors, with the block's normed input for the local and nothing of the attention yet; tiny GPT-NeoX LoRA bf16
+B1 S32 was 32,496 B under the trace's forward top, now equal: ``tests/estimate/test_adapter_forward_qkv.py``). The
+4-bit one: tiny Llama (h64, F176, V128) QLoRA q/v amp-bf16 B2 S64 was 2,024 B under the trace, now
 equal (``tests/finetune/test_qlora_cast_moments.py``).
 
 peft's ``lora.Linear.forward`` (peft ``tuners/lora/layer.py``) runs ``result = self.base_layer(x)``, then
@@ -44,6 +47,9 @@ __all__ = ["with_adapter_forward"]
 #: a block's down projection and the up projection whose input is the MLP's input, by the MLP's layout
 #: (transformers ``LlamaMLP.forward``, ``GPTNeoXMLP.forward``)
 _DOWN = {"down_proj": "up_proj", "dense_4h_to_h": "dense_h_to_4h"}
+#: a fused QKV projection, the attention's first (transformers ``GPTNeoXAttention.forward``): its input is the
+#: block's normed input, nothing else of the attention exists yet
+_FUSED_QKV: dict[str, str | None] = {"query_key_value": None}
 #: the forward phase's parts made after the last block: the logits and their fp32 copy, the final hidden state the
 #: output holds, the loss's padded labels (``estimate/forward_held.py``, ``estimate/peak.py``)
 _LATER = ("logits", "head_input_unsaved", "padded_labels", "router_logits")
@@ -61,8 +67,8 @@ def with_adapter_forward(phases: list[Phase], items: Inventory, *, tokens: int, 
     kw = dict(tokens=tokens, hidden=hidden, residual_dtype=residual_dtype)
     found = [(parts, note) for parts, note in (
         (_moment(fwd, items, **kw) if not lora_dropout else None,
-         "inside the last block's adapted down projection, at lora_B's scaled output: the tensors saved so far, "
-         "the base layer's output, peft's copy of the product, the block's and the model's locals"),
+         "inside the last block's adapted down (or fused QKV) projection, at lora_B's scaled output: the tensors "
+         "saved so far, the base layer's output, peft's copy of its input, the block's and the model's locals"),
         (_four_bit_down_moment(fwd, items, **kw),
          "inside the last block's 4-bit down projection (Linear4bit): the tensors saved so far, the product and "
          "its compute-dtype cast, the dequantized weight and the matmul's output or its cast back, the block's "
@@ -74,43 +80,61 @@ def with_adapter_forward(phases: list[Phase], items: Inventory, *, tokens: int, 
 
 
 def _moment(fwd: Phase, items: Inventory, *, tokens: int, hidden: int, residual_dtype: str) -> dict[str, int] | None:
+    """The larger of the last block's adapted down projection's moment and its fused QKV projection's."""
+    found = [m for m in (_adapter_moment(fwd, items, "mlp", _DOWN, tokens=tokens, hidden=hidden,
+                                         residual_dtype=residual_dtype),
+                         _adapter_moment(fwd, items, "attention", _FUSED_QKV, tokens=tokens, hidden=hidden,
+                                         residual_dtype=residual_dtype)) if m is not None]
+    return max(found, key=lambda m: sum(m.values()), default=None)
+
+
+def _adapter_moment(fwd: Phase, items: Inventory, scope: str, layers: dict[str, str | None], *, tokens: int,
+                    hidden: int, residual_dtype: str) -> dict[str, int] | None:
+    """At ``* scaling`` of the last block's adapted ``layers`` (a projection of ``scope`` -> the projection whose
+    input is the scope's input, when that is another tensor: the MLP's up projection beside the down projection's
+    product)."""
     saved = [i for i in items.base if i.category is Category.ACTIVATION and i.bytes]
     last = max((li for li in (layer_of(i.name) for i in saved) if li is not None), default=None)
     if last is None:
         return None
     block = block_items(items, last)
-    marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
-              and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape}
-    # the down projection's lora_A output, then (autocast) lora_B's weight copy: the block's last saved tensors
-    # before its output sum (a checkpointed block saves neither)
-    at = next((k for k, i in enumerate(saved) if layer_of(i.name) == last and ".mlp." in i.name
-               and i.name.split(".mlp.", 1)[1] in {f"{d}.lora_A.default.out" for d in _DOWN}), None)
+    sep = f".{scope}."
+    marker = {i.name.split(sep, 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
+              and not i.bytes and sep in i.name and i.name.endswith(".input") and i.shape}
+    # the projection's lora_A output, then (autocast) lora_B's weight copy: the block's last saved tensors before
+    # its output sum (a checkpointed block saves neither)
+    at = next((k for k, i in enumerate(saved) if layer_of(i.name) == last and sep in i.name
+               and i.name.split(sep, 1)[1] in {f"{d}.lora_A.default.out" for d in layers}), None)
     if at is None:
         return None
-    down = saved[at].name.split(".mlp.", 1)[1].split(".", 1)[0]
-    adapter = next((i for i in block if i.category is Category.PARAMETER
-                    and i.name.endswith(f".mlp.{down}.lora_A.default.weight")), None)
-    prod = marker.get(down)
-    if adapter is None or prod is None or not prod.note.startswith("not saved: frozen"):
+    proj = saved[at].name.split(sep, 1)[1].split(".", 1)[0]
+    adapter, lora_b = (next((i for i in block if i.category is Category.PARAMETER
+                             and i.name.endswith(f"{sep}{proj}.lora_{ab}.default.weight")), None) for ab in "AB")
+    prod = marker.get(proj)
+    if adapter is None or lora_b is None or prod is None or not prod.note.startswith("not saved: frozen"):
         return None  # a trainable or 4-bit base layer: other tensors
-    at += 1 + (at + 1 < len(saved) and saved[at + 1].name.endswith(f".mlp.{down}.lora_B.default.weight_cast"))
+    if scope == "attention" and "kv_cache_unsaved" in fwd.parts:
+        return None  # the last block's cache copies are not made yet; the phase counts every block's
+    at += 1 + (at + 1 < len(saved) and saved[at + 1].name.endswith(f"{sep}{proj}.lora_B.default.weight_cast"))
     block_saved = [i for i in saved[:at] if layer_of(i.name) == last]
     if any("/tp" in d or "/cp" in d for i in block_saved for d in i.dims):
         return None  # checked on one device
     autocast = any(i.name.endswith(".weight_cast") for i in block_saved)
-    # in one dtype lora_A saves the product and the MLP's input themselves (peft's cast copies nothing)
+    # in one dtype lora_A saves the layer's input and the scope's input themselves (peft's cast copies nothing)
     one_dtype = not autocast and adapter.dtype == prod.dtype
-    up = marker.get(_DOWN[down])
+    up = marker.get(layers[proj]) if layers[proj] else None
     x = _bytes(up) if up is not None and not one_dtype else 0
-    out = tokens * hidden
-    base = out * dtype_bytes(prod.dtype)  # the base layer's output; a parallel block's attention output alike
-    lora_out = out * dtype_bytes(prod.dtype if autocast else adapter.dtype)  # autocast runs lora_B in the product's
-    # peft's copy of the product in the adapter's dtype: saved by lora_A itself without autocast (then counted)
+    out = tokens * lora_b.shape[0]  # the layer's output features
+    base = out * dtype_bytes(prod.dtype)  # the base layer's output
+    lora_out = out * dtype_bytes(prod.dtype if autocast else adapter.dtype)  # autocast runs lora_B in the input's
+    # peft's copy of the input in the adapter's dtype: saved by lora_A itself without autocast (then counted)
     copy = int(math.prod(prod.shape) * dtype_bytes(adapter.dtype)) if adapter.dtype != prod.dtype and not any(
-        f".mlp.{down}." in i.name and i.shape == prod.shape and i.dtype == adapter.dtype for i in block_saved) else 0
+        f"{sep}{proj}." in i.name and i.shape == prod.shape and i.dtype == adapter.dtype for i in block_saved) else 0
+    # a parallel block's attention output, alive through its MLP (the residual's shape, the product's dtype)
+    attn_out = tokens * hidden * dtype_bytes(prod.dtype) if scope == "mlp" and _attention_output_held(block_saved) else 0
     acts = [i for i in items.base if i.category is Category.ACTIVATION]
-    found = {"block_locals": x + (0 if one_dtype else _bytes(prod)) + (base if _attention_output_held(block_saved) else 0),
-             "model_locals": _unsaved_embedding_output(acts, out * dtype_bytes(residual_dtype))
+    found = {"block_locals": x + (0 if one_dtype else _bytes(prod)) + attn_out,
+             "model_locals": _unsaved_embedding_output(acts, tokens * hidden * dtype_bytes(residual_dtype))
              + _cache_position(acts),
              "adapter_forward": base + copy + 2 * lora_out}
     parts = {k: v for k, v in fwd.parts.items() if k not in _LATER}
