@@ -1,5 +1,5 @@
 """torch's RMSprop and Adagrad, bitsandbytes' one-state optimizers (Lion, RMSprop; 8-bit, 32-bit,
-paged): the estimate's state layouts and step temporaries as exact integers, then against the
+paged) and AdEMAMix (two momenta in one state): the estimate's state layouts and step temporaries as exact integers, then against the
 tracer (the real optimizer classes on fake tensors) and a real CPU step.
 
 Two tiny Llamas built from config, those of tests/estimate/test_optimizer_impl.py (h128, 3 layers,
@@ -27,6 +27,7 @@ from trainmem.specs import StepSpec  # noqa: E402
 from trainmem.trace import trace_step  # noqa: E402
 
 BNB_ONE = ("lion32bit", "lion8bit", "paged-lion8bit", "paged-lion32bit", "rmsprop8bit", "rmsprop32bit")
+BNB_MORE = (*BNB_ONE, "ademamix", "ademamix8bit")  # AdEMAMix: state1 holds two momenta
 STATES = (Category.OPTIMIZER_STATE, Category.PAGED_STATE)
 
 
@@ -51,13 +52,17 @@ def _bytes(opt, shape, precision="fp32"):
     ("paged-lion32bit", (100000,), "bf16", 100000 * 4, 100000 * 4),
     ("rmsprop8bit", (44160,), "fp32", 44160 + 173 * 4, 0),
     ("rmsprop32bit", (44160,), "bf16", 44160 * 4, 0),
+    ("ademamix", (44160,), "bf16", 3 * 44160 * 4, 0),          # state1 (2, n) + state2 (n), fp32
+    ("ademamix8bit", (4095,), "fp32", 3 * 4095 * 4, 0),
+    ("ademamix8bit", (44160,), "fp32", 3 * 44160 + 3 * 173 * 4, 0),  # absmax1 (2, 173), absmax2 (173,)
 ])
 def test_state_layout_bytes(opt, shape, precision, total, paged):
     assert _bytes(opt, shape, precision) == (total, paged)
 
 
 @pytest.mark.parametrize("opt,maps", [("lion8bit", ["optimizer.qmap1"]), ("rmsprop8bit", ["optimizer.qmap1"]),
-                                      ("lion32bit", []), ("adamw8bit", ["optimizer.qmap1", "optimizer.qmap2"])])
+                                      ("lion32bit", []), ("adamw8bit", ["optimizer.qmap1", "optimizer.qmap2"]),
+                                      ("ademamix8bit", ["optimizer.qmap1", "optimizer.qmap2"])])
 def test_one_state_optimizers_move_one_map_to_the_device(opt, maps):
     # Optimizer1State.init_state moves name2qmap["dynamic"] alone; Optimizer2State both
     items = model_state_items(MODEL, StepSpec(optimizer=opt))
@@ -83,8 +88,8 @@ def test_rule_bytes_are_exact(optimizer, impl, in_backward, numel_x, precision, 
     _exact_rule(optimizer, impl, in_backward, numel_x, precision, elem)  # the adamw/sgd cases' check
 
 
-@pytest.mark.parametrize("opt", BNB_ONE)
-def test_bitsandbytes_one_state_step_keeps_no_temporaries(opt):
+@pytest.mark.parametrize("opt", BNB_MORE)
+def test_bitsandbytes_step_keeps_no_temporaries(opt):
     step, im = _specs(opt, "fp32", "auto")
     assert optimizer_step_transient_bytes(MODEL, step, im) == (0, "fused: bitsandbytes' kernel updates each tensor "
                                                                   "in place")
@@ -121,7 +126,7 @@ def test_torch_optimizer_phase_estimate_trace_real(optimizer, impl, precision):
 
 @pytest.mark.parametrize("opt,precision", [
     pytest.param(o, p, marks=() if (o, p) == ("paged-lion8bit", "bf16") else pytest.mark.slow)  # ~1-2 s each
-    for o in BNB_ONE for p in ("fp32", "bf16")])
+    for o in BNB_MORE for p in ("fp32", "bf16")])
 def test_bitsandbytes_trace_equals_the_estimate(opt, precision):
     pytest.importorskip("bitsandbytes")
     step, im = _specs(opt, precision, "auto")
@@ -129,9 +134,9 @@ def test_bitsandbytes_trace_equals_the_estimate(opt, precision):
     for cat in STATES:  # every state, named alike, to the byte; paged ones their own ledger in both
         traced = {i.name: i.bytes for i in t.items if i.category is cat}
         estimated = {i.name: i.bytes for i in est.inventory if i.category is cat}
-        # the shared map: the trace names it after the first parameter whose state holds it
-        assert {n: b for n, b in traced.items() if not n.endswith(".qmap1")} == {
-            n: b for n, b in estimated.items() if n != "optimizer.qmap1"}
+        # the shared maps: the trace names them after the first parameter whose state holds them
+        assert {n: b for n, b in traced.items() if not n.endswith((".qmap1", ".qmap2"))} == {
+            n: b for n, b in estimated.items() if not n.startswith("optimizer.qmap")}
         assert sum(traced.values()) == sum(estimated.values())
     paged = {"paged-lion8bit": 2 * 128000, "paged-lion32bit": 2 * 128000 * 4}.get(opt, 0)  # embed + head state1
     assert t.totals_at_peak_bytes["paged_optimizer_state"] == est.totals_bytes.get("paged_optimizer_state", 0) == paged
@@ -140,8 +145,8 @@ def test_bitsandbytes_trace_equals_the_estimate(opt, precision):
 
 
 @pytest.mark.parametrize("opt,precision", [
-    pytest.param(o, p, marks=() if (o, p) == ("lion8bit", "fp32") else pytest.mark.slow)
-    for o in BNB_ONE for p in ("fp32", "bf16")])
+    pytest.param(o, p, marks=() if (o, p) in {("lion8bit", "fp32"), ("ademamix8bit", "bf16")} else pytest.mark.slow)
+    for o in BNB_MORE for p in ("fp32", "bf16")])
 def test_state_bytes_equal_the_real_bitsandbytes_optimizer(opt, precision):
     real, real_total = _real_states(opt, precision)  # a real CPU step: paging falls back to plain tensors
     items = [i for i in model_state_items(MODEL_V1000, StepSpec(optimizer=opt, precision=precision))
@@ -152,4 +157,4 @@ def test_state_bytes_equal_the_real_bitsandbytes_optimizer(opt, precision):
         if owner is not None:
             est[owner] = est.get(owner, 0) + i.bytes
     assert est == real  # every parameter, to the byte
-    assert sum(i.bytes for i in items) == real_total  # with the one shared map, once
+    assert sum(i.bytes for i in items) == real_total  # with the shared maps, once

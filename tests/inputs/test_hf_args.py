@@ -73,6 +73,7 @@ def test_to_dict_of_a_real_run(tmp_path):
     ("rmsprop_bnb", "rmsprop32bit", None, None), ("rmsprop_bnb_32bit", "rmsprop32bit", None, None),
     ("rmsprop_bnb_8bit", "rmsprop8bit", None, None),
     ("rmsprop", "rmsprop", None, None), ("adagrad", "adagrad", None, None),  # _get_rmsprop, _get_adagrad: torch's
+    ("ademamix", "ademamix", None, None), ("ademamix_8bit", "ademamix8bit", None, None),  # bnb AdEMAMix(optim_bits)
 ])
 def test_optim_names(tmp_path, optim, optimizer, impl, note):
     a = read_hf_args(args_file(tmp_path, optim=optim))

@@ -42,7 +42,7 @@ def test_every_optimizer_name_is_modelled_or_refused():
 @pytest.mark.parametrize("optim", sorted(TRAINER_OPTIMS))
 def test_what_the_trainer_builds_is_read_alike(optim, tmp_path):
     torch = pytest.importorskip("torch")
-    if "bnb" in optim or "lion" in optim or "8bit" in optim or "32bit" in optim:
+    if "bnb" in optim or "lion" in optim or "8bit" in optim or "32bit" in optim or "ademamix" in optim:
         pytest.importorskip("bitsandbytes")
     if optim.startswith("adamw_torch_") and optim.endswith("bit"):
         pytest.importorskip("torchao")
@@ -120,3 +120,15 @@ def test_cli_estimates_lion(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "optimizer=paged-lion8bit" in proc.stdout
     assert "paged 8-bit blockwise optimizer states (paged-lion8bit)" in proc.stdout
+
+
+def test_ademamix32bit_class_is_not_read_as_transformers_ademamix():
+    """transformers builds ``AdEMAMix(optim_bits=32)``: state1 holds both momenta. bitsandbytes'
+    ``AdEMAMix32bit`` is an ``Optimizer2State`` with Adam's layout: refused, not read as the other."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    assert optimizer_of(bnb.optim.AdEMAMix(p), device="cuda").value == ("ademamix", "auto")
+    assert optimizer_of(bnb.optim.AdEMAMix8bit(p), device="cuda").value == ("ademamix8bit", "auto")
+    with pytest.raises(UnsupportedError, match="AdEMAMix32bit"):
+        optimizer_of(bnb.optim.AdEMAMix32bit(p), device="cuda")

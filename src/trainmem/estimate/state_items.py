@@ -18,6 +18,8 @@ one registered function of (name, shape, numel, states' dtype), read off the rea
   stays a ``torch.zeros`` device tensor. The one-state optimizers (``Optimizer1State.init_state``:
   ``Lion``, ``RMSprop`` and their 8-bit, 32-bit and paged classes) keep ``state1`` alone, with
   ``absmax1`` and the signed map ``qmap1`` (only ``name2qmap['dynamic']`` goes to the device).
+  ``AdEMAMix`` (``optim/ademamix.py``, ``init_state``): ``state1`` holds both momenta, ``(2, *p.shape)``,
+  with ``absmax1`` ``(2, blocks)``; ``state2`` and ``absmax2`` as Adam's.
 * torch ``RMSprop`` (``torch/optim/rmsprop.py``, ``_init_group``): ``square_avg`` like the parameter
   (``momentum_buffer`` with momentum, ``grad_avg`` when centered: not modelled, the readers refuse
   them); ``Adagrad`` (``adagrad.py``, ``__init__``, made with the optimizer, not at its first step):
@@ -54,14 +56,16 @@ _TORCHAO_MIN = 4096  # adam.py, _new_buffer: "follow bitsandbytes, only quantize
 #: torchao optimizer -> (block size, codes per byte, qmap entries): AdamW8bit(block_size=256) and
 #: AdamW4bit(block_size=128); subclass_8bit.get_qmap_signed: 256 entries, subclass_4bit's: 16
 TORCHAO = {"torchao-adamw8bit": (256, 1, 256), "torchao-adamw4bit": (128, 2, 16)}
-#: bitsandbytes optimizer -> (states per tensor, bits, paged): ``Optimizer2State`` (Adam) keeps two,
-#: ``Optimizer1State`` (Lion, RMSprop) one; ``optim_bits`` and ``is_paged`` as its class sets them
-BNB = {"adam8bit": (2, 8, False), "adamw8bit": (2, 8, False), "paged-adamw8bit": (2, 8, True),
-       "paged-adamw32bit": (2, 32, True), "lion32bit": (1, 32, False), "lion8bit": (1, 8, False),
-       "paged-lion8bit": (1, 8, True), "paged-lion32bit": (1, 32, True), "rmsprop8bit": (1, 8, False),
-       "rmsprop32bit": (1, 32, False)}
+#: bitsandbytes optimizer -> (states per tensor, bits, paged, copies in state1): ``Optimizer2State``
+#: (Adam) keeps two, ``Optimizer1State`` (Lion, RMSprop) one; ``optim_bits`` and ``is_paged`` as its
+#: class sets them. ``AdEMAMix.init_state`` (``optim/ademamix.py``) makes ``state1`` of shape
+#: ``(2, *p.shape)``, the fast and the slow momentum, with ``absmax1`` of ``(2, blocks)``.
+BNB = {"adam8bit": (2, 8, False, 1), "adamw8bit": (2, 8, False, 1), "paged-adamw8bit": (2, 8, True, 1),
+       "paged-adamw32bit": (2, 32, True, 1), "lion32bit": (1, 32, False, 1), "lion8bit": (1, 8, False, 1),
+       "paged-lion8bit": (1, 8, True, 1), "paged-lion32bit": (1, 32, True, 1), "rmsprop8bit": (1, 8, False, 1),
+       "rmsprop32bit": (1, 32, False, 1), "ademamix": (2, 32, False, 2), "ademamix8bit": (2, 8, False, 2)}
 #: bitsandbytes optimizers with 8-bit blockwise states
-BNB_8BIT = tuple(name for name, (_, bits, _) in BNB.items() if bits == 8)
+BNB_8BIT = tuple(name for name, (_, bits, _, _) in BNB.items() if bits == 8)
 
 Layout = Callable[[str, tuple, int, str], list[MemoryItem]]
 _LAYOUTS: dict[str, Layout] = {}
@@ -123,21 +127,25 @@ def _adafactor(name, shape, n, dt):
     return [state_item(f"{name}.exp_avg_sq", S, shape, dt, f"numel·{b:g}")]
 
 
-def _bnb_layout(states: int, bits: int, paged: bool) -> Layout:
-    """States of fp32 or uint8 whatever the parameter's dtype (``init_state``)."""
+def _bnb_layout(states: int, bits: int, paged: bool, first: int) -> Layout:
+    """States of fp32 or uint8 whatever the parameter's dtype (``init_state``); ``state1`` (and
+    ``absmax1``) ``first`` times over."""
     def layout(name, shape, n, dt):
         where = PAGED if paged and n >= _BNB_MIN_PAGED else S
-        ids = range(1, states + 1)
+        copies = {i: (first,) if i == 1 and first > 1 else () for i in range(1, states + 1)}
+        x = {i: f"{first}·" if c else "" for i, c in copies.items()}
         if bits == 32 or n < _BNB_MIN_8BIT:
-            return [state_item(f"{name}.state{i}", where, shape, "float32", "numel·4") for i in ids]
+            return [state_item(f"{name}.state{i}", where, c + shape, "float32", f"{x[i]}numel·4")
+                    for i, c in copies.items()]
         blocks = -(-n // _BNB_BLOCK)
-        return [*(state_item(f"{name}.state{i}", where, shape, "uint8", "numel·1") for i in ids),
-                *(state_item(f"{name}.absmax{i}", S, (blocks,), "float32", f"⌈numel/{_BNB_BLOCK}⌉·4") for i in ids)]
+        return [*(state_item(f"{name}.state{i}", where, c + shape, "uint8", f"{x[i]}numel·1") for i, c in copies.items()),
+                *(state_item(f"{name}.absmax{i}", S, c + (blocks,), "float32", f"{x[i]}⌈numel/{_BNB_BLOCK}⌉·4")
+                  for i, c in copies.items())]
     return layout
 
 
-for _name, (_states, _bits, _paged) in BNB.items():
-    _layout(_name)(_bnb_layout(_states, _bits, _paged))
+for _name, _spec in BNB.items():
+    _layout(_name)(_bnb_layout(*_spec))
 
 
 def _torchao_layout(block: int, per_byte: int, qmap: int) -> Layout:

@@ -14,7 +14,7 @@ Checked against transformers 5.24 (``transformers/training_args.py``, ``trainer.
 * ``optim`` (``adamw_torch``, ``adamw_torch_fused``, ``adamw_bnb_8bit``, ``paged_adamw_8bit``,
   ``lion_8bit``, ``rmsprop``, ``adagrad``, ``rmsprop_bnb_8bit``...) with ``optim_args`` and
   ``weight_decay`` -> optimizer and ``optimizer_impl``; an ``optim`` whose memory is not modelled
-  (galore_*, apollo_*, lomo, schedule_free_*, ademamix*, ...: ``integrations/read.py``
+  (galore_*, apollo_*, lomo, schedule_free_*, paged_ademamix_*, ...: ``integrations/read.py``
   ``UNMODELLED_TRAINER_OPTIMS``) is an error naming it, as is a weight decay, nesterov or RMSprop
   momentum that gives torch's SGD, RMSprop or Adagrad a temporary or state not modelled;
 * ``deepspeed`` (a path or an inline config) -> the DeepSpeed reader; ``fsdp``/``fsdp_config`` ->

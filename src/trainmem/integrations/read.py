@@ -38,6 +38,7 @@ OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
     "bitsandbytes.Lion32bit": ("lion32bit", ""), "bitsandbytes.Lion8bit": ("lion8bit", ""),
     "bitsandbytes.PagedLion32bit": ("paged-lion32bit", ""), "bitsandbytes.PagedLion8bit": ("paged-lion8bit", ""),
     "bitsandbytes.RMSprop32bit": ("rmsprop32bit", ""), "bitsandbytes.RMSprop8bit": ("rmsprop8bit", ""),
+    "bitsandbytes.AdEMAMix32bit": ("ademamix", ""), "bitsandbytes.AdEMAMix8bit": ("ademamix8bit", ""),
     "torchao.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.AdamW4bit": ("torchao-adamw4bit", ""),
 }
 
@@ -48,8 +49,8 @@ _TORCH_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adafactor", "RMSprop", "Adagrad")
 
 #: TrainingArguments ``optim`` -> optimizer class name above, for a run whose optimizer is not
 #: built yet (transformers 5.24 ``trainer_optimizer.py``'s ``_OPTIMIZER_HANDLERS``;
-#: ``_get_bitsandbytes_optimizer`` builds ``AdamW``, ``Lion`` or ``RMSprop`` with ``optim_bits=8 if
-#: "8bit" in optim else 32`` and, but for RMSprop, ``is_paged="paged" in optim``;
+#: ``_get_bitsandbytes_optimizer`` builds ``AdamW``, ``Lion``, ``RMSprop`` or ``AdEMAMix`` with
+#: ``optim_bits=8 if "8bit" in optim else 32`` and, but for RMSprop, ``is_paged="paged" in optim``;
 #: ``_get_torchao_optimizer`` ``torchao.optim.AdamW4bit``/``AdamW8bit``; ``_get_sgd``,
 #: ``_get_rmsprop``, ``_get_adagrad`` torch's classes with what ``optim_args`` gives).
 TRAINER_OPTIMS = {
@@ -61,6 +62,7 @@ TRAINER_OPTIMS = {
     "paged_lion_32bit": "bitsandbytes.PagedLion32bit", "paged_lion_8bit": "bitsandbytes.PagedLion8bit",
     "rmsprop_bnb": "bitsandbytes.RMSprop32bit", "rmsprop_bnb_32bit": "bitsandbytes.RMSprop32bit",
     "rmsprop_bnb_8bit": "bitsandbytes.RMSprop8bit",
+    "ademamix": "bitsandbytes.AdEMAMix32bit", "ademamix_8bit": "bitsandbytes.AdEMAMix8bit",
     "adamw_torch_8bit": "torchao.AdamW8bit", "adamw_torch_4bit": "torchao.AdamW4bit",
 }
 
@@ -72,8 +74,9 @@ UNMODELLED_TRAINER_OPTIMS = {
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs (trainmem models CUDA and CPU)",
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW keeps its moments in the dtypes optim_args name, "
                           "with an optional Kahan compensation buffer",
-    **dict.fromkeys(("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
-                    "bitsandbytes' AdEMAMix keeps a second, slow momentum beside Adam's two states"),
+    **dict.fromkeys(("paged_ademamix_32bit", "paged_ademamix_8bit"),
+                    "bitsandbytes' paged AdEMAMix pages its two-momentum state1 through F.get_paged directly "
+                    "(ademamix.py, _get_state_double_buffer), which the tracer does not follow"),
     **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor"), _LOW_RANK.format("galore_torch")),
     **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"),
                     _LOW_RANK.format("galore_torch") + ", one optimizer per parameter stepped in backward"),
@@ -142,6 +145,8 @@ def optimizer_key(optimizer) -> str:
     cls = type(optimizer)
     package = cls.__module__.partition(".")[0]
     if package == "bitsandbytes":
+        if "AdEMAMix" in cls.__name__ and not any(c.__name__ == "AdEMAMix" for c in cls.__mro__):
+            return f"bitsandbytes.{cls.__name__} (Adam's layout, not AdEMAMix's two momenta)"  # AdEMAMix32bit
         bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
         stem = cls.__name__.removeprefix("Paged").removesuffix("8bit").removesuffix("32bit")
         return f"bitsandbytes.{'Paged' if getattr(optimizer, 'is_paged', False) else ''}{stem}{bits}bit"

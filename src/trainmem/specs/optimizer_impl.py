@@ -22,7 +22,8 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "adagrad": ("foreach", "for-loop", "fused"),  # adagrad.py, _fused_adagrad (CPU and CUDA)
     # bitsandbytes (one CUDA kernel per parameter) and torchao (a compiled step per parameter)
     **dict.fromkeys(("adam8bit", "adamw8bit", "paged-adamw8bit", "paged-adamw32bit", "lion32bit", "lion8bit",
-                     "paged-lion8bit", "paged-lion32bit", "rmsprop8bit", "rmsprop32bit"), ("fused",)),
+                     "paged-lion8bit", "paged-lion32bit", "rmsprop8bit", "rmsprop32bit", "ademamix", "ademamix8bit"),
+                    ("fused",)),
     "torchao-adamw8bit": ("fused",),
     "torchao-adamw4bit": ("fused",),
 }
