@@ -30,7 +30,7 @@ from trainmem.estimate.notes import estimate_notes, lora_targets_note
 from trainmem.estimate.model_states import model_state_inventory, model_state_items, optimizer_transient
 from trainmem.estimate.optimizer_step import optimizer_impl_used
 from trainmem.estimate.parallel import RankClass, rank_classes
-from trainmem.estimate.peak import Phase, PhasedResult, phases, recompute_per_layer
+from trainmem.estimate.peak import Compiled, Phase, PhasedResult, PhaseInputs, Recompute, phases, recompute_per_layer
 from trainmem.inventory import Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 from trainmem.specs.finetune import FinetuneSpec
@@ -180,27 +180,30 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         working = {**(working or {}), "forward": {**(working or {}).get("forward", {}), **held}}
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
-    ph = phases(
-        inv, B=step.batch, S=step.seq, vocab=logits_width(model),
+    ph = phases(inv, PhaseInputs(
+        batch=step.batch, seq=step.seq, vocab=logits_width(model),
         logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
         loss_dtype=lsm.dtype if lsm else "float32",
-        grad_accum=step.grad_accum, recompute_bytes=recompute,
+        grad_accum=step.grad_accum,
         optimizer_transient=(traced_transient if impl.profile == "traced"
                              else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
-        optimizer_in_backward=impl.optimizer_in_backward, working=working,
-        compiled_loss=impl.compile and impl.compile_scope == "block-loss" and step.loss == "torchtune-chunked-ce",
+        optimizer_in_backward=impl.optimizer_in_backward, working=working or {},
         stack_held=stack_held, stacks=stacks,
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
-        recomputed=plain if recomputes_blocks(impl) and not offload else None,  # block_backward.py, compiled_op_moment.py
-        # estimate/compiled_recompute.py: the MLP activation, Gemma's norm; a fine-tuned compiled block recomputes
-        # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
-        block_math=block_math(model, eager_set=impl.compile and finetune is not None,
-                              one_graph=impl.compile and impl.compile_scope == "model"),
-        head_graph_apart=head_graph_apart(impl),  # estimate/compiled_embedding_backward.py
-        attention_recompute=impl.recompute == "selective",  # its blocks' node moments read their saved sets
-    )
+        recompute=Recompute(
+            per_block=recompute,
+            recomputed=plain if recomputes_blocks(impl) and not offload else None,  # block_backward.py, compiled_op_moment.py
+            attention_only=impl.recompute == "selective"),  # its blocks' node moments read their saved sets
+        compiled=Compiled(
+            loss=impl.compile and impl.compile_scope == "block-loss" and step.loss == "torchtune-chunked-ce",
+            # estimate/compiled_recompute.py: the MLP activation, Gemma's norm; a fine-tuned compiled block recomputes
+            # its eager set (plain_impl above: estimate/compiled_finetune_moment.py)
+            block_math=block_math(model, eager_set=impl.compile and finetune is not None,
+                                  one_graph=impl.compile and impl.compile_scope == "model"),
+            head_graph_apart=head_graph_apart(impl)),  # estimate/compiled_embedding_backward.py
+    ))
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
         ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(

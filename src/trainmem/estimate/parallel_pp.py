@@ -141,7 +141,7 @@ def _outlive(items: list[MemoryItem]) -> int:
 
 def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batch: int, seq: int) -> dict[str, int]:
     """What the caller's batch adds beside a stage's items in each phase but the optimizer's (whose ids one device
-    leaves out too: ``peak._caller_ids``), under torch.distributed.pipelining. The caller passes the whole batch to
+    leaves out too: ``phase_parts.caller_ids``), under torch.distributed.pipelining. The caller passes the whole batch to
     ``step()`` (torchtitan's ``pp_schedule.step(inputs)`` on the first stage, ``step(target=labels, losses=...)``
     on the last) and holds it until ``step()`` returns; ``split_args_kwargs_into_chunks``
     (torch/distributed/pipelining/microbatch.py) cuts it with ``torch.tensor_split``, views:
