@@ -64,7 +64,7 @@ def test_to_dict_of_a_real_run(tmp_path):
     ("paged_adamw_8bit", "paged-adamw8bit", None, None),  # paged states: their own figure, no note needed
     ("paged_adamw_32bit", "paged-adamw32bit", None, None),
     ("adamw_torch_8bit", "torchao-adamw8bit", None, None),  # torchao.optim.AdamW8bit
-    ("adamw_torch_4bit", "torchao-adamw4bit", None, None),
+    ("adamw_torch_4bit", "torchao-adamw4bit-block256", None, None),  # AdamW4bit(block_size=256)
     ("adafactor", "adafactor", None, None),
     ("sgd", "sgd", None, None),
     # _get_bitsandbytes_optimizer: Lion / RMSprop with optim_bits=8 if "8bit" in optim else 32, is_paged

@@ -155,7 +155,7 @@ def test_seq_must_be_readable_or_given():
     ("paged_adamw_32bit", "paged-adamw32bit", "auto", "auto", None),
     # torchao (trainer_optimizer.py, _get_torchao_optimizer): its compiled per-parameter step
     ("adamw_torch_8bit", "torchao-adamw8bit", "auto", "auto", None),
-    ("adamw_torch_4bit", "torchao-adamw4bit", "auto", "auto", None),
+    ("adamw_torch_4bit", "torchao-adamw4bit-block256", "auto", "auto", None),  # block_size=256
     ("adafactor", "adafactor", "auto", "auto", None),
 ])
 def test_trainer_optim_names(optim, name, on_cpu, on_cuda, note):

@@ -163,6 +163,7 @@ def _torchao_rule(block: int, fp32_copies: int, packed: float, index_bytes: int)
 
 _rule(("torchao-adamw8bit",), ("fused",))(_torchao_rule(256, 2, 0, 0))
 _rule(("torchao-adamw4bit",), ("fused",))(_torchao_rule(128, 2, 2, 16))
+_rule(("torchao-adamw4bit-block256",), ("fused",))(_torchao_rule(256, 2, 2, 16))  # the same code, 256-value blocks
 
 
 def step_temporaries(step: StepSpec, impl: ImplSpec, stepped: Stepped) -> tuple[int, str]:

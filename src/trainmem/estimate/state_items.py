@@ -54,8 +54,10 @@ _BNB_MIN_PAGED = 100_000  # get_state_buffer: `not self.is_paged or p.numel() < 
 _BNB_QMAP = 256  # functional.create_dynamic_map: 256 values, fp32
 _TORCHAO_MIN = 4096  # adam.py, _new_buffer: "follow bitsandbytes, only quantize tensors >= 4096 values"
 #: torchao optimizer -> (block size, codes per byte, qmap entries): AdamW8bit(block_size=256) and
-#: AdamW4bit(block_size=128); subclass_8bit.get_qmap_signed: 256 entries, subclass_4bit's: 16
-TORCHAO = {"torchao-adamw8bit": (256, 1, 256), "torchao-adamw4bit": (128, 2, 16)}
+#: AdamW4bit(block_size=128); subclass_8bit.get_qmap_signed: 256 entries, subclass_4bit's: 16.
+#: transformers' adamw_torch_4bit builds AdamW4bit(block_size=256) (trainer_optimizer.py, _get_torchao_optimizer)
+TORCHAO = {"torchao-adamw8bit": (256, 1, 256), "torchao-adamw4bit": (128, 2, 16),
+           "torchao-adamw4bit-block256": (256, 2, 16)}
 #: bitsandbytes optimizer -> (states per tensor, bits, paged, copies in state1): ``Optimizer2State``
 #: (Adam) keeps two, ``Optimizer1State`` (Lion, RMSprop) one; ``optim_bits`` and ``is_paged`` as its
 #: class sets them. ``AdEMAMix.init_state`` (``optim/ademamix.py``) makes ``state1`` of shape

@@ -40,6 +40,7 @@ OPTIMIZER_CLASSES: dict[str, tuple[str, str]] = {
     "bitsandbytes.RMSprop32bit": ("rmsprop32bit", ""), "bitsandbytes.RMSprop8bit": ("rmsprop8bit", ""),
     "bitsandbytes.AdEMAMix32bit": ("ademamix", ""), "bitsandbytes.AdEMAMix8bit": ("ademamix8bit", ""),
     "torchao.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.AdamW4bit": ("torchao-adamw4bit", ""),
+    "torchao.AdamW4bit(block_size=256)": ("torchao-adamw4bit-block256", ""),
 }
 
 #: torch.optim classes, whose ``defaults`` hold ``foreach``/``fused`` (None: torch chooses).
@@ -63,7 +64,8 @@ TRAINER_OPTIMS = {
     "rmsprop_bnb": "bitsandbytes.RMSprop32bit", "rmsprop_bnb_32bit": "bitsandbytes.RMSprop32bit",
     "rmsprop_bnb_8bit": "bitsandbytes.RMSprop8bit",
     "ademamix": "bitsandbytes.AdEMAMix32bit", "ademamix_8bit": "bitsandbytes.AdEMAMix8bit",
-    "adamw_torch_8bit": "torchao.AdamW8bit", "adamw_torch_4bit": "torchao.AdamW4bit",
+    # _get_torchao_optimizer passes block_size=optim_args.get("block_size", 256): 256 for both classes
+    "adamw_torch_8bit": "torchao.AdamW8bit", "adamw_torch_4bit": "torchao.AdamW4bit(block_size=256)",
 }
 
 _LOW_RANK = "projects the gradients of optim_target_modules to rank-r subspaces ({}): projections and low-rank states"
@@ -103,6 +105,9 @@ def trainer_optim(optim: str, optim_args: str | None, weight_decay: float = 0.0)
                                f"(modelled: {', '.join(TRAINER_OPTIMS)})")
     cls = TRAINER_OPTIMS[optim]
     kwargs = dict(kv.split("=", 1) for kv in (optim_args or "").replace(" ", "").split(",") if "=" in kv)
+    if cls.startswith("torchao.") and "block_size" in kwargs:  # handed on as the string it was parsed into
+        raise UnsupportedError(f"optim={optim!r} with optim_args block_size={kwargs['block_size']}: not modelled "
+                               "(transformers passes it to torchao unconverted)")
     defaults: dict = {"weight_decay": weight_decay}
     if cls in ("SGD", "RMSprop", "Adagrad"):  # _get_sgd, _get_rmsprop, _get_adagrad: floats and flags
         for key in ("momentum", "weight_decay"):
@@ -150,7 +155,12 @@ def optimizer_key(optimizer) -> str:
         bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
         stem = cls.__name__.removeprefix("Paged").removesuffix("8bit").removesuffix("32bit")
         return f"bitsandbytes.{'Paged' if getattr(optimizer, 'is_paged', False) else ''}{stem}{bits}bit"
-    if package == "torchao":
+    if package == "torchao":  # a block size other than the class's default is part of the name
+        import inspect
+        default = inspect.signature(cls.__init__).parameters.get("block_size")
+        block = getattr(optimizer, "block_size", None)
+        if default is not None and block is not None and block != default.default:
+            return f"torchao.{cls.__name__}(block_size={block})"
         return f"torchao.{cls.__name__}"
     return cls.__name__
 

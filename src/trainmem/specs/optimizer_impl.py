@@ -26,6 +26,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
                     ("fused",)),
     "torchao-adamw8bit": ("fused",),
     "torchao-adamw4bit": ("fused",),
+    "torchao-adamw4bit-block256": ("fused",),
 }
 """optimizer -> its implementations; the first is the one used when the device's default is not
 among them (bitsandbytes' and torchao's single implementation)."""

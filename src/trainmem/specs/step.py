@@ -24,7 +24,8 @@ PRECISION_ALIASES = {
 PRECISIONS = RECIPES + tuple(PRECISION_ALIASES)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "rmsprop", "adagrad", "adam8bit", "adamw8bit",
               "paged-adamw8bit", "paged-adamw32bit", "lion32bit", "lion8bit", "paged-lion8bit", "paged-lion32bit",
-              "rmsprop8bit", "rmsprop32bit", "ademamix", "ademamix8bit", "torchao-adamw8bit", "torchao-adamw4bit")
+              "rmsprop8bit", "rmsprop32bit", "ademamix", "ademamix8bit", "torchao-adamw8bit", "torchao-adamw4bit",
+              "torchao-adamw4bit-block256")
 LOSSES = ("ce", "chunked-ce", "fused-ce", "torchtune-chunked-ce", "litgpt-chunked-ce")
 #: the frameworks' own chunked losses (estimate/losses.py, trace/losses.py), and their chunking
 FRAMEWORK_LOSSES = ("torchtune-chunked-ce", "litgpt-chunked-ce")
@@ -94,7 +95,7 @@ _LOW_BIT_STATES = {"adam8bit": "8-bit blockwise", "adamw8bit": "8-bit blockwise"
                    "torchao-adamw4bit": "4-bit blockwise", "lion32bit": "fp32", "lion8bit": "8-bit blockwise",
                    "paged-lion8bit": "paged 8-bit blockwise", "paged-lion32bit": "paged fp32",
                    "rmsprop8bit": "8-bit blockwise", "rmsprop32bit": "fp32", "ademamix": "fp32",
-                   "ademamix8bit": "8-bit blockwise"}
+                   "ademamix8bit": "8-bit blockwise", "torchao-adamw4bit-block256": "4-bit blockwise"}
 
 
 def describe_precision(name: str) -> str:
@@ -135,7 +136,8 @@ class StepSpec:
     lion8bit (Lion8bit), paged-lion8bit (PagedLion8bit), paged-lion32bit (PagedLion32bit),
     rmsprop8bit (RMSprop8bit), rmsprop32bit (RMSprop32bit), ademamix (``AdEMAMix``, 32-bit: three
     states, two momenta and the variance) and ademamix8bit (AdEMAMix8bit); torchao's torchao-adamw8bit and
-    torchao-adamw4bit (``torchao.optim.AdamW8bit``/``AdamW4bit``). docs/optimizers.md has their
+    torchao-adamw4bit (``torchao.optim.AdamW8bit``/``AdamW4bit``), and torchao-adamw4bit-block256
+    (``AdamW4bit(block_size=256)``, what transformers' ``adamw_torch_4bit`` builds). docs/optimizers.md has their
     state layouts and step temporaries."""
     loss: str = "ce"
     """ce (full fp32 logits), chunked-ce (logits per chunk, recomputed in backward), fused-ce

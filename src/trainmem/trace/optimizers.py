@@ -52,6 +52,9 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
     _register_bnb_more(low.BNB_CLASSES)
     if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
         return low.make_bnb_optimizer(name, params)
+    if name == "torchao-adamw4bit-block256":
+        raise UnsupportedError(f"optimizer={name!r} is estimated, not traced: the tracer builds torchao's "
+                               "AdamW4bit with its own 128-value block (trace/torchao_optim.py)")
     if name in low.TORCHAO_CLASSES:  # its compiled step, buffers seen (trace/torchao_optim.py)
         return low.make_torchao_optimizer(name, params)
     raise UnsupportedError(f"optimizer {name!r} cannot be traced on CPU (no CPU implementation in torch)")
