@@ -227,8 +227,9 @@ def every_k_counts(ranks: list[list[tuple[int, int]]]) -> tuple[tuple[int, int],
     """``ImplSpec.recompute_counts`` for pipeline ranks, each given as its stages' ``[start, end)`` blocks in
     the order the rank builds them: torchtitan's ``_apply_layer_sac`` (distributed/activation_checkpoint.py)
     increments a module-level ``_layer_sac_count`` for every block ``apply_ac`` wraps, and ``apply_ac`` runs
-    once per model part a rank holds (``parallelize_fn`` over ``model_parts``, train.py), so the count runs
-    over a rank's own blocks, on across its virtual stages, and never over another rank's."""
+    once per model part a rank holds (distributed/pipeline_parallel.py: ``pipeline_module_split``, then
+    ``parallelize_fn`` on each of ``model_parts`` in order), so the count runs over a rank's own blocks, on across
+    its virtual stages, and never over another rank's."""
     counts = []
     for stages in ranks:
         done = 0
