@@ -4,13 +4,16 @@ saved column-major fp8 weight copies, torch 2.13's static indices) and compiled_
 without weight casts) against the compiled trace under FSDP2 on the fake process group. Exact (==): the saved set
 (+ each block's 7 forward scales, the parameters', not autograd's) and the backward's peak, to the byte. Refused before
 (only fsdp-bf16 was traced); the rules already read these once traced. fp32 weights (fp32, amp-bf16) stay refused: with
-few tokens beside fp32 weight gradients block 0's attention backward peaks above the modelled moments.
+few tokens beside fp32 weight gradients block 0's attention backward peaks above the modelled moments. The checkpointed
+blocks (``--recompute full`` and ``op``: compiled_float8_recompute.py, compiled_float8_op.py ``gathered_scales``) read
+the compiled set without checkpointing, so the lift reaches them too: checked below (``CHECKPOINTED``).
 """
 
 from __future__ import annotations
 
 import pytest
-from test_float8_compiled_recompute import FSDP2, GQA, LLAMA, WIDE, WIDE_F, _backward_peak, _case_estimate, _case_trace
+from test_float8_compiled_recompute import FSDP2, GQA, HOST_RNG, LLAMA, WIDE, WIDE_F, _backward_peak, _case_estimate
+from test_float8_compiled_recompute import _case_trace
 from test_float8_compiled_recompute import _trace_backward_peak
 
 from trainmem.errors import UnsupportedError
@@ -62,4 +65,44 @@ def test_estimate_equals_the_gathered_trace(case):
     t, e = _case_trace(*_args(precision, shape)), _case_estimate(*_args(precision, shape))
     blocks = args[0]["num_hidden_layers"]
     assert t.meta["compile"]["saved_compiled_bytes"] + 4 + blocks * 7 * 4 == saved == e.totals_bytes["activation"]
+    assert _trace_backward_peak(t) == _backward_peak(e) == traced
+
+
+# --recompute full and op with the fp8 all-gather in bf16/fp16 (torchtitan's FSDP + compile + Float8 rows without a
+# MixedPrecisionPolicy): (config, precision, batch, seq, recompute) -> (the estimate's activations, the traced backward
+# peak); fp16 reads bf16's bytes
+CHECKPOINTED = {
+    "llama_full": ((LLAMA, "bf16", 2, 64, "full"), 236096, 1335264),
+    "llama_op": ((LLAMA, "bf16", 2, 64, "op"), 391804, 1335264),
+    "llama_op_fp16": ((LLAMA, "fp16", 2, 64, "op"), 391804, 1335264),
+    "gqa_full": ((GQA, "bf16", 2, 64, "full"), 236096, 1277920),
+    "gqa_op": ((GQA, "bf16", 2, 64, "op"), 375420, 1277920),
+    "wide_full": ((WIDE, "bf16", 2, 96, "full"), 550748, 2773072),  # block 1's moment, three blocks
+    "wide_op": ((WIDE, "bf16", 2, 96, "op"), 882614, 2883694),
+    "few_tokens_full": ((WIDE_F, "bf16", 1, 32, "full"), 84680, 2153752),
+    "few_tokens_op": ((WIDE_F, "bf16", 1, 32, "op"), 137988, 2153752),
+    "few_tokens_op_fp16": ((WIDE_F, "fp16", 1, 32, "op"), 137988, 2153752),
+}
+
+
+def _checkpointed(config, precision, batch, seq, recompute) -> tuple:
+    return config, precision, batch, seq, FSDP2, "tensorwise", recompute, True
+
+
+def test_the_checkpointed_cases_estimate_their_traced_backward_peak():
+    for case, (args, saved, traced) in CHECKPOINTED.items():
+        e = _case_estimate(*_checkpointed(*args))
+        assert (e.totals_bytes["activation"], _backward_peak(e)) == (saved, traced), case
+
+
+@pytest.mark.slow  # ten FSDP2 compiled traces on the fake process group, 5-35 s each
+@pytest.mark.parametrize("case", sorted(CHECKPOINTED))
+def test_the_checkpointed_estimate_equals_the_gathered_trace(case):
+    args, saved, traced = CHECKPOINTED[case]
+    t, e = _case_trace(*_checkpointed(*args)), _case_estimate(*_checkpointed(*args))
+    # the saved set less each checkpointed block's host generator state, plus (op) the kept mms' forward scales,
+    # alive as the parameters' (compiled_float8_op.py gathered_scales)
+    params = sum(i.bytes for i in e.inventory if i.name.endswith(".param_scale"))
+    rng = args[0]["num_hidden_layers"] * HOST_RNG
+    assert t.meta["compile"]["saved_compiled_bytes"] + 4 - rng + params == saved == e.totals_bytes["activation"]
     assert _trace_backward_peak(t) == _backward_peak(e) == traced
