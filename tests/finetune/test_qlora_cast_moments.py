@@ -84,3 +84,19 @@ def test_forward_gemm_moment_is_above_the_trace_by_the_hidden_dequantization():
     e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=QLORA)
     assert e.peak_phase == "forward" and t.peak_op == "nll_loss_forward"
     assert e.peak_bytes - t.peak_logical_bytes == 432
+
+
+def test_dequant_transient_under_a_cast_as_integers():
+    """With the MLP adapted (no 4-bit node moments) every backward phase carries the largest weight dequantized to
+    fp32 and its bf16 copy (MatMul4Bit.backward), the forward's gemm_4bit only the bf16 one (``backward=``)."""
+    from trainmem.estimate.finetune import dequant_transient, with_dequant_transient
+    from trainmem.estimate.phase import Phase
+
+    model = spec_from_hf_config(LLAMA)
+    assert dequant_transient(model, QLORA)[0] == 176 * 64 * 2
+    assert dequant_transient(model, QLORA, weight_dtype="bfloat16")[0] == 176 * 64 * 2  # no copy: the same dtype
+    assert dequant_transient(model, QLORA, weight_dtype="float32")[0] == 176 * 64 * (4 + 2) == 67_584
+    phases = [Phase("forward", 10, {"logits": 0}, ""), Phase("backward", 10, {"work": 10}, "")]
+    got = with_dequant_transient(phases, *dequant_transient(model, QLORA),
+                                 backward=dequant_transient(model, QLORA, weight_dtype="float32"))
+    assert [p.parts["dequant_temporary"] for p in got] == [22_528, 67_584]

@@ -280,13 +280,16 @@ def finetune_optimizer_transient(items: list[MemoryItem], step: StepSpec, impl=N
 
 # QLoRA's dequantization temporaries -------------------------------------------------------------------
 
-def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None, compiled: bool = False) -> tuple[int, str]:
+def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None, compiled: bool = False,
+                      weight_dtype: str | None = None) -> tuple[int, str]:
     """One dequantized base weight at a time, in the compute dtype, while a 4-bit matmul runs in a
     block (forward, and again for the input gradient in backward): the largest 4-bit block weight.
     Zero unless qlora. The output head's, when it is 4-bit, is :func:`head_dequant`. Eager torchao
     NF4 holds more (:func:`torchao_nf4_dequant_bytes`); ``compiled``: inductor fuses its pointwise
     ops, so at most the weight itself is made (a real inductor call on CPU showed only its output's
-    storage; not checked at scale or on CUDA)."""
+    storage; not checked at scale or on CUDA). ``weight_dtype``: the dtype the weights were quantized from (the
+    step's parameter dtype); where it is not the compute dtype, bitsandbytes' ``MatMul4Bit.backward`` holds the
+    weight dequantized to it and its copy in the compute dtype at once (estimate/quant4bit_moments.py)."""
     if spec is None or spec.mode != "qlora":
         return 0, ""
     sizes = [(math.prod(s), n) for n, s in parameter_shapes(model)
@@ -299,6 +302,10 @@ def dequant_transient(model: ModelSpec, spec: FinetuneSpec | None, compiled: boo
         return torchao_nf4_dequant_bytes(numel, b, spec.quant_block), (
             f"dequantizing {name} (torchao NF4Tensor.get_original_weight: int64 codes 8·numel + "
             f"3·numel·{b:g} + scalers numel/{spec.quant_block}·{b:g})")
+    if weight_dtype is not None and weight_dtype != spec.compute_dtype and spec.quant_impl in ("bnb", "bnb-legacy"):
+        w = dtype_bytes(weight_dtype)
+        return int(numel * (w + b)), (f"dequantized {name} (largest 4-bit weight) in {weight_dtype} and its "
+                                      f"{spec.compute_dtype} copy, numel·({w:g} + {b:g})")
     return int(numel * b), f"dequantized {name} (largest 4-bit weight, numel·{b:g})"
 
 
@@ -325,7 +332,8 @@ def head_dequant(model: ModelSpec, step: StepSpec, spec: FinetuneSpec | None) ->
 
 
 def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_bytes: int = 0,
-                           logits_bytes: int = 0, node_moments_hold_it: bool = False) -> list[Phase]:
+                           logits_bytes: int = 0, node_moments_hold_it: bool = False,
+                           backward: tuple[int, str] | None = None) -> list[Phase]:
     """Add the dequantized weight to the phases that run a 4-bit matmul. Each block's backward
     holds the largest block weight's (``nbytes``). The end of forward and the loss backward run
     only the head: with a 4-bit head (``head_bytes``, :func:`head_dequant`) its matmul holds the
@@ -334,9 +342,12 @@ def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_byte
     the forward phase is at least the largest block matmul's moment (the activations so far, at most
     all of them, plus ``nbytes``). ``node_moments_hold_it``: the block's 4-bit matmul moments are node moments that
     count it (estimate/quant4bit_moments.py), so a backward phase at a node moment (``node_work``) gets nothing more:
-    its other nodes (the MLP product's ``MulBackward0``, the RMSNorms') run no 4-bit matmul."""
+    its other nodes (the MLP product's ``MulBackward0``, the RMSNorms') run no 4-bit matmul. ``backward``: what
+    the blocks' backward matmuls hold instead (:func:`dequant_transient` with ``weight_dtype``: the weight
+    dequantized to its own dtype and its compute-dtype copy), where the forward's ``gemm_4bit`` holds ``nbytes``."""
     if not nbytes and not head_bytes:
         return phases
+    back, back_why = backward or (nbytes, why)
     out = []
     for p in phases:
         if p.name == "forward":
@@ -345,11 +356,12 @@ def with_dequant_transient(phases: list[Phase], nbytes: int, why: str, head_byte
         elif p.name == "backward_start":
             add = max(0, head_bytes + logits_bytes - p.parts.get("logits_grad", 0)) if head_bytes else 0
         elif p.name.startswith("backward") and p.name != "backward_end":
-            add = 0 if node_moments_hold_it and "node_work" in p.parts else nbytes
+            add = 0 if node_moments_hold_it and "node_work" in p.parts else back
         else:
             add = 0
         if add:
-            what = "the dequantized 4-bit head" if p.name in ("forward", "backward_start") and head_bytes else why
+            what = "the dequantized 4-bit head" if p.name in ("forward", "backward_start") and head_bytes else \
+                back_why if p.name.startswith("backward") else why
             p = Phase(p.name, p.bytes + add, {**p.parts, "dequant_temporary": add}, f"{p.note}; + {what}")
         out.append(p)
     return out
