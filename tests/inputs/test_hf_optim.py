@@ -72,6 +72,8 @@ def test_a_name_transformers_lacks_is_refused(tmp_path):
     ({"optim": "lion_8bit", "weight_decay": 0.1}, "lion8bit"),  # bitsandbytes: inside its kernel
     ({"optim": "adagrad", "optim_args": "lr_decay=0.01,eps=1e-6"}, "adagrad"),
     ({"optim": "rmsprop_bnb_8bit", "optim_args": "momentum=0.9"}, "rmsprop8bit"),  # one state whatever momentum
+    # Trainer.create_optimizer's param groups carry args.weight_decay (0 here), overriding optim_args'
+    ({"optim": "sgd", "optim_args": "weight_decay=0.01"}, "sgd"),
 ])
 def test_settings_that_keep_the_layout(tmp_path, d, optimizer):
     a = read_hf_args(_written(tmp_path, d))
@@ -81,7 +83,6 @@ def test_settings_that_keep_the_layout(tmp_path, d, optimizer):
 @pytest.mark.parametrize("d, needle", [
     # torch/optim/sgd.py, _single_tensor_sgd: grad = grad.add(param, alpha=weight_decay), out of place
     ({"optim": "sgd", "weight_decay": 0.01}, "optim='sgd' with weight_decay=0.01"),
-    ({"optim": "sgd", "optim_args": "weight_decay=0.01"}, "optim='sgd' with weight_decay=0.01"),
     ({"optim": "sgd", "optim_args": "momentum=0.9,nesterov=True"}, "optim='sgd' with nesterov=True"),
     ({"optim": "adagrad", "weight_decay": 0.1}, "optim='adagrad' with weight_decay=0.1"),
     ({"optim": "rmsprop", "optim_args": "momentum=0.9"}, "optim='rmsprop' with momentum=0.9"),  # momentum_buffer
@@ -132,3 +133,29 @@ def test_ademamix32bit_class_is_not_read_as_transformers_ademamix():
     assert optimizer_of(bnb.optim.AdEMAMix8bit(p), device="cuda").value == ("ademamix8bit", "auto")
     with pytest.raises(UnsupportedError, match="AdEMAMix32bit"):
         optimizer_of(bnb.optim.AdEMAMix32bit(p), device="cuda")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"optim": "sgd", "optim_args": "weight_decay=0.01"},  # the groups' 0.0 overrides the defaults' 0.01
+    {"optim": "sgd", "optim_args": "momentum=0.9", "weight_decay": 0.01},  # the decay group's 0.01: refused
+    {"optim": "adagrad"}, {"optim": "rmsprop", "optim_args": "centered=True"}, {"optim": "lion_8bit"},
+])
+def test_the_trainers_own_optimizer_reads_as_its_arguments(kwargs, tmp_path):
+    """Trainer.create_optimizer (param groups with weight_decay) builds the optimizer; reading it live
+    and reading the arguments give the same answer, or the same refusal."""
+    pytest.importorskip("torch")
+    if "lion" in kwargs["optim"]:
+        pytest.importorskip("bitsandbytes")
+    from trainmem.models.hf import build_hf_model
+    model = build_hf_model(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, vocab_size=64), attention="sdpa")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+    optimizer = transformers.Trainer(model=model, args=args).create_optimizer()
+    answers = []
+    for read in (lambda: optimizer_of(optimizer, device="cuda"),
+                 lambda: trainer_optim_of(args.optim, args.optim_args, device="cuda", weight_decay=args.weight_decay)):
+        try:
+            answers.append(read().value)
+        except UnsupportedError as e:
+            answers.append(str(e).split(" with ")[1].split(":")[0])  # the setting refused, e.g. weight_decay=0.01
+    assert answers[0] == answers[1]

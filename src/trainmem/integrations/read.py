@@ -108,14 +108,15 @@ def trainer_optim(optim: str, optim_args: str | None, weight_decay: float = 0.0)
     if cls.startswith("torchao.") and "block_size" in kwargs:  # handed on as the string it was parsed into
         raise UnsupportedError(f"optim={optim!r} with optim_args block_size={kwargs['block_size']}: not modelled "
                                "(transformers passes it to torchao unconverted)")
+    # Trainer.create_optimizer gives every parameter group its weight_decay (args.weight_decay or 0.0),
+    # which overrides one that _get_sgd/_get_adagrad put in the defaults from optim_args
     defaults: dict = {"weight_decay": weight_decay}
     if cls in ("SGD", "RMSprop", "Adagrad"):  # _get_sgd, _get_rmsprop, _get_adagrad: floats and flags
-        for key in ("momentum", "weight_decay"):
-            if key in kwargs:
-                try:
-                    defaults[key] = float(kwargs[key])
-                except ValueError:
-                    raise ConfigError(f"optim_args={optim_args!r}: {key} must be a number") from None
+        if "momentum" in kwargs:
+            try:
+                defaults["momentum"] = float(kwargs["momentum"])
+            except ValueError:
+                raise ConfigError(f"optim_args={optim_args!r}: momentum must be a number") from None
         for key in ("nesterov", "centered"):
             defaults[key] = kwargs.get(key, "false").lower() in ("true", "1", "yes")
     if cls in _TORCH_OPTIMIZERS and cls != "Adafactor":  # built with fused=True or neither: torch chooses
