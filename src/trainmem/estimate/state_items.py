@@ -33,8 +33,10 @@ one registered function of (name, shape, numel, states' dtype), read off the rea
   CPU scalar, so it takes no device memory.
 
 Known limitations: one optimizer is assumed (with the optimizer in backward every parameter has its
-own bitsandbytes optimizer and maps: 2 KiB more per 8-bit tensor); sharded states (TP, ZeRO, FSDP)
-are divided, not re-laid out per shard.
+own bitsandbytes optimizer and maps: 1 KiB (one state) or 2 KiB more per 8-bit tensor); sharded
+states (TP, ZeRO, FSDP) are divided, not re-laid out per shard; paged AdEMAMix (its state1 paged by
+``F.get_paged`` directly) and RMSprop's momentum/centered states are not laid out (the readers refuse
+them).
 """
 
 from __future__ import annotations
