@@ -6,8 +6,8 @@ kernels for their update ops (``bitsandbytes/_ops.py``: ``optimizer_update_8bit_
 needs real values: ``Optimizer8bit.fill_qmap`` builds the two quantization maps with ``.tolist()``.
 It runs with fake tensors switched off and the maps are then remade as fake tensors.
 
-Paged states (``PagedAdamW8bit``, ``PagedAdamW32bit``): on CUDA ``Optimizer8bit.get_state_buffer``
-(``bitsandbytes/optim/optimizer.py``) takes a state of a parameter of 1e5 values or more from
+Paged states (``PagedAdamW8bit``, ``PagedAdamW32bit``, ``PagedLion8bit``, ``PagedLion32bit``): on
+CUDA ``Optimizer8bit.get_state_buffer`` (``bitsandbytes/optim/optimizer.py``) takes a state of a parameter of 1e5 values or more from
 ``F.get_paged`` (``bitsandbytes/functional.py``: ``cget_managed_ptr``, i.e. ``cudaMallocManaged``),
 CUDA unified memory outside PyTorch's caching allocator; smaller ones are ``torch.zeros_like`` on
 the device. On CPU it falls back to plain tensors for all of them. The tracer runs that CUDA branch
@@ -60,9 +60,14 @@ def _cuda_state_buffer(opt):
         return buff
     return get_state_buffer
 
-#: trainmem optimizer -> bitsandbytes.optim class
+#: trainmem optimizer -> bitsandbytes.optim class: Adam's two states (``Optimizer2State``), one state
+#: (``Optimizer1State``: Lion, RMSprop), or AdEMAMix's three (``AdEMAMix``, optim_bits=32 by default,
+#: as transformers builds it; not ``AdEMAMix32bit``, an ``Optimizer2State`` of Adam's layout)
 BNB_CLASSES = {"adam8bit": "Adam8bit", "adamw8bit": "AdamW8bit", "paged-adamw8bit": "PagedAdamW8bit",
-               "paged-adamw32bit": "PagedAdamW32bit"}
+               "paged-adamw32bit": "PagedAdamW32bit",
+               "lion32bit": "Lion32bit", "lion8bit": "Lion8bit", "paged-lion8bit": "PagedLion8bit",
+               "paged-lion32bit": "PagedLion32bit", "rmsprop8bit": "RMSprop8bit", "rmsprop32bit": "RMSprop32bit",
+               "ademamix": "AdEMAMix", "ademamix8bit": "AdEMAMix8bit"}
 #: trainmem optimizer -> torchao.optim class
 TORCHAO_CLASSES = {"torchao-adamw8bit": "AdamW8bit", "torchao-adamw4bit": "AdamW4bit"}
 

@@ -14,23 +14,6 @@ __all__ = ["make_optimizer_for", "OptimizerInBackward"]
 _IMPL_KWARGS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 
 
-#: trainmem optimizer -> bitsandbytes.optim class, beyond low_bit_optim's AdamW ones: one state
-#: (``Optimizer1State``: Lion, RMSprop) or AdEMAMix's three (``AdEMAMix``, optim_bits=32 by default,
-#: as transformers builds it; not ``AdEMAMix32bit``, an ``Optimizer2State`` of Adam's layout), made and
-#: traced as ``low_bit_optim.make_bnb_optimizer`` makes the others
-BNB_MORE = {"lion32bit": "Lion32bit", "lion8bit": "Lion8bit", "paged-lion8bit": "PagedLion8bit",
-            "paged-lion32bit": "PagedLion32bit", "rmsprop8bit": "RMSprop8bit", "rmsprop32bit": "RMSprop32bit",
-            "ademamix": "AdEMAMix", "ademamix8bit": "AdEMAMix8bit"}
-
-
-def _register_bnb_more(classes: dict[str, str]) -> None:
-    """Adds :data:`BNB_MORE` to ``low_bit_optim.BNB_CLASSES`` (the table its constructor reads),
-    refusing a name it already maps elsewhere."""
-    for name, cls in BNB_MORE.items():
-        if classes.setdefault(name, cls) != cls:
-            raise ValueError(f"bitsandbytes class for {name!r} registered twice")
-
-
 def _make_optimizer(name: str, params, impl: str = "foreach"):
     import torch
     kw = _IMPL_KWARGS[impl]
@@ -49,7 +32,6 @@ def _make_optimizer(name: str, params, impl: str = "foreach"):
     if name == "adagrad":  # _get_adagrad; makes its `sum` states here, not at the first step
         return torch.optim.Adagrad(params, lr=1e-4, **kw)
     from trainmem.trace import low_bit_optim as low
-    _register_bnb_more(low.BNB_CLASSES)
     if name in low.BNB_CLASSES:  # their one implementation: no foreach/fused keywords
         return low.make_bnb_optimizer(name, params)
     if name == "torchao-adamw4bit-block256":
