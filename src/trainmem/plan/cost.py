@@ -24,10 +24,11 @@ A first-order model for *ranking* configurations, not a performance prediction:
   at ``cpu_adam_params_per_s``; FSDP's CPU offload (``--fsdp --offload params``): each
   micro-batch's gradient shards to the host, the CPU Adam, and the parameter shards to the device
   for the forward's and the backward's all-gathers;
-* bitsandbytes' paged optimizers (``paged-adamw8bit``, ``paged-adamw32bit``): their states sit in
-  CUDA unified memory, which the driver pages to the host only when the device runs short -- the
-  reason to page. Priced as that case: every paged state byte out and back over PCIe each step
-  (2 bytes per trainable parameter for 8-bit states, 8 for 32-bit), an upper bound;
+* bitsandbytes' paged optimizers (``paged-adamw8bit``, ``paged-adamw32bit``, ``paged-lion8bit``,
+  ``paged-lion32bit``): their states sit in CUDA unified memory, which the driver pages to the host
+  only when the device runs short -- the reason to page. Priced as that case: every paged state byte
+  out and back over PCIe each step (per trainable parameter: Adam's two states 2 bytes in 8-bit, 8 in
+  32-bit; Lion's one 1 and 4), an upper bound;
 * activation offload (torchtune's ``OffloadActivations``: saved tensors to pinned host memory on a
   side stream, back before their backward): the offloaded bytes out and back over PCIe per
   micro-batch, overlapped with compute; only what exceeds the compute time counts;
@@ -51,6 +52,7 @@ from trainmem.errors import SpecError
 from trainmem.estimate.float8 import converted_parameters
 from trainmem.estimate.fsdp_offload import cpu_offload
 from trainmem.estimate.params import parameter_shapes
+from trainmem.estimate.state_items import BNB
 from trainmem.inventory import dtype_bytes
 from trainmem.names import is_embedding
 from trainmem.plan.hardware import GPU
@@ -168,8 +170,11 @@ def op_recomputed_parameters(model: ModelSpec) -> int:
     return experts + sum(w for w, bias in block if not policy.save("addmm" if bias else "mm"))
 
 
-#: paged state bytes per trainable parameter (estimate/state_items.py: two uint8 or two fp32 states)
-_PAGED_STATE_BYTES = {"paged-adamw8bit": 2, "paged-adamw32bit": 8}
+#: paged state bytes per trainable parameter, read off estimate/state_items.py's BNB layouts: state1
+#: (``copies`` times over) and state2 when there is one, uint8 or fp32 each; absmax is not paged.
+#: paged-adamw8bit 2, paged-adamw32bit 8, paged-lion8bit 1, paged-lion32bit 4
+_PAGED_STATE_BYTES = {name: (states - 1 + copies) * bits // 8
+                      for name, (states, bits, paged, copies) in BNB.items() if paged}
 
 
 def _bw(gpu: GPU, group: int, inner: int) -> float:
