@@ -206,8 +206,10 @@ def sum_vs_peak(e: Estimate) -> Answer:
 
 
 def _low_bit(step) -> bool:
-    from trainmem.estimate.state_items import BNB_8BIT, TORCHAO
-    return step.optimizer in BNB_8BIT or step.optimizer in TORCHAO or step.optimizer == "paged-adamw32bit"
+    """Whether the optimizer keeps its library's own state dtypes, not the recipe's: bitsandbytes'
+    fp32 or uint8 states whatever the parameter (``init_state``), torchao's quantized ones."""
+    from trainmem.estimate.state_items import BNB, TORCHAO
+    return step.optimizer in BNB or step.optimizer in TORCHAO
 
 
 def mixed_precision(model, step, e: Estimate) -> Answer:
