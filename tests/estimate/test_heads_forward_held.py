@@ -39,8 +39,6 @@ def test_classifier_forward_held_as_integers(head, precision, expected):
     assert classifier_forward_held(_spec(LLAMA, head), StepSpec(batch=1, seq=64, precision=precision)) == expected
 
 
-@pytest.mark.xfail(strict=True, reason="needs resid's estimate/forward_held.py patch (session 15 report): "
-                                       "forward_held returns nothing for a classification head")
 @pytest.mark.parametrize("cfg", [LLAMA, PHI3], ids=["llama", "phi3"])
 @pytest.mark.parametrize("batch,seq", [(1, 64), (2, 32)])
 def test_token_cls_autocast_peak_equals_trace(cfg, batch, seq):

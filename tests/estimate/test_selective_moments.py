@@ -37,8 +37,6 @@ def test_neox_saved_after_attention_as_integers():
 
 
 @pytest.mark.slow  # one fake-tensor trace each
-@pytest.mark.xfail(strict=True, reason="needs resid's estimate/backward_moments.py patch (session 15 report): the "
-                                       "attention core's working set still counts these bytes")
 @pytest.mark.parametrize("batch,seq", [(1, 32), (2, 64)])
 def test_neox_lora_selective_bf16_equals_trace(batch, seq):
     pytest.importorskip("torch")

@@ -15,6 +15,7 @@ from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.cp_ring_moments import before_the_head, ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase_inputs import PhaseInputs
 from trainmem.estimate.phase_parts import StepSums, Timeline, held_and_recomputed, shared_block_inputs, stored_and_new
+from trainmem.estimate.selective_moments import saved_after_attention
 
 __all__ = ["block_phases", "blocks_of"]
 
@@ -113,6 +114,10 @@ def _inside(tl: Timeline, items, inp: PhaseInputs, s: StepSums, blocks: set[int]
     compiled_nb = compiled_checkpoint_moments(items, li, residual, rec_li, **(block_math or {}))
     if eager_nb and (li not in rec_bytes or rc.attention_only) and "recompute_and_work" in parts:
         parts = _uncast_work(parts, s.st.largest.get(li, 0), s.st.largest_uncast.get(li, 0))
+    if eager_nb and li in rec_bytes and rc.attention_only and "recompute_and_work" in parts:
+        # selective: the attention core recomputes after the block's later nodes released what it saved after its
+        # attention (estimate/selective_moments.py)
+        parts = {**parts, "activations": parts["activations"] - saved_after_attention(items, li)}
     if compiled_nb and rec_li is not None:  # they model the block's backward (compiled_op_moment.py: a deferred
         parts = {k: v for k, v in parts.items() if k != "recompute_and_work"}  # recompute holds less)
     last = max(blocks)

@@ -150,7 +150,8 @@ def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inven
     """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile (or the traced
     one, read with the hf rules where the family has them), eager, one device without offload (the caller's
     conditions). ``states``: the model states (which biases are trainable); ``finetune``: a FinetuneSpec or None."""
-    if impl.framework != "hf" or impl.compile or model.head != "lm" or model.arch != "decoder" or \
+    if impl.framework != "hf" or impl.compile or model.head not in ("lm", "seq-cls", "token-cls") or \
+            model.arch != "decoder" or \
             impl.profile not in ("hf", "traced") or family_of(model).rules.forward == "traced":
         return {}
     # --profile traced: the same model's tensors, read with the hf rules where the family has them; the cache's
@@ -165,7 +166,11 @@ def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inven
         if d.autocast:
             out["autocast_unsaved_casts"] = autocast_unsaved_casts(probe)
             out["autocast_bias_cache"] = autocast_bias_cache(states, probe.linears, d.activation)
-            out["head_input_unsaved"] = head_input_unsaved(model, step)
-    if step.loss == "ce":
+            if model.head == "lm":
+                out["head_input_unsaved"] = head_input_unsaved(model, step)
+    if model.head != "lm":  # a classifier: its held hidden states (estimate/heads.py); labels.view(-1), no padding
+        from trainmem.estimate.heads import classifier_forward_held
+        out["head_input_unsaved"] = classifier_forward_held(model, step)
+    elif step.loss == "ce":
         out["padded_labels"] = padded_labels(step.batch, step.seq)
     return {k: v for k, v in out.items() if v}
