@@ -25,8 +25,9 @@ DEFAULT_MODEL = "llama-3-8b"
 PRECISION_HELP = (f"{', '.join(PRECISIONS)}: pure bf16/fp16; amp-* autocast over fp32 weights; mixed-* fp32 "
                   "master; fsdp-bf16 needs --fsdp; megatron-bf16 has fp32 grads; aliases hf-bf16 = amp-bf16 "
                   "(HF Trainer bf16=True), torchtune-bf16 = bf16")
-OPTIMIZER_HELP = (f"{', '.join(OPTIMIZERS)} (adam8bit, adamw8bit, paged-*: bitsandbytes; paged states are "
-                  "reported apart from the peak; torchao-*: torchao's low-bit AdamW; docs/optimizers.md)")
+OPTIMIZER_HELP = (f"{', '.join(OPTIMIZERS)} (rmsprop, adagrad: torch.optim; adam8bit, adamw8bit, lion*, "
+                  "rmsprop8bit/32bit, ademamix*, paged-*: bitsandbytes; paged states are reported apart from "
+                  "the peak; torchao-*: torchao's low-bit AdamW; docs/optimizers.md)")
 
 
 def spec_default(spec: type, name: str):
