@@ -1,42 +1,51 @@
-"""FSDP2's fp8 all-gather at ``--recompute none`` under ``--compile`` per block outside fsdp-bf16 (``--precision bf16``
-and ``fp16``: the parameters themselves in 16 bits, no MixedPrecisionPolicy): estimate/compiled_float8_gathered.py (the
-saved column-major fp8 weight copies, torch 2.13's static indices) and compiled_float8_moment.py (the MLP's moments
-without weight casts) against the compiled trace under FSDP2 on the fake process group. Exact (==): the saved set
-(+ each block's 7 forward scales, the parameters', not autograd's) and the backward's peak, to the byte. Refused before
-(only fsdp-bf16 was traced); the rules already read these once traced. fp32 weights (fp32, amp-bf16) stay refused: with
-few tokens beside fp32 weight gradients block 0's attention backward peaks above the modelled moments. The checkpointed
-blocks (``--recompute full`` and ``op``: compiled_float8_recompute.py, compiled_float8_op.py ``gathered_scales``) read
-the compiled set without checkpointing, so the lift reaches them too: checked below (``CHECKPOINTED``).
+"""FSDP2's fp8 all-gather at ``--recompute none`` under ``--compile`` per block outside fsdp-bf16 (``--precision bf16``,
+``fp16``: the parameters themselves in 16 bits, no MixedPrecisionPolicy; ``fp32``; ``amp-bf16``: fp32 weights under
+autocast): estimate/compiled_float8_gathered.py (the saved column-major fp8 weight copies, torch 2.13's static indices)
+and compiled_float8_moment.py (the MLP's moments without weight casts; the attention's input gradients summed beside
+every weight gradient of the block) against the compiled trace under FSDP2 on the fake process group. Exact (==): the
+saved set (+ each block's 7 forward scales, the parameters', not autograd's) and the backward's peak, to the byte.
+Refused before (only fsdp-bf16 was traced). With few tokens beside fp32 weight gradients (H 128 F 256 B 1 S 32) the
+attention's moment is the step's peak: without it the estimate read 4,010,904 B of 4,096,256 traced (0.979) in fp32,
+3,988,376 of 4,104,448 (0.972) in amp-bf16. The checkpointed blocks (``--recompute full`` and ``op``:
+compiled_float8_recompute.py, compiled_float8_op.py ``gathered_scales``) read the compiled set without checkpointing,
+so the lift reaches them too: checked below (``CHECKPOINTED``), in bf16 and fp16; with fp32 weights they stay refused
+(their moments lack the attention's: H 128 F 256 B 1 S 32 fp32 op read 3,998,616 B of 4,096,256 traced, 0.976).
 """
 
 from __future__ import annotations
 
 import pytest
 from test_float8_compiled_recompute import FSDP2, GQA, HOST_RNG, LLAMA, WIDE, WIDE_F, _backward_peak, _case_estimate
-from test_float8_compiled_recompute import _case_trace
-from test_float8_compiled_recompute import _trace_backward_peak
+from test_float8_compiled_recompute import _case_trace, _trace_backward_peak
 
 from trainmem.errors import UnsupportedError
 
-# (config, batch, seq) -> (the estimate's activations, the traced backward peak), the same in bf16 and fp16 (2 B each)
-SHAPES = {
-    "llama": ((LLAMA, 2, 64), 662136, 1463184),
-    "gqa": ((GQA, 2, 64), 625272, 1377168),
-    "few_tokens": ((WIDE_F, 1, 32), 414976, 2170136),
-    "wide": ((WIDE, 2, 96), 1544624, 3168652),  # three blocks
+_16 = {"llama": (662136, 1463184), "gqa": (625272, 1377168), "few_tokens": (414976, 2170136),
+       "wide": (1544624, 3168652)}  # bf16 and fp16 read the same bytes
+# (precision, shape) -> (the estimate's activations, the traced backward peak); shapes: (config, batch, seq)
+SHAPES = {"llama": (LLAMA, 2, 64), "gqa": (GQA, 2, 64), "few_tokens": (WIDE_F, 1, 32), "wide": (WIDE, 2, 96),
+          "fewer_tokens": (WIDE_F, 1, 16), "wide_few_tokens": (WIDE, 1, 32)}
+CASES = {
+    **{("bf16", k): v for k, v in _16.items()}, **{("fp16", k): v for k, v in _16.items()},
+    ("fp32", "llama"): (1075832, 2399832), ("fp32", "gqa"): (1006200, 2240088),
+    ("fp32", "few_tokens"): (572672, 4096256),  # q's input gradient summed, block 0
+    ("fp32", "fewer_tokens"): (388800, 4046912), ("fp32", "wide"): (2607536, 5374472),
+    ("amp-bf16", "llama"): (748152, 2115352), ("amp-bf16", "gqa"): (711288, 1994520),
+    ("amp-bf16", "few_tokens"): (507136, 4104448),  # q's weight gradient cast from its bf16 mm output, block 0
+    ("amp-bf16", "fewer_tokens"): (388800, 4067392), ("amp-bf16", "wide"): (1812912, 4811244),
+    ("amp-bf16", "wide_few_tokens"): (492088, 3727444),
 }
-CASES = {f"{p}_{s}": (p, s) for p in ("bf16", "fp16") for s in SHAPES}
 
 
 def _args(precision: str, shape: str) -> tuple:
-    (config, batch, seq), *_ = SHAPES[shape]
+    config, batch, seq = SHAPES[shape]
     return config, precision, batch, seq, FSDP2, "tensorwise", "none", True
 
 
 def test_every_case_estimates_its_traced_backward_peak():
-    for case, (precision, shape) in CASES.items():
+    for (precision, shape), expected in CASES.items():
         e = _case_estimate(*_args(precision, shape))
-        assert (e.totals_bytes["activation"], _backward_peak(e)) == SHAPES[shape][1:], case
+        assert (e.totals_bytes["activation"], _backward_peak(e)) == expected, (precision, shape)
 
 
 def test_the_16_bit_parameters_save_what_fsdp_bf16_saves():
@@ -47,23 +56,20 @@ def test_the_16_bit_parameters_save_what_fsdp_bf16_saves():
     assert e.totals_bytes["activation"] == mp.totals_bytes["activation"] == 662136
 
 
-@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
-def test_fp32_weights_gathered_in_fp8_are_refused_by_name(precision):
-    # measured (slow traces, H 128 F 256 B 1 S 32): fp32 4,096,256 B traced, 4,010,904 estimated (0.979), amp-bf16
-    # 4,104,448 and 3,988,376 (0.972): block 0's q/k/v input gradients summed beside all its fp32 weight gradients,
-    # a moment the rules do not model; the tiny Llama, GQA and three-block shapes were exact (2,399,832 / 2,240,088 /
-    # 5,374,472 fp32, 2,115,352 / 1,994,520 / 4,811,244 amp-bf16)
-    with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*fp8 all-gather in fsdp-bf16, bf16 or fp16"):
-        _case_estimate(*_args(precision, "llama"))
+def test_the_attention_moment_with_few_tokens_beside_fp32_weight_gradients():
+    # H 128 F 256 B 1 S 32 fp32, block 0: every weight gradient of the block but the input norm's (4 x (3 x 256 x 128 +
+    # 2 x 128 x 128 + 2 x 32 x 128 + 128) = 557,568 B), the residual gradient, the normalized product, k's and v's
+    # input gradients summed, q's and the sum (5 x 32 x 128 x 4 = 81,920 B): the traced peak, 85,352 B above the MLP's
+    e = _case_estimate(*_args("fp32", "few_tokens"))
+    assert e.peak_bytes == _backward_peak(e) == 4010904 + 85352 == 4096256
 
 
-@pytest.mark.slow  # eight FSDP2 compiled traces on the fake process group, 7-50 s each on 2 shared cores
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_estimate_equals_the_gathered_trace(case):
-    precision, shape = CASES[case]
-    args, saved, traced = SHAPES[shape]
+@pytest.mark.slow  # 21 FSDP2 compiled traces on the fake process group, 7-50 s each on 2 shared cores
+@pytest.mark.parametrize("precision,shape", sorted(CASES))
+def test_estimate_equals_the_gathered_trace(precision, shape):
+    saved, traced = CASES[precision, shape]
     t, e = _case_trace(*_args(precision, shape)), _case_estimate(*_args(precision, shape))
-    blocks = args[0]["num_hidden_layers"]
+    blocks = SHAPES[shape][0]["num_hidden_layers"]
     assert t.meta["compile"]["saved_compiled_bytes"] + 4 + blocks * 7 * 4 == saved == e.totals_bytes["activation"]
     assert _trace_backward_peak(t) == _backward_peak(e) == traced
 
@@ -87,6 +93,15 @@ CHECKPOINTED = {
 
 def _checkpointed(config, precision, batch, seq, recompute) -> tuple:
     return config, precision, batch, seq, FSDP2, "tensorwise", recompute, True
+
+
+@pytest.mark.parametrize("precision,recompute", [("fp32", "full"), ("fp32", "op"), ("amp-bf16", "full")])
+def test_the_checkpointed_fp32_weights_are_refused_by_name(precision, recompute):
+    # traced: tiny Llama fp32 full and op 2,272,032 B, amp-bf16 full 2,099,992, GQA fp32 full 2,161,440 (exact), but
+    # H 128 F 256 B 1 S 32 fp32 op 4,096,256 (3,998,616 estimated: the attention's moment, not in the checkpointed block's
+    # moments); amp-bf16 op is refused by the compiled recompute row (op: pure precisions)
+    with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*under full or op: 16-bit weights"):
+        _case_estimate(*_checkpointed(LLAMA, precision, 2, 64, recompute))
 
 
 def test_the_checkpointed_cases_estimate_their_traced_backward_peak():

@@ -33,6 +33,9 @@ Llama (H 64, F 176, 2 blocks, B 2 S 64) under FSDP2, where ``silu`` is the step'
 amp-bf16 and fsdp-bf16 (tests/estimate/test_float8_compiled_recompute.py ``NONE_CASES``). Inductor fuses the casts'
 pointwise chains (no fp32 copies on a GPU): this is the unfused graph's moment, as compiled_block_moment.py's is.
 
+Under FSDP2's fp8 all-gather one more moment, the attention's input gradients summed beside every weight gradient of
+the block (:func:`_gathered_attention_parts`): the step's peak with few tokens beside fp32 weight gradients.
+
 Under autocast (amp-bf16, :func:`_autocast_parts`) the residual gradient, up_proj's input gradient and the norm's
 product are fp32 (the residual stream's dtype), a 4-byte kept amax is the weight's scale itself (no new scale in
 the weight casts; fp32 too), and two more moments: each fp32 weight gradient beside the bf16 ``_scaled_mm`` output it
@@ -129,8 +132,8 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
          + amax("gate_proj"),
          "work": base + tokens_h * x + norm + fp8_grad_f + w_scale + weight_cast},
     ]
-    if gathered:  # no weight cast moments (down_cast, up_cast, gate_cast)
-        moments = moments[1::2]
+    if gathered:  # no weight cast moments (down_cast, up_cast, gate_cast); the attention's input gradients summed
+        moments = moments[1::2] + _gathered_attention_parts(kept, grads, residual_bytes, a, x, amp["mm_out"] > 0)
     if amp["mm_out"]:  # the fp32 weight gradients made from _scaled_mm's bf16 output, both alive for a moment
         moments += [
             {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
@@ -139,6 +142,30 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
             {**two, "freed_activations": out + copied + up.bytes + o.bytes + scalars("down_proj", "up_proj"),
              "work": base + copy + tokens_f * a + tokens_h * a + norm + amp["mm_out"]},  # up's dX still bf16
         ]
+    return moments
+
+
+def _gathered_attention_parts(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, a: int, x: int,
+                              autocast: bool) -> list[dict[str, int]]:
+    """Under the fp8 all-gather, the end of the attention's backward: q's input gradient summed onto k's and v's
+    (T·H each in the residual stream's dtype ``x``), beside the residual gradient, the recomputed input norm's
+    normalized product (T·H·x, for its weight gradient) and every weight gradient of the block but the input norm's
+    (each the down_proj gradient's bytes per element: one dtype, one sharding); the block's saved set freed but the
+    input norm's rsqrt, the rotary cos/sin too (``after_attention``). Under autocast q's weight gradient is cast from
+    ``_scaled_mm``'s bf16 output (width·H·a beside it) while q's input gradient is still bf16 (T·H·a): a moment of its
+    own (see :func:`_autocast_parts`). Read off the trace of H 128 F 256 B 1 S 32 under FSDP2 (fsdp dp 2, fp32 and
+    amp-bf16: the step's peak, in block 0, where the few tokens sit beside fp32 weight gradients)."""
+    o, gate = kept["self_attn.o_proj.out"], kept["mlp.gate_proj.out"]
+    hidden, width, kv = o.shape[-1], kept["self_attn.q_rope"].shape[-1], kept["self_attn.k_rope"].shape[-1]
+    tokens_h = o.bytes // a
+    elements = 3 * gate.shape[-1] * hidden + 2 * width * hidden + 2 * kv * hidden + hidden  # MLP, o and q, k and v, norm
+    made = grads["down_proj"] * elements // (gate.shape[-1] * hidden)
+    freed = sum(i.bytes for n, i in kept.items() if n != "input_layernorm.rsqrt")
+    at = {"block_gradients": made, "new_gradients": made, "after_attention": 1, "freed_activations": freed}
+    held = residual_bytes + 2 * tokens_h * x  # the residual gradient, the normalized product, k's and v's sum
+    moments = [{**at, "work": held + 2 * tokens_h * x}]  # q's input gradient and the sum
+    if autocast:
+        moments.append({**at, "work": held + tokens_h * a + width * hidden * a})
     return moments
 
 

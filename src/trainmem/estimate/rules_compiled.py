@@ -135,11 +135,10 @@ def check_compiled(ctx: Ctx) -> None:
             # a checkpointed block's backward moments (estimate/compiled_float8_recompute.py): tensorwise, and rowwise
             # under full (compiled_float8_rowwise_recompute.py) and op (compiled_float8_rowwise_op.py), the Llama block
             # (SiLU, two RMSNorms), all converted
-            # and FSDP2's fp8 all-gather at none in fsdp-bf16, bf16 and fp16 (its saved weight copies:
-            # compiled_float8_gathered.py); with fp32 weights (fp32, amp-bf16) the attention's backward with few tokens
-            # beside fp32 weight gradients peaks above the MLP's moments (H 128 F 256 B 1 S 32: 0.979 and 0.972); full
-            # and op read the set without checkpointing, so this row refuses them too (bf16/fp16: traced, exact)
-            or impl.float8_all_gather and impl.recompute == "none" and step.recipe not in ("bf16", "fp16", "fsdp-bf16")
+            # and FSDP2's fp8 all-gather (its saved weight copies: compiled_float8_gathered.py; the attention's input
+            # gradients summed beside the block's weight gradients: compiled_float8_moment.py), traced in every precision
+            # at none; a checkpointed block with fp32 weights lacks that moment (H 128 F 256 B 1 S 32 fp32 op: 0.976)
+            or impl.float8_all_gather and impl.recompute in ("full", "op") and step.recipe in ("fp32", "amp-bf16")
             or (impl.recompute in ("full", "op") or impl.float8_all_gather) and (
                 impl.float8 != "tensorwise" and not (impl.float8 == "rowwise" and impl.recompute in ("full", "op"))
                 or ctx.shard != Shard()
@@ -147,8 +146,8 @@ def check_compiled(ctx: Ctx) -> None:
                 or any(getattr(family_of(m).rules, r) for r in ("unit_offset_norm", "sandwich_norms", "fused_qkv",
                                                                  "fused_gate_up", "post_norms")))),
          "compiled Float8 rules cover --compile-scope block or block-loss, fp32/bf16/fp16/amp-bf16/fsdp-bf16 (rowwise: "
-         "bf16/fsdp-bf16), --recompute none, full or op (full and op: tensorwise, or rowwise), none with the fp8 "
-         "all-gather in fsdp-bf16, bf16 or fp16 (the Llama block with every linear converted), no q/k norms or biases "
+         "bf16/fsdp-bf16), --recompute none, full or op (full, op and the fp8 all-gather: the Llama block with every "
+         "linear converted; the fp8 all-gather under full or op: 16-bit weights), no q/k norms or biases "
          "(estimate/float8.py, estimate/compiled_float8_recompute.py, compiled_float8_op.py; trace --compile)"),
         *(own.refusals(ctx) if own else ()),
     ]
