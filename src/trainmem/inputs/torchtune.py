@@ -12,7 +12,8 @@ supervised fine-tuning recipes are modelled (``recipes/full_finetune_single_devi
 * ``batch_size``, ``gradient_accumulation_steps``, ``tokenizer.max_seq_len`` (with
   ``dataset.packed`` every sequence is that long; without, it is the longest a sample can be),
   ``dtype`` (torchtune builds the model in it: ``bf16`` is pure bf16), ``device``;
-* ``optimizer._component_`` (and ``fused``/``foreach``), ``optimizer_in_bwd`` (full fine-tuning only),
+* ``optimizer._component_`` and the keywords that change its memory (``inputs/torchtune_optim.py``:
+  an optimizer not modelled is an error), ``optimizer_in_bwd`` (full fine-tuning only),
   ``enable_activation_checkpointing``, ``ac_mode``/``ac_option``, ``loss._component_``;
 * the distributed recipes' ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward`` and degrees;
 * ``enable_activation_offloading`` -> ``--offload activations`` on one device (only with
@@ -22,8 +23,8 @@ supervised fine-tuning recipes are modelled (``recipes/full_finetune_single_devi
 * ``compile`` -> ``--compile --compile-scope block-loss`` (each layer and the loss compiled alone:
   ``inputs/compile_keys.py``).
 
-Settings that change memory but are not modelled (paged states,
-DoRA...) are listed in the notes; recipes with more than one model (distillation, DPO, PPO,
+Settings that change memory but are not modelled (DoRA...) are
+listed in the notes; recipes with more than one model (distillation, DPO, PPO,
 GRPO) and quantization-aware training are refused. Keys that do not change memory (logging,
 checkpointing, schedules) are ignored; any other key is an error naming it. Nothing in the file
 is executed: ``_component_`` paths are read as text and the YAML is parsed with ``safe_load``.
@@ -37,6 +38,7 @@ from typing import Any
 from trainmem.errors import ConfigError
 from trainmem.inputs._common import answer, load_mapping, positive_int, typed, unknown_key
 from trainmem.inputs.compile_keys import torchtune_compile
+from trainmem.inputs.torchtune_optim import read_optimizer
 from trainmem.specs.step import DEFAULT_SEQ
 
 __all__ = ["read_torchtune", "torchtune_overrides"]
@@ -62,18 +64,6 @@ _LORA_DEFAULTS = {"apply_lora_to_mlp": False, "apply_lora_to_output": False, "lo
                   "lora_dropout": 0.0, "quantize_base": False, "use_dora": False}
 #: torchtune/training/precision.py, PRECISION_STR_TO_DTYPE: the model is built in this dtype
 _DTYPES = {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
-#: optimizer class path -> (trainmem optimizer, note)
-_OPTIMIZERS: dict[str, tuple[str, str]] = {
-    "torch.optim.AdamW": ("adamw", ""), "torch.optim.Adam": ("adam", ""), "torch.optim.SGD": ("sgd", ""),
-    "bitsandbytes.optim.AdamW8bit": ("adamw8bit", ""), "bitsandbytes.optim.Adam8bit": ("adam8bit", ""),
-    "bitsandbytes.optim.PagedAdamW8bit": ("paged-adamw8bit", ""),
-    "bitsandbytes.optim.PagedAdamW": ("paged-adamw32bit", ""),
-    "bitsandbytes.optim.PagedAdamW32bit": ("paged-adamw32bit", ""),
-    "torchao.optim.AdamW8bit": ("torchao-adamw8bit", ""), "torchao.optim.AdamW4bit": ("torchao-adamw4bit", ""),
-    # torchao < 0.11 kept them under prototype (transformers' _get_torchao_optimizer imports either)
-    "torchao.prototype.low_bit_optim.AdamW8bit": ("torchao-adamw8bit", ""),
-    "torchao.prototype.low_bit_optim.AdamW4bit": ("torchao-adamw4bit", ""),
-}
 #: loss class path -> (trainmem loss, note)
 _LOSSES: dict[str, tuple[str, str]] = {
     "torch.nn.CrossEntropyLoss": ("ce", ""),
@@ -184,7 +174,7 @@ def torchtune_overrides(cfg: dict, where: str = "torchtune") -> dict:
             impl["device"] = device
         else:
             notes.append(f"device={device!r}: estimated with CUDA's kernels")
-    _optimizer(get, step, impl, notes, where)
+    read_optimizer(get, cfg.get("optimizer"), step, impl, where)
     _optimizer_in_bwd(get, step, impl, sec["finetune"], notes, where)
     _loss(get, step, notes, where)
     _checkpointing(get, impl, notes, where)
@@ -317,29 +307,6 @@ def _seq(get, step: dict, notes: list[str], where: str) -> None:
     if not packed:
         notes.append(f"dataset not packed: batches are padded to their longest sample, so seq={max_seq} "
                      f"(tokenizer.max_seq_len) is the most a step sees")
-
-
-def _optimizer(get, step: dict, impl: dict, notes: list[str], where: str) -> None:
-    component = get("_component_", str, "optimizer")
-    if component is None:
-        return
-    if component not in _OPTIMIZERS:
-        notes.append(f"optimizer._component_={component!r} is not modelled: the optimizer is left as given elsewhere")
-        return
-    name, note = _OPTIMIZERS[component]
-    if name == "sgd" and get("momentum", (int, float), "optimizer"):
-        name = "sgd-momentum"
-    step["optimizer"] = name
-    if note:
-        notes.append(note)
-    if component.startswith("torch.optim."):
-        # torch/optim/adamw.py, AdamW(fused=..., foreach=...): fused wins; neither is torch's default
-        if get("fused", bool, "optimizer"):
-            impl["optimizer_impl"] = "fused"
-        elif get("foreach", bool, "optimizer"):
-            impl["optimizer_impl"] = "foreach"
-        elif get("foreach", bool, "optimizer") is False:
-            impl["optimizer_impl"] = "for-loop"
 
 
 def _optimizer_in_bwd(get, step: dict, impl: dict, finetune: dict, notes: list[str], where: str) -> None:
