@@ -34,7 +34,8 @@ _TORCH_CLASSES = ("AdamW", "Adam", "SGD", "RMSprop", "Adagrad")
 #: keyword -> what it adds that trainmem does not model
 _ADAM_UNMODELLED = {"amsgrad": "a max_exp_avg_sq state per parameter", "maximize": "a negated gradient per tensor"}
 _TORCHAO_UNMODELLED = {"amsgrad": "a max_exp_avg_sq state per parameter",
-                       "bf16_stochastic_round": "an fp32 copy of each bf16 parameter in its compiled step"}
+                       # quant_utils.py _fp32_to_bf16_sr: torch.randint int32 bits per value, inside the compiled step
+                       "bf16_stochastic_round": "random int32 bits per value in its compiled step"}
 #: bitsandbytes classes whose constructor takes ``is_paged`` (optim/adam.py, adamw.py, lion.py, ademamix.py)
 _BNB_PAGEABLE = ("Adam", "AdamW", "Lion", "AdEMAMix")
 _BNB_MIN_8BIT = 4096  # Optimizer8bit's min_8bit_size default, the threshold estimate/state_items.py lays out
