@@ -32,7 +32,6 @@ _BNB = ("bitsandbytes.optim.",)
 _TORCHAO = ("torchao.optim.", "torchao.prototype.low_bit_optim.")
 _TORCH_CLASSES = ("AdamW", "Adam", "SGD", "RMSprop", "Adagrad")
 #: keyword -> what it adds that trainmem does not model
-_ADAM_UNMODELLED = {"amsgrad": "a max_exp_avg_sq state per parameter", "maximize": "a negated gradient per tensor"}
 _TORCHAO_UNMODELLED = {"amsgrad": "a max_exp_avg_sq state per parameter",
                        # quant_utils.py _fp32_to_bf16_sr: torch.randint int32 bits per value, inside the compiled step
                        "bf16_stochastic_round": "random int32 bits per value in its compiled step"}
@@ -80,12 +79,10 @@ def _refuse_set(get, where: str, what: str, cls: str, unmodelled: dict[str, str]
 def _torch(get, section: dict, cls: str, what: str, where: str) -> str:
     from trainmem.integrations.read import OPTIMIZER_CLASSES, check_torch_settings
 
-    try:  # weight decay, nesterov, maximize, RMSprop's momentum/centered (as hf_args' optim does)
+    try:  # weight decay, nesterov, maximize, RMSprop's momentum/centered, Adam's amsgrad (as hf_args' optim does)
         check_torch_settings(cls, section, what)
     except UnsupportedError as e:
         raise ConfigError(f"{where}: {e}") from None
-    if cls in ("Adam", "AdamW"):
-        _refuse_set(get, where, what, f"torch's {cls}", _ADAM_UNMODELLED)
     if cls == "SGD":  # a momentum buffer per parameter
         return "sgd-momentum" if get("momentum", (int, float), "optimizer") else "sgd"
     return OPTIMIZER_CLASSES[cls][0]

@@ -129,17 +129,25 @@ def check_torch_settings(cls: str, settings: dict, what: str) -> None:
     """UnsupportedError for the settings of torch's SGD, RMSprop and Adagrad that make temporaries or
     states trainmem does not model: weight decay (``grad = grad.add(param, alpha=weight_decay)``, one
     gradient-sized tensor, or ``_foreach_add``: all of them), nesterov (``grad.add(buf)``), ``maximize``
-    (``-grad``), RMSprop's momentum and centered (``momentum_buffer``, ``grad_avg``)."""
-    if cls not in ("SGD", "RMSprop", "Adagrad"):
+    (``-grad``), RMSprop's momentum and centered (``momentum_buffer``, ``grad_avg``); Adam's and AdamW's
+    ``amsgrad`` (a ``max_exp_avg_sq`` state, torch/optim/adam.py ``_init_group``) and ``maximize``
+    (``_foreach_neg(grads)``, a gradient-sized copy per tensor, ``_multi_tensor_adam``), and Adam's coupled weight
+    decay (``_foreach_add(grads, params)``, out of place); AdamW's decoupled one is an in-place ``mul_`` and passes."""
+    if cls in ("Adam", "AdamW"):
+        unmodelled = {"amsgrad": settings.get("amsgrad", False), "maximize": settings.get("maximize", False)}
+        if cls == "Adam":
+            unmodelled["weight_decay"] = settings.get("weight_decay", 0)
+    elif cls not in ("SGD", "RMSprop", "Adagrad"):
         return
-    unmodelled = {"weight_decay": settings.get("weight_decay", 0), "nesterov": settings.get("nesterov", False),
-                  "maximize": settings.get("maximize", False)}
+    else:
+        unmodelled = {"weight_decay": settings.get("weight_decay", 0), "nesterov": settings.get("nesterov", False),
+                      "maximize": settings.get("maximize", False)}
     if cls == "RMSprop":
         unmodelled.update(momentum=settings.get("momentum", 0), centered=settings.get("centered", False))
     for key, value in unmodelled.items():
         if value:
             raise UnsupportedError(f"{what} with {key}={value!r}: torch's {cls} then holds "
-                                   f"{'a state' if key in ('momentum', 'centered') else 'a gradient-sized temporary'} "
+                                   f"{'a state' if key in ('momentum', 'centered', 'amsgrad') else 'a gradient-sized temporary'} "
                                    f"per tensor that trainmem does not model")
 
 
