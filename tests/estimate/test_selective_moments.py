@@ -6,8 +6,10 @@ r 8 (peft's default targets), AdamW, sdpa, CPU fake-tensor traces. Before (estim
 B1 S32 +33,016 B, B2 S64 +132,600 B; bf16 B1 S32 +8,576 B, B2 S64 +34,816 B; amp-bf16 B1 S32 +5,872 B, B2 S64
 +127,464 B; full fine-tuning fp32 / bf16 / amp-bf16 B2 S64 +132,088 / +66,808 / +99,320 B. With the working set less
 these bytes: bf16 equal; fp32 and amp-bf16 S·8 B under (one int64 (S,) position_ids, which GPTNeoXLayer passes to
-the attention function in its kwargs and the selective checkpoint holds until the first block's attention backward:
-not in the selective saved set yet). Llama LoRA and full fine-tuning: unchanged (equal at S64)."""
+the attention function in its kwargs and the selective checkpoint holds until the first block's attention backward),
+now in the selective saved set (rules_hf._gpt): fp32 and amp-bf16 LoRA and full fine-tuning equal at B1 S32, B1 S64
+and B2 S64 (−256 / −512 / −512 B before), GPT-2 LoRA amp-bf16 B1 S32 / S64 too (−256 / −512 B before). Llama LoRA and
+full fine-tuning: unchanged (equal at S64)."""
 
 from __future__ import annotations
 
@@ -47,3 +49,28 @@ def test_neox_lora_selective_bf16_equals_trace(batch, seq):
     e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=LORA)
     # the top: the last block's fused QKV adapter in the forward (estimate/adapter_forward.py)
     assert (t.peak_op, e.peak_phase, e.peak_bytes) == ("mul", "forward", t.peak_logical_bytes)
+
+
+@pytest.mark.parametrize("recompute,held", [("selective", 32 * 8), ("none", 0)])
+def test_neox_selective_holds_position_ids(recompute, held):
+    step = StepSpec(batch=2, seq=32, precision="fp32", optimizer="adamw")
+    e = estimate(spec_from_hf_config(NEOX), step, ImplSpec(attention="sdpa", device="cpu", recompute=recompute),
+                 finetune=LORA)
+    # one (1, S) int64 position_ids, shared by both blocks' attention checkpoints: 32 · 8 = 256, not over B
+    assert sum(i.bytes for i in e.inventory if i.name == "model.position_ids") == held
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("lora,batch,seq", [(True, 1, 32), (False, 2, 64)])
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_neox_selective_position_ids_equal_trace(lora, batch, seq, precision):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step, impl = _case(precision, batch, seq)
+    ft = LORA if lora else None
+    t = trace_step(NEOX, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
+    # S·8 B under before the checkpoint held the ids (256 / 512 B). Full fine-tuning at B1 S32 tops in the optimizer
+    # phase, which leaves the caller's batch out (phase_parts.caller_ids): B2 S64 tops in the backward
+    assert (e.peak_phase, e.peak_bytes) == (t.peak_phase, t.peak_logical_bytes)

@@ -212,11 +212,16 @@ def _gpt(ctx: Ctx, block=None, positions_to_blocks: bool = True) -> None:
     layers = "layers" if neox else "h"
     held = [t for t in _checkpoint_extras(ctx, kernel, x.dtype, positions, root)
             if positions_to_blocks or t.dtype != "int64"]
+    # selective checkpoints the attention function, which gets the position ids too: GPT2Block.forward and
+    # GPTNeoXLayer.forward pass position_ids=... to their attention, whose forward has no such parameter, so
+    # they reach attention_interface in **kwargs (modeling_gpt2.py, modeling_gpt_neox.py), as in Llama's
+    # (rules_hf_masks._checkpoint_extras); other non-checkpointed blocks hold no ids
+    core = held if ctx.impl.recompute == "selective" else [t for t in held if t.dtype != "int64"]
     def layer(i: int, x: Sym) -> Sym:
         if ctx.impl.checkpointed(i):
             with g.checkpoint(*[t for t in (x, cos, sin, *held) if t is not None], policy=_policy(ctx)):
                 return block(ctx, x, kernel, cos, sin)
-        return block(ctx, x, kernel, cos, sin, [t for t in held if t.dtype != "int64"])
+        return block(ctx, x, kernel, cos, sin, core)
 
     x = _layers(ctx, f"{root}.{layers}.", x, layer)
     h = _layernorm(ctx, x, f"{root}.final_layer_norm" if neox else f"{root}.ln_f")
