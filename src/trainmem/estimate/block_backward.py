@@ -91,11 +91,16 @@ _MLPS = (MlpNodes(saved=_MLP, down="down_proj"), MlpNodes(saved=_MLP_TRACED, dow
          # GPT-BigCode (``GPTBigCodeMLP``: nn.Linear c_fc, one F.gelu, c_proj, nn.Dropout)
          MlpNodes(saved=("c_fc.out", "act.out"), down="c_proj", tail=("dropout.mask",), act_grads=1, up="c_fc",
                   down_node_end=True),
+         # Phi-3 (``Phi3MLP.forward``, modeling_phi3.py: gate_up_proj, ``chunk(2, dim=-1)``, ``up * act(gate)``,
+         # down_proj): the fused projection's output (both halves' views), the activation's, the product
+         MlpNodes(saved=("gate_up_proj.out", "activation_fn.out", "act_mul_up"), down="down_proj"),
          # a Llama MLP with a frozen down projection (LoRA on the attention): no saved product
          MlpNodes(saved=_MLP[:3], down="down_proj", down_saves_input=False),
          # GPT-NeoX's, frozen (LoRA on query_key_value): the GELU output is not saved
          MlpNodes(saved=("dense_h_to_4h.out",), down="dense_4h_to_h", act_grads=1, up="dense_h_to_4h",
                   down_saves_input=False),
+         # Phi-3's, frozen (LoRA on qkv_proj): the product is not saved
+         MlpNodes(saved=("gate_up_proj.out", "activation_fn.out"), down="down_proj", down_saves_input=False),
          # GPT-2's, frozen (LoRA on c_attn): ``gelu_new``'s product is not saved
          MlpNodes(saved=("c_fc.out", "act.tanh", "act.one_plus_tanh", "act.half_x"), down="c_proj",
                   tail=("dropout.mask",), bias_first=True, down_saves_input=False))
