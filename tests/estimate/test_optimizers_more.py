@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_optimizer_impl import (CFG, MODEL, TOTAL, _not_estimated, _phase_peaks,  # noqa: E402
+from test_optimizer_impl import (CFG, MODEL, TOTAL, _phase_peaks,  # noqa: E402
                                  _real_step, _specs)
 from test_optimizer_impl import test_rule_bytes_are_exact as _exact_rule  # noqa: E402
 from test_optimizers_8bit import CFG as CFG_V1000, MODEL as MODEL_V1000, _real_states  # noqa: E402
@@ -107,10 +107,9 @@ _FAST = {("rmsprop", "foreach", "fp32")}
 def test_torch_optimizer_phase_estimate_trace_real(optimizer, impl, precision):
     step, im = _specs(optimizer, precision, impl)
     est, t = estimate(MODEL, step, im), trace_step(CFG, step, im)
-    extra = _not_estimated(t)
     est_opt = next(p for p in est.phases if p.name == "optimizer")
     trace_opt, _ = _phase_peaks(t, "optimizer")
-    assert trace_opt == est_opt.bytes + extra, (trace_opt, est_opt.bytes, extra, est_opt.note)
+    assert trace_opt == est_opt.bytes, (trace_opt, est_opt.bytes, est_opt.note)  # the caller's ids counted in both
     states = {i.name: i.bytes for i in t.items if i.category is Category.OPTIMIZER_STATE}
     assert states == {i.name: i.bytes for i in est.inventory if i.category is Category.OPTIMIZER_STATE}
 
@@ -119,9 +118,9 @@ def test_torch_optimizer_phase_estimate_trace_real(optimizer, impl, precision):
     assert real_opt == trace_opt + steps
     assert real_peak == t.peak_logical_bytes + steps
     if est.peak_phase == "optimizer":  # foreach and for-loop: the step's peak is this mechanism's
-        assert t.peak_logical_bytes == est.peak_bytes + extra
+        assert t.peak_logical_bytes == est.peak_bytes
     else:  # fused: the peak is in backward, modelled elsewhere (tests/estimate/test_groundtruth_hf.py)
-        assert abs(est.peak_bytes + extra - t.peak_logical_bytes) <= 0.005 * t.peak_logical_bytes
+        assert abs(est.peak_bytes - t.peak_logical_bytes) <= 0.005 * t.peak_logical_bytes
 
 
 @pytest.mark.parametrize("opt,precision", [
@@ -141,7 +140,7 @@ def test_bitsandbytes_trace_equals_the_estimate(opt, precision):
     paged = {"paged-lion8bit": 2 * 128000, "paged-lion32bit": 2 * 128000 * 4}.get(opt, 0)  # embed + head state1
     assert t.totals_at_peak_bytes["paged_optimizer_state"] == est.totals_bytes.get("paged_optimizer_state", 0) == paged
     est_opt = next(p for p in est.phases if p.name == "optimizer")
-    assert _phase_peaks(t, "optimizer")[0] == est_opt.bytes + _not_estimated(t)  # the kernel allocates nothing
+    assert _phase_peaks(t, "optimizer")[0] == est_opt.bytes  # the kernel allocates nothing; the ids in both
 
 
 @pytest.mark.parametrize("opt,precision", [

@@ -27,8 +27,8 @@ labels, estimate/forward_held.py, now counted beside the ring too); backward 1,1
 it cp_ring_moments.before_the_head's buffers).
 Before the ring's moments the backward read (cp 2, bf16) 917,568 at none (1.0167) and 839,232 at full (0.930
 of rank 0's 902,240 then: the ring's buffers sat on the generic last-block moment, which
-held the block's MLP activations at none and missed the first block's under full). The optimizer phase reads
-986,304 against 986,816: the caller's (B, S) ids, which the estimate leaves out there (peak.py ``_caller_ids``).
+held the block's MLP activations at none and missed the first block's under full). The optimizer phase read
+986,304 against 986,816: the caller's (B, S) ids, counted there since (parallel_pp.py ``optimizer_batch``).
 """
 
 from __future__ import annotations

@@ -54,5 +54,5 @@ def test_summary_fits_one_screen():
     assert len(text.splitlines()) <= 30 and max(map(len, text.splitlines())) <= 120
     assert "← peak" in text and "█" in text
     assert [x for x in text.splitlines() if x.startswith("peak ")] == [  # the figure named, wrapped at 120 columns
-        "peak 35.80 KiB allocated in phase 'optimizer' — optimizer.step(): foreach: sqrt(exp_avg_sq) of every tensor at "
+        "peak 35.83 KiB allocated in phase 'optimizer' — optimizer.step(): foreach: sqrt(exp_avg_sq) of every tensor at "
         "once"]

@@ -190,6 +190,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working or {},
         stack_held=stack_held, stacks=stacks,
+        optimizer_batch=_caller_batch(model, step),
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         accumulate_transients=True,  # one device: estimate/grad_accum.py
         recompute=Recompute(
@@ -228,3 +229,11 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                                   residual_dtype=resid_dtype, lora_dropout=finetune.lora_dropout)
     return Estimate(model, step, impl, inv, tuple(ph), finetune=finetune,
                     **({"parallel": parallel, "host": host} if offload else {}))
+
+
+def _caller_batch(model: ModelSpec, step: StepSpec) -> int:
+    """The caller's batch, bound through ``optimizer.step()`` (``PhaseInputs.optimizer_batch``): its (B, S) int64
+    token ids, and a classifier's labels, a tensor of their own (trace/step.py ``_inputs``: (B,) for seq-cls,
+    (B, S) for token-cls, int64); an LM's labels are its ids."""
+    labels = {"seq-cls": step.batch * 8, "token-cls": step.batch * step.seq * 8}.get(model.head, 0)
+    return step.batch * step.seq * 8 + labels

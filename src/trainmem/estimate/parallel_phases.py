@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from trainmem.estimate import fsdp_timeline as ft
-from trainmem.estimate.parallel_pp import later_microbatch, with_later_microbatch, without_recv_aliases
+from trainmem.estimate.parallel_pp import later_microbatch, optimizer_batch, with_later_microbatch, without_recv_aliases
 from trainmem.estimate.peak import Compiled, Phase, PhaseInputs, RankMoments, Recompute, phases
 from trainmem.inventory import Inventory, MemoryItem
 from trainmem.specs import ParallelSpec
@@ -78,4 +78,6 @@ def _phases(inp: StageInputs, items: list[MemoryItem], grad_accum: int) -> list[
     if inp.timeline is not None:
         items = ft.autograd_view(items, list(inp.own_states), param_bytes=inp.param_bytes,
                                  offload=inp.timeline.host_grads)
-    return phases(items, replace(inp.phase, grad_accum=grad_accum))
+    ph = inp.phase
+    return phases(items, replace(ph, grad_accum=grad_accum, optimizer_batch=optimizer_batch(
+        inp.par, items, batch=ph.batch, seq=ph.seq, loss=ph.loss)))

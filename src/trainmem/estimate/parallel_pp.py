@@ -13,7 +13,8 @@ from trainmem.names import is_embedding_indices, is_head, is_token_embedding, la
 from trainmem.specs import ModelSpec, ParallelSpec
 
 __all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases", "output_chunk_aliases", "stage_node_moments",
-           "later_microbatch", "with_later_microbatch", "without_recv_aliases", "caller_batch", "fsdp_stage_moments"]
+           "later_microbatch", "with_later_microbatch", "without_recv_aliases", "caller_batch", "optimizer_batch",
+           "fsdp_stage_moments"]
 
 
 _RECV_NOTE = "the stage's receive buffer (buffers.pp_recv_activations)"
@@ -140,8 +141,8 @@ def _outlive(items: list[MemoryItem]) -> int:
 
 
 def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batch: int, seq: int) -> dict[str, int]:
-    """What the caller's batch adds beside a stage's items in each phase but the optimizer's (whose ids one device
-    leaves out too: ``phase_parts.caller_ids``), under torch.distributed.pipelining. The caller passes the whole batch to
+    """What the caller's batch adds beside a stage's items in each phase but the optimizer's (there the whole batch
+    is counted by :func:`optimizer_batch`), under torch.distributed.pipelining. The caller passes the whole batch to
     ``step()`` (torchtitan's ``pp_schedule.step(inputs)`` on the first stage, ``step(target=labels, losses=...)``
     on the last) and holds it until ``step()`` returns; ``split_args_kwargs_into_chunks``
     (torch/distributed/pipelining/microbatch.py) cuts it with ``torch.tensor_split``, views:
@@ -167,6 +168,25 @@ def caller_batch(par: ParallelSpec, stage: int, items: list[MemoryItem], *, batc
         out["pp_batch_targets"] = m * ids
         out["pp_losses"] = (m - (m if par.schedule == "gpipe" else 1)) * loss if loss else 0
     return {k: v for k, v in out.items() if v}
+
+
+def optimizer_batch(par: ParallelSpec, items: list[MemoryItem], *, batch: int, seq: int, loss: str) -> int:
+    """The caller's batch on a rank while ``optimizer.step()`` runs (``PhaseInputs.optimizer_batch``): its int64
+    token ids, bound by the training loop for the whole step. ``seq``: the rank's (CP-local) sequence.
+
+    * no pipeline: the rank's (B, S) ids, S the whole sequence under CP too: torch's ``context_parallel`` shards
+      the batch in place (``_context_parallel_buffers``, torch/distributed/tensor/experimental/_context_parallel/
+      _attention.py: ``buffer.resize_(shard.shape)``), and a smaller ``resize_`` keeps the storage;
+    * a pipeline: the whole batch, m·B·S·8, on the first stage (the ids ``step()`` was given) and on the last (the
+      targets); none on the others (:func:`caller_batch`'s tensors; the schedule's losses list is ``step()``'s
+      own and gone by then, as the trace runs it: trace/parallel_pp.py ``step``).
+
+    As the trace counts them (its inputs, every phase: tests/trace/test_trace_2d.py, test_trace_pp.py)."""
+    ids = batch * seq * par.cp * 8
+    if par.pp == 1:
+        return ids
+    first = any(is_token_embedding(i.name) for i in items)
+    return int(par.microbatches * ids) * ((1 if first else 0) + (1 if loss != "none" else 0))
 
 
 def with_later_microbatch(first: list, later: list) -> list:

@@ -118,6 +118,11 @@ class PhaseInputs:
     """``--profile traced``, an encoder-decoder: the last stack's locals at its end, besides the kept tensors
     (``traced/record.py`` ``_held``): the ``stack_end`` phase."""
     stacks: tuple[tuple[str, int], ...] = ()
+    optimizer_batch: int = 0
+    """The caller's batch while ``optimizer.step()`` runs, which no item counts there (the activations are gone):
+    its token ids, (B, S) int64 (estimate/__init__.py; a pipeline stage's: estimate/parallel_pp.py
+    ``optimizer_batch``). A training loop binds its batch for the whole step (``trace/step.py`` ``one_step``
+    registers ``inputs`` for all of it; tests/estimate/real_steps.py holds ``ids``)."""
     """``--profile traced``: the template's stacks of blocks (``Template.stacks``), blocks counted through
     both (estimate/layer_stats.py ``layer_stats``)."""
     recompute: Recompute = Recompute()
@@ -126,7 +131,8 @@ class PhaseInputs:
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in ("batch", "seq", "grad_accum") if getattr(self, k) < 1}
-        bad |= {k: getattr(self, k) for k in ("vocab", "residual_bytes", "stack_held") if getattr(self, k) < 0}
+        bad |= {k: getattr(self, k) for k in ("vocab", "residual_bytes", "stack_held", "optimizer_batch")
+                if getattr(self, k) < 0}
         if self.optimizer_transient[0] < 0:
             bad["optimizer_transient"] = self.optimizer_transient
         if self.loss not in PHASE_LOSSES:

@@ -72,13 +72,15 @@ class StepSums:
 
 class Timeline:
     """The phases so far. A phase is the static states, its own parts and the buffers alive then: the
-    ``persistent`` ones, the phase's ``working`` ones and the caller's token ids (:func:`caller_ids`)."""
+    ``persistent`` ones, the phase's ``working`` ones and the caller's token ids (:func:`caller_ids`; in the
+    optimizer phase ``PhaseInputs.optimizer_batch``)."""
 
     def __init__(self, items, inp: PhaseInputs, sums: StepSums) -> None:
         self.persistent = {k: v for k, v in (inp.persistent or {}).items() if v}
         self.working = inp.working_by_phase()
         self.static = sums.static
         self.ids = caller_ids(items)
+        self.optimizer_batch = inp.optimizer_batch
         self.out: list[Phase] = []
 
     def add(self, name: str, parts: dict[str, int], note: str, own: dict[str, int] | None = None) -> None:
@@ -87,6 +89,8 @@ class Timeline:
                                       if v}}
         if self.ids and name != "optimizer":  # the caller's token ids (caller_ids), where activations are counted
             bufs["caller_ids"] = self.ids
+        if self.optimizer_batch and name == "optimizer":  # the caller's batch, which no activation counts there
+            bufs["caller_ids"] = self.optimizer_batch
         full = {**self.static, **{k: v for k, v in parts.items() if v}, **bufs}
         self.out.append(Phase(name, sum(full.values()), full, note))
 
@@ -150,8 +154,8 @@ def caller_ids(items) -> int:
     batch all step (``trace/step.py`` ``one_step``: ``inputs``; ``measure/workload.py``: ``Workload.ids``),
     and a trainable embedding saves that very tensor (its ``indices``, counted as an activation), a frozen one
     nothing (``estimate/finetune.py`` ``embedding_notes``: a zero-byte item with the ids' shape). Counted in the
-    phases that count activations; the optimizer phase leaves the ids out either way (their gap there, B·S·8,
-    is what the trace tests add: ``tests/estimate/test_optimizer_impl.py``)."""
+    phases that count activations; in the optimizer phase, where no activation is left, the caller's whole batch
+    is counted instead, frozen embedding or not (``PhaseInputs.optimizer_batch``)."""
     return sum(math.prod(i.shape) * 8 for i in _base(items) if i.category is Category.ACTIVATION and i.bytes == 0
                and is_token_embedding(i.name) and is_embedding_indices(i.name))
 

@@ -110,6 +110,10 @@ class Breakdown:
     buffers: tuple[int, int, int] = (0, 0, 0)
     """The model's buffers (``estimate/buffers.py``): (rotary tables', on every stage; the other ones
     outside blocks, on the first; the blocks', all blocks), replicated by TP, never sharded."""
+    caller_batch: int = 0
+    """Phase ``optimizer``'s caller batch (its ``caller_ids``, estimate/phase_inputs.py ``optimizer_batch``): the
+    token ids the loop binds through ``optimizer.step()``; under PP the whole batch on the first and the last
+    stage (estimate/parallel_pp.py ``optimizer_batch``)."""
 
     def scaled(self, other: "Breakdown", batch: int) -> "Breakdown":
         """Affine extrapolation in the micro-batch: ``self`` at B=1, ``other`` at B=2 -> B=batch.
@@ -202,6 +206,7 @@ def breakdown(e: Estimate) -> Breakdown:
         work_end=ph["backward_end"].parts.get("work", 0),
         optimizer_temporaries=ph["optimizer"].parts.get("optimizer_temporaries", 0),
         has_backward="backward" in ph, ce_phases="backward_start" in ph, buffers=tuple(bufs),
+        caller_batch=ph["optimizer"].parts.get("caller_ids", 0),
     )
 
 
@@ -211,7 +216,7 @@ _PARTS = (
     ("backward_start", ("activations", "gradients", "gathered_params", "logits_grad")),
     ("backward", ("activations", "gradients", "gathered_params", "recompute_and_work")),
     ("backward_end", ("activations", "gradients", "gathered_params", "work")),
-    ("optimizer", ("gradients", "optimizer_temporaries")),
+    ("optimizer", ("gradients", "optimizer_temporaries", "caller_ids")),
 )
 
 
@@ -325,7 +330,7 @@ def rank_peak(b: Breakdown, p: ParallelSpec, *, accumulate: bool, detail: bool =
             (A, g_acc, gathered, b.logits_grad * lg if last else 0.0) if b.ce_phases else None,
             (A - A_head, G if accumulate else head_g, gathered, b.work * lg) if b.has_backward else None,
             (A_first, G, gathered, b.work_end / (rep * p.cp)),
-            (G, temps),
+            (G, temps, b.caller_batch * (p.microbatches if p.pp > 1 else 1)),  # first and last stage: the batch
         )
         rotary_buf, outside_buf, block_buf = b.buffers
         buf = rotary_buf + (outside_buf if first else 0) + block_buf * (layers[s][1] - layers[s][0]) / L
