@@ -104,8 +104,12 @@ def classifier_forward_held(model: ModelSpec, step) -> int:
     ``transformer_outputs``) while ``self.loss_function`` runs, where the head saves another tensor (a dropout in
     front of a token classifier saves its mask; under autocast the classifier saves a bf16 cast); and the token
     classifier's dropout output (``sequence_output``), the same size, where the classifier saves its cast instead
-    (autocast). 0 for LM heads and pooled (encoder) heads."""
-    if model.head not in ("seq-cls", "token-cls") or head_layout(model).pooler is not None:
+    (autocast). BERT's token classifier too (``BertForTokenClassification.forward``: ``outputs`` bound while the
+    loss runs; it builds ``BertModel(config, add_pooling_layer=False)``): its last LayerNorm's output, which
+    ``native_layer_norm``'s node does not save (it keeps the input, mean and rstd), in the residual stream's dtype
+    (autocast runs ``layer_norm`` in fp32). 0 for LM heads and pooled (encoder) sequence heads, whose pooler's
+    addmm saves the first token's view of that output (its whole storage: an activation)."""
+    if model.head not in ("seq-cls", "token-cls") or (model.head == "seq-cls" and head_layout(model).pooler):
         return 0
     from trainmem.inventory import dtype_bytes
 
