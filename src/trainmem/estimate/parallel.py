@@ -58,11 +58,11 @@ from trainmem.estimate.parallel_pp import (
 )
 from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
-from trainmem.estimate.every_k_stages import check_every_k_stages
+from trainmem.estimate.every_k_stages import check_every_k_stages, place_every_k
 from trainmem.estimate.peak import Phase, PhasedResult, recompute_per_layer
 from trainmem.families import output_modules
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import as_block, is_token_embedding
+from trainmem.names import as_block, is_token_embedding, layer_index
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec, StepSpec
 
 __all__ = ["RankClass", "rank_classes", "validate"]
@@ -192,6 +192,7 @@ class _Layout:
 
 def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
                  finetune=None) -> list[RankClass]:
+    impl = place_every_k(model, impl, par)  # every-k: each pipeline rank counts its own blocks (every_k_stages.py)
     validate(model, step, impl, par)
     if impl.profile == "megatron" and par.cp > 1:
         raise UnsupportedError("the megatron profile models tensor/sequence parallelism, not context parallelism")
@@ -262,8 +263,14 @@ def _stage_activations(lay: _Layout, s: int) -> tuple[list[MemoryItem], list[Mem
     if s > 0 and par.pp > 1:  # every stage computes its own RoPE tables
         stage_acts = stage_acts + [MemoryItem.make(f"stage{s}.{it.name}", it.category, it.shape, it.dtype,
                                                    it.bytes, it.formula, it.dims)
-                                   for it in lay.acts if ".rotary_emb." in it.name]
+                                   for it in lay.acts if ".rotary_emb." in it.name or _own_position_ids(it.name)]
     return stage_acts, head_acts
+
+
+def _own_position_ids(name: str) -> bool:
+    """The position ids a stage's base-model forward builds for itself (``cache_position.unsqueeze(0)``), which its
+    checkpointed blocks keep as a keyword input (``model.position_ids``, 1 x S int64 per micro-batch)."""
+    return name.endswith(".position_ids") and layer_index(name) is None
 
 
 def _stage_items(lay: _Layout, s: int, stage_acts: list, head_acts: list, n: float):

@@ -64,6 +64,8 @@ class Config:
                   f"--attention {i.attention}", f"--recompute {i.recompute}"]
         if i.recompute == "every-k":
             parts.append(f"--recompute-every {i.recompute_every}")
+            if i.recompute_from != "kth":  # transformers' every_n_layers count (--hf-args), not torchtitan's
+                parts.append(f"--recompute-from {i.recompute_from}")
         if i.profile != "hf":
             parts.append(f"--profile {i.profile}")
         if i.device != "cuda":

@@ -272,7 +272,7 @@ def _run(model_or_config, step: StepSpec, impl: ImplSpec, dt, progress, *, head=
     if not reference:
         _check_positions(model, step.seq)
     if not reference:  # the reference model checkpoints by itself, from impl
-        enable_recompute(model, impl)
+        enable_recompute(model, impl, parallel=pp[0] if pp is not None else None)  # every-k: per pipeline rank
     float8_names = None
     if impl.float8 != "none":  # trace/float8.py: torchao's own conversion, filtered as torchtitan does
         from trainmem.trace.float8 import convert_float8
