@@ -4,8 +4,9 @@ moments (``Phi3MLP.forward``, transformers 5.24 modeling_phi3.py: gate_up_proj, 
 Tiny Phi-3 (h64, F192, 4/2 heads, 2 layers, V256, 3 labels), AdamW, CPU fake-tensor traces. Before (estimate - trace),
 --recompute none, fp32: seq-cls and token-cls B2 S32 −32,776 B (F128: −16,384 B at B1 S64 and B2 S32), the top being
 the last block's MulBackward0 (the product's two gradients beside the down projection's); now equal, bf16 and
-amp-bf16 unchanged (equal), lm unchanged (equal). --recompute full fp32 lm / seq-cls −57,352 → −24,576 B (not exact:
-the recomputed block's moments, left open)."""
+amp-bf16 unchanged (equal), lm unchanged (equal). --recompute full fp32 lm / seq-cls −57,352 → −24,576 B, then 0:
+without the KV cache (checkpointing turns it off) V reaches SDPA as a view of qkv_proj's output, whose whole storage
+the kernel keeps (estimate/rules_hf.py _llama_attention), not a (B, S, Akv·hd) cache copy."""
 
 from __future__ import annotations
 
@@ -47,3 +48,29 @@ def test_phi3_heads_equal_trace(head, precision):
     step = StepSpec(batch=2, seq=32, precision=precision)
     t = trace_step(PHI3, step, IMPL, head=head)
     assert estimate(_model(head), step, IMPL).peak_bytes == t.peak_logical_bytes
+
+
+@pytest.mark.parametrize("cache,saved", [
+    (True, ("q_rope", 64 * 64 * 4), ),
+    (False, ("qkv_proj.out", 64 * 128 * 4), )])
+def test_phi3_value_without_cache_keeps_the_fused_output(cache, saved):
+    from trainmem.estimate.activations import activation_inventory
+
+    inv = activation_inventory(_model("lm"), StepSpec(batch=2, seq=32, precision="fp32"), IMPL, kv_cache=cache)
+    attn = {i.name.rpartition("self_attn.")[2]: i.bytes for i in inv if "layers.0.self_attn." in i.name}
+    # with the cache SDPA reads its (B, S, Akv·hd) copy of V (2 · 32 · 32 · 4 = 8,192); without it (checkpointing
+    # turns it off) a view of qkv_proj's output: the whole (B, S, (A+2·Akv)·hd) storage, 2 · 32 · 128 · 4 = 32,768
+    assert attn.get("v_cache") == (8_192 if cache else None)
+    assert attn[saved[0]] == saved[1]
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
+def test_phi3_full_recompute_equals_trace(precision):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step, impl = StepSpec(batch=2, seq=32, precision=precision), replace(IMPL, recompute="full")
+    t = trace_step(PHI3, step, impl)
+    # fp32 was 57,352 B under (the product moment), then 24,576 (V's cache-sized copy in place of the fused storage)
+    assert estimate(_model("lm"), step, impl).peak_bytes == t.peak_logical_bytes

@@ -174,9 +174,13 @@ def _llama_attention(ctx: Ctx, h: Sym, cos: Sym, sin: Sym, kernel: str, held: li
         k = _rmsnorm(ctx, _heads(k, m.num_kv_heads, "Akv", m.head_dim), "k_norm", gemma=gemma)
     q = _rope(ctx, q, cos, sin, "q_rope", cast_back=rules.rope_fp32)
     k = _rope(ctx, k, cos, sin, "k_rope", cast_back=rules.rope_fp32)
-    # the KV cache's torch.cat hands attention fresh copies of K and V
+    # the KV cache's torch.cat hands attention fresh copies of K and V (K's size either way: the rotated key)
     k = g.new("k_cache", k.shape, k.dims, k.dtype, k.requires_grad)
-    v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
+    if ctx.kv_cache or not rules.fused_qkv:
+        v = g.new("v_cache", (ctx.B, ctx.S, kvs), ("B", "S", "Akv·hd"), v.dtype, v.requires_grad)
+    # without the cache (checkpointing sets use_cache=False) a fused projection's V reaches attention as a view of
+    # its output (Phi3Attention.forward, modeling_phi3.py: ``qkv[..., query_pos + num_key_value_heads * head_dim:]``), so the
+    # kernel's saved V keeps the whole (B, S, (A+2·Akv)·hd) storage
     gqa_native = kernel != "eager"  # transformers' use_gqa_in_sdpa: no mask, head_dim <= 256
     with g.checkpoint(q, k, v, *held) if ctx.impl.recompute == "selective" else nullcontext():
         o = attention_core(ctx, q, k, v, kernel=kernel, gqa_native=gqa_native and m.head_dim <= 256,
