@@ -222,7 +222,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.quant4bit_moments import four_bit_moments_modelled
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune, impl.compile),
                                     *head_dequant(model, step, finetune), node_moments_hold_it=not impl.compile and
-                                    four_bit_moments_modelled(block_items(inv, model.num_layers - 1), d.autocast))
+                                    four_bit_moments_modelled(block_items(inv, model.num_layers - 1), d.autocast),
+                                    backward=dequant_transient(model, finetune, impl.compile, weight_dtype=d.param))
     if finetune is not None and finetune.adapters and not impl.compile:  # estimate/adapter_forward.py
         from trainmem.estimate.adapter_forward import with_adapter_forward
         ph = with_adapter_forward(ph, inv, tokens=step.batch * step.seq, hidden=model.hidden_size,
