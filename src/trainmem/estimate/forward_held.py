@@ -150,6 +150,11 @@ def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inven
     """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile (or the traced
     one, read with the hf rules where the family has them), eager, one device without offload (the caller's
     conditions). ``states``: the model states (which biases are trainable); ``finetune``: a FinetuneSpec or None."""
+    if model.arch == "encoder" and model.head in ("seq-cls", "token-cls") and impl.framework == "hf" and \
+            not impl.compile and impl.profile == "hf":  # BERT's classifiers (estimate/heads.py)
+        from trainmem.estimate.heads import classifier_forward_held
+        held = classifier_forward_held(model, step)
+        return {"head_input_unsaved": held} if held else {}
     if impl.framework != "hf" or impl.compile or model.head not in ("lm", "seq-cls", "token-cls") or \
             model.arch != "decoder" or \
             impl.profile not in ("hf", "traced") or family_of(model).rules.forward == "traced":
