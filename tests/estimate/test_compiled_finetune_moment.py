@@ -2,7 +2,7 @@
 --recompute full``, torchtune's LoRA recipes; estimate/compiled_finetune_moment.py): the block's backward graph
 recomputes its forward and holds what its backward reads, the eager saved set, until that read. Exact against
 the trace (``trace/compiled.py``, inductor's partition run op by op), the caller's token ids included: a frozen
-embedding saves none, the caller holds them (estimate/peak.py ``_caller_ids``; left out before, 1,024 B)."""
+embedding saves none, the caller holds them (estimate/phase_parts.py ``caller_ids``; left out before, 1,024 B)."""
 
 import pytest
 

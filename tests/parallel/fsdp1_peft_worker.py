@@ -143,7 +143,7 @@ def run(sc: dict) -> dict:
                 most.update(total=total, gathered=gathered, flat_grads=grads, op=op)
 
     tracker = Tracker()
-    # the caller's token ids are alive all step (a frozen embedding saves none of them: estimate/peak.py _caller_ids)
+    # the caller's token ids are alive all step (a frozen embedding saves none of them: estimate/phase_parts.py caller_ids)
     for ts in (net.parameters(), net.buffers(), opt_tensors(), padded,
                (h.flat_param._local_shard for h in handles), [ids]):
         tracker.watch(ts)

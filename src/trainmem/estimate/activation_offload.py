@@ -293,7 +293,7 @@ def activation_offload(model, step, impl, *, use_streams: bool = True, finetune=
     keepers = {it.name: k for it, k in zip(ctx.graph.items(), ctx.graph.keepers())}
     notes = []
     if finetune is not None:  # a frozen embedding's zero-byte ids marker, as estimate/activations.py adds it
-        before = len(ctx.finetune_linear.notes)  # (estimate/peak.py _caller_ids: the caller holds the ids)
+        before = len(ctx.finetune_linear.notes)  # (estimate/phase_parts.py caller_ids: the caller holds the ids)
         ctx.finetune_linear.embedding_notes(ctx, model)
         notes = ctx.finetune_linear.notes[before:]
     packed_elsewhere = frozenset()
