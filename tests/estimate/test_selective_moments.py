@@ -74,3 +74,43 @@ def test_neox_selective_position_ids_equal_trace(lora, batch, seq, precision):
     # S·8 B under before the checkpoint held the ids (256 / 512 B). Full fine-tuning at B1 S32 tops in the optimizer
     # phase, which leaves the caller's batch out (phase_parts.caller_ids): B2 S64 tops in the backward
     assert (e.peak_phase, e.peak_bytes) == (t.peak_phase, t.peak_logical_bytes)
+
+
+GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=128)
+
+
+def test_gpt2_math_core_moment_as_integers():
+    from trainmem.estimate.selective_moments import math_core_moments
+    step, impl = _case("amp-bf16", 2, 64)
+    e = estimate(spec_from_hf_config(GPT2), step, impl)
+    # the recomputed saved set: q, kᵀ, value_acc (3 · 2·4·64·16 · 4) and softmax, dropout's mask and output
+    # (3 · 2·4·64·64 · 4) = 98,304 + 393,216 = 491,520; its largest, the fp32 score, 131,072
+    (m,) = math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=2 * 64 * 64 * 4, recomputed=(491_520, 131_072))
+    # the residual and the core output's fp32 gradients (32,768 each), the saved set, the (S, S) fp32 mask (16,384),
+    # query_acc and key_acc (2 · 32,768), the bf16 weights' cast (65,536) and the scaled q before its copy (32,768)
+    assert m["work"] == 32_768 + 32_768 + 491_520 + 16_384 + 65_536 + 65_536 + 32_768 == 737_280
+    # c_proj's, ln_2's and the MLP's fp32 gradients: 16,384 + 256 + 256 + 256 + 65,536 + 1,024 + 65,536 + 256
+    assert m["block_gradients"] == 149_504
+
+
+def test_gpt2_math_core_moment_not_for_eager():
+    from trainmem.estimate.selective_moments import math_core_moments
+    step = StepSpec(batch=2, seq=64, precision="amp-bf16", optimizer="adamw")
+    e = estimate(spec_from_hf_config(GPT2), step, ImplSpec(attention="eager", device="cpu", recompute="selective"))
+    # eager gets transformers' (B, 1, S, S) mask, held by the checkpoint: not SDPA's math path
+    assert math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=32_768, recomputed=(491_520, 131_072)) == []
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("lora,batch,seq", [(True, 1, 32), (True, 1, 64), (True, 2, 64), (False, 1, 64), (False, 2, 64)])
+def test_gpt2_amp_selective_math_core_equals_trace(lora, batch, seq):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step, impl = _case("amp-bf16", batch, seq)
+    ft = LORA if lora else None
+    t = trace_step(GPT2, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(GPT2), step, impl, finetune=ft)
+    # before: full fine-tuning B1 S64 / B2 S64 -113,400 / -151,792 B, LoRA B2 S64 -57,352 B (the recomputed core's
+    # working set on the math kernel). Full fine-tuning B1 S32 (-7,688 B) is left: not this moment alone
+    assert e.peak_bytes == t.peak_logical_bytes

@@ -15,7 +15,7 @@ from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.cp_ring_moments import before_the_head, ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase_inputs import PhaseInputs
 from trainmem.estimate.phase_parts import StepSums, Timeline, held_and_recomputed, shared_block_inputs, stored_and_new
-from trainmem.estimate.selective_moments import saved_after_attention
+from trainmem.estimate.selective_moments import math_core_moments, saved_after_attention
 
 __all__ = ["block_phases", "blocks_of"]
 
@@ -111,6 +111,9 @@ def _inside(tl: Timeline, items, inp: PhaseInputs, s: StepSums, blocks: set[int]
     # a fine-tuned compiled block (block_math eager_set) runs no eager nodes: compiled_finetune_moment.py's
     eager_nb = [] if (block_math or {}).get("eager_set") else norm_backward_parts(items, li, residual, rec_li)
     eager_nb += ring_attention_moments(items, li, residual, rank.ring, rec_li)
+    if rc.attention_only and eager_nb:  # selective: the core recomputed on SDPA's math kernel (selective_moments.py)
+        eager_nb += math_core_moments(items, li, batch=inp.batch, seq=inp.seq, residual_bytes=residual,
+                                      recomputed=rec_bytes.get(li))
     compiled_nb = compiled_checkpoint_moments(items, li, residual, rec_li, **(block_math or {}))
     if eager_nb and (li not in rec_bytes or rc.attention_only) and "recompute_and_work" in parts:
         parts = _uncast_work(parts, s.st.largest.get(li, 0), s.st.largest_uncast.get(li, 0))
