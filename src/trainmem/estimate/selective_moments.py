@@ -60,8 +60,8 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
 
     Read off the selective inventory: the core's K/V checkpoint inputs (the (B, A, S, hd) items under the
     attention module) give the heads' size and the input dtype; the block's recomputed set (``recomputed``:
-    estimate/layer_stats.py ``recompute_per_layer``) must hold an fp32 (B, A, S, S) score (eager and math
-    materialize one, the fused kernels none) and no causal mask may be held (transformers hands eager a
+    estimate/layer_stats.py ``recompute_per_layer``, its bytes) must hold the scaled q and kᵀ and an fp32
+    (B, A, S, S) score (eager and math materialize one, the fused kernels none) and no causal mask may be held (transformers hands eager a
     (B, 1, S, S) mask, which the checkpoint holds; SDPA gets ``is_causal``: modeling_gpt2.py
     ``GPT2Attention.forward``, integrations/sdpa_attention.py ``sdpa_attention_forward``). Tiny GPT-2 (h64,
     4 heads, 2 layers, V128, attention dropout 0.1, so CPU SDPA runs math: estimate/attention.py
@@ -69,8 +69,9 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
     (tests/estimate/test_selective_moments.py).
 
     Known limitations: an explicit mask, GQA's expanded K/V and a q that is not a view (GPT-NeoX's rotated q)
-    are not checked on a trace and get no moment; GPT-2 full fine-tuning amp-bf16 B1 S32 (-7,688 B) and bf16
-    (B1 S32 / B1 S64 / B2 S64: -21,248 / -41,216 / -41,216 B) are left under (something besides this moment)."""
+    are not checked on a trace and get no moment. In fp32 (no upcast, ``value_acc`` is the held V) the moment
+    is below the core's own backward after the recompute (tiny GPT-2 B2 S64: 81,920 B under that node's top,
+    B1 S32 20,480 B), which is not modelled; the MLP's moment is the step's top there."""
     if recomputed is None:
         return []
     block = [i for i in block_items(items, li) if i.category is Category.ACTIVATION and i.bytes]
@@ -81,11 +82,12 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
         return []
     heads = block[kv[-1]]
     B, A, S, hd = heads.shape
-    saved, largest = recomputed
-    scores32 = B * A * S * S * 4
-    if (B, S) != (batch, seq) or largest != scores32:
-        return []
+    saved = recomputed[0]
     h32 = B * A * S * hd * 4
+    # the scaled q and kᵀ in fp32 and at least one fp32 score: a fused kernel keeps q, k, v, its output and a
+    # (B, A, S) log-sum-exp, less than that
+    if (B, S) != (batch, seq) or saved < 2 * h32 + B * A * S * S * 4:
+        return []
     upcast = heads.dtype != "float32"
     work = (residual_bytes + h32  # the residual gradient and the core output's fp32 gradient
             + saved  # the recomputed saved set (q and kᵀ scaled, softmax, dropout's mask and output, value_acc)
@@ -93,9 +95,11 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
             + (2 * h32 + B * A * S * S * dtype_bytes(heads.dtype) if upcast else 0)  # query_acc, key_acc; attn cast
             + (h32 if B > 1 else 0))  # the scaled q before matmul's reshape copied it
     after = block[kv[-1] + 1:]
-    made = {_inside(i.name) for i in after}  # paths inside the block (a template's gradients keep block 0's names)
-    grads = [i for i in block_items(items, li) if i.category is Category.GRADIENT  # their modules' nodes ran
-             and any(n.startswith(_module(_inside(i.name))) for n in made)]
+    # the block's gradients but those of the modules that ran before the core (the input norm, the QKV projection
+    # and its adapters), whose nodes run after it; paths inside the block (a template's gradients keep block 0's names)
+    before = {_inside(i.name).rsplit(".", 1)[0] + "." for i in block[:kv[0]]}
+    grads = [i for i in block_items(items, li) if i.category is Category.GRADIENT
+             and not any(_module(_inside(i.name)).startswith(b) for b in before)]
     return [{"block_gradients": sum(i.bytes for i in grads), "freed_activations": sum(i.bytes for i in after),
              "after_attention": 0, "work": work}]
 
