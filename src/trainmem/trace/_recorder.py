@@ -8,6 +8,15 @@ freed and a block of the new size allocated. Module attribution uses torch's ``M
 hooks (forward pre/post, multi-grad hooks for backward) with our own push order, so the
 innermost active module wins; its multi-grad hooks are removed once fired, so they keep no autograd
 graph alive (trace/mod_tracker_hooks.py).
+
+A recording must not depend on what ran before it in the process. The one order found to depend on
+memory addresses (NeoX and Llama, fp32 and amp-bf16, LoRA and full, selective and full recompute:
+tests/trace/test_trace_process_independent.py) is that of autocast's cast cache:
+``torch.clear_autocast_cache`` (called by ``torch.autocast.__exit__`` at nesting 0,
+torch/amp/autocast_mode.py, in forward and in each checkpoint's recompute) empties ``cached_casts``, a ``ska::flat_hash_map`` keyed by ``TensorImpl*``
+(aten/src/ATen/autocast_mode.cpp ``clear_cache``), so its 16-bit copies die in an order set by
+where the allocator placed them. While recording, the frees made by that call are recorded in
+allocation order instead: the same set of frees between the same two allocations, in one order.
 """
 
 from __future__ import annotations
@@ -136,6 +145,8 @@ class _Recorder(TorchDispatchMode):
         self._default_stream = torch.cpu.current_stream()
         self._streams: dict[int, int] = {}  # id of a side stream -> its number (_stream)
         self._paged: dict[int, Block] = {}  # unified-memory storages (paged optimizer states), by storage key
+        self._held_frees: list[Block] | None = None  # frees recorded at the end of a clear_autocast_cache call
+        self._clear_autocast_cache = None  # torch's own, while it is patched (see the module docstring)
 
     # -- storages ---------------------------------------------------------------
     def _register(self, t: torch.Tensor, origin: str, module: str, op: str = "", name: str = "") -> Block | None:
@@ -169,7 +180,21 @@ class _Recorder(TorchDispatchMode):
 
     def _on_free(self, entry: Entry) -> None:
         if self._open:
-            self._close_block(entry.data)
+            if self._held_frees is not None:
+                self._held_frees.append(entry.data)
+            else:
+                self._close_block(entry.data)
+
+    def _clear_autocast_cache_in_order(self) -> None:
+        """``torch.clear_autocast_cache`` with the frees it makes recorded in allocation order (no op, so no
+        allocation, runs inside it; see the module docstring)."""
+        self._held_frees = []
+        try:
+            self._clear_autocast_cache()
+        finally:
+            held, self._held_frees = self._held_frees, None
+            for blk in sorted(held, key=lambda b: b.id):
+                self._close_block(blk)
 
     def _on_resize(self, entry: Entry, old_nbytes: int) -> None:
         """Like the caching allocator's ``resize_bytes_cuda`` (aten/src/ATen/native/cuda/Resize.cpp):
@@ -442,12 +467,17 @@ class _Recorder(TorchDispatchMode):
         self._mod_tracker.__enter__()
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
-        return super().__enter__()
+        entered = super().__enter__()
+        self._clear_autocast_cache = torch.clear_autocast_cache
+        torch.clear_autocast_cache = self._clear_autocast_cache_in_order
+        return entered
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            if self._clear_autocast_cache is not None:
+                torch.clear_autocast_cache, self._clear_autocast_cache = self._clear_autocast_cache, None
             self._saved_hooks.__exit__(*exc)
             self._mod_tracker.__exit__(*exc)
             self._mod_tracker.clear_user_hooks()
