@@ -28,20 +28,16 @@ LIBRARIES = {"bnb": "bitsandbytes", "torchao": "torchao"}
 class Claim:
     """What the project claims of a row's estimated peak on CPU against the trace's (logical bytes), as
     ``source`` (the test asserting it) states: equal to the byte, or within ``within_pct`` percent outside
-    ``phase`` and within ``phase_pct`` where the estimate peaks in ``phase``; with ``plus_inputs`` the input
-    ids are added to the estimate first (every live set holds them; no estimate counts them once the
-    forward's activations are freed: ``test_optimizer_impl.py`` ``_not_estimated``)."""
+    ``phase`` and within ``phase_pct`` where the estimate peaks in ``phase``."""
 
     source: str
     within_pct: float = 0.0
-    plus_inputs: bool = False
     phase: str | None = None
     phase_pct: float = 0.0
 
-    def holds(self, *, estimate_bytes: int, estimate_phase: str, trace_bytes: int, input_bytes: int) -> bool:
-        expected = estimate_bytes + (input_bytes if self.plus_inputs else 0)
+    def holds(self, *, estimate_bytes: int, estimate_phase: str, trace_bytes: int) -> bool:
         pct = self.phase_pct if estimate_phase == self.phase else self.within_pct
-        return expected == trace_bytes if pct == 0.0 else abs(expected - trace_bytes) <= pct / 100 * trace_bytes
+        return estimate_bytes == trace_bytes if pct == 0.0 else abs(estimate_bytes - trace_bytes) <= pct / 100 * trace_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,10 +87,10 @@ _FULL = Claim("tests/estimate/test_compiled_recompute.py")
 _OP = Claim("tests/estimate/test_op_recompute.py")
 _OP_BLOCK = Claim("tests/estimate/test_compiled_op_moment.py")
 _FLOAT8 = Claim("tests/estimate/test_float8_compiled_recompute.py")
-# test_optimizer_impl.py: estimate + the input ids == trace where the optimizer phase is the peak, else within
-# 0.5%; stepped in backward within 0.01% where step_in_backward is the peak (docs/optimizers.md), else 0.5%
-_OPTIM = Claim("tests/estimate/test_optimizer_impl.py", within_pct=0.5, plus_inputs=True, phase="optimizer")
-_IN_BACKWARD = Claim("tests/estimate/test_optimizer_impl.py", within_pct=0.5, plus_inputs=True,
+# test_optimizer_impl.py: estimate == trace where the optimizer phase is the peak (it counts the caller's ids), else
+# within 0.5%; stepped in backward within 0.01% where step_in_backward is the peak (docs/optimizers.md), else 0.5%
+_OPTIM = Claim("tests/estimate/test_optimizer_impl.py", within_pct=0.5, phase="optimizer")
+_IN_BACKWARD = Claim("tests/estimate/test_optimizer_impl.py", within_pct=0.5,
                      phase="step_in_backward", phase_pct=0.01)
 
 

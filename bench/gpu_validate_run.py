@@ -28,7 +28,6 @@ import time
 
 from gpu_validate_plan import Run
 
-from trainmem.inventory import Category
 from trainmem.measure.compare import error_pct
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
@@ -168,8 +167,6 @@ def _stages(run: Run, config: dict, device: str, row: dict) -> dict:
         try:
             tr = trace_step(source, step, impl)
             row.update(trace_bytes=tr.peak_bytes, trace_logical_bytes=tr.peak_logical_bytes,
-                       # the input ids: in every live set, in no estimate after the forward (Claim.plus_inputs)
-                       trace_input_bytes=sum(i.bytes for i in tr.items if i.category is Category.INPUT),
                        trace_reserved_bytes=tr.peak_reserved_bytes,
                        trace_device_bytes=tr.peak_reserved_bytes + context_bytes(gpu),
                        trace_s=round(time.perf_counter() - t0, 2))
@@ -180,7 +177,7 @@ def _stages(run: Run, config: dict, device: str, row: dict) -> dict:
     if device == "cpu" and claim is not None and "estimate_bytes" in row and "trace_logical_bytes" in row:
         row["cpu_claim"] = {"source": claim.source, "holds": claim.holds(
             estimate_bytes=row["estimate_bytes"], estimate_phase=row["estimate_phase"],
-            trace_bytes=row["trace_logical_bytes"], input_bytes=row["trace_input_bytes"])}
+            trace_bytes=row["trace_logical_bytes"])}
     try:
         m, backend = _measure(source, step, impl, device)
     except OutOfMemory as exc:
