@@ -118,3 +118,41 @@ def test_gpt2_selective_math_core_equals_trace(precision, lora, batch, seq):
     # B2 S64 -7,688 / -113,400 / -151,792 B, LoRA B2 S64 -57,352 B; bf16 full -21,248 / -91,144 / -123,912 B,
     # LoRA B1 S64 / B2 S64 -24,584 / -65,544 B. fp32 was equal (the MLP's moment tops) and stays so
     assert e.peak_bytes == t.peak_logical_bytes
+
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def test_llama_math_core_moment_as_integers():
+    from trainmem.estimate.selective_moments import math_core_moments
+    step = StepSpec(batch=2, seq=64, precision="bf16", optimizer="adamw")
+    impl = ImplSpec(attention="sdpa-math", device="cpu", recompute="selective")
+    e = estimate(spec_from_hf_config(LLAMA), step, impl)
+    # the recomputed saved set: the scaled q's copy, kᵀ, the repeated V (3 · 2·4·64·16 · 4), softmax (2·4·64·64 · 4)
+    (m,) = math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=2 * 64 * 64 * 2,
+                             recomputed=(229_376, 131_072))
+    # the residual gradient (16,384), the core output's fp32 gradient (32,768), the (S, S) fp32 mask (16,384),
+    # query_acc (32,768), key_acc and value_acc at 2 K/V heads (2 · 16,384), key_acc repeated (32,768), the scaled q
+    # before its copy (32,768); at the mask's add: q, kᵀ, V (3 · 32,768), the score and its masked copy (2 · 131,072)
+    assert m["work"] == 16_384 + 32_768 + 16_384 + 32_768 + 32_768 + 32_768 + 32_768 + 98_304 + 262_144 == 557_056
+    # o_proj's, post_attention_layernorm's and the MLP's bf16 gradients: 8,192 + 128 + 3 · 22,528
+    assert m["block_gradients"] == 8_192 + 128 + 3 * 22_528
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("attention", ["sdpa-math", "sdpa"])
+@pytest.mark.parametrize("lora,batch", [(False, 1), (False, 2), (True, 1), (True, 2)])
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16", "fp32"])
+def test_llama_selective_math_core_equals_trace(precision, lora, batch, attention):
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    step = StepSpec(batch=batch, seq=64, precision=precision, optimizer="adamw")
+    impl = ImplSpec(attention=attention, device="cpu", recompute="selective")
+    ft = LORA if lora else None
+    t = trace_step(LLAMA, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
+    # before (sdpa-math: q after RoPE and K/V at 2 heads through enable_gqa, no moment): bf16 / amp-bf16 full B2 S64
+    # -124,160 / -114,160 B; sdpa (fused, no fp32 score) was equal and stays so
+    assert e.peak_bytes == t.peak_logical_bytes

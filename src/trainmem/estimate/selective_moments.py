@@ -68,40 +68,90 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
     ``resolve_kernel``) amp-bf16 B2 S64: the trace's top, 3,166,216 B, is this moment in block 1
     (tests/estimate/test_selective_moments.py).
 
-    Known limitations: an explicit mask, GQA's expanded K/V and a q that is not a view (GPT-NeoX's rotated q)
-    are not checked on a trace and get no moment. In fp32 (no upcast, ``value_acc`` is the held V) the moment
-    is below the core's own backward after the recompute (tiny GPT-2 B2 S64: 81,920 B under that node's top,
-    B1 S32 20,480 B), which is not modelled; the MLP's moment is the step's top there."""
+    Llama (q after RoPE, K/V at Akv heads, :func:`_core_inputs`): ``enable_gqa`` repeats key_acc and value_acc
+    (``repeat_interleave``, fp32 (B, A, S, hd) copies: the repeated V is the saved one), amp's autocast casts the
+    fp32 q and k to bf16 first, and with no dropout the top is earlier, at the additive mask's ``add`` (the
+    fp32 score and its masked copy beside the saved q, kᵀ and V), or in fp32 at the core's own backward
+    (``_softmax_backward_data``: the saved q, kᵀ and softmax, V's gradient, dP and dS). Tiny Llama (h64, 4/2
+    heads) ``--attention sdpa-math`` selective bf16 / amp-bf16 B2 S64: 1,768,648 / 2,848,072 B, the add's moment
+    in block 1 (tests/estimate/test_selective_moments.py).
+
+    Known limitations: an explicit mask and a q that is not a view (GPT-NeoX's rotated q) are not checked on a
+    trace and get no moment. With dropout (GPT-2) the core's backward keeps dropout's mask and its gradients too:
+    the fp32 moment above leaves them out, under that node's top there (before the core-backward term tiny GPT-2
+    fp32 B2 S64 read 81,920 B under it, B1 S32 20,480 B; not re-measured since); the MLP's moment is the step's
+    top there."""
     if recomputed is None:
         return []
     block = [i for i in block_items(items, li) if i.category is Category.ACTIVATION and i.bytes]
-    kv = [k for k, i in enumerate(block) if i.dims == _HEADS and any(a in i.name for a in _ATTENTION)]
-    # q a strided view (GPT-2's split of c_attn's output), K/V the cache's copies: the checked layout. GPT-NeoX's
-    # rotated q is a tensor of its own (a third such item): not checked, and 18,440 B over its trace at bf16 B2 S64
-    if len(kv) != 2 or any(i.dims[-2:] == ("S", "S") for i in items if i.category is Category.ACTIVATION):
+    core = _core_inputs(items, block)
+    if core is None or any(i.dims[-2:] == ("S", "S") for i in items if i.category is Category.ACTIVATION):
         return []
-    heads = block[kv[-1]]
-    B, A, S, hd = heads.shape
+    first, last, dtype, cast, (B, A, Akv, S, hd) = core
     saved = recomputed[0]
-    h32 = B * A * S * hd * 4
+    h32, kv32, score32 = B * A * S * hd * 4, B * Akv * S * hd * 4, B * A * S * S * 4
     # the scaled q and kᵀ in fp32 and at least one fp32 score: a fused kernel keeps q, k, v, its output and a
     # (B, A, S) log-sum-exp, less than that
-    if (B, S) != (batch, seq) or saved < 2 * h32 + B * A * S * S * 4:
+    if (B, S) != (batch, seq) or saved < 2 * h32 + score32:
         return []
-    upcast = heads.dtype != "float32"
-    work = (residual_bytes + h32  # the residual gradient and the core output's fp32 gradient
-            + saved  # the recomputed saved set (q and kᵀ scaled, softmax, dropout's mask and output, value_acc)
-            + S * S * 4  # the causal mask, additive fp32
-            + (2 * h32 + B * A * S * S * dtype_bytes(heads.dtype) if upcast else 0)  # query_acc, key_acc; attn cast
-            + (h32 if B > 1 else 0))  # the scaled q before matmul's reshape copied it
-    after = block[kv[-1] + 1:]
+    upcast, gqa = dtype != "float32", Akv != A
+    common = (residual_bytes + h32  # the residual gradient and the core output's fp32 gradient
+              + cast  # autocast's 16-bit copies of fp32 inputs (amp: Llama's RoPE'd q and k), SDPA's arguments
+              + S * S * 4  # the causal mask, additive fp32
+              # query_acc and key_acc; value_acc too under GQA (else the saved V is value_acc)
+              + (h32 + kv32 + (kv32 if gqa else 0) if upcast else 0)
+              + (h32 if gqa else 0)  # enable_gqa: key_acc's repeat_interleave (value_acc's is the saved V)
+              + (h32 if B > 1 else 0))  # the scaled q before matmul's reshape copied it
+    # the top at the end: the recomputed saved set (q and kᵀ scaled, softmax, dropout's mask and output, the V)
+    # and the weights' 16-bit cast; or at the mask's add, before the softmax: the saved q, kᵀ and V beside the
+    # fp32 score and its masked copy (no dropout: tiny Llama's top)
+    work = common + max(saved + (B * A * S * S * dtype_bytes(dtype) if upcast else 0), 3 * h32 + 2 * score32)
+    # then the core's own backward: at softmax's backward the kernel's locals are gone, the residual gradient
+    # beside the saved q and kᵀ, the softmax, V's gradient (its repeat not yet summed) and the score's two
+    # gradients (dP, dS); tiny Llama fp32 B1 S64 tops here (16,384 B under it before)
+    work = max(work, residual_bytes + 3 * h32 + 3 * score32)
+    after = block[last + 1:]
     # the block's gradients but those of the modules that ran before the core (the input norm, the QKV projection
     # and its adapters), whose nodes run after it; paths inside the block (a template's gradients keep block 0's names)
-    before = {_inside(i.name).rsplit(".", 1)[0] + "." for i in block[:kv[0]]}
+    before = {_inside(i.name).rsplit(".", 1)[0] + "." for i in block[:first]}
     grads = [i for i in block_items(items, li) if i.category is Category.GRADIENT
-             and not any(_module(_inside(i.name)).startswith(b) for b in before)]
+             and not any(_module(_inside(i.name)).startswith(b) for b in before)
+             and not any(p in _inside(i.name) for p in _QKV)]
     return [{"block_gradients": sum(i.bytes for i in grads), "freed_activations": sum(i.bytes for i in after),
              "after_attention": 0, "work": work}]
+
+
+# the families' separate Q/K/V projections (modeling_llama.py ``LlamaAttention``), whose nodes run after the core's
+_QKV = (".q_proj.", ".k_proj.", ".v_proj.")
+
+
+def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, tuple[int, ...]] | None":
+    """The core's checkpoint inputs in block ``block``'s activations: the index of the first and of the last, the
+    kernel's input dtype (V's), the bytes of autocast's casts of inputs in another dtype to it, and (B, heads,
+    K/V heads, S, head_dim); None for a layout not checked on a trace.
+
+    GPT-2: two (B, A, S, hd) K/V items, q a strided view of c_attn's output (no item). Llama: q after RoPE
+    (B, S, A·hd) and K/V (B, S, Akv·hd), handed to SDPA as (B, heads, S, hd) transposes with ``enable_gqa`` when
+    Akv < A (transformers integrations/sdpa_attention.py ``use_gqa_in_sdpa``: no repeat_kv), head_dim read off
+    RoPE's (1, S, hd) cos. GPT-NeoX's rotated q is a (B, A, S, hd) tensor of its own (a third such item): not
+    checked, and 18,440 B over its trace at bf16 B2 S64."""
+    attn = [k for k, i in enumerate(block) if any(a in i.name for a in _ATTENTION)]
+    heads = [k for k in attn if block[k].dims == _HEADS]
+    if len(heads) == 2:
+        B, A, S, hd = block[heads[-1]].shape
+        return heads[0], heads[-1], block[heads[-1]].dtype, 0, (B, A, A, S, hd)
+    # the projections' weight casts (amp, bf16 LoRA) are items under the attention module too
+    qs = [k for k in attn if block[k].dims == ("B", "S", "A·hd")]
+    kvs = [k for k in attn if block[k].dims == ("B", "S", "Akv·hd")]
+    hds = {i.shape[-1] for i in items if i.dims == ("1", "S", "hd")}
+    if len(kvs) != 2 or not qs or qs[0] > kvs[0] or len(hds) != 1:
+        return None
+    (hd,), q, kv, v = hds, block[qs[0]], block[kvs[0]], block[kvs[1]]
+    B, S, qw = q.shape
+    # amp: RoPE ran in fp32 (q and k fp32, V bf16); autocast casts SDPA's fp32 arguments to bf16 (a lower-
+    # precision op: aten/src/ATen/autocast_mode.cpp), copies alive until the kernel returns
+    cast = sum(i.bytes // dtype_bytes(i.dtype) * dtype_bytes(v.dtype) for i in (q, kv) if i.dtype != v.dtype)
+    return qs[0], kvs[1], v.dtype, cast, (B, qw // hd, kv.shape[-1] // hd, S, hd)
 
 
 def _module(grad: str) -> str:
