@@ -31,6 +31,15 @@ def _case(precision, batch, seq):
         ImplSpec(attention="sdpa", device="cpu", recompute="selective")
 
 
+def _traced_and_estimated(cfg, step, impl, finetune=None):
+    """(the fake-tensor trace, the estimate) of one step."""
+    pytest.importorskip("torch")
+    from trainmem.trace import trace_step
+
+    return trace_step(cfg, step, impl, finetune=finetune), estimate(spec_from_hf_config(cfg), step, impl,
+                                                                    finetune=finetune)
+
+
 def test_neox_saved_after_attention_as_integers():
     e = estimate(spec_from_hf_config(NEOX), *_case("fp32", 1, 32), finetune=LORA)
     # post_attention_layernorm's mean and rstd (2 · 32 · 4), dense_h_to_4h's output (the frozen MLP's one saved
@@ -41,12 +50,7 @@ def test_neox_saved_after_attention_as_integers():
 @pytest.mark.slow  # one fake-tensor trace each
 @pytest.mark.parametrize("batch,seq", [(1, 32), (2, 64)])
 def test_neox_lora_selective_bf16_equals_trace(batch, seq):
-    pytest.importorskip("torch")
-    from trainmem.trace import trace_step
-
-    step, impl = _case("bf16", batch, seq)
-    t = trace_step(NEOX, step, impl, finetune=LORA)
-    e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=LORA)
+    t, e = _traced_and_estimated(NEOX, *_case("bf16", batch, seq), LORA)
     # the top: the last block's fused QKV adapter in the forward (estimate/adapter_forward.py)
     assert (t.peak_op, e.peak_phase, e.peak_bytes) == ("mul", "forward", t.peak_logical_bytes)
 
@@ -64,15 +68,9 @@ def test_neox_selective_holds_position_ids(recompute, held):
 @pytest.mark.parametrize("lora,batch,seq", [(True, 1, 32), (False, 2, 64)])
 @pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
 def test_neox_selective_position_ids_equal_trace(lora, batch, seq, precision):
-    pytest.importorskip("torch")
-    from trainmem.trace import trace_step
-
-    step, impl = _case(precision, batch, seq)
-    ft = LORA if lora else None
-    t = trace_step(NEOX, step, impl, finetune=ft)
-    e = estimate(spec_from_hf_config(NEOX), step, impl, finetune=ft)
-    # S·8 B under before the checkpoint held the ids (256 / 512 B). Full fine-tuning at B1 S32 tops in the optimizer
-    # phase, which leaves the caller's batch out (phase_parts.caller_ids): B2 S64 tops in the backward
+    t, e = _traced_and_estimated(NEOX, *_case(precision, batch, seq), LORA if lora else None)
+    # S·8 B under before the checkpoint held the ids (256 / 512 B); full fine-tuning runs at B2 S64, where the
+    # backward tops
     assert (e.peak_phase, e.peak_bytes) == (t.peak_phase, t.peak_logical_bytes)
 
 
@@ -107,13 +105,7 @@ def test_gpt2_math_core_moment_not_for_eager():
                                             (False, 2, 64)])
 @pytest.mark.parametrize("precision", ["amp-bf16", "bf16", "fp32"])
 def test_gpt2_selective_math_core_equals_trace(precision, lora, batch, seq):
-    pytest.importorskip("torch")
-    from trainmem.trace import trace_step
-
-    step, impl = _case(precision, batch, seq)
-    ft = LORA if lora else None
-    t = trace_step(GPT2, step, impl, finetune=ft)
-    e = estimate(spec_from_hf_config(GPT2), step, impl, finetune=ft)
+    t, e = _traced_and_estimated(GPT2, *_case(precision, batch, seq), LORA if lora else None)
     # before (the recomputed core's working set on the math kernel): amp-bf16 full fine-tuning B1 S32 / B1 S64 /
     # B2 S64 -7,688 / -113,400 / -151,792 B, LoRA B2 S64 -57,352 B; bf16 full -21,248 / -91,144 / -123,912 B,
     # LoRA B1 S64 / B2 S64 -24,584 / -65,544 B. fp32 was equal (the MLP's moment tops) and stays so
@@ -145,14 +137,9 @@ def test_llama_math_core_moment_as_integers():
 @pytest.mark.parametrize("lora,batch", [(False, 1), (False, 2), (True, 1), (True, 2)])
 @pytest.mark.parametrize("precision", ["bf16", "amp-bf16", "fp32"])
 def test_llama_selective_math_core_equals_trace(precision, lora, batch, attention):
-    pytest.importorskip("torch")
-    from trainmem.trace import trace_step
-
     step = StepSpec(batch=batch, seq=64, precision=precision, optimizer="adamw")
     impl = ImplSpec(attention=attention, device="cpu", recompute="selective")
-    ft = LORA if lora else None
-    t = trace_step(LLAMA, step, impl, finetune=ft)
-    e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
+    t, e = _traced_and_estimated(LLAMA, step, impl, LORA if lora else None)
     # before (sdpa-math: q after RoPE and K/V at 2 heads through enable_gqa, no moment): bf16 / amp-bf16 full B2 S64
     # -124,160 / -114,160 B; sdpa (fused, no fp32 score) was equal and stays so
     assert e.peak_bytes == t.peak_logical_bytes
