@@ -8,8 +8,10 @@ Refused before (only fsdp-bf16 was traced). With few tokens beside fp32 weight g
 attention's moment is the step's peak: without it the estimate read 4,010,904 B of 4,096,256 traced (0.979) in fp32,
 3,988,376 of 4,104,448 (0.972) in amp-bf16. The checkpointed blocks (``--recompute full`` and ``op``:
 compiled_float8_recompute.py, compiled_float8_op.py ``gathered_scales``) read the compiled set without checkpointing,
-so the lift reaches them too: checked below (``CHECKPOINTED``), in bf16 and fp16; with fp32 weights they stay refused
-(their moments lack the attention's: H 128 F 256 B 1 S 32 fp32 op read 3,998,616 B of 4,096,256 traced, 0.976).
+so the lift reaches them too: checked below (``CHECKPOINTED``), in bf16, fp16, fp32 and amp-bf16. With fp32 weights and
+few tokens the checkpointed block peaks at the attention's moment too (compiled_float8_recompute.py, with its recomputed
+rsqrt): refused before, when its moments lacked it (H 128 F 256 B 1 S 32 fp32 op read 3,998,616 B of 4,096,256 traced,
+0.976; S 16 0.951; amp-bf16 full 0.967, S 16 0.943).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import pytest
 from test_float8_compiled_recompute import FSDP2, GQA, HOST_RNG, LLAMA, WIDE, WIDE_F, _backward_peak, _case_estimate
 from test_float8_compiled_recompute import _case_trace, _trace_backward_peak
-
-from trainmem.errors import UnsupportedError
 
 _16 = {"llama": (662136, 1463184), "gqa": (625272, 1377168), "few_tokens": (414976, 2170136),
        "wide": (1544624, 3168652)}  # bf16 and fp16 read the same bytes
@@ -95,13 +95,33 @@ def _checkpointed(config, precision, batch, seq, recompute) -> tuple:
     return config, precision, batch, seq, FSDP2, "tensorwise", recompute, True
 
 
-@pytest.mark.parametrize("precision,recompute", [("fp32", "full"), ("fp32", "op"), ("amp-bf16", "full")])
-def test_the_checkpointed_fp32_weights_are_refused_by_name(precision, recompute):
-    # traced: tiny Llama fp32 full and op 2,272,032 B, amp-bf16 full 2,099,992, GQA fp32 full 2,161,440 (exact), but
-    # H 128 F 256 B 1 S 32 fp32 op 4,096,256 (3,998,616 estimated: the attention's moment, not in the checkpointed block's
-    # moments); amp-bf16 op is refused by the compiled recompute row (op: pure precisions)
-    with pytest.raises(UnsupportedError, match="compile: float8='tensorwise'.*under full or op: 16-bit weights"):
-        _case_estimate(*_checkpointed(LLAMA, precision, 2, 64, recompute))
+# fp32 weights (fp32; amp-bf16: fp32 weights under autocast; its op is refused by the compiled recompute row, op: pure
+# precisions): (precision, shape, recompute) -> (the estimate's activations, the traced backward peak); refused before
+FP32_WEIGHTS = {
+    ("fp32", "llama", "full"): (305728, 2272032), ("fp32", "llama", "op"): (617096, 2272032),
+    ("fp32", "gqa", "full"): (305728, 2161440), ("fp32", "gqa", "op"): (584328, 2161440),
+    ("fp32", "wide", "full"): (802652, 4807640), ("fp32", "wide", "op"): (1466312, 5028860),
+    # the attention's moment, block 0 (3,998,616 / 3,850,392 / 3,591,092 B without it)
+    ("fp32", "few_tokens", "full"): (119496, 4096256), ("fp32", "few_tokens", "op"): (226064, 4096256),
+    ("fp32", "fewer_tokens", "full"): (59784, 4046912), ("fp32", "fewer_tokens", "op"): (113104, 4046912),
+    ("fp32", "wide_few_tokens", "full"): (135908, 3688732), ("fp32", "wide_few_tokens", "op"): (246608, 3688732),
+    ("amp-bf16", "llama", "full"): (322112, 2099992), ("amp-bf16", "gqa", "full"): (322112, 2005784),
+    ("amp-bf16", "wide", "full"): (819036, 4570064),
+    # q's weight gradient cast from its bf16 mm output, block 0 (3,969,944 / 3,836,056 / 3,562,420 B without it)
+    ("amp-bf16", "few_tokens", "full"): (176840, 4104448), ("amp-bf16", "fewer_tokens", "full"): (121224, 4067392),
+    ("amp-bf16", "wide_few_tokens", "full"): (193252, 3696924),
+}
+CHECKPOINTED.update({f"{shape}_{recompute}_{p}": ((SHAPES[shape][0], p, *SHAPES[shape][1:], recompute), *v)
+                     for (p, shape, recompute), v in FP32_WEIGHTS.items()})
+
+
+def test_the_checkpointed_attention_moment_with_few_tokens_beside_fp32_weight_gradients():
+    # H 128 F 256 B 1 S 32 fp32 op, block 0, as without checkpointing (test above): every weight gradient of the block
+    # but the input norm's (557,568 B), the residual gradient, the recomputed normalized product, k's and v's input
+    # gradients summed, q's and the sum (5 x 32 x 128 x 4 = 81,920 B), and the recomputed rsqrt (32 x 4 = 128 B): the
+    # traced peak, 97,640 B above the MLP's moments
+    e = _case_estimate(*_checkpointed(WIDE_F, "fp32", 1, 32, "op"))
+    assert e.peak_bytes == _backward_peak(e) == 3998616 + 97640 == 4096256
 
 
 def test_the_checkpointed_cases_estimate_their_traced_backward_peak():
@@ -110,7 +130,7 @@ def test_the_checkpointed_cases_estimate_their_traced_backward_peak():
         assert (e.totals_bytes["activation"], _backward_peak(e)) == (saved, traced), case
 
 
-@pytest.mark.slow  # ten FSDP2 compiled traces on the fake process group, 5-35 s each
+@pytest.mark.slow  # 28 FSDP2 compiled traces on the fake process group, 5-35 s each
 @pytest.mark.parametrize("case", sorted(CHECKPOINTED))
 def test_the_checkpointed_estimate_equals_the_gathered_trace(case):
     args, saved, traced = CHECKPOINTED[case]

@@ -34,7 +34,7 @@ amp-bf16 and fsdp-bf16 (tests/estimate/test_float8_compiled_recompute.py ``NONE_
 pointwise chains (no fp32 copies on a GPU): this is the unfused graph's moment, as compiled_block_moment.py's is.
 
 Under FSDP2's fp8 all-gather one more moment, the attention's input gradients summed beside every weight gradient of
-the block (:func:`_gathered_attention_parts`): the step's peak with few tokens beside fp32 weight gradients.
+the block (:func:`gathered_attention_parts`): the step's peak with few tokens beside fp32 weight gradients.
 
 Under autocast (amp-bf16, :func:`_autocast_parts`) the residual gradient, up_proj's input gradient and the norm's
 product are fp32 (the residual stream's dtype), a 4-byte kept amax is the weight's scale itself (no new scale in
@@ -57,7 +57,7 @@ from __future__ import annotations
 from trainmem.estimate.compiled_float8_rowwise import is_rowwise_block, rowwise_uncheckpointed_moments
 from trainmem.inventory import MemoryItem, dtype_bytes
 
-__all__ = ["float8_uncheckpointed_moments", "is_float8_block"]
+__all__ = ["float8_uncheckpointed_moments", "gathered_attention_parts", "is_float8_block"]
 
 _FP32 = dtype_bytes("float32")
 _SCALE = _FP32  # tensorwise: one fp32 scale per cast (estimate/float8.py fp8_cast_bytes)
@@ -133,7 +133,8 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
          "work": base + tokens_h * x + norm + fp8_grad_f + w_scale + weight_cast},
     ]
     if gathered:  # no weight cast moments (down_cast, up_cast, gate_cast); the attention's input gradients summed
-        moments = moments[1::2] + _gathered_attention_parts(kept, grads, residual_bytes, a, x, amp["mm_out"] > 0)
+        freed = sum(i.bytes for n, i in kept.items() if n != "input_layernorm.rsqrt")
+        moments = moments[1::2] + gathered_attention_parts(kept, grads, residual_bytes, amp["mm_out"] > 0, freed=freed)
     if amp["mm_out"]:  # the fp32 weight gradients made from _scaled_mm's bf16 output, both alive for a moment
         moments += [
             {"block_gradients": grads["down_proj"], "new_gradients": grads["down_proj"], "after_attention": 0,
@@ -145,24 +146,29 @@ def float8_uncheckpointed_moments(kept: dict[str, MemoryItem], grads: dict[str, 
     return moments
 
 
-def _gathered_attention_parts(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int, a: int, x: int,
-                              autocast: bool) -> list[dict[str, int]]:
+def gathered_attention_parts(kept: dict[str, MemoryItem], grads: dict[str, int], residual_bytes: int,
+                             autocast: bool, *, freed: int, work: int = 0) -> list[dict[str, int]]:
     """Under the fp8 all-gather, the end of the attention's backward: q's input gradient summed onto k's and v's
     (T·H each in the residual stream's dtype ``x``), beside the residual gradient, the recomputed input norm's
     normalized product (T·H·x, for its weight gradient) and every weight gradient of the block but the input norm's
-    (each the down_proj gradient's bytes per element: one dtype, one sharding); the block's saved set freed but the
-    input norm's rsqrt, the rotary cos/sin too (``after_attention``). Under autocast q's weight gradient is cast from
-    ``_scaled_mm``'s bf16 output (width·H·a beside it) while q's input gradient is still bf16 (T·H·a): a moment of its
-    own (see :func:`_autocast_parts`). Read off the trace of H 128 F 256 B 1 S 32 under FSDP2 (fsdp dp 2, fp32 and
-    amp-bf16: the step's peak, in block 0, where the few tokens sit beside fp32 weight gradients)."""
+    (each the down_proj gradient's bytes per element: one dtype, one sharding); the rotary cos/sin freed too
+    (``after_attention``). ``kept``: the block's compiled saved set without checkpointing (the linears' dtype ``a``
+    read off it); ``freed``: what of the block's saved bytes is gone by then (all of ``kept`` but the input norm's
+    rsqrt without checkpointing); ``work``: what else the caller's block holds there (a checkpointed block: its
+    recomputed rsqrt, estimate/compiled_float8_recompute.py). Under autocast q's weight gradient is cast from
+    ``_scaled_mm``'s bf16 output (width·H·a beside it) while q's input gradient is still bf16 (T·H·a): a moment of
+    its own (see :func:`_autocast_parts`). Read off the trace of H 128 F 256 B 1 S 32 under FSDP2 (fsdp dp 2, fp32 and
+    amp-bf16: the step's peak, in block 0, where the few tokens sit beside fp32 weight gradients), with and without
+    checkpointing."""
     o, gate = kept["self_attn.o_proj.out"], kept["mlp.gate_proj.out"]
+    a = dtype_bytes(gate.dtype)
     hidden, width, kv = o.shape[-1], kept["self_attn.q_rope"].shape[-1], kept["self_attn.k_rope"].shape[-1]
     tokens_h = o.bytes // a
+    x = residual_bytes // tokens_h  # the residual stream's dtype
     elements = 3 * gate.shape[-1] * hidden + 2 * width * hidden + 2 * kv * hidden + hidden  # MLP, o and q, k and v, norm
     made = grads["down_proj"] * elements // (gate.shape[-1] * hidden)
-    freed = sum(i.bytes for n, i in kept.items() if n != "input_layernorm.rsqrt")
     at = {"block_gradients": made, "new_gradients": made, "after_attention": 1, "freed_activations": freed}
-    held = residual_bytes + 2 * tokens_h * x  # the residual gradient, the normalized product, k's and v's sum
+    held = residual_bytes + 2 * tokens_h * x + work  # the residual gradient, the normalized product, k's and v's sum
     moments = [{**at, "work": held + 2 * tokens_h * x}]  # q's input gradient and the sum
     if autocast:
         moments.append({**at, "work": held + tokens_h * a + width * hidden * a})

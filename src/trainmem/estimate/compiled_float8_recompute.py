@@ -43,7 +43,11 @@ the backward mms' ``Float8GemmConfig`` default has no fast accumulation; inducto
 Its block is replayed allocation by allocation instead (bf16 only): estimate/compiled_float8_rowwise_recompute.py, and
 without checkpointing estimate/compiled_float8_rowwise.py, under ``--recompute op`` compiled_float8_rowwise_op.py. Only
 the Llama block with every linear converted (SiLU, two RMSNorms, no fused projections) is read. Under FSDP2's fp8 all-gather the block receives its
-weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment.
+weights cast (``compiled_float8_op.gathered_scales``): no weight cast, no ``up_cast`` or ``gate_cast`` moment, and
+one more, as without checkpointing: the attention's input gradients summed beside every weight gradient of the block
+(compiled_float8_moment.py ``gathered_attention_parts``), the recomputed input norm's rsqrt beside its normalized
+product, the block input held for the norm's backward; the step's peak with few tokens beside fp32 weight gradients
+(H 128 F 256 B 1 S 32 fp32 and amp-bf16, full and op: tests/estimate/test_float8_compiled_gathered_precisions.py).
 
 Under ``--recompute op`` (torchtitan's policy inside the compiled block: estimate/compiled_float8_op.py) the same
 moments run on what the policy left to recompute (``op_block``): the kept mms' weights (q, v, gate) are not cast
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.compiled_block_moment import block_grads
+from trainmem.estimate.compiled_float8_moment import gathered_attention_parts
 from trainmem.estimate.compiled_float8_op import op_block
 from trainmem.estimate.compiled_float8_rowwise import is_rowwise_block
 from trainmem.estimate.compiled_float8_rowwise_op import rowwise_op_moments
@@ -130,8 +135,11 @@ def float8_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int, 
     up_cast = {"block_gradients": 0, "new_gradients": 0, "freed_activations": freed, "after_attention": 0,
                "work": backward + fp8_weights - weights["up_proj"] - _SCALE + norms + attention + tokens_h + _SCALE
                + gate.bytes // a * _FP32 + gate.bytes + _SCALE + 2 * weights["up_proj"] * _FP32}
-    if op.gathered:  # no weight is cast in the block
-        return [weight_cast, silu]
+    if op.gathered:  # no weight is cast in the block; the attention's input gradients summed (module docstring)
+        # everything the block saved is read by then; the block input stays, the input norm's backward reads it
+        return [weight_cast, silu, *gathered_attention_parts(
+            kept, grads, residual_bytes, x != a, freed=sum(i.bytes for i in kept.values()) + op.extra,
+            work=kept["input_layernorm.rsqrt"].bytes)]
     if "gate_proj" in op.recast:
         return [weight_cast, silu, up_cast]
     # --recompute op, gate_proj's mm kept: its weight is cast for its input gradient after SiLU's backward (2·F·H·4,

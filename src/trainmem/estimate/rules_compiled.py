@@ -136,9 +136,8 @@ def check_compiled(ctx: Ctx) -> None:
             # under full (compiled_float8_rowwise_recompute.py) and op (compiled_float8_rowwise_op.py), the Llama block
             # (SiLU, two RMSNorms), all converted
             # and FSDP2's fp8 all-gather (its saved weight copies: compiled_float8_gathered.py; the attention's input
-            # gradients summed beside the block's weight gradients: compiled_float8_moment.py), traced in every precision
-            # at none; a checkpointed block with fp32 weights lacks that moment (H 128 F 256 B 1 S 32 fp32 op: 0.976)
-            or impl.float8_all_gather and impl.recompute in ("full", "op") and step.recipe in ("fp32", "amp-bf16")
+            # gradients summed beside the block's weight gradients: compiled_float8_moment.py, in a checkpointed block
+            # too, compiled_float8_recompute.py), traced in every precision
             or (impl.recompute in ("full", "op") or impl.float8_all_gather) and (
                 impl.float8 != "tensorwise" and not (impl.float8 == "rowwise" and impl.recompute in ("full", "op"))
                 or ctx.shard != Shard()
@@ -147,7 +146,7 @@ def check_compiled(ctx: Ctx) -> None:
                                                                  "fused_gate_up", "post_norms")))),
          "compiled Float8 rules cover --compile-scope block or block-loss, fp32/bf16/fp16/amp-bf16/fsdp-bf16 (rowwise: "
          "bf16/fsdp-bf16), --recompute none, full or op (full, op and the fp8 all-gather: the Llama block with every "
-         "linear converted; the fp8 all-gather under full or op: 16-bit weights), no q/k norms or biases "
+         "linear converted), no q/k norms or biases "
          "(estimate/float8.py, estimate/compiled_float8_recompute.py, compiled_float8_op.py; trace --compile)"),
         *(own.refusals(ctx) if own else ()),
     ]
