@@ -68,7 +68,8 @@ def op_float8_scalars(ctx, kept_mm: dict[str, bool], weights: dict[str, tuple[in
     if ctx.impl.float8 == "rowwise":
         _rowwise_scales(ctx, kept_mm)
         return
-    a = ctx.param  # the weight's and, in a pure precision, the input's dtype
+    a = ctx.param  # the weight's dtype
+    x = ctx.low or a  # the input's: autocast's compute dtype (its bf16 copy is what Float8Linear casts)
     if ctx.impl.float8_all_gather:  # the weights arrive cast: no amax, the gathered scale kept (gathered_scales)
         gathered_scales(ctx, weights, kept_mm)
     for name in kept_mm:
@@ -79,7 +80,7 @@ def op_float8_scalars(ctx, kept_mm: dict[str, bool], weights: dict[str, tuple[in
     for readers, first in CASTS:
         recomputed = any(not kept_mm[r] and r != _UNREAD for r in readers)
         with g.module(first):
-            g.save(g.new("input_amax", (), (), a, False), when=recomputed)
+            g.save(g.new("input_amax", (), (), x, False), when=recomputed)
             g.save(g.new("input_scale_inv", (), (), "float32", False), when=recomputed and kept_mm[first])
 
 
