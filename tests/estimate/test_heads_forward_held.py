@@ -60,7 +60,8 @@ BERT = dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden
     ("token-cls", "fp32", 64 * 64 * 4),  # the last LayerNorm's output: the dropout saves its mask, the classifier its out
     ("token-cls", "bf16", 64 * 64 * 2),
     ("token-cls", "amp-bf16", 2 * 64 * 64 * 4),  # layer_norm's fp32 output and the dropout's: the classifier saves a cast
-    ("seq-cls", "fp32", 0)])  # the pooler's addmm saves the first token's view: the whole output, an activation
+    ("seq-cls", "fp32", 0),  # the pooler's addmm saves the first token's view: the whole output, an activation
+    ("seq-cls", "amp-bf16", 64 * 64 * 4)])  # ... under autocast a bf16 copy of that row: the fp32 output is held
 def test_bert_classifier_forward_held_as_integers(head, precision, expected):
     # read by estimate/forward_held.py for BERT's classifiers too (test_bert_token_cls_forward_equals_trace)
     assert classifier_forward_held(_spec(BERT, head), StepSpec(batch=1, seq=64, precision=precision)) == expected
@@ -69,7 +70,7 @@ def test_bert_classifier_forward_held_as_integers(head, precision, expected):
 @pytest.mark.slow  # one fake-tensor trace
 def test_bert_token_cls_forward_equals_trace():
     """BERT token-cls fp32: the forward phase's top == the trace's (16,384 B under before forward_held read
-    BERT's classifier). bf16 and amp-bf16 stay under (the math attention's fp32 copies: not modelled)."""
+    BERT's classifier). bf16 and amp-bf16: tests/estimate/test_encoder_forward.py (the last block's moments)."""
     from tests.estimate.test_optimizer_impl import _phase_peaks
     from trainmem.estimate import estimate
     from trainmem.trace import trace_step

@@ -146,15 +146,29 @@ def _traced_output_held(model, step, impl) -> int:
     return traced_output_held(model, step, impl)
 
 
+def _encoder_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inventory, finetune) -> dict[str, int]:
+    """BERT's extras at its loss: the last LayerNorm's output its head does not save (``estimate/heads.py``
+    ``classifier_forward_held``; the MLM transform's dense saves it, under autocast a bf16 cast of it, while
+    ``BertForMaskedLM.forward``'s ``outputs`` binds the fp32 output to the loss), and under autocast the cached bias
+    copies of every linear (an encoder has no KV cache in training)."""
+    from trainmem.estimate.heads import classifier_forward_held
+    d = step.dtypes
+    out = {"head_input_unsaved": classifier_forward_held(model, step) if model.head != "mlm" else
+           step.batch * step.seq * model.hidden_size * 4 if d.autocast else 0}
+    if d.autocast:
+        linears = _probe(model, step, impl, finetune).linears
+        if "cls.predictions.decoder" in linears:  # its bias is the head's own parameter (BertLMPredictionHead: tied)
+            linears = linears | {"cls.predictions"}
+        out["autocast_bias_cache"] = autocast_bias_cache(states, linears, d.activation)
+    return {k: v for k, v in out.items() if v}
+
+
 def forward_held(model: ModelSpec, step: StepSpec, impl: ImplSpec, states: Inventory, finetune=None) -> dict[str, int]:
     """The forward phase's extras (the module docstring), for an HF causal LM under the hf profile (or the traced
     one, read with the hf rules where the family has them), eager, one device without offload (the caller's
     conditions). ``states``: the model states (which biases are trainable); ``finetune``: a FinetuneSpec or None."""
-    if model.arch == "encoder" and model.head in ("seq-cls", "token-cls") and impl.framework == "hf" and \
-            not impl.compile and impl.profile == "hf":  # BERT's classifiers (estimate/heads.py)
-        from trainmem.estimate.heads import classifier_forward_held
-        held = classifier_forward_held(model, step)
-        return {"head_input_unsaved": held} if held else {}
+    if model.arch == "encoder" and impl.framework == "hf" and not impl.compile and impl.profile == "hf":
+        return _encoder_held(model, step, impl, states, finetune)
     if impl.framework != "hf" or impl.compile or model.head not in ("lm", "seq-cls", "token-cls") or \
             model.arch != "decoder" or \
             impl.profile not in ("hf", "traced") or family_of(model).rules.forward == "traced":

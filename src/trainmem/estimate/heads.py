@@ -108,13 +108,16 @@ def classifier_forward_held(model: ModelSpec, step) -> int:
     loss runs; it builds ``BertModel(config, add_pooling_layer=False)``): its last LayerNorm's output, which
     ``native_layer_norm``'s node does not save (it keeps the input, mean and rstd), in the residual stream's dtype
     (autocast runs ``layer_norm`` in fp32). 0 for LM heads and pooled (encoder) sequence heads, whose pooler's
-    addmm saves the first token's view of that output (its whole storage: an activation)."""
-    if model.head not in ("seq-cls", "token-cls") or (model.head == "seq-cls" and head_layout(model).pooler):
+    addmm saves the first token's view of that output (its whole storage: an activation), but under autocast, where it
+    saves a bf16 copy of the first token's row (``BertForSequenceClassification.forward``: ``outputs`` bound)."""
+    if model.head not in ("seq-cls", "token-cls"):
         return 0
     from trainmem.inventory import dtype_bytes
 
     d = step.dtypes
     hidden = step.batch * step.seq * model.hidden_size * dtype_bytes(d.compute)
+    if model.head == "seq-cls" and head_layout(model).pooler:  # under autocast the pooler saves a (B, H) cast
+        return hidden if d.autocast else 0
     dropped = model.head == "token-cls" and classifier_dropout(model) > 0.0
     return hidden * ((dropped or d.autocast) + (dropped and d.autocast))
 

@@ -153,11 +153,13 @@ def caller_ids(items) -> int:
     """The caller's token ids (B, S) int64 that a frozen token embedding does not save: the caller holds its
     batch all step (``trace/step.py`` ``one_step``: ``inputs``; ``measure/workload.py``: ``Workload.ids``),
     and a trainable embedding saves that very tensor (its ``indices``, counted as an activation), a frozen one
-    nothing (``estimate/finetune.py`` ``embedding_notes``: a zero-byte item with the ids' shape). Counted in the
+    nothing (``estimate/finetune.py`` ``embedding_notes``: a zero-byte item with the ids' shape), unless another node
+    keeps them (BERT's MLM loss: ``labels.view(-1)``, an item of the same name). Counted in the
     phases that count activations; in the optimizer phase, where no activation is left, the caller's whole batch
     is counted instead, frozen embedding or not (``PhaseInputs.optimizer_batch``)."""
+    kept = {i.name for i in _base(items) if i.category is Category.ACTIVATION and i.bytes}  # another node keeps them
     return sum(math.prod(i.shape) * 8 for i in _base(items) if i.category is Category.ACTIVATION and i.bytes == 0
-               and is_token_embedding(i.name) and is_embedding_indices(i.name))
+               and is_token_embedding(i.name) and is_embedding_indices(i.name) and i.name not in kept)
 
 
 def later_embedding_indices(items) -> int:

@@ -23,7 +23,7 @@ from trainmem.estimate.heads import task_head
 from trainmem.estimate.rules_hf_masks import _checkpoint_extras, _eager_window_masks
 from trainmem.estimate.rules_hf_moe import _moe, load_balancing_items
 from trainmem.estimate.rules_hf_parts import (_activation, _embedding, _gated_mlp, _head, _heads, _layernorm, _layers,
-                                              _loss, _policy, _qkv_proj, _rmsnorm, _rope, _rules)
+                                              _loss, _policy, _qkv_proj, _rmsnorm, _rope, _rules, token_ids)
 from trainmem.estimate.rules_prenorm import prenorm_block
 from trainmem.families import family_attentions
 from trainmem.names import embedding_indices, embedding_output
@@ -291,7 +291,8 @@ def _gpt_layer(ctx: Ctx, x: Sym, kernel: str, cos, sin, held: list[Sym] = ()) ->
 def _bert(ctx: Ctx) -> None:
     g, m = ctx.graph, ctx.model
     H = m.hidden_size
-    x = _embedding(ctx, "bert.embeddings.word_embeddings")
+    tokens = token_ids(ctx, "bert.embeddings.word_embeddings")  # the MLM loss keeps them too (_loss: labels)
+    x = _embedding(ctx, "bert.embeddings.word_embeddings", ids=tokens)
     # position ids are a slice of a registered buffer (no allocation); token-type ids are
     # gathered from one (1, S) buffer row and expanded, so they cost S·8 bytes
     pos = _embedding(ctx, "bert.embeddings.position_embeddings", positions=True)
@@ -324,7 +325,7 @@ def _bert(ctx: Ctx) -> None:
         t = _layernorm(ctx, t, "LayerNorm")
     with g.module("cls.predictions.decoder"):
         logits = ctx.linear(t, m.vocab_size, "V", weight=(m.vocab_size, H))
-    _loss(ctx, logits, upcast=False)
+    _loss(ctx, logits, upcast=False, labels=tokens)  # labels.view(-1): the caller's labels
 
 
 def _bert_layer(ctx: Ctx, x: Sym, kernel: str) -> Sym:

@@ -54,12 +54,12 @@ def _layers(ctx: Ctx, prefix: str, x: Sym, layer) -> Sym:
 
 # --- shared pieces -------------------------------------------------------------------------
 
-def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
+def _embedding(ctx: Ctx, name: str, *, positions: bool = False, ids: Sym | None = None) -> Sym:
     """``nn.Embedding``: keeps the indices; the output is a new tensor in the weight's dtype.
-    ``positions``: a position embedding, indexed by (1, S) position ids."""
+    ``positions``: a position embedding, indexed by (1, S) position ids; ``ids``: the token ids, made by the caller
+    (:func:`token_ids`) where another node keeps them too."""
     g = ctx.graph
     shape, dims = ((1, ctx.S), ("1", "S")) if positions else ((ctx.B, ctx.S), ("B", "S"))
-    ids = None
     if positions:  # made by the embedding's parent (GPT2Model.forward, modeling_gpt2.py: torch.arange(S)
         # + past_seen_tokens): named in its scope, ``transformer.indices``, where a measured step sees them made
         with g.module(name.rpartition(".")[0]):
@@ -77,6 +77,12 @@ def _embedding(ctx: Ctx, name: str, *, positions: bool = False) -> Sym:
             out.requires_grad = True
             g.save(out)
         return out
+
+
+def token_ids(ctx: Ctx, name: str) -> Sym:
+    """The model's (B, S) int64 token ids, the input of token embedding ``name``, named by it."""
+    with ctx.graph.module(name):
+        return ctx.graph.new(EMBEDDING_INDICES, (ctx.B, ctx.S), ("B", "S"), "int64", False, input=True)
 
 
 def _rmsnorm(ctx: Ctx, x: Sym, name: str, *, gemma: bool = False, cast_last: bool = False) -> Sym:
@@ -146,16 +152,18 @@ def _activation(ctx: Ctx, x: Sym, kind: str) -> Sym:
     return g.new("out", x.shape, x.dims, x.dtype, x.requires_grad)
 
 
-def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True) -> None:
+def _loss(ctx: Ctx, logits: Sym, *, upcast: bool = True, labels: Sym | None = None) -> None:
     """HF ``ForCausalLMLoss``: ``logits.float()``, log_softmax keeps its output, nll_loss keeps
-    the shifted targets and the total weight."""
+    the shifted targets and the total weight. ``labels``: BERT's MLM loss (``BertForMaskedLM.forward``:
+    ``CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))``) keeps a view of the caller's labels,
+    no shifted copy: the token ids, as ``labels=ids`` passes them (trace/step.py)."""
     g = ctx.graph
     B, S, V = ctx.B, ctx.S, ctx.model.vocab_size
     with g.module("loss"):
         if ctx.step.loss in FRAMEWORK_LOSSES:  # torchtune's / LitGPT's chunked CE (estimate/losses.py)
             return framework_loss_items(ctx, logits)
         # ForCausalLMLoss pads and shifts the labels before cross_entropy: the targets come first
-        target = g.new("target", *_target_shape(B, S), "int64", False)
+        target = g.new("target", *_target_shape(B, S), "int64", False) if labels is None else labels
         dtype = "float32"  # chunked-ce / fused-ce accumulate the loss in fp32
         if ctx.step.loss == "ce":
             # HF causal LMs upcast; autocast runs cross_entropy in fp32 anyway
