@@ -20,6 +20,8 @@ import pytest
 from test_float8_compiled_recompute import FSDP2, GQA, HOST_RNG, LLAMA, WIDE, WIDE_F, _backward_peak, _case_estimate
 from test_float8_compiled_recompute import _case_trace, _trace_backward_peak
 
+from trainmem.specs import ParallelSpec
+
 _16 = {"llama": (662136, 1463184), "gqa": (625272, 1377168), "few_tokens": (414976, 2170136),
        "wide": (1544624, 3168652)}  # bf16 and fp16 read the same bytes
 # (precision, shape) -> (the estimate's activations, the traced backward peak); shapes: (config, batch, seq)
@@ -140,4 +142,35 @@ def test_the_checkpointed_estimate_equals_the_gathered_trace(case):
     params = sum(i.bytes for i in e.inventory if i.name.endswith(".param_scale"))
     rng = args[0]["num_hidden_layers"] * HOST_RNG
     assert t.meta["compile"]["saved_compiled_bytes"] + 4 - rng + params == saved == e.totals_bytes["activation"]
+    assert _trace_backward_peak(t) == _backward_peak(e) == traced
+
+
+# the checkpointed attention moment under other FSDP2 layouts (H 128 F 256): (precision, batch, seq, parallel,
+# recompute) -> (the estimate's activations, the traced backward peak)
+LAYOUTS = {
+    "dp4_fp32_full": (("fp32", 1, 32, ParallelSpec(dp=4, fsdp="full"), "full"), 119496, 2922624),
+    "no_reshard_fp32_op": (("fp32", 1, 32, ParallelSpec(dp=2, fsdp="full", reshard_after_forward=False), "op"),
+                           226064, 4096256),
+    "dp4_amp_full_s64": (("amp-bf16", 1, 64, ParallelSpec(dp=4, fsdp="full"), "full"), 288072, 3064088),
+    "b2_fp32_op": (("fp32", 2, 32, FSDP2, "op"), 447880, 4290968),
+}
+
+
+def _layout(precision, batch, seq, parallel, recompute) -> tuple:
+    return WIDE_F, precision, batch, seq, parallel, "tensorwise", recompute, True
+
+
+def test_the_other_layouts_estimate_their_traced_backward_peak():
+    for case, (args, saved, traced) in LAYOUTS.items():
+        e = _case_estimate(*_layout(*args))
+        assert (e.totals_bytes["activation"], _backward_peak(e)) == (saved, traced), case
+
+
+@pytest.mark.slow  # four FSDP2 compiled traces on the fake process group, 10-20 s each
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_the_other_layouts_equal_the_gathered_trace(case):
+    args, saved, traced = LAYOUTS[case]
+    t, e = _case_trace(*_layout(*args)), _case_estimate(*_layout(*args))
+    params = sum(i.bytes for i in e.inventory if i.name.endswith(".param_scale"))
+    assert t.meta["compile"]["saved_compiled_bytes"] + 4 - 2 * HOST_RNG + params == saved == e.totals_bytes["activation"]
     assert _trace_backward_peak(t) == _backward_peak(e) == traced
