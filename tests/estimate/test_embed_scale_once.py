@@ -1,5 +1,5 @@
 """Gemma's ``embed_scale`` (a registered 0-d buffer, ``GemmaTextScaledWordEmbedding``) is counted
-once: as the buffer item, as ``trainmem trace`` files it (``trace/_recorder.py`` ``_register_states``:
+once: as the buffer item, as ``trainmem trace`` files it (``trace/model_states.py`` ``register_states``:
 every ``named_buffers()`` tensor is a buffer). Autograd saves the buffer itself
 (``* self.embed_scale.to(self.weight.dtype)`` makes no copy in the model's dtype), so the hf rules
 and ``--profile traced`` do not count it as an activation too (they did: 2-4 B twice). The

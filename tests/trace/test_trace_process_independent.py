@@ -5,7 +5,7 @@ the optimizer phase in a fresh process but not after a LoRA trace in the same pr
 the peaks, phases and the optimizer phase's live bytes of both runs are equal; what did differ between processes
 was the order of the frees ``torch.clear_autocast_cache`` makes (its map is keyed by ``TensorImpl*``,
 aten/src/ATen/autocast_mode.cpp), which moved points of the amp-bf16 timeline. The recorder now records those
-frees in allocation order (trace/_recorder.py), and the whole result of a trace is asserted equal to a fresh
+frees in allocation order (trace/autocast_order.py), and the whole result of a trace is asserted equal to a fresh
 process's.
 """
 

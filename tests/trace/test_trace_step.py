@@ -14,7 +14,7 @@ FP32 = StepSpec(batch=2, seq=64, precision="fp32")
 def _host_steps(r) -> int:
     """Bytes of AdamW's 0-d fp32 ``step`` counters, one per parameter with state (two state tensors
     each): the trace keeps them off the device (on CUDA they live on the host unless capturable or
-    fused: trace/_recorder.py), MemTracker on CPU counts them. The only logical difference."""
+    fused: trace/model_states.py), MemTracker on CPU counts them. The only logical difference."""
     return 4 * len(r.items.select(Category.OPTIMIZER_STATE)) // 2
 
 

@@ -4,7 +4,7 @@ The family registry declares them (:attr:`trainmem.families.base.Family.buffers`
 ``families/buffers.py``: rotary ``inv_freq``/``original_inv_freq``, ceil(rot/2) fp32 values each;
 BERT's position and token-type ids; Gemma's embedding scale; DeepSeek-V3's router bias); here they
 become items named as ``named_buffers()`` names them, so an estimate and a trace (which files every
-``named_buffers()`` tensor under ``buffer``: ``trace/_recorder.py`` ``_register_states``) join per
+``named_buffers()`` tensor under ``buffer``: ``trace/model_states.py`` ``register_states``) join per
 buffer. Bytes are logical (elements × item size). The same items under every profile (hf, traced,
 compiled rules): a buffer is never an activation.
 

@@ -48,7 +48,7 @@ class _Made:
 
 
 def _short_op(func) -> str:
-    """``aten.mm.default`` -> ``mm``, as ``trace/_recorder.py`` ``_short_op`` names ops."""
+    """``aten.mm.default`` -> ``mm``, as ``trace/recording.py`` ``short_op`` names ops."""
     packet = getattr(func, "_overloadpacket", None)
     return packet.__name__ if packet is not None else getattr(func, "__name__", str(func))
 
@@ -110,7 +110,7 @@ class ForwardTensors:
 
     def _pop(self, name: str):
         def hook(mod, args, out) -> None:
-            for i in range(len(self._stack) - 1, -1, -1):  # innermost first, as trace/_recorder.py _pop
+            for i in range(len(self._stack) - 1, -1, -1):  # innermost first, as trace/attribution.py ModuleStack._pop
                 if self._stack[i] == name:
                     del self._stack[i]
                     return

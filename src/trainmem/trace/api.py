@@ -65,11 +65,8 @@ class Tracer:
         for i, t in enumerate(self._inputs):
             self._rec.mark_input(t, "input" if len(self._inputs) == 1 else f"input.{i}")
         self._inputs = []
-        from trainmem.trace._recorder import ORIGIN_BUFFER
         for t, name in self._buffers:
-            blk = self._rec._register(t, ORIGIN_BUFFER, "", name=name)
-            if blk is not None:
-                blk.origin, blk.name = ORIGIN_BUFFER, name
+            self._rec.mark_buffer(t, name)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -17,7 +17,7 @@ Known limitations:
 
 from __future__ import annotations
 
-from trainmem.trace import _recorder as R
+from trainmem.trace import recording as R
 
 __all__ = ["trace_events", "trace_fit_state", "UNREPLAYED"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from trainmem.inventory import Category, Inventory, MemoryItem
 from trainmem.join import activation_keys
 from trainmem.report.units import downsample as _downsample
-from trainmem.trace import _recorder as R
+from trainmem.trace import recording as R
 from trainmem.trace.allocator import replay
 
 __all__ = ["TraceResult", "ModulePeak", "LiveTensor", "SCHEMA", "item_names"]

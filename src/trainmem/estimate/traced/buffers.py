@@ -8,7 +8,7 @@ block ``slope_rate``, ``query_decay``, ``key_decay`` and a (1, heads, block, blo
 (transformers ``modeling_minimax.py`` ``MiniMaxLightningAttention.__init__``), 1 MiB in fp32 at four
 heads. Autograd saves slices of them, and the traced activations leave buffers out (traced/record.py
 ``_one``): they are buffer items, resident all step, as ``trainmem trace`` files every ``named_buffers()``
-tensor (``trace/_recorder.py`` ``_register_states``). So they are read here from the model itself:
+tensor (``trace/model_states.py`` ``register_states``). So they are read here from the model itself:
 ``named_buffers()`` of the full-depth model built on the meta device (exact shapes, no memory), built
 twice, under fp32 and bf16 default dtypes: a buffer whose dtype follows the default is made in the
 parameters' dtype (:data:`~trainmem.families.buffers.PARAM_DTYPE`), any other keeps its own.

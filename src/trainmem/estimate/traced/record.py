@@ -78,7 +78,8 @@ def record_saved(config: Mapping[str, Any], step: StepSpec, impl: ImplSpec,
 def _one(model, step: StepSpec, torch) -> list[Saved]:
     from trainmem.names import embedding_indices
     from trainmem.trace import step as ts
-    from trainmem.trace._recorder import ORIGIN_INPUT, ORIGIN_OP, _Recorder
+    from trainmem.trace._recorder import _Recorder
+    from trainmem.trace.recording import ORIGIN_INPUT, ORIGIN_OP
     from trainmem.trace.torch_state import torch_dtype
 
     ts._check_positions(model, step.seq)
@@ -113,8 +114,7 @@ def _one(model, step: StepSpec, torch) -> list[Saved]:
         with autocast:
             loss = model(ids, **inputs).loss  # the output object is dropped here, autocast's cache at the exit
             times["dropped"] = len(rec.rec.events)
-        entry = rec._storages.get(loss)
-        loss_block = entry.data if entry is not None else None
+        loss_block = rec.book.block_of(loss)
         kept = [b for b in rec.rec.blocks[rec.rec.baseline:]
                 if b.free_at is None and b.phase == "forward"
                 and (b.origin == ORIGIN_OP or (b.origin == ORIGIN_INPUT and b.saved))]
@@ -191,9 +191,9 @@ def _name_output(rec, names: dict[int, str], module: str, torch):
     from trainmem.names import embedding_output
 
     def hook(_mod, _args, out) -> None:
-        entry = rec._storages.get(out) if isinstance(out, torch.Tensor) else None
-        if entry is not None and entry.data.id >= 0:
-            names.setdefault(entry.data.id, embedding_output(module))
+        blk = rec.book.block_of(out) if isinstance(out, torch.Tensor) else None
+        if blk is not None:
+            names.setdefault(blk.id, embedding_output(module))
     return hook
 
 
@@ -208,9 +208,9 @@ def _name_model_ids(rec, names: dict[int, str], module: str, torch):
     (those the token embedding's backward, the last, frees), ``peak.py`` frees them before the end phase."""
     def hook(_mod, args) -> None:
         ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        entry = rec._storages.get(ids) if ids is not None else None
-        if entry is not None and entry.data.id >= 0 and not entry.data.module and not entry.data.name:
-            names.setdefault(entry.data.id, f"{module}.model_ids")
+        blk = rec.book.block_of(ids) if ids is not None else None
+        if blk is not None and not blk.module and not blk.name:
+            names.setdefault(blk.id, f"{module}.model_ids")
     return hook
 
 
