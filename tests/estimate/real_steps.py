@@ -1,5 +1,5 @@
 """A real CPU training step measured as live storages, for the tests that hold a trace to it
-(test_offload_moments.py, test_op_moments.py, test_adapter_forward.py)."""
+(test_offload_moments.py, test_op_moments.py, test_adapter_forward.py, test_grad_accum_transient.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def real_step(cfg: dict, step: StepSpec, impl: ImplSpec, *, prepare: Callable = 
               wrap: Callable = lambda model: model) -> tuple[int, int]:
     """(peak live bytes, Adam's step counters) of a second, steady-state step: the model built as
     ``trace_step`` builds it, ``prepare(model)`` (checkpointing), the forward and loss inside ``forward(model)``
-    (offload hooks), ``wrap(model)`` (LoRA) and autocast under amp-bf16. The parameters, buffers, ids and optimizer states are the
-    baseline; Adam's fp32 0-dim ``step`` counters are CPU tensors here, which the trace leaves out."""
+    (offload hooks), ``wrap(model)`` (LoRA) and autocast under amp-bf16; ``step.grad_accum`` micro-batches, each
+    backward of ``loss / N`` outside autocast, as trace/step.py ``one_step``. The parameters, buffers, ids and
+    optimizer states are the baseline; Adam's fp32 0-dim ``step`` counters are CPU tensors here, which the trace
+    leaves out."""
     torch.manual_seed(0)
     with default_dtype(torch.bfloat16 if step.precision == "bf16" else torch.float32):
         model = build_hf_model(cfg, attention=impl.attention)
@@ -32,10 +34,11 @@ def real_step(cfg: dict, step: StepSpec, impl: ImplSpec, *, prepare: Callable = 
     ids = torch.randint(0, cfg["vocab_size"], (step.batch, step.seq))
 
     def one():
-        with forward(model), torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "amp-bf16"):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        del loss
+        for _ in range(step.grad_accum):
+            with forward(model), torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "amp-bf16"):
+                loss = model(ids, labels=ids).loss
+            (loss / step.grad_accum if step.grad_accum > 1 else loss).backward()
+            del loss
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -99,35 +99,16 @@ def test_estimate_equals_trace(cfg, precision, accum, recompute, optimizer, seq)
 @pytest.mark.slow  # a trace and two real optimizer steps of two micro-batches
 @pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
 def test_trace_equals_a_real_step(precision):
-    """The loop the trace runs (trace/step.py ``one_step``), on real CPU tensors: the live storages'
-    peak over the second optimizer step (SGD: no states) is the trace's."""
-    torch = pytest.importorskip("torch")
-    from trainmem.models.hf import build_hf_model
+    """The loop the trace runs (trace/step.py ``one_step``), on real CPU tensors (tests/estimate/real_steps.py):
+    the live storages' peak over the second optimizer step (SGD: no states) is the trace's."""
+    pytest.importorskip("torch")
+    from real_steps import real_step  # tests/estimate/real_steps.py
     from trainmem.trace import trace_step
-    from trainmem.trace.live import LiveStorages
 
     step = StepSpec(batch=1, seq=16, precision=precision, optimizer="sgd", grad_accum=2)
-    torch.manual_seed(0)
-    model = build_hf_model(LLAMA, attention="sdpa")
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, 16))
-    autocast = precision == "amp-bf16"
-
-    def one():
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(ids, labels=ids).loss
-            (loss / 2).backward()  # outside autocast, as the trace's loop
-            del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    one()
-    with LiveStorages([*model.parameters(), *model.buffers(), ids]) as live:
-        one()
+    peak, counters = real_step(LLAMA, step, IMPL)
     t = trace_step(LLAMA, step, IMPL)
-    assert live.peak == t.peak_logical_bytes
+    assert counters == 0 and peak == t.peak_logical_bytes
     assert t.peak_logical_bytes == estimate(spec_from_hf_config(LLAMA), step, IMPL).peak_bytes
 
 
@@ -141,41 +122,21 @@ def test_lora_full_recompute_equals_a_real_step(precision, peak):
     leaf and its ``.grad`` alive past their micro-batch (a reference cycle through ``AccumulateGrad``), so the
     trace read 2·B·S·H·4 = 32,768 B more (941,900 / 855,372 B). The recorder now removes those hooks once they have fired
     (trace/mod_tracker_hooks.py)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from trainmem.models.hf import build_hf_model
+    from real_steps import real_step  # tests/estimate/real_steps.py
     from trainmem.specs.finetune import FinetuneSpec
     from trainmem.trace import trace_step
     from trainmem.trace.finetune import apply_finetune
-    from trainmem.trace.live import LiveStorages
     from trainmem.trace.recompute import enable_recompute
 
     cfg = dict(LLAMA, vocab_size=128, intermediate_size=176)
     spec, ft = spec_from_hf_config(cfg), FinetuneSpec(mode="lora", lora_rank=8)
     impl = ImplSpec(attention="sdpa", device="cpu", recompute="full")
     step = StepSpec(batch=1, seq=64, precision=precision, optimizer="adamw", grad_accum=2)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16")  # as trace/step.py
-    torch.manual_seed(0)
-    model = build_hf_model(cfg, attention="sdpa")
-    model.train()
-    enable_recompute(model, impl)  # as the trace: checkpointing first, then peft
-    model = apply_finetune(model, ft.for_model(spec), spec)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ids = torch.randint(0, cfg["vocab_size"], (1, 64))
-
-    def one():
-        for _ in range(2):
-            with autocast:
-                loss = model(ids, labels=ids).loss
-            (loss / 2).backward()
-            del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    one()
-    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    with LiveStorages([*model.parameters(), *model.buffers(), ids, *states]) as live:
-        one()
+    # as the trace: checkpointing first, then peft
+    real, counters = real_step(cfg, step, impl, prepare=lambda model: enable_recompute(model, impl),
+                               wrap=lambda model: apply_finetune(model, ft.for_model(spec), spec))
     e = estimate(spec, step, impl, finetune=ft)
-    assert live.peak == e.peak_bytes == peak
+    assert real - counters == e.peak_bytes == peak
     assert trace_step(cfg, step, impl, finetune=ft).peak_logical_bytes == e.peak_bytes
