@@ -85,7 +85,7 @@ def _llama(ctx: Ctx) -> None:
     if rules.scaled_embedding:  # the scaled embedding multiplies by sqrt(H): a new tensor, keeps only the scalar
         # (GemmaTextScaledWordEmbedding.forward: `* self.embed_scale.to(self.weight.dtype)`); the scalar autograd
         # saves is the registered 0-d buffer itself, counted once as the buffer item (estimate/buffers.py), as
-        # `trainmem trace` files it (trace/_recorder.py _register_states): no activation here
+        # `trainmem trace` files it (trace/model_states.py register_states): no activation here
         x = g.new("model.embed_tokens.scaled", x.shape, x.dims, x.dtype, x.requires_grad)
     with g.module("model.embed_tokens"):  # vocab-parallel embedding reduce-scatters into SP
         x = ctx.sp_scatter(x, "out_sp")
