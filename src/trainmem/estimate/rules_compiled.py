@@ -87,10 +87,15 @@ def check_compiled(ctx: Ctx) -> None:
          "compiled rules cover the full cross-entropy, and torchtune's chunked one with --compile-scope block "
          "(loss eager) or block-loss (estimate/compiled_chunk_loss.py)"),
         ("recompute", impl.recompute, impl.recompute not in ("none", "full") and not (
-            impl.recompute == "op" and impl.compile_scope != "model"
-            and step.recipe in ("fp32", "bf16", "fp16", "fsdp-bf16") and not m.qk_norm),
+            impl.recompute == "op" and impl.compile_scope != "model" and not m.qk_norm
+            # amp-bf16 with Float8 tensorwise: the block moments of compiled_float8_recompute.py, traced (one device,
+            # FSDP2, the fp8 all-gather); without Float8 its moments over-read the trace (tiny Llama B 2 S 64
+            # 2,681,416 B of 2,642,504, 1.015; H 128 3 blocks B 2 S 96 1.012)
+            and (step.recipe in ("fp32", "bf16", "fp16", "fsdp-bf16")
+                 or step.recipe == "amp-bf16" and impl.float8 == "tensorwise")),
          "compiled rules cover --recompute none and full, and op per block in a pure precision (fsdp-bf16 "
-         "included; the CUDA SDPA outputs the policy keeps: checked with the CPU kernel standing in, docs/compile.md)"),
+         "included; amp-bf16 with --float8 tensorwise; the CUDA SDPA outputs the policy keeps: checked with the CPU "
+         "kernel standing in, docs/compile.md)"),
         # before the kernel: dropout turns SDPA into its math ops (GPT-2, CPU: a bool mask per dropout kept too)
         ("dropout", max(m.attn_dropout, m.hidden_dropout), m.attn_dropout > 0 or m.hidden_dropout > 0,
          "compiled rules have no dropout (nanoGPT's 0.0: --model a config.json with its dropout keys at 0.0; "
@@ -347,8 +352,8 @@ def _op_block(ctx: Ctx, x: Sym) -> Sym:
             _op_attention(ctx, policy)
         kept_mm[name] = policy.save("addmm" if bias else "mm")
         if kept_mm[name] and name != "mlp.down_proj":
-            with g.module(name):
-                g.save(g.new("out", (B, S, width), ("B", "S", sym), a))
+            with g.module(name):  # under autocast the mm's output is autocast's dtype (ctx.low)
+                g.save(g.new("out", (B, S, width), ("B", "S", sym), ctx.low or a))
     # Float8 tensorwise: the amaxes and inverse scales the backward reads (estimate/compiled_float8_op.py)
     op_float8_scalars(ctx, kept_mm, {n: (w, m.q_size if n == "self_attn.o_proj" else F if n == "mlp.down_proj" else H)
                                      for n, w, _, _ in linears})
