@@ -83,7 +83,7 @@ def test_gpt2_math_core_moment_as_integers():
     e = estimate(spec_from_hf_config(GPT2), step, impl)
     # the recomputed saved set: q, kᵀ, value_acc (3 · 2·4·64·16 · 4) and softmax, dropout's mask and output
     # (3 · 2·4·64·64 · 4) = 98,304 + 393,216 = 491,520; its largest, the fp32 score, 131,072
-    (m,) = math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=2 * 64 * 64 * 4,
+    (m,) = math_core_moments(e.inventory, 1, kernel="math", residual_bytes=2 * 64 * 64 * 4,
                              recomputed=(491_520, 131_072))
     # the residual and the core output's fp32 gradients (32,768 each), the saved set, the (S, S) fp32 mask (16,384),
     # query_acc and key_acc (2 · 32,768), the bf16 weights' cast (65,536) and the scaled q before its copy (32,768)
@@ -96,8 +96,8 @@ def test_gpt2_math_core_moment_not_for_eager():
     from trainmem.estimate.selective_moments import math_core_moments
     step = StepSpec(batch=2, seq=64, precision="amp-bf16", optimizer="adamw")
     e = estimate(spec_from_hf_config(GPT2), step, ImplSpec(attention="eager", device="cpu", recompute="selective"))
-    # eager gets transformers' (B, 1, S, S) mask, held by the checkpoint: not SDPA's math path
-    assert math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=32_768, recomputed=(491_520, 131_072)) == []
+    # eager attention (transformers' own matmuls and its (B, 1, S, S) mask): not SDPA's math path
+    assert math_core_moments(e.inventory, 1, kernel="eager", residual_bytes=32_768, recomputed=(491_520, 131_072)) == []
 
 
 @pytest.mark.slow  # one fake-tensor trace each
@@ -122,7 +122,7 @@ def test_llama_math_core_moment_as_integers():
     impl = ImplSpec(attention="sdpa-math", device="cpu", recompute="selective")
     e = estimate(spec_from_hf_config(LLAMA), step, impl)
     # the recomputed saved set: the scaled q's copy, kᵀ, the repeated V (3 · 2·4·64·16 · 4), softmax (2·4·64·64 · 4)
-    (m,) = math_core_moments(e.inventory, 1, batch=2, seq=64, residual_bytes=2 * 64 * 64 * 2,
+    (m,) = math_core_moments(e.inventory, 1, kernel="math", residual_bytes=2 * 64 * 64 * 2,
                              recomputed=(229_376, 131_072))
     # the residual gradient (16,384), the core output's fp32 gradient (32,768), the (S, S) fp32 mask (16,384),
     # query_acc (32,768), key_acc and value_acc at 2 K/V heads (2 · 16,384), key_acc repeated (32,768), the scaled q
@@ -143,3 +143,20 @@ def test_llama_selective_math_core_equals_trace(precision, lora, batch, attentio
     # before (sdpa-math: q after RoPE and K/V at 2 heads through enable_gqa, no moment): bf16 / amp-bf16 full B2 S64
     # -124,160 / -114,160 B; sdpa (fused, no fp32 score) was equal and stays so
     assert e.peak_bytes == t.peak_logical_bytes
+
+
+@pytest.mark.parametrize("precision,device,attention,kernel", [
+    ("fp32", "cpu", "sdpa", "math"),  # GPT-2's attention dropout: only math takes dropout on CPU
+    ("bf16", "cuda", "sdpa", "flash"), ("fp32", "cuda", "sdpa", "efficient"), ("amp-bf16", "cuda", "sdpa", "flash"),
+    ("bf16", "cpu", "eager", "eager"), ("bf16", "cuda", "sdpa-math", "math")])
+def test_kernel_for(precision, device, attention, kernel):
+    from trainmem.estimate.attention import kernel_for
+    step = StepSpec(batch=1, seq=32, precision=precision)
+    assert kernel_for(spec_from_hf_config(GPT2), step, ImplSpec(attention=attention, device=device)) == kernel
+
+
+def test_phase_inputs_refuse_unknown_kernel():
+    from trainmem.estimate.phase_inputs import PhaseInputs
+    with pytest.raises(ValueError, match="attention_kernel='mystery'"):
+        PhaseInputs(batch=1, seq=8, vocab=8, logits_dtype="float32", loss_dtype="float32", loss="ce", grad_accum=1,
+                    residual_bytes=0, optimizer_transient=(0, ""), attention_kernel="mystery")

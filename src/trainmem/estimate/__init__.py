@@ -16,6 +16,7 @@ from functools import cached_property
 from trainmem.errors import SpecError
 from trainmem.estimate.activations import activation_inventory, activation_items
 from trainmem.estimate.activation_offload import apply_offload, offloads_activations
+from trainmem.estimate.attention import kernel_for
 from trainmem.estimate.compiled_embedding_backward import head_graph_apart
 from trainmem.estimate.autocast_cache import autocast_cached_casts, autocast_head_input
 from trainmem.estimate.buffers import buffer_inventory
@@ -189,6 +190,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                              else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working or {},
+        attention_kernel=kernel_for(model, step, impl),  # the core's moments: estimate/selective_moments.py
         stack_held=stack_held, stacks=stacks,
         optimizer_batch=_caller_batch(model, step),
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),

@@ -11,9 +11,13 @@ from trainmem.errors import UnsupportedError
 from trainmem.estimate.context_parallel import ring_merged_copy
 from trainmem.estimate.ctx import Ctx, promote
 from trainmem.estimate.graph import Sym
+from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 from trainmem.specs.layer_kind import LayerKind
 
-__all__ = ["resolve_kernel", "attention_core", "fused_saves", "window_mask"]
+__all__ = ["KERNELS", "kernel_for", "resolve_kernel", "attention_core", "fused_saves", "window_mask"]
+
+#: what :func:`kernel_for` answers: transformers' eager attention, or the SDPA backend that runs
+KERNELS = ("eager", "math", "efficient", "flash")
 
 
 def window_mask(ctx: Ctx, kind: LayerKind) -> bool:
@@ -29,14 +33,25 @@ def window_mask(ctx: Ctx, kind: LayerKind) -> bool:
 
 
 def resolve_kernel(ctx: Ctx, masked: bool = False) -> str:
-    """Which kernel ``impl.attention`` runs on ``impl.device`` for this model and precision.
+    """Which kernel ``impl.attention`` runs on ``impl.device`` for this block rule's model and precision
+    (:func:`kernel_for`)."""
+    return kernel_for(ctx.model, ctx.step, ctx.impl, masked)
+
+
+def kernel_for(model: ModelSpec, step: StepSpec, impl: ImplSpec, masked: bool = False) -> str:
+    """Which kernel ``impl.attention`` runs on ``impl.device`` for ``model`` at ``step``'s precision: one of
+    :data:`KERNELS`.
 
     Follows PyTorch's SDPA dispatcher: on CUDA, flash for 16-bit inputs and memory-efficient
     for fp32; on CPU, the CPU flash kernel, except with dropout, where only math supports it.
     ``masked``: an explicit mask (:func:`window_mask`); CUDA's flash kernel takes none
     (``sdp_utils.cpp`` ``check_for_attn_mask``), so SDPA picks memory-efficient there.
+    V heads narrower than q/k's (MLA's ``v_head_dim``): both flash kernels need equal head dims
+    (``sdp_utils_cpp.cpp`` ``check_head_dim_size_cpp``, ``sdp_utils.cpp`` ``check_head_dim_size_flash``), so
+    CPU runs math and CUDA memory-efficient (estimate/rules_mla.py ``_kernel``, which also refuses what it does
+    not model).
     """
-    kind, impl, m = ctx.impl.attention, ctx.impl, ctx.model
+    kind = impl.attention
     if kind == "eager":
         return "eager"
     if kind == "sdpa-math":
@@ -46,10 +61,12 @@ def resolve_kernel(ctx: Ctx, masked: bool = False) -> str:
     if kind == "flash":
         return "flash"
     # sdpa: PyTorch picks
+    uneven = bool(model.v_head_dim) and model.v_head_dim != model.head_dim
     if impl.device == "cpu":
-        return "math" if m.attn_dropout > 0 else "flash"
-    compute = ctx.low or ctx.param
-    if compute == "float32" or m.head_dim > 256 or masked:
+        return "math" if model.attn_dropout > 0 or uneven else "flash"
+    d = step.dtypes
+    compute = d.activation if d.autocast else d.compute  # autocast's dtype, else the weights' (Ctx.low or Ctx.param)
+    if compute == "float32" or model.head_dim > 256 or masked or uneven:
         return "efficient"
     return "flash"
 

@@ -112,7 +112,7 @@ def _inside(tl: Timeline, items, inp: PhaseInputs, s: StepSums, blocks: set[int]
     eager_nb = [] if (block_math or {}).get("eager_set") else norm_backward_parts(items, li, residual, rec_li)
     eager_nb += ring_attention_moments(items, li, residual, rank.ring, rec_li)
     if rc.attention_only and eager_nb:  # selective: the core recomputed on SDPA's math kernel (selective_moments.py)
-        eager_nb += math_core_moments(items, li, batch=inp.batch, seq=inp.seq, residual_bytes=residual,
+        eager_nb += math_core_moments(items, li, kernel=inp.attention_kernel, residual_bytes=residual,
                                       recomputed=rec_bytes.get(li))
     compiled_nb = compiled_checkpoint_moments(items, li, residual, rec_li, **(block_math or {}))
     if eager_nb and (li not in rec_bytes or rc.attention_only) and "recompute_and_work" in parts:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from trainmem.estimate.attention import KERNELS
 from trainmem.inventory import DTYPE_BYTES, Inventory
 from trainmem.specs.step import LOSSES
 
@@ -112,6 +113,11 @@ class PhaseInputs:
     accumulate_transients: bool = False
     """With ``grad_accum`` > 1, each new gradient beside the stored ``.grad`` it is added into
     (estimate/grad_accum.py; one device)."""
+    attention_kernel: str | None = None
+    """The kernel the blocks' attention cores run (estimate/attention.py ``kernel_for``, one of ``KERNELS``): the
+    math kernel's recomputed core has moments of its own under ``--recompute selective``
+    (estimate/selective_moments.py ``math_core_moments``). ``None``: not given (estimate/parallel.py's rank classes,
+    whose selective blocks take no such moment)."""
     tied_head: bool = False
     """The output layer is the input embedding's weight (estimate/peak.py's module docstring)."""
     stack_held: int = 0
@@ -135,6 +141,8 @@ class PhaseInputs:
                 if getattr(self, k) < 0}
         if self.optimizer_transient[0] < 0:
             bad["optimizer_transient"] = self.optimizer_transient
+        if self.attention_kernel not in (None, *KERNELS):
+            bad["attention_kernel"] = self.attention_kernel
         if self.loss not in PHASE_LOSSES:
             bad["loss"] = self.loss
         bad |= {k: getattr(self, k) for k in ("logits_dtype", "loss_dtype") if getattr(self, k) not in DTYPE_BYTES}

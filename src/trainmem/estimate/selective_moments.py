@@ -39,7 +39,7 @@ def saved_after_attention(items: "Inventory | list[MemoryItem]", last: int) -> i
 _HEADS = ("B", "A", "S", "hd")  # a (B, heads, S, head_dim) tensor as it reaches the kernel
 
 
-def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: int, seq: int, residual_bytes: int,
+def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel: str | None, residual_bytes: int,
                       recomputed: tuple[int, int] | None) -> list[dict[str, int]]:
     """Block ``li``'s attention core recomputed on SDPA's math kernel under ``--recompute selective``: one node
     moment (estimate/backward_moments.py ``_inside``), or none where the core is not that kernel's.
@@ -58,15 +58,14 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
     At B > 1 matmul's (B·A, S, hd) reshape copies the scaled q when q is a strided view (GPT-2's split of the
     fused c_attn output: the scaled q keeps its (B, S, A, hd) layout), and the scaled q stays a local.
 
-    Read off the selective inventory: the core's K/V checkpoint inputs (the (B, A, S, hd) items under the
-    attention module) give the heads' size and the input dtype; the block's recomputed set (``recomputed``:
-    estimate/layer_stats.py ``recompute_per_layer``, its bytes) must hold the scaled q and kᵀ and an fp32
-    (B, A, S, S) score (eager and math materialize one, the fused kernels none) and no causal mask may be held (transformers hands eager a
-    (B, 1, S, S) mask, which the checkpoint holds; SDPA gets ``is_causal``: modeling_gpt2.py
+    ``kernel``: the kernel the step's cores run (``PhaseInputs.attention_kernel``, estimate/attention.py
+    ``kernel_for``): only ``"math"`` has this moment (eager keeps transformers' own matmuls and mask, the fused
+    kernels no (B, A, S, S) score). The core's K/V checkpoint inputs (the (B, A, S, hd) items under the attention
+    module) give the heads' size and the input dtype, the block's recomputed set (``recomputed``:
+    estimate/layer_stats.py ``recompute_per_layer``) its saved bytes; SDPA gets ``is_causal`` (modeling_gpt2.py
     ``GPT2Attention.forward``, integrations/sdpa_attention.py ``sdpa_attention_forward``). Tiny GPT-2 (h64,
-    4 heads, 2 layers, V128, attention dropout 0.1, so CPU SDPA runs math: estimate/attention.py
-    ``resolve_kernel``) amp-bf16 B2 S64: the trace's top, 3,166,216 B, is this moment in block 1
-    (tests/estimate/test_selective_moments.py).
+    4 heads, 2 layers, V128, attention dropout 0.1, so CPU SDPA runs math) amp-bf16 B2 S64: the trace's top,
+    3,166,216 B, is this moment in block 1 (tests/estimate/test_selective_moments.py).
 
     Llama (q after RoPE, K/V at Akv heads, :func:`_core_inputs`): ``enable_gqa`` repeats key_acc and value_acc
     (``repeat_interleave``, fp32 (B, A, S, hd) copies: the repeated V is the saved one), amp's autocast casts the
@@ -81,19 +80,15 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, batch: 
     the fp32 moment above leaves them out, under that node's top there (before the core-backward term tiny GPT-2
     fp32 B2 S64 read 81,920 B under it, B1 S32 20,480 B; not re-measured since); the MLP's moment is the step's
     top there."""
-    if recomputed is None:
+    if recomputed is None or kernel != "math":
         return []
     block = [i for i in block_items(items, li) if i.category is Category.ACTIVATION and i.bytes]
     core = _core_inputs(items, block)
-    if core is None or any(i.dims[-2:] == ("S", "S") for i in items if i.category is Category.ACTIVATION):
+    if core is None:
         return []
     first, last, dtype, cast, (B, A, Akv, S, hd) = core
     saved = recomputed[0]
     h32, kv32, score32 = B * A * S * hd * 4, B * Akv * S * hd * 4, B * A * S * S * 4
-    # the scaled q and kᵀ in fp32 and at least one fp32 score: a fused kernel keeps q, k, v, its output and a
-    # (B, A, S) log-sum-exp, less than that
-    if (B, S) != (batch, seq) or saved < 2 * h32 + score32:
-        return []
     upcast, gqa = dtype != "float32", Akv != A
     common = (residual_bytes + h32  # the residual gradient and the core output's fp32 gradient
               + cast  # autocast's 16-bit copies of fp32 inputs (amp: Llama's RoPE'd q and k), SDPA's arguments
