@@ -29,6 +29,6 @@ def test_cli_estimate_equals_trace_per_rank(capsys, tmp_path, schedule):
         assert main(["trace", *flags, "--pp-rank", str(rank)]) == 0
         t = json.loads(capsys.readouterr().out)["peak_logical_bytes"]
         assert e[f"pp_stage_{rank}"] == t
-    # first under pp: one line, exit 2
-    assert main(["estimate", *flags, "--recompute-from", "first"]) == 2
-    assert "recompute_from='first': is transformers' every_n_layers count" in capsys.readouterr().err
+    # first under pp: transformers' whole-model count (blocks 0, 2, 4), estimated per rank
+    assert main(["estimate", *flags, "--recompute-from", "first"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ranks"]) == 2

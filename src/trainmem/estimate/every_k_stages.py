@@ -7,7 +7,9 @@ rank builds, counted across its virtual stages in the order they are built (``Im
 ``every_k_counts``). :func:`place_every_k` gives an ImplSpec that count (``recompute_counts``) in the
 estimate's numbering of the blocks: rank ``s`` holds ``stage_layers(model, par)[s]``, one run of blocks (an
 interleaved rank's virtual stages are not numbered apart, and the count runs on across them, so the run's
-positions are the rank's). :func:`check_every_k_stages` (``estimate/parallel.py`` ``validate``) refuses an
+positions are the rank's). ``recompute_from='first'`` (transformers' ``every_n_layers``) counts the whole model's
+blocks instead, before the cut (``ImplSpec.counted_by_ranks``); under interleaved 1F1B its positions are placed per
+virtual stage (:func:`_model_positions`). :func:`check_every_k_stages` (``estimate/parallel.py`` ``validate``) refuses an
 ImplSpec whose count is not that one, unless the whole model's count checkpoints the same blocks, and, under
 interleaved 1F1B, a count that checkpoints other blocks in a rank's different virtual stages: the estimate holds a
 rank's virtual stages as equal shares of its blocks (``parallel_pp.py`` ``in_flight``), which they then are not
@@ -15,6 +17,8 @@ rank's virtual stages as equal shares of its blocks (``parallel_pp.py`` ``in_fli
 1.004, as without recompute)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from trainmem.errors import SpecError
 from trainmem.specs import ImplSpec, ModelSpec, ParallelSpec
@@ -28,7 +32,23 @@ def place_every_k(model: ModelSpec, impl: ImplSpec, par: ParallelSpec | None) ->
     if par is None or impl.recompute != "every-k" or par.pp == 1:
         return impl
     from trainmem.estimate.parallel_pp import stage_layers
-    return impl.counted_by_ranks([[stage] for stage in stage_layers(model, par)], par.pp)
+    runs = stage_layers(model, par)
+    if impl.recompute_from == "first" and par.schedule == "interleaved":
+        return replace(impl, recompute_counts=_model_positions(runs, par))
+    return impl.counted_by_ranks([[stage] for stage in runs], par.pp)
+
+
+def _model_positions(runs: list[tuple[int, int]], par: ParallelSpec) -> tuple[tuple[int, int], ...]:
+    """transformers' whole-model count (``recompute_from='first'``, ``ImplSpec.counted_by_ranks``) in the estimate's
+    numbering of an interleaved rank's blocks: rank ``r``'s run of blocks is its virtual stages ``j`` in order, each
+    ``n`` blocks, global stage ``r + j·pp`` (torchtitan's ``stage_ids_this_rank``, style "loop"), whose first block is
+    the model's ``(r + j·pp)·n``: each virtual stage's first block counts on from there."""
+    if par.layer_split:  # the trace refuses it too (trace/parallel_pp.py check_pp_flags): no global stages to read
+        raise SpecError("layer_split", par.layer_split, "with --schedule interleaved and --recompute-from first: "
+                        "transformers' whole-model count needs the even split's virtual stages")
+    v = par.virtual_stages
+    return tuple((a + j * ((b - a) // v), (r + j * par.pp) * ((b - a) // v))
+                 for r, (a, b) in enumerate(runs) for j in range(v))
 
 
 def check_every_k_stages(model: ModelSpec, impl: ImplSpec, par: ParallelSpec) -> None:
@@ -50,8 +70,9 @@ def check_every_k_stages(model: ModelSpec, impl: ImplSpec, par: ParallelSpec) ->
     L, k = model.num_layers, impl.recompute_every
     if any(impl.checkpointed(i) != placed.checkpointed(i) for i in range(L)):
         starts = [b for b, _ in placed.recompute_counts]
-        raise SpecError("recompute_every", k, f"under pp={par.pp} ({par.schedule}) torchtitan counts each rank's own "
-                        f"blocks (stages start at {starts}), not the model's: "
+        raise SpecError("recompute_every", k, f"under pp={par.pp} ({par.schedule}) the blocks are counted per rank "
+                        f"(kth: torchtitan's count, stages start at {starts}) or per model (first: transformers', "
+                        "in the model's numbering): "
                         "estimate.every_k_stages.place_every_k(model, impl, parallel) places that count; or use a k "
                         "dividing each stage's start, or --recompute full")
 
@@ -68,7 +89,7 @@ def _check_virtual_stages(model: ModelSpec, placed: ImplSpec, par: ParallelSpec)
         n = (b - a) // v
         if any(flags) and ((b - a) % v or any(flags[j * n:(j + 1) * n] != flags[:n] for j in range(v))):
             raise SpecError("recompute_every", placed.recompute_every,
-                            f"under pp={par.pp} interleaved with {v} virtual stages a rank counts on across them, "
-                            f"checkpointing other blocks in each (blocks {a}-{b - 1}: "
+                            f"under pp={par.pp} interleaved with {v} virtual stages the {placed.recompute_from} count "
+                            f"checkpoints other blocks in each (blocks {a}-{b - 1}: "
                             f"{[i for i in range(a, b) if flags[i - a]]}), which the estimate holds as equal shares; "
                             f"use a k dividing each virtual stage's blocks, or --recompute full")

@@ -208,15 +208,18 @@ class ImplSpec:
     def counted_by_ranks(self, ranks: list[list[tuple[int, int]]], pp: int) -> ImplSpec:
         """This spec with ``every-k``'s count run over each pipeline rank's own blocks (:func:`every_k_counts`;
         ``ranks``: each rank's stages' ``[start, end)`` blocks in the order it builds them); itself for other
-        recomputes and one stage. ``recompute_from='first'`` is refused under ``pp``: transformers counts the
-        blocks of the one model ``gradient_checkpointing_enable`` is called on, which no pipeline runs."""
+        recomputes and one stage. ``recompute_from='first'`` keeps the whole model's count (no ``recompute_counts``,
+        in the model's numbering of the blocks): transformers' ``PreTrainedModel._set_gradient_checkpointing``
+        (modeling_utils.py) counts the ``GradientCheckpointingLayer`` modules of the model
+        ``activation_checkpointing_enable(every_n_layers=k)`` is called on, in ``self.modules()`` order, and sets each
+        block's ``gradient_checkpointing`` flag: called on the whole model (the Trainer's, trace/step.py's), before the
+        pipeline cut, whose stages keep their blocks and so their flags (blocks 0, k, 2k... of the model)."""
         from dataclasses import replace
 
         if self.recompute != "every-k" or pp == 1:
             return self
         if self.recompute_from == "first":
-            raise SpecError("recompute_from", "first", f"is transformers' every_n_layers count, modelled without "
-                                                       f"pipeline stages (pp={pp}); torchtitan's per-rank count is kth")
+            return replace(self, recompute_counts=())
         return replace(self, recompute_counts=every_k_counts(ranks))
 
     def to_dict(self) -> dict:
