@@ -34,6 +34,7 @@ from functools import lru_cache
 
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
+from trainmem.estimate.attention import kernel_for
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.compiled_op_moment import recomputes_blocks
 from trainmem.estimate.compiled_sharded import check_compiled_parallel
@@ -381,6 +382,7 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
         accumulated=accumulated, body=body,
         recompute=act_off[0] if act_off else _stage_recompute(lay, s),
         optimizer_transient=(tb, rule),
+        attention_kernel=kernel_for(lm, lstep, impl),  # PhaseInputs.attention_kernel, as on one device
         residual_bytes=int(lstep.batch * lstep.seq * model.hidden_size * dtype_bytes(d.compute)
                            // (par.tp if par.sp else 1)),
         persistent=persistent, node_moments=moments,
