@@ -122,6 +122,10 @@ def classifier_forward_held(model: ModelSpec, step) -> int:
     return hidden * ((dropped or d.autocast) + (dropped and d.autocast))
 
 
+#: a classifier's targets: the caller's labels, alive all step (not a block's shared input: phase_parts.py)
+CALLER_LABELS = "labels"
+
+
 # the forward --------------------------------------------------------------------------------------
 
 def task_head(ctx, h: Sym) -> None:
@@ -190,7 +194,7 @@ def _cross_entropy(ctx, logits: Sym, rows: tuple[int, str], *, upcast: bool) -> 
     g = ctx.graph
     n, sym = rows
     dtype = "float32" if upcast or ctx.low else logits.dtype
-    target = g.new("labels", (n,), (sym,), "int64", False)
+    target = g.new(CALLER_LABELS, (n,), (sym,), "int64", False)
     with g.module("loss"):
         g.save(g.new("log_softmax", (n, logits.shape[-1]), (sym, "nl"), dtype), when=logits.requires_grad)
         loss_value(g, dtype)  # nll_loss's output, before its total weight (estimate/loss_value.py)

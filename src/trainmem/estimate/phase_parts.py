@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from trainmem.estimate.grad_items import head_weight_grad
+from trainmem.estimate.heads import CALLER_LABELS
 from trainmem.estimate.layer_stats import LayerStats, layer_stats
 from trainmem.estimate.phase import Phase
 from trainmem.estimate.phase_inputs import PhaseInputs
@@ -136,9 +137,11 @@ def largest_block_grad(items) -> int:
 
 def shared_block_inputs(items) -> int:
     """Saved tensors outside the blocks that only the blocks read (rotary cos/sin): neither the
-    embedding's nor the head's."""
+    embedding's nor the head's, nor a classifier's labels, which the caller holds all step (``heads.CALLER_LABELS``:
+    tiny BERT token-cls B1 S32 read them freed, the end of backward 256 B under the trace)."""
     return sum(i.bytes for i in _base(items) if i.category is Category.ACTIVATION and layer_of(i.name) is None
-               and not is_head(i.name) and not is_embedding(i.name) and not is_embedding_indices(i.name))
+               and not is_head(i.name) and not is_embedding(i.name) and not is_embedding_indices(i.name)
+               and i.name != CALLER_LABELS)
 
 
 def embedding_outputs(items) -> int:
