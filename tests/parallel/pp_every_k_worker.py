@@ -5,7 +5,9 @@ torchtitan's ``_apply_layer_sac`` (distributed/activation_checkpoint.py) increme
 block ``apply_ac`` visits and wraps the block in ``ptd_checkpoint_wrapper`` (torch's ``checkpoint_wrapper``,
 non-reentrant) when ``count % k == 0``; ``apply_ac`` runs on each stage model a rank builds, after the cut. Here the
 worker's stage cut (``_pipeline_stage_module``) is followed by the same loop over the stage's blocks with a
-counter kept per process, and the result records which of the model's blocks were wrapped.
+counter kept per process, and the result records which of the model's blocks were wrapped. With ``every_from="first"``
+transformers' own count runs instead: ``activation_checkpointing_enable(every_n_layers=k)`` on the whole model before
+the cut (as a Trainer calls it), the stages keeping their blocks' ``gradient_checkpointing`` flags.
 
 Run by tests/parallel/test_pp_every_k_real.py under torchrun (gloo, CPU):
 ``python pp_every_k_worker.py OUT_DIR '<scenarios json>'``.
@@ -25,14 +27,20 @@ def run(sc: dict) -> dict:
     global _count
     _count = 0  # one scenario is one job
     sc = dict(sc)
-    k = sc.pop("every")
+    k, start = sc.pop("every"), sc.pop("every_from", "kth")
     wrapped: list[int] = []
     cut = worker._pipeline_stage_module
 
     def stage_with_ac(model, stage, num_stages, sp_mesh=None):
         global _count
-        mod = cut(model, stage, num_stages, sp_mesh)
         per = len(model.model.layers) // num_stages
+        if start == "first":  # transformers' every_n_layers on the whole model, then the cut keeps the flags
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                                  every_n_layers=k)
+            mod = cut(model, stage, num_stages, sp_mesh)
+            wrapped.extend(stage * per + i for i, block in enumerate(mod.layers) if block.gradient_checkpointing)
+            return mod
+        mod = cut(model, stage, num_stages, sp_mesh)
         for i, block in enumerate(mod.layers):
             _count += 1
             if _count % k == 0:

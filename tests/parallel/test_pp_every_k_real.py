@@ -1,9 +1,10 @@
 """``--recompute every-k`` under ``--pp``: the trace's per-rank count against a real 2-rank gloo pipelining step
 that checkpoints as torchtitan does (tests/parallel/pp_every_k_worker.py: the measure worker's ``pp`` strategy,
-each stage's blocks wrapped by a per-process counter, ``checkpoint_wrapper`` on every k-th).
+each stage's blocks wrapped by a per-process counter, ``checkpoint_wrapper`` on every k-th), and as transformers does
+(``--recompute-from first``: ``activation_checkpointing_enable(every_n_layers=k)`` on the whole model, then the cut).
 
 Tiny Llama with 6 layers (the worker's config otherwise), B 2 per micro-batch, S 64, fp32, AdamW foreach,
-4 micro-batches, k=2: each rank wraps its 2nd block, blocks 1 and 4 (the whole model's count would wrap 1, 3, 5).
+4 micro-batches, k=2: each rank wraps its 2nd block, blocks 1 and 4; transformers' count flags the model's 0, 2, 4.
 Per rank and schedule: the wrapped blocks == ``place_every_k_trace``'s; parameters, gradients, AdamW states,
 buffers and receive buffers == the trace to the byte; the real step's op-boundary peak == the trace's + AdamW's
 CPU step counters (as tests/trace/test_trace_pp_real.py reads them; the least of four tracked steps, gloo's late
@@ -22,7 +23,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 from torchrun_scripts import launch  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch, ~60-120 s on 2 shared cores
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch per test, ~60-120 s on 2 shared cores
 
 SCHEDULES = ("gpipe", "1f1b")
 M, K, LAYERS = 4, 2, 6
@@ -38,7 +39,9 @@ def _traced(traced, step_counters: int) -> dict[str, int]:
     return {**{k: sums[k] for k in (*LEDGERS, "recv")}, "peak": traced.peak_logical_bytes + step_counters}
 
 
-def test_trace_every_k_per_rank_equals_a_real_gloo_pipeline_step():
+def _trace_equals_real(every_from: str, blocks) -> None:
+    """Launch the worker under both schedules with ``every_from``'s count; per rank, the wrapped blocks ==
+    ``place_every_k_trace``'s == ``blocks(a, b)`` (the rank's ``[a, b)``), and the trace == the real step."""
     from trainmem.measure_dist.worker import DEFAULT_CONFIG, DEFAULTS
     from trainmem.specs import ImplSpec, ParallelSpec, StepSpec
     from trainmem.trace import trace_step
@@ -46,9 +49,11 @@ def test_trace_every_k_per_rank_equals_a_real_gloo_pipeline_step():
 
     cfg = dict(DEFAULT_CONFIG, num_hidden_layers=LAYERS)
     runs = launch("pp_every_k_worker.py", {s: dict(strategy="pp", config=cfg, schedule=s, microbatches=M, every=K,
-                                                   tracked_repeats=3) for s in SCHEDULES}, timeout=900)
+                                                   every_from=every_from, tracked_repeats=3) for s in SCHEDULES},
+                  timeout=900)
     step = StepSpec(batch=DEFAULTS["batch"], seq=DEFAULTS["seq"], precision="fp32", optimizer="adamw")
-    impl = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach", recompute="every-k", recompute_every=K)
+    impl = ImplSpec(device="cpu", attention="sdpa", optimizer_impl="foreach", recompute="every-k", recompute_every=K,
+                    recompute_from=every_from)
     bad = []
     for schedule in SCHEDULES:
         par = ParallelSpec(pp=2, schedule=schedule, microbatches=M)
@@ -56,10 +61,21 @@ def test_trace_every_k_per_rank_equals_a_real_gloo_pipeline_step():
         for real in runs[schedule]:
             r = real["pp_stage"]
             a, b = r * LAYERS // 2, (r + 1) * LAYERS // 2
-            assert real["wrapped_blocks"] == [i for i in range(a, b) if placed.checkpointed(i)] == [a + 1]
+            assert real["wrapped_blocks"] == [i for i in range(a, b) if placed.checkpointed(i)] == blocks(a, b)
             traced = trace_step(cfg, step, placed, parallel=par, pp_rank=r)
             got = _traced(traced, real["states_bytes"]["optimizer_step"])
             want = {**{k: real["states_bytes"][k] for k in LEDGERS}, "recv": real["pp_recv_buffers_bytes"],
                     "peak": min(real["peak_bytes"], *real["op_boundary_peaks_bytes"])}
             bad += [f"{schedule} rank {r} {k}: trace {got[k]} != real {want[k]}" for k in want if got[k] != want[k]]
     assert not bad, "\n".join(bad)
+
+
+def test_trace_every_k_per_rank_equals_a_real_gloo_pipeline_step():
+    _trace_equals_real("kth", lambda a, b: [a + 1])  # each rank's 2nd block
+
+
+def test_trace_first_per_rank_equals_a_real_gloo_pipeline_step():
+    """``--recompute-from first`` under PP: transformers' ``activation_checkpointing_enable(every_n_layers=2)`` on
+    the whole model before the cut flags the model's blocks 0, 2, 4 (rank 0: 0 and 2, the stage's last; rank 1: 4);
+    the trace (``place_every_k_trace``: the whole model's count) == the real step per rank, ledgers and peak."""
+    _trace_equals_real("first", lambda a, b: [i for i in range(a, b) if i % K == 0])
