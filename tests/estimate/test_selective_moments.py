@@ -145,6 +145,30 @@ def test_llama_selective_math_core_equals_trace(precision, lora, batch, attentio
     assert e.peak_bytes == t.peak_logical_bytes
 
 
+def test_gpt2_core_backward_moment_as_integers():
+    from trainmem.estimate.selective_moments import math_core_moments
+    step, impl = _case("fp32", 2, 128)
+    e = estimate(spec_from_hf_config(GPT2), step, impl)
+    # the recomputed set read without the KV cache: q, kᵀ, V's bmm copy (3 · 2·4·128·16 · 4) and softmax, dropout's
+    # mask and output (3 · 2·4·128·128 · 4) = 196,608 + 1,572,864; the cached V is a view for bmm: no copy
+    (m,) = math_core_moments(e.inventory, 1, kernel="math", residual_bytes=2 * 128 * 64 * 4,
+                             recomputed=(1_769_472, 524_288))
+    # P·V's backward: the residual gradient (65,536), the output's gradient (65,536), q, kᵀ (2 · 65,536), softmax,
+    # dropout's mask and output (3 · 524,288), V's gradient (65,536) and P's (524,288)
+    assert m["work"] == 65_536 + 65_536 + 131_072 + 1_572_864 + 65_536 + 524_288 == 2_424_832
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("precision,batch,lora", [("fp32", 2, False), ("bf16", 2, False), ("amp-bf16", 2, False),
+                                                  ("fp32", 1, False), ("bf16", 2, True), ("fp32", 1, True)])
+def test_gpt2_selective_core_backward_equals_trace(precision, batch, lora):
+    t, e = _traced_and_estimated(GPT2, *_case(precision, batch, 128), LORA if lora else None)
+    # the trace's top is P·V's backward in block 1 (dP's bmm); before, full fine-tuning: -83,976 / -65,536 /
+    # -65,536 / -149,512 B (the core's backward beside dropout's mask and output, V's and P's gradients: not modelled)
+    assert (t.peak_op, t.peak_module.removeprefix("base_model.model.")) == ("bmm", "transformer.h.1.attn")
+    assert e.peak_bytes == t.peak_logical_bytes
+
+
 @pytest.mark.parametrize("precision,device,attention,kernel", [
     ("fp32", "cpu", "sdpa", "math"),  # GPT-2's attention dropout: only math takes dropout on CPU
     ("bf16", "cuda", "sdpa", "flash"), ("fp32", "cuda", "sdpa", "efficient"), ("amp-bf16", "cuda", "sdpa", "flash"),
@@ -160,3 +184,17 @@ def test_phase_inputs_refuse_unknown_kernel():
     with pytest.raises(ValueError, match="attention_kernel='mystery'"):
         PhaseInputs(batch=1, seq=8, vocab=8, logits_dtype="float32", loss_dtype="float32", loss="ce", grad_accum=1,
                     residual_bytes=0, optimizer_transient=(0, ""), attention_kernel="mystery")
+
+
+PHI3 = dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, max_position_embeddings=256, attention_dropout=0.1, pad_token_id=0)
+
+
+@pytest.mark.slow  # one fake-tensor trace each
+@pytest.mark.parametrize("precision,batch,seq", [("fp32", 2, 128), ("bf16", 2, 128), ("fp32", 1, 128), ("bf16", 1, 32)])
+def test_phi3_selective_math_core_equals_trace(precision, batch, seq):
+    t, e = _traced_and_estimated(PHI3, *_case(precision, batch, seq))
+    # Phi-3's attention dropout runs CPU SDPA on math; its fused qkv_proj's gradient comes after the core's backward.
+    # Before: -180,488 / -40,960 / -147,720 B (no P·V backward moment) and bf16 B1 S32 +24,576 B (qkv_proj's bf16
+    # gradient, 64 · 192 · 2, counted at the core's moments)
+    assert e.peak_bytes == t.peak_logical_bytes

@@ -75,21 +75,24 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel:
     heads) ``--attention sdpa-math`` selective bf16 / amp-bf16 B2 S64: 1,768,648 / 2,848,072 B, the add's moment
     in block 1 (tests/estimate/test_selective_moments.py).
 
+    With dropout (GPT-2) the core's backward starts beside dropout's mask and output, still saved: at P·V's
+    ``BmmBackward0`` (below); tiny GPT-2 selective S128 tops there at every precision.
+
     Known limitations: an explicit mask and a q that is not a view (GPT-NeoX's rotated q) are not checked on a
-    trace and get no moment. With dropout (GPT-2) the core's backward keeps dropout's mask and its gradients too:
-    the fp32 moment above leaves them out, under that node's top there (before the core-backward term tiny GPT-2
-    fp32 B2 S64 read 81,920 B under it, B1 S32 20,480 B; not re-measured since); the MLP's moment is the step's
-    top there."""
+    trace and get no moment."""
     if recomputed is None or kernel != "math":
         return []
     block = [i for i in block_items(items, li) if i.category is Category.ACTIVATION and i.bytes]
     core = _core_inputs(items, block)
     if core is None:
         return []
-    first, last, dtype, cast, (B, A, Akv, S, hd) = core
-    saved = recomputed[0]
+    first, last, dtype, cast, (B, A, Akv, S, hd), v_cached = core
     h32, kv32, score32 = B * A * S * hd * 4, B * Akv * S * hd * 4, B * A * S * S * 4
     upcast, gqa = dtype != "float32", Akv != A
+    # the recomputed set is read off the blocks without a KV cache (estimate/__init__.py ``plain``), where GPT-2's
+    # V is a strided view of c_attn's output that matmul copies at B > 1 (``v_repeat``); the selective step reads
+    # V from the cache's contiguous cat, whose (B·A, S, hd) reshape is a view: in fp32 (value_acc is V) no copy
+    saved = recomputed[0] - (h32 if v_cached and not upcast and B > 1 else 0)
     common = (residual_bytes + h32  # the residual gradient and the core output's fp32 gradient
               + cast  # autocast's 16-bit copies of fp32 inputs (amp: Llama's RoPE'd q and k), SDPA's arguments
               + S * S * 4  # the causal mask, additive fp32
@@ -105,6 +108,13 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel:
     # beside the saved q and kᵀ, the softmax, V's gradient (its repeat not yet summed) and the score's two
     # gradients (dP, dS); tiny Llama fp32 B1 S64 tops here (16,384 B under it before)
     work = max(work, residual_bytes + 3 * h32 + 3 * score32)
+    # the core's first backward node, P·V's ``BmmBackward0``: beside the whole recomputed saved set (the dropout
+    # mask and output too: softmax's and dropout's nodes run later) the output's gradient as bmm reads it, a
+    # contiguous fp32 (B·A, S, hd) (matmul's reshape copies the transposed gradient at B > 1; at B == 1 it is
+    # c_proj's mm output), V's gradient (A heads) and then P's, (B·A, S, S) fp32, allocated second (the trace's
+    # ``bmm:3`` then ``bmm:4``). Tiny GPT-2 fp32 / bf16 / amp-bf16 B2 S128 and fp32 B1 S128 top here
+    # (-83,976 / -65,536 / -65,536 / -149,512 B under before: tests/estimate/test_selective_moments.py)
+    work = max(work, residual_bytes + h32 + saved + h32 + score32)
     after = block[last + 1:]
     # the block's gradients but those of the modules that ran before the core (the input norm, the QKV projection
     # and its adapters), whose nodes run after it; paths inside the block (a template's gradients keep block 0's names)
@@ -116,14 +126,16 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel:
              "after_attention": 0, "work": work}]
 
 
-# the families' separate Q/K/V projections (modeling_llama.py ``LlamaAttention``), whose nodes run after the core's
-_QKV = (".q_proj.", ".k_proj.", ".v_proj.")
+# the families' Q/K/V projections, separate (modeling_llama.py ``LlamaAttention``) or fused (modeling_phi3.py
+# ``Phi3Attention.qkv_proj``), whose nodes run after the core's
+_QKV = (".q_proj.", ".k_proj.", ".v_proj.", ".qkv_proj.")
 
 
-def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, tuple[int, ...]] | None":
+def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, tuple[int, ...], bool] | None":
     """The core's checkpoint inputs in block ``block``'s activations: the index of the first and of the last, the
-    kernel's input dtype (V's), the bytes of autocast's casts of inputs in another dtype to it, and (B, heads,
-    K/V heads, S, head_dim); None for a layout not checked on a trace.
+    kernel's input dtype (V's), the bytes of autocast's casts of inputs in another dtype to it, (B, heads,
+    K/V heads, S, head_dim), and whether K/V are the KV cache's contiguous (B, A, S, hd) copies (GPT-2); None for
+    a layout not checked on a trace.
 
     GPT-2: two (B, A, S, hd) K/V items, q a strided view of c_attn's output (no item). Llama: q after RoPE
     (B, S, A·hd) and K/V (B, S, Akv·hd), handed to SDPA as (B, heads, S, hd) transposes with ``enable_gqa`` when
@@ -134,7 +146,7 @@ def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, t
     heads = [k for k in attn if block[k].dims == _HEADS]
     if len(heads) == 2:
         B, A, S, hd = block[heads[-1]].shape
-        return heads[0], heads[-1], block[heads[-1]].dtype, 0, (B, A, A, S, hd)
+        return heads[0], heads[-1], block[heads[-1]].dtype, 0, (B, A, A, S, hd), True
     # the projections' weight casts (amp, bf16 LoRA) are items under the attention module too
     qs = [k for k in attn if block[k].dims == ("B", "S", "A·hd")]
     kvs = [k for k in attn if block[k].dims == ("B", "S", "Akv·hd")]
@@ -146,7 +158,7 @@ def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, t
     # amp: RoPE ran in fp32 (q and k fp32, V bf16); autocast casts SDPA's fp32 arguments to bf16 (a lower-
     # precision op: aten/src/ATen/autocast_mode.cpp), copies alive until the kernel returns
     cast = sum(i.bytes // dtype_bytes(i.dtype) * dtype_bytes(v.dtype) for i in (q, kv) if i.dtype != v.dtype)
-    return qs[0], kvs[1], v.dtype, cast, (B, qw // hd, kv.shape[-1] // hd, S, hd)
+    return qs[0], kvs[1], v.dtype, cast, (B, qw // hd, kv.shape[-1] // hd, S, hd), False
 
 
 def _module(grad: str) -> str:
