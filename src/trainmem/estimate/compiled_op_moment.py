@@ -19,13 +19,17 @@ needs it: the MLP's backward holds what it needs of the recompute, which depends
   sum is recomputed from it and the block input; the attention's recompute waits for the attention's backward,
   so the input norm's recomputed values and the attention's compiled set are not held, the block input not freed.
 
+* under autocast (amp-bf16) the bf16 weight copies of the mms the policy saved are not made before these moments
+  (:func:`uncast_linears`), where ``--recompute full`` holds them from its recomputed forward on.
+
 Where these moments exist they replace the block's generic working set (``peak.phases``: the whole recomputed
 set at once), which the deferred case would over-count. Under FSDP2 the block's graph is the one-device one
 (estimate/compiled_sharded.py). Checked against the trace (``trace --compile --compile-scope block --recompute
 op``, the partitioned graphs run op by op): tiny Llama (H 64, F 176, 4/2 heads, V 256, untied), AdamW, B 2 S 64:
 bf16 1,503,560 B, fp32 2,589,256 B (0.923 and 0.968 before); Qwen2 bf16 1,455,176 B, fp32 2,527,816 B; FSDP2
 fp32 2,325,960 B (0.855 before); CUDA's kept SDPA output with the CPU kernel standing in, bf16 1,457,736 B
-(tests/estimate/test_compiled_op_moment.py, test_compiled_op_cuda.py). Known limitations: the unfused graphs'
+(tests/estimate/test_compiled_op_moment.py, test_compiled_op_cuda.py); amp-bf16 2,507,336 B (1.014 before;
+test_compiled_op_amp.py). Known limitations: the unfused graphs'
 moments (inductor fuses the pointwise chains: docs/compile.md); only the Llama block's compiled set is read
 (``compiled_recompute._llama_compiled``); other blocks keep the generic working set.
 """
@@ -37,7 +41,7 @@ from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import split_block
 from trainmem.specs import ImplSpec
 
-__all__ = ["recomputes_blocks", "op_block_freed"]
+__all__ = ["recomputes_blocks", "op_block_freed", "uncast_linears"]
 
 # a policy that saves o_proj's output, or the SDPA output it is made from, defers the attention's recompute
 _SAVED_O = "self_attn.o_proj.out"
@@ -66,12 +70,34 @@ def op_block_freed(items: "Inventory | list[MemoryItem]", last: int, kept: dict[
     * o_proj's output saved (its mm is one the policy keeps, or q/k/v are addmm): the residual sum is recomputed
       from it and the block input, the attention is not yet: the input norm's recomputed values and the
       attention's compiled set beyond what the policy saved are not held, and the block input is not freed."""
-    own = {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
+    own = _own(items, last)
+    uncast = uncast_linears(items, last, kept)  # amp-bf16: the kept mms' weight copies, not made yet
     if not any(n in own for n in _DEFERS):
-        return sum(i.bytes for n, i in own.items() if n not in kept) - _received_16bit(items, last, kept, block_input)
-    # o_proj's output, recomputed from the saved SDPA output, is freed by the residual sum (counted there)
+        return (sum(i.bytes for n, i in own.items() if n not in kept) + sum(uncast.values())
+                - _received_16bit(items, last, kept, block_input))
+    # o_proj's output, recomputed from the saved SDPA output, is freed by the residual sum (counted there); the
+    # attention's weight casts are among its compiled set (not held), the MLP's kept mms' too
     attention = sum(i.bytes for n, i in kept.items() if n.startswith("self_attn.") and n not in own and n != _SAVED_O)
-    return norm_held + sum(kept[n].bytes for n in _INPUT_NORM) + attention - block_input
+    mlp_uncast = sum(b for n, b in uncast.items() if not n.startswith("self_attn."))
+    return norm_held + sum(kept[n].bytes for n in _INPUT_NORM) + attention + mlp_uncast - block_input
+
+
+def uncast_linears(items: "Inventory | list[MemoryItem]", last: int, kept: dict[str, MemoryItem]) -> dict[str, int]:
+    """Under autocast (amp-bf16), the bytes of each bf16 weight copy (``*.weight_cast`` of the compiled set
+    ``kept``) that block ``last``'s MLP moments do not hold under op-level checkpointing, by linear path: those of
+    the linears whose mm output the policy saved (tiny Llama: q, v, gate). The cast (``_to_copy``, autocast's
+    weight cast, aten/src/ATen/autocast_mode.cpp ``cached_cast``, a node of the traced graph) is a
+    ``PREFER_RECOMPUTE`` node like every non-mm op (estimate/graph.py ``OpPolicy``); its saved mm reads it
+    no more, so the recompute of the forward does not make it, and ``reordering_to_mimic_autograd_engine``
+    (torch/_functorch/partitioners.py) brings it in only before its first backward reader, the linear's
+    input-gradient mm, after these moments. A recomputed mm's cast is made by the recompute and held until that mm,
+    as under --recompute full (compiled_recompute.py). Empty without autocast (no weight casts in ``kept``)."""
+    return {n[:-len(".out")]: kept[c].bytes for n in _own(items, last)
+            if n.endswith("_proj.out") and (c := n[:-len(".out")] + ".weight_cast") in kept}
+
+
+def _own(items: "Inventory | list[MemoryItem]", last: int) -> dict[str, MemoryItem]:
+    return {_inner(i.name): i for i in block_items(items, last) if i.category is Category.ACTIVATION}
 
 
 def _received_16bit(items: "Inventory | list[MemoryItem]", last: int, kept: dict[str, MemoryItem],

@@ -67,7 +67,7 @@ from trainmem.estimate.compiled_block_moment import block_grads, cache_tangents,
 from trainmem.estimate.compiled_finetune_moment import finetune_checkpoint_moments
 from trainmem.estimate.compiled_float8_moment import float8_uncheckpointed_moments, is_float8_block
 from trainmem.estimate.compiled_float8_recompute import float8_checkpoint_moments
-from trainmem.estimate.compiled_op_moment import op_block_freed
+from trainmem.estimate.compiled_op_moment import op_block_freed, uncast_linears
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.names import layer_of, split_block
 
@@ -152,7 +152,10 @@ def compiled_checkpoint_moments(items: "Inventory | list[MemoryItem]", last: int
     # the residual stream's gradient and up_proj's input gradient (autocast's cast backward: in x) are x too
     block_input = residual = up_dx = tokens_h * x
     # autocast's weight copies are freed by their linear's input-gradient mm, down_proj's first, then up_proj's
-    copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) for c in ("down_proj", "up_proj")}
+    # (under op-level checkpointing a kept mm's copy is not made before these moments: op_block_freed counts it)
+    uncast = uncast_linears(items, last, kept)
+    copies = {c: getattr(kept.get(f"mlp.{c}.weight_cast"), "bytes", 0) if f"mlp.{c}" not in uncast else 0
+              for c in ("down_proj", "up_proj")}
     freed = prod.bytes + (after.bytes if after is not None else 0) + block_input + copies["down_proj"]
     freed += op_block_freed(items, last, kept, norm, block_input)  # --recompute op: compiled_op_moment.py
     grads = block_grads(block_items(items, last))

@@ -88,14 +88,15 @@ def check_compiled(ctx: Ctx) -> None:
          "(loss eager) or block-loss (estimate/compiled_chunk_loss.py)"),
         ("recompute", impl.recompute, impl.recompute not in ("none", "full") and not (
             impl.recompute == "op" and impl.compile_scope != "model" and not m.qk_norm
-            # amp-bf16 with Float8 tensorwise: the block moments of compiled_float8_recompute.py, traced (one device,
-            # FSDP2, the fp8 all-gather); without Float8 its moments over-read the trace (tiny Llama B 2 S 64
-            # 2,681,416 B of 2,642,504, 1.015; H 128 3 blocks B 2 S 96 1.012)
+            # amp-bf16: the moments of compiled_recompute.py less the weight casts of the kept mms
+            # (compiled_op_moment.py uncast_linears), traced on one device, FSDP2 and HSDP; with Float8 tensorwise
+            # those of compiled_float8_recompute.py (one device, FSDP2, the fp8 all-gather). Per pipeline stage:
+            # compiled_sharded.py
             and (step.recipe in ("fp32", "bf16", "fp16", "fsdp-bf16")
-                 or step.recipe == "amp-bf16" and impl.float8 == "tensorwise")),
-         "compiled rules cover --recompute none and full, and op per block in a pure precision (fsdp-bf16 "
-         "included; amp-bf16 with --float8 tensorwise; the CUDA SDPA outputs the policy keeps: checked with the CPU "
-         "kernel standing in, docs/compile.md)"),
+                 or step.recipe == "amp-bf16" and impl.float8 in ("none", "tensorwise"))),
+         "compiled rules cover --recompute none and full, and op per block in fp32/bf16/fp16, fsdp-bf16 and "
+         "amp-bf16 (with --float8 tensorwise or without Float8; the CUDA SDPA outputs the policy keeps: checked with "
+         "the CPU kernel standing in, docs/compile.md)"),
         # before the kernel: dropout turns SDPA into its math ops (GPT-2, CPU: a bool mask per dropout kept too)
         ("dropout", max(m.attn_dropout, m.hidden_dropout), m.attn_dropout > 0 or m.hidden_dropout > 0,
          "compiled rules have no dropout (nanoGPT's 0.0: --model a config.json with its dropout keys at 0.0; "
