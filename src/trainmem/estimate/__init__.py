@@ -207,6 +207,10 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                                   one_graph=impl.compile and impl.compile_scope == "model"),
             head_graph_apart=head_graph_apart(impl)),  # estimate/compiled_embedding_backward.py
     ))
+    if not offload:  # BERT's last-block forward moments: the math attention's fp32 copies, the last LayerNorm
+        from trainmem.estimate.attention import kernel_for as _kernel
+        from trainmem.estimate.encoder_forward import with_encoder_forward
+        ph = with_encoder_forward(ph, inv, model, step, impl, _kernel(model, step, impl), finetune)
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
         ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(
