@@ -51,7 +51,11 @@ def block_phases(tl: Timeline, items, inp: PhaseInputs, s: StepSums) -> None:
     # fake-PG trace (tests/estimate/test_compiled_3d.py), a moment not explained yet
     late = st.late_grad if st.has_head else 0
     g_now = G if inp.grad_accum > 1 else s.grads_head - late if not inp.optimizer_in_backward else s.tied_G
-    parts = {"gradients": g_now, "activations": A - head_act, "recompute_and_work": work,
+    # a checkpointed block keeps only what later nodes saved of it: the last block's output, the final norm's input,
+    # which that norm's backward released before this block's recompute (engine.cpp Node::release_variables)
+    held_by_norm = st.act_layer.get(last, 0) if last in rec_bytes and inp.recompute.recomputed is not None and \
+        not inp.recompute.attention_only else 0
+    parts = {"gradients": g_now, "activations": A - head_act - held_by_norm, "recompute_and_work": work,
              "router_logits_grad": sum(s.router_grads.values())}  # every block's router backward is to come
     note = ("backward of the last block: head gradients, remaining activations, recomputed "
             "block activations, the output gradient and the gradient of its largest tensor")
@@ -137,8 +141,12 @@ def _inside(tl: Timeline, items, inp: PhaseInputs, s: StepSums, blocks: set[int]
                                         else nb["block_gradients"]), s.G)),
               **held_and_recomputed(acts_before, rec_add, nb["freed_activations"] + shared),
               "node_work": nb["work"] + s.loss_scalars(inp)
+              # an eager last block's residual gradient is the received one (pp_recv_gradients); not taken off a
+              # checkpointed one's moment: measured, --recompute full and every-k under --pp were one (B, S, H) under
+              # the trace on rank 0 with it (its recomputed set's freed block output likely being the stage output,
+              # counted apart in pp_stage_outputs: not traced further)
               - (residual if rank.grad_received and li == last and not nb["after_attention"]
-                 and any(nb is e for e in eager_nb) else 0),
+                 and li not in rec_bytes and any(nb is e for e in eager_nb) else 0),
               "router_logits_grad": parts.get("router_logits_grad", 0)}
         if sum(at.values()) > sum(parts.values()):
             parts, note = at, (f"{note.split(':')[0].split(', at its')[0]}, at its MLP product's or an RMSNorm's backward: "
