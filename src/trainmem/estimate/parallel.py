@@ -138,7 +138,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
     if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp1_flat.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
     lp.check(impl.profile, par)
-    check_compiled_parallel(impl, par)  # compile under FSDP2 only (estimate/compiled_sharded.py)
+    check_compiled_parallel(impl, par, step.recipe)  # compile under FSDP2 only (estimate/compiled_sharded.py)
     check_compiled_tp_layout(impl, par)  # compile under TP, + FSDP2 and/or PP (estimate/compiled_3d.py)
     if impl.float8 != "none" and par.tp > 1 and (step.recipe not in ("fp32", "bf16", "fp16", "fsdp-bf16") or (
             impl.float8 == "tensorwise" and (not par.sp or impl.recompute not in ("none", "full")))):
