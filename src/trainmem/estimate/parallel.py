@@ -137,6 +137,9 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
     if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp1_flat.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
+    if par.pp > 1 and step.dtypes.autocast:  # stage under autocast: tiny Llama read 0.88-1.09 of the trace
+        raise UnsupportedError(f"precision={step.recipe!r} is not modelled with pp={par.pp}: the pipeline stage "
+                               "under autocast reads off its trace (docs/parallel.md); bf16 and fp32 are exact")
     lp.check(impl.profile, par)
     check_compiled_parallel(impl, par, step.recipe)  # compile under FSDP2 only (estimate/compiled_sharded.py)
     check_compiled_tp_layout(impl, par)  # compile under TP, + FSDP2 and/or PP (estimate/compiled_3d.py)
