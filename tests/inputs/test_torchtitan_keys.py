@@ -183,8 +183,8 @@ def test_3d_job_estimate(tmp_path, capsys):
     assert (par["dp"], par["tp"], par["sp"], par["pp"], par["microbatches"], par["fsdp"],
             par["reshard_after_forward"]) == (2, 2, True, 2, 8, "full", False)
     # the command line still wins over the file
-    assert main(["estimate", "--torchtitan", str(p), "--precision", "amp-bf16", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["inputs"]["step"]["precision"] == "amp-bf16"
+    assert main(["estimate", "--torchtitan", str(p), "--precision", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["step"]["precision"] == "bf16"
 
 
 def test_cpu_offload_and_compile(tmp_path):
