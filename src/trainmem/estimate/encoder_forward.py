@@ -34,6 +34,7 @@ from __future__ import annotations
 from trainmem.estimate.block_backward import block_items
 from trainmem.estimate.layer_stats import layer_stats
 from trainmem.estimate.phase import Phase
+from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, dtype_bytes
 from trainmem.names import layer_of
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
@@ -90,7 +91,7 @@ def _bias_cache(states: Inventory, last: int, *, at_norm: bool, low: str) -> int
 
 
 def modelled(model: ModelSpec, impl: ImplSpec, finetune=None) -> bool:
-    return (model.family == "bert" and model.arch == "encoder" and impl.profile == "hf" and impl.framework == "hf"
+    return (family_of(model).rules.forward == "bert" and model.arch == "encoder" and impl.profile == "hf" and impl.framework == "hf"
             and not impl.compile and impl.recompute == "none" and finetune is None)
 
 
