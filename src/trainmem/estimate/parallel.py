@@ -57,7 +57,7 @@ from trainmem.estimate.parallel_pp import (
     _stage_of, apply_pp, in_flight, output_chunk_aliases, recv_input_aliases, stage_layers, stage_node_moments,
     caller_batch, fsdp_stage_moments,
 )
-from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp
+from trainmem.estimate.parallel_tp import _tp_factor, apply_cp, apply_tp, tp_node_moments
 from trainmem.estimate.parallel_zero import apply_offload, apply_zero, shard_group
 from trainmem.estimate.every_k_stages import check_every_k_stages, place_every_k
 from trainmem.estimate.peak import Phase, PhasedResult, recompute_per_layer
@@ -368,7 +368,8 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
     torch_engine = lay.torch_engine
     fsdp_pp = fsdp_stage_moments(par, impl) if torch_engine else 0  # FSDP2 per stage's node moments: parallel_pp.py
     moments = (tl is not None or (torch_engine and stage_node_moments(par)) or bool(fsdp_pp)  # parallel_pp.py
-               or offload_node_moments(impl, par))  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
+               or offload_node_moments(impl, par)  # checkpointed blocks under CPU offload: estimate/fsdp_offload.py
+               or (torch_engine and tp_node_moments(par, impl)))  # a TP rank's checkpointed blocks: parallel_tp.py
     # CP's ring backward: a node moment of each block's attention (estimate/context_parallel.py)
     ring = ring_as_node_moment(working, lm, lstep, par, dtype_bytes(d.activation),
                                taken=lay.traced is None and not act_off and not impl.optimizer_in_backward
@@ -397,8 +398,9 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
         logits_held=torch_engine and par.pp > 1 and s == lay.last,  # the schedule's output chunks (pp_output_chunks)
         # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
         # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
-        recomputed=(Inventory(_plain_activations(lm, lstep, impl, lay.finetune, lay.shard))
-                    if moments and recomputes_blocks(impl) and not act_off and lay.traced is None else None),
+        recomputed=(Inventory(lay.traced[3] if lay.traced else _plain_activations(lm, lstep, impl, lay.finetune,
+                                                                                   lay.shard))
+                    if moments and recomputes_blocks(impl) and not act_off else None),
         tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         fsdp_pp_grads=fsdp_pp, ring=ring, timeline=tl, own_states=tuple(own_states), param_bytes=dtype_bytes(d.compute),
         # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)

@@ -245,4 +245,4 @@ def traced_rank_parts(model, step, impl, par):
     states = tuple(_state_inventory(tpl, step, kept_fp32(model)))
     div = {s.name: _divisor(s.name, tpl.tp_div) for s in states}
     return ((items, (0,) * len(items), recompute), (states, {s.name: 0 for s in states}, div),
-            _optimizer_transient(tpl, step, impl))
+            _optimizer_transient(tpl, step, impl), tuple(plain))
