@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmem.inventory import Category, MemoryItem
+from trainmem.trace.recording import short_op
 
 __all__ = ["ForwardTensors", "INPUT_PREFIX", "item_from_dict"]
 
@@ -45,12 +46,6 @@ class _Made:
     shape: tuple[int, ...]
     dtype: str
     saved: bool = False
-
-
-def _short_op(func) -> str:
-    """``aten.mm.default`` -> ``mm``, as ``trace/recording.py`` ``short_op`` names ops."""
-    packet = getattr(func, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(func, "__name__", str(func))
 
 
 _ALIASES: dict = {}
@@ -129,7 +124,7 @@ class ForwardTensors:
             entry, new = self._storages.add(t)
             if new:
                 lt = self._local(t)
-                op = _short_op(func)
+                op = short_op(func)
                 entry.data = _Made(self._seq, self._stack[-1] if self._stack else "", op, tuple(lt.shape), _dtype(lt))
                 self._seq += 1
 
