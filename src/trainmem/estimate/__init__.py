@@ -181,6 +181,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         working = {**(working or {}), "forward": {**(working or {}).get("forward", {}), **held}}
     resid_dtype = d.compute
     lsm = next((i for i in acts.base if i.name == "loss.log_softmax"), None)
+    kernel = kernel_for(model, step, impl)  # the attention core's moments (selective_moments.py, encoder_forward.py)
     ph = phases(inv, PhaseInputs(
         batch=step.batch, seq=step.seq, vocab=logits_width(model),
         logits_dtype=d.activation if d.autocast else d.compute, loss=step.loss,
@@ -190,7 +191,7 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
                              else optimizer_transient(model, step, states, finetune, impl)),
         residual_bytes=int(step.batch * step.seq * model.hidden_size * dtype_bytes(resid_dtype)),
         optimizer_in_backward=impl.optimizer_in_backward, working=working or {},
-        attention_kernel=kernel_for(model, step, impl),  # the core's moments: estimate/selective_moments.py
+        attention_kernel=kernel,
         stack_held=stack_held, stacks=stacks,
         optimizer_batch=_caller_batch(model, step),
         tied_head=model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
@@ -208,9 +209,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
             head_graph_apart=head_graph_apart(impl)),  # estimate/compiled_embedding_backward.py
     ))
     if not offload:  # BERT's last-block forward moments: the math attention's fp32 copies, the last LayerNorm
-        from trainmem.estimate.attention import kernel_for as _kernel
         from trainmem.estimate.encoder_forward import with_encoder_forward
-        ph = with_encoder_forward(ph, inv, model, step, impl, _kernel(model, step, impl), finetune)
+        ph = with_encoder_forward(ph, inv, model, step, impl, kernel, finetune)
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
         ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(
