@@ -64,7 +64,8 @@ def run_one(cfg: dict, step: StepSpec, impl: ImplSpec, cuda: bool) -> dict:
     tr = trace_step(cfg, step, cpu_impl)
     row = {"trace_s": time.perf_counter() - t0,
            "est_act": est.totals_bytes["activation"], "trace_act": _activations(tr.items),
-           "est_peak": est.peak_bytes, "trace_peak": tr.peak_bytes}
+           # logical bytes on both sides: ``tr.peak_bytes`` rounds each tensor to the allocator's 512 B blocks
+           "est_peak": est.peak_bytes, "trace_peak": tr.peak_logical_bytes}
     if cuda:
         from trainmem.measure.profiling import profile_model
 
@@ -106,8 +107,9 @@ def main(argv=None) -> int:
     ok = [r for r in rows if "skipped" not in r]
     act = [r["est_act"] / r["trace_act"] for r in ok if r["trace_act"]]
     peak = [r["est_peak"] / r["trace_peak"] for r in ok if r["trace_peak"]]
-    head = "| family | precision | attention | recompute | act est/trace | peak est/trace |"
-    sep = "|---|---|---|---|---:|---:|"
+    exact = sum(r["est_peak"] == r["trace_peak"] for r in ok)
+    head = "| family | precision | attention | recompute | act est/trace | peak est/trace | peak est − trace (B) |"
+    sep = "|---|---|---|---|---:|---:|---:|"
     if cuda:
         head += " peak est/measured |"
         sep += "---:|"
@@ -123,17 +125,23 @@ def main(argv=None) -> int:
            if cuda else "No GPU here: the measurement column is absent."),
         "",
         f"Activations est/trace: min {min(act):.3f}, max {max(act):.3f}; peak est/trace: min {min(peak):.3f}, "
-        f"max {max(peak):.3f}." if act else "",
+        f"max {max(peak):.3f}; peak equal to the byte: {exact} of {len(ok)}. Peaks are logical bytes on both "
+        "sides (the trace's `peak_logical_bytes`, not its 512 B-rounded `peak_bytes`). The activation column "
+        "compares ledgers, which file two tensors differently: the estimate lists the embedding's saved ids "
+        "(the caller's B·S·8 B tensor) as an activation, the trace a 4 B scalar of the loss's that the estimate "
+        "does not (Llama fp32 B2 S256: 4,096 − 4 = 4,092 B)."
+        if act else "",
         "",
         head, sep,
     ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['family']} | {r['precision']} | {r['attention']} | {r['recompute']} | "
-                         f"skipped: {r['skipped'][:80]} | |" + (" |" if cuda else ""))
+                         f"skipped: {r['skipped'][:80]} | | |" + (" |" if cuda else ""))
             continue
         line = (f"| {r['family']} | {r['precision']} | {r['attention']} | {r['recompute']} | "
-                f"{ratio(r['est_act'], r['trace_act'])} | {ratio(r['est_peak'], r['trace_peak'])} |")
+                f"{ratio(r['est_act'], r['trace_act'])} | {ratio(r['est_peak'], r['trace_peak'])} | "
+                f"{r['est_peak'] - r['trace_peak']:+,} |")
         if cuda:
             line += f" {ratio(r['gpu_est_peak'], r['measured_peak'])} |"
         lines.append(line)
