@@ -33,8 +33,15 @@ the backward phases: eager B1 S8 / S16 were 8,448 / 16,896 B over, full recomput
 ``fp32`` (fp32 weights, bf16 compute): full recompute B1 S8 / S16 25,344 / 5,632 B under (the fp32 dequantization
 and its bf16 copy both alive), B1 / B2 S64 22,528 B over; all equal now (``tests/finetune/test_qlora_moments.py``).
 Llama-2-7B S2048 full recompute: the block phase is the product's moment, 90,177,536 B (one 4096 x 11008 bf16
-weight) lower than before (not traced at that size). Not modelled (the weight is still added to every backward phase
-there): adapters on the MLP (``--lora-targets`` with the MLP, ``qlora-*-all``), other MLPs.
+weight) lower than before (not traced at that size).
+
+With adapters on every projection of the MLP (``--lora-targets all-linear``, ``qlora-*-all``), in one dtype, the
+moment is the down projection's matmul, eager or checkpointed (:func:`_adapted_down_moment`); with a 16-bit MLP
+(``--qlora-scope targeted``, adapters on the attention) no MLP or norm node holds a dequantized weight. Tiny Llama
+bf16 B1/B2 x S16/S64 x eager/full recompute were up to 22,528 B (all-linear) and 8,192 B (targeted) over the trace;
+equal now (``tests/finetune/test_qlora_adapted_moments.py``). Not modelled (the weight is still added to every
+backward phase there): an adapted 4-bit MLP under a cast (amp-bf16, fp32), other MLPs; the attention projections'
+own 4-bit matmul moments (below the MLP's at the sizes traced).
 """
 
 from __future__ import annotations
@@ -57,19 +64,32 @@ def four_bit_markers(block: list[MemoryItem]) -> dict[str, MemoryItem] | None:
               and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
               and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
     adapted = any(".mlp." in i.name and ".lora_" in i.name for i in block)
+    if adapted and not _adapted_in_one_dtype(block, marker):
+        return None
     # under a cast, bitsandbytes' weights only (their note names the dtype dequantize_4bit returns): torchao's
     # linear_nf4 dequantizes otherwise (estimate/finetune.py ``torchao_nf4_dequant_bytes``)
     cast = any(i.note.rpartition(COMPUTES_IN)[2] != i.dtype for i in marker.values())
     bnb = all(DEQUANTIZES_TO in i.note for i in block if i.category is Category.PARAMETER and ".mlp." in i.name
               and i.name.endswith(".weight") and i.shape)
-    return marker if set(_GATED) <= set(marker) and not adapted and (bnb or not cast) else None
+    return marker if set(_GATED) <= set(marker) and (bnb or not cast) else None
+
+
+def _adapted_in_one_dtype(block: list[MemoryItem], marker: dict[str, MemoryItem]) -> bool:
+    """Adapters on every projection of the gated MLP, bitsandbytes' base computing in the activations' dtype (no
+    cast): the layout whose down-projection moment :func:`_adapted_down_moment` reads (checked against the trace
+    in bf16 only)."""
+    lora = {p for p in _GATED if any(i.name.endswith(f".mlp.{p}.lora_A.default.weight") for i in block)}
+    return lora == set(_GATED) and all(i.note.rpartition(COMPUTES_IN)[2] == i.dtype for i in marker.values())
 
 
 def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False) -> bool:
     """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
     estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides.
-    ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision."""
-    return four_bit_markers(block) is not None
+    ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision. A 16-bit MLP
+    (``qlora_scope='targeted'`` with adapters on the attention only) runs no 4-bit matmul at its nodes or the
+    norms': the dequantized attention weight is not alive there either."""
+    return four_bit_markers(block) is not None or not any(
+        i.category is Category.PARAMETER and ".mlp." in i.name and "4-bit base" in i.note for i in block)
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
@@ -80,6 +100,8 @@ def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, res
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
                         and i.shape), None) for p in ("up_proj", "down_proj")}
+    if weights["down_proj"] is not None and any(".mlp." in i.name and ".lora_" in i.name for i in block):
+        return [_adapted_down_moment(block, acts, weights["down_proj"], marker["down_proj"], residual_bytes)]
     act, up = (next((i for i in acts if i.name.endswith(n)), None) for n in (".mlp.act_fn.out", ".mlp.up_proj.out"))
     if None in weights.values() or act is None or up is None:
         return []
@@ -99,6 +121,23 @@ def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, res
                    "work": residual_bytes + (residual_bytes * dtype_bytes(c) // dtype_bytes(prod.dtype) if cast else 0)
                    + _dequantized(block, weights["down_proj"], c, _bytes(prod, c))}
     return [down_moment, up_moment]
+
+
+def _adapted_down_moment(block: list[MemoryItem], acts: list[MemoryItem], weight: MemoryItem, prod: MemoryItem,
+                         residual_bytes: int) -> dict[str, int]:
+    """An adapted down projection's 4-bit matmul (peft ``tuners/lora/bnb.py`` ``Linear4bit.forward``: ``result =
+    base_layer(x).clone()``, then ``result + (lora_B(lora_A(x.to(fp32))) * scaling).to(result.dtype)``): the adapter
+    branch's nodes are the later ones, so they ran first; ``lora_A``'s node made the adapters' weight gradients and
+    the product's gradient, cast back to the product's dtype (the ``x.to`` node), and released its saved fp32 copy
+    of the product and ``lora_B``'s saved input. Alive besides: the residual gradient, a second residual-sized
+    gradient in the product's dtype (the base branch's, as recompute_stop.py ``_adapter_a_input_gradient`` finds for a
+    16-bit base) and ``MatMul4Bit.backward``'s dequantized weight and input gradient (:func:`_dequantized`).
+    Eager and checkpointed alike: the adapter's nodes unpacked first, so a checkpointed block has recomputed."""
+    out = sum(i.bytes for i in acts if i.name.endswith(".residual_mlp"))  # as four_bit_mlp_moments' ``out``
+    own = [i for i in acts if ".mlp.down_proj.lora_" in i.name]
+    grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj.lora_" in i.name)
+    return {"block_gradients": grads, "freed_activations": out + sum(i.bytes for i in own), "after_attention": 0,
+            "work": 2 * residual_bytes + _bytes(prod) + _dequantized(block, weight, prod.dtype, _bytes(prod))}
 
 
 def _dequantized(block: list[MemoryItem], weight: MemoryItem, compute: str, grad_in: int) -> int:

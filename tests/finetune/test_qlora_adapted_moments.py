@@ -1,0 +1,99 @@
+"""QLoRA's dequantized weight where the MLP carries adapters or stays 16-bit (estimate/quant4bit_moments.py).
+
+Tiny Llama (h64, F176, 4/2 heads, V128, 2 layers) QLoRA r 8, AdamW, against a fake-tensor trace of the real
+bitsandbytes + peft model. Before, one dequantized weight was added to every backward phase, at the MLP product's
+and the RMSNorms' nodes too, which run no 4-bit matmul:
+
+* every linear adapted (``lora_targets=all-linear``, every linear 4-bit), bf16: full recompute B1 S16 / S64,
+  B2 S16 / S64 11,776 / 22,528 / 22,528 / 22,528 B over; eager B1 S16 13,312 B over (the backward phase),
+  B1 S64 5,888, B2 S16 14,208 B over; with a 4-bit head the same. Now the adapted down projection's
+  ``MatMul4Bit.backward`` is a node moment and the others hold no weight: equal (eager B1 S16: the backward phase
+  equals the trace's top, the forward phase's bound is 1,336 B above it).
+* ``qlora_scope='targeted'`` (q/v 4-bit, the MLP 16-bit): full recompute 8,192 B over (one dequantized q_proj)
+  at every B and S, eager B1 S16 4,032 B over; equal now, bf16 and amp-bf16.
+
+Not modelled: an adapted 4-bit MLP under a cast (amp-bf16, fp32): still one weight in every backward phase,
+4,088-46,336 B over the trace at these sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trainmem.estimate import estimate
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.finetune import FinetuneSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+pytest.importorskip("bitsandbytes")
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+ALL = FinetuneSpec(mode="qlora", lora_rank=8, lora_targets=("all-linear",))
+SCOPES = {"all-linear": ALL,
+          "all-linear+head": FinetuneSpec(mode="qlora", lora_rank=8, lora_targets=("all-linear",), quantize_head=True),
+          "targeted": FinetuneSpec(mode="qlora", lora_rank=8, qlora_scope="targeted")}
+
+
+def _case(batch, seq, recompute, precision="bf16"):
+    return (StepSpec(batch=batch, seq=seq, precision=precision, optimizer="adamw"),
+            ImplSpec(attention="sdpa", device="cpu", recompute=recompute))
+
+
+def _phases(ft, *case):
+    return {p.name: p for p in estimate(spec_from_hf_config(LLAMA), *_case(*case), finetune=ft).phases}
+
+
+def test_adapted_down_projection_moment_as_integers():
+    back = _phases(ALL, 1, 16, "none")["backward"]
+    R, prod, w, absmax = 16 * 64 * 2, 16 * 176 * 2, 64 * 176 * 2, 11_264 // 64 * 4
+    # the residual gradient and the base branch's, lora_A's product gradient (bf16), then the dequantized down
+    # weight beside the larger of its fp32 absmax and its input gradient; the loss and its seed (8)
+    assert back.parts["node_work"] == 2 * R + prod + w + max(absmax, prod) + 8 == 37_896
+    # the down adapters' weight gradients (fp32): lora_A 8·176·4, lora_B 64·8·4
+    assert back.parts["gradients"] == 8 * 176 * 4 + 64 * 8 * 4 == 7_680
+    assert "dequant_temporary" not in back.parts
+
+
+def test_checkpointed_adapted_block_holds_no_weight_beside_its_nodes():
+    first = _phases(ALL, 2, 64, "full")["backward_first_block"]
+    assert "node_work" in first.parts and "dequant_temporary" not in first.parts
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_targeted_16_bit_mlp_nodes_hold_no_weight(recompute):
+    for p in _phases(SCOPES["targeted"], 1, 16, recompute).values():
+        if "node_work" in p.parts:
+            assert "dequant_temporary" not in p.parts
+
+
+@pytest.mark.slow  # one fake-tensor trace each (bitsandbytes on CPU), ~1-3 s
+@pytest.mark.parametrize("scope", list(SCOPES))
+@pytest.mark.parametrize("batch,seq", [(1, 16), (1, 64), (2, 16), (2, 64)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_bf16_step_equals_trace(scope, batch, seq, recompute):
+    """Eager all-linear B1 S16: the trace's top is the last down projection's 4-bit matmul in backward, which the
+    backward phase equals; the step's estimate is the forward phase's bound, 1,336 B above."""
+    from trainmem.trace import trace_step
+
+    step, impl = _case(batch, seq, recompute)
+    ft = SCOPES[scope]
+    t = trace_step(LLAMA, step, impl, finetune=ft)
+    e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
+    if scope != "targeted" and (batch, seq, recompute) == (1, 16, "none"):
+        assert {p.name: p.bytes for p in e.phases}["backward"] == t.peak_logical_bytes
+        assert e.peak_phase == "forward" and e.peak_bytes - t.peak_logical_bytes == 1_336
+    else:
+        assert e.peak_bytes == t.peak_logical_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch,seq", [(1, 16), (1, 64), (2, 16), (2, 64)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_targeted_amp_bf16_step_equals_trace(batch, seq, recompute):
+    from trainmem.trace import trace_step
+
+    step, impl = _case(batch, seq, recompute, "amp-bf16")
+    ft = SCOPES["targeted"]
+    assert estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft).peak_bytes == \
+        trace_step(LLAMA, step, impl, finetune=ft).peak_logical_bytes
