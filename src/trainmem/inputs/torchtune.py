@@ -336,6 +336,9 @@ def _loss(get, step: dict, notes: list[str], where: str) -> None:
     step["loss"], note = _LOSSES[component]
     if note:
         notes.append(note)
+    if step["loss"] != "torchtune-chunked-ce":  # estimate/torchtune_loop.py: counted under that loss only
+        notes.append(f"the recipe's ignore_labels_cache ((batch_size, 1) int64, batch_size·8 bytes all step) is not "
+                     f"counted with {component.rpartition('.')[2]}: the estimate keeps it under CEWithChunkedOutputLoss")
 
 
 def _checkpointing(get, impl: dict, notes: list[str], where: str) -> None:

@@ -1,0 +1,30 @@
+"""torchtune's ``ignore_labels_cache`` (estimate/torchtune_loop.py): the recipes' (batch_size, 1) int64 tensor,
+kept on the device all step (recipes/full_finetune_single_device.py, lora_finetune_single_device.py)."""
+
+from __future__ import annotations
+
+from trainmem.estimate.torchtune_loop import IGNORE_LABELS_CACHE, torchtune_loop_items
+from trainmem.inputs import read_torchtune
+from trainmem.inventory import Category
+from trainmem.specs import StepSpec
+
+
+def test_ignore_labels_cache_item_as_integers():
+    (item,) = torchtune_loop_items(StepSpec(batch=3, seq=16, loss="torchtune-chunked-ce"))
+    assert (item.name, item.category, item.shape, item.dtype) == (IGNORE_LABELS_CACHE, Category.BUFFER, (3, 1), "int64")
+    assert item.bytes == 3 * 1 * 8 == 24 and item.formula == "B·1·8"
+
+
+def test_not_kept_outside_torchtune_loss():
+    assert torchtune_loop_items(StepSpec(batch=3, seq=16, loss="ce")) == []
+    assert torchtune_loop_items(StepSpec(batch=3, seq=16, loss="litgpt-chunked-ce")) == []
+
+
+def test_recipe_with_another_loss_says_it_is_not_counted(tmp_path):
+    p = tmp_path / "recipe.yaml"
+    model = "model:\n  _component_: torchtune.models.llama3.llama3_8b\nbatch_size: 4\ndtype: bf16\n"
+    p.write_text(model + "loss:\n  _component_: torchtune.modules.loss.LinearCrossEntropyLoss\n")
+    notes = read_torchtune(p)["notes"]
+    assert any("ignore_labels_cache" in n and "LinearCrossEntropyLoss" in n for n in notes)
+    p.write_text(model + "loss:\n  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss\n")
+    assert not any("ignore_labels_cache" in n for n in read_torchtune(p)["notes"])
