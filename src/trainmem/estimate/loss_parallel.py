@@ -32,7 +32,7 @@ from trainmem.estimate.peak import Phase
 from trainmem.inventory import MemoryItem, dtype_bytes
 from trainmem.specs import ModelSpec, ParallelSpec
 
-__all__ = ["check", "gathered_logits", "loss_model", "with_loss_items", "gather_phase", "sharded_loss_phases"]
+__all__ = ["check", "gathered_logits", "loss_model", "with_loss_items", "gather_phase", "sharded_loss_phases", "fused_backward_rows"]
 
 
 def gathered_logits(par: ParallelSpec) -> bool:
@@ -96,10 +96,14 @@ def sharded_loss_phases(ph: list[Phase], *, B: int, S: int, local_vocab: int, lo
     * ``backward_start``, ``_nll_loss_and_log_softmax_backward`` (nll and log-softmax backward fused,
       ``_log_softmax_backward_handler`` only casts): ``zeros_like(x)``, ``exp(x)`` and their sum are
       alive at once, then the zeros, the sum and the product: three ``u`` where the single-device
-      rule has two (the log-softmax output's gradient and the logits').
+      rule has two (the log-softmax output's gradient and the logits'). Beside them, per target row
+      (:func:`fused_backward_rows`), the handler's index tensors, and the target and total weight
+      ``NllLossBackward0`` saved: the fused backward runs inside that node, which releases them only when
+      it returns (one device's moment is ``LogSoftmaxBackward0``'s, after it did).
 
-    Inside one DTensor op: the op-boundary tracker of measure_dist cannot see these; the CPU
-    allocator's profile (torch.profiler, profile_memory) does (tests/estimate/test_loss_parallel.py)."""
+    Inside one DTensor op: a dispatch mode above DTensor (measure_dist's op-boundary tracker) sees none of
+    these; the CPU allocator's profile (torch.profiler, profile_memory) does (tests/estimate/test_loss_parallel.py),
+    and so does the trace (trace/parallel_tp.py ``loss_handlers_seen``)."""
     u = int(B * S * local_vocab * dtype_bytes(loss_dtype))
     out = []
     for p in ph:
@@ -110,8 +114,23 @@ def sharded_loss_phases(ph: list[Phase], *, B: int, S: int, local_vocab: int, lo
                         note=p.note + "; loss_parallel: the shifted logits beside exp and the result (B·S·V/tp)")
         elif p.name == "backward_start" and "logits_grad" in parts:
             parts["logits_grad"] = 3 * u
+            parts["loss_parallel_rows"] = fused_backward_rows(B * S, loss_dtype)
             p = replace(p, bytes=sum(parts.values()), parts=parts,
                         note="loss_parallel backward (nll and log-softmax fused): zeros, exp and their sum, "
-                             "3·B·S·V/tp")
+                             "3·B·S·V/tp, beside the handler's per-row index tensors and nll's saved target")
         out.append(p)
     return out
+
+
+def fused_backward_rows(rows: int, loss_dtype: str) -> int:
+    """The bytes per target row alive at the fused backward's ``(grad_input + exp(x)) * grad_output``
+    (torch/distributed/tensor/parallel/loss.py ``_nll_loss_and_log_softmax_backward``), beside the three
+    B·S·V/tp tensors: ``safe_target`` (``where``, int64), ``_MaskPartial._partition_value``'s mask (bool,
+    kept as the placement's ``mask_buffer``) and its shifted target (int64), ``grad_update`` (the mask
+    cast to the loss dtype, minus one), ``arange_1d`` (int64) and the masked ``grad_output`` (``where``,
+    the loss dtype); and what ``NllLossBackward0`` still holds: its saved target (the shifted labels,
+    int64, transformers ``ForCausalLMLoss``) and total weight (0-d, the loss dtype). Tiny Llama B2 S64
+    (128 rows, fp32): 128·(8 + 1 + 8 + 4 + 8 + 4) + 128·8 + 4 = 5,252 B, the trace's (and a real
+    step's) moment over the three tensors."""
+    lb = dtype_bytes(loss_dtype)
+    return rows * (8 + 1 + 8 + lb + 8 + lb) + rows * 8 + lb

@@ -24,12 +24,17 @@ reduce-scattered to ``Shard(1)`` and the head's input is ``Shard(1)``.
 
 Known limitations:
   - the recorder's dispatch mode sees an op on DTensors once, at the DTensor level, not the local
-    ops DTensor's handler runs for it: temporaries inside a handler (loss_parallel's cross-entropy,
-    torch/distributed/tensor/parallel/loss.py) are not recorded, so the step peak under
-    loss_parallel is below the estimate's (tiny Llama tp 2: estimate/trace 1.07-1.09); model states
-    and saved activations are exact (tests/trace/test_trace_tp.py);
+    ops DTensor's sharding strategies run for it; loss_parallel's cross-entropy handlers, which
+    compute on local shards with temporaries of their own, run with the recorder pushed back
+    (trace/dtensor_handlers.py ``loss_handlers_seen``): the step equals a real gloo step's allocator
+    peak to the byte (tests/parallel/test_tp_loss_parallel_exact.py);
   - the fake group completes each collective at once and leaves its output as it is: buffers
     the real backend keeps while a collective is in flight (gloo's, NCCL's) are not seen;
+  - funcol's ``wait_tensor`` (torch/distributed/_functional_collectives.py) returns its input on a real
+    group, but its Meta kernel (``_wait_tensor_meta``: ``empty_like``) makes a fake tensor of its own, so
+    between a functional collective's wait and the end of its ``AsyncCollectiveTensor`` the trace holds
+    its output twice (amp-bf16 tp 2 without sp, --recompute full: the trace's top, 3,072 B over the
+    estimate, is the up projection's input-gradient all-reduce);
   - ``--optimizer-impl foreach`` without ``--sp`` is refused: the norms stay plain tensors and torch's
     foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
@@ -235,7 +240,9 @@ def step_context(par):
         stack.enter_context(strided_offsets_on_real_tensors())
         if par.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
+            from trainmem.trace.dtensor_handlers import loss_handlers_seen
             stack.enter_context(loss_parallel())
+            stack.enter_context(loss_handlers_seen())
     return stack
 
 
