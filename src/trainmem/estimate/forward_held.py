@@ -48,7 +48,7 @@ from trainmem.inventory import Category, Inventory, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
 __all__ = ["forward_held", "kv_cache_unsaved", "autocast_unsaved_casts", "autocast_bias_cache", "head_input_unsaved",
-           "padded_labels"]
+           "padded_labels", "cast_linears"]
 
 _CACHE_COPIES = ("k_cache", "v_cache")  # the rules' names of the DynamicCache's cat copies (rules_hf.py)
 
@@ -107,6 +107,11 @@ def _probe(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None) -> _
         ctx.trainable, ctx.finetune_linear = trainable_predicate(model, finetune), FinetuneLinear(model, step, finetune)
     hf_forward(ctx)
     return g
+
+
+def cast_linears(model: ModelSpec, step: StepSpec, impl: ImplSpec, finetune=None) -> set[str]:
+    """Every linear that casts its trainable weight under autocast (and so its bias: :func:`autocast_bias_cache`)."""
+    return _probe(model, step, impl, finetune).linears
 
 
 def kv_cache_unsaved(probe: _Probe) -> int:
