@@ -92,7 +92,8 @@ def block_phases(tl: Timeline, items, inp: PhaseInputs, s: StepSums) -> None:
         acts0 = A - head_act - sum(st.act_layer.values()) + st.act_layer.get(first, 0)
         tl.add("backward_first_block", *_inside(
             tl, items, inp, s, blocks, first, g_first, acts0,
-            {"gradients": g_first, "activations": acts0, "recompute_and_work": work0,
+            {"gradients": g_first, "activations": acts0 - _output_released(inp, st, first),
+             "recompute_and_work": work0,
              "router_logits_grad": s.router_grads.get(first, 0)},
             "backward of the first block, the last to run: every later gradient exists, its "
             "recomputed block activations, the output gradient and the gradient of its largest tensor"))
@@ -152,6 +153,18 @@ def _inside(tl: Timeline, items, inp: PhaseInputs, s: StepSums, blocks: set[int]
             parts, note = at, (f"{note.split(':')[0].split(', at its')[0]}, at its MLP product's or an RMSNorm's backward: "
                                "gradients so far, the residual gradient and the node's temporaries")
     return parts, note
+
+
+def _output_released(inp: PhaseInputs, st, li: int) -> int:
+    """What checkpointed block ``li`` keeps (``st.act_layer``: its output, the next block's checkpoint input), which
+    the next block's backward released before ``li``'s recompute (its first node unpacked it: estimate/block_backward.py
+    ``checkpoint_kept``; the node moments take it off too). As ``held_by_norm`` for the last block, whose output the
+    final norm's backward released. Tiny GPT-2 amp-bf16 --recompute full B2 S64: the first block's working set held
+    it, 16,120 B over the trace (whose top is the block's GELU MulBackward0, a node moment)."""
+    rc = inp.recompute
+    if li not in rc.per_block or rc.recomputed is None or rc.attention_only:
+        return 0
+    return st.act_layer.get(li, 0)
 
 
 def _mixed_middle(blocks: set[int], recompute_bytes) -> dict[int, tuple[int, None]]:
