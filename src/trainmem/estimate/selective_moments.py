@@ -99,7 +99,7 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel:
               # query_acc and key_acc; value_acc too under GQA (else the saved V is value_acc)
               + (h32 + kv32 + (kv32 if gqa else 0) if upcast else 0)
               + (h32 if gqa else 0)  # enable_gqa: key_acc's repeat_interleave (value_acc's is the saved V)
-              + (h32 if B > 1 else 0))  # the scaled q before matmul's reshape copied it
+              + (h32 if B > 1 and not _rope_by_cat(items, li) else 0))  # the scaled q before matmul's reshape copied it
     # the top at the end: the recomputed saved set (q and kᵀ scaled, softmax, dropout's mask and output, the V)
     # and the weights' 16-bit cast; or at the mask's add, before the softmax: the saved q, kᵀ and V beside the
     # fp32 score and its masked copy (no dropout: tiny Llama's top)
@@ -129,6 +129,19 @@ def math_core_moments(items: "Inventory | list[MemoryItem]", li: int, *, kernel:
 # the families' Q/K/V projections, separate (modeling_llama.py ``LlamaAttention``) or fused (modeling_phi3.py
 # ``Phi3Attention.qkv_proj``), whose nodes run after the core's
 _QKV = (".q_proj.", ".k_proj.", ".v_proj.", ".qkv_proj.")
+
+
+#: the fused Q/K/V projection of Phi-3, whose RoPE ends in ``torch.cat`` (modeling_phi3.py ``apply_rotary_pos_emb``:
+#: ``cat([rotated, q_pass], dim=-1)``): q reaches SDPA as a fresh contiguous (B, A, S, hd) tensor, so the math kernel's
+#: scaled q folds into bmm's (B·A, S, hd) batch as a view, no copy (the rules' ``out_copy=rules.fused_qkv``,
+#: estimate/rules_hf.py ``_llama_attention``, reads the same layout for the fused kernels)
+_CAT_ROPE = (".self_attn.qkv_proj.",)
+
+
+def _rope_by_cat(items, li: int) -> bool:
+    """Block ``li``'s q comes out of a RoPE that ends in ``torch.cat`` (:data:`_CAT_ROPE`). Tiny Phi-3 (h64, 4 heads,
+    attention dropout 0.1) amp-bf16 --recompute selective B2 S64: the copy read 32,768 B over the trace."""
+    return any(p in i.name for i in block_items(items, li) for p in _CAT_ROPE)
 
 
 def _core_inputs(items, block: list[MemoryItem]) -> "tuple[int, int, str, int, tuple[int, ...], bool] | None":
