@@ -211,6 +211,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
     if not offload:  # BERT's last-block forward moments: the math attention's fp32 copies, the last LayerNorm
         from trainmem.estimate.encoder_forward import with_encoder_forward
         ph = with_encoder_forward(ph, inv, model, step, impl, kernel, finetune)
+        from trainmem.estimate.encoder_backward import with_encoder_backward  # its blocks' node moments
+        ph = with_encoder_backward(ph, inv, model, step, impl, kernel, finetune, plain)
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
         ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(

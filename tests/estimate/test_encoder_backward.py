@@ -1,0 +1,118 @@
+"""BERT's blocks' backward as node moments (estimate/encoder_backward.py): the step's peak equals a CPU fake-tensor
+trace's. Before (estimate − trace, bytes; tiny BERT h64, F128, 2 layers, A4, V256, 3 labels, AdamW for-loop, CPU):
+seq-cls fp32 B1 S64 +31,992, B2 S64 +98,552; bf16 B1 S64 +7,676, B2 S32 +7,676, B2 S64 +42,502; token-cls fp32
+B1 S64 +15,608, B2 S64 +63,236; bf16 B1 S64 −516, B2 S64 +17,798 (the block working set, a bound both ways);
+under --recompute full fp32 B2 S64 +98,296 (seq-cls, token-cls) / +98,808 (mlm), bf16 B1 S64 +7,676 / +7,932,
+B2 S64 +17,404 / +17,660, mlm bf16 B2 S32 −7,428."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from trainmem.estimate.encoder_backward import BlockDims, block_events, peak_of
+from trainmem.specs import ImplSpec, StepSpec
+from trainmem.specs.loaders import spec_from_hf_config
+
+BERT = dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=256, max_position_embeddings=512, num_labels=3)
+IMPL = ImplSpec(device="cpu", optimizer_impl="for-loop")
+
+
+def _saved(precision: str, batch: int, seq: int) -> dict[str, int]:
+    """The last layer's saved tensors by name, as the estimate's inventory lists them."""
+    from trainmem.estimate import estimate
+    from trainmem.estimate.block_backward import block_items
+    from trainmem.estimate.encoder_backward import layer_saved
+
+    spec = replace(spec_from_hf_config(BERT), head="seq-cls", num_labels=3)
+    e = estimate(spec, StepSpec(batch=batch, seq=seq, precision=precision), IMPL)
+    return layer_saved(block_items(e.inventory, 1), 1)
+
+
+def test_fp32_top_is_the_output_dense_end():
+    d = BlockDims(B=1, S=64, H=64, F=128, A=4, act=4, param=4)
+    bsh, bsf = 64 * 64 * 4, 64 * 128 * 4
+    work, made, freed, total, label = peak_of(block_events({**_saved("fp32", 1, 64), "input": bsh}, d,
+                                                           input_name="input"))
+    # the output LN's input grad, the dropout's grad, output.dense's input grad: 16,384 + 16,384 + 32,768;
+    # the weights: the LN's 2·64, output.dense's 64·128 + 64, ·4 B
+    assert (work, made, label) == (bsh + bsh + bsf, (2 * 64 + 64 * 128 + 64) * 4, "output.dense weight, bias")
+    # freed by then: the output LN's input, mean and rstd (2·64·4), the dropout mask
+    assert freed == bsh + 512 + bsh
+    assert total == work + made - freed == 65_536 + 33_536 - 33_280
+
+
+def test_bf16_top_is_the_attention_weights_gradient():
+    d = BlockDims(B=1, S=64, H=64, F=128, A=4, act=2, param=2)
+    work, _, _, _, label = peak_of(block_events({**_saved("bf16", 1, 64), "input": 8192}, d, input_name="input"))
+    # the attention LayerNorm's input grad (waiting for the q/k/v projections' to be summed: 64·64·2), the output
+    # grad's fp32 upcast and value_acc's grad (2 · 64·64·4), the weights' grad (4·64·64·4); attention.output.dense's
+    # input grad died at the upcast, its reader
+    assert (work, label) == (8192 + 2 * 16384 + 65536, "attention weights grad")
+
+
+def _late_ln_counted() -> bool:
+    """/tmp/prompts/patch-bert-1.diff applied (estimate/layer_stats.py): under a tied MLM head BERT's
+    embeddings.LayerNorm's gradient comes after the blocks' backward, not before."""
+    from trainmem.estimate import estimate
+    from trainmem.estimate.layer_stats import layer_stats
+
+    spec = replace(spec_from_hf_config(BERT), head="mlm")
+    inv = estimate(spec, StepSpec(batch=1, seq=32, precision="fp32"), IMPL).inventory
+    return layer_stats(inv).late_grad == sum(i.bytes for i in inv if i.name.startswith("bert.embeddings.")
+                                             and i.name.endswith(".grad") and "word_embeddings" not in i.name)
+
+
+def _hooks_unbuffered() -> bool:
+    """/tmp/prompts/patch-bert-2.diff applied (trace/mod_tracker_hooks.py): the trace's ModTracker hooks hold no
+    module input's gradient (a real step's lifetimes)."""
+    from trainmem.trace import mod_tracker_hooks
+
+    return hasattr(mod_tracker_hooks, "_all_mode_hook")
+
+
+def _cases():
+    for head in ("mlm", "seq-cls", "token-cls"):
+        for precision in ("fp32", "bf16"):
+            for recompute in ("none", "full"):
+                for batch, seq in ((1, 32), (1, 64), (2, 32), (2, 64)):
+                    yield head, precision, recompute, batch, seq
+
+
+@pytest.mark.slow  # 48 fake-tensor traces
+@pytest.mark.parametrize("head,precision,recompute,batch,seq", list(_cases()))
+def test_bert_peak_equals_trace(head, precision, recompute, batch, seq):
+    from trainmem.estimate import estimate
+    from trainmem.trace import trace_step
+
+    if not _hooks_unbuffered() or (head == "mlm" and not _late_ln_counted()):
+        pytest.xfail("needs /tmp/prompts/patch-bert-1.diff (layer_stats) and patch-bert-2.diff (the trace's hooks)")
+    spec, step = replace(spec_from_hf_config(BERT), head=head, num_labels=3), StepSpec(batch=batch, seq=seq,
+                                                                                       precision=precision)
+    impl = replace(IMPL, recompute=recompute)
+    e, t = estimate(spec, step, impl), trace_step(BERT, step, impl, head=head)
+    assert e.peak_bytes == t.peak_logical_bytes, (e.peak_phase, t.peak_phase, t.peak_op, t.peak_module)
+    if t.peak_phase == "backward" and t.peak_module.startswith("bert.encoder"):
+        assert e.peak_phase in ("backward", "backward_first_block")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head,precision,batch", [("seq-cls", "fp32", 1), ("token-cls", "bf16", 1),
+                                                  ("seq-cls", "fp32", 2)])
+def test_estimate_equals_a_real_cpu_step(head, precision, batch):
+    """A real CPU step (``LiveStorages``), less the optimizer's fp32 step counters (4 bytes per parameter, host
+    tensors the trace does not see), == the estimate: the step's top is the last block's output dense (fp32 B1,
+    B2) or its attention weights' gradient (bf16). Its linears' input gradients die at their reader's node."""
+    pytest.importorskip("torch")
+    from tests.estimate.real_head_step import real_head_step
+    from trainmem.estimate import estimate
+
+    step = StepSpec(batch=batch, seq=64, precision=precision)
+    real, counters, n_params = real_head_step(BERT, head, step, IMPL)
+    assert counters == 4 * n_params
+    spec = replace(spec_from_hf_config(BERT), head=head, num_labels=3)
+    e = estimate(spec, step, IMPL)
+    assert e.peak_bytes == real - counters
+    assert e.peak_phase == "backward"
