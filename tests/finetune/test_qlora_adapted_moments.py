@@ -8,9 +8,14 @@ and the RMSNorms' nodes too, which run no 4-bit matmul:
   B2 S16 / S64 11,776 / 22,528 / 22,528 / 22,528 B over; eager B1 S16 13,312 B over (the backward phase),
   B1 S64 5,888, B2 S16 14,208 B over; with a 4-bit head the same. Now the adapted down projection's
   ``MatMul4Bit.backward`` is a node moment and the others hold no weight: equal (eager B1 S16: the backward phase
-  equals the trace's top, the forward phase's bound is 1,336 B above it).
+  equals the trace's top, the forward phase's bound is 1,224 B above it; with the 4-bit head, equal).
 * ``qlora_scope='targeted'`` (q/v 4-bit, the MLP 16-bit): full recompute 8,192 B over (one dequantized q_proj)
   at every B and S, eager B1 S16 4,032 B over; equal now, bf16 and amp-bf16.
+
+The forward phase holds one dequantized block weight beside the activations (the last down projection's
+``gemm_4bit``), which the fake-tensor trace, running ``gemm_4bit`` as one op, cannot see. At B1 S8 (not in the grid
+below) the trace's top is the same down-projection moment, and its peak is 2,624 B above the logical bytes of the
+tensors it lists alive there, which the backward phase equals: not explained yet.
 
 Not modelled: an adapted 4-bit MLP under a cast (amp-bf16, fp32): still one weight in every backward phase,
 4,088-46,336 B over the trace at these sizes.
@@ -73,16 +78,17 @@ def test_targeted_16_bit_mlp_nodes_hold_no_weight(recompute):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_bf16_step_equals_trace(scope, batch, seq, recompute):
     """Eager all-linear B1 S16: the trace's top is the last down projection's 4-bit matmul in backward, which the
-    backward phase equals; the step's estimate is the forward phase's bound, 1,336 B above."""
+    backward phase equals; the step's estimate is the forward phase's bound, 1,224 B above (with a 4-bit head the
+    forward holds the head's weight beside the logits instead, below)."""
     from trainmem.trace import trace_step
 
     step, impl = _case(batch, seq, recompute)
     ft = SCOPES[scope]
     t = trace_step(LLAMA, step, impl, finetune=ft)
     e = estimate(spec_from_hf_config(LLAMA), step, impl, finetune=ft)
-    if scope != "targeted" and (batch, seq, recompute) == (1, 16, "none"):
+    if scope == "all-linear" and (batch, seq, recompute) == (1, 16, "none"):
         assert {p.name: p.bytes for p in e.phases}["backward"] == t.peak_logical_bytes
-        assert e.peak_phase == "forward" and e.peak_bytes - t.peak_logical_bytes == 1_336
+        assert e.peak_phase == "forward" and e.peak_bytes - t.peak_logical_bytes == 1_224
     else:
         assert e.peak_bytes == t.peak_logical_bytes
 

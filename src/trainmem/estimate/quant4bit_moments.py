@@ -57,14 +57,15 @@ COMPUTES_IN = "it computes in "  # a 4-bit marker's note names the compute dtype
 _GATED = ("gate_proj", "up_proj", "down_proj")  # transformers ``LlamaMLP``: down(act(gate(x)) * up(x))
 
 
-def four_bit_markers(block: list[MemoryItem]) -> dict[str, MemoryItem] | None:
+def four_bit_markers(block: list[MemoryItem], adapted: bool = False) -> dict[str, MemoryItem] | None:
     """The MLP's 4-bit input markers (estimate/finetune.py ``_linear4bit``), by projection, when every projection of
-    a gated MLP is 4-bit and carries no adapter; else None."""
+    a gated MLP is 4-bit and carries no adapter (``adapted``: or, in one dtype, an adapter on each,
+    :func:`_adapted_in_one_dtype`); else None."""
     marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
               and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
               and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
-    adapted = any(".mlp." in i.name and ".lora_" in i.name for i in block)
-    if adapted and not _adapted_in_one_dtype(block, marker):
+    if any(".mlp." in i.name and ".lora_" in i.name for i in block) and not (
+            adapted and _adapted_in_one_dtype(block, marker)):
         return None
     # under a cast, bitsandbytes' weights only (their note names the dtype dequantize_4bit returns): torchao's
     # linear_nf4 dequantizes otherwise (estimate/finetune.py ``torchao_nf4_dequant_bytes``)
@@ -88,14 +89,14 @@ def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False) -
     ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision. A 16-bit MLP
     (``qlora_scope='targeted'`` with adapters on the attention only) runs no 4-bit matmul at its nodes or the
     norms': the dequantized attention weight is not alive there either."""
-    return four_bit_markers(block) is not None or not any(
+    return four_bit_markers(block, adapted=True) is not None or not any(
         i.category is Category.PARAMETER and ".mlp." in i.name and "4-bit base" in i.note for i in block)
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
                          checkpointed: bool) -> list[dict[str, int]]:
     """The module docstring's two moments as node moments (estimate/peak.py ``inside``); [] for other layouts."""
-    marker = four_bit_markers(block)
+    marker = four_bit_markers(block, adapted=True)
     if marker is None:
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
