@@ -35,6 +35,9 @@ from functools import lru_cache
 from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.attention import kernel_for
+from trainmem.estimate.autocast_cache import (
+    cache_bytes, check_schedule_autocast, deferred_cast_grads, schedule_caches_casts, with_cache, without_weight_casts,
+)
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.compiled_op_moment import recomputes_blocks
 from trainmem.estimate.compiled_sharded import check_compiled_parallel
@@ -137,9 +140,7 @@ def validate(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec
         raise SpecError("offload", "params", "parameter offload needs ZeRO-3 or FSDP")
     if par.fsdp_version == 1 and (par.tp > 1 or par.ep > 1 or par.pp > 1):  # estimate/fsdp1_flat.py: one flat shard
         raise SpecError("fsdp_version", 1, f"FSDP1 is modelled with data parallelism only, not with {degrees}")
-    if par.pp > 1 and step.dtypes.autocast:  # stage under autocast: tiny Llama read 0.88-1.09 of the trace
-        raise UnsupportedError(f"precision={step.recipe!r} is not modelled with pp={par.pp}: the pipeline stage "
-                               "under autocast reads off its trace (docs/parallel.md); bf16 and fp32 are exact")
+    check_schedule_autocast(model, step, impl, par)  # the schedule's cast cache: estimate/autocast_cache.py
     lp.check(impl.profile, par)
     check_compiled_parallel(impl, par, step.recipe)  # compile under FSDP2 only (estimate/compiled_sharded.py)
     check_compiled_tp_layout(impl, par)  # compile under TP, + FSDP2 and/or PP (estimate/compiled_3d.py)
@@ -180,6 +181,7 @@ class _Layout:
     state_stage: dict
     tp_div: dict
     traced: tuple | None
+    cached: bool  # the schedule's autocast caches the weight copies (estimate/autocast_cache.py)
     zero: int
     group: int
     shard: Shard
@@ -198,6 +200,7 @@ def rank_classes(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: Parallel
                  finetune=None) -> list[RankClass]:
     impl = place_every_k(model, impl, par)  # every-k: each pipeline rank counts its own blocks (every_k_stages.py)
     validate(model, step, impl, par)
+    check_schedule_autocast(model, step, impl, par, finetune)
     if impl.profile == "megatron" and par.cp > 1:
         raise UnsupportedError("the megatron profile models tensor/sequence parallelism, not context parallelism")
     lay = _layout(model, step, impl, par, finetune)
@@ -209,15 +212,16 @@ def _layout(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
     lm, lstep = apply_tp(model, par), apply_cp(step, par)
     shard = Shard(tp=par.tp, sp=par.sp, cp=par.cp, cp_style=par.cp_style, ep=par.ep)
     traced = None
+    cached = schedule_caches_casts(pp=par.pp, autocast=step.dtypes.autocast, torch_engine=impl.profile != "megatron")
     if impl.profile == "traced":  # estimate/traced/tp.py: read off a trace at one TP rank's shapes (--tp alone)
         from trainmem.estimate.traced import traced_rank_parts
         traced = traced_rank_parts(model, step, impl, par)
         acts, act_stage, recompute_all = traced[0]
     else:
-        acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, stages)
+        acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, finetune, shard, stages, cached)
     loss_lm = lp.loss_model(model, lm, par)  # TP without loss_parallel: the loss reads full-vocabulary logits
     if loss_lm is not lm and traced is None:
-        acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, stages)[0],
+        acts = lp.with_loss_items(acts, _local_activations(loss_lm, lstep, impl, finetune, shard, stages, cached)[0],
                                   output_modules())
     # model states do not depend on the micro-batch or accumulation (estimate/model_states.py)
     states, state_stage, tp_div = traced[1] if traced else _local_states(
@@ -226,11 +230,12 @@ def _layout(model: ModelSpec, step: StepSpec, impl: ImplSpec, par: ParallelSpec,
     if par.fsdp and par.fsdp_version == 1 and traced is None:  # FSDP1: what autograd sees (estimate/fsdp1_flat.py)
         act_ft = autograd_finetune(finetune, states, group)
         if act_ft is not finetune:  # frozen weights in a trainable flat parameter save their inputs
-            acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, act_ft, shard, stages)
+            acts, act_stage, recompute_all = _local_activations(lm, lstep, impl, act_ft, shard, stages, cached)
     return _Layout(model=model, step=step, impl=impl, par=par, finetune=finetune, stages=stages, lm=lm, lstep=lstep,
                    loss_lm=loss_lm, acts=acts, act_stage=act_stage, recompute_all=recompute_all, states=states,
-                   state_stage=state_stage, tp_div=tp_div, traced=traced, zero=3 if par.fsdp else par.zero,
-                   group=group, shard=shard, bufs=buffer_items(model, step, impl.profile))
+                   state_stage=state_stage, tp_div=tp_div, traced=traced, cached=cached,
+                   zero=3 if par.fsdp else par.zero, group=group, shard=shard,
+                   bufs=buffer_items(model, step, impl.profile))
 
 
 def _rank_class(lay: _Layout, s: int) -> RankClass:
@@ -346,6 +351,11 @@ def _stage_working(lay: _Layout, s: int, stage_acts: list, own_states: list, bod
                                                      * lay.loss_lm.vocab_size * lb)
         for ph_name in working:
             working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
+    if lay.cached:  # one weight copy each for the step (estimate/autocast_cache.py)
+        plain = _plain_activations(lay.lm, lstep, lay.impl, lay.finetune, lay.shard)
+        d = lay.step.dtypes
+        with_cache(working, cache_bytes(plain, [_stage_of(i.name, list(lay.stages)) for i in plain], s),
+                   compute_bytes=dtype_bytes(d.compute), activation_bytes=dtype_bytes(d.activation))
     if act_off:  # activation offload's stash and in-flight buffers, each block's largest tensor kept
         for ph, parts in act_off[1].items():
             working.setdefault(ph, {}).update(parts)
@@ -399,14 +409,23 @@ def _stage_inputs(lay: _Layout, s: int, items: list, stage_acts: list, own_state
         # FSDP2 per tensor or a pipeline stage, --recompute full: a checkpointed block's node moments run on
         # its recomputed tensors, as on one device (estimate/__init__.py; estimate/block_backward.py)
         recomputed=(Inventory(lay.traced[3] if lay.traced else _plain_activations(lm, lstep, impl, lay.finetune,
-                                                                                   lay.shard))
+                                                                                   lay.shard, lay.cached))
                     if moments and recomputes_blocks(impl) and not act_off else None),
         tied_head=tl is not None and model.tied_embeddings and model.head not in ("seq-cls", "token-cls"),
         fsdp_pp_grads=fsdp_pp, ring=ring, timeline=tl, own_states=tuple(own_states), param_bytes=dtype_bytes(d.compute),
+        deferred=_deferred(lay, s),  # a later micro-batch's weight-copy gradients (estimate/autocast_cache.py)
         # FSDP2: the middle blocks' moments (prefetch and reduce-scatter input at once: estimate/fsdp_timeline.py)
         middle_blocks=ft.middle_blocks(tl, reshard=par.reshard_after_forward) if tl is not None else None,
         block_math=ft.block_moments(lm, impl, lay.finetune) if tl is not None else None,  # a compiled block's moments
     )
+
+
+def _deferred(lay: _Layout, s: int) -> dict[str, int]:
+    """A later micro-batch's weight-copy gradients under the schedule's autocast (estimate/autocast_cache.py)."""
+    if not lay.cached or lay.par.microbatches < 2:
+        return {}
+    plain = _plain_activations(lay.lm, lay.lstep, lay.impl, lay.finetune, lay.shard)
+    return deferred_cast_grads(plain, [_stage_of(i.name, list(lay.stages)) for i in plain], s, *lay.stages[s])
 
 
 def _rank_extras(lay: _Layout, s: int, ph: list, stage_acts: list) -> list:
@@ -442,20 +461,24 @@ def clear_caches() -> None:
 
 @lru_cache(maxsize=64)
 def _local_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard,
-                       stages: tuple[tuple[int, int], ...]):
+                       stages: tuple[tuple[int, int], ...], cached: bool = False):
     acts, savers = activation_items_with_savers(lm, lstep, impl, finetune, shard)
-    plain = _plain_activations(lm, lstep, impl, finetune, shard) if impl.recompute != "none" else acts
+    acts = without_weight_casts(acts) if cached else acts  # the schedule's cast cache: estimate/autocast_cache.py
+    plain = _plain_activations(lm, lstep, impl, finetune, shard, cached) if impl.recompute != "none" else acts
     act_stage = tuple(_stage_of(sv, list(stages)) for sv in savers)
     return tuple(acts), act_stage, recompute_per_layer(Inventory(acts), Inventory(plain))
 
 
 @lru_cache(maxsize=64)
-def _plain_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard) -> tuple:
-    """What the rank's blocks would save without checkpointing: what a checkpointed block recomputes."""
+def _plain_activations(lm: ModelSpec, lstep: StepSpec, impl: ImplSpec, finetune, shard: Shard,
+                       cached: bool = False) -> tuple:
+    """What the rank's blocks would save without checkpointing: what a checkpointed block recomputes (``cached``:
+    its weight copies are the schedule's cast cache's, estimate/autocast_cache.py)."""
     plain_impl = replace(impl, recompute="none", recompute_every=1)
     if impl.compile and finetune is not None:  # a fully recomputed compiled block recomputes the eager
         plain_impl = replace(plain_impl, compile=False, compile_scope="model")  # block's set, as estimate()
-    return tuple(activation_items_with_savers(lm, lstep, plain_impl, finetune, shard, kv_cache=False)[0])
+    plain = activation_items_with_savers(lm, lstep, plain_impl, finetune, shard, kv_cache=False)[0]
+    return without_weight_casts(plain) if cached else tuple(plain)
 
 
 @lru_cache(maxsize=16)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from trainmem.estimate import fsdp_timeline as ft
-from trainmem.estimate.parallel_pp import later_microbatch, optimizer_batch, with_later_microbatch, without_recv_aliases
+from trainmem.estimate.parallel_pp import (
+    later_microbatch, optimizer_batch, sent_input_grad, with_later_microbatch, without_recv_aliases,
+)
 from trainmem.estimate.peak import Compiled, Phase, PhaseInputs, RankMoments, Recompute, phases
 from trainmem.inventory import Inventory, MemoryItem
 from trainmem.specs import ParallelSpec
@@ -43,12 +45,13 @@ class StageInputs:
     timeline: Any = None
     own_states: tuple[MemoryItem, ...] = ()
     param_bytes: int = 0
+    deferred: Mapping[str, int] = None  # a later micro-batch's bf16 weight gradients (autocast_cache.py)
 
     def __init__(self, *, par: ParallelSpec, accumulated: int, body: int, recompute: Mapping[int, tuple[int, int]],
                  recomputed: Inventory | None, node_moments: bool, grad_received: bool, logits_held: bool,
                  fsdp_pp_grads: int, timeline: Any = None, own_states: tuple[MemoryItem, ...] = (),
                  param_bytes: int = 0, middle_blocks: Any = None, block_math: Any = None, ring: Any = None,
-                 **step: Any) -> None:
+                 deferred: Mapping[str, int] | None = None, **step: Any) -> None:
         phase = PhaseInputs(**step, recompute=Recompute(per_block=recompute, recomputed=recomputed),
                             compiled=Compiled(block_math=block_math),
                             rank=RankMoments(node_moments=node_moments, grad_received=grad_received,
@@ -57,7 +60,8 @@ class StageInputs:
         if accumulated < phase.grad_accum:
             raise ValueError(f"StageInputs: grad_accum={phase.grad_accum}, accumulated={accumulated}")
         for k, v in (("par", par), ("phase", phase), ("accumulated", accumulated), ("body", body),
-                     ("timeline", timeline), ("own_states", own_states), ("param_bytes", param_bytes)):
+                     ("timeline", timeline), ("own_states", own_states), ("param_bytes", param_bytes),
+                     ("deferred", dict(deferred or {}))):
             object.__setattr__(self, k, v)
 
 
@@ -65,19 +69,26 @@ def stage_phases(inp: StageInputs, items: list[MemoryItem]) -> list[Phase]:
     """The stage's phases: the first micro-batch's, each backward the larger of it and GPipe's second
     micro-batch's where that applies (estimate/parallel_pp.py ``later_microbatch``), FSDP2's units
     holding their sharded gradients after the phase that reduce-scatters them."""
-    ph = _phases(inp, items, inp.phase.grad_accum)
+    # 1F1B's phases are a later micro-batch's (its gradients accumulated); GPipe's first pass is the first one's
+    ph = _phases(inp, items, inp.phase.grad_accum, later=inp.phase.grad_accum == inp.accumulated > 1)
     if (later := later_microbatch(inp.par, items, inp.body)) is not None:
-        ph = with_later_microbatch(ph, _phases(inp, later, inp.accumulated))
+        ph = with_later_microbatch(ph, _phases(inp, later, inp.accumulated, later=True))
     if inp.timeline is not None:
         ph = ft.regrade(ph, inp.timeline)
     return ph
 
 
-def _phases(inp: StageInputs, items: list[MemoryItem], grad_accum: int) -> list[Phase]:
+def _phases(inp: StageInputs, items: list[MemoryItem], grad_accum: int, *, later: bool = False) -> list[Phase]:
     items = without_recv_aliases(items)  # the stage's first block is its own (parallel_pp.py)
     if inp.timeline is not None:
         items = ft.autograd_view(items, list(inp.own_states), param_bytes=inp.param_bytes,
                                  offload=inp.timeline.host_grads)
     ph = inp.phase
+    if later and inp.deferred:  # a later micro-batch's deferred weight-copy gradients (estimate/autocast_cache.py)
+        working = ph.working_by_phase()
+        ph = replace(ph, working={**working, **{k: {**working.get(k, {}), "deferred_cast_grads": v}
+                                               for k, v in inp.deferred.items()}})
+    if grad_accum > inp.phase.grad_accum:  # GPipe's second micro-batch: the first one's input gradient was sent
+        ph = replace(ph, working=sent_input_grad(ph.working_by_phase(), ph.residual_bytes))
     return phases(items, replace(ph, grad_accum=grad_accum, optimizer_batch=optimizer_batch(
         inp.par, items, batch=ph.batch, seq=ph.seq, loss=ph.loss)))

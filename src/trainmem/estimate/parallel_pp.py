@@ -13,8 +13,8 @@ from trainmem.names import is_embedding_indices, is_head, is_token_embedding, la
 from trainmem.specs import ModelSpec, ParallelSpec
 
 __all__ = ["stage_layers", "in_flight", "apply_pp", "recv_input_aliases", "output_chunk_aliases", "stage_node_moments",
-           "later_microbatch", "with_later_microbatch", "without_recv_aliases", "caller_batch", "optimizer_batch",
-           "fsdp_stage_moments"]
+           "later_microbatch", "with_later_microbatch", "sent_input_grad", "without_recv_aliases", "caller_batch",
+           "optimizer_batch", "fsdp_stage_moments"]
 
 
 _RECV_NOTE = "the stage's receive buffer (buffers.pp_recv_activations)"
@@ -187,6 +187,18 @@ def optimizer_batch(par: ParallelSpec, items: list[MemoryItem], *, batch: int, s
         return ids
     first = any(is_token_embedding(i.name) for i in items)
     return int(par.microbatches * ids) * ((1 if first else 0) + (1 if loss != "none" else 0))
+
+
+def sent_input_grad(working: dict[str, dict[str, int]], one: int) -> dict[str, dict[str, int]]:
+    """A GPipe stage's working buffers at its second micro-batch's backward (:func:`later_microbatch`): the first
+    micro-batch's input gradient, which ``backward_one_chunk`` returned and the schedule sent
+    (``_PipelineStageBase.get_bwd_send_ops``, torch/distributed/pipelining/stage.py), is still held beside the
+    backward phases' buffers (every one of them is at ``backward_end``: ``pp_sent_input_grads``). ``one``: one
+    micro-batch's boundary gradient (B·S·H in the residual stream's dtype). A first stage sends none."""
+    if not working.get("backward_end", {}).get("pp_sent_input_grads"):
+        return working
+    return {k: {**v, "pp_sent_input_grads": v.get("pp_sent_input_grads", 0) + one}
+            if k.startswith("backward") and k != "backward_end" else v for k, v in working.items()}
 
 
 def with_later_microbatch(first: list, later: list) -> list:
