@@ -77,26 +77,30 @@ def four_bit_markers(block: list[MemoryItem], adapted: bool = False) -> dict[str
 
 def _adapted_in_one_dtype(block: list[MemoryItem], marker: dict[str, MemoryItem]) -> bool:
     """Adapters on every projection of the gated MLP, bitsandbytes' base computing in the activations' dtype (no
-    cast): the layout whose down-projection moment :func:`_adapted_down_moment` reads (checked against the trace
-    in bf16 only)."""
+    cast), no adapter dropout (peft's default ``lora_dropout=0``: ``nn.Identity``): the layout whose down-projection
+    moment :func:`_adapted_down_moment` reads (checked against the trace in bf16 only)."""
     lora = {p for p in _GATED if any(i.name.endswith(f".mlp.{p}.lora_A.default.weight") for i in block)}
-    return lora == set(_GATED) and all(i.note.rpartition(COMPUTES_IN)[2] == i.dtype for i in marker.values())
+    dropout = any(".mlp." in i.name and ".lora_dropout." in i.name for i in block)
+    return lora == set(_GATED) and not dropout and all(
+        i.note.rpartition(COMPUTES_IN)[2] == i.dtype for i in marker.values())
 
 
-def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False) -> bool:
+def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False,
+                              recomputed: list[MemoryItem] | None = None) -> bool:
     """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
     estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides.
     ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision. A 16-bit MLP
     (``qlora_scope='targeted'`` with adapters on the attention only) runs no 4-bit matmul at its nodes or the
-    norms': the dequantized attention weight is not alive there either."""
-    return four_bit_markers(block, adapted=True) is not None or not any(
+    norms': the dequantized attention weight is not alive there either. ``recomputed``: a checkpointed block's
+    recomputed items, whose adapter dropout its saved ones do not show."""
+    return four_bit_markers(block + list(recomputed or ()), adapted=True) is not None or not any(
         i.category is Category.PARAMETER and ".mlp." in i.name and "4-bit base" in i.note for i in block)
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
                          checkpointed: bool) -> list[dict[str, int]]:
     """The module docstring's two moments as node moments (estimate/peak.py ``inside``); [] for other layouts."""
-    marker = four_bit_markers(block, adapted=True)
+    marker = four_bit_markers(block + acts, adapted=True)  # a checkpointed block's dropout shows in ``acts``
     if marker is None:
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
