@@ -14,7 +14,8 @@ from trainmem.trace.optimizers import _make_optimizer
 
 def real_head_step(cfg: dict, head: str, step: StepSpec, impl: ImplSpec) -> tuple[int, int, int]:
     """(peak of the second step, bytes of the optimizer's fp32 step counters, parameter count): AdamW, ids in
-    [1, V), labels a class per sequence (seq-cls), per token (token-cls) or a token id (mlm)."""
+    [1, V), labels a class per sequence (seq-cls), per token (token-cls) or a token id (mlm); the forward and loss
+    under CPU autocast at amp-bf16 (the backward outside, as trace/step.py)."""
     torch.manual_seed(0)
     model = build_hf_model(cfg, head=head, dtype=torch.bfloat16 if step.precision == "bf16" else None)
     model.train()
@@ -25,7 +26,8 @@ def real_head_step(cfg: dict, head: str, step: StepSpec, impl: ImplSpec) -> tupl
     labels = torch.randint(0, high, (B,) if head == "seq-cls" else (B, S))
 
     def one():
-        loss = model(input_ids=ids, labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "amp-bf16"):
+            loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         del loss
         opt.step()

@@ -3,7 +3,8 @@ trace's. Before (estimate − trace, bytes; tiny BERT h64, F128, 2 layers, A4, V
 seq-cls fp32 B1 S64 +31,992, B2 S64 +98,552; bf16 B1 S64 +7,676, B2 S32 +7,676, B2 S64 +42,502; token-cls fp32
 B1 S64 +15,608, B2 S64 +63,236; bf16 B1 S64 −516, B2 S64 +17,798 (the block working set, a bound both ways);
 under --recompute full fp32 B2 S64 +98,296 (seq-cls, token-cls) / +98,808 (mlm), bf16 B1 S64 +7,676 / +7,932,
-B2 S64 +17,404 / +17,660, mlm bf16 B2 S32 −7,428."""
+B2 S64 +17,404 / +17,660, mlm bf16 B2 S32 −7,428; amp-bf16 seq-cls B1 S64 +15,352, B2 S64 +32,012 (full +81,016),
+token-cls B1 S64 +7,180."""
 
 from __future__ import annotations
 
@@ -53,6 +54,20 @@ def test_bf16_top_is_the_attention_weights_gradient():
     assert (work, label) == (8192 + 2 * 16384 + 65536, "attention weights grad")
 
 
+def test_amp_bf16_top_and_the_linears_casts():
+    d = BlockDims(B=1, S=64, H=64, F=128, A=4, act=2, param=4, norm=4)
+    ev = block_events({**_saved("amp-bf16", 1, 64), "input": 0}, d, input_name="input")
+    work, made, _, _, label = peak_of(ev)
+    # the attention LayerNorm's fp32 input grad (64·64·4), the output grad's fp32 upcast and value_acc's grad
+    # (2 · 64·64·4), the weights' grad (4·64·64·4); the 16-bit output grads and weight grads died at their casts
+    assert (work, label) == (16384 + 2 * 16384 + 65536, "attention weights grad")
+    # every parameter gradient fp32 once its cast's node ran: the layer's 2·(2·64) LayerNorm, 4·(64·64 + 64)
+    # attention, (128·64 + 128) + (64·128 + 64) MLP parameters, ·4 B
+    assert sum(n for kind, _, n in ev if kind == "grad") == (4 * 64 + 4 * (64 * 64 + 64) + 2 * 128 * 64 + 192) * 4
+    # every transient freed by the end but the layer input's fp32 gradient, handed to the layer before: 64·64·4
+    assert sum(n for kind, _, n in ev if kind == "work") == 16384
+
+
 def _late_ln_counted() -> bool:
     """/tmp/prompts/patch-bert-1.diff applied (estimate/layer_stats.py): under a tied MLM head BERT's
     embeddings.LayerNorm's gradient comes after the blocks' backward, not before."""
@@ -75,13 +90,13 @@ def _hooks_unbuffered() -> bool:
 
 def _cases():
     for head in ("mlm", "seq-cls", "token-cls"):
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "amp-bf16"):
             for recompute in ("none", "full"):
                 for batch, seq in ((1, 32), (1, 64), (2, 32), (2, 64)):
                     yield head, precision, recompute, batch, seq
 
 
-@pytest.mark.slow  # 48 fake-tensor traces
+@pytest.mark.slow  # 72 fake-tensor traces
 @pytest.mark.parametrize("head,precision,recompute,batch,seq", list(_cases()))
 def test_bert_peak_equals_trace(head, precision, recompute, batch, seq):
     from trainmem.estimate import estimate
@@ -100,11 +115,12 @@ def test_bert_peak_equals_trace(head, precision, recompute, batch, seq):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head,precision,batch", [("seq-cls", "fp32", 1), ("token-cls", "bf16", 1),
-                                                  ("seq-cls", "fp32", 2)])
+                                                  ("seq-cls", "fp32", 2), ("seq-cls", "amp-bf16", 1)])
 def test_estimate_equals_a_real_cpu_step(head, precision, batch):
     """A real CPU step (``LiveStorages``), less the optimizer's fp32 step counters (4 bytes per parameter, host
     tensors the trace does not see), == the estimate: the step's top is the last block's output dense (fp32 B1,
-    B2) or its attention weights' gradient (bf16). Its linears' input gradients die at their reader's node."""
+    B2) or its attention weights' gradient (bf16; amp-bf16, level with the last LayerNorm's forward moment). Its
+    linears' input gradients die at their reader's node."""
     pytest.importorskip("torch")
     from tests.estimate.real_head_step import real_head_step
     from trainmem.estimate import estimate
@@ -115,4 +131,4 @@ def test_estimate_equals_a_real_cpu_step(head, precision, batch):
     spec = replace(spec_from_hf_config(BERT), head=head, num_labels=3)
     e = estimate(spec, step, IMPL)
     assert e.peak_bytes == real - counters
-    assert e.peak_phase == "backward"
+    assert {p.name: p.bytes for p in e.phases}["backward"] == e.peak_bytes
