@@ -30,11 +30,9 @@ Known limitations:
     peak to the byte (tests/parallel/test_tp_loss_parallel_exact.py);
   - the fake group completes each collective at once and leaves its output as it is: buffers
     the real backend keeps while a collective is in flight (gloo's, NCCL's) are not seen;
-  - funcol's ``wait_tensor`` (torch/distributed/_functional_collectives.py) returns its input on a real
-    group, but its Meta kernel (``_wait_tensor_meta``: ``empty_like``) makes a fake tensor of its own, so
-    between a functional collective's wait and the end of its ``AsyncCollectiveTensor`` the trace holds
-    its output twice (amp-bf16 tp 2 without sp, --recompute full: the trace's top, 3,072 B over the
-    estimate, is the up projection's input-gradient all-reduce);
+  - funcol's ``wait_tensor`` returns its input on a real group but a new tensor from its Meta kernel: the
+    step's waits return their fake input (trace/dtensor_handlers.py ``waits_return_their_input``), else
+    a collective's output would be held twice;
   - ``--optimizer-impl foreach`` without ``--sp`` is refused: the norms stay plain tensors and torch's
     foreach kernels refuse a mix of DTensor and plain parameters in one group;
   - plans with styles other than ``colwise``/``rowwise`` (packed, MoE, gather-output, local) and
@@ -232,12 +230,15 @@ def apply_tp(model, mesh, par, seq: int):
 
 def step_context(par):
     """What one TP forward and backward runs under (``par`` a ParallelSpec or None): ``loss_parallel()``
-    with vocab-sharded logits, and :func:`strided_offsets_on_real_tensors`."""
+    with vocab-sharded logits (its handlers seen by the recorder), waits that return their input
+    (trace/dtensor_handlers.py), and :func:`strided_offsets_on_real_tensors`."""
     import contextlib
 
     stack = contextlib.ExitStack()
     if par is not None:
+        from trainmem.trace.dtensor_handlers import waits_return_their_input
         stack.enter_context(strided_offsets_on_real_tensors())
+        stack.enter_context(waits_return_their_input())
         if par.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
             from trainmem.trace.dtensor_handlers import loss_handlers_seen
