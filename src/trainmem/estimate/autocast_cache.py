@@ -126,7 +126,7 @@ def check_schedule_autocast(model, step, impl, par, finetune=None) -> None:
     1F1B with ``--recompute`` none or full and GPipe with full, eager, one rank per stage, no linear biases (their
     cached copies are not counted per stage), no experts, no accumulation, no fine-tuning. GPipe without recompute
     reads 8,192 B over on rank 0 (the last block's working-set moment, estimate/backward_moments.py, counts the
-    embedding's gradient beside the received one); eager attention 1.5% over."""
+    received output gradient once more; its node moment equals the trace); eager attention up to 1.5% over."""
     from trainmem.errors import UnsupportedError
     if par.pp == 1 or not step.dtypes.autocast:
         return
@@ -144,5 +144,5 @@ def check_schedule_autocast(model, step, impl, par, finetune=None) -> None:
         (f"grad_accum={step.grad_accum}", step.grad_accum > 1), ("fine-tuning", finetune is not None)) if bad]
     if why:
         raise UnsupportedError(f"precision={step.recipe!r} is not modelled with pp={par.pp} and {', '.join(why)}: "
-                               "autocast under pipeline stages is exact for 1F1B (recompute none or full) and GPipe "
-                               "(full), sdpa, one rank per stage (docs/parallel.md); bf16 and fp32 are")
+                               "autocast under pipeline stages is modelled for 1F1B (recompute none or full) and "
+                               "GPipe (full), eager sdpa blocks, one rank per stage (docs/parallel.md)")
