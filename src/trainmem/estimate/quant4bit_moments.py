@@ -36,12 +36,13 @@ Llama-2-7B S2048 full recompute: the block phase is the product's moment, 90,177
 weight) lower than before (not traced at that size).
 
 With adapters on every projection of the MLP (``--lora-targets all-linear``, ``qlora-*-all``), in one dtype, the
-moment is the down projection's matmul, eager or checkpointed (:func:`_adapted_down_moment`); with a 16-bit MLP
+moment is the down projection's matmul, eager or checkpointed (:func:`_adapted_down_moments`); with a 16-bit MLP
 (``--qlora-scope targeted``, adapters on the attention) no MLP or norm node holds a dequantized weight. Tiny Llama
 bf16 B1/B2 x S16/S64 x eager/full recompute were up to 22,528 B (all-linear) and 8,192 B (targeted) over the trace;
-equal now (``tests/finetune/test_qlora_adapted_moments.py``). Not modelled (the weight is still added to every
-backward phase there): an adapted 4-bit MLP under a cast (amp-bf16, fp32), other MLPs; the attention projections'
-own 4-bit matmul moments (below the MLP's at the sizes traced).
+equal now; under amp-bf16 the adapted down projection's input-gradient sum follows its matmul (4,088-46,336 B over
+before, equal now) (``tests/finetune/test_qlora_adapted_moments.py``). Not modelled (the weight is still added to
+every backward phase there): an adapted 4-bit MLP in an fp32 step or with adapter dropout, other MLPs; the attention
+projections' own 4-bit matmul moments (below the MLP's at the sizes traced).
 """
 
 from __future__ import annotations
@@ -57,56 +58,55 @@ COMPUTES_IN = "it computes in "  # a 4-bit marker's note names the compute dtype
 _GATED = ("gate_proj", "up_proj", "down_proj")  # transformers ``LlamaMLP``: down(act(gate(x)) * up(x))
 
 
-def four_bit_markers(block: list[MemoryItem], adapted: bool = False) -> dict[str, MemoryItem] | None:
+def four_bit_markers(block: list[MemoryItem], adapted: bool = False,
+                     autocast: bool = False) -> dict[str, MemoryItem] | None:
     """The MLP's 4-bit input markers (estimate/finetune.py ``_linear4bit``), by projection, when every projection of
-    a gated MLP is 4-bit and carries no adapter (``adapted``: or, in one dtype, an adapter on each,
-    :func:`_adapted_in_one_dtype`); else None."""
+    a gated MLP is 4-bit and carries no adapter (``adapted``: or an adapter on each, :func:`_adapted`, in one dtype
+    or under ``autocast``); else None."""
     marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
               and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
               and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
-    if any(".mlp." in i.name and ".lora_" in i.name for i in block) and not (
-            adapted and _adapted_in_one_dtype(block, marker)):
-        return None
     # under a cast, bitsandbytes' weights only (their note names the dtype dequantize_4bit returns): torchao's
     # linear_nf4 dequantizes otherwise (estimate/finetune.py ``torchao_nf4_dequant_bytes``)
     cast = any(i.note.rpartition(COMPUTES_IN)[2] != i.dtype for i in marker.values())
+    if any(".mlp." in i.name and ".lora_" in i.name for i in block) and not (
+            adapted and _adapted(block) and (autocast or not cast)):
+        return None  # fp32 steps' adapted MLP (no autocast) sums its input gradients otherwise: not modelled
     bnb = all(DEQUANTIZES_TO in i.note for i in block if i.category is Category.PARAMETER and ".mlp." in i.name
-              and i.name.endswith(".weight") and i.shape)
+              and i.name.endswith(".weight") and i.shape and ".lora_" not in i.name)
     return marker if set(_GATED) <= set(marker) and (bnb or not cast) else None
 
 
-def _adapted_in_one_dtype(block: list[MemoryItem], marker: dict[str, MemoryItem]) -> bool:
-    """Adapters on every projection of the gated MLP, bitsandbytes' base computing in the activations' dtype (no
-    cast), no adapter dropout (peft's default ``lora_dropout=0``: ``nn.Identity``): the layout whose down-projection
-    moment :func:`_adapted_down_moment` reads (checked against the trace in bf16 only)."""
+def _adapted(block: list[MemoryItem]) -> bool:
+    """Adapters on every projection of the gated MLP, no adapter dropout (peft's default ``lora_dropout=0``:
+    ``nn.Identity``): the layout whose down-projection moments :func:`_adapted_down_moments` reads."""
     lora = {p for p in _GATED if any(i.name.endswith(f".mlp.{p}.lora_A.default.weight") for i in block)}
-    dropout = any(".mlp." in i.name and ".lora_dropout." in i.name for i in block)
-    return lora == set(_GATED) and not dropout and all(
-        i.note.rpartition(COMPUTES_IN)[2] == i.dtype for i in marker.values())
+    return lora == set(_GATED) and not any(".mlp." in i.name and ".lora_dropout." in i.name for i in block)
 
 
 def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False,
                               recomputed: list[MemoryItem] | None = None) -> bool:
     """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
     estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides.
-    ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision. A 16-bit MLP
+    ``autocast``: an adapted MLP under a cast is modelled under autocast only. A 16-bit MLP
     (``qlora_scope='targeted'`` with adapters on the attention only) runs no 4-bit matmul at its nodes or the
     norms': the dequantized attention weight is not alive there either. ``recomputed``: a checkpointed block's
     recomputed items, whose adapter dropout its saved ones do not show."""
-    return four_bit_markers(block + list(recomputed or ()), adapted=True) is not None or not any(
+    return four_bit_markers(block + list(recomputed or ()), adapted=True, autocast=autocast) is not None or not any(
         i.category is Category.PARAMETER and ".mlp." in i.name and "4-bit base" in i.note for i in block)
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
                          checkpointed: bool) -> list[dict[str, int]]:
     """The module docstring's two moments as node moments (estimate/peak.py ``inside``); [] for other layouts."""
-    marker = four_bit_markers(block + acts, adapted=True)  # a checkpointed block's dropout shows in ``acts``
+    # a checkpointed block's dropout and autocast's weight copies show in ``acts``
+    marker = four_bit_markers(block + acts, adapted=True, autocast=any(i.name.endswith(".weight_cast") for i in acts))
     if marker is None:
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
                         and i.shape), None) for p in ("up_proj", "down_proj")}
     if weights["down_proj"] is not None and any(".mlp." in i.name and ".lora_" in i.name for i in block):
-        return [_adapted_down_moment(block, acts, weights["down_proj"], marker["down_proj"], residual_bytes)]
+        return _adapted_down_moments(block, acts, weights["down_proj"], marker["down_proj"], residual_bytes)
     act, up = (next((i for i in acts if i.name.endswith(n)), None) for n in (".mlp.act_fn.out", ".mlp.up_proj.out"))
     if None in weights.values() or act is None or up is None:
         return []
@@ -128,21 +128,31 @@ def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, res
     return [down_moment, up_moment]
 
 
-def _adapted_down_moment(block: list[MemoryItem], acts: list[MemoryItem], weight: MemoryItem, prod: MemoryItem,
-                         residual_bytes: int) -> dict[str, int]:
+def _adapted_down_moments(block: list[MemoryItem], acts: list[MemoryItem], weight: MemoryItem, prod: MemoryItem,
+                          residual_bytes: int) -> list[dict[str, int]]:
     """An adapted down projection's 4-bit matmul (peft ``tuners/lora/bnb.py`` ``Linear4bit.forward``: ``result =
-    base_layer(x).clone()``, then ``result + (lora_B(lora_A(x.to(fp32))) * scaling).to(result.dtype)``): the adapter
-    branch's nodes are the later ones, so they ran first; ``lora_A``'s node made the adapters' weight gradients and
-    the product's gradient, cast back to the product's dtype (the ``x.to`` node), and released its saved fp32 copy
-    of the product and ``lora_B``'s saved input. Alive besides: the residual gradient, a second residual-sized
-    gradient in the product's dtype (the base branch's, as recompute_stop.py ``_adapter_a_input_gradient`` finds for a
-    16-bit base) and ``MatMul4Bit.backward``'s dequantized weight and input gradient (:func:`_dequantized`).
-    Eager and checkpointed alike: the adapter's nodes unpacked first, so a checkpointed block has recomputed."""
+    base_layer(x).clone()``, then ``result + lora_B(lora_A(x)) * scaling``, ``x`` cast to the adapters' fp32 and the
+    sum back to ``result``'s dtype outside autocast): the adapter branch's nodes are the later ones, so they ran first;
+    ``lora_A``'s node made the adapters' weight gradients and the product's gradient (in the product's dtype) and
+    released its saved input and ``lora_B``'s. Alive besides: the residual gradient, a second residual-sized gradient
+    (the base branch's, as recompute_stop.py ``_adapter_a_input_gradient`` finds for a 16-bit base), under a cast
+    the output gradient's compute-dtype copy (``Linear4bit``'s ``.to(inp_dtype)`` node), and ``MatMul4Bit.backward``'s
+    dequantized weight and input gradient (:func:`_dequantized`). Under a cast a second moment follows: the input
+    gradient cast back to the product's dtype (``x.to(compute_dtype)``'s node) and summed with the adapter's
+    (``InputBuffer::accumulate``, torch/csrc/autograd/input_buffer.cpp): three of the product's size. Eager and
+    checkpointed alike: the adapter's nodes unpacked first, so a checkpointed block has recomputed."""
     out = sum(i.bytes for i in acts if i.name.endswith(".residual_mlp"))  # as four_bit_mlp_moments' ``out``
     own = [i for i in acts if ".mlp.down_proj.lora_" in i.name]
     grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj.lora_" in i.name)
-    return {"block_gradients": grads, "freed_activations": out + sum(i.bytes for i in own), "after_attention": 0,
-            "work": 2 * residual_bytes + _bytes(prod) + _dequantized(block, weight, prod.dtype, _bytes(prod))}
+    c = prod.note.rpartition(COMPUTES_IN)[2]
+    cast = c != prod.dtype
+    base = {"block_gradients": grads, "freed_activations": out + sum(i.bytes for i in own), "after_attention": 0}
+    copy = residual_bytes * dtype_bytes(c) // dtype_bytes(prod.dtype) if cast else 0
+    # peft's conversion outside autocast (``requires_conversion``) leaves the base branch's gradient apart; under
+    # autocast (the adapters' weights cast by it: ``weight_cast``) the two branches share the residual gradient
+    grads_out = residual_bytes * (1 if any(i.name.endswith(".weight_cast") for i in own) else 2)
+    matmul = {**base, "work": grads_out + _bytes(prod) + copy + _dequantized(block, weight, c, _bytes(prod, c))}
+    return [matmul, {**base, "work": grads_out + 3 * _bytes(prod)}] if cast else [matmul]
 
 
 def _dequantized(block: list[MemoryItem], weight: MemoryItem, compute: str, grad_in: int) -> int:
