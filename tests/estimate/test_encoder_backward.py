@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from trainmem.estimate.encoder_backward import BlockDims, block_events, peak_of
+from trainmem.estimate.encoder_nodes import BlockDims, block_events, peak_of
 from trainmem.specs import ImplSpec, StepSpec
 from trainmem.specs.loaders import spec_from_hf_config
 

@@ -18,9 +18,8 @@ kept by nothing.
 Where checked: ``tests/estimate/test_encoder_backward.py`` (a tiny BERT's mlm, seq-cls and token-cls heads in fp32,
 bf16 and amp-bf16, B1/B2 x S32/S64, --recompute none and full: the step's peak == a CPU fake-tensor trace's; four
 against a real CPU step). Read for BERT under the hf profile on one device, eager, no fine-tuning, no offload, the
-math attention kernel
-with dropout (BERT's default 0.1), on CPU (where checked), without gradient accumulation; ``phases`` unchanged
-otherwise.
+math attention kernel with dropout (BERT's default 0.1), on CPU (where checked), without gradient accumulation;
+``phases`` unchanged otherwise.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from trainmem.families import family_of
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
 from trainmem.specs import ImplSpec, ModelSpec, StepSpec
 
-__all__ = ["with_encoder_backward", "block_events", "BlockDims", "peak_of", "layer_saved"]
+__all__ = ["with_encoder_backward", "layer_saved", "recompute_moments"]
 
 #: the backward phases' parts that are not the block's (the model states, buffers)
 _STATIC = ("parameters", "master_weights", "optimizer_states", "buffers")
