@@ -4,7 +4,7 @@ step and defers a later micro-batch's weight-copy gradients to the end of its ba
 
 Tiny Llama (H 64, F 176, L 4, A 4, KV 2, V 256, untied), B 2 S 64, AdamW, pp 2, 4 micro-batches, sdpa on CPU:
 estimate == trace_step(pp_rank=r).peak_logical_bytes per rank for 1F1B (recompute none, full) and GPipe (full),
-the three precisions alike. Before (e92cf1c), estimate / trace: GPipe none 1.078 / 1.090, full 0.884 / 0.950;
+the three precisions alike, and Qwen2's q/k/v bias copies. Before (e92cf1c), estimate / trace: GPipe none 1.078 / 1.090, full 0.884 / 0.950;
 1F1B none 1.009 / 0.978, full 0.886 / 0.888. The rest stays refused with one line (GPipe without recompute:
 +8,192 B on rank 0; eager attention up to 1.5% off; compiled, data/tensor parallel beside the stages...)."""
 
@@ -25,6 +25,13 @@ TRACED = {("1f1b", "none"): (4_069_440, 3_731_028),
           ("gpipe", "full"): (3_031_616, 3_592_796)}
 
 
+#: Qwen2 (q/k/v biases), the same shapes: each bias's bf16 copy is cached too, and its gradient deferred
+QWEN2 = {**CFG, "model_type": "qwen2"}
+TRACED_QWEN2 = {("1f1b", "none"): (4_074_048, 3_735_636),  # Llama's + 2 blocks × (128 + 64 + 64) B of bias copies
+                ("1f1b", "full"): (2_929_472, 3_085_652),  # + 256 B: the later block's bias gradients, deferred
+                ("gpipe", "full"): (3_036_480, 3_597_660)}
+
+
 def _specs(precision: str, schedule: str, recompute: str, par=None, **impl):
     return (StepSpec(batch=2, seq=64, precision=precision, optimizer="adamw"),
             ImplSpec(device="cpu", attention=impl.pop("attention", "sdpa"), recompute=recompute, **impl),
@@ -37,6 +44,13 @@ def test_estimate_equals_the_traced_peak_per_rank(precision, schedule, recompute
     step, impl, par = _specs(precision, schedule, recompute)
     ranks = estimate(spec_from_hf_config(CFG), step, impl, par).ranks
     assert tuple(r.peak_bytes for r in ranks) == TRACED[(schedule, recompute)]
+
+
+@pytest.mark.parametrize("schedule,recompute", list(TRACED_QWEN2))
+def test_qwen2_bias_copies_equal_the_traced_peak_per_rank(schedule, recompute):
+    step, impl, par = _specs("amp-bf16", schedule, recompute)
+    ranks = estimate(spec_from_hf_config(QWEN2), step, impl, par).ranks
+    assert tuple(r.peak_bytes for r in ranks) == TRACED_QWEN2[(schedule, recompute)]
 
 
 def test_the_cache_is_counted_once_per_stage():
@@ -71,18 +85,20 @@ def test_cli_refusal_is_one_line_exit_2(capsys):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "precision='amp-bf16' is not modelled with pp=2 and schedule='1f1b'" not in err  # gpt2: its biases
-    assert "precision='amp-bf16' is not modelled with pp=2 and " in err and "linear biases" in err
+    assert "precision='amp-bf16' is not modelled with pp=2 and " in err and "output or MLP biases" in err
 
 
-@pytest.mark.slow  # six fake-tensor traces, ~3 s each
+@pytest.mark.slow  # twelve fake-tensor traces, ~3 s each
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
 @pytest.mark.parametrize("schedule,recompute", list(TRACED))
-def test_trace_equals_estimate_per_rank(schedule, recompute):
+def test_trace_equals_estimate_per_rank(model, schedule, recompute):
     from trainmem.trace import trace_step
 
+    cfg, table = (CFG, TRACED) if model == "llama" else (QWEN2, TRACED_QWEN2)
     step, impl, par = _specs("amp-bf16", schedule, recompute)
-    ranks = estimate(spec_from_hf_config(CFG), step, impl, par).ranks
-    traced = tuple(trace_step(CFG, step, impl, parallel=par, pp_rank=r).peak_logical_bytes for r in range(2))
-    assert traced == tuple(r.peak_bytes for r in ranks) == TRACED[(schedule, recompute)]
+    ranks = estimate(spec_from_hf_config(cfg), step, impl, par).ranks
+    traced = tuple(trace_step(cfg, step, impl, parallel=par, pp_rank=r).peak_logical_bytes for r in range(2))
+    assert traced == tuple(r.peak_bytes for r in ranks) == table[(schedule, recompute)]
 
 
 @pytest.mark.slow  # one fake-tensor trace, ~3 s

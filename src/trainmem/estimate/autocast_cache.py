@@ -76,10 +76,21 @@ def without_weight_casts(items) -> tuple:
     return tuple(out)
 
 
-def cache_bytes(items, stage_of, stage: int) -> int:
-    """The cache on stage ``stage``: every weight copy its blocks (and head) make, once (``items``: the
-    uncheckpointed set, as a recompute would make it; ``stage_of``: each item's stage)."""
-    return sum(it.bytes for it, st in zip(items, stage_of) if st == stage and it.name.endswith(_CAST))
+def stage_copies(items, stage_of, stage: int, biases) -> list[tuple[str, int]]:
+    """The cache on stage ``stage``, one entry per linear in forward order: (its name, the bytes of its weight copy
+    and of its bias copy). ``items``: the uncheckpointed set, as a recompute would make it (``stage_of``: each
+    item's stage); ``biases``: :func:`bias_copies`. A linear's bias is cast beside its weight (``addmm``'s
+    operands) and cached alike, never saved (its gradient reads no operand)."""
+    return [(lin := it.name.removesuffix(_CAST), it.bytes + biases.get(lin, 0))
+            for it, st in zip(items, stage_of) if st == stage and it.name.endswith(_CAST)]
+
+
+def bias_copies(states, low_bytes: int) -> dict[str, int]:
+    """Each trainable bias's low-precision copy, by its module (``states``: the model states)."""
+    from trainmem.inventory import Category, dtype_bytes
+    grads = {i.name.removesuffix(".grad") for i in states if i.category is Category.GRADIENT}
+    return {i.name.removesuffix(".bias"): i.bytes // dtype_bytes(i.dtype) * low_bytes for i in states
+            if i.category is Category.PARAMETER and i.name.endswith(".bias") and i.name in grads}
 
 
 def with_cache(working: dict, cached: int, *, compute_bytes: int, activation_bytes: int) -> None:
@@ -94,8 +105,9 @@ def with_cache(working: dict, cached: int, *, compute_bytes: int, activation_byt
                 parts[k] = parts[k] * compute_bytes // activation_bytes
 
 
-def deferred_cast_grads(items, stage_of, stage: int, first_layer: int, last_layer: int) -> dict[str, dict[str, int]]:
-    """The bf16 weight gradients a later micro-batch's backward holds, per backward phase (``working``'s keys).
+def deferred_cast_grads(copies: list[tuple[str, int]], first_layer: int, last_layer: int) -> dict[str, int]:
+    """The bf16 weight (and bias) gradients a later micro-batch's backward holds, per backward phase (``working``'s
+    keys); ``copies``: the stage's :func:`stage_copies`, its blocks ``[first_layer, last_layer)``.
 
     A cached copy's ``ToCopyBackward0`` was made by the first micro-batch's forward, so in a later micro-batch's
     graph it has the lowest sequence number of all and the engine's ready queue (torch/csrc/autograd/engine.cpp
@@ -103,14 +115,13 @@ def deferred_cast_grads(items, stage_of, stage: int, first_layer: int, last_laye
     end of the stage's backward: each linear's bf16 weight gradient (``MmBackward0``'s ``grad.T @ x``, the
     copy's size) stays alive from its linear's node to there. At the last block's moment (its MLP's, after the
     down projection's node: estimate/block_backward.py ``_gated_mlp``) the head's and that projection's are
-    alive; at the first block's, every later block's too. ``items``: the uncheckpointed set (in forward order)."""
-    casts = [(it, st) for it, st in zip(items, stage_of) if st == stage and it.name.endswith(_CAST)]
+    alive; at the first block's, every later block's too."""
     from trainmem.names import layer_index
 
     def block(li: int) -> list[int]:
-        return [it.bytes for it, _ in casts if layer_index(it.name) == li]
+        return [b for name, b in copies if layer_index(name) == li]
 
-    head = sum(it.bytes for it, _ in casts if layer_index(it.name) is None)
+    head = sum(b for name, b in copies if layer_index(name) is None)
     last = block(last_layer - 1)
     out = {"backward": head + (last[-1] if last else 0)}
     if last_layer - first_layer > 1:
@@ -140,7 +151,7 @@ def check_schedule_autocast(model, step, impl, par, finetune=None) -> None:
         ("float8", impl.float8 != "none"), ("optimizer_in_backward", impl.optimizer_in_backward),
         (f"dp={par.dp} tp={par.tp} cp={par.cp} ep={par.ep}", par.dp * par.tp * par.cp * par.ep > 1),
         ("fsdp/zero/offload", bool(par.fsdp or par.zero or par.offload)),
-        ("linear biases", model.qkv_bias or model.out_bias or model.mlp_bias), ("experts", model.is_moe),
+        ("output or MLP biases", model.out_bias or model.mlp_bias), ("experts", model.is_moe),
         (f"grad_accum={step.grad_accum}", step.grad_accum > 1), ("fine-tuning", finetune is not None)) if bad]
     if why:
         raise UnsupportedError(f"precision={step.recipe!r} is not modelled with pp={par.pp} and {', '.join(why)}: "

@@ -36,7 +36,8 @@ from trainmem.errors import SpecError, UnsupportedError
 from trainmem.estimate.activations import activation_items_with_savers
 from trainmem.estimate.attention import kernel_for
 from trainmem.estimate.autocast_cache import (
-    cache_bytes, check_schedule_autocast, deferred_cast_grads, schedule_caches_casts, with_cache, without_weight_casts,
+    bias_copies, check_schedule_autocast, deferred_cast_grads, schedule_caches_casts, stage_copies, with_cache,
+    without_weight_casts,
 )
 from trainmem.estimate.buffers import buffer_items, stage_buffers
 from trainmem.estimate.compiled_op_moment import recomputes_blocks
@@ -352,9 +353,8 @@ def _stage_working(lay: _Layout, s: int, stage_acts: list, own_states: list, bod
         for ph_name in working:
             working[ph_name]["pp_output_chunks"] = working["forward"]["pp_output_chunks"]
     if lay.cached:  # one weight copy each for the step (estimate/autocast_cache.py)
-        plain = _plain_activations(lay.lm, lstep, lay.impl, lay.finetune, lay.shard)
         d = lay.step.dtypes
-        with_cache(working, cache_bytes(plain, [_stage_of(i.name, list(lay.stages)) for i in plain], s),
+        with_cache(working, sum(b for _, b in _stage_copies(lay, s)),
                    compute_bytes=dtype_bytes(d.compute), activation_bytes=dtype_bytes(d.activation))
     if act_off:  # activation offload's stash and in-flight buffers, each block's largest tensor kept
         for ph, parts in act_off[1].items():
@@ -424,8 +424,15 @@ def _deferred(lay: _Layout, s: int) -> dict[str, int]:
     """A later micro-batch's weight-copy gradients under the schedule's autocast (estimate/autocast_cache.py)."""
     if not lay.cached or lay.par.microbatches < 2:
         return {}
+    return deferred_cast_grads(_stage_copies(lay, s), *lay.stages[s])
+
+
+def _stage_copies(lay: _Layout, s: int) -> list[tuple[str, int]]:
+    """Stage ``s``'s weight and bias copies in the schedule's cast cache (estimate/autocast_cache.py)."""
     plain = _plain_activations(lay.lm, lay.lstep, lay.impl, lay.finetune, lay.shard)
-    return deferred_cast_grads(plain, [_stage_of(i.name, list(lay.stages)) for i in plain], s, *lay.stages[s])
+    own = [i for i in lay.states if lay.state_stage[i.name] == s]
+    return stage_copies(plain, [_stage_of(i.name, list(lay.stages)) for i in plain], s,
+                        bias_copies(own, dtype_bytes(lay.step.dtypes.activation)))
 
 
 def _rank_extras(lay: _Layout, s: int, ph: list, stage_acts: list) -> list:
