@@ -39,9 +39,9 @@ With adapters on every projection of the MLP (``--lora-targets all-linear``, ``q
 moment is the down projection's matmul, eager or checkpointed (:func:`_adapted_down_moments`); with a 16-bit MLP
 (``--qlora-scope targeted``, adapters on the attention) no MLP or norm node holds a dequantized weight. Tiny Llama
 bf16 B1/B2 x S16/S64 x eager/full recompute were up to 22,528 B (all-linear) and 8,192 B (targeted) over the trace;
-equal now; under amp-bf16 the adapted down projection's input-gradient sum follows its matmul (4,088-46,336 B over
-before, equal now) (``tests/finetune/test_qlora_adapted_moments.py``). Not modelled (the weight is still added to
-every backward phase there): an adapted 4-bit MLP in an fp32 step or with adapter dropout, other MLPs; the attention
+equal now; under a cast (amp-bf16, fp32) the adapted down projection's input-gradient sum follows its matmul
+(4,088-67,584 B over before, equal now) (``tests/finetune/test_qlora_adapted_moments.py``). Not modelled (the weight
+is still added to every backward phase there): an adapted 4-bit MLP with adapter dropout, other MLPs; the attention
 projections' own 4-bit matmul moments (below the MLP's at the sizes traced).
 """
 
@@ -58,20 +58,17 @@ COMPUTES_IN = "it computes in "  # a 4-bit marker's note names the compute dtype
 _GATED = ("gate_proj", "up_proj", "down_proj")  # transformers ``LlamaMLP``: down(act(gate(x)) * up(x))
 
 
-def four_bit_markers(block: list[MemoryItem], adapted: bool = False,
-                     autocast: bool = False) -> dict[str, MemoryItem] | None:
+def four_bit_markers(block: list[MemoryItem], adapted: bool = False) -> dict[str, MemoryItem] | None:
     """The MLP's 4-bit input markers (estimate/finetune.py ``_linear4bit``), by projection, when every projection of
-    a gated MLP is 4-bit and carries no adapter (``adapted``: or an adapter on each, :func:`_adapted`, in one dtype
-    or under ``autocast``); else None."""
+    a gated MLP is 4-bit and carries no adapter (``adapted``: or an adapter on each, :func:`_adapted`); else None."""
     marker = {i.name.split(".mlp.", 1)[1].split(".", 1)[0]: i for i in block if i.category is Category.ACTIVATION
               and not i.bytes and ".mlp." in i.name and i.name.endswith(".input") and i.shape
               and i.note.startswith("not saved: 4-bit") and COMPUTES_IN in i.note}
     # under a cast, bitsandbytes' weights only (their note names the dtype dequantize_4bit returns): torchao's
     # linear_nf4 dequantizes otherwise (estimate/finetune.py ``torchao_nf4_dequant_bytes``)
     cast = any(i.note.rpartition(COMPUTES_IN)[2] != i.dtype for i in marker.values())
-    if any(".mlp." in i.name and ".lora_" in i.name for i in block) and not (
-            adapted and _adapted(block) and (autocast or not cast)):
-        return None  # fp32 steps' adapted MLP (no autocast) sums its input gradients otherwise: not modelled
+    if any(".mlp." in i.name and ".lora_" in i.name for i in block) and not (adapted and _adapted(block)):
+        return None
     bnb = all(DEQUANTIZES_TO in i.note for i in block if i.category is Category.PARAMETER and ".mlp." in i.name
               and i.name.endswith(".weight") and i.shape and ".lora_" not in i.name)
     return marker if set(_GATED) <= set(marker) and (bnb or not cast) else None
@@ -88,19 +85,18 @@ def four_bit_moments_modelled(block: list[MemoryItem], autocast: bool = False,
                               recomputed: list[MemoryItem] | None = None) -> bool:
     """Whether a block's 4-bit moments are read (:func:`four_bit_mlp_moments`; ``block``: its items,
     estimate/block_backward.py ``block_items``), so that its node moments hold no dequantized weight besides.
-    ``autocast``: an adapted MLP under a cast is modelled under autocast only. A 16-bit MLP
+    ``autocast`` changes nothing: the casts around the 4-bit matmuls are modelled for any precision. A 16-bit MLP
     (``qlora_scope='targeted'`` with adapters on the attention only) runs no 4-bit matmul at its nodes or the
     norms': the dequantized attention weight is not alive there either. ``recomputed``: a checkpointed block's
     recomputed items, whose adapter dropout its saved ones do not show."""
-    return four_bit_markers(block + list(recomputed or ()), adapted=True, autocast=autocast) is not None or not any(
+    return four_bit_markers(block + list(recomputed or ()), adapted=True) is not None or not any(
         i.category is Category.PARAMETER and ".mlp." in i.name and "4-bit base" in i.note for i in block)
 
 
 def four_bit_mlp_moments(block: list[MemoryItem], acts: list[MemoryItem], *, residual_bytes: int,
                          checkpointed: bool) -> list[dict[str, int]]:
     """The module docstring's two moments as node moments (estimate/peak.py ``inside``); [] for other layouts."""
-    # a checkpointed block's dropout and autocast's weight copies show in ``acts``
-    marker = four_bit_markers(block + acts, adapted=True, autocast=any(i.name.endswith(".weight_cast") for i in acts))
+    marker = four_bit_markers(block + acts, adapted=True)  # a checkpointed block's dropout shows in ``acts``
     if marker is None:
         return []
     weights = {p: next((i for i in block if i.category is Category.PARAMETER and i.name.endswith(f".mlp.{p}.weight")
@@ -134,23 +130,26 @@ def _adapted_down_moments(block: list[MemoryItem], acts: list[MemoryItem], weigh
     base_layer(x).clone()``, then ``result + lora_B(lora_A(x)) * scaling``, ``x`` cast to the adapters' fp32 and the
     sum back to ``result``'s dtype outside autocast): the adapter branch's nodes are the later ones, so they ran first;
     ``lora_A``'s node made the adapters' weight gradients and the product's gradient (in the product's dtype) and
-    released its saved input and ``lora_B``'s. Alive besides: the residual gradient, a second residual-sized gradient
-    (the base branch's, as recompute_stop.py ``_adapter_a_input_gradient`` finds for a 16-bit base), under a cast
+    released its saved input (the product itself where the adapters share its dtype) and ``lora_B``'s. Alive besides:
+    the residual gradient, a second residual-sized gradient where peft converts (the base branch's, as
+    recompute_stop.py ``_adapter_a_input_gradient`` finds for a 16-bit base), under a cast
     the output gradient's compute-dtype copy (``Linear4bit``'s ``.to(inp_dtype)`` node), and ``MatMul4Bit.backward``'s
     dequantized weight and input gradient (:func:`_dequantized`). Under a cast a second moment follows: the input
     gradient cast back to the product's dtype (``x.to(compute_dtype)``'s node) and summed with the adapter's
     (``InputBuffer::accumulate``, torch/csrc/autograd/input_buffer.cpp): three of the product's size. Eager and
     checkpointed alike: the adapter's nodes unpacked first, so a checkpointed block has recomputed."""
     out = sum(i.bytes for i in acts if i.name.endswith(".residual_mlp"))  # as four_bit_mlp_moments' ``out``
-    own = [i for i in acts if ".mlp.down_proj.lora_" in i.name]
+    # the adapters' saved tensors, and the product itself where lora_A saved it uncast (adapters in its dtype)
+    own = [i for i in acts if ".mlp.down_proj.lora_" in i.name or i.name.endswith(".mlp.act_mul_up")]
     grads = sum(i.bytes for i in block if i.category is Category.GRADIENT and ".mlp.down_proj.lora_" in i.name)
     c = prod.note.rpartition(COMPUTES_IN)[2]
     cast = c != prod.dtype
     base = {"block_gradients": grads, "freed_activations": out + sum(i.bytes for i in own), "after_attention": 0}
     copy = residual_bytes * dtype_bytes(c) // dtype_bytes(prod.dtype) if cast else 0
-    # peft's conversion outside autocast (``requires_conversion``) leaves the base branch's gradient apart; under
-    # autocast (the adapters' weights cast by it: ``weight_cast``) the two branches share the residual gradient
-    grads_out = residual_bytes * (1 if any(i.name.endswith(".weight_cast") for i in own) else 2)
+    # peft's conversion (``requires_conversion``, fp32 adapters on a 16-bit product) leaves the base branch's gradient
+    # apart; where the adapters' dtype is the product's (autocast, fp32 steps) the two branches share the residual's
+    adapter = next(i for i in block if i.name.endswith(".mlp.down_proj.lora_A.default.weight"))
+    grads_out = residual_bytes * (2 if adapter.dtype != prod.dtype else 1)
     matmul = {**base, "work": grads_out + _bytes(prod) + copy + _dequantized(block, weight, c, _bytes(prod, c))}
     return [matmul, {**base, "work": grads_out + 3 * _bytes(prod)}] if cast else [matmul]
 
