@@ -96,15 +96,16 @@ def test_estimate_equals_trace(cfg, precision, batch, seq, recompute, op):
 @pytest.mark.parametrize("cfg,precision", [(GPT2, "fp32"), (GPT2, "bf16"), (GPT2, "amp-bf16"), (NEOX, "fp32"),
                                            (LLAMA, "bf16"), (QWEN2, "amp-bf16")])
 def test_forward_phase_equals_the_trace_at_the_loss(cfg, precision):
-    """The forward phase is the trace's live bytes once nll_loss_forward made its total weight (B2 S64)."""
+    """The forward phase is the trace's live bytes once nll_loss_forward made its total weight (B2 S64), or, where
+    that is larger, once GPT-2's last block made its residual add's output (estimate/decoder_forward.py: fp32)."""
     from trainmem.trace.result import item_names
 
     t = _trace(cfg, StepSpec(batch=2, seq=64, precision=precision, optimizer="sgd"))
-    rec, live, at_loss = t.recording, 0, None
+    rec, live, at = t.recording, 0, {}
     names = item_names(rec)
     for ev in rec.events:
         b = rec.blocks[ev if ev >= 0 else ~ev]
         live += b.nbytes if ev >= 0 else -b.nbytes
-        if ev >= 0 and names[b.id] == "nll_loss_forward:1":
-            at_loss = live
-    assert sum(_forward(_estimate(cfg, precision, 2, 64)).values()) == at_loss
+        if ev >= 0 and names[b.id] in ("nll_loss_forward:1", "transformer.h.1.add:1"):
+            at[names[b.id]] = live
+    assert sum(_forward(_estimate(cfg, precision, 2, 64)).values()) == max(at.values())

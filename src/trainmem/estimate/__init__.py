@@ -213,6 +213,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         ph = with_encoder_forward(ph, inv, model, step, impl, kernel, finetune)
         from trainmem.estimate.encoder_backward import with_encoder_backward  # its blocks' node moments
         ph = with_encoder_backward(ph, inv, model, step, impl, kernel, finetune, plain)
+        from trainmem.estimate.decoder_forward import with_decoder_forward  # GPT-2's last residual add
+        ph = with_decoder_forward(ph, inv, model, step, impl, finetune)
     if offload and impl.recompute == "none" and not impl.compile and not impl.optimizer_in_backward:
         from trainmem.estimate.offload_moments import with_offload_moments  # the tensors brought back at a node
         ph = with_offload_moments(ph, acts, inv, residual_bytes=step.batch * step.seq * model.hidden_size * dtype_bytes(
@@ -230,7 +232,8 @@ def estimate(model: ModelSpec, step: StepSpec | None = None, impl: ImplSpec | No
         from trainmem.estimate.quant4bit_moments import four_bit_moments_modelled
         ph = with_dequant_transient(ph, *dequant_transient(model, finetune, impl.compile),
                                     *head_dequant(model, step, finetune), node_moments_hold_it=not impl.compile and
-                                    four_bit_moments_modelled(block_items(inv, model.num_layers - 1), d.autocast),
+                                    four_bit_moments_modelled(block_items(inv, model.num_layers - 1), d.autocast,
+                                                              block_items(plain, model.num_layers - 1) if plain else None),
                                     backward=dequant_transient(model, finetune, impl.compile, weight_dtype=d.param))
     if finetune is not None and finetune.adapters and not impl.compile:  # estimate/adapter_forward.py
         from trainmem.estimate.adapter_forward import with_adapter_forward
