@@ -1,6 +1,5 @@
 """A real CPU step of a classification or masked-LM model measured as live storages (``LiveStorages``), for the
-tests that hold the estimate and the trace to it (test_encoder_backward.py; test_heads_peak.py's ``_real_step`` is
-the same step for its Llama, /tmp/prompts/patch-bert-3.diff)."""
+tests that hold the estimate and the trace to it (test_encoder_backward.py, test_heads_peak.py)."""
 
 from __future__ import annotations
 

@@ -68,26 +68,6 @@ def test_amp_bf16_top_and_the_linears_casts():
     assert sum(n for kind, _, n in ev if kind == "work") == 16384
 
 
-def _late_ln_counted() -> bool:
-    """/tmp/prompts/patch-bert-1.diff applied (estimate/layer_stats.py): under a tied MLM head BERT's
-    embeddings.LayerNorm's gradient comes after the blocks' backward, not before."""
-    from trainmem.estimate import estimate
-    from trainmem.estimate.layer_stats import layer_stats
-
-    spec = replace(spec_from_hf_config(BERT), head="mlm")
-    inv = estimate(spec, StepSpec(batch=1, seq=32, precision="fp32"), IMPL).inventory
-    return layer_stats(inv).late_grad == sum(i.bytes for i in inv if i.name.startswith("bert.embeddings.")
-                                             and i.name.endswith(".grad") and "word_embeddings" not in i.name)
-
-
-def _hooks_unbuffered() -> bool:
-    """/tmp/prompts/patch-bert-2.diff applied (trace/mod_tracker_hooks.py): the trace's ModTracker hooks hold no
-    module input's gradient (a real step's lifetimes)."""
-    from trainmem.trace import mod_tracker_hooks
-
-    return hasattr(mod_tracker_hooks, "_all_mode_hook")
-
-
 def _cases():
     for head in ("mlm", "seq-cls", "token-cls"):
         for precision in ("fp32", "bf16", "amp-bf16"):
@@ -102,8 +82,6 @@ def test_bert_peak_equals_trace(head, precision, recompute, batch, seq):
     from trainmem.estimate import estimate
     from trainmem.trace import trace_step
 
-    if not _hooks_unbuffered() or (head == "mlm" and not _late_ln_counted()):
-        pytest.xfail("needs /tmp/prompts/patch-bert-1.diff (layer_stats) and patch-bert-2.diff (the trace's hooks)")
     spec, step = replace(spec_from_hf_config(BERT), head=head, num_labels=3), StepSpec(batch=batch, seq=seq,
                                                                                        precision=precision)
     impl = replace(IMPL, recompute=recompute)

@@ -19,12 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainmem.estimate import estimate  # noqa: E402
-from trainmem.models.hf import build_hf_model  # noqa: E402
 from trainmem.specs import ImplSpec, StepSpec  # noqa: E402
 from trainmem.specs.loaders import spec_from_hf_config  # noqa: E402
 from trainmem.trace import trace_step  # noqa: E402
-from trainmem.trace.live import LiveStorages  # noqa: E402
-from trainmem.trace.optimizers import _make_optimizer  # noqa: E402
 
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, num_labels=3)
@@ -38,26 +35,9 @@ def _spec(head):
 
 def _real_step(head: str, step: StepSpec) -> tuple[int, int, int]:
     """(peak of the second step, bytes of the optimizer's step counters, parameter count) of a real CPU step."""
-    torch.manual_seed(0)
-    model = build_hf_model(CFG, head=head, dtype=torch.bfloat16 if step.precision == "bf16" else None)
-    model.train()
-    opt = _make_optimizer("adamw", list(model.parameters()), IMPL.optimizer_impl)
-    ids = torch.randint(1, CFG["vocab_size"], (B, S))
-    labels = torch.randint(0, CFG["num_labels"], (B,) if head == "seq-cls" else (B, S))
+    from tests.estimate.real_head_step import real_head_step
 
-    def one():
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    one()  # the optimizer's states exist from here on
-    states = [v for s in opt.state.values() for v in s.values()]
-    steps = sum(v.untyped_storage().nbytes() for s in opt.state.values() for k, v in s.items() if k == "step")
-    with LiveStorages([*model.parameters(), *model.buffers(), ids, labels, *states]) as live:
-        one()
-    return live.peak, steps, len(list(model.parameters()))
+    return real_head_step(CFG, head, step, IMPL)
 
 
 @pytest.mark.parametrize("head", ["seq-cls", "token-cls"])

@@ -7,7 +7,7 @@ and frees in order; the phase is their largest running sum, beside the step's st
 activations still saved and the loss and its seed gradient. A linear's input gradient dies at its one reader's node,
 as a real CPU step (``LiveStorages``) shows; the fake trace held it to the next residual sum while its ``ModTracker``
 all-mode multi-grad hooks buffered gradients (``BertOutput(hidden_states, input_tensor)``'s hook kept the first
-input's gradient until the second's arrived; trace/mod_tracker_hooks.py, /tmp/prompts/patch-bert-2.diff).
+input's gradient until the second's arrived); its hooks now hold none (trace/mod_tracker_hooks.py).
 
 Under ``--recompute full`` a layer's backward starts with its checkpoint's recomputed forward
 (``torch/utils/checkpoint.py``), whose moments are the forward's (estimate/encoder_forward.py: the math attention's

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmem.estimate.heads import is_classifier
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
-from trainmem.names import is_embedding, is_head, is_token_embedding, layer_of, stack_block
+from trainmem.names import is_head, is_token_embedding, layer_of, stack_block
 
 __all__ = ["AUX_LOSS", "LayerStats", "layer_stats", "recompute_per_layer"]
 
@@ -126,8 +126,9 @@ def layer_stats(items: "Inventory | list[MemoryItem]", stacks: tuple[tuple[str, 
     st.has_head = any(is_head(it.name) for it in outside)
     if any(it.name.startswith("lm_head.") or is_classifier(it.name) for it in outside) or not st.has_head:
         st.late_grad = sum(it.bytes for it in outside if not is_head(it.name))
-    else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) come last
-        st.late_grad = sum(it.bytes for it in outside if is_embedding(it.name) and not is_token_embedding(it.name))
+    else:  # tied: the token embedding's is the head's; other embeddings' (GPT-2's positions) and what runs before
+        # the blocks (BERT's embeddings.LayerNorm, after its embeddings' sum) come last
+        st.late_grad = sum(it.bytes for it in outside if not is_head(it.name) and not is_token_embedding(it.name))
     for r in items.repeats:
         # one pass over the template, then its per-block sums land on every repeated block
         per_shift: dict[int, list[int]] = {}  # shift -> [activation bytes, largest, gradient bytes, largest uncast]
