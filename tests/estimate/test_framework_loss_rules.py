@@ -3,9 +3,9 @@ exact integers, and the estimate's loss phases against the tracer running the fr
 on fake tensors (trainmem/trace/losses.py; that trace equals a real CPU step and torchtune's own class:
 tests/trace/test_trace_framework_losses.py).
 
-The trace's live bytes include one thing the estimate leaves out on purpose: torchtune's
-``ignore_labels_cache`` (B int64, made at setup); it is added to the estimate here (the model's
-buffers, rotary ``inv_freq``, are in both: estimate/buffers.py).
+torchtune's ``ignore_labels_cache`` (B int64, made at setup) is in both under torchtune's loss (estimate/
+torchtune_loop.py, a buffer item); the tracer makes it for LitGPT's loss too, whose loop has none, so it is added
+to the estimate there (the model's buffers, rotary ``inv_freq``, are in both: estimate/buffers.py).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_head_backward_peak_equals_trace(loss, precision, B, S, H, V):
     step = StepSpec(batch=B, seq=S, precision=precision, loss=loss)
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
-    extra = sum(i.bytes for i in t.items if i.category is Category.INPUT and i.name != "input.0")
+    extra = _litgpt_ignore_labels(t, loss)
     assert e.peak_phase == "head_backward"
     assert t.peak_logical_bytes == e.peak_bytes + extra
 
@@ -150,8 +150,7 @@ def test_estimate_equals_trace(loss, precision, B, family, S):
     step = StepSpec(batch=B, seq=S, precision=precision, loss=loss)
     t = trace_step(cfg, step, IMPL)
     e = estimate(spec_from_hf_config(cfg), step, IMPL)
-    # the ignore-labels column; the input ids are the embedding's kept indices in both, the buffers too
-    extra = sum(i.bytes for i in t.items if i.category is Category.INPUT and i.name != "input.0")
+    extra = _litgpt_ignore_labels(t, loss)  # the ignore-labels column; the ids and the buffers are in both
     ph = {p.name: p.bytes + extra for p in e.phases}
     assert t.peak_logical_bytes == e.peak_bytes + extra, (e.peak_phase, t.peak_logical_bytes - e.peak_bytes - extra)
     assert _phase_top(t, "backward") == ph["backward_start"]  # the loss backward is the backward's top
@@ -160,3 +159,10 @@ def test_estimate_equals_trace(loss, precision, B, family, S):
     else:  # the scalars around LitGPT's last sum and division differ by a few bytes; backward is its peak
         assert abs(_phase_top(t, "forward") - ph["forward"]) <= 8
         assert e.peak_phase == "backward_start"
+
+
+def _litgpt_ignore_labels(t, loss: str) -> int:
+    """The (B, 1) ignore-labels column the tracer makes for either framework loss (trace/step.py): torchtune's
+    loop keeps it (in the estimate: estimate/torchtune_loop.py), LitGPT's has none (not in the estimate)."""
+    return 0 if loss == "torchtune-chunked-ce" else sum(
+        i.bytes for i in t.items if i.category is Category.INPUT and i.name != "input.0")

@@ -28,3 +28,19 @@ def test_recipe_with_another_loss_says_it_is_not_counted(tmp_path):
     assert any("ignore_labels_cache" in n and "LinearCrossEntropyLoss" in n for n in notes)
     p.write_text(model + "loss:\n  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss\n")
     assert not any("ignore_labels_cache" in n for n in read_torchtune(p)["notes"])
+
+
+def test_estimate_keeps_it_in_every_phase():
+    from trainmem.estimate import estimate
+    from trainmem.specs import ImplSpec
+    from trainmem.specs.loaders import spec_from_hf_config
+
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128)
+    ce, tt = (estimate(spec_from_hf_config(cfg), StepSpec(batch=3, seq=64, loss=loss), ImplSpec(device="cpu"))
+              for loss in ("ce", "torchtune-chunked-ce"))
+    (item,) = [i for i in tt.inventory.base if i.name == IGNORE_LABELS_CACHE]
+    assert item.bytes == 3 * 8
+    # the buffers (rotary inv_freq, original_inv_freq: 8·4 each) and the cache, in every phase the optimizer's too
+    assert {p.name: p.parts["buffers"] for p in tt.phases} == {p.name: 64 + 24 for p in tt.phases}
+    assert {p.parts["buffers"] for p in ce.phases} == {64}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from trainmem.estimate.symbols import formula
+from trainmem.estimate.torchtune_loop import torchtune_loop_items
 from trainmem.families import family_of, get_scheme
 from trainmem.families.buffers import PARAM_DTYPE
 from trainmem.inventory import Category, Inventory, MemoryItem, dtype_bytes
@@ -41,7 +42,7 @@ def buffer_items(model, step, profile: str = "hf") -> list[MemoryItem]:
         size = dtype_bytes(dt)
         out.append(MemoryItem.make(b.name, Category.BUFFER, b.shape, dt, int(math.prod(b.shape) * size),
                                    formula(b.dims, size) if b.dims else f"{math.prod(b.shape) * size:g}", b.dims))
-    return out
+    return out + torchtune_loop_items(step)  # resident all step too: torchtune's ignore_labels_cache
 
 
 def buffer_inventory(model, step, profile: str = "hf") -> Inventory:
