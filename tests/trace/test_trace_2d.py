@@ -98,13 +98,20 @@ def _phase_max(result) -> dict[str, int]:
         live += rec.blocks[e if e >= 0 else ~e].nbytes * (1 if e >= 0 else -1)
         if i >= rec.baseline:
             top[phase] = max(top[phase], live)
-            if e >= 0 and phase == "forward" and rec.blocks[e].op == "nll_loss_forward":
+            b = rec.blocks[e] if e >= 0 else None
+            # the loss value: nll_loss_forward's, or under loss_parallel its handler's last op, ``result.sum() /
+            # total_weight`` (torch/distributed/tensor/parallel/loss.py _nll_loss_forward; the trace records the
+            # handler's local ops, trace/dtensor_handlers.py)
+            if b is not None and phase == "forward" and (b.op == "nll_loss_forward" or (
+                    b.op == "div" and b.shape == () and b.module == "")):
                 top["loss"] = live
     return top
 
 
 CASES = [("fp32", True), ("fsdp-bf16", True), ("fp32", False)]
-PEAK_RATIO = {("fp32", True): (1.04, 1.06), ("fsdp-bf16", True): (1.07, 1.10), ("fp32", False): (1.04, 1.07)}
+# estimate / trace step peak: equal since the trace records loss_parallel's handler tensors (trace/dtensor_handlers.py;
+# before, 1.04-1.10: the TP trace's loss_parallel gap)
+PEAK_RATIO = {("fp32", True): (1.0, 1.0), ("fsdp-bf16", True): (1.0, 1.0), ("fp32", False): (1.0, 1.0)}
 
 
 @pytest.mark.slow  # 2 traces per case (TP + FSDP2, TP alone), ~10 s each on 2 shared cores

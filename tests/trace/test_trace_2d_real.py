@@ -65,6 +65,12 @@ def test_2d_trace_equals_a_real_gloo_step(case):
             assert led[ledger] == r["states_bytes"][ledger], (ledger, r["rank"])
         assert r["states_bytes"]["optimizer_step"] == STEP_COUNTERS == 156
         assert led["activation"] + led["input"] == r["activation_bytes"] + 8  # the loss and its gradient seed
+        if par.tp > 1:
+            # TP's peak is inside loss_parallel's fused cross-entropy backward, whose local tensors the op-boundary
+            # tracker (a mode above DTensor) cannot see and the trace records (trace/dtensor_handlers.py): the
+            # allocator's peak, the least of the ranks' profiled steps, + the ids made before it (B·S·8); an upper
+            # bound by the collective buffers gloo's thread freed unrecorded (test_tp_loss_parallel_exact.py)
+            continue
         # op-boundary peak, exact: the least of four tracked steps (gloo's worker thread may hold a finished
         # collective's buffers past FSDP2's last reference, which only adds bytes; test_trace_pp_real.py)
         real_peak = min(r["peak_bytes"], *r["op_boundary_peaks_bytes"])
@@ -72,4 +78,9 @@ def test_2d_trace_equals_a_real_gloo_step(case):
                                                                         r["op_boundary_peaks_bytes"])
         if r["peak_bytes"] == real_peak:  # step 3 not perturbed: its peak op
             assert r["peak_op"].split(".")[1] == traced.peak_op
-    assert lo <= ranks[0]["profiled_peak_bytes"] / traced.peak_logical_bytes <= hi
+    if par.tp > 1:
+        profiled = [p for r in ranks for p in r["profiled_peaks_bytes"]]
+        over = min(profiled) + DEFAULTS["batch"] * DEFAULTS["seq"] * 8 - traced.peak_logical_bytes - STEP_COUNTERS
+        assert 0 <= over <= 131_072 and over % 512 == 0, (over, profiled)  # measured: 0 (2,602,728 B)
+    else:
+        assert lo <= ranks[0]["profiled_peak_bytes"] / traced.peak_logical_bytes <= hi

@@ -79,8 +79,17 @@ def _compare(traced, real, schedule: str) -> dict[str, tuple[int, int]]:
            "recv": recv, "peak": traced.peak_logical_bytes + real["states_bytes"]["optimizer_step"],
            "saved": held_activations(traced, saved_only=True)
            + (M * ids if first else (M if schedule == "gpipe" else 1) * one)}
+    # the last stage peaks inside loss_parallel's fused cross-entropy backward, whose local tensors the trace records
+    # (trace/dtensor_handlers.py) and the op-boundary tracker, a mode above DTensor, cannot see: beside the op's
+    # output (B·S·V/tp, which it sees) zeros and exp (2·B·S·V/tp, fp32) and the handler's row tensors (33 B a row:
+    # estimate/loss_parallel.py fused_backward_rows, less nll's saved target and total weight, seen): 135,296 B,
+    # measured as the trace's excess in all four last-stage cases (gpipe, 1f1b; eager, compiled), where the trace's top
+    # is the fused backward's ``grad_input + exp(x)`` (FSDP2 beside them peaks elsewhere: equal without it)
+    in_loss = traced.peak_module == "" and traced.peak_op == "add"
+    unseen = 2 * B * S * DEFAULT_CONFIG["vocab_size"] // TP * 4 + 33 * B * S if in_loss and not first else 0
     want = {**{k: real["states_bytes"][k] for k in ("parameter", "gradient", "optimizer_state", "buffer")},
-            "recv": real["pp_recv_buffers_bytes"], "peak": min(real["peak_bytes"], *real["op_boundary_peaks_bytes"]),
+            "recv": real["pp_recv_buffers_bytes"],
+            "peak": min(real["peak_bytes"], *real["op_boundary_peaks_bytes"]) + unseen,
             "saved": real["inflight_activation_bytes"]}
     return {k: (got[k], want[k]) for k in want}
 

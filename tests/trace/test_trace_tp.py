@@ -6,16 +6,13 @@ Measured on the tiny Llama (hidden 64, 2 layers, untied, B 2, S 64, AdamW), tp 2
     --sp, gathered logits); in both the embedding's gradient is 65,536 B, the full table's size;
   - activations (the trace's activation + input ledgers) == the estimate's + 4 B: the trace also
     counts backward's gradient seed (``ones_like`` of the 0-d loss), as on one device (+4 B there too);
-  - the step peak is lower in the trace under loss_parallel (estimate/trace 1.07-1.09): the tracer's
-    dispatch mode sees an op on DTensors once, at the DTensor level, and not the local ops DTensor's
-    handler then runs (checked: under loss_parallel a mode sees _log_softmax, nll_loss_forward,
-    nll_loss_backward, _log_softmax_backward_data on DTensors and nothing inside them), so the
-    temporaries inside loss_parallel's cross-entropy handlers (torch/distributed/tensor/parallel/loss.py)
-    are not recorded; each op's DTensor output is (by its local tensor). With gathered logits
-    (--no-loss-parallel) the trace is the higher in fp32 (estimate/trace 0.97, peak at the logits'
-    all-gather: DTensor gathers the vocabulary dim through a dim-0 all-gather output and a ``cat``,
-    both alive at once, torch/distributed/_functional_collectives.py all_gather_tensor,
-    _maybe_view_chunk_cat), 1.0008 in bf16.
+  - the step peak under loss_parallel == the estimate's: the trace runs loss_parallel's cross-entropy
+    handlers (torch/distributed/tensor/parallel/loss.py) with its dispatch mode pushed back, so their
+    local temporaries are recorded (trace/dtensor_handlers.py; before, estimate/trace 1.07-1.09, and a
+    real gloo step's allocator peak equals the trace: tests/parallel/test_tp_loss_parallel_exact.py). With gathered logits
+    (--no-loss-parallel) equal too: the trace's waits return their input as a real group's do
+    (trace/dtensor_handlers.py ``waits_return_their_input``; before, fp32 read 0.97: each fake
+    ``wait_tensor`` made a second copy of the logits' all-gather output).
 """
 
 from __future__ import annotations
@@ -84,11 +81,12 @@ def _ledgers(items) -> dict[str, int]:
 
 CASES = [("fp32", False, True), ("bf16", False, True), ("fp32", True, True), ("bf16", True, True),
          ("fp32", False, False)]
-# estimate / trace step peak (logical bytes), measured 1.0703, 1.0877, 1.0668, 1.0897, 0.9704 (bf16 gathered:
-# 1.0008); see the module docstring for why the trace is lower under loss_parallel
-PEAK_RATIO = {("fp32", False, True): (1.06, 1.08), ("bf16", False, True): (1.07, 1.10),
-              ("fp32", True, True): (1.05, 1.08), ("bf16", True, True): (1.07, 1.10),
-              ("fp32", False, False): (0.96, 0.98)}
+# estimate / trace step peak (logical bytes): equal. Before trace/dtensor_handlers.py: 1.0703, 1.0877, 1.0668,
+# 1.0897 (the handlers' tensors unrecorded) and 0.9704 (fp32 gathered: each wait_tensor's fake output a second copy
+# of its all-gather's)
+PEAK_RATIO = {("fp32", False, True): (1.0, 1.0), ("bf16", False, True): (1.0, 1.0),
+              ("fp32", True, True): (1.0, 1.0), ("bf16", True, True): (1.0, 1.0),
+              ("fp32", False, False): (1.0, 1.0)}
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ Measured (one launch, ~30 s of torchrun on 2 shared cores):
     156 B of AdamW's CPU step counters are its ``optimizer_step`` ledger, not traced);
   - activations: trace == the real saved set + 8 B: the loss value (4 B, the caller's) and backward's
     gradient seed (4 B), which the saved-tensor hooks do not see;
-  - step peak: trace + the 156 B of step counters == the real step's op-boundary peak
-    (``LiveTracker``, a dispatch mode, as the tracer: 2,982,132 B) to the byte; the CPU allocator's
-    peak (torch.profiler, least of three steps) is 3.9% higher (3,098,984 B): it also sees the local
-    temporaries inside DTensor's loss_parallel handlers and gloo's collective buffers, which no
-    dispatch mode above DTensor sees.
+  - step peak: trace + the 156 B of step counters == the real step's CPU allocator peak (torch.profiler,
+    the least of three steps on both ranks: 3,098,984 B) + the 1,024 B of input ids made before its
+    window, to the byte (3,099,852 B): the peak is inside loss_parallel's fused cross-entropy backward,
+    whose local tensors the trace records (trace/dtensor_handlers.py). The op-boundary tracker
+    (``LiveTracker``, a dispatch mode above DTensor, as the tracer was) reads 2,982,132 B: it cannot see
+    them (before trace/dtensor_handlers.py, the trace + 156 B equalled it).
 ``--sp`` because torch's foreach kernels refuse a mix of DTensor and plain parameters (without
 ``--sp`` the norms stay plain; the worker splits its groups, the trace refuses it in one line).
 """
@@ -50,10 +51,14 @@ def test_trace_tp2_sp_equals_a_real_gloo_step():
         assert led[ledger] == real["states_bytes"][ledger], ledger
     assert real["states_bytes"]["optimizer_step"] == STEP_COUNTERS
     assert led["activation"] + led["input"] == real["activation_bytes"] + 8  # the loss and its gradient seed
-    # the op-boundary peak, exact: the least of four tracked steps (gloo may release a finished collective's
-    # buffers late, which only adds bytes: test_trace_pp_real.py)
-    assert traced.peak_logical_bytes + STEP_COUNTERS == min(real["peak_bytes"], *real["op_boundary_peaks_bytes"])
-    # measured 1.039 on idle cores; 1.083 in CI at a1d9a01 (2 loaded cores): +131,072 B, two 65,536 B
-    # loss-parallel gloo buffers that gloo's worker threads had not yet released (ProcessGroupGloo.cpp
-    # runLoop) in all three profiled steps; the op-boundary peak above stays exact
-    assert 1.0 <= real["profiled_peak_bytes"] / traced.peak_logical_bytes <= 1.15
+    # the allocator's peak, exact: the least of both ranks' three profiled steps (a collective buffer freed on
+    # gloo's worker thread is never recorded, which only adds bytes: measure_dist/worker.py _profiled_peak; in CI at
+    # a1d9a01 on 2 loaded cores one rank read +131,072 B in all three), + the input ids (B·S·8, made before it)
+    profiled = [*real["profiled_peaks_bytes"], *_other["profiled_peaks_bytes"]]
+    ids = DEFAULTS["batch"] * DEFAULTS["seq"] * 8
+    # equal when one of the six readings missed no gloo-thread free (measured: equal twice, +512 B once on loaded
+    # cores: the loss's (B·S, 1) all-reduce); at most the 131,072 B seen in CI
+    over = min(profiled) + ids - traced.peak_logical_bytes - STEP_COUNTERS
+    assert 0 <= over <= 131_072 and over % 512 == 0, profiled
+    # the op-boundary tracker cannot see the handlers' tensors (module docstring)
+    assert min(real["peak_bytes"], *real["op_boundary_peaks_bytes"]) < traced.peak_logical_bytes

@@ -337,8 +337,9 @@ def _gated_mlp(block: list[MemoryItem], acts: list[MemoryItem], residual_bytes: 
         out.append({"block_gradients": made, "new_gradients": made,
                     "freed_activations": sum(i.bytes for i in acts[ends[-1] + 1:]), "after_attention": 0,
                     "work": residual_bytes * (1 + dropout) + prod.bytes})
-    if checkpointed and not any("/tp" in d or "/cp" in d for i in acts for d in i.dims):
-        # the recomputation stops at the down projection's saved tensor (estimate/recompute_stop.py)
+    if checkpointed and not any("/cp" in d for i in acts for d in i.dims):
+        # the recomputation stops at the down projection's saved tensor (estimate/recompute_stop.py; under TP
+        # on the rank's tensors, --sp's gathered ones too)
         stop = recompute_stop_moment(block, acts, unsaved, down=down, start=start, last=ends[-1],
                                      residual_bytes=residual_bytes, tail=tail)
         out += [stop] if stop else []
