@@ -10,7 +10,7 @@ estimate/cp_ring_moments.py: the ring attention's backward), with the block's gr
 
 from __future__ import annotations
 
-from trainmem.estimate.block_backward import final_norm_moment, norm_backward_parts
+from trainmem.estimate.block_backward import final_norm_moment, node_moments_modelled, norm_backward_parts
 from trainmem.estimate.compiled_recompute import compiled_checkpoint_moments
 from trainmem.estimate.cp_ring_moments import before_the_head, ring_attention_moments, ring_forward_held
 from trainmem.estimate.phase_inputs import PhaseInputs
@@ -163,6 +163,12 @@ def _output_released(inp: PhaseInputs, st, li: int) -> int:
     it, 16,120 B over the trace (whose top is the block's GELU MulBackward0, a node moment)."""
     rc = inp.recompute
     if li not in rc.per_block or rc.recomputed is None or rc.attention_only:
+        return 0
+    # Only where the node moments that then decide are modelled (block_backward.node_moments_modelled): with
+    # another norm or routed experts the working set stays the bound, the output in it. Without this gate the
+    # tiny Gemma, Gemma-3, OLMo-2, Mixtral, Qwen3-MoE, Llama-4 and DeepSeek-V3 read one (B,S,H) further under the
+    # trace (fp32 full B2 S64: Gemma −65,544 → −85,504 B), their unmodelled node moments above the working set.
+    if not node_moments_modelled(rc.recomputed):
         return 0
     return st.act_layer.get(li, 0)
 

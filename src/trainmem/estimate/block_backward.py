@@ -44,7 +44,7 @@ from trainmem.names import layer_of, split_block
 
 # the block moments (the gated MLP's product, each RMSNorm), and the norm layout grad_accum.py reads
 __all__ = ["norm_backward_parts", "final_norm_moment", "llama_norm_indices", "block_items", "checkpoint_kept",
-           "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
+           "node_moments_modelled", "FP32_NORM_TRANSIENTS", "OTHER_NORM_KINDS"]
 
 _NORM = ("x_fp32", "rsqrt", "normed_cast", "out")  # a Llama-style RMSNorm's saved tensors, in order
 _NORM_TRACED = ("_to_copy", "rsqrt", "_to_copy_1", "mul")  # the same, named by --profile traced's ops
@@ -120,7 +120,7 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     # fine-tuning's zero-byte markers (what a frozen layer does not save, estimate/finetune.py) are not tensors
     acts = [i for i in (block_items(recomputed, last) if recomputed is not None else block)
             if i.category is Category.ACTIVATION and i.bytes]
-    if any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in acts):
+    if not node_moments_modelled(acts):
         return []
     checkpointed = recomputed is not None
     unsaved = [i for i in (block_items(recomputed, last) if checkpointed else block)
@@ -144,6 +144,13 @@ def norm_backward_parts(items: "Inventory | list[MemoryItem]", last: int, residu
     if checkpointed and (kept := checkpoint_kept(items, last, acts)):
         out = [{**m, "freed_activations": m["freed_activations"] + kept} for m in out]
     return out
+
+
+def node_moments_modelled(items) -> bool:
+    """Whether the blocks' backward node moments are modelled for these items: not with another kind of norm
+    (:data:`OTHER_NORM_KINDS`) or routed experts."""
+    return not any(i.name.rpartition(".")[2] in OTHER_NORM_KINDS or ".experts." in i.name for i in items
+                   if i.category is Category.ACTIVATION)
 
 
 def checkpoint_kept(items: "Inventory | list[MemoryItem]", last: int, acts: list[MemoryItem]) -> int:
